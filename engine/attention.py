@@ -1,0 +1,119 @@
+"""Paged attention: queries read K/V from a pool of fixed-size blocks through per-sequence block tables.
+
+The caches are ``[num_blocks, block_size, kv_heads, head_dim]``. Logical block ``i`` of sequence ``s`` lives in
+physical block ``block_tables[s, i]``; where that is in memory does not matter to the result, only which slots
+hold which position. :func:`dense_attention` is the contiguous reference the tests compare against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .errors import EngineError
+
+
+def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise EngineError("paged_attention expects query [seqs, heads, dim] and caches [blocks, block_size, kv_heads, dim]")
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    if heads % kv_heads:
+        raise EngineError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
+        raise EngineError("block_tables and seq_lens need one row per query sequence")
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Copy each sequence's K (or V) into a padded contiguous tensor [seqs, max_len, kv_heads, dim].
+
+    Table entries past a sequence's last block may hold anything (-1, stale ids): they are replaced by block 0,
+    and the padded positions they produce are masked out by the caller."""
+    num_blocks, block_size = cache.shape[:2]
+    max_len = int(seq_lens.max())
+    max_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :max_blocks].long()  # [seqs, max_blocks]
+    live = torch.arange(max_blocks, device=tables.device)[None, :] * block_size < seq_lens[:, None].to(tables.device)
+    tables = torch.where(live, tables, torch.zeros_like(tables))
+    out = cache[tables]  # [seqs, max_blocks, block_size, kv_heads, dim]
+    return out.flatten(1, 2)[:, :max_len]  # [seqs, max_len, kv_heads, dim]
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Single-token attention for a batch of sequences whose K/V sit in paged caches.
+
+    query [seqs, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables int [seqs, max_blocks];
+    seq_lens int [seqs] (context length, including the query's own position) -> [seqs, heads, dim].
+    Query head h reads K/V head h // (heads // kv_heads). Default scale 1/sqrt(dim).
+    """
+    _check(query, key_cache, value_cache, block_tables, seq_lens)
+    seqs, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    seq_lens = seq_lens.to(query.device)
+    keys = gather_kv(key_cache, block_tables, seq_lens)  # [seqs, T, kv_heads, dim]
+    values = gather_kv(value_cache, block_tables, seq_lens)
+    max_len = keys.shape[1]
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [seqs, T]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [seqs, heads, 1, dim]
+        keys.transpose(1, 2),  # [seqs, kv_heads, T, dim]
+        values.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],  # [seqs, 1, 1, T]
+        scale=scale,
+        enable_gqa=kv_heads != heads,
+    )  # [seqs, heads, 1, dim]
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_table: torch.Tensor, start: int, scale: float | None = None) -> torch.Tensor:
+    """Causal attention for one sequence's chunk of new tokens at positions start..start+T-1.
+
+    query [T, heads, dim]; the chunk's own K/V must already be written to the cache; earlier positions (a cached
+    prefix, or earlier chunks) are read from the pool through ``block_table`` [blocks] -> [T, heads, dim]."""
+    num_new, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    total = start + num_new
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    lens = torch.tensor([total], device=query.device)
+    keys = gather_kv(key_cache, block_table[None, :], lens)[0]  # [total, kv_heads, dim]
+    values = gather_kv(value_cache, block_table[None, :], lens)[0]
+    if start == 0:
+        mask, causal = None, True
+    else:  # query i sits at position start + i and sees keys 0..start + i
+        q_pos = torch.arange(start, total, device=query.device)[:, None]
+        mask, causal = torch.arange(total, device=query.device)[None, :] <= q_pos, False  # [T, total]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],  # [1, heads, T, dim]
+        keys.transpose(0, 1)[None],  # [1, kv_heads, total, dim]
+        values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=kv_heads != heads,
+    )  # [1, heads, T, dim]
+    return out[0].transpose(0, 1)
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Reference for one sequence stored contiguously: query [heads, dim], keys/values [T, kv_heads, dim]."""
+    heads, dim = query.shape
+    group = heads // keys.shape[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    k = keys.repeat_interleave(group, dim=1)  # [T, heads, dim]
+    v = values.repeat_interleave(group, dim=1)
+    weights = torch.softmax(torch.einsum("hd,thd->ht", query.double(), k.double()) * scale, dim=-1)  # [heads, T]
+    return torch.einsum("ht,thd->hd", weights, v.double()).to(query.dtype)
+
+
+def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float,
+                 block_size: int) -> torch.Tensor:
+    """Attention for a mixed batch (decodes first, then prefill chunks), all read through block tables."""
+    out = torch.empty_like(q)  # [tokens, heads, dim]
+    if meta.num_decode:
+        out[: meta.num_decode] = paged_attention(q[: meta.num_decode], key_cache, value_cache,
+                                                 meta.decode_block_tables, meta.decode_seq_lens, scale)
+    for first, count, table, start in meta.prefills:
+        out[first:first + count] = paged_prefill_attention(q[first:first + count], key_cache, value_cache,
+                                                           table, start, scale)
+    return out

@@ -1,0 +1,46 @@
+"""Engine configuration: one frozen object that says how big the pool is and which model fills it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import EngineError
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`Engine` needs to start; frozen so it can cross threads safely."""
+
+    model: str = "builtin"  # "builtin" or a local Hugging Face-style checkpoint directory
+    block_size: int = 16  # token slots per physical KV block
+    num_blocks: int = 1024  # physical blocks in the pool (per layer, K and V each)
+    device: str = "cpu"  # "cpu", "cuda" or "auto" (CUDA when torch sees it)
+    dtype: str = "float32"  # dtype of weights, activations and the KV cache
+    enable_prefix_caching: bool = True  # share full blocks with identical prefixes through a hash map
+    seed: int = 0  # base seed for weights of random models and per-conversation samplers
+    max_num_seqs: int = 256  # most conversations decoding in one step
+    max_num_batched_tokens: int = 8192  # prefill token budget of one step (at least one prompt is always admitted)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise EngineError(f"{name} must be an integer, got {value!r}")
+        if self.block_size < 1:
+            raise EngineError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_blocks < 2:
+            raise EngineError(f"num_blocks must be at least 2, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise EngineError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise EngineError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in _DTYPES:
+            raise EngineError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise EngineError(f"device must be one of {', '.join(_DEVICES)}, got {self.device!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineError("model must be 'builtin' or the path of a checkpoint directory")
+        if not isinstance(self.seed, int):
+            raise EngineError(f"seed must be an integer, got {self.seed!r}")

@@ -1,0 +1,322 @@
+"""The lesson's toy experiment: one scalar attention head stored in a paged pool, stepped one position at a time.
+
+Why a toy: with every key 0 and the query 1, all attention weights are equal, so the output is simply the mean of
+the values 1, 2, 3, ... stored so far. Any mistake in addressing (a wrong block, a wrong slot, a slot read twice)
+would change that mean, so the number the user sees checks the paging machinery itself.
+
+Nothing here is a separate animation: the K/V live in pool tensors of the engine's shape
+``[num_blocks, block_size, kv_heads, head_dim]``, blocks come from the engine's :class:`BlockPool` free queue, and the
+output comes from :func:`paged_attention`. No Qt here; the window in ``explorer/lesson.py`` only draws this state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import paged_attention
+from .block_pool import BlockPool
+from .snapshot import BlockState
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 8
+TOY_OWNER = 0  # owner id of the lesson's sequence in the BlockPool
+KV_BYTES_PER_SLOT = 2 * 4  # one float32 key + one float32 value (one head of dimension 1)
+TABLE_BYTES_PER_ENTRY = 4  # a block table entry is an int32
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Another conversation that used the pool before the lesson started; it explains the free queue's order."""
+
+    name: str  # short label drawn in its blocks
+    owner: int  # owner id in the BlockPool
+    num_blocks: int  # blocks it took from the fresh pool, in order
+    finished: bool  # finished before the lesson, so its blocks went back to the free queue
+    value: float  # value stored in its slots: any wrong read would pull this into the lesson's mean
+
+
+# Fresh pool hands out 0..7 in order: A takes 0-1, B 2-3, C 4, D 5-7. Then C finishes (block 4 is freed) and A
+# finishes (blocks are freed tail first: 1, then 0). The free queue is now 4, 1, 0, so the lesson's first block is
+# physical 4, its second physical 1, its third physical 0, while B and D keep 2-3 and 5-7 between them.
+TENANTS = (
+    Tenant("A", 1, 2, True, 100.0),
+    Tenant("B", 2, 2, False, 200.0),
+    Tenant("C", 3, 1, True, 300.0),
+    Tenant("D", 4, 3, False, 400.0),
+)
+FINISH_ORDER = ("C", "A")
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Where one appended position went."""
+
+    position: int  # 1-based position just appended (also its value)
+    logical_block: int  # index in the block table
+    physical_block: int  # id in the pool
+    slot: int  # slot inside the block, 0..block_size-1
+    allocated: bool  # a new block was taken from the free queue for this position
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """The same data before and after moving every used block to another physical id."""
+
+    num_positions: int
+    before_table: tuple[int, ...]  # physical ids in logical order, before the move
+    after_table: tuple[int, ...]
+    before_result: float  # paged_attention output before the move
+    after_result: float
+    mapping: dict[int, int]  # old physical id -> new physical id, for every moved block (tenants too)
+
+    @property
+    def bit_identical(self) -> bool:
+        return np.float32(self.before_result).tobytes() == np.float32(self.after_result).tobytes()
+
+
+class ToyPagedSequence:
+    """One sequence of the toy head, appended position by position into a paged pool shared with other tenants."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE):
+        if num_blocks < sum(t.num_blocks for t in TENANTS) or block_size < 1:
+            raise ValueError("the lesson's pool needs room for its tenants")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.reset()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Back to zero positions, with the tenants' history replayed so the free queue has its chosen order."""
+        self.pool = BlockPool(self.num_blocks, self.block_size, enable_prefix_caching=False)
+        shape = (self.num_blocks, self.block_size, 1, 1)  # [num_blocks, block_size, kv_heads, head_dim]
+        self.key_cache = torch.zeros(shape, dtype=torch.float32)
+        self.value_cache = torch.zeros(shape, dtype=torch.float32)
+        self.tenant_blocks: dict[str, list[int]] = {}
+        for tenant in TENANTS:
+            blocks = self.pool.allocate(tenant.num_blocks, tenant.owner)
+            self.tenant_blocks[tenant.name] = blocks
+            for b in blocks:
+                self.pool.num_filled[b] = self.block_size
+                self.value_cache[b] = tenant.value
+        for name in FINISH_ORDER:
+            self.pool.free(self.tenant_blocks[name])
+        self.block_table: list[int] = []
+        self.num_positions = 0
+        self.last_event: StepEvent | None = None
+        self.last_change: LayoutChange | None = None
+        self.last_action = "reset"  # "reset", "step" or "layout": what the explanation should talk about
+
+    @property
+    def free_queue(self) -> tuple[int, ...]:
+        """Free block ids in the order BlockPool will hand them out."""
+        return tuple(int(b) for b in self.pool._free)  # BlockPool has no public view of its queue
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the sequence can reach before the pool runs out (the tenants keep their blocks)."""
+        return (len(self.block_table) + self.pool.num_free_blocks) * self.block_size
+
+    def can_step(self) -> bool:
+        return self.num_positions % self.block_size != 0 or self.pool.can_allocate(1)
+
+    def tenant_of(self, block: int) -> str | None:
+        """Name of the running tenant holding a block, or None."""
+        for tenant in TENANTS:
+            if not tenant.finished and block in self.tenant_blocks[tenant.name]:
+                return tenant.name
+        return None
+
+    # ---- the experiment -------------------------------------------------------------------------------------
+    def step(self) -> StepEvent:
+        """Append one position: key 0, value = position. A new block is allocated only when the last one is full."""
+        if not self.can_step():
+            raise RuntimeError("the pool has no free block for another position")
+        index = self.num_positions  # 0-based index of the new position
+        logical, slot = divmod(index, self.block_size)
+        allocated = slot == 0
+        if allocated:
+            self.block_table.extend(self.pool.allocate(1, TOY_OWNER))
+        block = self.block_table[logical]
+        self.key_cache[block, slot, 0, 0] = 0.0
+        self.value_cache[block, slot, 0, 0] = float(index + 1)
+        self.pool.num_filled[block] = slot + 1
+        self.num_positions = index + 1
+        self.last_event = StepEvent(index + 1, logical, block, slot, allocated)
+        self.last_action = "step"
+        return self.last_event
+
+    def result(self) -> float:
+        """The head's output for the current positions, computed by paged_attention through the block table."""
+        if self.num_positions == 0:
+            return float("nan")
+        query = torch.ones(1, 1, 1)  # [seqs, heads, dim]
+        table = torch.tensor([self.block_table], dtype=torch.int32)  # [seqs, blocks]
+        lens = torch.tensor([self.num_positions], dtype=torch.int32)
+        return float(paged_attention(query, self.key_cache, self.value_cache, table, lens)[0, 0, 0])
+
+    def expected(self) -> float:
+        """The mean of the values 1..n, the answer the paged computation must give."""
+        return (self.num_positions + 1) / 2 if self.num_positions else float("nan")
+
+    def change_layout(self, seed: int = 0) -> LayoutChange:
+        """Move every used block (the lesson's and the tenants') to another physical id, data included.
+
+        Like the engine's relocation: a permutation of the whole pool in which no used block keeps its id; the
+        cache rows are moved with it, the BlockPool renames its bookkeeping and the block table is rewritten."""
+        before_table, before = tuple(self.block_table), self.result()
+        used = np.nonzero(self.pool.state != BlockState.FREE)[0]
+        rng = np.random.default_rng(seed)
+        for _ in range(1000):
+            new_id = rng.permutation(self.num_blocks)
+            if np.all(new_id[used] != used):
+                break
+        else:  # unreachable for the lesson's pool; a rotation always moves every block
+            new_id = np.roll(np.arange(self.num_blocks), 1)
+        index = torch.as_tensor(new_id, dtype=torch.long)
+        moved_k, moved_v = torch.empty_like(self.key_cache), torch.empty_like(self.value_cache)
+        moved_k[index] = self.key_cache  # old block b now lives at new_id[b]
+        moved_v[index] = self.value_cache
+        self.key_cache, self.value_cache = moved_k, moved_v
+        self.pool.permute(new_id)
+        self.block_table = [int(new_id[b]) for b in self.block_table]
+        self.tenant_blocks = {name: [int(new_id[b]) for b in blocks] for name, blocks in self.tenant_blocks.items()}
+        if self.last_event is not None:
+            e = self.last_event
+            self.last_event = StepEvent(e.position, e.logical_block, int(new_id[e.physical_block]), e.slot, e.allocated)
+        self.last_change = LayoutChange(self.num_positions, before_table, tuple(self.block_table), before,
+                                        self.result(), {int(b): int(new_id[b]) for b in used})
+        self.last_action = "layout"
+        return self.last_change
+
+    # ---- views for drawing ----------------------------------------------------------------------------------
+    def slot_values(self) -> np.ndarray:
+        """float32 [num_blocks, block_size]: the value in every slot the pool counts as filled, NaN elsewhere."""
+        values = self.value_cache[:, :, 0, 0].numpy().copy()
+        filled = np.arange(self.block_size)[None, :] < self.pool.num_filled[:, None]
+        values[~filled] = np.nan
+        return values
+
+    def block_roles(self) -> list[str]:
+        """Per physical block: 'lesson', 'free' or a tenant's name."""
+        roles = []
+        for b in range(self.num_blocks):
+            if b in self.block_table:
+                roles.append("lesson")
+            elif self.pool.state[b] == BlockState.FREE:
+                roles.append("free")
+            else:
+                roles.append(self.tenant_of(b) or "?")
+        return roles
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the lesson's sequence: KV held, empty tail slots, table, and a contiguous max-length reservation."""
+        allocated = len(self.block_table) * self.block_size
+        return {
+            "filled_slots": self.num_positions,
+            "allocated_slots": allocated,
+            "empty_tail_slots": allocated - self.num_positions,
+            "kv_bytes": self.num_positions * KV_BYTES_PER_SLOT,
+            "tail_bytes": (allocated - self.num_positions) * KV_BYTES_PER_SLOT,
+            "table_bytes": len(self.block_table) * TABLE_BYTES_PER_ENTRY,
+            "contiguous_bytes": self.max_positions * KV_BYTES_PER_SLOT,
+        }
+
+    # ---- words ----------------------------------------------------------------------------------------------
+    def setup_note(self) -> str:
+        """How the pool came to have its free order, so the non-adjacent blocks are not a trick."""
+        return ("Before the lesson starts, four other conversations used this 8-block pool. BlockPool handed them "
+                "blocks in order: A 0-1, B 2-3, C 4, D 5-7. Then C finished (block 4 went back to the free queue) "
+                "and A finished (its blocks go back tail first: 1, then 0). B and D are still running. So the free "
+                "queue reads 4, 1, 0, and the lesson gets exactly the blocks BlockPool hands out next.")
+
+    def explanation(self) -> tuple[str, str]:
+        """A title and a short text for the current position (or for the layout change just made)."""
+        n, bs = self.num_positions, self.block_size
+        table = self._table_text()
+        if self.last_action == "layout" and self.last_change is not None:
+            c = self.last_change
+            same = "bit for bit the same" if c.bit_identical else "NOT the same"
+            return ("Same data, other addresses",
+                    f"Every used block moved to another physical id: the table went from {_arrow(c.before_table)} "
+                    f"to {_arrow(c.after_table)}, and the tenants' blocks moved too. The values were copied with "
+                    f"their blocks and the table was rewritten, so reading logical block 0, then 1, ... still "
+                    f"visits positions 1..{n} in order. The output is {_num(c.before_result)} before and "
+                    f"{_num(c.after_result)} after: {same}. Where a block sits in memory is not part of the "
+                    f"answer; only the table's order is.")
+        e = self.last_event
+        if n == 0:
+            return ("A toy head in a paged pool",
+                    "One attention head of dimension 1. Every key is 0 and the query is 1, so every position gets "
+                    "the same weight and the output is just the mean of the values stored so far. Position k "
+                    "stores the value k. The pool has 8 physical blocks of 4 slots each; press Step (Space or "
+                    "Right arrow) to append the first position.")
+        if n == 1:
+            return ("Blocks are pages",
+                    f"The first position needs somewhere to live, so BlockPool takes the head of its free queue: "
+                    f"physical block {e.physical_block}. Not block 0: earlier conversations left the queue in this "
+                    f"order. Like a page of virtual memory, the block is a fixed-size piece of the pool that can "
+                    f"sit anywhere. The table now has one entry: {table}. Output: mean(1) = 1.")
+        if e.allocated and n > 1 and e.logical_block == 1:
+            first = self.block_table[0]
+            return ("Position 5 needs a second block",
+                    f"Block {first} is full (4 of 4 slots), so this position takes the next block from the free "
+                    f"queue: physical block {e.physical_block}, not next to block {first}. The first block did not "
+                    f"move and nothing was copied; the table simply grew: {table}. The new block holds one entry "
+                    f"and three empty slots. Attention reads block {first} then block {e.physical_block} through "
+                    f"the table and gets mean(1..5) = 3. Try Change layout now.")
+        if e.allocated:
+            return (f"Block {e.logical_block + 1} from the free queue",
+                    f"The previous block is full, so position {n} opens logical block {e.logical_block} at "
+                    f"physical block {e.physical_block}, wherever the free queue points. Table: {table}. "
+                    f"FlashAttention is a different idea: it organises the attention computation itself (tiles "
+                    f"in fast memory, no full score matrix), whatever the layout of the KV. A paged kernel can "
+                    f"do both: find the blocks through the table and compute the attention tile by tile.")
+        if n == 4:
+            return ("The first block is full",
+                    f"Positions 1-4 fill the four slots of block {self.block_table[0]}. No new block was needed "
+                    f"so far: allocation happens only when a block runs out. Output: mean(1..4) = 2.5. The next "
+                    f"position cannot fit here.")
+        if n == bs + 2:
+            m = self.memory()
+            return ("What paging costs",
+                    f"Paging is not free. The last block has {m['empty_tail_slots']} empty slots that still take "
+                    f"memory ({m['tail_bytes']} bytes here), and the table costs {TABLE_BYTES_PER_ENTRY} bytes per "
+                    f"block ({m['table_bytes']} bytes). In return the sequence holds only what it uses: reserving "
+                    f"room for its maximum length up front would take {m['contiguous_bytes']} bytes against "
+                    f"{m['kv_bytes'] + m['tail_bytes']} now.")
+        if n == bs + 3:
+            return ("Paging keeps every entry",
+                    f"Paging changes where the KV is stored, never how much of it there is: all {n} keys and "
+                    f"values are still in the pool, uncompressed, and attention still reads every one of them. "
+                    f"It does not shorten the context. Output: mean(1..{n}) = {_num(self.expected())}.")
+        if n == 2 * bs:
+            return ("Full blocks can be shared",
+                    f"Both blocks are full. A full block never changes again, which is what prefix caching uses: "
+                    f"another sequence starting with the same tokens could point its table at the same physical "
+                    f"blocks (the ref count counts the tables naming a block) instead of storing them twice. "
+                    f"Paging makes that sharing possible; prefix caching decides when to do it.")
+        if not self.can_step():
+            return ("The pool is full",
+                    f"{n} positions fill all the blocks the lesson can get; B and D keep theirs. A real engine "
+                    f"would now wait for a conversation to finish, or preempt one. Press Reset to start over.")
+        if n <= 3:
+            return ("The table is the map",
+                    f"Position {n} goes into slot {e.slot} of the same block: no allocation, nothing moves. "
+                    f"Attention does not scan memory in address order; it walks the table, {table}, and reads "
+                    f"the slots in logical order. Output: mean(1..{n}) = {_num(self.expected())}.")
+        return (f"Position {n}",
+                f"Slot {e.slot} of logical block {e.logical_block} (physical {e.physical_block}). Table: {table}. "
+                f"Output: mean(1..{n}) = {_num(self.expected())}.")
+
+    def _table_text(self) -> str:
+        return ", ".join(f"{i} -> {b}" for i, b in enumerate(self.block_table))
+
+
+def _arrow(table: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(b) for b in table) + "]"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"

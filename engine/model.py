@@ -1,0 +1,304 @@
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP) in plain torch.
+
+Parameter names are the Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names, so a checkpoint's
+safetensors load with ``load_state_dict`` and the built-in model is saved in the same format.
+
+Two forwards share the weights:
+- :meth:`CausalLM.forward` runs a flattened batch of tokens from many conversations; K/V are written into the
+  paged cache and attention reads them back only through block tables (:mod:`engine.attention`).
+- :meth:`CausalLM.forward_dense` is plain causal attention over ``[batch, time]``, for training and as a reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import EngineError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and constants of the decoder, read from (and written to) a Hugging Face ``config.json``."""
+
+    vocab_size: int  # rows of the embedding and of the output head
+    hidden_size: int  # width of the residual stream
+    intermediate_size: int  # width of the SwiGLU MLP
+    num_hidden_layers: int
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # K/V heads; query head h reads K/V head h // (heads // kv_heads)
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False  # output head shares the embedding matrix
+    attention_bias: bool = False  # Llama: bias on q, k, v and o projections when True
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v only
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # sampling any of these finishes a conversation
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(d.get("model_type"), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise EngineError(f"unsupported model architecture {arch or d.get('model_type')!r}; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise EngineError(f"unsupported activation {act!r}; only silu (SwiGLU) is supported")
+        scaling = d.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise EngineError(f"unsupported rope_scaling {scaling!r}")
+        if d.get("mlp_bias"):
+            raise EngineError("unsupported checkpoint: MLP biases (mlp_bias=true)")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=arch == "LlamaForCausalLM" and bool(d.get("attention_bias", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM",
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                architecture=arch,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"config.json is missing or has a bad field: {exc}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "llama" if self.architecture == "LlamaForCausalLM" else "qwen2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        return d
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EngineError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise EngineError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+@dataclass
+class BatchMetadata:
+    """How a flattened batch of tokens maps onto the paged cache for one forward pass.
+
+    Decode tokens come first (one per conversation), then each prefill chunk's tokens back to back.
+    """
+
+    slot_mapping: torch.Tensor | None  # int64 [tokens]: physical slot (block * block_size + offset) each token's K/V goes to
+    num_decode: int  # the first num_decode tokens are single-token decodes
+    decode_block_tables: torch.Tensor | None  # int32 [num_decode, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # int32 [num_decode]: context length including the new token
+    prefills: Sequence[tuple[int, int, torch.Tensor, int]]  # (first token index, num tokens, block table int64, start position)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with the "rotate half" layout that Llama and Qwen2 checkpoints use."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._build(max(max_positions, 64))
+
+    def _build(self, n: int) -> None:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
+        device = getattr(self, "cos", torch.empty(0)).device
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [tokens, head_dim] each
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., tokens, heads, head_dim]; cos/sin [tokens, head_dim]."""
+    return x * cos.unsqueeze(-2) + _rotate_half(x) * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias_qkv = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias_qkv)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias_qkv)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias_qkv)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = self.head_dim ** -0.5
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+        block_size = key_cache.shape[1]
+        if meta.slot_mapping is not None:  # None: a read-only probe of K/V already in the pool
+            key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = attend(q, key_cache, value_cache, meta, self.scale, block_size)  # [tokens, heads, dim]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)  # [b, t, heads|kv_heads, dim]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True)  # [b, heads, t, dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its output head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    def init_weights(self, seed: int) -> None:
+        """Seeded random init (std 0.02), used when a model has no trained weights."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
+                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,
+                layer_hook: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [tokens] -> final hidden states [tokens, hidden].
+
+        ``layer_hook(layer, attention_output)`` sees each layer's attention output [tokens, heads, dim] (used to prove
+        that relocating blocks leaves attention unchanged)."""
+        x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            key_cache, value_cache = kv_caches[i]
+            hook = None if layer_hook is None else (lambda out, i=i: layer_hook(i, out))
+            attend_i = attend if hook is None else _hooked(attend, hook)
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [tokens, vocab]
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [batch, time] -> logits [batch, time, vocab], plain causal attention from position 0."""
+        x = self.model.embed_tokens(input_ids)  # [b, t, hidden]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+
+def _hooked(attend: Callable, hook: Callable[[torch.Tensor], None]) -> Callable:
+    def run(*args):
+        out = attend(*args)
+        hook(out)
+        return out
+    return run

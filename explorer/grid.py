@@ -1,0 +1,199 @@
+"""Turn a PoolSnapshot into one RGBA image: a cell per physical block, no per-block Python loop.
+
+The grid widget hands this image to a single pyqtgraph ImageItem; drawing thousands of graphics items would not
+keep up with a 65,536-block pool. Each cell is a square tile of ``tile`` pixels: a one-pixel gap, an outline ring
+(shown for shared or selected blocks) and an interior. When tiles are wide enough the interior shows one vertical
+stripe per token slot, filled slots bright and empty ones dark, so a partially filled tail block looks partial;
+on large pools the interior is a single colour whose brightness follows the fill level.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.snapshot import BlockState, PoolSnapshot
+
+from . import palette
+
+COLOR_BY = ("owner", "ref_count", "fill", "age", "state")
+COLOR_BY_LABELS = {
+    "owner": "Owner", "ref_count": "Ref count", "fill": "Fill level", "age": "Age since last access", "state": "State",
+}
+AGE_HORIZON = 256  # steps; older blocks get the darkest age colour
+MAX_IMAGE_SIDE = 1024  # pixels across the grid image; tiles shrink so large pools stay fast
+MIN_STRIPE_TILE = 8  # below this tile size slots are not drawn one by one
+
+
+@dataclass(frozen=True)
+class GridGeometry:
+    """How blocks are laid out: block id b sits at row b // cols, column b % cols, in a tile of tile x tile pixels."""
+
+    num_blocks: int
+    block_size: int
+    cols: int
+    rows: int
+    tile: int
+
+    @property
+    def striped(self) -> bool:
+        return self.tile >= MIN_STRIPE_TILE
+
+    def block_at(self, x: float, y: float) -> int | None:
+        """Block under a point given in cell units (x across, y down), or None outside the pool."""
+        if x < 0 or y < 0:
+            return None
+        col, row = int(x), int(y)
+        if col >= self.cols or row >= self.rows:
+            return None
+        block = row * self.cols + col
+        return block if block < self.num_blocks else None
+
+    def cell_origin(self, block_id: int) -> tuple[int, int]:
+        """(x, y) of the top-left corner of a block's cell, in cell units."""
+        return block_id % self.cols, block_id // self.cols
+
+
+def grid_geometry(num_blocks: int, block_size: int) -> GridGeometry:
+    """A near-square layout with a power-of-two column count (64 -> 8 x 8, 65,536 -> 256 x 256)."""
+    cols = 1
+    while cols * cols < num_blocks:
+        cols *= 2
+    rows = -(-num_blocks // cols)
+    tile = int(np.clip(MAX_IMAGE_SIDE // cols, 2, 32))
+    return GridGeometry(num_blocks, block_size, cols, rows, tile)
+
+
+def _tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T]."""
+    t = geometry.tile
+    gap = np.zeros((t, t), bool)
+    if t >= 3:
+        gap[0, :] = True
+        gap[:, 0] = True
+    ring = np.zeros((t, t), bool)
+    if t >= 4:
+        width = max(1, t // 12)
+        ring[1:1 + width, 1:] = True
+        ring[t - width:, 1:] = True
+        ring[1:, 1:1 + width] = True
+        ring[1:, t - width:] = True
+    inner = t - 1 if t >= 3 else t
+    x = np.arange(t) - (1 if t >= 3 else 0)
+    slot = np.floor(np.clip(x, 0, None) * geometry.block_size / max(inner, 1)).astype(np.int32)
+    separator = np.zeros(t, bool)
+    if geometry.striped and inner / geometry.block_size >= 3:
+        separator[1:] = slot[1:] != slot[:-1]
+        separator[:2] = False
+    return gap, ring, slot, separator
+
+
+def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
+                  selected_conversation: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Colour of a filled slot and of an empty slot for every block, RGBA uint8 [num_blocks, 4] each."""
+    if color_by not in COLOR_BY:
+        raise ValueError(f"color_by must be one of {COLOR_BY}, got {color_by!r}")
+    n = snapshot.num_blocks
+    state = np.asarray(snapshot.state)
+    used = state == BlockState.USED
+    cached = state == BlockState.CACHED
+    fill = np.empty((n, 4), np.uint8)
+    fill[:] = palette.FREE
+    owner = np.asarray(snapshot.owner)
+    if color_by == "owner":
+        owners = conversation_colours_or_grey(owner)
+        fill[used] = owners[used]
+        fill[cached] = palette.mix(owners[cached], palette.UNOWNED, palette.CACHED_MIX)
+    elif color_by == "ref_count":
+        ref = np.clip(np.asarray(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
+        fill[used] = palette.REF_COLOURS[ref[used]]
+        fill[cached] = palette.scale(palette.REF_COLOURS[np.zeros(int(cached.sum()), np.int64)], 1.6)
+    elif color_by == "fill":
+        level = np.asarray(snapshot.num_filled, np.float32) / snapshot.block_size
+        shades = palette.ramp(level)
+        fill[used | cached] = shades[used | cached]
+    elif color_by == "age":
+        age = np.maximum(snapshot.step_id - np.asarray(snapshot.last_access, np.int64), 0)
+        fresh = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
+        shades = palette.ramp(fresh)
+        fill[used | cached] = shades[used | cached]
+    else:  # state
+        fill[used] = palette.STATE_USED
+        fill[cached] = palette.STATE_CACHED
+    if selected_conversation is not None:
+        member = np.zeros(n, bool)
+        table = snapshot.block_tables.get(selected_conversation, ())
+        if table:
+            member[np.asarray(table, np.int64)] = True
+        outside = (used | cached) & ~member
+        fill[outside] = palette.scale(fill[outside], palette.DIM_LEVEL)
+    empty = palette.scale(fill, palette.EMPTY_SLOT_LEVEL)
+    free = ~(used | cached)
+    empty[free] = palette.FREE
+    return fill, empty
+
+
+def conversation_colours_or_grey(owner: np.ndarray) -> np.ndarray:
+    """Palette colour per owner id; grey where the owner is unknown (-1)."""
+    out = palette.conversation_colours(np.maximum(owner, 0))
+    out[owner < 0] = palette.UNOWNED
+    return out
+
+
+def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
+                     selected_block: int | None = None, geometry: GridGeometry | None = None) -> np.ndarray:
+    """The grid image, uint8 [rows * tile, cols * tile, 4], row-major with block 0 at the top left."""
+    geo = geometry or grid_geometry(snapshot.num_blocks, snapshot.block_size)
+    n, t = snapshot.num_blocks, geo.tile
+    fill, empty = block_colours(snapshot, color_by, selected_conversation)
+    num_filled = np.asarray(snapshot.num_filled, np.int32)
+    gap, ring, slot, separator = _tile_masks(geo)
+    fill32, empty32 = _as_u32(fill), _as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
+    if geo.striped:
+        profile = np.where(slot[None, :] < num_filled[:, None], fill32[:, None], empty32[:, None])  # [n, T]
+        if separator.any():
+            profile[:, separator] = _as_u32(palette.scale(_as_rgba(profile[:, separator]), 0.7))
+    else:
+        level = np.clip(num_filled / snapshot.block_size, 0.0, 1.0).astype(np.float32)[:, None]
+        shade = (empty.astype(np.float32) * (1 - level) + fill.astype(np.float32) * level).astype(np.uint8)
+        profile = np.broadcast_to(_as_u32(shade)[:, None], (n, t))
+    ring_on = np.asarray(snapshot.ref_count) > 1
+    ring_colour = np.zeros((n, 4), np.uint8)
+    ring_colour[ring_on] = palette.SHARED_RING
+    if selected_block is not None and 0 <= selected_block < n:
+        ring_on = ring_on.copy()
+        ring_on[selected_block] = True
+        ring_colour[selected_block] = palette.SELECTED_RING
+
+    image = np.empty((geo.rows, t, geo.cols, t), np.uint32)
+    cells = image.transpose(0, 2, 1, 3)  # [rows, cols, T, T], a view into image
+    full_rows, rest = divmod(n, geo.cols)
+    if full_rows:
+        cells[:full_rows] = profile[:full_rows * geo.cols].reshape(full_rows, geo.cols, 1, t)
+    if rest:
+        cells[full_rows, :rest] = profile[full_rows * geo.cols:].reshape(rest, 1, t)
+        cells[full_rows, rest:] = _as_u32(palette.BACKGROUND[None])[0]
+    if ring_on.any():
+        ids = np.nonzero(ring_on)[0]
+        r, c = ids // geo.cols, ids % geo.cols
+        if ring.any():
+            ry, rx = np.nonzero(ring)
+            cells[r[:, None], c[:, None], ry[None, :], rx[None, :]] = _as_u32(ring_colour[ids])[:, None]
+        else:  # tiles too small for an outline: lighten shared blocks instead
+            lit = palette.mix(_as_rgba(cells[r, c]), ring_colour[ids][:, None, None, :], 0.45)
+            cells[r, c] = _as_u32(lit)
+    if gap.any():
+        background = _as_u32(palette.BACKGROUND[None])[0]
+        image[:, 0] = background
+        image[:, :, :, 0] = background
+    return image.reshape(geo.rows * t, geo.cols * t).view(np.uint8).reshape(geo.rows * t, geo.cols * t, 4)
+
+
+def _as_u32(rgba: np.ndarray) -> np.ndarray:
+    """View RGBA uint8 [..., 4] as one uint32 per pixel (same bytes, so the image stays RGBA in memory)."""
+    return np.ascontiguousarray(rgba, np.uint8).view(np.uint32)[..., 0]
+
+
+def _as_rgba(pixels: np.ndarray) -> np.ndarray:
+    """The inverse of _as_u32."""
+    return np.ascontiguousarray(pixels, np.uint32)[..., None].view(np.uint8)

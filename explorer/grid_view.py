@@ -1,0 +1,213 @@
+"""The pool grid widget: one ImageItem in a pan/zoom ViewBox, hover tooltips, click to select.
+
+Only the GUI thread touches it. The image is rebuilt from a snapshot by :func:`snapshot_to_rgba` when the snapshot
+or a view option changes; scene coordinates are cell units (one cell = 1 x 1), so mapping the mouse to a block is
+one division. Ref-count labels are a small reused pool of TextItems, shown only when few cells are visible.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from engine.snapshot import BlockState, PoolSnapshot
+
+from . import palette
+from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
+
+MAX_LABELS = 64  # ref-count labels appear only when at most this many cells are in view
+
+
+def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
+    """(conversation id, logical index) of every block-table entry naming ``block_id``."""
+    return [(cid, index) for cid, table in snapshot.block_tables.items()
+            for index, physical in enumerate(table) if physical == block_id]
+
+
+def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
+    """One line about a block, from the snapshot alone (for tooltips and the status line)."""
+    state = BlockState(int(snapshot.state[block_id])).name.lower()
+    ref = int(snapshot.ref_count[block_id])
+    filled = int(snapshot.num_filled[block_id])
+    owners = block_owners(snapshot, block_id)
+    text = f"block {block_id}: {state}, ref count {ref}, {filled}/{snapshot.block_size} slots filled"
+    if owners:
+        text += ", owners " + ", ".join(f"conv {c} (logical {i})" for c, i in owners)
+    elif state == "cached" and int(snapshot.owner[block_id]) >= 0:
+        text += f", last filled by conv {int(snapshot.owner[block_id])}"
+    return text
+
+
+class GridView(QtWidgets.QWidget):
+    """Shows the newest snapshot as a grid of cells; emits the block under a click."""
+
+    blockClicked = QtCore.Signal(int)
+    blockHovered = QtCore.Signal(int)  # -1 when the mouse leaves the pool
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.snapshot: PoolSnapshot | None = None
+        self.geometry_: GridGeometry | None = None
+        self.color_by = "owner"
+        self.selected_block: int | None = None
+        self.selected_conversation: int | None = None
+        self.image: np.ndarray | None = None  # the array last handed to the ImageItem
+        self.frames_drawn = 0
+        self._dirty = False
+
+        self.view = pg.GraphicsView(background=tuple(int(c) for c in palette.BACKGROUND[:3]))
+        self.box = pg.ViewBox(lockAspect=True, invertY=True, enableMenu=False)
+        self.view.setCentralItem(self.box)
+        self.item = pg.ImageItem(axisOrder="row-major")
+        self.item.setAutoDownsample(False)
+        self.box.addItem(self.item)
+        self.highlight = QtWidgets.QGraphicsRectItem()
+        pen = QtGui.QPen(QtGui.QColor(*palette.SELECTED_RING[:3]))
+        pen.setCosmetic(True)
+        pen.setWidth(2)
+        self.highlight.setPen(pen)
+        self.highlight.setZValue(10)
+        self.highlight.hide()
+        self.box.addItem(self.highlight)
+        self._labels: list[pg.TextItem] = []
+        self.hover_label = QtWidgets.QLabel("Hover a cell for details; click to inspect it.")
+        self.hover_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.view, 1)
+        layout.addWidget(self.hover_label)
+
+        scene = self.view.scene()
+        scene.sigMouseMoved.connect(self._on_mouse_moved)
+        scene.sigMouseClicked.connect(self._on_mouse_clicked)
+        self.box.sigRangeChanged.connect(lambda *_: self._update_labels())
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def set_snapshot(self, snapshot: PoolSnapshot) -> None:
+        self.snapshot = snapshot
+        self._dirty = True
+
+    def set_color_by(self, mode: str) -> None:
+        self.color_by = mode
+        self._dirty = True
+
+    def set_selected_block(self, block_id: int | None) -> None:
+        self.selected_block = block_id
+        self._dirty = True
+
+    def set_selected_conversation(self, conversation_id: int | None) -> None:
+        self.selected_conversation = conversation_id
+        self._dirty = True
+
+    def render(self) -> bool:
+        """Redraw if anything changed since the last call; returns whether it drew."""
+        if not self._dirty or self.snapshot is None:
+            return False
+        snap = self.snapshot
+        geo = self.geometry_
+        if geo is None or geo.num_blocks != snap.num_blocks or geo.block_size != snap.block_size:
+            geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size)
+            self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
+            self.box.setLimits(xMin=-0.5 * geo.cols, xMax=1.5 * geo.cols, yMin=-0.5 * geo.rows, yMax=1.5 * geo.rows,
+                               minXRange=2, minYRange=2)
+            self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+        self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+        self.item.setImage(self.image, autoLevels=False)
+        self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
+        self._place_highlight()
+        self._update_labels()
+        self._dirty = False
+        self.frames_drawn += 1
+        return True
+
+    def reset_view(self) -> None:
+        """Forget the layout (after an engine restart) so the next render fits the new pool."""
+        self.geometry_ = None
+        self.selected_block = None
+        self.selected_conversation = None
+        self._dirty = True
+
+    # ---- geometry helpers (also used by tests) ------------------------------------------------------
+    def cell_center(self, block_id: int) -> QtCore.QPoint:
+        """Viewport pixel at the centre of a block's cell."""
+        x, y = self.geometry_.cell_origin(block_id)
+        scene = self.box.mapViewToScene(QtCore.QPointF(x + 0.5, y + 0.5))
+        return self.view.mapFromScene(scene)
+
+    def cell_colour(self, block_id: int) -> tuple[int, int, int]:
+        """RGB of the drawn image at the middle of a block's cell (what the user sees there)."""
+        geo = self.geometry_
+        x, y = geo.cell_origin(block_id)
+        t = geo.tile
+        r, g, b, _ = self.image[y * t + t // 2, x * t + t // 2]
+        return int(r), int(g), int(b)
+
+    def block_at_scene(self, scene_pos: QtCore.QPointF) -> int | None:
+        if self.geometry_ is None:
+            return None
+        point = self.box.mapSceneToView(scene_pos)
+        return self.geometry_.block_at(point.x(), point.y())
+
+    # ---- mouse ------------------------------------------------------------------------------------------
+    def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
+        block = self.block_at_scene(scene_pos)
+        if block is None or self.snapshot is None:
+            self.blockHovered.emit(-1)
+            QtWidgets.QToolTip.hideText()
+            return
+        text = describe_block(self.snapshot, block)
+        self.hover_label.setText(text)
+        global_pos = self.view.viewport().mapToGlobal(self.view.mapFromScene(scene_pos))
+        QtWidgets.QToolTip.showText(global_pos, text.replace(", ", "\n", 1).replace(", ", "\n"), self.view)
+        self.blockHovered.emit(block)
+
+    def _on_mouse_clicked(self, event) -> None:
+        if event.button() != QtCore.Qt.MouseButton.LeftButton:
+            return
+        block = self.block_at_scene(event.scenePos())
+        if block is not None:
+            self.blockClicked.emit(block)
+
+    # ---- overlays -----------------------------------------------------------------------------------------
+    def _place_highlight(self) -> None:
+        block = self.selected_block
+        if block is None or self.geometry_ is None or block >= self.geometry_.num_blocks:
+            self.highlight.hide()
+            return
+        x, y = self.geometry_.cell_origin(block)
+        self.highlight.setRect(QtCore.QRectF(x, y, 1, 1))
+        self.highlight.show()
+
+    def _update_labels(self) -> None:
+        """Put '×N' on shared cells, but only when the view is zoomed in enough for text to be readable."""
+        geo, snap = self.geometry_, self.snapshot
+        shown = 0
+        if geo is not None and snap is not None:
+            rect = self.box.viewRect()
+            x0, x1 = max(int(np.floor(rect.left())), 0), min(int(np.ceil(rect.right())), geo.cols)
+            y0, y1 = max(int(np.floor(rect.top())), 0), min(int(np.ceil(rect.bottom())), geo.rows)
+            if 0 < (x1 - x0) * (y1 - y0) <= MAX_LABELS:
+                ids = (np.arange(y0, y1)[:, None] * geo.cols + np.arange(x0, x1)[None, :]).ravel()
+                ids = ids[ids < geo.num_blocks]
+                shared = ids[np.asarray(snap.ref_count)[ids] > 1]
+                for block in shared:
+                    label = self._label(shown)
+                    x, y = geo.cell_origin(int(block))
+                    label.setText(f"×{int(snap.ref_count[block])}")
+                    label.setPos(x + 0.5, y + 0.5)
+                    label.show()
+                    shown += 1
+        for label in self._labels[shown:]:
+            label.hide()
+
+    def _label(self, index: int) -> pg.TextItem:
+        while len(self._labels) <= index:
+            label = pg.TextItem(color=(255, 255, 255), anchor=(0.5, 0.5), fill=pg.mkBrush(0, 0, 0, 150))
+            font = label.textItem.font()
+            font.setBold(True)
+            label.setFont(font)
+            label.setZValue(20)
+            self.box.addItem(label)
+            self._labels.append(label)
+        return self._labels[index]

@@ -1,0 +1,210 @@
+"""The block inspector: what one physical block holds and who refers to it, kept live while it changes.
+
+It first shows what the snapshot already knows (state, ref count, fill) so a click answers at once, then fills in
+the slot table and the K/V heatmap when the engine answers ``inspect_block``. Comparing consecutive answers lets it
+say plainly when the block was freed, cached, or taken over by another conversation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from engine.snapshot import BlockInfo, BlockState, PoolSnapshot
+
+from .grid_view import block_owners
+
+SLOT_COLUMNS = ("slot", "position", "token id", "token text")
+
+
+class SlotsModel(QtCore.QAbstractTableModel):
+    """One row per filled slot of the inspected block."""
+
+    def __init__(self, parent: QtCore.QObject | None = None):
+        super().__init__(parent)
+        self._rows: list[tuple] = []
+
+    def rowCount(self, parent=QtCore.QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self._rows)
+
+    def columnCount(self, parent=QtCore.QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(SLOT_COLUMNS)
+
+    def headerData(self, section, orientation, role=QtCore.Qt.ItemDataRole.DisplayRole):
+        if role == QtCore.Qt.ItemDataRole.DisplayRole and orientation == QtCore.Qt.Orientation.Horizontal:
+            return SLOT_COLUMNS[section]
+        return None
+
+    def data(self, index, role=QtCore.Qt.ItemDataRole.DisplayRole):
+        if index.isValid() and role == QtCore.Qt.ItemDataRole.DisplayRole:
+            return str(self._rows[index.row()][index.column()])
+        return None
+
+    def set_block(self, info: BlockInfo | None) -> None:
+        rows = [] if info is None else [(i, p, t, repr(s)[1:-1]) for i, (p, t, s) in
+                                        enumerate(zip(info.positions, info.token_ids, info.token_texts))]
+        if rows != self._rows:
+            self.beginResetModel()
+            self._rows = rows
+            self.endResetModel()
+
+    def rows(self) -> list[tuple]:
+        return list(self._rows)
+
+
+def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
+    """A sentence about what happened to the block since the previous answer (or what it is now)."""
+    cids = sorted({c for c, _ in info.owners})
+    before = sorted({c for c, _ in previous.owners}) if previous is not None else []
+    names = ", ".join(str(c) for c in cids)
+    if info.state == BlockState.FREE:
+        if before:
+            return (f"Block {info.block_id} has been freed: conversation {', '.join(map(str, before))} released it "
+                    "and no one refers to it now.")
+        return f"Block {info.block_id} is free: no conversation refers to it and it holds nothing reusable."
+    if info.state == BlockState.CACHED:
+        who = f" (last filled by conversation {info.last_owner})" if info.last_owner >= 0 else ""
+        lead = f"Block {info.block_id} has been released but stays cached" if before else \
+            f"Block {info.block_id} is cached"
+        return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
+    if previous is not None and before and not set(before) & set(cids):
+        return (f"Block {info.block_id} has been reused: it now belongs to conversation {names} "
+                f"(before: {', '.join(map(str, before))}).")
+    if previous is not None and previous.state != BlockState.USED:
+        return f"Block {info.block_id} is in use again, now by conversation {names}."
+    shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
+    return f"Block {info.block_id} is in use by conversation {names}{shared}."
+
+
+class Inspector(QtWidgets.QWidget):
+    """Panel for the selected block."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.block_id: int | None = None
+        self.info: BlockInfo | None = None
+        self.note = QtWidgets.QLabel("Click a cell in the grid to inspect its block.")
+        self.note.setWordWrap(True)
+        self.note.setStyleSheet("font-weight: bold;")
+        self.fields: dict[str, QtWidgets.QLabel] = {}
+        form = QtWidgets.QFormLayout()
+        for key in ("block", "state", "ref count", "filled", "hash", "owners"):
+            label = QtWidgets.QLabel("-")
+            label.setWordWrap(True)
+            label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+            form.addRow(key + ":", label)
+            self.fields[key] = label
+        self.slots = SlotsModel(self)
+        self.slots_view = QtWidgets.QTableView()
+        self.slots_view.setModel(self.slots)
+        self.slots_view.verticalHeader().hide()
+        self.slots_view.horizontalHeader().setStretchLastSection(True)
+        self.kind = QtWidgets.QComboBox()
+        self.kind.addItems(["K", "V"])
+        self.layer = QtWidgets.QSpinBox()
+        self.head = QtWidgets.QSpinBox()
+        for widget in (self.kind, self.layer, self.head):
+            signal = widget.currentIndexChanged if isinstance(widget, QtWidgets.QComboBox) else widget.valueChanged
+            signal.connect(self._draw_heatmap)
+        controls = QtWidgets.QHBoxLayout()
+        for text, widget in (("show", self.kind), ("layer", self.layer), ("kv head", self.head)):
+            controls.addWidget(QtWidgets.QLabel(text))
+            controls.addWidget(widget)
+        controls.addStretch(1)
+        self.plot = pg.PlotWidget()
+        self.plot.setLabel("bottom", "head dim")
+        self.plot.setLabel("left", "filled slot")
+        self.plot.getViewBox().invertY(True)
+        self.plot.setMinimumHeight(120)
+        self.heat = pg.ImageItem(axisOrder="row-major")
+        self.heat.setColorMap(pg.colormap.get("viridis"))
+        self.plot.addItem(self.heat)
+
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.note)
+        layout.addLayout(form)
+        layout.addWidget(self.slots_view, 2)
+        layout.addLayout(controls)
+        layout.addWidget(self.plot, 2)
+
+    def select(self, block_id: int | None, snapshot: PoolSnapshot | None) -> None:
+        """A new block was clicked: show the snapshot's view of it now; details follow from the engine."""
+        if block_id != self.block_id:
+            self.info = None
+            self.slots.set_block(None)
+            self.heat.clear()
+        self.block_id = block_id
+        if block_id is None:
+            self.note.setText("Click a cell in the grid to inspect its block.")
+            for label in self.fields.values():
+                label.setText("-")
+            return
+        if snapshot is not None and block_id < snapshot.num_blocks:
+            self.show_summary(snapshot)
+
+    def show_summary(self, snapshot: PoolSnapshot) -> None:
+        """Fields the snapshot already has; used for instant feedback between engine answers."""
+        b = self.block_id
+        if b is None or b >= snapshot.num_blocks:
+            return
+        state = BlockState(int(snapshot.state[b]))
+        self.fields["block"].setText(str(b))
+        self.fields["state"].setText(state.name.lower())
+        self.fields["ref count"].setText(str(int(snapshot.ref_count[b])))
+        self.fields["filled"].setText(f"{int(snapshot.num_filled[b])} of {snapshot.block_size} slots")
+        owners = block_owners(snapshot, b)
+        self.fields["owners"].setText(_owners_text(owners))
+        if self.info is None:
+            if state == BlockState.FREE:
+                self.note.setText(f"Block {b} is free: no conversation refers to it.")
+            elif state == BlockState.CACHED:
+                self.note.setText(f"Block {b} is cached: no owner, but it keeps reusable prefix KV.")
+            else:
+                self.note.setText(f"Block {b} is in use by conversation "
+                                  f"{', '.join(sorted({str(c) for c, _ in owners}))}.")
+
+    def show_block(self, info: BlockInfo) -> None:
+        """The engine's answer to inspect_block for the selected block."""
+        if info.block_id != self.block_id:
+            return  # an answer for a block the user has since left
+        previous = self.info
+        self.info = info
+        self.note.setText(change_note(previous, info))
+        self.fields["block"].setText(str(info.block_id))
+        self.fields["state"].setText(info.state.name.lower())
+        self.fields["ref count"].setText(str(info.ref_count))
+        self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
+        self.fields["hash"].setText(f"{info.block_hash:#x}" if info.block_hash is not None
+                                    else f"none — {info.hash_note}")
+        if info.block_hash is not None and info.hash_note:
+            self.fields["hash"].setText(f"{info.block_hash & (2**64 - 1):016x} ({info.hash_note})")
+        self.fields["owners"].setText(_owners_text(info.owners))
+        self.slots.set_block(info)
+        layers = info.keys.shape[0] if info.keys.ndim == 4 else 0
+        heads = info.keys.shape[2] if info.keys.ndim == 4 else 0
+        self.layer.setMaximum(max(layers - 1, 0))
+        self.head.setMaximum(max(heads - 1, 0))
+        self._draw_heatmap()
+
+    def _draw_heatmap(self, *_):
+        info = self.info
+        if info is None or info.num_filled == 0 or info.keys.ndim != 4:
+            self.heat.clear()
+            return
+        data = info.keys if self.kind.currentText() == "K" else info.values
+        layer = min(self.layer.value(), data.shape[0] - 1)
+        head = min(self.head.value(), data.shape[2] - 1)
+        image = np.asarray(data[layer, :, head, :], np.float32)  # [filled, head_dim]
+        self.heat.setImage(image, autoLevels=True)
+        self.heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
+        self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, max(image.shape[0], 1)), padding=0)
+
+    def slot_rows(self) -> list[tuple]:
+        return self.slots.rows()
+
+
+def _owners_text(owners) -> str:
+    if not owners:
+        return "none"
+    return ", ".join(f"conv {c} (logical block {i})" for c, i in owners)
