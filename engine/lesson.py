@@ -76,6 +76,23 @@ class LayoutChange:
         return np.float32(self.before_result).tobytes() == np.float32(self.after_result).tobytes()
 
 
+@dataclass(frozen=True)
+class LessonView:
+    """An immutable picture of the pool, for drawing (the window keeps the one from before a layout change)."""
+
+    num_positions: int
+    block_size: int
+    slot_values: np.ndarray  # float32 [num_blocks, block_size]: value in each filled slot, NaN in empty ones
+    roles: tuple[str, ...]  # per physical block: "lesson", "free" or a tenant's name
+    block_table: tuple[int, ...]  # physical ids in logical order
+    result: float  # paged_attention output (NaN with no positions)
+    newest: tuple[int, int] | None  # (physical block, slot) of the position appended last
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.roles)
+
+
 class ToyPagedSequence:
     """One sequence of the toy head, appended position by position into a paged pool shared with other tenants."""
 
@@ -198,6 +215,13 @@ class ToyPagedSequence:
         values[~filled] = np.nan
         return values
 
+    def view(self) -> LessonView:
+        values = self.slot_values()
+        values.setflags(write=False)
+        newest = None if self.last_event is None else (self.last_event.physical_block, self.last_event.slot)
+        return LessonView(self.num_positions, self.block_size, values, tuple(self.block_roles()),
+                          tuple(self.block_table), self.result(), newest)
+
     def block_roles(self) -> list[str]:
         """Per physical block: 'lesson', 'free' or a tenant's name."""
         roles = []
@@ -261,13 +285,13 @@ class ToyPagedSequence:
         if e.allocated and n > 1 and e.logical_block == 1:
             first = self.block_table[0]
             return ("Position 5 needs a second block",
-                    f"Block {first} is full (4 of 4 slots), so this position takes the next block from the free "
+                    f"Physical block {first} is full (4 of 4 slots), so this position takes the next block from the free "
                     f"queue: physical block {e.physical_block}, not next to block {first}. The first block did not "
                     f"move and nothing was copied; the table simply grew: {table}. The new block holds one entry "
                     f"and three empty slots. Attention reads block {first} then block {e.physical_block} through "
                     f"the table and gets mean(1..5) = 3. Try Change layout now.")
         if e.allocated:
-            return (f"Block {e.logical_block + 1} from the free queue",
+            return (f"Logical block {e.logical_block}: wherever the queue points",
                     f"The previous block is full, so position {n} opens logical block {e.logical_block} at "
                     f"physical block {e.physical_block}, wherever the free queue points. Table: {table}. "
                     f"FlashAttention is a different idea: it organises the attention computation itself (tiles "
@@ -311,7 +335,7 @@ class ToyPagedSequence:
                 f"Output: mean(1..{n}) = {_num(self.expected())}.")
 
     def _table_text(self) -> str:
-        return ", ".join(f"{i} -> {b}" for i, b in enumerate(self.block_table))
+        return ", ".join(f"{i} \u2192 {b}" for i, b in enumerate(self.block_table))
 
 
 def _arrow(table: tuple[int, ...]) -> str:

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
             print(f"time budget of {args.minutes} minutes reached at step {step}", flush=True)
             break
         progress = step / args.steps
-        if elapsed / budget_s > progress:
+        if elapsed / budget_s > (step + 1) / args.steps:  # behind pace: let the clock drive the decay
             time_driven = True
             progress = elapsed / budget_s
         lr = lr_at(progress, args.lr, args.warmup)

@@ -1,0 +1,51 @@
+"""Start the desktop app: load the engine with a progress dialog, start its thread, show the main window.
+
+Kept apart from main.py so tests and benchmarks can build the same window without going through the CLI.
+"""
+from __future__ import annotations
+
+import sys
+
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from engine.config import EngineConfig
+from engine.runner import EngineRunner
+
+from .demo import DEMO_SPEED, seed_busy
+from .loader import load_engine_blocking
+from .main_window import MainWindow
+
+
+def application() -> QtWidgets.QApplication:
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
+    app.setApplicationName("Paged KV-cache explorer")
+    pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
+    return app
+
+
+def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None,
+            quit_after: float | None = None) -> int:
+    """Run the app until its window closes; returns the process exit code (2 when the engine cannot load)."""
+    app = application()
+    engine, error = load_engine_blocking(cfg, seed_busy if demo == "busy" else None)
+    if engine is None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo == "busy" else None).start()
+    window = MainWindow(runner, cfg)
+    window.show()
+    if demo == "lesson":
+        window.open_lesson()
+    if screenshot:
+        def save_and_quit() -> None:
+            window.grab().save(screenshot)
+            print(f"saved {screenshot}")
+            window.close()
+        QtCore.QTimer.singleShot(int(1000 * (quit_after if quit_after is not None else 5.0)), save_and_quit)
+    elif quit_after is not None:
+        QtCore.QTimer.singleShot(int(1000 * quit_after), window.close)
+    app.exec()
+    runner.stop(timeout=1.0)
+    window.runner.stop(timeout=1.0)
+    return 0

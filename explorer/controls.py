@@ -1,0 +1,67 @@
+"""Engine controls: run / pause, single step, a speed limit and a restart action, as a toolbar.
+
+The toolbar only emits what the user asked for; the main window turns that into runner commands, so the controls
+stay correct across an engine restart (the runner they talk to changes).
+"""
+from __future__ import annotations
+
+from PySide6 import QtCore, QtGui, QtWidgets
+
+SPEEDS = (("unlimited", None), ("100 steps/s", 100.0), ("30 steps/s", 30.0), ("10 steps/s", 10.0),
+          ("5 steps/s", 5.0), ("2 steps/s", 2.0), ("1 step/s", 1.0))
+
+
+class EngineControls(QtWidgets.QToolBar):
+    """Run/pause (Space), step (Ctrl+.), speed limit, restart (Ctrl+Shift+R)."""
+
+    pauseToggled = QtCore.Signal(bool)  # True: pause
+    stepRequested = QtCore.Signal()
+    speedChanged = QtCore.Signal(object)  # steps/s or None
+    restartRequested = QtCore.Signal()
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__("Engine", parent)
+        self.setObjectName("engine-controls")
+        self.pause_action = QtGui.QAction("❚❚ Pause", self)
+        self.pause_action.setCheckable(True)
+        self.pause_action.setShortcut(QtGui.QKeySequence("Space"))
+        self.pause_action.setToolTip("Pause or run the engine (Space)")
+        self.pause_action.toggled.connect(self._on_toggle)
+        self.step_action = QtGui.QAction("Step", self)
+        self.step_action.setShortcut(QtGui.QKeySequence("Ctrl+."))
+        self.step_action.setToolTip("Run exactly one engine step (Ctrl+.)")
+        self.step_action.triggered.connect(self.stepRequested)
+        self.speed = QtWidgets.QComboBox()
+        for text, value in SPEEDS:
+            self.speed.addItem(text, value)
+        self.speed.setToolTip("Speed limit of the engine thread")
+        self.speed.currentIndexChanged.connect(lambda _: self.speedChanged.emit(self.speed.currentData()))
+        self.restart_action = QtGui.QAction("Restart engine…", self)
+        self.restart_action.setShortcut(QtGui.QKeySequence("Ctrl+Shift+R"))
+        self.restart_action.triggered.connect(self.restartRequested)
+        self.addAction(self.pause_action)
+        self.addAction(self.step_action)
+        self.addWidget(QtWidgets.QLabel(" speed: "))
+        self.addWidget(self.speed)
+        self.addSeparator()
+        self.addAction(self.restart_action)
+        self._syncing = False
+
+    def _on_toggle(self, checked: bool) -> None:
+        self.pause_action.setText("▶ Run" if checked else "❚❚ Pause")
+        if not self._syncing:
+            self.pauseToggled.emit(checked)
+
+    def sync(self, paused: bool, speed: float | None) -> None:
+        """Reflect the runner's real state (it pauses itself after an engine failure) without emitting."""
+        self._syncing = True
+        try:
+            if self.pause_action.isChecked() != paused:
+                self.pause_action.setChecked(paused)
+            index = next((i for i, (_, v) in enumerate(SPEEDS) if v == speed), None)
+            if index is not None and index != self.speed.currentIndex():
+                self.speed.blockSignals(True)
+                self.speed.setCurrentIndex(index)
+                self.speed.blockSignals(False)
+        finally:
+            self._syncing = False

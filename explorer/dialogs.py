@@ -1,0 +1,283 @@
+"""Dialogs that collect a request (add a conversation, reply, restart the engine) and refuse bad input at the field.
+
+Nothing reaches the engine until every field is valid. Prompt length is checked with the engine's own tokenizer,
+asked through the runner, so the dialog waits for the answer on a timer instead of blocking the GUI thread.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from PySide6 import QtCore, QtWidgets
+
+from engine.config import EngineConfig
+
+SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
+                 "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
+
+
+class FieldError(QtWidgets.QLabel):
+    """The red message under a field; hidden while the field is valid."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.setStyleSheet("color: #e0443e;")
+        self.setWordWrap(True)
+        self.hide()
+
+    def show_error(self, text: str) -> None:
+        self.setText(text)
+        self.setVisible(bool(text))
+
+
+def parse_number(text: str, name: str, kind=int, low=None, high=None) -> tuple[object, str]:
+    """(value, "") or (None, message) for a text field holding an int or float within [low, high]."""
+    try:
+        value = kind(text.strip())
+    except ValueError:
+        word = "a whole number" if kind is int else "a number"
+        return None, f"{name} must be {word}, got {text.strip()!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, f"{name} must be a finite number"
+    if low is not None and value < low:
+        return None, f"{name} must be at least {low}"
+    if high is not None and value > high:
+        return None, f"{name} must be at most {high}"
+    return value, ""
+
+
+class _FormDialog(QtWidgets.QDialog):
+    """A form whose rows each carry a FieldError label underneath."""
+
+    def __init__(self, title: str, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle(title)
+        self.form = QtWidgets.QFormLayout()
+        self.errors: dict[str, FieldError] = {}
+        self.buttons = QtWidgets.QDialogButtonBox(
+            QtWidgets.QDialogButtonBox.StandardButton.Ok | QtWidgets.QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.try_accept)
+        self.buttons.rejected.connect(self.reject)
+        self.busy = QtWidgets.QLabel()
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.addLayout(self.form)
+        layout.addWidget(self.busy)
+        layout.addWidget(self.buttons)
+        self._pending: Future | None = None
+        self._poll = QtCore.QTimer(self)
+        self._poll.setInterval(20)
+        self._poll.timeout.connect(self._check_pending)
+
+    def add_row(self, key: str, label: str, widget: QtWidgets.QWidget) -> QtWidgets.QWidget:
+        box = QtWidgets.QWidget()
+        column = QtWidgets.QVBoxLayout(box)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(1)
+        column.addWidget(widget)
+        error = FieldError()
+        column.addWidget(error)
+        self.errors[key] = error
+        self.form.addRow(label, box)
+        return widget
+
+    def error_text(self, key: str) -> str:
+        error = self.errors[key]
+        return error.text() if not error.isHidden() else ""
+
+    def clear_errors(self) -> None:
+        for error in self.errors.values():
+            error.show_error("")
+
+    def try_accept(self) -> None:
+        raise NotImplementedError
+
+    def wait_for(self, future: Future, then: Callable[[Future], None]) -> None:
+        """Keep the dialog open (OK disabled) until ``future`` is done, then call ``then`` on the GUI thread."""
+        self._pending = future
+        self._then = then
+        self.busy.setText("Checking…")
+        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(False)
+        self._poll.start()
+
+    def _check_pending(self) -> None:
+        if self._pending is None or not self._pending.done():
+            return
+        future, self._pending = self._pending, None
+        self._poll.stop()
+        self.busy.clear()
+        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(True)
+        self._then(future)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """What the add dialog asks for; ``samples`` > 1 means one conversation plus forks."""
+
+    prompt: str
+    max_new_tokens: int
+    temperature: float
+    samples: int
+
+
+class AddConversationDialog(_FormDialog):
+    """Prompt, generation settings, shared system prompt option and parallel samples."""
+
+    def __init__(self, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
+                 parent: QtWidgets.QWidget | None = None):
+        super().__init__("Add conversation", parent)
+        self._tokenize = tokenize
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prompt = self.add_row("prompt", "Prompt:", QtWidgets.QPlainTextEdit())
+        self.prompt.setPlaceholderText("Type the user's message")
+        self.prompt.setMinimumSize(420, 90)
+        self.max_new_tokens = self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
+        self.temperature = self.add_row("temperature", "Temperature:", QtWidgets.QLineEdit("0.8"))
+        self.use_system = self.add_row("system", "", QtWidgets.QCheckBox(
+            "Start from the shared system prompt (its full blocks are shared through prefix caching)"))
+        self.samples = self.add_row("samples", "Parallel samples:", QtWidgets.QLineEdit("1"))
+        self.samples.setToolTip("n > 1 adds one conversation and forks it n - 1 times; the forks share its blocks")
+        self.request: AddRequest | None = None
+
+    def full_prompt(self) -> str:
+        text = self.prompt.toPlainText()
+        return SYSTEM_PROMPT + text if self.use_system.isChecked() else text
+
+    def try_accept(self) -> None:
+        self.clear_errors()
+        text = self.prompt.toPlainText()
+        ok = True
+        if not text.strip():
+            self.errors["prompt"].show_error("The prompt is empty: type a message.")
+            ok = False
+        pool_slots = self.num_blocks * self.block_size
+        max_new, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1, pool_slots)
+        self.errors["max_new_tokens"].show_error(err)
+        temperature, err2 = parse_number(self.temperature.text(), "Temperature", float, 0.0, 10.0)
+        self.errors["temperature"].show_error(err2)
+        samples, err3 = parse_number(self.samples.text(), "Parallel samples", int, 1, 64)
+        self.errors["samples"].show_error(err3)
+        if not ok or err or err2 or err3:
+            return
+        prompt = self.full_prompt()
+
+        def check_length(future: Future) -> None:
+            try:
+                num_tokens = len(future.result())
+            except Exception as exc:  # the tokenizer refused the text
+                self.errors["prompt"].show_error(str(exc))
+                return
+            need = math.ceil((num_tokens + max_new) / self.block_size)
+            if need > self.num_blocks:
+                self.errors["prompt"].show_error(
+                    f"Too long for the pool: {num_tokens} prompt tokens + {max_new} new tokens need {need} blocks "
+                    f"of {self.block_size} slots, but the pool has only {self.num_blocks} blocks.")
+                return
+            self.request = AddRequest(prompt, max_new, float(temperature), samples)
+            self.accept()
+
+        self.wait_for(self._tokenize(prompt), check_length)
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    conversation_id: int
+    message: str
+    max_new_tokens: int
+
+
+class ReplyDialog(_FormDialog):
+    """A follow-up message to a finished conversation; its whole history becomes the new prompt."""
+
+    def __init__(self, conversation_id: int, history_tokens: int, tokenize: Callable[[str], Future],
+                 num_blocks: int, block_size: int, parent: QtWidgets.QWidget | None = None):
+        super().__init__(f"Reply to conversation {conversation_id}", parent)
+        self.conversation_id, self.history_tokens = conversation_id, history_tokens
+        self._tokenize = tokenize
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.message = self.add_row("message", "Message:", QtWidgets.QPlainTextEdit())
+        self.message.setMinimumSize(420, 70)
+        self.max_new_tokens = self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
+        self.request: ReplyRequest | None = None
+
+    def try_accept(self) -> None:
+        self.clear_errors()
+        text = self.message.toPlainText()
+        if not text.strip():
+            self.errors["message"].show_error("The message is empty: type a reply.")
+        max_new, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1,
+                                    self.num_blocks * self.block_size)
+        self.errors["max_new_tokens"].show_error(err)
+        if err or not text.strip():
+            return
+
+        def check_length(future: Future) -> None:
+            try:
+                num_tokens = len(future.result()) + self.history_tokens
+            except Exception as exc:
+                self.errors["message"].show_error(str(exc))
+                return
+            need = math.ceil((num_tokens + max_new) / self.block_size)
+            if need > self.num_blocks:
+                self.errors["message"].show_error(
+                    f"Too long for the pool: history and message are {num_tokens} tokens; with {max_new} new tokens "
+                    f"they need {need} blocks, but the pool has only {self.num_blocks}.")
+                return
+            self.request = ReplyRequest(self.conversation_id, text, max_new)
+            self.accept()
+
+        self.wait_for(self._tokenize(text), check_length)
+
+
+class RestartDialog(_FormDialog):
+    """A new engine configuration: block size, pool size, model (built-in or a checkpoint folder), device."""
+
+    def __init__(self, current: EngineConfig, parent: QtWidgets.QWidget | None = None):
+        super().__init__("Restart engine", parent)
+        self.block_size = self.add_row("block_size", "Block size (slots):", QtWidgets.QLineEdit(str(current.block_size)))
+        self.num_blocks = self.add_row("num_blocks", "Pool size (blocks):", QtWidgets.QLineEdit(str(current.num_blocks)))
+        model_box = QtWidgets.QWidget()
+        row = QtWidgets.QHBoxLayout(model_box)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.builtin = QtWidgets.QRadioButton("built-in")
+        self.checkpoint = QtWidgets.QRadioButton("checkpoint:")
+        self.path = QtWidgets.QLineEdit("" if current.model == "builtin" else current.model)
+        self.browse = QtWidgets.QPushButton("Browse…")
+        self.browse.clicked.connect(self._browse)
+        (self.builtin if current.model == "builtin" else self.checkpoint).setChecked(True)
+        for widget in (self.builtin, self.checkpoint, self.path, self.browse):
+            row.addWidget(widget)
+        self.add_row("model", "Model:", model_box)
+        self.device = self.add_row("device", "Device:", QtWidgets.QComboBox())
+        self.device.addItems(["cpu", "cuda", "auto"])
+        self.device.setCurrentText(current.device)
+        self.current = current
+        self.config: EngineConfig | None = None
+
+    def _browse(self) -> None:
+        folder = QtWidgets.QFileDialog.getExistingDirectory(self, "Checkpoint directory", self.path.text())
+        if folder:
+            self.path.setText(folder)
+            self.checkpoint.setChecked(True)
+
+    def try_accept(self) -> None:
+        self.clear_errors()
+        block_size, err = parse_number(self.block_size.text(), "Block size", int, 1, 4096)
+        self.errors["block_size"].show_error(err)
+        num_blocks, err2 = parse_number(self.num_blocks.text(), "Pool size", int, 2, 1 << 20)
+        self.errors["num_blocks"].show_error(err2)
+        model, err3 = "builtin", ""
+        if self.checkpoint.isChecked():
+            model = self.path.text().strip()
+            if not model:
+                err3 = "Choose a checkpoint directory (or pick built-in)."
+            elif not os.path.isdir(model):
+                err3 = f"No such directory: {model}"
+        self.errors["model"].show_error(err3)
+        if err or err2 or err3:
+            return
+        self.config = replace(self.current, block_size=block_size, num_blocks=num_blocks, model=model,
+                              device=self.device.currentText())
+        self.accept()

@@ -1,0 +1,109 @@
+"""Plots of the pool over time: what paging allocates, what it wastes, what sharing saves, what contiguous
+reservation would have needed, and how fast decode goes.
+
+One sample is recorded per new snapshot the GUI sees (so at most one per frame); curves are redrawn a few times a
+second, which is plenty for a human and keeps the GUI thread light while the engine decodes.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtWidgets
+
+from engine.snapshot import PoolSnapshot
+
+HISTORY = 1200  # samples kept (about 40 s at 30 frames/s)
+SERIES = ("step", "used", "cached", "free", "filled", "allocated", "saved", "contiguous", "tokens_per_s",
+          "preemptions", "hit_rate")
+PLOTS = (  # title, [(series, label, colour)]
+    ("Blocks", [("used", "used", "#50c878"), ("cached", "cached", "#5a82d2"), ("free", "free", "#9a9aa6")]),
+    ("Token slots", [("allocated", "allocated", "#f0a030"), ("filled", "filled", "#50c878")]),
+    ("Slots saved by sharing", [("saved", "saved", "#ffffff")]),
+    ("Paged vs contiguous max-length reservation (slots)",
+     [("contiguous", "contiguous", "#e0443e"), ("allocated", "paged", "#f0a030")]),
+    ("Decode tokens/s", [("tokens_per_s", "tokens/s", "#50c8c8")]),
+    ("Preemptions (total)", [("preemptions", "preemptions", "#e0443e")]),
+    ("Prefix-cache hit rate (%)", [("hit_rate", "hit rate", "#d2d250")]),
+)
+
+
+class MetricsHistory:
+    """Ring of recent samples; decode speed comes from the generated-token counter and wall time."""
+
+    def __init__(self):
+        self.data = {name: np.zeros(HISTORY) for name in SERIES}
+        self.count = 0
+        self._rate_window: list[tuple[float, int]] = []
+
+    def record(self, snap: PoolSnapshot, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        mem, met = snap.memory, snap.metrics
+        self._rate_window.append((now, met.num_generated_tokens))
+        while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 1.0:
+            self._rate_window.pop(0)
+        (t0, n0), (t1, n1) = self._rate_window[0], self._rate_window[-1]
+        rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        values = {
+            "step": snap.step_id,
+            "used": mem.num_used_blocks if mem else 0, "cached": mem.num_cached_blocks if mem else 0,
+            "free": mem.num_free_blocks if mem else 0, "filled": mem.num_filled_slots if mem else 0,
+            "allocated": mem.num_allocated_slots if mem else 0, "saved": mem.num_slots_saved_by_sharing if mem else 0,
+            "contiguous": mem.num_contiguous_slots if mem else 0, "tokens_per_s": max(rate, 0.0),
+            "preemptions": met.num_preemptions, "hit_rate": 100.0 * met.prefix_cache_hit_rate,
+        }
+        if self.count == HISTORY:
+            for array in self.data.values():
+                array[:-1] = array[1:]
+            index = HISTORY - 1
+        else:
+            index = self.count
+            self.count += 1
+        for name, value in values.items():
+            self.data[name][index] = value
+
+    def series(self, name: str) -> np.ndarray:
+        return self.data[name][:self.count]
+
+    def clear(self) -> None:
+        self.__init__()
+
+
+class MetricsPanel(QtWidgets.QWidget):
+    """A grid of small plots sharing the engine step as x axis."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.history = MetricsHistory()
+        self.plots = pg.GraphicsLayoutWidget()
+        self.curves: list[tuple[str, pg.PlotDataItem]] = []
+        for i, (title, series) in enumerate(PLOTS):
+            plot = self.plots.addPlot(row=i // 4, col=i % 4, title=title)
+            plot.showGrid(x=True, y=True, alpha=0.2)
+            plot.setMenuEnabled(False)
+            plot.getAxis("bottom").setLabel("step") if i >= 4 else None
+            if len(series) > 1:
+                plot.addLegend(offset=(4, 4), labelTextSize="7pt")
+            for name, label, colour in series:
+                self.curves.append((name, plot.plot(pen=pg.mkPen(colour, width=2), name=label)))
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.plots)
+        self._dirty = False
+
+    def record(self, snap: PoolSnapshot) -> None:
+        self.history.record(snap)
+        self._dirty = True
+
+    def redraw(self) -> None:
+        if not self._dirty:
+            return
+        x = self.history.series("step")
+        for name, curve in self.curves:
+            curve.setData(x, self.history.series(name))
+        self._dirty = False
+
+    def clear(self) -> None:
+        self.history.clear()
+        self._dirty = True

@@ -1,0 +1,111 @@
+"""Relocation and memory readouts: the live proof that paging changes where KV lives, never what attention computes.
+
+"Scramble" and "Compact" ask the engine to move blocks to other physical ids between two decode steps and to
+recompute every running conversation's attention output before and after; the readout shows the difference
+(expected 0.0). The memory readout puts bytes on the costs the source text names: KV in use, empty tail slots,
+block tables, and what a contiguous max-length reservation would have taken.
+"""
+from __future__ import annotations
+
+from PySide6 import QtCore, QtWidgets
+
+from engine.snapshot import MemoryStats
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def report_text(report, mode: str) -> str:
+    """One paragraph for a RelocationReport."""
+    verdict = "identical" if report.max_abs_diff == 0.0 else "DIFFERENT"
+    return (f"{mode.capitalize()}: moved {report.num_moved} blocks to new physical ids. Attention output of "
+            f"{report.num_conversations_checked} running conversation(s) recomputed before and after the move: "
+            f"max |before − after| = {report.max_abs_diff:.3g} ({verdict}).")
+
+
+def memory_lines(mem: MemoryStats | None) -> list[tuple[str, str]]:
+    """(label, value) rows of the memory readout."""
+    if mem is None:
+        return []
+    paged = mem.num_allocated_slots * mem.bytes_per_token
+    return [
+        ("KV in use (filled slots)", f"{human_bytes(mem.kv_bytes_used)}  ({mem.num_filled_slots} slots)"),
+        ("Empty tail slots", f"{human_bytes(mem.tail_waste_bytes)}  ({mem.num_tail_empty_slots} slots)"),
+        ("Block tables", f"{human_bytes(mem.block_table_bytes)}"),
+        ("Paged total (used blocks)", f"{human_bytes(paged)}  ({mem.num_used_blocks} blocks)"),
+        ("Saved by sharing", f"{human_bytes(mem.num_slots_saved_by_sharing * mem.bytes_per_token)}"),
+        ("Contiguous max-length reservation", f"{human_bytes(mem.contiguous_bytes)}  "
+                                              f"({mem.num_contiguous_slots} slots)"),
+    ]
+
+
+class RelocationPanel(QtWidgets.QWidget):
+    """Scramble / compact buttons, the last relocation's readout, and the memory readout."""
+
+    relocateRequested = QtCore.Signal(bool)  # compact?
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.scramble = QtWidgets.QPushButton("Scramble blocks")
+        self.scramble.setToolTip("Move every block to a random other physical id while decoding (Ctrl+Shift+S)")
+        self.compact = QtWidgets.QPushButton("Compact to low ids")
+        self.compact.setToolTip("Move blocks towards the lowest physical ids (Ctrl+Shift+C)")
+        self.scramble.clicked.connect(lambda: self.relocateRequested.emit(False))
+        self.compact.clicked.connect(lambda: self.relocateRequested.emit(True))
+        self.readout = QtWidgets.QLabel("Relocate blocks to check that paging never changes the attention result.")
+        self.readout.setWordWrap(True)
+        self.memory = QtWidgets.QFormLayout()
+        self.memory.setContentsMargins(0, 4, 0, 0)
+        self._memory_labels: dict[str, QtWidgets.QLabel] = {}
+        buttons = QtWidgets.QHBoxLayout()
+        buttons.addWidget(self.scramble)
+        buttons.addWidget(self.compact)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        title = QtWidgets.QLabel("<b>Relocate blocks</b>")
+        layout.addWidget(title)
+        layout.addLayout(buttons)
+        layout.addWidget(self.readout)
+        layout.addWidget(QtWidgets.QLabel("<b>Memory of current conversations</b>"))
+        layout.addLayout(self.memory)
+        layout.addStretch(1)
+        self.reports: list = []
+        self._last_memory = None
+
+    def set_busy(self, busy: bool) -> None:
+        self.scramble.setEnabled(not busy)
+        self.compact.setEnabled(not busy)
+        if busy:
+            self.readout.setText("Relocating…")
+
+    def show_report(self, report, compact: bool) -> None:
+        self.reports.append(report)
+        self.set_busy(False)
+        self.readout.setText(report_text(report, "compact" if compact else "scramble"))
+        ok = report.max_abs_diff == 0.0
+        self.readout.setStyleSheet("color: #50c878;" if ok else "color: #e0443e; font-weight: bold;")
+
+    def show_failure(self, message: str) -> None:
+        self.set_busy(False)
+        self.readout.setText(f"Relocation refused: {message}")
+        self.readout.setStyleSheet("color: #e0443e;")
+
+    def update_memory(self, mem: MemoryStats | None) -> None:
+        if mem == self._last_memory:
+            return
+        self._last_memory = mem
+        for label, value in memory_lines(mem):
+            if label not in self._memory_labels:
+                widget = QtWidgets.QLabel()
+                self._memory_labels[label] = widget
+                self.memory.addRow(label + ":", widget)
+            self._memory_labels[label].setText(value)
+
+    def memory_text(self) -> dict[str, str]:
+        return {label: widget.text() for label, widget in self._memory_labels.items()}

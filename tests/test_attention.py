@@ -1,0 +1,86 @@
+"""paged_attention against a dense reference, and the source text's worked example."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine import EngineError, dense_attention, paged_attention
+
+
+def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_value):
+    """Put each sequence's K/V into randomly chosen physical blocks; return caches, tables, lengths."""
+    kv_heads, dim = keys_per_seq[0].shape[1:]
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim)  # garbage everywhere else on purpose
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    free = list(rng.permutation(num_blocks))
+    max_blocks = max(-(-len(k) // block_size) for k in keys_per_seq) + 2
+    tables = torch.full((len(keys_per_seq), max_blocks), pad_value, dtype=torch.int32)
+    for s, (k, v) in enumerate(zip(keys_per_seq, values_per_seq)):
+        for i in range(-(-len(k) // block_size)):
+            b = int(free.pop())
+            tables[s, i] = b
+            chunk = slice(i * block_size, min((i + 1) * block_size, len(k)))
+            n = chunk.stop - chunk.start
+            key_cache[b, :n] = k[chunk]
+            value_cache[b, :n] = v[chunk]
+    return key_cache, value_cache, tables
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    group=st.sampled_from([1, 2, 4]),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=5),
+    pad=st.sampled_from(["minus_one", "stale"]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_equals_dense(group, block_size, lens, pad, seed):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    kv_heads, dim = 2, 8
+    heads = kv_heads * group
+    # exact multiples of the block size and length 1 always take part
+    lens = lens + [block_size * 2, 1]
+    keys = [torch.randn(n, kv_heads, dim) for n in lens]
+    values = [torch.randn(n, kv_heads, dim) for n in lens]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    key_cache, value_cache, tables = _scatter(keys, values, block_size, num_blocks, rng, -1)
+    if pad == "stale":  # entries past the last block may hold any valid id
+        for s, n in enumerate(lens):
+            used = -(-n // block_size)
+            tables[s, used:] = torch.as_tensor(rng.integers(0, num_blocks, tables.shape[1] - used), dtype=torch.int32)
+    query = torch.randn(len(lens), heads, dim)
+    out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert out.shape == (len(lens), heads, dim)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def _seed_example(table):
+    """Block size 4, one head of dim 1, keys 0, query 1, values 1..5 at positions 0..4."""
+    key_cache = torch.zeros(8, 4, 1, 1)
+    value_cache = torch.zeros(8, 4, 1, 1)
+    for pos, value in enumerate([1.0, 2.0, 3.0, 4.0, 5.0]):
+        value_cache[table[pos // 4], pos % 4, 0, 0] = value
+    return paged_attention(torch.ones(1, 1, 1), key_cache, value_cache, torch.tensor([table]), torch.tensor([5]))
+
+
+def test_source_text_example_layouts():
+    assert _seed_example([4, 1]).item() == 3.0  # logical blocks 0, 1 in physical blocks 4, 1
+    assert _seed_example([0, 7]).item() == 3.0
+    assert _seed_example([6, 5]).item() == 3.0
+
+
+def test_default_scale_and_gqa_mapping():
+    # two query heads share one kv head; with explicit scale 0 every position gets equal weight
+    key_cache = torch.randn(3, 2, 1, 4)
+    value_cache = torch.randn(3, 2, 1, 4)
+    out = paged_attention(torch.randn(1, 2, 4), key_cache, value_cache, torch.tensor([[2, 0]]), torch.tensor([3]), scale=0.0)
+    expected = torch.cat([value_cache[2], value_cache[0, :1]]).mean(0)  # [1, 4]
+    assert torch.allclose(out[0], expected.expand(2, 4), atol=1e-6)
+
+
+def test_bad_shapes_raise_engine_error():
+    with pytest.raises(EngineError):
+        paged_attention(torch.randn(1, 3, 4), torch.zeros(2, 2, 2, 4), torch.zeros(2, 2, 2, 4),
+                        torch.tensor([[0]]), torch.tensor([1]))

@@ -1,0 +1,111 @@
+"""A hypothesis state machine over add/fork/end/step/relocate/continue that checks the pool's invariants."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine import BlockState, Engine, EngineConfig, EngineError, Status
+from tests.helpers import write_tiny_checkpoint
+
+_CKPT = {}
+
+
+def _checkpoint(tmp_path_factory):
+    if "path" not in _CKPT:
+        _CKPT["path"] = str(write_tiny_checkpoint(tmp_path_factory.mktemp("sm")))
+    return _CKPT["path"]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    ckpt = None
+
+    def __init__(self):
+        super().__init__()
+        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24))
+        self.ids = []
+
+    def _live(self):
+        return [i for i in self.ids if not self.eng.seqs[i].is_finished]
+
+    @rule(n=st.integers(1, 20), new=st.integers(1, 12), temp=st.sampled_from([0.0, 0.8]),
+          shared=st.booleans())
+    def add(self, n, new, temp, shared):
+        tokens = ([5, 6, 7, 8, 9, 10] if shared else []) + [(3 * i + n) % 90 + 1 for i in range(n)]
+        self.ids.append(self.eng.add_conversation(prompt_token_ids=tokens, max_new_tokens=new, temperature=temp))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def fork(self, data):
+        self.ids.append(self.eng.fork_conversation(data.draw(st.sampled_from(self._live()))))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def end(self, data):
+        cid = data.draw(st.sampled_from(self.ids))
+        if self.eng.conversation(cid).status == Status.ENDED:
+            return
+        self.eng.end_conversation(cid)
+
+    @precondition(lambda self: any(self.eng.seqs[i].status == Status.FINISHED for i in self.ids))
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def reply(self, data, n):
+        cid = data.draw(st.sampled_from([i for i in self.ids if self.eng.seqs[i].status == Status.FINISHED]))
+        try:
+            self.eng.continue_conversation(cid, prompt_token_ids=[11] * n, max_new_tokens=3)
+        except EngineError as exc:  # the history may have outgrown the pool
+            assert "pool" in str(exc)
+
+    @rule(k=st.integers(1, 4))
+    def step(self, k):
+        for _ in range(k):
+            self.eng.step()
+
+    @rule(seed=st.integers(0, 100), compact=st.booleans())
+    def relocate(self, seed, compact):
+        self.eng.relocate_blocks(seed=seed, compact=compact)
+
+    @invariant()
+    def bookkeeping(self):
+        snap = self.eng.snapshot()
+        counts = np.zeros(snap.num_blocks, np.int64)
+        for table in snap.block_tables.values():
+            for b in table:
+                counts[b] += 1
+        assert (snap.ref_count == counts).all()
+        idle = snap.state != BlockState.USED
+        assert (snap.ref_count[idle] == 0).all()
+        assert (snap.state[snap.ref_count > 0] == BlockState.USED).all()
+        bs = snap.block_size
+        for cid, table in snap.block_tables.items():
+            info = snap.conversation(cid)
+            assert info.status == Status.RUNNING
+            n = info.num_computed_tokens
+            assert len(table) == -(-n // bs) or len(table) == -(-(n + 1) // bs)
+            for i, b in enumerate(table):
+                assert snap.num_filled[b] == max(0, min(bs, n - i * bs))
+        assert (snap.num_filled[snap.state == BlockState.FREE] == 0).all()
+        assert (snap.num_filled[snap.state == BlockState.CACHED] == bs).all()
+        if all(self.eng.seqs[i].is_finished for i in self.ids):
+            assert not (snap.state == BlockState.USED).any()
+
+    def teardown(self):
+        for i in self._live():
+            self.eng.end_conversation(i)
+        assert not (self.eng.snapshot().state == BlockState.USED).any()
+
+
+def test_pool_state_machine(tmp_path_factory):
+    PoolMachine.ckpt = _checkpoint(tmp_path_factory)
+    PoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    PoolMachine.TestCase().runTest()
+
+
+def test_engine_import_loads_no_qt():
+    code = ("import sys, engine; from engine import Engine, EngineConfig, EngineRunner;"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'PyQt5', 'PyQt6', 'pyqtgraph', 'shiboken6')];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
