@@ -264,7 +264,7 @@ class LessonWindow(QMainWindow):
         self.memory_label = QLabel()
         self.memory_label.setTextFormat(Qt.RichText)
         self.memory_label.setWordWrap(True)
-        self.setup_label = QLabel("<b>How this pool was set up</b><br>" + self.lesson.setup_note())
+        self.setup_label = QLabel()
         self.setup_label.setTextFormat(Qt.RichText)
         self.setup_label.setWordWrap(True)
         self.setup_label.setStyleSheet(f"color:{MUTED}")
@@ -348,6 +348,10 @@ class LessonWindow(QMainWindow):
         self.explain_title.setText(title)
         self.explain_text.setText(text)
         m = lesson.memory()
+        note = "<b>How this pool was set up</b><br>" + lesson.setup_note()
+        if lesson.last_change is not None:
+            note += " Change layout has since moved every used block, so these ids have changed."
+        self.setup_label.setText(note)
         self.memory_label.setText(
             f"<b>Memory of this sequence</b><br>"
             f"K/V in use: {m['filled_slots']} slots = {m['kv_bytes']} B<br>"
