@@ -56,6 +56,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def free_queue(self) -> tuple[int, ...]:
+        """Plain free block ids in the order :meth:`allocate` hands them out (cached ones follow, LRU first)."""
+        return tuple(self._free)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 

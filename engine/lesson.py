@@ -128,7 +128,7 @@ class ToyPagedSequence:
     @property
     def free_queue(self) -> tuple[int, ...]:
         """Free block ids in the order BlockPool will hand them out."""
-        return tuple(int(b) for b in self.pool._free)  # BlockPool has no public view of its queue
+        return self.pool.free_queue
 
     @property
     def max_positions(self) -> int:
