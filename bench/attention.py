@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine import attention  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
@@ -31,7 +32,7 @@ def timeit(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float]:
+def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]:
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(batch, KV_HEADS, ctx, DIM, generator=g)  # contiguous layout for SDPA
     values = torch.randn(batch, KV_HEADS, ctx, DIM, generator=g)
@@ -52,23 +53,43 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float]:
     def paged():
         return paged_attention(query, key_cache, value_cache, tables, seq_lens)
 
+    def interleaved():  # the three timed round-robin so machine noise hits them alike
+        samples = {"contiguous": [], "eager": [], "compiled": []}
+        for _ in range(repeat):
+            for name in samples:
+                attention.use_compiled_attention(name == "compiled")
+                fn = contiguous if name == "contiguous" else paged
+                t = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t)
+        return {k: statistics.median(v) for k, v in samples.items()}
+
     with torch.inference_mode():
-        err = (paged() - contiguous()).abs().max().item()
-        t_contig = timeit(contiguous, repeat)
-        t_paged = timeit(paged, repeat)
-    return t_contig, t_paged, err
+        ref = contiguous()
+        attention.use_compiled_attention(False)
+        err = (paged() - ref).abs().max().item()
+        attention.use_compiled_attention(True)
+        err = max(err, (paged() - ref).abs().max().item())  # also compiles the fused kernel
+        for _ in range(3):
+            interleaved()  # warm-up
+        t = interleaved()
+    return t["contiguous"], t["eager"], t["compiled"], err
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=40)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'batch':>5} {'ctx':>5} {'contiguous ms':>14} {'paged ms':>9} {'ratio':>6} {'max err':>8}")
+    print("ratio = paged time / contiguous SDPA time (median of interleaved runs)")
+    print(f"{'batch':>5} {'ctx':>5} {'contiguous ms':>14} {'eager ms':>9} {'ratio':>6} {'compiled ms':>12} {'ratio':>6} {'max err':>8}")
     for batch in (1, 8, 32):
         for ctx in (128, 1024):
-            tc, tp, err = case(batch, ctx, args.repeat)
-            print(f"{batch:>5} {ctx:>5} {tc * 1e3:>14.3f} {tp * 1e3:>9.3f} {tp / tc:>6.2f} {err:>8.1e}")
+            tc, te, tf, err = case(batch, ctx, args.repeat)
+            print(f"{batch:>5} {ctx:>5} {tc * 1e3:>14.3f} {te * 1e3:>9.3f} {te / tc:>6.2f} {tf * 1e3:>12.3f} "
+                  f"{tf / tc:>6.2f} {err:>8.1e}")
+    if attention._compiled.failed:
+        print("note: torch.compile failed on this machine; the compiled column is the eager fallback")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ hold which position. :func:`dense_attention` is the contiguous reference the tes
 """
 from __future__ import annotations
 
+import logging
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from .errors import EngineError
+
+log = logging.getLogger(__name__)
 
 
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
@@ -39,19 +43,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.T
     return out.flatten(1, 2)[:, :max_len]  # [seqs, max_len, kv_heads, dim]
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Single-token attention for a batch of sequences whose K/V sit in paged caches.
-
-    query [seqs, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables int [seqs, max_blocks];
-    seq_lens int [seqs] (context length, including the query's own position) -> [seqs, heads, dim].
-    Query head h reads K/V head h // (heads // kv_heads). Default scale 1/sqrt(dim).
-    """
-    _check(query, key_cache, value_cache, block_tables, seq_lens)
-    seqs, heads, dim = query.shape
-    kv_heads = key_cache.shape[2]
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    seq_lens = seq_lens.to(query.device)
+def _paged_attention_eager(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Gather each sequence's K/V into a padded contiguous tensor, then one masked SDPA call."""
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
     keys = gather_kv(key_cache, block_tables, seq_lens)  # [seqs, T, kv_heads, dim]
     values = gather_kv(value_cache, block_tables, seq_lens)
     max_len = keys.shape[1]
@@ -65,6 +59,79 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         enable_gqa=kv_heads != heads,
     )  # [seqs, heads, 1, dim]
     return out.squeeze(2)
+
+
+def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
+    """The same attention written so that torch.compile (inductor) fuses the block-table lookups into the
+    reductions: each K/V row is read once, straight from its physical block, and nothing is gathered."""
+    seqs, heads, dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    group = heads // kv_heads
+    max_blocks = block_tables.shape[1]
+    live = torch.arange(max_blocks, device=query.device).view(1, max_blocks) * block_size < seq_lens.view(seqs, 1)
+    tables = torch.where(live, block_tables, 0).long()  # [seqs, max_blocks]; entries past the end -> block 0
+    pos = torch.arange(max_blocks * block_size, device=query.device).view(1, max_blocks, block_size)
+    valid = pos < seq_lens.view(seqs, 1, 1)  # [seqs, max_blocks, block_size]
+    k = key_cache[tables]  # [seqs, max_blocks, block_size, kv_heads, dim] (indexed inside the fused loops)
+    q = (query * scale).view(seqs, 1, 1, kv_heads, group, dim)
+    scores = (k.unsqueeze(4) * q).sum(-1)  # [seqs, max_blocks, block_size, kv_heads, group]
+    scores = torch.where(valid[..., None, None], scores, float("-inf"))
+    weights = torch.exp(scores - scores.amax((1, 2), keepdim=True))
+    v = value_cache[tables].unsqueeze(4)  # [seqs, max_blocks, block_size, kv_heads, 1, dim]
+    out = (weights.unsqueeze(-1) * v).sum((1, 2)) / weights.sum((1, 2)).unsqueeze(-1)  # [seqs, kv_heads, group, dim]
+    return out.reshape(seqs, heads, dim)
+
+
+class _Compiled:
+    """Lazily compiled fused kernel; any failure (no C++ compiler, unsupported backend) falls back to eager."""
+
+    def __init__(self):
+        self.enabled = False
+        self.failed = False
+        self._fn = None
+        self._lock = threading.Lock()
+
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        if self._fn is None:
+            with self._lock:
+                if self._fn is None:
+                    self._fn = torch.compile(_paged_attention_fused, dynamic=False)
+        for t, dims in ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,))):
+            for d in dims:  # batch and table width vary from step to step: one kernel for all of them
+                torch._dynamo.mark_dynamic(t, d)
+        return self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+_compiled = _Compiled()
+
+
+def use_compiled_attention(enabled: bool = True) -> bool:
+    """Route decode attention through the torch.compile'd fused kernel (True) or the eager gather (False).
+    Returns whether the fused kernel is in use (False after a compile failure)."""
+    _compiled.enabled = bool(enabled) and not _compiled.failed
+    return _compiled.enabled
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Single-token attention for a batch of sequences whose K/V sit in paged caches.
+
+    query [seqs, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables int [seqs, max_blocks];
+    seq_lens int [seqs] (context length, including the query's own position) -> [seqs, heads, dim].
+    Query head h reads K/V head h // (heads // kv_heads). Default scale 1/sqrt(dim). Table entries past a
+    sequence's last block are ignored (-1 and stale ids alike). Slots past a sequence's length must hold finite
+    values (the engine's cache is zero-initialised); they get zero weight.
+    """
+    _check(query, key_cache, value_cache, block_tables, seq_lens)
+    scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
+    seq_lens = seq_lens.to(query.device)
+    if _compiled.enabled:
+        try:
+            return _compiled(query, key_cache, value_cache, block_tables.to(query.device), seq_lens, scale)
+        except Exception as exc:  # keep decoding: the eager path computes the same thing
+            _compiled.failed, _compiled.enabled = True, False
+            log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+    return _paged_attention_eager(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

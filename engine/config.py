@@ -22,6 +22,7 @@ class EngineConfig:
     seed: int = 0  # base seed for weights of random models and per-conversation samplers
     max_num_seqs: int = 256  # most conversations decoding in one step
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (at least one prompt is always admitted)
+    compile_attention: bool = False  # decode attention through the torch.compile'd fused kernel (process-wide)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

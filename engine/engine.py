@@ -15,7 +15,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
-from .attention import attend_batch
+from .attention import attend_batch, use_compiled_attention
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
@@ -55,6 +55,8 @@ class Engine:
             device = cfg.device
         self.device = torch.device(device)
         self.dtype = _DTYPES[cfg.dtype]
+        if cfg.compile_attention:
+            use_compiled_attention(True)
         loaded = load_model(cfg.model, self.dtype, self.device, cfg.seed, progress)
         self.model = loaded.model
         self.model_config = loaded.config

@@ -5,8 +5,6 @@ rebuilt, so selection and scroll position survive 30 updates a second.
 """
 from __future__ import annotations
 
-import html
-
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
@@ -101,6 +99,10 @@ class ConversationDetail(QtWidgets.QWidget):
         layout.addWidget(self.table_label)
         layout.addWidget(self.text, 1)
         self._key = None
+        self._shown = ("", "")  # (prompt, output) currently in the text view
+        self._prompt_format = QtGui.QTextCharFormat()
+        self._prompt_format.setForeground(QtGui.QColor(138, 138, 150))
+        self._output_format = QtGui.QTextCharFormat()
 
     def show_conversation(self, info: ConversationInfo | None, snapshot: PoolSnapshot) -> None:
         if info is None:
@@ -108,6 +110,7 @@ class ConversationDetail(QtWidgets.QWidget):
                 self.title.setText("Select a conversation to see its block table and text.")
                 self.table_label.clear()
                 self.text.clear()
+                self._shown = ("", "")
                 self._key = None
             return
         table = snapshot.block_tables.get(info.conversation_id, ())
@@ -133,10 +136,23 @@ class ConversationDetail(QtWidgets.QWidget):
             self.table_label.setText("Block table (logical → physical): " + ", &nbsp;".join(cells))
         else:
             self.table_label.setText("Block table: empty (it holds no blocks now)")
+        self._show_text(info)
+
+    def _show_text(self, info: ConversationInfo) -> None:
+        """Prompt dim, output normal; when only new output arrived, append it instead of redrawing everything."""
         scrollbar = self.text.verticalScrollBar()
         at_end = scrollbar.value() >= scrollbar.maximum() - 4
-        self.text.setHtml(
-            f"<span style='color:#8a8a96'>{_html(info.prompt_text)}</span><span>{_html(info.output_text)}</span>")
+        shown_prompt, shown_output = self._shown
+        cursor = QtGui.QTextCursor(self.text.document())
+        if shown_prompt == info.prompt_text and info.output_text.startswith(shown_output):
+            cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
+            cursor.insertText(info.output_text[len(shown_output):], self._output_format)
+        else:
+            self.text.clear()
+            cursor = QtGui.QTextCursor(self.text.document())
+            cursor.insertText(info.prompt_text, self._prompt_format)
+            cursor.insertText(info.output_text, self._output_format)
+        self._shown = (info.prompt_text, info.output_text)
         if at_end:
             scrollbar.setValue(scrollbar.maximum())
 
@@ -144,14 +160,10 @@ class ConversationDetail(QtWidgets.QWidget):
         return self.text.toPlainText()
 
 
-def _html(text: str) -> str:
-    return html.escape(text).replace("\n", "<br>")
-
-
 class ConversationsPanel(QtWidgets.QWidget):
     """Table of conversations with add / fork / reply / end buttons; emits what the user asked for."""
 
-    selectionChanged = QtCore.Signal(object)  # conversation id or None
+    selectionChanged = QtCore.Signal(int)  # conversation id or -1 (never None: see controls.py)
     addRequested = QtCore.Signal()
     forkRequested = QtCore.Signal(int)
     replyRequested = QtCore.Signal(int)
@@ -165,7 +177,9 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
+        self.view.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.view.horizontalHeader().setStretchLastSection(True)
+        self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)
         self.view.selectionModel().selectionChanged.connect(self._on_selection)
         self.buttons = {}
@@ -190,7 +204,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         left_layout.addWidget(self.view, 1)
         split.addWidget(left)
         split.addWidget(self.detail)
-        split.setSizes([520, 480])
+        split.setSizes([560, 440])
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(split)
@@ -226,7 +240,7 @@ class ConversationsPanel(QtWidgets.QWidget):
             self.detail.show_conversation(self._snapshot.conversation(cid) if cid is not None else None,
                                           self._snapshot)
         self._enable_buttons()
-        self.selectionChanged.emit(cid)
+        self.selectionChanged.emit(-1 if cid is None else cid)
 
     def _emit_for_selected(self, signal) -> None:
         cid = self.selected_conversation()

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 from .dialogs import SYSTEM_PROMPT
 
-DEMO_SPEED = 12.0  # steps/s for "busy", slow enough to watch blocks fill
+DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 
 
 def seed_busy(engine) -> list[int]:
-    """Add the busy demo's conversations; returns their ids."""
-    a = engine.add_conversation(SYSTEM_PROMPT + "What does a block table store?", max_new_tokens=240,
-                                temperature=0.7, seed=1)
+    """Add the busy demo's conversations; returns their ids. Generation lengths shrink to fit small pools."""
+    snap = engine.snapshot()
+    budget = snap.num_blocks * snap.block_size // 4  # slots one long conversation may aim for
+
+    def add(prompt: str, wanted: int, **kwargs) -> int:
+        room = budget - len(engine.tokenize(prompt))
+        return engine.add_conversation(prompt, max_new_tokens=max(4, min(wanted, room)), **kwargs)
+
+    a = add(SYSTEM_PROMPT + "What does a block table store?", 240, temperature=0.7, seed=1)
     engine.step()  # prefill a, so its full system-prompt blocks are hashed before b arrives
-    b = engine.add_conversation(SYSTEM_PROMPT + "Why do tail blocks waste memory?", max_new_tokens=240,
-                                temperature=0.7, seed=2)
-    c = engine.add_conversation("Write a short poem about memory pages.", max_new_tokens=200, temperature=0.9,
-                                seed=3)
-    e = engine.add_conversation("Explain copy-on-write in one line.", max_new_tokens=20, temperature=0.0)
+    b = add(SYSTEM_PROMPT + "Why do tail blocks waste memory?", 240, temperature=0.7, seed=2)
+    c = add("Write a short poem about memory pages.", 200, temperature=0.9, seed=3)
+    e = add("Explain copy-on-write in one line.", 20, temperature=0.0)
     engine.step()
     d = engine.fork_conversation(c, seed=4)
     return [a, b, c, d, e]

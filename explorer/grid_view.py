@@ -15,7 +15,8 @@ from engine.snapshot import BlockState, PoolSnapshot
 from . import palette
 from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 
-MAX_LABELS = 64  # ref-count labels appear only when at most this many cells are in view
+MAX_VISIBLE_FOR_LABELS = 256  # ref-count labels appear only when at most this many cells are in view
+MAX_LABELS = 64  # and at most this many labels are drawn
 
 
 def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
@@ -136,11 +137,11 @@ class GridView(QtWidgets.QWidget):
         return self.view.mapFromScene(scene)
 
     def cell_colour(self, block_id: int) -> tuple[int, int, int]:
-        """RGB of the drawn image at the middle of a block's cell (what the user sees there)."""
+        """RGB of the drawn image in a block's cell, over its first slot (what the user sees there)."""
         geo = self.geometry_
         x, y = geo.cell_origin(block_id)
         t = geo.tile
-        r, g, b, _ = self.image[y * t + t // 2, x * t + t // 2]
+        r, g, b, _ = self.image[y * t + t // 2, x * t + max(1, t // 8)]
         return int(r), int(g), int(b)
 
     def block_at_scene(self, scene_pos: QtCore.QPointF) -> int | None:
@@ -187,10 +188,10 @@ class GridView(QtWidgets.QWidget):
             rect = self.box.viewRect()
             x0, x1 = max(int(np.floor(rect.left())), 0), min(int(np.ceil(rect.right())), geo.cols)
             y0, y1 = max(int(np.floor(rect.top())), 0), min(int(np.ceil(rect.bottom())), geo.rows)
-            if 0 < (x1 - x0) * (y1 - y0) <= MAX_LABELS:
+            if 0 < (x1 - x0) * (y1 - y0) <= MAX_VISIBLE_FOR_LABELS:
                 ids = (np.arange(y0, y1)[:, None] * geo.cols + np.arange(x0, x1)[None, :]).ravel()
                 ids = ids[ids < geo.num_blocks]
-                shared = ids[np.asarray(snap.ref_count)[ids] > 1]
+                shared = ids[np.asarray(snap.ref_count)[ids] > 1][:MAX_LABELS]
                 for block in shared:
                     label = self._label(shown)
                     x, y = geo.cell_origin(int(block))

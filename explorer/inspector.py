@@ -116,6 +116,7 @@ class Inspector(QtWidgets.QWidget):
         self.plot.setLabel("left", "filled slot")
         self.plot.getViewBox().invertY(True)
         self.plot.setMinimumHeight(120)
+        self.plot.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
         self.heat = pg.ImageItem(axisOrder="row-major")
         self.heat.setColorMap(pg.colormap.get("viridis"))
         self.plot.addItem(self.heat)
@@ -134,6 +135,7 @@ class Inspector(QtWidgets.QWidget):
             self.info = None
             self.slots.set_block(None)
             self.heat.clear()
+            self.plot.setTitle("")
         self.block_id = block_id
         if block_id is None:
             self.note.setText("Click a cell in the grid to inspect its block.")
@@ -170,7 +172,8 @@ class Inspector(QtWidgets.QWidget):
             return  # an answer for a block the user has since left
         previous = self.info
         self.info = info
-        self.note.setText(change_note(previous, info))
+        if previous is None or (previous.state, previous.owners) != (info.state, info.owners):
+            self.note.setText(change_note(previous, info))  # otherwise keep saying what last changed
         self.fields["block"].setText(str(info.block_id))
         self.fields["state"].setText(info.state.name.lower())
         self.fields["ref count"].setText(str(info.ref_count))
@@ -191,11 +194,14 @@ class Inspector(QtWidgets.QWidget):
         info = self.info
         if info is None or info.num_filled == 0 or info.keys.ndim != 4:
             self.heat.clear()
+            self.plot.setTitle("no K/V: the block holds no filled slots" if info is not None else "")
             return
         data = info.keys if self.kind.currentText() == "K" else info.values
         layer = min(self.layer.value(), data.shape[0] - 1)
         head = min(self.head.value(), data.shape[2] - 1)
         image = np.asarray(data[layer, :, head, :], np.float32)  # [filled, head_dim]
+        self.plot.setTitle(f"{self.kind.currentText()} of layer {layer}, kv head {head}: "
+                           f"{image.shape[0]} slots × {image.shape[1]} dims")
         self.heat.setImage(image, autoLevels=True)
         self.heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
         self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, max(image.shape[0], 1)), padding=0)

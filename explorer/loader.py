@@ -3,9 +3,13 @@
 Loading a checkpoint can take seconds; doing it in a worker thread keeps the window painting and the current
 engine running. The worker only constructs the engine (and optionally seeds it with demo conversations before any
 other thread can see it); the GUI thread receives the finished object through a queued signal.
+
+There is one loader thread for the life of the process and it never exits: when a thread that ran torch ops
+exits, libgomp leaves its OpenMP workers spinning and the engine thread runs 10-100x slower.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import traceback
 from typing import Callable
@@ -22,28 +26,30 @@ class EngineLoader(QtCore.QObject):
     loaded = QtCore.Signal(object)
     failed = QtCore.Signal(str, str)
     _worker_progress = QtCore.Signal(str, float)  # emitted by the worker thread ...
-    _worker_done = QtCore.Signal(object, str, str)  # ... and queued to slots of this GUI-thread object
+    _worker_loaded = QtCore.Signal(object)  # ... and queued to slots of this GUI-thread object
+    _worker_failed = QtCore.Signal(str, str)
 
     def __init__(self, parent: QtCore.QObject | None = None):
         super().__init__(parent)
-        self.thread: threading.Thread | None = None
         self._worker_progress.connect(self._relay_progress, QtCore.Qt.ConnectionType.QueuedConnection)
-        self._worker_done.connect(self._relay_done, QtCore.Qt.ConnectionType.QueuedConnection)
+        self._worker_loaded.connect(self._relay_loaded, QtCore.Qt.ConnectionType.QueuedConnection)
+        self._worker_failed.connect(self._relay_failed, QtCore.Qt.ConnectionType.QueuedConnection)
 
     @QtCore.Slot(str, float)
     def _relay_progress(self, message: str, fraction: float) -> None:
         self.progress.emit(message, fraction)
 
-    @QtCore.Slot(object, str, str)
-    def _relay_done(self, engine, message: str, details: str) -> None:
-        if engine is not None:
-            self.loaded.emit(engine)
-        else:
-            self.failed.emit(message, details)
+    @QtCore.Slot(object)
+    def _relay_loaded(self, engine) -> None:
+        self.loaded.emit(engine)
+
+    @QtCore.Slot(str, str)
+    def _relay_failed(self, message: str, details: str) -> None:
+        self.failed.emit(message, details)
 
     def start(self, cfg: EngineConfig, setup: Callable[[object], None] | None = None) -> None:
-        self.thread = threading.Thread(target=self._work, args=(cfg, setup), name="engine-loader", daemon=True)
-        self.thread.start()
+        _jobs.put((self._work, cfg, setup))
+        _ensure_worker()
 
     def _work(self, cfg: EngineConfig, setup) -> None:
         try:
@@ -54,9 +60,28 @@ class EngineLoader(QtCore.QObject):
                 setup(engine)
         except Exception as exc:  # shown to the user; the caller keeps whatever engine it had
             message = str(exc) if _is_engine_error(exc) else f"{type(exc).__name__}: {exc}"
-            self._worker_done.emit(None, message, traceback.format_exc())
+            self._worker_failed.emit(message, traceback.format_exc())
             return
-        self._worker_done.emit(engine, "", "")
+        self._worker_loaded.emit(engine)
+
+
+_jobs: queue.Queue = queue.Queue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+
+
+def _ensure_worker() -> None:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = threading.Thread(target=_serve, name="engine-loader", daemon=True)
+            _worker.start()
+
+
+def _serve() -> None:
+    while True:
+        work, cfg, setup = _jobs.get()
+        work(cfg, setup)
 
 
 def _is_engine_error(exc: BaseException) -> bool:

@@ -58,6 +58,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._select_when_present: int | None = None
         self._inspect_future = None
         self._inspect_due = False
+        self._inspected_key = None
         self._last_inspect = 0.0
         self._ticks: deque[float] = deque(maxlen=120)
         self._frames: deque[float] = deque(maxlen=120)
@@ -132,7 +133,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.addToolBar(self.controls)
         self.controls.pauseToggled.connect(lambda pause: self.runner.pause() if pause else self.runner.resume())
         self.controls.stepRequested.connect(lambda: self.runner.step_once())
-        self.controls.speedChanged.connect(lambda speed: self.runner.set_speed(speed))
+        self.controls.speedChanged.connect(lambda speed: self.runner.set_speed(speed or None))
         self.controls.restartRequested.connect(self.open_restart_dialog)
 
         self.grid.blockClicked.connect(self.select_block)
@@ -222,7 +223,12 @@ class MainWindow(QtWidgets.QMainWindow):
                 self.select_block(None)
             else:
                 self.inspector.show_summary(snap)
-                self._inspect_due = True
+                b = self.inspector.block_id
+                key = (snap.step_id, int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]),
+                       int(snap.owner[b]), int(snap.last_access[b]))
+                if key != self._inspected_key:  # inspect_block itself publishes a snapshot: don't loop on it
+                    self._inspected_key = key
+                    self._inspect_due = True
         mem = snap.memory
         if mem is not None:
             self.pool_label.setText(f"step {snap.step_id} · {mem.num_used_blocks} used, {mem.num_cached_blocks} "
@@ -279,10 +285,11 @@ class MainWindow(QtWidgets.QMainWindow):
         self.grid.set_selected_block(block_id)
         self.inspector.select(block_id, self.snapshot)
         self._inspect_due = block_id is not None
+        self._inspected_key = None
         self._last_inspect = 0.0
 
-    def _on_conversation_selected(self, cid) -> None:
-        self.grid.set_selected_conversation(cid)
+    def _on_conversation_selected(self, cid: int) -> None:
+        self.grid.set_selected_conversation(None if cid < 0 else cid)
 
     def _on_color_by(self, _index: int) -> None:
         mode = self.color_by.currentData()

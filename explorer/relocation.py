@@ -39,8 +39,9 @@ def memory_lines(mem: MemoryStats | None) -> list[tuple[str, str]]:
         ("Empty tail slots", f"{human_bytes(mem.tail_waste_bytes)}  ({mem.num_tail_empty_slots} slots)"),
         ("Block tables", f"{human_bytes(mem.block_table_bytes)}"),
         ("Paged total (used blocks)", f"{human_bytes(paged)}  ({mem.num_used_blocks} blocks)"),
-        ("Saved by sharing", f"{human_bytes(mem.num_slots_saved_by_sharing * mem.bytes_per_token)}"),
-        ("Contiguous max-length reservation", f"{human_bytes(mem.contiguous_bytes)}  "
+        ("Saved by sharing", f"{human_bytes(mem.num_slots_saved_by_sharing * mem.bytes_per_token)}  "
+                             f"({mem.num_slots_saved_by_sharing} slots)"),
+        ("Contiguous reservation", f"{human_bytes(mem.contiguous_bytes)}  "
                                               f"({mem.num_contiguous_slots} slots)"),
     ]
 

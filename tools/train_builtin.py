@@ -14,8 +14,10 @@ torch 2.13 CPU):
 Choices, measured on this machine:
 - 258 tokens (256 bytes + BOS 256 + EOS 257); hidden 256, 4 layers, 8 query heads sharing 4 KV heads (GQA, so
   the engine's grouped path is exercised), SwiGLU 688, tied embeddings: about 3.0M parameters, 6 MB in fp16.
-- Windows of 1024 bytes, so every position up to max_position_embeddings (1024) was trained; windows start
-  anywhere in the stream and may cross document boundaries (BOS/EOS mark them).
+- 4096 tokens per step: windows of 256 bytes for the first 60% of training (cheaper per token, and more
+  updates while the model learns spelling), then windows of 1024 bytes, so every position up to
+  max_position_embeddings (1024) was trained. Windows start anywhere in the stream and may cross document
+  boundaries (BOS/EOS mark them).
 - AdamW with linear warmup then cosine decay to a tenth of the peak rate. The schedule follows the step count;
   if the wall-clock budget (--minutes) would run out first, it follows elapsed time instead, so the decay
   still completes in time on a busy machine (such a run is no longer bit-reproducible, and says so).
@@ -180,8 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup as a fraction of training")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    p.add_argument("--seq-len", type=int, default=1024, help="window length; also max_position_embeddings")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per step (windows x window length)")
+    p.add_argument("--seq-len", type=int, default=1024, help="final window length; also max_position_embeddings")
+    p.add_argument("--short-seq-len", type=int, default=256, help="window length of the first phase")
+    p.add_argument("--short-fraction", type=float, default=0.6, help="fraction of training in short windows")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -258,8 +262,9 @@ def main(argv=None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr
 
-        starts = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
-        batch = train_stream[starts[:, None] + offsets[None, :]]  # [B, T + 1]
+        seq_len = args.short_seq_len if progress < args.short_fraction else args.seq_len
+        starts = torch.randint(0, train_stream.numel() - seq_len - 1, (args.batch_tokens // seq_len,), generator=gen)
+        batch = train_stream[starts[:, None] + offsets[None, : seq_len + 1]]  # [B, T + 1]
         logits = model.forward_dense(batch[:, :-1])  # [B, T, vocab]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -273,7 +278,7 @@ def main(argv=None) -> int:
         if step % args.log_every == 0:
             el = time.monotonic() - t_loop
             print(f"step {step}/{args.steps}  loss {loss_sum / loss_n:.4f} ({loss_sum / loss_n / LN2:.3f} bits/token)  "
-                  f"lr {lr:.2e}  {step * args.batch_size * args.seq_len / el:.0f} tok/s  {el / 60:.1f} min"
+                  f"lr {lr:.2e}  {step * args.batch_tokens / el:.0f} tok/s  T {seq_len}  {el / 60:.1f} min"
                   + ("  [time-driven schedule]" if time_driven else ""), flush=True)
             loss_sum, loss_n = 0.0, 0
         if step % args.eval_every == 0:

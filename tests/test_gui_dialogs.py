@@ -1,0 +1,126 @@
+"""Dialogs refuse bad input at the field and send nothing; engine restarts keep the old engine on failure."""
+from PySide6 import QtWidgets
+
+from explorer.dialogs import parse_number
+from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+
+
+def spy_on_submit(window):
+    """Record the names of commands the window sends from now on."""
+    sent = []
+    submit = window.runner.submit
+
+    def recording(name, *args, **kwargs):
+        sent.append(name)
+        return submit(name, *args, **kwargs)
+
+    window.runner.submit = recording
+    return sent
+
+
+def test_parse_number():
+    assert parse_number("12", "N") == (12, "")
+    assert parse_number(" 0.5 ", "T", float) == (0.5, "")
+    assert "whole number" in parse_number("abc", "N")[1]
+    assert "at least 1" in parse_number("0", "N", int, 1)[1]
+    assert "finite" in parse_number("nan", "T", float)[1]
+
+
+def test_add_dialog_refuses_bad_input_and_sends_nothing(qtbot, make_window):
+    window = make_window(paused=True)
+    sent = spy_on_submit(window)
+    dialog = window.open_add_dialog()
+    dialog.try_accept()  # empty prompt
+    assert "empty" in dialog.error_text("prompt")
+    dialog.prompt.setPlainText("A fine prompt")
+    dialog.max_new_tokens.setText("lots")
+    dialog.temperature.setText("warm")
+    dialog.samples.setText("2.5")
+    dialog.try_accept()
+    assert "whole number" in dialog.error_text("max_new_tokens")
+    assert "number" in dialog.error_text("temperature")
+    assert "whole number" in dialog.error_text("samples")
+    assert dialog.error_text("prompt") == ""
+    assert dialog.errors["max_new_tokens"].isVisible()
+    assert dialog.isVisible() and sent == []
+
+    dialog.max_new_tokens.setText("8")
+    dialog.temperature.setText("0")
+    dialog.samples.setText("1")
+    dialog.prompt.setPlainText("x" * 300)  # 64 blocks x 4 slots = 256 slots: can never fit
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: "Too long for the pool" in dialog.error_text("prompt"), timeout=3000)
+    assert dialog.isVisible()
+    assert "add_conversation" not in sent and sent == ["tokenize"]  # only the length check reached the engine
+    qtbot.wait(100)
+    assert window.snapshot.conversations == ()
+
+
+def test_add_dialog_with_samples_forks(qtbot, make_window):
+    window = make_window(speed=20)
+    dialog = window.open_add_dialog()
+    dialog.prompt.setPlainText("Three samples please")
+    dialog.samples.setText("3")
+    dialog.max_new_tokens.setText("30")
+    dialog.try_accept()
+    snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 3)
+    parent = snap.conversations[0].conversation_id
+    assert [c.parent_id for c in snap.conversations[1:]] == [parent, parent]
+
+
+def test_reply_dialog_refuses_empty_message(qtbot, make_window):
+    def setup(engine):
+        engine.add_conversation("Done soon.", max_new_tokens=2)
+        engine.run_until_idle()
+
+    window = make_window(setup=setup, paused=True)
+    sent = spy_on_submit(window)
+    dialog = window.open_reply_dialog(window.snapshot.conversations[0].conversation_id)
+    dialog.try_accept()
+    assert "empty" in dialog.error_text("message")
+    dialog.message.setPlainText("more")
+    dialog.max_new_tokens.setText("-3")
+    dialog.try_accept()
+    assert "at least 1" in dialog.error_text("max_new_tokens")
+    assert sent == [] and dialog.isVisible()
+
+
+def test_restart_dialog_validation(qtbot, make_window, tmp_path):
+    window = make_window(paused=True)
+    dialog = window.open_restart_dialog()
+    dialog.block_size.setText("sixteen")
+    dialog.num_blocks.setText("1")
+    dialog.checkpoint.setChecked(True)
+    dialog.path.setText(str(tmp_path / "missing"))
+    dialog.try_accept()
+    assert "whole number" in dialog.error_text("block_size")
+    assert "at least 2" in dialog.error_text("num_blocks")
+    assert "No such directory" in dialog.error_text("model")
+    assert dialog.config is None and dialog.isVisible()
+
+
+def test_restart_with_bad_checkpoint_keeps_old_engine(qtbot, make_window, tmp_path):
+    window = make_window(speed=50)
+    old = window.runner
+    window.restart_engine(window.config.__class__(model=str(tmp_path), block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: len(window.errors) > 0, timeout=10000)
+    title, text = window.errors[-1]
+    assert title == "Engine restart failed" and "previous engine keeps running" in text
+    assert window.runner is old and old.alive
+
+
+def test_restart_swaps_in_new_engine(qtbot, make_window):
+    window = make_window(paused=True)
+    old = window.runner
+    dialog = window.open_restart_dialog()
+    dialog.block_size.setText("8")
+    dialog.num_blocks.setText("32")
+    dialog.builtin.setChecked(True)
+    dialog.try_accept()
+    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=10000)
+    assert not old.alive and window.runner.alive
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.num_blocks == 32)
+    assert snap.block_size == 8
+    qtbot.waitUntil(lambda: window.grid.geometry_ is not None and window.grid.geometry_.num_blocks == 32, timeout=2000)
+    assert "32 blocks" in window.windowTitle()

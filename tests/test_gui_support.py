@@ -1,0 +1,51 @@
+"""Shared fixtures for the GUI tests: a main window around a real engine (small pool, built-in model)."""
+import time
+
+import pytest
+
+from engine import Engine, EngineConfig, EngineRunner
+from explorer.main_window import MainWindow
+
+
+def make_config(num_blocks=64, block_size=4):
+    return EngineConfig(model="builtin", num_blocks=num_blocks, block_size=block_size)
+
+
+@pytest.fixture
+def make_window(qtbot):
+    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4) -> MainWindow."""
+    windows = []
+
+    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4):
+        cfg = make_config(num_blocks, block_size)
+        engine = Engine(cfg)
+        if setup is not None:
+            setup(engine)
+        runner = EngineRunner(engine, max_steps_per_second=speed, start_paused=paused).start()
+        window = MainWindow(runner, cfg)
+        qtbot.addWidget(window)
+        window.show()
+        qtbot.waitExposed(window)
+        qtbot.waitUntil(lambda: window.snapshot is not None, timeout=3000)
+        windows.append(window)
+        return window
+
+    yield make
+    for window in windows:
+        window.close()
+        assert not window.runner.alive
+
+
+def wait_for_snapshot(qtbot, window, predicate, timeout=8000):
+    """Wait until the snapshot the window last drew satisfies ``predicate``; return it."""
+    qtbot.waitUntil(lambda: window.snapshot is not None and predicate(window.snapshot), timeout=timeout)
+    return window.snapshot
+
+
+def test_support_window_stops_its_engine_on_close(make_window):
+    window = make_window()
+    assert window.runner.alive
+    start = time.perf_counter()
+    window.close()
+    assert time.perf_counter() - start < 1.0
+    assert not window.runner.alive
