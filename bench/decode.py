@@ -55,7 +55,14 @@ def run_engine(path: Path, batch: int) -> tuple[float, list[list[int]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--compile", action="store_true", help="engine decode attention through torch.compile")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.compile:
+        from engine.attention import use_compiled_attention
+        use_compiled_attention(True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_checkpoint(Path(tmp))

@@ -10,6 +10,8 @@ import logging
 import math
 import threading
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,33 +30,49 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
         raise EngineError("block_tables and seq_lens need one row per query sequence")
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Copy each sequence's K (or V) into a padded contiguous tensor [seqs, max_len, kv_heads, dim].
+@dataclass
+class DecodePlan:
+    """Everything about a decode batch's block tables that every layer shares: computed once per step."""
 
-    Table entries past a sequence's last block may hold anything (-1, stale ids): they are replaced by block 0,
-    and the padded positions they produce are masked out by the caller."""
-    num_blocks, block_size = cache.shape[:2]
+    tables: torch.Tensor  # int64 [seqs, max_blocks]: live entries as given, entries past the end replaced by 0
+    flat_blocks: torch.Tensor  # int64 [seqs * max_blocks]: the same, flattened for index_select
+    seq_lens: torch.Tensor  # [seqs]
+    max_len: int  # longest context in the batch
+    mask: torch.Tensor | None  # bool [seqs, 1, 1, max_len]; None when every sequence has max_len tokens
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """Trim the tables to the blocks in use and neutralise entries past each sequence's end (-1 or stale ids)."""
+    seq_lens = seq_lens.to(block_tables.device)
     max_len = int(seq_lens.max())
     max_blocks = -(-max_len // block_size)
     tables = block_tables[:, :max_blocks].long()  # [seqs, max_blocks]
-    live = torch.arange(max_blocks, device=tables.device)[None, :] * block_size < seq_lens[:, None].to(tables.device)
-    tables = torch.where(live, tables, torch.zeros_like(tables))
-    out = cache[tables]  # [seqs, max_blocks, block_size, kv_heads, dim]
-    return out.flatten(1, 2)[:, :max_len]  # [seqs, max_len, kv_heads, dim]
+    live = torch.arange(max_blocks, device=tables.device)[None, :] * block_size < seq_lens[:, None]
+    tables = torch.where(live, tables, 0)
+    mask = None
+    if bool((seq_lens != max_len).any()):
+        mask = (torch.arange(max_len, device=tables.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    return DecodePlan(tables, tables.reshape(-1), seq_lens, max_len, mask)
 
 
-def _paged_attention_eager(query, key_cache, value_cache, block_tables, seq_lens, scale):
-    """Gather each sequence's K/V into a padded contiguous tensor, then one masked SDPA call."""
+def gather_kv(cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """Copy each sequence's K (or V) into a padded contiguous tensor [seqs, max_len, kv_heads, dim]."""
+    seqs, max_blocks = plan.tables.shape
+    _, block_size, kv_heads, dim = cache.shape
+    out = cache.index_select(0, plan.flat_blocks)  # [seqs * max_blocks, block_size, kv_heads, dim]
+    return out.view(seqs, max_blocks * block_size, kv_heads, dim)[:, : plan.max_len]
+
+
+def _paged_attention_eager(query, key_cache, value_cache, plan: DecodePlan, scale):
+    """Gather each sequence's K/V into a padded contiguous tensor, then one (masked) SDPA call."""
     heads, kv_heads = query.shape[1], key_cache.shape[2]
-    keys = gather_kv(key_cache, block_tables, seq_lens)  # [seqs, T, kv_heads, dim]
-    values = gather_kv(value_cache, block_tables, seq_lens)
-    max_len = keys.shape[1]
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [seqs, T]
+    keys = gather_kv(key_cache, plan)  # [seqs, T, kv_heads, dim]
+    values = gather_kv(value_cache, plan)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [seqs, heads, 1, dim]
         keys.transpose(1, 2),  # [seqs, kv_heads, T, dim]
         values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],  # [seqs, 1, 1, T]
+        attn_mask=plan.mask,  # [seqs, 1, 1, T] or None
         scale=scale,
         enable_gqa=kv_heads != heads,
     )  # [seqs, heads, 1, dim]
@@ -124,14 +142,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     _check(query, key_cache, value_cache, block_tables, seq_lens)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
-    seq_lens = seq_lens.to(query.device)
+    plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1])
+    return paged_decode(query, key_cache, value_cache, plan, scale)
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
+                 scale: float) -> torch.Tensor:
+    """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer)."""
     if _compiled.enabled:
         try:
-            return _compiled(query, key_cache, value_cache, block_tables.to(query.device), seq_lens, scale)
+            return _compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
         except Exception as exc:  # keep decoding: the eager path computes the same thing
             _compiled.failed, _compiled.enabled = True, False
             log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
-    return _paged_attention_eager(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -144,9 +168,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     kv_heads = key_cache.shape[2]
     total = start + num_new
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    lens = torch.tensor([total], device=query.device)
-    keys = gather_kv(key_cache, block_table[None, :], lens)[0]  # [total, kv_heads, dim]
-    values = gather_kv(value_cache, block_table[None, :], lens)[0]
+    blocks = block_table[: -(-total // key_cache.shape[1])].long()
+    keys = key_cache.index_select(0, blocks).flatten(0, 1)[:total]  # [total, kv_heads, dim]
+    values = value_cache.index_select(0, blocks).flatten(0, 1)[:total]
     if start == 0:
         mask, causal = None, True
     else:  # query i sits at position start + i and sees keys 0..start + i
@@ -178,8 +202,7 @@ def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     """Attention for a mixed batch (decodes first, then prefill chunks), all read through block tables."""
     out = torch.empty_like(q)  # [tokens, heads, dim]
     if meta.num_decode:
-        out[: meta.num_decode] = paged_attention(q[: meta.num_decode], key_cache, value_cache,
-                                                 meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out[: meta.num_decode] = paged_decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan, scale)
     for first, count, table, start in meta.prefills:
         out[first:first + count] = paged_prefill_attention(q[first:first + count], key_cache, value_cache,
                                                            table, start, scale)

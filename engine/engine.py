@@ -15,7 +15,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
-from .attention import attend_batch, use_compiled_attention
+from .attention import attend_batch, plan_decode, use_compiled_attention
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
@@ -298,18 +298,20 @@ class Engine:
             prefills.append((first, len(new), torch.as_tensor(table, device=self.device), start))
             sample_index.append(first + len(new) - 1)
         dev = self.device
-        decode_tables = decode_lens = None
+        plan = None
         if batch.decodes:
-            width = max(len(s.block_table) for s in batch.decodes)
-            tables = np.full((len(batch.decodes), width), -1, dtype=np.int32)
-            for i, s in enumerate(batch.decodes):
-                tables[i, : len(s.block_table)] = s.block_table
-            decode_tables = torch.as_tensor(tables, device=dev)
-            decode_lens = torch.as_tensor([s.num_computed_tokens + 1 for s in batch.decodes], dtype=torch.int32, device=dev)
-        meta = BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), len(batch.decodes),
-                             decode_tables, decode_lens, prefills)
+            plan = self._plan(batch.decodes, [s.num_computed_tokens + 1 for s in batch.decodes])
+        meta = BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), len(batch.decodes), plan, prefills)
         return (meta, torch.as_tensor(ids, dtype=torch.int64, device=dev),
                 torch.as_tensor(pos, dtype=torch.int64, device=dev), torch.as_tensor(sample_index, device=dev))
+
+    def _plan(self, seqs: list[Sequence], lens: list[int]):
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        return plan_decode(torch.as_tensor(tables, device=self.device),
+                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.cfg.block_size)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
@@ -468,13 +470,8 @@ class Engine:
         seqs = [s for s in self.scheduler.running if s.num_computed_tokens > 0]
         if not seqs:
             return {}
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
         dev = self.device
-        meta = BatchMetadata(None, len(seqs), torch.as_tensor(tables, device=dev),
-                             torch.as_tensor([s.num_computed_tokens for s in seqs], dtype=torch.int32, device=dev), [])
+        meta = BatchMetadata(None, len(seqs), self._plan(seqs, [s.num_computed_tokens for s in seqs]), [])
         ids = torch.as_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs], device=dev)
         pos = torch.as_tensor([s.num_computed_tokens - 1 for s in seqs], device=dev)
         outs: list[torch.Tensor] = []

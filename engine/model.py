@@ -123,8 +123,7 @@ class BatchMetadata:
 
     slot_mapping: torch.Tensor | None  # int64 [tokens]: physical slot (block * block_size + offset) each token's K/V goes to
     num_decode: int  # the first num_decode tokens are single-token decodes
-    decode_block_tables: torch.Tensor | None  # int32 [num_decode, max_blocks]
-    decode_seq_lens: torch.Tensor | None  # int32 [num_decode]: context length including the new token
+    decode_plan: Any  # attention.DecodePlan for the decode tokens (tables trimmed, mask built once per step)
     prefills: Sequence[tuple[int, int, torch.Tensor, int]]  # (first token index, num tokens, block table int64, start position)
 
 
@@ -186,12 +185,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias_qkv)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.head_dim ** -0.5
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (q|k|v weight, bias) for inference
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v at inference time (the separate projections stay for training and loading)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        self.fused = (weight, bias)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.fused is not None:
+            q, k, v = F.linear(x, *self.fused).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
@@ -217,8 +229,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused: torch.Tensor | None = None  # gate|up weight for inference
+
+    def fuse(self) -> None:
+        self.fused = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            gate, up = F.linear(x, self.fused).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -263,6 +282,12 @@ class CausalLM(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def fuse_for_inference(self) -> None:
+        """Concatenate q/k/v and gate/up weights so a decode step runs 4 matmuls per layer instead of 7."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,

@@ -18,6 +18,13 @@ from .main_window import MainWindow
 
 
 def application() -> QtWidgets.QApplication:
+    """The QApplication, set up for a GUI thread that shares the GIL with a busy engine thread.
+
+    Every paint of a pyqtgraph item calls into Python and must take the GIL; with the default 5 ms switch
+    interval the GUI thread waits up to that long each time the engine thread holds it, and frames drop. A 1 ms
+    interval keeps the GUI above 25 frames/s without slowing decode measurably (bench/gui.py).
+    """
+    sys.setswitchinterval(0.001)
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
     app.setApplicationName("Paged KV-cache explorer")
     pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")

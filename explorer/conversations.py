@@ -72,10 +72,10 @@ class ConversationsModel(QtCore.QAbstractTableModel):
             self.endResetModel()
             return
         old = len(self._rows)
-        for i in range(old):
-            if self._rows[i] != new_rows[i]:
-                self._rows[i] = new_rows[i]
-                self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+        changed = [i for i in range(old) if self._rows[i] != new_rows[i]]
+        if changed:  # one signal for the span of changed rows, not one per row
+            self._rows[:old] = new_rows[:old]
+            self.dataChanged.emit(self.index(changed[0], 0), self.index(changed[-1], len(COLUMNS) - 1))
         if len(new_rows) > old:
             self.beginInsertRows(QtCore.QModelIndex(), old, len(new_rows) - 1)
             self._rows.extend(new_rows[old:])
@@ -177,8 +177,10 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
-        self.view.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
-        self.view.horizontalHeader().setStretchLastSection(True)
+        header = self.view.horizontalHeader()
+        for column, width in enumerate((56, 76, 56, 76, 52, 56, 64)):  # fixed: resizing to contents re-reads
+            header.resizeSection(column, width)                        # every cell on every update
+        header.setStretchLastSection(True)
         self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)
         self.view.selectionModel().selectionChanged.connect(self._on_selection)

@@ -97,40 +97,48 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
     state = np.asarray(snapshot.state)
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
-    fill = np.empty((n, 4), np.uint8)
-    fill[:] = palette.FREE
-    owner = np.asarray(snapshot.owner)
+    free32 = _as_u32(palette.FREE[None])[0]
     if color_by == "owner":
-        owners = conversation_colours_or_grey(owner)
-        fill[used] = owners[used]
-        fill[cached] = palette.mix(owners[cached], palette.UNOWNED, palette.CACHED_MIX)
+        owners = conversation_colours_or_grey(np.asarray(snapshot.owner))
+        muted = _as_u32(palette.mix(owners, palette.UNOWNED, palette.CACHED_MIX))
+        fill32 = np.where(used, _as_u32(owners), np.where(cached, muted, free32))
     elif color_by == "ref_count":
         ref = np.clip(np.asarray(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
-        fill[used] = palette.REF_COLOURS[ref[used]]
-        fill[cached] = palette.scale(palette.REF_COLOURS[np.zeros(int(cached.sum()), np.int64)], 1.6)
-    elif color_by == "fill":
-        level = np.asarray(snapshot.num_filled, np.float32) / snapshot.block_size
-        shades = palette.ramp(level)
-        fill[used | cached] = shades[used | cached]
-    elif color_by == "age":
-        age = np.maximum(snapshot.step_id - np.asarray(snapshot.last_access, np.int64), 0)
-        fresh = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
-        shades = palette.ramp(fresh)
-        fill[used | cached] = shades[used | cached]
+        cached32 = _as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
+        fill32 = np.where(used, _as_u32(palette.REF_COLOURS)[ref], np.where(cached, cached32, free32))
+    elif color_by in ("fill", "age"):
+        if color_by == "fill":
+            level = np.asarray(snapshot.num_filled, np.float32) / snapshot.block_size
+        else:
+            age = np.maximum(snapshot.step_id - np.asarray(snapshot.last_access, np.int64), 0)
+            level = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
+        shades = _as_u32(palette.ramp(np.linspace(0.0, 1.0, 256)))  # 256 steps are plenty for the eye
+        index = np.clip(np.round(level * 255), 0, 255).astype(np.intp)
+        fill32 = np.where(used | cached, shades[index], free32)
     else:  # state
-        fill[used] = palette.STATE_USED
-        fill[cached] = palette.STATE_CACHED
+        fill32 = np.where(used, _as_u32(palette.STATE_USED[None])[0],
+                          np.where(cached, _as_u32(palette.STATE_CACHED[None])[0], free32))
+    fill = fill32.view(np.uint8).reshape(n, 4)
     if selected_conversation is not None:
         member = np.zeros(n, bool)
         table = snapshot.block_tables.get(selected_conversation, ())
         if table:
             member[np.asarray(table, np.int64)] = True
         outside = (used | cached) & ~member
+        fill = fill.copy()
         fill[outside] = palette.scale(fill[outside], palette.DIM_LEVEL)
-    empty = palette.scale(fill, palette.EMPTY_SLOT_LEVEL)
-    free = ~(used | cached)
-    empty[free] = palette.FREE
+    empty = _scale_lut(fill, palette.EMPTY_SLOT_LEVEL)
+    empty32 = empty.view(np.uint32)[:, 0]
+    empty32[~(used | cached)] = free32
     return fill, empty
+
+
+def _scale_lut(rgba: np.ndarray, level: float) -> np.ndarray:
+    """palette.scale through a 256-entry lookup table (several times faster on large pools)."""
+    lut = (np.arange(256, dtype=np.float32) * level).astype(np.uint8)
+    out = lut[rgba]
+    out[:, 3] = rgba[:, 3]
+    return out
 
 
 def conversation_colours_or_grey(owner: np.ndarray) -> np.ndarray:
@@ -165,25 +173,22 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
         ring_on[selected_block] = True
         ring_colour[selected_block] = palette.SELECTED_RING
 
-    image = np.empty((geo.rows, t, geo.cols, t), np.uint32)
-    cells = image.transpose(0, 2, 1, 3)  # [rows, cols, T, T], a view into image
-    full_rows, rest = divmod(n, geo.cols)
-    if full_rows:
-        cells[:full_rows] = profile[:full_rows * geo.cols].reshape(full_rows, geo.cols, 1, t)
-    if rest:
-        cells[full_rows, :rest] = profile[full_rows * geo.cols:].reshape(rest, 1, t)
-        cells[full_rows, rest:] = _as_u32(palette.BACKGROUND[None])[0]
+    background = _as_u32(palette.BACKGROUND[None])[0]
+    cells = geo.rows * geo.cols
+    if cells > n:  # blocks past the end of the pool are drawn as background
+        profile = np.concatenate([profile, np.full((cells - n, t), background, np.uint32)])
+    image = np.empty((geo.rows, t, geo.cols, t), np.uint32)  # [row, y in tile, col, x in tile]: memory order
+    image[...] = profile.reshape(geo.rows, 1, geo.cols, t)  # every pixel row of a tile repeats the profile
     if ring_on.any():
         ids = np.nonzero(ring_on)[0]
         r, c = ids // geo.cols, ids % geo.cols
         if ring.any():
             ry, rx = np.nonzero(ring)
-            cells[r[:, None], c[:, None], ry[None, :], rx[None, :]] = _as_u32(ring_colour[ids])[:, None]
+            image[r[:, None], ry[None, :], c[:, None], rx[None, :]] = _as_u32(ring_colour[ids])[:, None]
         else:  # tiles too small for an outline: lighten shared blocks instead
-            lit = palette.mix(_as_rgba(cells[r, c]), ring_colour[ids][:, None, None, :], 0.45)
-            cells[r, c] = _as_u32(lit)
+            lit = palette.mix(_as_rgba(image[r, :, c, :]), ring_colour[ids][:, None, None, :], 0.45)
+            image[r, :, c, :] = _as_u32(lit)
     if gap.any():
-        background = _as_u32(palette.BACKGROUND[None])[0]
         image[:, 0] = background
         image[:, :, :, 0] = background
     return image.reshape(geo.rows * t, geo.cols * t).view(np.uint8).reshape(geo.rows * t, geo.cols * t, 4)

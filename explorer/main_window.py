@@ -30,6 +30,8 @@ from .relocation import RelocationPanel
 
 FRAME_MS = 33
 INSPECT_INTERVAL = 0.2  # seconds between live inspect_block requests (at most 5 Hz)
+PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
+PLOT_INTERVAL = 0.5  # metric plots: repainting axes is the costliest thing the GUI does
 
 
 def _group(title: str, widget: QtWidgets.QWidget) -> QtWidgets.QGroupBox:
@@ -63,6 +65,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self._ticks: deque[float] = deque(maxlen=120)
         self._frames: deque[float] = deque(maxlen=120)
         self._last_slow = 0.0
+        self._last_panels = 0.0
+        self._panels_stale = False
         self._loader: EngineLoader | None = None
         self._build_widgets()
         self._build_actions()
@@ -203,8 +207,11 @@ class MainWindow(QtWidgets.QMainWindow):
             self._on_snapshot(snap)
         if self.grid.render():
             self._frames.append(now)
+        if self._panels_stale and self.snapshot is not None and now - self._last_panels >= PANEL_INTERVAL:
+            self._refresh_panels(self.snapshot)
+            self._last_panels = now
         self._request_inspection(now)
-        if now - self._last_slow >= 0.25:
+        if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now
             self.metrics.redraw()
             self._update_status(now)
@@ -212,12 +219,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_snapshot(self, snap: PoolSnapshot) -> None:
         self.snapshot = snap
         self.grid.set_snapshot(snap)
-        self.conversations.refresh(snap)
-        if self._select_when_present is not None and snap.conversation(self._select_when_present) is not None:
-            self.conversations.select_conversation(self._select_when_present)
-            self._select_when_present = None
-        self.relocation.update_memory(snap.memory)
         self.metrics.record(snap)
+        self._panels_stale = True
         if self.inspector.block_id is not None:
             if self.inspector.block_id >= snap.num_blocks:
                 self.select_block(None)
@@ -229,6 +232,15 @@ class MainWindow(QtWidgets.QMainWindow):
                 if key != self._inspected_key:  # inspect_block itself publishes a snapshot: don't loop on it
                     self._inspected_key = key
                     self._inspect_due = True
+
+    def _refresh_panels(self, snap: PoolSnapshot) -> None:
+        """Conversations table, text, readouts: a few times a second is enough for reading."""
+        self._panels_stale = False
+        self.conversations.refresh(snap)
+        if self._select_when_present is not None and snap.conversation(self._select_when_present) is not None:
+            self.conversations.select_conversation(self._select_when_present)
+            self._select_when_present = None
+        self.relocation.update_memory(snap.memory)
         mem = snap.memory
         if mem is not None:
             self.pool_label.setText(f"step {snap.step_id} · {mem.num_used_blocks} used, {mem.num_cached_blocks} "

@@ -62,7 +62,7 @@ def test_prefill_logits_match(checkpoint):
     from engine.model import BatchMetadata
     table = torch.tensor([7, 2, 9, 0, 5], dtype=torch.int64)  # a deliberately scattered layout
     slots = torch.tensor([int(table[p // 4]) * 4 + p % 4 for p in range(len(prompt))])
-    meta = BatchMetadata(slots, 0, None, None, [(0, len(prompt), table, 0)])
+    meta = BatchMetadata(slots, 0, None, [(0, len(prompt), table, 0)])
     with torch.inference_mode():
         hidden = eng.model(torch.tensor(prompt), torch.arange(len(prompt)), meta, eng.kv.layers, attend_batch)
         paged = eng.model.compute_logits(hidden)
