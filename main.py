@@ -1,7 +1,7 @@
 """Paged KV-cache explorer: watch and steer a paged KV-cache block pool while real decoding runs.
 
     python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
-                   [--demo busy|lesson|none] [--screenshot PATH --quit-after SECONDS] [--headless]
+                   [--demo busy|crowd|lesson|none] [--screenshot PATH --quit-after SECONDS] [--headless]
 
 Bad arguments print one clear line and exit with status 2.
 """
@@ -17,7 +17,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
     parser.add_argument("--num-blocks", type=int, default=128, help="physical blocks in the pool (default 128)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    parser.add_argument("--demo", default="none", choices=("busy", "lesson", "none"))
+    parser.add_argument("--demo", default="none", choices=("busy", "crowd", "lesson", "none"),
+                        help="busy: a few conversations sharing blocks; crowd: many, for large pools; lesson")
     parser.add_argument("--screenshot", metavar="PATH", help="save a PNG of the main window, then exit")
     parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="close the app after this long")
     parser.add_argument("--headless", action="store_true", help="run the engine without a window, print progress")
@@ -35,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             raise EngineError("--quit-after must not be negative")
         if args.headless:
             from engine import Engine
-            from explorer.demo import seed_busy
+            from explorer.demo import seed_busy, seed_crowd
             from explorer.headless import run_headless
             engine = Engine(cfg, progress=None)
-            if args.demo == "busy":
-                seed_busy(engine)
+            if args.demo in ("busy", "crowd"):
+                (seed_busy if args.demo == "busy" else seed_crowd)(engine)
             elif args.demo == "lesson":
                 raise EngineError("the lesson needs the window; drop --headless")
             run_headless(engine)

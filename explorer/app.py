@@ -12,7 +12,7 @@ from PySide6 import QtCore, QtWidgets
 from engine.config import EngineConfig
 from engine.runner import EngineRunner
 
-from .demo import DEMO_SPEED, seed_busy
+from .demo import DEMO_SPEED, seed_busy, seed_crowd
 from .loader import load_engine_blocking
 from .main_window import MainWindow
 
@@ -31,19 +31,35 @@ def application() -> QtWidgets.QApplication:
     return app
 
 
+def show_example_selection(window: MainWindow, select_conversation: bool = True) -> None:
+    """Select a block the second conversation shares (and that conversation), so the first screen also fills
+    the side panels."""
+    snap = window.runner.latest
+    tables = snap.block_tables
+    if len(tables) < 2:
+        return
+    cid = sorted(tables)[1]
+    shared = [b for b in tables[cid] if int(snap.ref_count[b]) > 1]
+    window.select_block(int(shared[0] if shared else tables[cid][0]))
+    if select_conversation:
+        window._select_when_present = cid
+
+
 def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None,
             quit_after: float | None = None) -> int:
     """Run the app until its window closes; returns the process exit code (2 when the engine cannot load)."""
     app = application()
-    engine, error = load_engine_blocking(cfg, seed_busy if demo == "busy" else None)
+    engine, error = load_engine_blocking(cfg, {"busy": seed_busy, "crowd": seed_crowd}.get(demo))
     if engine is None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo == "busy" else None).start()
+    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo in ("busy", "crowd") else None).start()
     window = MainWindow(runner, cfg)
     window.show()
     if demo == "lesson":
         window.open_lesson()
+    elif demo in ("busy", "crowd"):
+        show_example_selection(window, select_conversation=demo == "busy")
     if screenshot:
         def save_and_quit() -> None:
             window.grab().save(screenshot)

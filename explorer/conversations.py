@@ -178,7 +178,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
         header = self.view.horizontalHeader()
-        for column, width in enumerate((56, 76, 56, 76, 52, 56, 64)):  # fixed: resizing to contents re-reads
+        for column, width in enumerate((48, 70, 54, 70, 50, 52, 60)):  # fixed: resizing to contents re-reads
             header.resizeSection(column, width)                        # every cell on every update
         header.setStretchLastSection(True)
         self.view.verticalHeader().setDefaultSectionSize(22)

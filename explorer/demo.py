@@ -34,3 +34,23 @@ def seed_many(engine, count: int, max_new_tokens: int = 64) -> list[int]:
     """``count`` independent conversations (benchmarks, large-pool screenshots)."""
     return [engine.add_conversation(f"Conversation {i}: tell me about page number {i * 7}.",
                                     max_new_tokens=max_new_tokens, temperature=0.8, seed=i) for i in range(count)]
+
+
+def seed_crowd(engine) -> list[int]:
+    """Many conversations of mixed lengths for large pools: a third share the system prompt, some are forked,
+    the short ones finish early and leave cached blocks behind."""
+    snap = engine.snapshot()
+    count = int(min(128, max(8, snap.num_blocks // 128)))
+    budget = max(8, snap.num_blocks * snap.block_size // (2 * count))
+    ids = []
+    for i in range(count):
+        prompt = (SYSTEM_PROMPT if i % 3 == 0 else "") + f"Question {i}: how is page {i * 7} laid out?"
+        wanted = (24, 400, 1200)[i % 3]
+        room = max(4, min(wanted, budget - len(engine.tokenize(prompt))))
+        ids.append(engine.add_conversation(prompt, max_new_tokens=room, temperature=0.8, seed=i))
+        if i % 12 == 0:
+            engine.step()  # let the first system-prompt conversation fill its blocks before others share them
+    engine.step()
+    for parent in ids[1:count // 4:8]:
+        ids.append(engine.fork_conversation(parent, seed=1000 + parent))
+    return ids

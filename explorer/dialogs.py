@@ -236,8 +236,10 @@ class RestartDialog(_FormDialog):
 
     def __init__(self, current: EngineConfig, parent: QtWidgets.QWidget | None = None):
         super().__init__("Restart engine", parent)
-        self.block_size = self.add_row("block_size", "Block size (slots):", QtWidgets.QLineEdit(str(current.block_size)))
-        self.num_blocks = self.add_row("num_blocks", "Pool size (blocks):", QtWidgets.QLineEdit(str(current.num_blocks)))
+        self.block_size = self.add_row("block_size", "Block size (slots):",
+                                       QtWidgets.QLineEdit(str(current.block_size)))
+        self.num_blocks = self.add_row("num_blocks", "Pool size (blocks):",
+                                       QtWidgets.QLineEdit(str(current.num_blocks)))
         model_box = QtWidgets.QWidget()
         row = QtWidgets.QHBoxLayout(model_box)
         row.setContentsMargins(0, 0, 0, 0)

@@ -21,8 +21,9 @@ COLOR_BY_LABELS = {
     "owner": "Owner", "ref_count": "Ref count", "fill": "Fill level", "age": "Age since last access", "state": "State",
 }
 AGE_HORIZON = 256  # steps; older blocks get the darkest age colour
-MAX_IMAGE_SIDE = 1024  # pixels across the grid image; tiles shrink so large pools stay fast
+MAX_IMAGE_SIDE = 512  # pixels across the grid image, about its size on screen: no aliasing, fast on large pools
 MIN_STRIPE_TILE = 8  # below this tile size slots are not drawn one by one
+MIN_OUTLINE_TILE = 6  # below this, gaps and outlines would alias when scaled to the screen: shade instead
 
 
 @dataclass(frozen=True)
@@ -67,19 +68,20 @@ def grid_geometry(num_blocks: int, block_size: int) -> GridGeometry:
 def _tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T]."""
     t = geometry.tile
+    outlined = t >= MIN_OUTLINE_TILE
     gap = np.zeros((t, t), bool)
-    if t >= 3:
+    if outlined:
         gap[0, :] = True
         gap[:, 0] = True
     ring = np.zeros((t, t), bool)
-    if t >= 4:
+    if outlined:
         width = max(1, t // 12)
         ring[1:1 + width, 1:] = True
         ring[t - width:, 1:] = True
         ring[1:, 1:1 + width] = True
         ring[1:, t - width:] = True
-    inner = t - 1 if t >= 3 else t
-    x = np.arange(t) - (1 if t >= 3 else 0)
+    inner = t - 1 if outlined else t
+    x = np.arange(t) - (1 if outlined else 0)
     slot = np.floor(np.clip(x, 0, None) * geometry.block_size / max(inner, 1)).astype(np.int32)
     separator = np.zeros(t, bool)
     if geometry.striped and inner / geometry.block_size >= 3:
@@ -99,9 +101,12 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
     cached = state == BlockState.CACHED
     free32 = _as_u32(palette.FREE[None])[0]
     if color_by == "owner":
-        owners = conversation_colours_or_grey(np.asarray(snapshot.owner))
-        muted = _as_u32(palette.mix(owners, palette.UNOWNED, palette.CACHED_MIX))
-        fill32 = np.where(used, _as_u32(owners), np.where(cached, muted, free32))
+        owner = np.asarray(snapshot.owner)
+        known = np.maximum(owner, 0)
+        grey = _as_u32(palette.UNOWNED[None])[0]
+        owners = np.where(owner >= 0, _as_u32(palette.conversation_colours(known)), grey)
+        muted = np.where(owner >= 0, _as_u32(palette.cached_colours(known)), grey)
+        fill32 = np.where(used, owners, np.where(cached, muted, free32))
     elif color_by == "ref_count":
         ref = np.clip(np.asarray(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
         cached32 = _as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
@@ -120,7 +125,7 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
                           np.where(cached, _as_u32(palette.STATE_CACHED[None])[0], free32))
     fill = fill32.view(np.uint8).reshape(n, 4)
     if selected_conversation is not None:
-        member = np.zeros(n, bool)
+        member = cached & (np.asarray(snapshot.owner) == selected_conversation)  # what it left in the cache
         table = snapshot.block_tables.get(selected_conversation, ())
         if table:
             member[np.asarray(table, np.int64)] = True
@@ -138,13 +143,6 @@ def _scale_lut(rgba: np.ndarray, level: float) -> np.ndarray:
     lut = (np.arange(256, dtype=np.float32) * level).astype(np.uint8)
     out = lut[rgba]
     out[:, 3] = rgba[:, 3]
-    return out
-
-
-def conversation_colours_or_grey(owner: np.ndarray) -> np.ndarray:
-    """Palette colour per owner id; grey where the owner is unknown (-1)."""
-    out = palette.conversation_colours(np.maximum(owner, 0))
-    out[owner < 0] = palette.UNOWNED
     return out
 
 

@@ -56,7 +56,6 @@ def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
     """A sentence about what happened to the block since the previous answer (or what it is now)."""
     cids = sorted({c for c, _ in info.owners})
     before = sorted({c for c, _ in previous.owners}) if previous is not None else []
-    names = ", ".join(str(c) for c in cids)
     if info.state == BlockState.FREE:
         if before:
             return (f"Block {info.block_id} has been freed: conversation {', '.join(map(str, before))} released it "
@@ -68,12 +67,17 @@ def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
             f"Block {info.block_id} is cached"
         return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
     if previous is not None and before and not set(before) & set(cids):
-        return (f"Block {info.block_id} has been reused: it now belongs to conversation {names} "
+        return (f"Block {info.block_id} has been reused: it now belongs to conversation {_short(cids)} "
                 f"(before: {', '.join(map(str, before))}).")
     if previous is not None and previous.state != BlockState.USED:
-        return f"Block {info.block_id} is in use again, now by conversation {names}."
+        return f"Block {info.block_id} is in use again, now by conversation {_short(cids)}."
     shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
-    return f"Block {info.block_id} is in use by conversation {names}{shared}."
+    return f"Block {info.block_id} is in use by conversation {_short(cids)}{shared}."
+
+
+def _short(ids, limit: int = 6) -> str:
+    text = ", ".join(str(c) for c in ids[:limit])
+    return text + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 class Inspector(QtWidgets.QWidget):
@@ -184,6 +188,9 @@ class Inspector(QtWidgets.QWidget):
             self.fields["hash"].setText(f"{info.block_hash & (2**64 - 1):016x} ({info.hash_note})")
         self.fields["owners"].setText(_owners_text(info.owners))
         self.slots.set_block(info)
+        if previous is not None and previous.block_id == info.block_id and previous.num_filled == info.num_filled \
+                and previous.token_ids == info.token_ids and np.array_equal(previous.keys, info.keys):
+            return  # same contents: leave the heatmap alone (repainting plots is what costs)
         layers = info.keys.shape[0] if info.keys.ndim == 4 else 0
         heads = info.keys.shape[2] if info.keys.ndim == 4 else 0
         self.layer.setMaximum(max(layers - 1, 0))
@@ -210,7 +217,8 @@ class Inspector(QtWidgets.QWidget):
         return self.slots.rows()
 
 
-def _owners_text(owners) -> str:
+def _owners_text(owners, limit: int = 6) -> str:
     if not owners:
         return "none"
-    return ", ".join(f"conv {c} (logical block {i})" for c, i in owners)
+    text = ", ".join(f"conv {c} (logical block {i})" for c, i in owners[:limit])
+    return text + (f" and {len(owners) - limit} more" if len(owners) > limit else "")

@@ -21,7 +21,7 @@ from .conversations import ConversationsPanel
 from .dialogs import AddConversationDialog, ReplyDialog, RestartDialog
 from .futures import FutureWatcher
 from .grid import COLOR_BY, COLOR_BY_LABELS
-from .grid_view import GridView
+from .grid_view import GridView, block_owners
 from .inspector import Inspector
 from .legend import Legend
 from .loader import EngineLoader, progress_dialog
@@ -108,7 +108,7 @@ class MainWindow(QtWidgets.QMainWindow):
         side_layout.addWidget(_group("Legend", self.legend))
         side_layout.addWidget(_group("Relocation and memory", self.relocation), 1)
         side.setMinimumWidth(280)
-        side.setMaximumWidth(360)
+        side.setMaximumWidth(400)
 
         self.inspector = Inspector()
         split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)
@@ -117,7 +117,7 @@ class MainWindow(QtWidgets.QMainWindow):
         split.addWidget(_group("Block inspector", self.inspector))
         split.setStretchFactor(0, 3)
         split.setStretchFactor(2, 2)
-        split.setSizes([820, 320, 460])
+        split.setSizes([800, 350, 450])
         self.setCentralWidget(split)
 
         self.conversations = ConversationsPanel()
@@ -227,9 +227,10 @@ class MainWindow(QtWidgets.QMainWindow):
             else:
                 self.inspector.show_summary(snap)
                 b = self.inspector.block_id
-                key = (snap.step_id, int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]),
-                       int(snap.owner[b]), int(snap.last_access[b]))
-                if key != self._inspected_key:  # inspect_block itself publishes a snapshot: don't loop on it
+                key = (int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]), int(snap.owner[b]),
+                       int(snap.last_access[b]), tuple(block_owners(snap, b)))
+                if key != self._inspected_key:  # ask again only when the block changed (and never in a loop:
+                    # inspect_block itself publishes a snapshot)
                     self._inspected_key = key
                     self._inspect_due = True
 

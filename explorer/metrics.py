@@ -20,8 +20,8 @@ SERIES = ("step", "used", "cached", "free", "filled", "allocated", "saved", "con
 PLOTS = (  # title, [(series, label, colour)]
     ("Blocks", [("used", "used", "#50c878"), ("cached", "cached", "#5a82d2"), ("free", "free", "#9a9aa6")]),
     ("Token slots", [("allocated", "allocated", "#f0a030"), ("filled", "filled", "#50c878")]),
-    ("Slots saved by sharing", [("saved", "saved", "#ffffff")]),
-    ("Paged vs contiguous max-length reservation (slots)",
+    ("Saved by sharing (slots)", [("saved", "saved", "#ffffff")]),
+    ("Contiguous max-length vs paged",
      [("contiguous", "contiguous", "#e0443e"), ("allocated", "paged", "#f0a030")]),
     ("Decode tokens/s", [("tokens_per_s", "tokens/s", "#50c8c8")]),
     ("Preemptions (total)", [("preemptions", "preemptions", "#e0443e")]),
@@ -78,8 +78,11 @@ class MetricsPanel(QtWidgets.QWidget):
         self.history = MetricsHistory()
         self.plots = pg.GraphicsLayoutWidget()
         self.curves: list[tuple[str, pg.PlotDataItem]] = []
+        self.plot_items: list[tuple[pg.PlotItem, list[str]]] = []
         for i, (title, series) in enumerate(PLOTS):
-            plot = self.plots.addPlot(row=i // 4, col=i % 4, title=title)
+            plot = self.plots.addPlot(row=i // 4, col=i % 4, title=f"<span style='font-size:9pt'>{title}</span>")
+            plot.enableAutoRange(y=False)
+            self.plot_items.append((plot, [name for name, _, _ in series]))
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
             plot.getAxis("bottom").setLabel("step") if i >= 4 else None
@@ -102,6 +105,9 @@ class MetricsPanel(QtWidgets.QWidget):
         x = self.history.series("step")
         for name, curve in self.curves:
             curve.setData(x, self.history.series(name))
+        for plot, names in self.plot_items:  # y from 0, so a flat line reads as a value, not as noise
+            top = max((float(self.history.series(n).max()) for n in names if self.history.count), default=0.0)
+            plot.setYRange(0, max(top * 1.1, 1.0), padding=0)
         self._dirty = False
 
     def clear(self) -> None:

@@ -16,7 +16,7 @@ STATE_USED = np.array([80, 200, 120, 255], np.uint8)
 STATE_CACHED = np.array([90, 130, 210, 255], np.uint8)
 EMPTY_SLOT_LEVEL = 0.30  # an empty slot of a used block: its colour at this brightness
 CACHED_MIX = 0.35  # a cached block: this much of its last owner's colour, the rest grey
-DIM_LEVEL = 0.30  # blocks outside the selected conversation
+DIM_LEVEL = 0.40  # blocks outside the selected conversation
 REF_COLOURS = np.array([  # ref count 0 (unused), 1, 2, 3, 4+
     [58, 60, 70, 255], [70, 150, 200, 255], [250, 160, 40, 255], [235, 70, 60, 255], [220, 60, 220, 255],
 ], np.uint8)
@@ -35,6 +35,20 @@ def conversation_colours(ids: np.ndarray) -> np.ndarray:
     if top > len(_table):
         _table = _compute_colours(np.arange(max(top, 2 * len(_table), 64)))
     return _table[ids]
+
+
+_muted = np.zeros((0, 4), np.uint8)
+
+
+def cached_colours(ids: np.ndarray) -> np.ndarray:
+    """The muted colour of a cached block whose last owner is each id (a hint of that conversation)."""
+    global _muted
+    ids = np.asarray(ids, dtype=np.int64)
+    top = int(ids.max()) + 1 if ids.size else 0
+    if top > len(_muted):
+        conversation_colours(np.array([top - 1]))
+        _muted = mix(_table, UNOWNED, CACHED_MIX)
+    return _muted[ids]
 
 
 def _compute_colours(ids: np.ndarray) -> np.ndarray:

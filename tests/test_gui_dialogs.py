@@ -124,3 +124,27 @@ def test_restart_swaps_in_new_engine(qtbot, make_window):
     assert snap.block_size == 8
     qtbot.waitUntil(lambda: window.grid.geometry_ is not None and window.grid.geometry_.num_blocks == 32, timeout=2000)
     assert "32 blocks" in window.windowTitle()
+
+
+def test_restart_with_checkpoint_directory_shows_progress(qtbot, make_window, tmp_path):
+    from helpers import write_tiny_checkpoint
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")
+    window = make_window(paused=True)
+    old = window.runner
+    dialog = window.open_restart_dialog()
+    dialog.checkpoint.setChecked(True)
+    dialog.path.setText(str(checkpoint))
+    dialog.try_accept()
+    assert dialog.config.model == str(checkpoint)
+    assert window.restart_progress.isVisible()  # progress while the worker thread loads
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    assert not window.restart_progress.isVisible() and not old.alive
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.model_name == str(checkpoint))
+    assert snap.num_blocks == window.config.num_blocks and window.errors == []
+
+
+def test_lesson_menu_opens_the_lesson_window(qtbot, make_window):
+    window = make_window(paused=True)
+    window.lesson_action.trigger()
+    assert isinstance(window.lesson_window, QtWidgets.QMainWindow) and window.lesson_window.isVisible()
+    assert window.errors == []

@@ -85,6 +85,9 @@ def test_selected_block_and_conversation(small):
     assert cell(image, geo, 2, mid, mid) == colour_of(2)  # shared block of conversation 3 stays bright
     dimmed = cell(image, geo, 0, mid, mid)  # block of conversation 1: dimmed
     assert sum(dimmed) < sum(colour_of(1)) * 0.5
+    image = snapshot_to_rgba(snap, "owner", selected_conversation=1, geometry=geo)
+    assert cell(image, geo, 3, mid, mid) == cell(snapshot_to_rgba(snap, "owner", geometry=geo), geo, 3, mid, mid)
+    assert sum(cell(image, geo, 5, mid, 3)) < sum(colour_of(3)) * 0.5  # the cached block it left stays lit
 
 
 def test_colour_by_modes_differ(small):
@@ -120,11 +123,13 @@ def test_large_pool_fits_and_shades_fill():
     geo = grid_geometry(n, bs)
     assert (geo.cols, geo.rows) == (256, 256) and not geo.striped
     image = snapshot_to_rgba(snap, "owner", geometry=geo)
-    assert image.shape[0] <= 1024 and image.shape[1] <= 1024
+    assert image.shape[0] <= 512 and image.shape[1] <= 512  # about its size on screen: no aliasing
     t = geo.tile
     full, quarter = cell(image, geo, 0, t - 1, t - 1), cell(image, geo, 1, t - 1, t - 1)
+    assert full == colour_of(5)
     assert sum(quarter) < sum(full)  # a quarter-filled block is a darker shade
-    assert cell(image, geo, 2, 1, 1) == tuple(palette.SHARED_RING[:3])
+    lit = palette.mix(palette.conversation_colours(np.array([6])), palette.SHARED_RING[None], 0.45)[0]
+    assert cell(image, geo, 2, 0, 0) == tuple(int(c) for c in lit[:3])  # too small for an outline: lightened
     assert cell(image, geo, n - 1, t - 1, t - 1) == tuple(palette.FREE[:3])
 
 

@@ -175,8 +175,8 @@ def verify_with_transformers(out_dir: Path, model, windows: torch.Tensor) -> flo
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory to write")
-    p.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget for the training loop")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
+    p.add_argument("--minutes", type=float, default=34.0, help="wall-clock budget for the training loop")
+    p.add_argument("--steps", type=int, default=1600, help="optimizer steps (the schedule's length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -192,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=688)
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    p.add_argument("--eval-windows", type=int, default=48, help="held-out windows in the periodic evaluation")
+    p.add_argument("--eval-windows", type=int, default=24, help="held-out windows in the periodic evaluation")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-verify", action="store_true", help="skip the transformers cross-check of the saved files")
     return p.parse_args(argv)
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
                   f"lr {lr:.2e}  {step * args.batch_tokens / el:.0f} tok/s  T {seq_len}  {el / 60:.1f} min"
                   + ("  [time-driven schedule]" if time_driven else ""), flush=True)
             loss_sum, loss_n = 0.0, 0
-        if step % args.eval_every == 0:
+        if step % args.eval_every == 0 and seq_len == args.seq_len:  # short-window phases are not candidates
             evaluate_and_keep(step)
     if best[1] != step:
         evaluate_and_keep(step)
