@@ -8,7 +8,13 @@ Bad arguments print one clear line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# The engine thread and the GUI thread share few cores. OpenMP's default spin-waiting makes torch's worker threads
+# burn the core the GUI (or any other process) needs, which slowed decode steps 100x under load here; sleeping
+# waits cost a little on an idle machine and keep the app smooth on a busy one. Must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
