@@ -6,6 +6,7 @@ tests drive it directly; :class:`engine.runner.EngineRunner` runs it on a thread
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ class RelocationReport:
     num_moved: int
     max_abs_diff: float  # max |attention output before - after| over running conversations and layers
     num_conversations_checked: int
+    lookahead_steps: int = 0  # steps decoded twice, from the old layout and from the new one, then rolled back
+    tokens_identical: bool = True  # those steps produced the same tokens for every conversation
+    num_tokens_compared: int = 0
 
 
 class Engine:
@@ -480,10 +484,40 @@ class Engine:
         stacked = torch.stack(outs).cpu().numpy()  # [layers, seqs, heads, dim]
         return {s.seq_id: stacked[:, i] for i, s in enumerate(seqs)}
 
-    def relocate_and_verify(self, seed: int | None = None, compact: bool = False) -> RelocationReport:
-        """Relocate, and prove it: attention of every running conversation before and after the move."""
+    def relocate_and_verify(self, seed: int | None = None, compact: bool = False,
+                            lookahead: int = 4) -> RelocationReport:
+        """Relocate, and prove it: attention of every running conversation before and after the move, and the
+        tokens of the next ``lookahead`` steps decoded from the old layout and from the new one (then rolled back,
+        so the conversations carry on exactly once)."""
         before = self.probe_attention()
+        expected = self._dry_run(lookahead)
         mapping = self.relocate_blocks(seed=seed, compact=compact)
         after = self.probe_attention()
+        got = self._dry_run(lookahead)
         diff = max((float(np.abs(before[k] - after[k]).max()) for k in before), default=0.0)
-        return RelocationReport(mapping, len(mapping), diff, len(before))
+        return RelocationReport(mapping, len(mapping), diff, len(before), lookahead, expected == got,
+                                sum(len(t) for t in expected.values()))
+
+    def _dry_run(self, steps: int) -> dict[int, list[int]]:
+        """Tokens each conversation would get in the next ``steps`` steps; afterwards the engine is as it was."""
+        if steps <= 0 or not self.has_work():
+            return {}
+        generators = [s.generator for s in self.seqs.values()]
+        states = [g.get_state() for g in generators]
+        memo = {id(g): g for g in generators}  # samplers are rewound below, not copied
+        names = ("pool", "scheduler", "seqs", "_next_id", "step_id", "_num_steps", "_num_generated", "_num_prefill",
+                 "_last_step_seconds", "_last_step_tokens", "_last_step_prefill")
+        saved = copy.deepcopy({n: getattr(self, n) for n in names}, memo)
+        kv = self.kv.data.clone()
+        lengths = {i: s.num_tokens for i, s in self.seqs.items()}
+        try:
+            for _ in range(steps):
+                self.step()
+            return {i: s.token_ids[lengths[i]:] for i, s in self.seqs.items() if s.num_tokens > lengths[i]}
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
+            self.kv.data.copy_(kv)
+            for g, state in zip(generators, states):
+                g.set_state(state)
+            self._info_cache.clear()

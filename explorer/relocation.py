@@ -24,9 +24,14 @@ def human_bytes(n: int) -> str:
 def report_text(report, mode: str) -> str:
     """One paragraph for a RelocationReport."""
     verdict = "identical" if report.max_abs_diff == 0.0 else "DIFFERENT"
-    return (f"{mode.capitalize()}: moved {report.num_moved} blocks to new physical ids. Attention output of "
+    text = (f"{mode.capitalize()}: moved {report.num_moved} blocks to new physical ids. Attention output of "
             f"{report.num_conversations_checked} running conversation(s) recomputed before and after the move: "
             f"max |before − after| = {report.max_abs_diff:.3g} ({verdict}).")
+    if report.lookahead_steps and report.num_tokens_compared:
+        same = "the same" if report.tokens_identical else "DIFFERENT"
+        text += (f" The next {report.lookahead_steps} steps decoded from the old and from the new layout gave "
+                 f"{same} {report.num_tokens_compared} tokens.")
+    return text
 
 
 def memory_lines(mem: MemoryStats | None) -> list[tuple[str, str]]:
@@ -89,7 +94,7 @@ class RelocationPanel(QtWidgets.QWidget):
         self.reports.append(report)
         self.set_busy(False)
         self.readout.setText(report_text(report, "compact" if compact else "scramble"))
-        ok = report.max_abs_diff == 0.0
+        ok = report.max_abs_diff == 0.0 and report.tokens_identical
         self.readout.setStyleSheet("color: #50c878;" if ok else "color: #e0443e; font-weight: bold;")
 
     def show_failure(self, message: str) -> None:

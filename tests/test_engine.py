@@ -1,6 +1,7 @@
 """Engine behaviour: prefix sharing, fork with copy-on-write, preemption, relocation, replies, bad input."""
 import numpy as np
 import pytest
+import torch
 
 from engine import BlockState, Engine, EngineConfig, EngineError, Status
 from tests.helpers import write_tiny_checkpoint
@@ -124,8 +125,9 @@ def test_relocation_mid_generation(ckpt):
     for _ in range(6):
         eng.step()
     before = {i: eng.conversation(i).block_table for i in ids}
-    report = eng.relocate_and_verify(seed=3)
+    report = eng.relocate_and_verify(seed=3, lookahead=3)
     assert report.max_abs_diff == 0.0 and report.num_conversations_checked == 3
+    assert report.tokens_identical and report.num_tokens_compared == 9 and eng.step_id == 6
     assert all(old != new for old, new in report.mapping.items())
     for i in ids:
         assert all(report.mapping[b] == nb for b, nb in zip(before[i], eng.conversation(i).block_table))
@@ -136,6 +138,21 @@ def test_relocation_mid_generation(ckpt):
     assert used.tolist() == list(range(len(used)))  # compacted towards low ids
     eng.run_until_idle()
     assert [list(eng.conversation(i).output_token_ids) for i in ids] == reference
+
+
+def test_dry_run_rolls_back_everything(ckpt):
+    eng = make(ckpt, num_blocks=20)
+    ids = [eng.add_conversation(prompt_token_ids=prompt(n, start=n), max_new_tokens=12, temperature=t)
+           for n, t in ((9, 0.0), (14, 0.9), (5, 0.0))]
+    eng.step()
+    eng.fork_conversation(ids[0])
+    before = _pool_state(eng), eng.kv.data.clone(), eng.step_id
+    ahead = eng._dry_run(5)
+    assert _pool_state(eng) == before[0] and torch.equal(eng.kv.data, before[1]) and eng.step_id == before[2]
+    eng.run_until_idle()
+    assert len(ahead) == 4 and all(len(t) == 5 for t in ahead.values())
+    for cid, tokens in ahead.items():  # every conversation had 1 output token; the real run then matches the dry run
+        assert list(eng.conversation(cid).output_token_ids)[1:6] == tokens
 
 
 def test_continue_reuses_cached_blocks(ckpt):
