@@ -118,7 +118,7 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are not loaded, convert them to safetensors)" if pickled else ""
         raise EngineError(f"{directory} has no *.safetensors weights{hint}")
     model = model.to(device=device, dtype=dtype).eval()
-    model.fuse_for_inference()
+    model.prepare_inference()
     if builtin:
         tokenizer: Any = ByteTokenizer()
     elif (directory / "tokenizer.json").is_file():
