@@ -88,10 +88,10 @@ class NoTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise EngineError("this checkpoint has no tokenizer.json; give prompt_token_ids instead of text")
+        raise EngineError("this checkpoint has no tokenizer.json, so it takes token ids (prompt_token_ids), not text")
 
     def decode(self, ids: Sequence[int], *, final: bool = True) -> str:
-        return " ".join(str(i) for i in ids)
+        return "".join(f"{i} " for i in ids)  # a trailing space keeps prompt and output apart when shown together
 
     def token_text(self, token_id: int) -> str:
         return f"<{token_id}>"

@@ -42,7 +42,7 @@ def show_example_selection(window: MainWindow, select_conversation: bool = True)
     shared = [b for b in tables[cid] if int(snap.ref_count[b]) > 1]
     window.select_block(int(shared[0] if shared else tables[cid][0]))
     if select_conversation:
-        window._select_when_present = cid
+        window.select_conversation_when_present(cid)
 
 
 def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None,
@@ -69,6 +69,5 @@ def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None
     elif quit_after is not None:
         QtCore.QTimer.singleShot(int(1000 * quit_after), window.close)
     app.exec()
-    runner.stop(timeout=1.0)
-    window.runner.stop(timeout=1.0)
+    window.runner.stop(timeout=1.0)  # closing the window stopped it already; this covers any other way out
     return 0

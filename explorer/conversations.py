@@ -11,6 +11,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from engine.snapshot import ConversationInfo, PoolSnapshot
 
 from .palette import conversation_colour
+from .table_model import RowsModel
 
 COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill")
 
@@ -24,35 +25,17 @@ def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
             len(table), shared, tail)
 
 
-class ConversationsModel(QtCore.QAbstractTableModel):
+class ConversationsModel(RowsModel):
     """One row per conversation ever added, in id order."""
 
-    def __init__(self, parent: QtCore.QObject | None = None):
-        super().__init__(parent)
-        self._rows: list[tuple] = []
+    COLUMNS = COLUMNS
 
-    def rowCount(self, parent=QtCore.QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self._rows)
-
-    def columnCount(self, parent=QtCore.QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(COLUMNS)
-
-    def headerData(self, section, orientation, role=QtCore.Qt.ItemDataRole.DisplayRole):
-        if role == QtCore.Qt.ItemDataRole.DisplayRole and orientation == QtCore.Qt.Orientation.Horizontal:
-            return COLUMNS[section]
-        return None
-
-    def data(self, index, role=QtCore.Qt.ItemDataRole.DisplayRole):
-        if not index.isValid():
-            return None
-        row = self._rows[index.row()]
-        if role == QtCore.Qt.ItemDataRole.DisplayRole:
-            return str(row[index.column()])
-        if role == QtCore.Qt.ItemDataRole.DecorationRole and index.column() == 0:
+    def cell_data(self, row: tuple, column: int, role):
+        if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
             return QtGui.QColor(*conversation_colour(row[0]))
-        if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and index.column() >= 2:
+        if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and column >= 2:
             return int(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-        return None
+        return super().cell_data(row, column, role)
 
     def conversation_id(self, row: int) -> int:
         return self._rows[row][0]
@@ -67,9 +50,7 @@ class ConversationsModel(QtCore.QAbstractTableModel):
         """Bring the rows up to date with ``snapshot`` (conversations only ever get added, never removed)."""
         new_rows = [conversation_row(info, snapshot) for info in snapshot.conversations]
         if len(new_rows) < len(self._rows) or any(a[0] != b[0] for a, b in zip(self._rows, new_rows)):
-            self.beginResetModel()  # a different engine (restart): start over
-            self._rows = new_rows
-            self.endResetModel()
+            self.set_rows(new_rows)  # a different engine (restart): start over
             return
         old = len(self._rows)
         changed = [i for i in range(old) if self._rows[i] != new_rows[i]]
@@ -178,7 +159,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
         header = self.view.horizontalHeader()
-        for column, width in enumerate((48, 70, 54, 70, 50, 52, 60)):  # fixed: resizing to contents re-reads
+        for column, width in enumerate((48, 70, 58, 78, 50, 56, 60)):  # fixed: resizing to contents re-reads
             header.resizeSection(column, width)                        # every cell on every update
         header.setStretchLastSection(True)
         self.view.verticalHeader().setDefaultSectionSize(22)

@@ -6,8 +6,8 @@ cached, muted), and every running conversation has a partially filled tail block
 """
 from __future__ import annotations
 
-from .dialogs import SYSTEM_PROMPT
-
+SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
+                 "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 
 

@@ -15,8 +15,7 @@ from PySide6 import QtCore, QtWidgets
 
 from engine.config import EngineConfig
 
-SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
-                 "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
+from .demo import SYSTEM_PROMPT  # the add dialog's "shared system prompt" is the demos' one
 
 
 class FieldError(QtWidgets.QLabel):
@@ -66,7 +65,7 @@ class _FormDialog(QtWidgets.QDialog):
         layout.addLayout(self.form)
         layout.addWidget(self.busy)
         layout.addWidget(self.buttons)
-        self._pending: Future | None = None
+        self._pending: tuple[Future, Callable[[Future], None]] | None = None  # (engine answer, what to do with it)
         self._poll = QtCore.QTimer(self)
         self._poll.setInterval(20)
         self._poll.timeout.connect(self._check_pending)
@@ -96,50 +95,96 @@ class _FormDialog(QtWidgets.QDialog):
 
     def wait_for(self, future: Future, then: Callable[[Future], None]) -> None:
         """Keep the dialog open (OK disabled) until ``future`` is done, then call ``then`` on the GUI thread."""
-        self._pending = future
-        self._then = then
+        self._pending = (future, then)
         self.busy.setText("Checking…")
         self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(False)
         self._poll.start()
 
     def _check_pending(self) -> None:
-        if self._pending is None or not self._pending.done():
+        if self._pending is None or not self._pending[0].done():
             return
-        future, self._pending = self._pending, None
+        (future, then), self._pending = self._pending, None
         self._poll.stop()
         self.busy.clear()
         self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(True)
-        self._then(future)
+        then(future)
+
+    def reject(self) -> None:
+        """Cancel also forgets a check in flight, so its answer can no longer accept the dialog."""
+        self._pending = None
+        self._poll.stop()
+        self.busy.clear()
+        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(True)
+        super().reject()
+
+
+class _MessageDialog(_FormDialog):
+    """A text message plus max new tokens, refused at its field when the engine's tokenizer says it cannot fit."""
+
+    def __init__(self, title: str, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
+                 parent: QtWidgets.QWidget | None = None):
+        super().__init__(title, parent)
+        self._tokenize = tokenize
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.request = None  # set when the dialog is accepted
+
+    def add_max_new_tokens_row(self) -> QtWidgets.QLineEdit:
+        return self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
+
+    def parse_max_new_tokens(self) -> int | None:
+        value, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1,
+                                  self.num_blocks * self.block_size)
+        self.errors["max_new_tokens"].show_error(err)
+        return value
+
+    def accept_if_it_fits(self, key: str, text: str, history_tokens: int, max_new: int, request) -> None:
+        """Tokenize ``text`` through the engine (without blocking); if history + text + max_new fit the pool, keep
+        ``request`` and accept, else say why at field ``key`` (a tokenizer refusal is said there too, such as a
+        checkpoint without a tokenizer)."""
+
+        def check_length(future: Future) -> None:
+            try:
+                num_tokens = len(future.result()) + history_tokens
+            except Exception as exc:  # the tokenizer refused the text
+                self.errors[key].show_error(str(exc))
+                return
+            need = math.ceil((num_tokens + max_new) / self.block_size)
+            if need > self.num_blocks:
+                self.errors[key].show_error(
+                    f"Too long for the pool: {num_tokens} prompt tokens + {max_new} new tokens need {need} blocks "
+                    f"of {self.block_size} slots, but the pool has only {self.num_blocks} blocks.")
+                return
+            self.request = request
+            self.accept()
+
+        self.wait_for(self._tokenize(text), check_length)
 
 
 @dataclass(frozen=True)
 class AddRequest:
     """What the add dialog asks for; ``samples`` > 1 means one conversation plus forks."""
 
-    prompt: str
+    prompt: str  # the full prompt text, system prompt included when chosen
     max_new_tokens: int
     temperature: float
-    samples: int
+    samples: int  # conversations to start: the first plus samples - 1 forks of it
 
 
-class AddConversationDialog(_FormDialog):
+class AddConversationDialog(_MessageDialog):
     """Prompt, generation settings, shared system prompt option and parallel samples."""
 
     def __init__(self, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
                  parent: QtWidgets.QWidget | None = None):
-        super().__init__("Add conversation", parent)
-        self._tokenize = tokenize
-        self.num_blocks, self.block_size = num_blocks, block_size
+        super().__init__("Add conversation", tokenize, num_blocks, block_size, parent)
         self.prompt = self.add_row("prompt", "Prompt:", QtWidgets.QPlainTextEdit())
         self.prompt.setPlaceholderText("Type the user's message")
         self.prompt.setMinimumSize(420, 90)
-        self.max_new_tokens = self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
+        self.max_new_tokens = self.add_max_new_tokens_row()
         self.temperature = self.add_row("temperature", "Temperature:", QtWidgets.QLineEdit("0.8"))
         self.use_system = self.add_row("system", "", QtWidgets.QCheckBox(
             "Start from the shared system prompt (its full blocks are shared through prefix caching)"))
         self.samples = self.add_row("samples", "Parallel samples:", QtWidgets.QLineEdit("1"))
         self.samples.setToolTip("n > 1 adds one conversation and forks it n - 1 times; the forks share its blocks")
-        self.request: AddRequest | None = None
 
     def full_prompt(self) -> str:
         text = self.prompt.toPlainText()
@@ -147,88 +192,49 @@ class AddConversationDialog(_FormDialog):
 
     def try_accept(self) -> None:
         self.clear_errors()
-        text = self.prompt.toPlainText()
-        ok = True
-        if not text.strip():
-            self.errors["prompt"].show_error("The prompt is empty: type a message.")
-            ok = False
-        pool_slots = self.num_blocks * self.block_size
-        max_new, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1, pool_slots)
-        self.errors["max_new_tokens"].show_error(err)
-        temperature, err2 = parse_number(self.temperature.text(), "Temperature", float, 0.0, 10.0)
-        self.errors["temperature"].show_error(err2)
-        samples, err3 = parse_number(self.samples.text(), "Parallel samples", int, 1, 64)
-        self.errors["samples"].show_error(err3)
-        if not ok or err or err2 or err3:
+        empty = not self.prompt.toPlainText().strip()
+        self.errors["prompt"].show_error("The prompt is empty: type a message." if empty else "")
+        max_new = self.parse_max_new_tokens()
+        temperature, err = parse_number(self.temperature.text(), "Temperature", float, 0.0, 10.0)
+        self.errors["temperature"].show_error(err)
+        samples, err = parse_number(self.samples.text(), "Parallel samples", int, 1, 64)
+        self.errors["samples"].show_error(err)
+        if empty or None in (max_new, temperature, samples):
             return
         prompt = self.full_prompt()
-
-        def check_length(future: Future) -> None:
-            try:
-                num_tokens = len(future.result())
-            except Exception as exc:  # the tokenizer refused the text
-                self.errors["prompt"].show_error(str(exc))
-                return
-            need = math.ceil((num_tokens + max_new) / self.block_size)
-            if need > self.num_blocks:
-                self.errors["prompt"].show_error(
-                    f"Too long for the pool: {num_tokens} prompt tokens + {max_new} new tokens need {need} blocks "
-                    f"of {self.block_size} slots, but the pool has only {self.num_blocks} blocks.")
-                return
-            self.request = AddRequest(prompt, max_new, float(temperature), samples)
-            self.accept()
-
-        self.wait_for(self._tokenize(prompt), check_length)
+        self.accept_if_it_fits("prompt", prompt, 0, max_new, AddRequest(prompt, max_new, float(temperature), samples))
 
 
 @dataclass(frozen=True)
 class ReplyRequest:
+    """A follow-up message to a finished conversation."""
+
     conversation_id: int
     message: str
     max_new_tokens: int
 
 
-class ReplyDialog(_FormDialog):
+class ReplyDialog(_MessageDialog):
     """A follow-up message to a finished conversation; its whole history becomes the new prompt."""
 
     def __init__(self, conversation_id: int, history_tokens: int, tokenize: Callable[[str], Future],
                  num_blocks: int, block_size: int, parent: QtWidgets.QWidget | None = None):
-        super().__init__(f"Reply to conversation {conversation_id}", parent)
+        super().__init__(f"Reply to conversation {conversation_id}", tokenize, num_blocks, block_size, parent)
         self.conversation_id, self.history_tokens = conversation_id, history_tokens
-        self._tokenize = tokenize
-        self.num_blocks, self.block_size = num_blocks, block_size
         self.message = self.add_row("message", "Message:", QtWidgets.QPlainTextEdit())
         self.message.setMinimumSize(420, 70)
-        self.max_new_tokens = self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
-        self.request: ReplyRequest | None = None
+        self.max_new_tokens = self.add_max_new_tokens_row()
 
     def try_accept(self) -> None:
         self.clear_errors()
         text = self.message.toPlainText()
-        if not text.strip():
-            self.errors["message"].show_error("The message is empty: type a reply.")
-        max_new, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1,
-                                    self.num_blocks * self.block_size)
-        self.errors["max_new_tokens"].show_error(err)
-        if err or not text.strip():
+        empty = not text.strip()
+        self.errors["message"].show_error("The message is empty: type a reply." if empty else "")
+        max_new = self.parse_max_new_tokens()
+        if empty or max_new is None:
             return
-
-        def check_length(future: Future) -> None:
-            try:
-                num_tokens = len(future.result()) + self.history_tokens
-            except Exception as exc:
-                self.errors["message"].show_error(str(exc))
-                return
-            need = math.ceil((num_tokens + max_new) / self.block_size)
-            if need > self.num_blocks:
-                self.errors["message"].show_error(
-                    f"Too long for the pool: history and message are {num_tokens} tokens; with {max_new} new tokens "
-                    f"they need {need} blocks, but the pool has only {self.num_blocks}.")
-                return
-            self.request = ReplyRequest(self.conversation_id, text, max_new)
-            self.accept()
-
-        self.wait_for(self._tokenize(text), check_length)
+        self.accept_if_it_fits("message", text, self.history_tokens, max_new,
+                               ReplyRequest(self.conversation_id, text, max_new))
 
 
 class RestartDialog(_FormDialog):

@@ -40,6 +40,3 @@ class FutureWatcher:
 
     def clear(self) -> None:
         self._pending.clear()
-
-    def __len__(self) -> int:
-        return len(self._pending)

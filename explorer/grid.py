@@ -9,6 +9,7 @@ on large pools the interior is a single colour whose brightness follows the fill
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -65,8 +66,12 @@ def grid_geometry(num_blocks: int, block_size: int) -> GridGeometry:
     return GridGeometry(num_blocks, block_size, cols, rows, tile)
 
 
+@lru_cache(maxsize=8)
 def _tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T]."""
+    """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T].
+
+    Computed once per layout (the grid redraws with the same one many times); the arrays are read-only.
+    """
     t = geometry.tile
     outlined = t >= MIN_OUTLINE_TILE
     gap = np.zeros((t, t), bool)
@@ -87,6 +92,8 @@ def _tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndar
     if geometry.striped and inner / geometry.block_size >= 3:
         separator[1:] = slot[1:] != slot[:-1]
         separator[:2] = False
+    for mask in (gap, ring, slot, separator):
+        mask.setflags(write=False)
     return gap, ring, slot, separator
 
 

@@ -39,11 +39,19 @@ def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
     return text
 
 
+def same_pool(a: PoolSnapshot | None, b: PoolSnapshot) -> bool:
+    """Whether two snapshots draw the same grid (a new step always counts as a change: ages move on)."""
+    if a is None or a.step_id != b.step_id or a.num_blocks != b.num_blocks or a.block_size != b.block_size:
+        return False
+    return (a.block_tables == b.block_tables and np.array_equal(a.state, b.state)
+            and np.array_equal(a.num_filled, b.num_filled) and np.array_equal(a.ref_count, b.ref_count)
+            and np.array_equal(a.owner, b.owner) and np.array_equal(a.last_access, b.last_access))
+
+
 class GridView(QtWidgets.QWidget):
     """Shows the newest snapshot as a grid of cells; emits the block under a click."""
 
     blockClicked = QtCore.Signal(int)
-    blockHovered = QtCore.Signal(int)  # -1 when the mouse leaves the pool
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
@@ -86,8 +94,13 @@ class GridView(QtWidgets.QWidget):
 
     # ---- state ----------------------------------------------------------------------------------------
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
+        """Take a newer snapshot; the image is rebuilt only if the pool differs from the one drawn.
+
+        The runner publishes after every command too (inspect_block, tokenize ...), mostly with an unchanged pool.
+        """
+        if not same_pool(self.snapshot, snapshot):
+            self._dirty = True
         self.snapshot = snapshot
-        self._dirty = True
 
     def set_color_by(self, mode: str) -> None:
         self.color_by = mode
@@ -107,15 +120,16 @@ class GridView(QtWidgets.QWidget):
             return False
         snap = self.snapshot
         geo = self.geometry_
-        if geo is None or geo.num_blocks != snap.num_blocks or geo.block_size != snap.block_size:
+        new_layout = geo is None or geo.num_blocks != snap.num_blocks or geo.block_size != snap.block_size
+        if new_layout:
             geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size)
+        self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+        self.item.setImage(self.image, autoLevels=False)
+        if new_layout:  # the image size changed with the layout: map it onto cell units again (after setImage)
             self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
             self.box.setLimits(xMin=-0.5 * geo.cols, xMax=1.5 * geo.cols, yMin=-0.5 * geo.rows, yMax=1.5 * geo.rows,
                                minXRange=2, minYRange=2)
             self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
-        self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
-        self.item.setImage(self.image, autoLevels=False)
-        self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
         self._place_highlight()
         self._update_labels()
         self._dirty = False
@@ -154,14 +168,12 @@ class GridView(QtWidgets.QWidget):
     def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
         block = self.block_at_scene(scene_pos)
         if block is None or self.snapshot is None:
-            self.blockHovered.emit(-1)
             QtWidgets.QToolTip.hideText()
             return
         text = describe_block(self.snapshot, block)
         self.hover_label.setText(text)
         global_pos = self.view.viewport().mapToGlobal(self.view.mapFromScene(scene_pos))
-        QtWidgets.QToolTip.showText(global_pos, text.replace(", ", "\n", 1).replace(", ", "\n"), self.view)
-        self.blockHovered.emit(block)
+        QtWidgets.QToolTip.showText(global_pos, text.replace(", ", "\n"), self.view)
 
     def _on_mouse_clicked(self, event) -> None:
         if event.button() != QtCore.Qt.MouseButton.LeftButton:

@@ -13,43 +13,25 @@ from PySide6 import QtCore, QtWidgets
 from engine.snapshot import BlockInfo, BlockState, PoolSnapshot
 
 from .grid_view import block_owners
+from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
 
 
-class SlotsModel(QtCore.QAbstractTableModel):
+class SlotsModel(RowsModel):
     """One row per filled slot of the inspected block."""
 
-    def __init__(self, parent: QtCore.QObject | None = None):
-        super().__init__(parent)
-        self._rows: list[tuple] = []
-
-    def rowCount(self, parent=QtCore.QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self._rows)
-
-    def columnCount(self, parent=QtCore.QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(SLOT_COLUMNS)
-
-    def headerData(self, section, orientation, role=QtCore.Qt.ItemDataRole.DisplayRole):
-        if role == QtCore.Qt.ItemDataRole.DisplayRole and orientation == QtCore.Qt.Orientation.Horizontal:
-            return SLOT_COLUMNS[section]
-        return None
-
-    def data(self, index, role=QtCore.Qt.ItemDataRole.DisplayRole):
-        if index.isValid() and role == QtCore.Qt.ItemDataRole.DisplayRole:
-            return str(self._rows[index.row()][index.column()])
-        return None
+    COLUMNS = SLOT_COLUMNS
 
     def set_block(self, info: BlockInfo | None) -> None:
-        rows = [] if info is None else [(i, p, t, repr(s)[1:-1]) for i, (p, t, s) in
-                                        enumerate(zip(info.positions, info.token_ids, info.token_texts))]
-        if rows != self._rows:
-            self.beginResetModel()
-            self._rows = rows
-            self.endResetModel()
+        self.set_rows([] if info is None else [(i, p, t, token_label(s)) for i, (p, t, s) in
+                                               enumerate(zip(info.positions, info.token_ids, info.token_texts))])
 
-    def rows(self) -> list[tuple]:
-        return list(self._rows)
+
+def token_label(text: str) -> str:
+    """A token's text as one visible line: escapes for control characters, '␣' for spaces (else a space token
+    looks like an empty cell)."""
+    return repr(text)[1:-1].replace(" ", "␣")
 
 
 def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
@@ -58,7 +40,7 @@ def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
     before = sorted({c for c, _ in previous.owners}) if previous is not None else []
     if info.state == BlockState.FREE:
         if before:
-            return (f"Block {info.block_id} has been freed: conversation {', '.join(map(str, before))} released it "
+            return (f"Block {info.block_id} has been freed: {_conversations(before)} released it "
                     "and no one refers to it now.")
         return f"Block {info.block_id} is free: no conversation refers to it and it holds nothing reusable."
     if info.state == BlockState.CACHED:
@@ -67,17 +49,20 @@ def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
             f"Block {info.block_id} is cached"
         return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
     if previous is not None and before and not set(before) & set(cids):
-        return (f"Block {info.block_id} has been reused: it now belongs to conversation {_short(cids)} "
+        return (f"Block {info.block_id} has been reused: it now belongs to {_conversations(cids)} "
                 f"(before: {', '.join(map(str, before))}).")
     if previous is not None and previous.state != BlockState.USED:
-        return f"Block {info.block_id} is in use again, now by conversation {_short(cids)}."
+        return f"Block {info.block_id} is in use again, now by {_conversations(cids)}."
     shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
-    return f"Block {info.block_id} is in use by conversation {_short(cids)}{shared}."
+    return f"Block {info.block_id} is in use by {_conversations(cids)}{shared}."
 
 
-def _short(ids, limit: int = 6) -> str:
+def _conversations(ids, limit: int = 6) -> str:
+    """'conversation 3' or 'conversations 0, 1, ... and 4 more'."""
+    ids = sorted(ids)
     text = ", ".join(str(c) for c in ids[:limit])
-    return text + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return f"conversation{'s' if len(ids) > 1 else ''} {text}{more}"
 
 
 class Inspector(QtWidgets.QWidget):
@@ -167,8 +152,7 @@ class Inspector(QtWidgets.QWidget):
             elif state == BlockState.CACHED:
                 self.note.setText(f"Block {b} is cached: no owner, but it keeps reusable prefix KV.")
             else:
-                self.note.setText(f"Block {b} is in use by conversation "
-                                  f"{', '.join(sorted({str(c) for c, _ in owners}))}.")
+                self.note.setText(f"Block {b} is in use by {_conversations({c for c, _ in owners})}.")
 
     def show_block(self, info: BlockInfo) -> None:
         """The engine's answer to inspect_block for the selected block."""
@@ -182,10 +166,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["state"].setText(info.state.name.lower())
         self.fields["ref count"].setText(str(info.ref_count))
         self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
-        self.fields["hash"].setText(f"{info.block_hash:#x}" if info.block_hash is not None
-                                    else f"none — {info.hash_note}")
-        if info.block_hash is not None and info.hash_note:
-            self.fields["hash"].setText(f"{info.block_hash & (2**64 - 1):016x} ({info.hash_note})")
+        self.fields["hash"].setText(_hash_text(info))
         self.fields["owners"].setText(_owners_text(info.owners))
         self.slots.set_block(info)
         if previous is not None and previous.block_id == info.block_id and previous.num_filled == info.num_filled \
@@ -215,6 +196,14 @@ class Inspector(QtWidgets.QWidget):
 
     def slot_rows(self) -> list[tuple]:
         return self.slots.rows()
+
+
+def _hash_text(info: BlockInfo) -> str:
+    """The prefix hash as 16 hex digits (with the engine's note, if any), or why there is none."""
+    if info.block_hash is None:
+        return f"none — {info.hash_note}"
+    digits = f"{info.block_hash & (2**64 - 1):016x}"
+    return f"{digits} ({info.hash_note})" if info.hash_note else digits
 
 
 def _owners_text(owners, limit: int = 6) -> str:

@@ -87,17 +87,13 @@ class Legend(QtWidgets.QWidget):
             item = self._layout.takeAt(0)
             if item.widget():
                 item.widget().deleteLater()
-        for row, (pix, text) in enumerate(legend_entries(mode)):
+        entries = legend_entries(mode)
+        for row, (pix, text) in enumerate(entries):
             icon = QtWidgets.QLabel()
             icon.setPixmap(pix)
             label = QtWidgets.QLabel(text)
             label.setWordWrap(True)
             self._layout.addWidget(icon, row, 0, QtCore.Qt.AlignmentFlag.AlignTop)
             self._layout.addWidget(label, row, 1)
-        self._layout.setRowStretch(len(legend_entries(mode)), 1)
+        self._layout.setRowStretch(len(entries), 1)
         self._layout.setColumnStretch(1, 1)
-
-    def texts(self) -> list[str]:
-        return [self._layout.itemAt(i).widget().text() for i in range(self._layout.count())
-                if isinstance(self._layout.itemAt(i).widget(), QtWidgets.QLabel)
-                and self._layout.itemAt(i).widget().text()]

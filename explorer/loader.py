@@ -16,7 +16,7 @@ from typing import Callable
 
 from PySide6 import QtCore, QtWidgets
 
-from engine.config import EngineConfig
+from engine import Engine, EngineConfig, EngineError
 
 
 class EngineLoader(QtCore.QObject):
@@ -53,13 +53,12 @@ class EngineLoader(QtCore.QObject):
 
     def _work(self, cfg: EngineConfig, setup) -> None:
         try:
-            from engine import Engine  # heavy (torch); imported in the worker on purpose
             engine = Engine(cfg, progress=lambda message, fraction: self._worker_progress.emit(str(message),
                                                                                                float(fraction)))
             if setup is not None:
                 setup(engine)
         except Exception as exc:  # shown to the user; the caller keeps whatever engine it had
-            message = str(exc) if _is_engine_error(exc) else f"{type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
             self._worker_failed.emit(message, traceback.format_exc())
             return
         self._worker_loaded.emit(engine)
@@ -82,11 +81,6 @@ def _serve() -> None:
     while True:
         work, cfg, setup = _jobs.get()
         work(cfg, setup)
-
-
-def _is_engine_error(exc: BaseException) -> bool:
-    from engine.errors import EngineError
-    return isinstance(exc, EngineError)
 
 
 def progress_dialog(parent: QtWidgets.QWidget | None, title: str) -> QtWidgets.QProgressDialog:

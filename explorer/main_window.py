@@ -14,6 +14,7 @@ from collections import deque
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.config import EngineConfig
+from engine.runner import EngineRunner
 from engine.snapshot import PoolSnapshot
 
 from .controls import EngineControls
@@ -68,6 +69,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self._last_panels = 0.0
         self._panels_stale = False
         self._loader: EngineLoader | None = None
+        self.restart_progress: QtWidgets.QProgressDialog | None = None
+        self._closed = False
         self._build_widgets()
         self._build_actions()
         self._build_status_bar()
@@ -221,18 +224,23 @@ class MainWindow(QtWidgets.QMainWindow):
         self.grid.set_snapshot(snap)
         self.metrics.record(snap)
         self._panels_stale = True
-        if self.inspector.block_id is not None:
-            if self.inspector.block_id >= snap.num_blocks:
-                self.select_block(None)
-            else:
-                self.inspector.show_summary(snap)
-                b = self.inspector.block_id
-                key = (int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]), int(snap.owner[b]),
-                       int(snap.last_access[b]), tuple(block_owners(snap, b)))
-                if key != self._inspected_key:  # ask again only when the block changed (and never in a loop:
-                    # inspect_block itself publishes a snapshot)
-                    self._inspected_key = key
-                    self._inspect_due = True
+        self._follow_inspected_block(snap)
+
+    def _follow_inspected_block(self, snap: PoolSnapshot) -> None:
+        """Refresh the inspector's summary; ask the engine for details again only when the block changed (never
+        in a loop: inspect_block itself publishes a snapshot)."""
+        b = self.inspector.block_id
+        if b is None:
+            return
+        if b >= snap.num_blocks:
+            self.select_block(None)
+            return
+        self.inspector.show_summary(snap)
+        key = (int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]), int(snap.owner[b]),
+               int(snap.last_access[b]), tuple(block_owners(snap, b)))
+        if key != self._inspected_key:
+            self._inspected_key = key
+            self._inspect_due = True
 
     def _refresh_panels(self, snap: PoolSnapshot) -> None:
         """Conversations table, text, readouts: a few times a second is enough for reading."""
@@ -301,6 +309,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self._inspected_key = None
         self._last_inspect = 0.0
 
+    def select_conversation_when_present(self, cid: int) -> None:
+        """Select conversation ``cid`` in the table as soon as a snapshot lists it (it may still be queued)."""
+        self._select_when_present = cid
+
     def _on_conversation_selected(self, cid: int) -> None:
         self.grid.set_selected_conversation(None if cid < 0 else cid)
 
@@ -333,15 +345,14 @@ class MainWindow(QtWidgets.QMainWindow):
                                     max_new_tokens=request.max_new_tokens, temperature=request.temperature)
 
         def added(cid: int) -> None:
-            self._select_when_present = cid
+            self.select_conversation_when_present(cid)
             for _ in range(request.samples - 1):
                 self.futures.watch(self.runner.submit("fork_conversation", cid))
 
         self.futures.watch(future, added)
 
     def fork_conversation(self, cid: int) -> None:
-        self.futures.watch(self.runner.submit("fork_conversation", cid),
-                           lambda child: setattr(self, "_select_when_present", child))
+        self.futures.watch(self.runner.submit("fork_conversation", cid), self.select_conversation_when_present)
 
     def end_conversation(self, cid: int) -> None:
         self.futures.watch(self.runner.submit("end_conversation", cid))
@@ -408,7 +419,8 @@ class MainWindow(QtWidgets.QMainWindow):
         def loaded(engine) -> None:
             progress.close()
             self._loader = None
-            self.swap_engine(engine, cfg)
+            if not self._closed:  # a closed window must not start an engine thread that nothing would stop
+                self.swap_engine(engine, cfg)
 
         def failed(message: str, details: str) -> None:
             progress.close()
@@ -421,13 +433,19 @@ class MainWindow(QtWidgets.QMainWindow):
         loader.start(cfg)
 
     def swap_engine(self, engine, cfg: EngineConfig) -> None:
-        from engine.runner import EngineRunner
+        """Run ``engine`` instead of the current one, keeping pause and speed; commands in flight are dropped."""
         old = self.runner
-        self.runner = EngineRunner(engine, max_steps_per_second=old.max_steps_per_second).start()
+        self.runner = EngineRunner(engine, max_steps_per_second=old.max_steps_per_second,
+                                   start_paused=old.paused).start()
         old.stop(timeout=1.0)
         self.config = cfg
         self.futures.clear()
         self._inspect_future = None
+        self._select_when_present = None
+        self.relocation.reset()  # a relocation in flight on the old engine will never answer
+        for dialog in (self.add_dialog, self.reply_dialog):  # they were sized for, and wait on, the old engine
+            if dialog is not None and dialog.isVisible():
+                dialog.reject()
         self.select_block(None)
         self.grid.reset_view()
         self.metrics.clear()
@@ -451,8 +469,11 @@ class MainWindow(QtWidgets.QMainWindow):
         return box
 
     def closeEvent(self, event: QtGui.QCloseEvent) -> None:
+        self._closed = True
         self.timer.stop()
         self.runner.stop(timeout=1.0)
+        if self.restart_progress is not None:
+            self.restart_progress.close()
         if self.lesson_window is not None:
             self.lesson_window.close()
         event.accept()

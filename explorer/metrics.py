@@ -1,8 +1,9 @@
 """Plots of the pool over time: what paging allocates, what it wastes, what sharing saves, what contiguous
 reservation would have needed, and how fast decode goes.
 
-One sample is recorded per new snapshot the GUI sees (so at most one per frame); curves are redrawn a few times a
-second, which is plenty for a human and keeps the GUI thread light while the engine decodes.
+One sample is recorded per engine step the GUI sees (at most one per frame; a snapshot published after a command
+updates its step's sample); curves are redrawn a few times a second, which is plenty for a human and keeps the GUI
+thread light while the engine decodes.
 """
 from __future__ import annotations
 
@@ -33,9 +34,7 @@ class MetricsHistory:
     """Ring of recent samples; decode speed comes from the generated-token counter and wall time."""
 
     def __init__(self):
-        self.data = {name: np.zeros(HISTORY) for name in SERIES}
-        self.count = 0
-        self._rate_window: list[tuple[float, int]] = []
+        self.clear()
 
     def record(self, snap: PoolSnapshot, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
@@ -53,7 +52,9 @@ class MetricsHistory:
             "contiguous": mem.num_contiguous_slots if mem else 0, "tokens_per_s": max(rate, 0.0),
             "preemptions": met.num_preemptions, "hit_rate": 100.0 * met.prefix_cache_hit_rate,
         }
-        if self.count == HISTORY:
+        if self.count and self.data["step"][self.count - 1] == snap.step_id:
+            index = self.count - 1  # published again after a command, not a step: update the step's sample
+        elif self.count == HISTORY:
             for array in self.data.values():
                 array[:-1] = array[1:]
             index = HISTORY - 1
@@ -67,7 +68,9 @@ class MetricsHistory:
         return self.data[name][:self.count]
 
     def clear(self) -> None:
-        self.__init__()
+        self.data = {name: np.zeros(HISTORY) for name in SERIES}
+        self.count = 0  # samples held, the newest at index count - 1
+        self._rate_window: list[tuple[float, int]] = []  # (time, tokens generated) over the last second
 
 
 class MetricsPanel(QtWidgets.QWidget):
@@ -85,9 +88,10 @@ class MetricsPanel(QtWidgets.QWidget):
             self.plot_items.append((plot, [name for name, _, _ in series]))
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
-            plot.getAxis("bottom").setLabel("step") if i >= 4 else None
+            if i >= 4:  # the bottom row
+                plot.getAxis("bottom").setLabel("step")
             if len(series) > 1:
-                plot.addLegend(offset=(4, 4), labelTextSize="7pt")
+                plot.addLegend(offset=(4, 4), labelTextSize="7pt", brush=pg.mkBrush(0, 0, 0, 170))  # over curves
             for name, label, colour in series:
                 self.curves.append((name, plot.plot(pen=pg.mkPen(colour, width=2), name=label)))
         layout = QtWidgets.QVBoxLayout(self)

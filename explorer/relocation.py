@@ -51,6 +51,9 @@ def memory_lines(mem: MemoryStats | None) -> list[tuple[str, str]]:
     ]
 
 
+IDLE_TEXT = "Relocate blocks to check that paging never changes the attention result."
+
+
 class RelocationPanel(QtWidgets.QWidget):
     """Scramble / compact buttons, the last relocation's readout, and the memory readout."""
 
@@ -64,7 +67,7 @@ class RelocationPanel(QtWidgets.QWidget):
         self.compact.setToolTip("Move blocks towards the lowest physical ids (Ctrl+Shift+C)")
         self.scramble.clicked.connect(lambda: self.relocateRequested.emit(False))
         self.compact.clicked.connect(lambda: self.relocateRequested.emit(True))
-        self.readout = QtWidgets.QLabel("Relocate blocks to check that paging never changes the attention result.")
+        self.readout = QtWidgets.QLabel(IDLE_TEXT)
         self.readout.setWordWrap(True)
         self.memory = QtWidgets.QFormLayout()
         self.memory.setContentsMargins(0, 4, 0, 0)
@@ -89,6 +92,12 @@ class RelocationPanel(QtWidgets.QWidget):
         self.compact.setEnabled(not busy)
         if busy:
             self.readout.setText("Relocating…")
+
+    def reset(self) -> None:
+        """Back to the first state (after an engine restart: a relocation in flight will never answer)."""
+        self.set_busy(False)
+        self.readout.setText(IDLE_TEXT)
+        self.readout.setStyleSheet("")
 
     def show_report(self, report, compact: bool) -> None:
         self.reports.append(report)

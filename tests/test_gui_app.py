@@ -5,7 +5,7 @@ from PySide6 import QtCore, QtWidgets
 from engine.snapshot import BlockState
 from explorer import palette
 from explorer.dialogs import SYSTEM_PROMPT
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
 def colour_of(cid):
@@ -29,10 +29,7 @@ def seeded(prompts, steps=3, max_new_tokens=40):
 
 def test_add_conversation_through_dialog_shows_blocks_and_text(qtbot, make_window):
     window = make_window(speed=20)
-    dialog = window.open_add_dialog()
-    dialog.prompt.setPlainText("Hello, paged attention!")
-    dialog.max_new_tokens.setText("40")
-    dialog.temperature.setText("0")
+    dialog = open_add_dialog(window, "Hello, paged attention!", max_new_tokens=40, temperature=0)
     qtbot.mouseClick(dialog.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok),
                      QtCore.Qt.MouseButton.LeftButton)
     snap = wait_for_snapshot(qtbot, window, lambda s: any(s.block_tables.values()), timeout=5000)
@@ -116,10 +113,7 @@ def test_shared_system_prompt_gives_ref_count_two(qtbot, make_window):
     window = make_window(speed=15, num_blocks=128)
     ids = []
     for question in ("First question?", "Second question?"):
-        dialog = window.open_add_dialog()
-        dialog.prompt.setPlainText(question)
-        dialog.use_system.setChecked(True)
-        dialog.max_new_tokens.setText("60")
+        dialog = open_add_dialog(window, question, max_new_tokens=60, system=True)
         dialog.try_accept()
         qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
         snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == len(ids) + 1

@@ -2,7 +2,7 @@
 from PySide6 import QtWidgets
 
 from explorer.dialogs import parse_number
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
 def spy_on_submit(window):
@@ -58,10 +58,7 @@ def test_add_dialog_refuses_bad_input_and_sends_nothing(qtbot, make_window):
 
 def test_add_dialog_with_samples_forks(qtbot, make_window):
     window = make_window(speed=20)
-    dialog = window.open_add_dialog()
-    dialog.prompt.setPlainText("Three samples please")
-    dialog.samples.setText("3")
-    dialog.max_new_tokens.setText("30")
+    dialog = open_add_dialog(window, "Three samples please", max_new_tokens=30, samples=3)
     dialog.try_accept()
     snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 3)
     parent = snap.conversations[0].conversation_id
@@ -112,14 +109,17 @@ def test_restart_with_bad_checkpoint_keeps_old_engine(qtbot, make_window, tmp_pa
 def test_restart_swaps_in_new_engine(qtbot, make_window):
     window = make_window(paused=True)
     old = window.runner
+    window.relocation.set_busy(True)  # as if a relocation were in flight on the old engine
     dialog = window.open_restart_dialog()
     dialog.block_size.setText("8")
     dialog.num_blocks.setText("32")
     dialog.builtin.setChecked(True)
     dialog.try_accept()
     assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted
+    add = open_add_dialog(window, "sized for the old pool")
     qtbot.waitUntil(lambda: window.runner is not old, timeout=10000)
-    assert not old.alive and window.runner.alive
+    assert not old.alive and window.runner.alive and window.runner.paused  # the user had paused it
+    assert not add.isVisible() and window.relocation.scramble.isEnabled()  # nothing waits on the old engine
     snap = wait_for_snapshot(qtbot, window, lambda s: s.num_blocks == 32)
     assert snap.block_size == 8
     qtbot.waitUntil(lambda: window.grid.geometry_ is not None and window.grid.geometry_.num_blocks == 32, timeout=2000)
@@ -148,3 +148,43 @@ def test_lesson_menu_opens_the_lesson_window(qtbot, make_window):
     window.lesson_action.trigger()
     assert isinstance(window.lesson_window, QtWidgets.QMainWindow) and window.lesson_window.isVisible()
     assert window.errors == []
+
+
+def test_cancel_while_checking_sends_nothing(qtbot, make_window):
+    window = make_window(paused=True)
+    sent = spy_on_submit(window)
+    dialog = open_add_dialog(window, "Cancel me before the length check answers")
+    dialog.try_accept()  # the tokenizer is asked; the answer is taken on a timer
+    dialog.reject()
+    qtbot.wait(300)
+    assert sent == ["tokenize"] and dialog.request is None
+    assert dialog.result() == QtWidgets.QDialog.DialogCode.Rejected
+    assert window.snapshot.conversations == ()
+
+
+def test_checkpoint_without_tokenizer_explains_at_the_prompt(qtbot, make_window, tmp_path):
+    from helpers import write_tiny_checkpoint
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")  # no tokenizer.json: text prompts are refused
+    window = make_window(paused=True)
+    old = window.runner
+    window.restart_engine(window.config.__class__(model=str(checkpoint), block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    assert window.runner.paused  # a restart keeps the engine paused when it was
+    sent = spy_on_submit(window)
+    dialog = open_add_dialog(window, "Hello")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: "tokenizer" in dialog.error_text("prompt"), timeout=3000)
+    assert "token" in dialog.error_text("prompt") and dialog.isVisible()
+    assert sent == ["tokenize"] and window.errors == []
+    qtbot.wait(100)
+    assert window.snapshot.conversations == ()
+
+
+def test_closing_while_a_restart_loads_starts_no_engine(qtbot, make_window):
+    window = make_window(paused=True)
+    old = window.runner
+    window.restart_engine(window.config.__class__(model="builtin", block_size=8, num_blocks=32))
+    window.close()
+    assert not old.alive
+    qtbot.waitUntil(lambda: window._loader is None, timeout=10000)  # the load finished (or failed) after closing
+    assert window.runner is old and not window.restart_progress.isVisible()

@@ -171,3 +171,40 @@ def test_grid_widget_hover_and_click(qtbot, small):
     view._on_mouse_moved(scene_pos)
     assert "block 5: used" in view.hover_label.text() and "conv 3 (logical 1)" in view.hover_label.text()
     assert view.cell_colour(0) == colour_of(1)
+
+
+def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
+    from explorer.grid_view import GridView
+    snap, _ = small
+    view = GridView()
+    qtbot.addWidget(view)
+    view.set_snapshot(snap)
+    assert view.render()
+    republished = PoolSnapshot(**{**snap.__dict__, "ref_count": np.array(snap.ref_count)})  # after a command
+    view.set_snapshot(republished)
+    assert not view.render() and view.snapshot is republished
+    state = np.array(snap.state)
+    state[4] = BlockState.CACHED  # same step, changed pool (e.g. a conversation ended while paused)
+    view.set_snapshot(PoolSnapshot(**{**snap.__dict__, "state": state}))
+    assert view.render()
+    view.set_snapshot(PoolSnapshot(**{**snap.__dict__, "step_id": snap.step_id + 1}))  # a new step
+    assert view.render()
+    view.set_color_by("fill")
+    assert view.render() and not view.render()
+
+
+def test_metrics_keep_one_sample_per_step():
+    from explorer.metrics import MetricsHistory
+    snap = make_snapshot(step_id=5)
+    history = MetricsHistory()
+    for _ in range(3):  # published again after commands, same step
+        history.record(snap)
+    history.record(PoolSnapshot(**{**snap.__dict__, "step_id": 6}))
+    assert list(history.series("step")) == [5, 6]
+
+
+def test_inspector_sentences():
+    from explorer.inspector import _conversations, token_label
+    assert _conversations([3]) == "conversation 3"
+    assert _conversations([1, 0]) == "conversations 0, 1"
+    assert token_label(" the") == "␣the" and token_label("\n") == "\\n"

@@ -42,6 +42,18 @@ def wait_for_snapshot(qtbot, window, predicate, timeout=8000):
     return window.snapshot
 
 
+def open_add_dialog(window, prompt, max_new_tokens=None, temperature=None, samples=None, system=False):
+    """The window's add dialog with its fields filled in (fields left as None keep their defaults)."""
+    dialog = window.open_add_dialog()
+    dialog.prompt.setPlainText(prompt)
+    dialog.use_system.setChecked(system)
+    for field, value in ((dialog.max_new_tokens, max_new_tokens), (dialog.temperature, temperature),
+                         (dialog.samples, samples)):
+        if value is not None:
+            field.setText(str(value))
+    return dialog
+
+
 def test_support_window_stops_its_engine_on_close(make_window):
     window = make_window()
     assert window.runner.alive
