@@ -53,12 +53,15 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]
     def paged():
         return paged_attention(query, key_cache, value_cache, tables, seq_lens)
 
+    flush = torch.ones(64 * 2**20 // 4)  # larger than the 32 MiB L3 seen here; read, never written, between runs
+
     def interleaved():  # the three timed round-robin so machine noise hits them alike
         samples = {"contiguous": [], "eager": [], "compiled": []}
         for _ in range(repeat):
             for name in samples:
                 attention.use_compiled_attention(name == "compiled")
                 fn = contiguous if name == "contiguous" else paged
+                flush.sum()  # every variant starts with K/V out of cache, as in a real decode step
                 t = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t)
@@ -79,7 +82,10 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("ratio = paged time / contiguous SDPA time (median of interleaved runs)")
     print(f"{'batch':>5} {'ctx':>5} {'contiguous ms':>14} {'eager ms':>9} {'ratio':>6} {'compiled ms':>12} {'ratio':>6} {'max err':>8}")

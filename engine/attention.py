@@ -114,9 +114,9 @@ class _Compiled:
             with self._lock:
                 if self._fn is None:
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
-        for t, dims in ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,))):
-            for d in dims:  # batch and table width vary from step to step: one kernel for all of them
-                torch._dynamo.mark_dynamic(t, d)
+        for t, dims in ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (key_cache, (0,)), (value_cache, (0,))):
+            for d in dims:  # batch, table width and pool size vary: one kernel for all, no recompiles
+                torch._dynamo.maybe_mark_dynamic(t, d)
         return self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 

@@ -21,7 +21,7 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "resources" / "builtin"
 BUILTIN_FALLBACK = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 258, "hidden_size": 256, "intermediate_size": 688,
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
-    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "max_position_embeddings": 1024, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
     "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
 }
 
