@@ -160,23 +160,25 @@ class Engine:
             raise EngineError(f"no conversation with id {conversation_id!r}")
         return seq
 
-    def _new_seq(self, token_ids, max_new_tokens, temperature, seed, parent_id=None) -> Sequence:
+    def _new_seq(self, token_ids, max_new_tokens, temperature, seed, parent_id=None, ignore_eos=False) -> Sequence:
         seq_id = self._next_id
         self._next_id += 1
         seed = self.cfg.seed * 1_000_003 + seq_id if seed is None else int(seed)
-        seq = Sequence(seq_id, token_ids, max_new_tokens, temperature, seed, self.step_id, parent_id)
+        seq = Sequence(seq_id, token_ids, max_new_tokens, temperature, seed, self.step_id, parent_id, bool(ignore_eos))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.seqs[seq_id] = seq
         return seq
 
     # ---- conversations ----------------------------------------------------------------------------------------
     def add_conversation(self, prompt: str | None = None, *, prompt_token_ids: Seq[int] | None = None,
-                         max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None) -> int:
-        """Queue a new conversation; returns its id. It is admitted as soon as its prompt fits in the pool."""
+                         max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+                         ignore_eos: bool = False) -> int:
+        """Queue a new conversation; returns its id. It is admitted as soon as its prompt fits in the pool.
+        ``ignore_eos`` keeps it decoding to ``max_new_tokens`` (for benchmarks that need a steady load)."""
         ids = self._prompt_ids(prompt, prompt_token_ids)
         max_new_tokens, temperature = self._check_generation(max_new_tokens, temperature)
         self._check_fits(len(ids), max_new_tokens)
-        seq = self._new_seq(ids, max_new_tokens, temperature, seed)
+        seq = self._new_seq(ids, max_new_tokens, temperature, seed, ignore_eos=ignore_eos)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -185,7 +187,8 @@ class Engine:
         parent = self._seq(conversation_id)
         if parent.is_finished:
             raise EngineError(f"conversation {conversation_id} is {parent.status}; only a live conversation can be forked")
-        child = self._new_seq(parent.token_ids, parent.max_new_tokens, parent.temperature, seed, parent.seq_id)
+        child = self._new_seq(parent.token_ids, parent.max_new_tokens, parent.temperature, seed, parent.seq_id,
+                              parent.ignore_eos)
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.block_hashes = list(parent.block_hashes)
         if parent.status == Status.RUNNING:
@@ -340,7 +343,7 @@ class Engine:
                     pool.cache_full_block(seq.block_table[index], hashes[index],
                                           seq.token_ids[index * bs:(index + 1) * bs], index * bs)
             seq.append_token(token)
-            if token in self._eos or seq.num_output_tokens >= seq.max_new_tokens:
+            if (token in self._eos and not seq.ignore_eos) or seq.num_output_tokens >= seq.max_new_tokens:
                 self.scheduler.finish(seq, Status.FINISHED)
 
     # ---- views ------------------------------------------------------------------------------------------------

@@ -9,13 +9,14 @@ class Sequence:
     """One conversation inside the engine. Mutable; only the engine thread touches it."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], max_new_tokens: int, temperature: float,
-                 seed: int, arrival_step: int, parent_id: int | None = None):
+                 seed: int, arrival_step: int, parent_id: int | None = None, ignore_eos: bool = False):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt then outputs
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed  # seeds this conversation's own sampler
+        self.ignore_eos = ignore_eos  # keep going past end-of-sequence (benchmarks that need a steady load)
         self.arrival_step = arrival_step
         self.parent_id = parent_id
         self.status = Status.WAITING

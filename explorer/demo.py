@@ -30,10 +30,11 @@ def seed_busy(engine) -> list[int]:
     return [a, b, c, d, e]
 
 
-def seed_many(engine, count: int, max_new_tokens: int = 64) -> list[int]:
+def seed_many(engine, count: int, max_new_tokens: int = 64, ignore_eos: bool = False) -> list[int]:
     """``count`` independent conversations (benchmarks, large-pool screenshots)."""
     return [engine.add_conversation(f"Conversation {i}: tell me about page number {i * 7}.",
-                                    max_new_tokens=max_new_tokens, temperature=0.8, seed=i) for i in range(count)]
+                                    max_new_tokens=max_new_tokens, temperature=0.8, seed=i, ignore_eos=ignore_eos)
+            for i in range(count)]
 
 
 def seed_crowd(engine) -> list[int]:

@@ -315,3 +315,14 @@ def test_snapshot_is_immutable_copy(ckpt):
     filled = snap.num_filled.copy()
     eng.step()
     assert (snap.num_filled == filled).all() and snap.step_id == 1 and eng.snapshot().step_id == 2
+
+
+def test_ignore_eos_keeps_decoding(tmp_path):
+    probe = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "a")), num_blocks=32))
+    first = probe.generate([prompt(5)], max_new_tokens=3)[0][0]
+    eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "b", eos_token_id=first)), num_blocks=32))
+    cid = eng.add_conversation(prompt_token_ids=prompt(5), max_new_tokens=6, ignore_eos=True)
+    kid = eng.fork_conversation(cid)
+    eng.run_until_idle()
+    assert eng.conversation(cid).output_token_ids[0] == first and len(eng.conversation(cid).output_token_ids) == 6
+    assert len(eng.conversation(kid).output_token_ids) == 6
