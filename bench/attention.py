@@ -53,18 +53,23 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]
     def paged():
         return paged_attention(query, key_cache, value_cache, tables, seq_lens)
 
-    flush = torch.ones(64 * 2**20 // 4)  # larger than the 32 MiB L3 seen here; read, never written, between runs
+    flush = torch.ones(64 * 2**20 // 4)  # larger than the 32 MiB L3 seen here; read, never written, between calls
 
-    def interleaved():  # the three timed round-robin so machine noise hits them alike
+    def rounds():
+        """Variants timed in alternating blocks of `repeat` calls (so machine noise hits them alike), each call
+        starting with K/V out of cache as in a real decode step. Not call-by-call round robin: the eager variant
+        leaves 2 x 16 MiB of freshly written copies behind, whose write-back would be charged to the next call."""
         samples = {"contiguous": [], "eager": [], "compiled": []}
-        for _ in range(repeat):
+        for _ in range(3):
             for name in samples:
                 attention.use_compiled_attention(name == "compiled")
                 fn = contiguous if name == "contiguous" else paged
-                flush.sum()  # every variant starts with K/V out of cache, as in a real decode step
-                t = time.perf_counter()
                 fn()
-                samples[name].append(time.perf_counter() - t)
+                for _ in range(repeat):
+                    flush.sum()
+                    t = time.perf_counter()
+                    fn()
+                    samples[name].append(time.perf_counter() - t)
         return {k: statistics.median(v) for k, v in samples.items()}
 
     with torch.inference_mode():
@@ -73,21 +78,19 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]
         err = (paged() - ref).abs().max().item()
         attention.use_compiled_attention(True)
         err = max(err, (paged() - ref).abs().max().item())  # also compiles the fused kernel
-        for _ in range(3):
-            interleaved()  # warm-up
-        t = interleaved()
+        t = rounds()
     return t["contiguous"], t["eager"], t["compiled"], err
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--repeat", type=int, default=15, help="calls per variant per round (3 rounds)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("ratio = paged time / contiguous SDPA time (median of interleaved runs)")
+    print("ratio = paged time / contiguous SDPA time (medians; K/V out of cache before every call)")
     print(f"{'batch':>5} {'ctx':>5} {'contiguous ms':>14} {'eager ms':>9} {'ratio':>6} {'compiled ms':>12} {'ratio':>6} {'max err':>8}")
     for batch in (1, 8, 32):
         for ctx in (128, 1024):

@@ -81,7 +81,9 @@ def _paged_attention_eager(query, key_cache, value_cache, plan: DecodePlan, scal
 
 def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
     """The same attention written so that torch.compile (inductor) fuses the block-table lookups into the
-    reductions: each K/V row is read once, straight from its physical block, and nothing is gathered."""
+    reductions: each K/V row is read straight from its physical block and nothing is gathered. Returns per-block
+    partial outputs and the softmax denominators; :func:`_fused_decode` adds the partials up. Reducing within a
+    block first keeps each 16-slot block hot in L1 while all query heads of its group read it."""
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     group = heads // kv_heads
@@ -96,12 +98,19 @@ def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens
     scores = torch.where(valid[..., None, None], scores, float("-inf"))
     weights = torch.exp(scores - scores.amax((1, 2), keepdim=True))
     v = value_cache[tables].unsqueeze(4)  # [seqs, max_blocks, block_size, kv_heads, 1, dim]
-    out = (weights.unsqueeze(-1) * v).sum((1, 2)) / weights.sum((1, 2)).unsqueeze(-1)  # [seqs, kv_heads, group, dim]
-    return out.reshape(seqs, heads, dim)
+    partial = (weights.unsqueeze(-1) * v).sum(2)  # [seqs, max_blocks, kv_heads, group, dim]
+    return partial, weights.sum((1, 2))  # denominators [seqs, kv_heads, group]
+
+
+def _bucket(n: int) -> int:
+    """Next power of two: batch sizes and table widths are padded to these, so a handful of static kernels serve
+    every step (kernels compiled for symbolic sizes ran about 2x slower here)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 class _Compiled:
-    """Lazily compiled fused kernel; any failure (no C++ compiler, unsupported backend) falls back to eager."""
+    """Lazily compiled fused kernel, one static specialisation per (batch, width) bucket; any failure (no C++
+    compiler, unsupported backend) falls back to eager for good."""
 
     def __init__(self):
         self.enabled = False
@@ -113,11 +122,17 @@ class _Compiled:
         if self._fn is None:
             with self._lock:
                 if self._fn is None:
+                    config = torch._dynamo.config
+                    config.cache_size_limit = max(config.cache_size_limit, 64)
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
-        for t, dims in ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (key_cache, (0,)), (value_cache, (0,))):
-            for d in dims:  # batch, table width and pool size vary: one kernel for all, no recompiles
-                torch._dynamo.maybe_mark_dynamic(t, d)
-        return self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        seqs, width = block_tables.shape
+        padded_seqs, padded_width = _bucket(seqs), _bucket(width)
+        if (padded_seqs, padded_width) != (seqs, width):  # padding rows attend to one slot of block 0; dropped below
+            query = torch.cat([query, query.new_zeros(padded_seqs - seqs, *query.shape[1:])])
+            block_tables = torch.nn.functional.pad(block_tables, (0, padded_width - width, 0, padded_seqs - seqs))
+            seq_lens = torch.cat([seq_lens, seq_lens.new_ones(padded_seqs - seqs)])
+        partial, denom = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return (partial.sum(1) / denom.unsqueeze(-1))[:seqs].reshape(seqs, *query.shape[1:])
 
 
 _compiled = _Compiled()
@@ -142,7 +157,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     _check(query, key_cache, value_cache, block_tables, seq_lens)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
-    plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1])
+    block_tables = block_tables.to(query.device)
+    if _compiled.enabled:  # the fused kernel neutralises stale entries itself; no plan needed
+        try:
+            return _compiled(query, key_cache, value_cache, block_tables, seq_lens.to(query.device), scale)
+        except Exception as exc:
+            _disable_compiled(exc)
+    plan = plan_decode(block_tables, seq_lens, key_cache.shape[1])
     return paged_decode(query, key_cache, value_cache, plan, scale)
 
 
@@ -152,10 +173,15 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if _compiled.enabled:
         try:
             return _compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
-        except Exception as exc:  # keep decoding: the eager path computes the same thing
-            _compiled.failed, _compiled.enabled = True, False
-            log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+        except Exception as exc:
+            _disable_compiled(exc)
     return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+
+
+def _disable_compiled(exc: Exception) -> None:
+    """Keep decoding on the eager path, which computes the same thing."""
+    _compiled.failed, _compiled.enabled = True, False
+    log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
