@@ -94,7 +94,7 @@ def test_compiled_fused_kernel_matches_dense():
     torch.manual_seed(5)
     try:
         assert attention.use_compiled_attention(True) or attention._compiled.failed
-        for lens in ([5, 16, 1, 33], [64, 3], [7]):  # ragged batches of different sizes: one dynamic kernel
+        for lens in ([5, 16, 1, 33], [64, 3], [7], [9, 2, 40]):  # ragged; 3 rows and odd widths get padded
             keys = [torch.randn(n, 2, 8) for n in lens]
             values = [torch.randn(n, 2, 8) for n in lens]
             num_blocks = sum(-(-n // 4) for n in lens) + 3
