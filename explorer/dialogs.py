@@ -91,7 +91,8 @@ class _FormDialog(QtWidgets.QDialog):
             error.show_error("")
 
     def try_accept(self) -> None:
-        raise NotImplementedError
+        """OK was pressed: subclasses validate their fields first and accept only if every field is valid."""
+        self.accept()
 
     def wait_for(self, future: Future, then: Callable[[Future], None]) -> None:
         """Keep the dialog open (OK disabled) until ``future`` is done, then call ``then`` on the GUI thread."""
