@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -111,11 +111,6 @@ class BlockPool:
                 self.num_filled[block] = 0
                 self.owner[block] = -1
                 self._free[block] = None
-
-    def touch(self, blocks: Iterable[int]) -> None:
-        blocks = list(blocks)
-        if blocks:
-            self.last_access[blocks] = self.clock
 
     # ---- prefix caching -------------------------------------------------------------------------------------
     def cache_full_block(self, block: int, block_hash: int, token_ids: Sequence[int], start: int) -> None:
