@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-
 from dataclasses import dataclass
 
 import torch

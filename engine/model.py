@@ -230,14 +230,14 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         lead = x.shape[:-1]
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv is not None:
-            q, k, v = self.qkv(x).split((nq, nkv, nkv), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
-        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:  # one matmul, and one rotary call for the q and k heads together
+            qkv = self.qkv(x).view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [..., tokens, h+2kv, dim]
+            qk = apply_rotary(qkv[..., : self.num_heads + self.num_kv_heads, :], cos, sin)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=-2)
+            return q, k, qkv[..., self.num_heads + self.num_kv_heads:, :]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
