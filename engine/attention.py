@@ -34,7 +34,6 @@ class DecodePlan:
     """Everything about a decode batch's block tables that every layer shares: computed once per step."""
 
     tables: torch.Tensor  # int64 [seqs, max_blocks]: live entries as given, entries past the end replaced by 0
-    flat_blocks: torch.Tensor  # int64 [seqs * max_blocks]: the same, flattened for index_select
     seq_lens: torch.Tensor  # [seqs]
     max_len: int  # longest context in the batch
     mask: torch.Tensor | None  # bool [seqs, 1, 1, max_len]; None when every sequence has max_len tokens
@@ -51,14 +50,14 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     mask = None
     if bool((seq_lens != max_len).any()):
         mask = (torch.arange(max_len, device=tables.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    return DecodePlan(tables, tables.reshape(-1), seq_lens, max_len, mask)
+    return DecodePlan(tables, seq_lens, max_len, mask)
 
 
 def gather_kv(cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """Copy each sequence's K (or V) into a padded contiguous tensor [seqs, max_len, kv_heads, dim]."""
     seqs, max_blocks = plan.tables.shape
     _, block_size, kv_heads, dim = cache.shape
-    out = cache.index_select(0, plan.flat_blocks)  # [seqs * max_blocks, block_size, kv_heads, dim]
+    out = cache.index_select(0, plan.tables.view(-1))  # [seqs * max_blocks, block_size, kv_heads, dim]
     return out.view(seqs, max_blocks * block_size, kv_heads, dim)[:, : plan.max_len]
 
 
@@ -157,30 +156,32 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _check(query, key_cache, value_cache, block_tables, seq_lens)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
     block_tables = block_tables.to(query.device)
-    if _compiled.enabled:  # the fused kernel neutralises stale entries itself; no plan needed
-        try:
-            return _compiled(query, key_cache, value_cache, block_tables, seq_lens.to(query.device), scale)
-        except Exception as exc:
-            _disable_compiled(exc)
-    plan = plan_decode(block_tables, seq_lens, key_cache.shape[1])
-    return paged_decode(query, key_cache, value_cache, plan, scale)
+    seq_lens = seq_lens.to(query.device)
+    out = _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale)  # needs no plan
+    if out is not None:
+        return out
+    return _paged_attention_eager(query, key_cache, value_cache, plan_decode(block_tables, seq_lens,
+                                                                             key_cache.shape[1]), scale)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
                  scale: float) -> torch.Tensor:
     """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer)."""
-    if _compiled.enabled:
-        try:
-            return _compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
-        except Exception as exc:
-            _disable_compiled(exc)
-    return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+    out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+    return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
-def _disable_compiled(exc: Exception) -> None:
-    """Keep decoding on the eager path, which computes the same thing."""
-    _compiled.failed, _compiled.enabled = True, False
-    log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
+    """The fused kernel's result, or None when it is off or has failed (then the eager path computes the same
+    thing, and the kernel stays off for good)."""
+    if not _compiled.enabled:
+        return None
+    try:
+        return _compiled(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    except Exception as exc:
+        _compiled.failed, _compiled.enabled = True, False
+        log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+        return None
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

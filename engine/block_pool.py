@@ -22,6 +22,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def random_cycle(n: int, seed: int | None) -> np.ndarray:
+    """``new_id`` for a relocation that moves every block: one random cycle through all ``n`` ids (n >= 2), so no
+    block keeps its place."""
+    perm = np.random.default_rng(seed).permutation(n)
+    new_id = np.empty(n, np.int64)
+    new_id[perm] = np.roll(perm, -1)
+    return new_id
+
+
 class BlockPool:
     """Which physical blocks are free, used or cached, and by whom.
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .attention import attend_batch, plan_decode, use_compiled_attention
-from .block_pool import BlockPool
+from .block_pool import BlockPool, random_cycle
 from .config import EngineConfig
 from .errors import EngineError
 from .kv_cache import KVCache
@@ -456,10 +456,8 @@ class Engine:
             order += np.flatnonzero(~seen).tolist()
             new_id = np.empty(n, np.int64)
             new_id[np.asarray(order, dtype=np.int64)] = np.arange(n)
-        else:  # one random cycle through all ids: no block keeps its place
-            perm = np.random.default_rng(seed).permutation(n)
-            new_id = np.empty(n, np.int64)
-            new_id[perm] = np.roll(perm, -1)
+        else:
+            new_id = random_cycle(n, seed)
         moved = np.flatnonzero(pool.state != BlockState.FREE)
         mapping = {int(b): int(new_id[b]) for b in moved if new_id[b] != b}
         pool.permute(new_id)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .attention import paged_attention
-from .block_pool import BlockPool
+from .block_pool import BlockPool, random_cycle
 from .snapshot import BlockState
 
 BLOCK_SIZE = 4
@@ -184,13 +184,7 @@ class ToyPagedSequence:
         cache rows are moved with it, the BlockPool renames its bookkeeping and the block table is rewritten."""
         before_table, before = tuple(self.block_table), self.result()
         used = np.nonzero(self.pool.state != BlockState.FREE)[0]
-        rng = np.random.default_rng(seed)
-        for _ in range(1000):
-            new_id = rng.permutation(self.num_blocks)
-            if np.all(new_id[used] != used):
-                break
-        else:  # unreachable for the lesson's pool; a rotation always moves every block
-            new_id = np.roll(np.arange(self.num_blocks), 1)
+        new_id = random_cycle(self.num_blocks, seed)
         index = torch.as_tensor(new_id, dtype=torch.long)
         moved_k, moved_v = torch.empty_like(self.key_cache), torch.empty_like(self.value_cache)
         moved_k[index] = self.key_cache  # old block b now lives at new_id[b]
