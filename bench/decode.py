@@ -1,12 +1,14 @@
 """Engine decode throughput vs transformers ``generate`` on the same weights, side by side in one run.
 
 A ~3M-parameter Llama config with random weights, written once with ``save_pretrained`` and loaded by both.
-64-token prompts, 128 new tokens, greedy, batch 1 / 16 / 64. Prints tokens/s and the engine/transformers ratio,
-and checks that both produced the same tokens.
+64-token prompts, 128 new tokens, greedy, batch 1 / 16 / 64. Each batch runs both sides ``--rounds`` times,
+alternating; prints median tokens/s, the ratio of the medians, the range of the per-round ratios, and checks
+that both produced the same tokens.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per side per batch; medians reported")
     parser.add_argument("--compile", action="store_true", help="engine decode attention through torch.compile")
     args = parser.parse_args()
     if args.threads:
@@ -68,16 +71,24 @@ def main() -> None:
         model = build_checkpoint(Path(tmp))
         params = sum(p.numel() for p in model.parameters())
         print(f"model: {params / 1e6:.2f}M parameters; prompts {PROMPT_LEN} tokens, {NEW_TOKENS} new tokens, greedy")
-        print(f"{'batch':>5} {'transformers tok/s':>19} {'engine tok/s':>13} {'ratio':>6} {'same tokens':>12}")
+        print(f"{'batch':>5} {'transformers tok/s':>19} {'engine tok/s':>13} {'ratio':>6} {'rounds':>11} {'same tokens':>12}")
         run_engine(Path(tmp), 1)  # warm-up both
         run_hf(model, 1)
         for batch in args.batches:
-            t_hf, out_hf = run_hf(model, batch)
-            t_en, out_en = run_engine(Path(tmp), batch)
+            if args.compile:  # compile the kernels for this batch's shapes outside the timed run
+                run_engine(Path(tmp), batch)
+            times_hf, times_en = [], []
+            for _ in range(args.rounds):  # alternate the two, so that machine noise hits both alike
+                t_hf, out_hf = run_hf(model, batch)
+                t_en, out_en = run_engine(Path(tmp), batch)
+                times_hf.append(t_hf)
+                times_en.append(t_en)
+            t_hf, t_en = statistics.median(times_hf), statistics.median(times_en)
+            ratios = sorted(a / b for a, b in zip(times_hf, times_en))
             tokens = batch * NEW_TOKENS
             same = sum(a == b for a, b in zip(out_hf, out_en))
-            print(f"{batch:>5} {tokens / t_hf:>19.0f} {tokens / t_en:>13.0f} {t_hf / t_en:>6.2f} {same:>6}/{batch}")
-
+            print(f"{batch:>5} {tokens / t_hf:>19.0f} {tokens / t_en:>13.0f} {t_hf / t_en:>6.2f} "
+                  f"{ratios[0]:>5.2f}-{ratios[-1]:<5.2f} {same:>6}/{batch}")
 
 if __name__ == "__main__":
     main()

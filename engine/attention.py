@@ -62,42 +62,60 @@ def gather_kv(cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
 
 
 def _paged_attention_eager(query, key_cache, value_cache, plan: DecodePlan, scale):
-    """Gather each sequence's K/V into a padded contiguous tensor, then one (masked) SDPA call."""
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    """Gather each sequence's K/V into a padded contiguous tensor, then one (masked) SDPA call.
+
+    The query heads that share a KV head go in as that head's "query positions" ([seqs, kv_heads, group, dim]):
+    with no causal mask that is exactly grouped-query attention, and SDPA then reads each K/V row once per group
+    instead of expanding K/V for every query head (7-25% faster here than ``enable_gqa``)."""
+    seqs, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
     keys = gather_kv(key_cache, plan)  # [seqs, T, kv_heads, dim]
     values = gather_kv(value_cache, plan)
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [seqs, heads, 1, dim]
+        query.view(seqs, kv_heads, heads // kv_heads, dim),
         keys.transpose(1, 2),  # [seqs, kv_heads, T, dim]
         values.transpose(1, 2),
         attn_mask=plan.mask,  # [seqs, 1, 1, T] or None
         scale=scale,
-        enable_gqa=kv_heads != heads,
-    )  # [seqs, heads, 1, dim]
-    return out.squeeze(2)
+    )  # [seqs, kv_heads, group, dim]
+    return out.reshape(seqs, heads, dim)
 
 
-def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
+def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float, chunk: int):
     """The same attention written so that torch.compile (inductor) fuses the block-table lookups into the
-    reductions: each K/V row is read straight from its physical block and nothing is gathered. Returns per-block
-    partial outputs and the softmax denominators; :func:`_fused_decode` adds the partials up. Reducing within a
-    block first keeps each 16-slot block hot in L1 while all query heads of its group read it."""
+    reductions: each K/V row is read straight from its physical block and nothing is gathered.
+
+    Two choices make the generated loops fast. Scores are laid out with the block's slots innermost, so the dot
+    products over ``dim`` become 16-wide vector accumulations over slots instead of one horizontal reduction per
+    score. And the softmax runs per chunk of ``chunk`` blocks (split-K, as in flash-decoding): each chunk keeps its
+    own maximum, its weighted V sum and its denominator, and the chunks are rescaled to the global maximum and
+    added at the end, so no pass over all scores has to finish before V is read."""
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     group = heads // kv_heads
-    max_blocks = block_tables.shape[1]
-    live = torch.arange(max_blocks, device=query.device).view(1, max_blocks) * block_size < seq_lens.view(seqs, 1)
-    tables = torch.where(live, block_tables, 0).long()  # [seqs, max_blocks]; entries past the end -> block 0
-    pos = torch.arange(max_blocks * block_size, device=query.device).view(1, max_blocks, block_size)
-    valid = pos < seq_lens.view(seqs, 1, 1)  # [seqs, max_blocks, block_size]
-    k = key_cache[tables]  # [seqs, max_blocks, block_size, kv_heads, dim] (indexed inside the fused loops)
-    q = (query * scale).view(seqs, 1, 1, kv_heads, group, dim)
-    scores = (k.unsqueeze(4) * q).sum(-1)  # [seqs, max_blocks, block_size, kv_heads, group]
-    scores = torch.where(valid[..., None, None], scores, float("-inf"))
-    weights = torch.exp(scores - scores.amax((1, 2), keepdim=True))
-    v = value_cache[tables].unsqueeze(4)  # [seqs, max_blocks, block_size, kv_heads, 1, dim]
-    partial = (weights.unsqueeze(-1) * v).sum(2)  # [seqs, max_blocks, kv_heads, group, dim]
-    return partial, weights.sum((1, 2))  # denominators [seqs, kv_heads, group]
+    width = block_tables.shape[1]
+    chunks = width // chunk
+    live = torch.arange(width, device=query.device).view(1, width) * block_size < seq_lens.view(seqs, 1)
+    tables = torch.where(live, block_tables, 0).long().view(seqs, chunks, chunk)  # entries past the end -> block 0
+    pos = torch.arange(width * block_size, device=query.device).view(1, chunks, chunk, 1, 1, block_size)
+    valid = pos < seq_lens.view(seqs, 1, 1, 1, 1, 1)
+    # [seqs, chunks, chunk, kv_heads, 1, block_size, dim]: indexed inside the fused loops, never materialised
+    k = key_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
+    v = value_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
+    q = (query * scale).view(seqs, 1, 1, kv_heads, group, 1, dim)
+    scores = torch.where(valid, (k * q).sum(-1), float("-inf"))  # [seqs, chunks, chunk, kv_heads, group, block_size]
+    # A chunk wholly past the end has maximum -inf; clamping keeps exp() at 0 there instead of NaN.
+    chunk_max = scores.amax((2, 5), keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
+    weights = torch.exp(scores - chunk_max)
+    partial = (weights.unsqueeze(-1) * v).sum((2, 5))  # [seqs, chunks, kv_heads, group, dim]
+    denom = weights.sum((2, 5))  # [seqs, chunks, kv_heads, group]
+    chunk_max = chunk_max.view(seqs, chunks, kv_heads, group)
+    rescale = torch.exp(chunk_max - chunk_max.amax(1, keepdim=True))  # chunk 0 always holds the first token
+    out = (partial * rescale.unsqueeze(-1)).sum(1) / (denom * rescale).sum(1).unsqueeze(-1)
+    return out.reshape(seqs, heads, dim)
+
+
+CHUNK_BLOCKS = 8  # blocks per softmax chunk in the fused kernel (4 and 8 ran alike at batch 32, context 1024)
 
 
 def _bucket(n: int) -> int:
@@ -129,8 +147,8 @@ class _Compiled:
             query = torch.cat([query, query.new_zeros(padded_seqs - seqs, *query.shape[1:])])
             block_tables = torch.nn.functional.pad(block_tables, (0, padded_width - width, 0, padded_seqs - seqs))
             seq_lens = torch.cat([seq_lens, seq_lens.new_ones(padded_seqs - seqs)])
-        partial, denom = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale)
-        return (partial.sum(1) / denom.unsqueeze(-1))[:seqs].reshape(seqs, *query.shape[1:])
+        out = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale, min(CHUNK_BLOCKS, padded_width))
+        return out[:seqs]
 
 
 _compiled = _Compiled()
