@@ -244,6 +244,8 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float,
                  block_size: int) -> torch.Tensor:
     """Attention for a mixed batch (decodes first, then prefill chunks), all read through block tables."""
+    if not meta.prefills:  # decode only: no assembly needed
+        return paged_decode(q, key_cache, value_cache, meta.decode_plan, scale)
     out = torch.empty_like(q)  # [tokens, heads, dim]
     if meta.num_decode:
         out[: meta.num_decode] = paged_decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan, scale)

@@ -166,10 +166,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        dtype = x.dtype  # normalised in float32 and scaled after casting back, as the HF models do
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
 
 
 class Rotary(nn.Module):
@@ -186,23 +184,24 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
         device = getattr(self, "cos", torch.empty(0)).device
+        sin = emb.sin()
+        half = self.head_dim // 2
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of sin negated (exactly: IEEE
+        # negation commutes with multiplication), so the rotation is one roll instead of two slices, a neg and a cat
+        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), -1).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for :func:`apply_rotary`, [tokens, 1, head_dim] each (broadcast over heads)."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [tokens, head_dim] each
+        return self.cos[positions].to(dtype).unsqueeze(-2), self.sin_signed[positions].to(dtype).unsqueeze(-2)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., tokens, heads, head_dim]; cos/sin [tokens, head_dim]."""
-    return x * cos.unsqueeze(-2) + _rotate_half(x) * sin.unsqueeze(-2)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [..., tokens, heads, head_dim]; cos/sin_signed [tokens, 1, head_dim] from :meth:`Rotary.cos_sin`.
+    Bit-identical to the HF form ``x * cos + rotate_half(x) * sin``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -344,8 +343,8 @@ class CausalLM(nn.Module):
             hook = None if layer_hook is None else (lambda out, i=i: layer_hook(i, out))
             attend_i = attend if hook is None else _hooked(attend, hook)
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x += layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)  # x is this forward's own
+            x += layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
