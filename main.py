@@ -2,6 +2,7 @@
 
     python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
                    [--demo busy|crowd|lesson|none] [--screenshot PATH --quit-after SECONDS] [--headless]
+                   [--compile-attention]
 
 Bad arguments print one clear line and exit with status 2.
 """
@@ -28,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--screenshot", metavar="PATH", help="save a PNG of the main window, then exit")
     parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="close the app after this long")
     parser.add_argument("--headless", action="store_true", help="run the engine without a window, print progress")
+    parser.add_argument("--compile-attention", action="store_true",
+                        help="decode attention through the torch.compile'd kernel: faster for long contexts and big "
+                             "batches; each new batch/context size bucket compiles once (seconds)")
     return parser.parse_args(argv)
 
 
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.errors import EngineError
     try:
         cfg = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                           device=args.device)
+                           device=args.device, compile_attention=args.compile_attention)
         if args.quit_after is not None and args.quit_after < 0:
             raise EngineError("--quit-after must not be negative")
         if args.headless:

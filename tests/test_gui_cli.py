@@ -32,6 +32,14 @@ def test_headless_busy_demo_runs_until_idle():
     assert "idle after" in result.stdout and "finished" in result.stdout
 
 
+def test_headless_with_compiled_attention_runs_until_idle():
+    result = run_main("--headless", "--demo", "busy", "--num-blocks", "64", "--block-size", "4",
+                      "--compile-attention", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "idle after" in result.stdout and "finished" in result.stdout
+    assert "eager path" not in result.stderr  # the compiled kernel did not fall back
+
+
 def test_screenshot_is_saved(tmp_path):
     from PySide6 import QtGui
     path = tmp_path / "shot.png"
