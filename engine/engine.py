@@ -146,6 +146,12 @@ class Engine:
         return int(max_new_tokens), temperature
 
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
+        max_len = self.model.config.max_position_embeddings
+        if num_tokens + max_new_tokens > max_len:  # as vLLM's max_model_len: positions the model was built for
+            raise EngineError(
+                f"this conversation would reach {num_tokens + max_new_tokens} tokens ({num_tokens} prompt + "
+                f"{max_new_tokens} new) but the model handles at most {max_len} (max_position_embeddings); "
+                f"shorten the prompt or lower max_new_tokens")
         # K/V is stored for every token but the last one sampled.
         need = -(-(num_tokens + max_new_tokens - 1) // self.cfg.block_size)
         if need > self.cfg.num_blocks:

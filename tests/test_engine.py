@@ -223,6 +223,7 @@ def _pool_state(eng):
     (lambda e: e.add_conversation(prompt_token_ids=[-1]), "vocabulary"),
     (lambda e: e.add_conversation(prompt_token_ids=list(range(1, 90)) * 3, max_new_tokens=10), "pool"),
     (lambda e: e.add_conversation(prompt="text"), "tokenizer"),
+    (lambda e: e.add_conversation(prompt_token_ids=prompt(500), max_new_tokens=20), "max_position_embeddings"),
     (lambda e: e.end_conversation(99), "no conversation"),
     (lambda e: e.fork_conversation(99), "no conversation"),
     (lambda e: e.continue_conversation(0, prompt_token_ids=[1]), "finished"),
@@ -236,6 +237,19 @@ def test_bad_input_is_refused_and_changes_nothing(ckpt, call, message):
     before = _pool_state(eng)
     with pytest.raises(EngineError, match=message):
         call(eng)
+    assert _pool_state(eng) == before
+
+
+def test_context_limit_is_the_models_positions(ckpt):
+    """Exactly max_position_embeddings (512 here) tokens is accepted and runs; a reply that would go past it is
+    refused and leaves the conversation as it was."""
+    eng = make(ckpt, num_blocks=160)
+    cid = eng.add_conversation(prompt_token_ids=prompt(500), max_new_tokens=12)
+    eng.run_until_idle()
+    assert len(eng.conversation(cid).output_token_ids) == 12
+    before = _pool_state(eng)
+    with pytest.raises(EngineError, match="at most 512"):
+        eng.continue_conversation(cid, prompt_token_ids=[5], max_new_tokens=1)
     assert _pool_state(eng) == before
 
 
