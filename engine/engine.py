@@ -145,9 +145,15 @@ class Engine:
             raise EngineError(f"temperature must be 0 (greedy) or positive, got {temperature}")
         return int(max_new_tokens), temperature
 
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) one conversation may reach: the positions the model was built for (as
+        vLLM's max_model_len)."""
+        return self.model.config.max_position_embeddings
+
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
-        max_len = self.model.config.max_position_embeddings
-        if num_tokens + max_new_tokens > max_len:  # as vLLM's max_model_len: positions the model was built for
+        max_len = self.max_model_len
+        if num_tokens + max_new_tokens > max_len:
             raise EngineError(
                 f"this conversation would reach {num_tokens + max_new_tokens} tokens ({num_tokens} prompt + "
                 f"{max_new_tokens} new) but the model handles at most {max_len} (max_position_embeddings); "
@@ -402,7 +408,8 @@ class Engine:
             ref_count=frozen_array(pool.ref_count), num_filled=frozen_array(pool.num_filled),
             state=frozen_array(pool.state), owner=frozen_array(pool.owner), last_access=frozen_array(pool.last_access),
             block_tables=tables, conversations=self.conversations(), metrics=self.metrics(),
-            memory=self.memory_stats(), model_name=self.model_name, device=str(self.device))
+            memory=self.memory_stats(), model_name=self.model_name, device=str(self.device),
+            max_model_len=self.max_model_len)
 
     def _owners(self, block: int) -> list[tuple[int, int]]:
         return [(s.seq_id, i) for s in self.scheduler.running for i, b in enumerate(s.block_table) if b == block]

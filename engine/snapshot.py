@@ -143,6 +143,7 @@ class PoolSnapshot:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     memory: MemoryStats | None = None
     model_name: str = ""  # "builtin" or the checkpoint directory
+    max_model_len: int = 0  # most tokens (prompt + output) in one conversation: the model's positions; 0: unknown
     device: str = "cpu"
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:

@@ -47,7 +47,8 @@ def seed_crowd(engine) -> list[int]:
     for i in range(count):
         prompt = (SYSTEM_PROMPT if i % 3 == 0 else "") + f"Question {i}: how is page {i * 7} laid out?"
         wanted = (24, 400, 1200)[i % 3]
-        room = max(4, min(wanted, budget - len(engine.tokenize(prompt))))
+        prompt_len = len(engine.tokenize(prompt))
+        room = max(4, min(wanted, budget - prompt_len, snap.max_model_len - prompt_len))
         ids.append(engine.add_conversation(prompt, max_new_tokens=room, temperature=0.8, seed=i))
         if i % 12 == 0:
             engine.step()  # let the first system-prompt conversation fill its blocks before others share them

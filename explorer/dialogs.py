@@ -123,31 +123,38 @@ class _MessageDialog(_FormDialog):
     """A text message plus max new tokens, refused at its field when the engine's tokenizer says it cannot fit."""
 
     def __init__(self, title: str, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
-                 parent: QtWidgets.QWidget | None = None):
+                 parent: QtWidgets.QWidget | None = None, max_model_len: int = 0):
         super().__init__(title, parent)
         self._tokenize = tokenize
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_model_len = max_model_len  # the model's positions; 0: no limit known
         self.request = None  # set when the dialog is accepted
 
     def add_max_new_tokens_row(self) -> QtWidgets.QLineEdit:
         return self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
 
     def parse_max_new_tokens(self) -> int | None:
+        most = self.num_blocks * self.block_size
         value, err = parse_number(self.max_new_tokens.text(), "Max new tokens", int, 1,
-                                  self.num_blocks * self.block_size)
+                                  min(most, self.max_model_len) if self.max_model_len else most)
         self.errors["max_new_tokens"].show_error(err)
         return value
 
     def accept_if_it_fits(self, key: str, text: str, history_tokens: int, max_new: int, request) -> None:
-        """Tokenize ``text`` through the engine (without blocking); if history + text + max_new fit the pool, keep
-        ``request`` and accept, else say why at field ``key`` (a tokenizer refusal is said there too, such as a
-        checkpoint without a tokenizer)."""
+        """Tokenize ``text`` through the engine (without blocking); if history + text + max_new fit the model's
+        positions and the pool, keep ``request`` and accept, else say why at field ``key`` (a tokenizer refusal is
+        said there too, such as a checkpoint without a tokenizer)."""
 
         def check_length(future: Future) -> None:
             try:
                 num_tokens = len(future.result()) + history_tokens
             except Exception as exc:  # the tokenizer refused the text
                 self.errors[key].show_error(str(exc))
+                return
+            if self.max_model_len and num_tokens + max_new > self.max_model_len:
+                self.errors[key].show_error(
+                    f"Too long for the model: {num_tokens} prompt tokens + {max_new} new tokens, but it handles at "
+                    f"most {self.max_model_len} tokens in one conversation.")
                 return
             need = math.ceil((num_tokens + max_new) / self.block_size)
             if need > self.num_blocks:
@@ -175,8 +182,8 @@ class AddConversationDialog(_MessageDialog):
     """Prompt, generation settings, shared system prompt option and parallel samples."""
 
     def __init__(self, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
-                 parent: QtWidgets.QWidget | None = None):
-        super().__init__("Add conversation", tokenize, num_blocks, block_size, parent)
+                 parent: QtWidgets.QWidget | None = None, max_model_len: int = 0):
+        super().__init__("Add conversation", tokenize, num_blocks, block_size, parent, max_model_len)
         self.prompt = self.add_row("prompt", "Prompt:", QtWidgets.QPlainTextEdit())
         self.prompt.setPlaceholderText("Type the user's message")
         self.prompt.setMinimumSize(420, 90)
@@ -219,8 +226,10 @@ class ReplyDialog(_MessageDialog):
     """A follow-up message to a finished conversation; its whole history becomes the new prompt."""
 
     def __init__(self, conversation_id: int, history_tokens: int, tokenize: Callable[[str], Future],
-                 num_blocks: int, block_size: int, parent: QtWidgets.QWidget | None = None):
-        super().__init__(f"Reply to conversation {conversation_id}", tokenize, num_blocks, block_size, parent)
+                 num_blocks: int, block_size: int, parent: QtWidgets.QWidget | None = None,
+                 max_model_len: int = 0):
+        super().__init__(f"Reply to conversation {conversation_id}", tokenize, num_blocks, block_size, parent,
+                         max_model_len)
         self.conversation_id, self.history_tokens = conversation_id, history_tokens
         self.message = self.add_row("message", "Message:", QtWidgets.QPlainTextEdit())
         self.message.setMinimumSize(420, 70)

@@ -334,7 +334,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def open_add_dialog(self) -> AddConversationDialog:
         snap = self.runner.latest
-        dialog = AddConversationDialog(self._tokenize, snap.num_blocks, snap.block_size, self)
+        dialog = AddConversationDialog(self._tokenize, snap.num_blocks, snap.block_size, self, snap.max_model_len)
         dialog.accepted.connect(lambda: self._submit_add(dialog.request))
         self.add_dialog = dialog
         dialog.open()
@@ -366,7 +366,8 @@ class MainWindow(QtWidgets.QMainWindow):
                             "can get a follow-up message.")
             return None
         snap = self.runner.latest
-        dialog = ReplyDialog(cid, info.num_tokens, self._tokenize, snap.num_blocks, snap.block_size, self)
+        dialog = ReplyDialog(cid, info.num_tokens, self._tokenize, snap.num_blocks, snap.block_size, self,
+                             snap.max_model_len)
         dialog.accepted.connect(lambda: self.futures.watch(self.runner.submit(
             "continue_conversation", cid, prompt=dialog.request.message,
             max_new_tokens=dialog.request.max_new_tokens)))

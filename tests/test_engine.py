@@ -244,6 +244,7 @@ def test_context_limit_is_the_models_positions(ckpt):
     """Exactly max_position_embeddings (512 here) tokens is accepted and runs; a reply that would go past it is
     refused and leaves the conversation as it was."""
     eng = make(ckpt, num_blocks=160)
+    assert eng.snapshot().max_model_len == eng.max_model_len == 512
     cid = eng.add_conversation(prompt_token_ids=prompt(500), max_new_tokens=12)
     eng.run_until_idle()
     assert len(eng.conversation(cid).output_token_ids) == 12

@@ -56,6 +56,23 @@ def test_add_dialog_refuses_bad_input_and_sends_nothing(qtbot, make_window):
     assert window.snapshot.conversations == ()
 
 
+def test_add_dialog_refuses_more_than_the_model_handles(qtbot, make_window):
+    """With a pool bigger than the built-in model's 1024 positions, the model's limit is said at the field."""
+    window = make_window(paused=True, num_blocks=320, block_size=4)  # 1280 slots
+    assert window.snapshot.max_model_len == 1024
+    sent = spy_on_submit(window)
+    dialog = window.open_add_dialog()
+    dialog.prompt.setPlainText("x" * 1000)
+    dialog.max_new_tokens.setText("100")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: "Too long for the model" in dialog.error_text("prompt"), timeout=3000)
+    assert "at most 1024" in dialog.error_text("prompt") and dialog.isVisible()
+    dialog.max_new_tokens.setText("1100")
+    dialog.try_accept()
+    assert "at most 1024" in dialog.error_text("max_new_tokens")
+    assert sent == ["tokenize"]
+
+
 def test_add_dialog_with_samples_forks(qtbot, make_window):
     window = make_window(speed=20)
     dialog = open_add_dialog(window, "Three samples please", max_new_tokens=30, samples=3)
