@@ -332,7 +332,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,
                 layer_hook: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """input_ids, positions [tokens] -> final hidden states [tokens, hidden].
+        """input_ids, positions [tokens] -> final hidden states [tokens, hidden]. Inference only (the engine runs it
+        under ``torch.inference_mode``): residuals are added in place; training uses :meth:`forward_dense`.
 
         ``layer_hook(layer, attention_output)`` sees each layer's attention output [tokens, heads, dim] (used to prove
         that relocating blocks leaves attention unchanged)."""
@@ -343,7 +344,7 @@ class CausalLM(nn.Module):
             hook = None if layer_hook is None else (lambda out, i=i: layer_hook(i, out))
             attend_i = attend if hook is None else _hooked(attend, hook)
             h = layer.input_layernorm(x)
-            x += layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)  # x is this forward's own
+            x += layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)  # in place: inference only
             x += layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
