@@ -125,24 +125,36 @@ def _bucket(n: int) -> int:
 
 
 class _Compiled:
-    """Lazily compiled fused kernel, one static specialisation per (batch, width) bucket; any failure (no C++
-    compiler, unsupported backend) falls back to eager for good."""
+    """Lazily compiled fused kernel, one static specialisation per (batch, width, cache shape) bucket; any failure
+    (no C++ compiler, unsupported backend) falls back to eager for good. Past ``MAX_KERNELS`` specialisations new
+    shapes take the eager path (dynamo would otherwise run the fused code uncompiled, which is slow)."""
+
+    MAX_KERNELS = 64
 
     def __init__(self):
         self.enabled = False
         self.failed = False
         self._fn = None
+        self._kernels: set[tuple] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
+        """The attention output, or None for a shape with no kernel left to compile (the caller goes eager)."""
         if self._fn is None:
             with self._lock:
                 if self._fn is None:
                     config = torch._dynamo.config
-                    config.cache_size_limit = max(config.cache_size_limit, 64)
+                    config.cache_size_limit = max(config.cache_size_limit, self.MAX_KERNELS + 8)
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
         seqs, width = block_tables.shape
         padded_seqs, padded_width = _bucket(seqs), _bucket(width)
+        key = (padded_seqs, padded_width, tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
+               key_cache.dtype, block_tables.dtype, seq_lens.dtype, query.device, float(scale))
+        if key not in self._kernels:
+            with self._lock:
+                if len(self._kernels) >= self.MAX_KERNELS:
+                    return None
+                self._kernels.add(key)
         if (padded_seqs, padded_width) != (seqs, width):  # padding rows attend to one slot of block 0; dropped below
             query = torch.cat([query, query.new_zeros(padded_seqs - seqs, *query.shape[1:])])
             block_tables = torch.nn.functional.pad(block_tables, (0, padded_width - width, 0, padded_seqs - seqs))
@@ -190,8 +202,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 
 def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
-    """The fused kernel's result, or None when it is off or has failed (then the eager path computes the same
-    thing, and the kernel stays off for good)."""
+    """The fused kernel's result, or None when it is off, has failed (then it stays off for good) or has no kernel
+    for this shape; the eager path computes the same thing."""
     if not _compiled.enabled:
         return None
     try:

@@ -107,3 +107,26 @@ def test_compiled_fused_kernel_matches_dense():
                 assert torch.allclose(out, ref, atol=atol), (out - ref).abs().max()
     finally:
         attention.use_compiled_attention(False)
+
+
+def test_compiled_kernel_limit_falls_back_to_eager(monkeypatch):
+    """Once no more kernels may be compiled, a new shape is computed eagerly (and correctly), not compiled."""
+    from engine import attention
+
+    rng = np.random.default_rng(6)
+    torch.manual_seed(6)
+    try:
+        attention.use_compiled_attention(True)
+        monkeypatch.setattr(attention._compiled, "MAX_KERNELS", len(attention._compiled._kernels))
+        before = set(attention._compiled._kernels)
+        lens = [70, 3, 5, 12, 9]  # 5 rows of 3 kv heads: a shape no other test compiles
+        keys = [torch.randn(n, 3, 8) for n in lens]
+        values = [torch.randn(n, 3, 8) for n in lens]
+        key_cache, value_cache, tables = _scatter(keys, values, 4, sum(-(-n // 4) for n in lens) + 2, rng, -1)
+        query = torch.randn(len(lens), 6, 8)
+        out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32))
+        ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert attention._compiled._kernels == before and not attention._compiled.failed
+    finally:
+        attention.use_compiled_attention(False)
