@@ -16,7 +16,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
-from .attention import attend_batch, plan_decode, use_compiled_attention
+from .attention import DecodePlan, attend_batch, use_compiled_attention
 from .block_pool import BlockPool, random_cycle
 from .config import EngineConfig
 from .errors import EngineError
@@ -324,13 +324,21 @@ class Engine:
         return (meta, torch.as_tensor(ids, dtype=torch.int64, device=dev),
                 torch.as_tensor(pos, dtype=torch.int64, device=dev), torch.as_tensor(sample_index, device=dev))
 
-    def _plan(self, seqs: list[Sequence], lens: list[int]):
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        return plan_decode(torch.as_tensor(tables, device=self.device),
-                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.cfg.block_size)
+    def _plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
+        """What :func:`plan_decode` makes of the block tables, built in numpy from the tables the engine holds
+        (no torch reductions on the per-step path)."""
+        bs, dev = self.cfg.block_size, self.device
+        max_len = max(lens)
+        tables = np.zeros((len(seqs), -(-max_len // bs)), dtype=np.int64)  # entries past a sequence's end: 0
+        for i, (s, n) in enumerate(zip(seqs, lens)):
+            used = -(-n // bs)
+            tables[i, :used] = s.block_table[:used]
+        mask = None
+        if min(lens) != max_len:
+            live = np.arange(max_len)[None, :] < np.asarray(lens)[:, None]  # [seqs, max_len]
+            mask = torch.as_tensor(live, device=dev).view(len(seqs), 1, 1, max_len)
+        return DecodePlan(torch.as_tensor(tables, device=dev), torch.as_tensor(lens, dtype=torch.int64, device=dev),
+                          max_len, mask)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()

@@ -130,3 +130,26 @@ def test_compiled_kernel_limit_falls_back_to_eager(monkeypatch):
         assert attention._compiled._kernels == before and not attention._compiled.failed
     finally:
         attention.use_compiled_attention(False)
+
+
+def test_engine_plan_equals_plan_decode():
+    """The engine builds decode plans in numpy; they must equal what plan_decode makes of the same tables."""
+    from engine import Engine, EngineConfig
+    from engine.attention import plan_decode
+
+    eng = Engine(EngineConfig(model="builtin", num_blocks=64, block_size=4))
+    for n, new in ((3, 9), (8, 2), (13, 5)):
+        eng.add_conversation(prompt_token_ids=list(range(1, n + 1)), max_new_tokens=new)
+    for _ in range(4):
+        eng.step()
+        seqs = [s for s in eng.scheduler.running if s.num_computed_tokens < s.num_tokens]
+        lens = [s.num_computed_tokens for s in seqs]  # K/V already in the pool
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.full((len(seqs), width + 2), -1, dtype=torch.int64)  # -1 and spare columns past the end
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+        ours, ref = eng._plan(seqs, lens), plan_decode(tables, torch.tensor(lens), 4)
+        assert torch.equal(ours.tables, ref.tables) and torch.equal(ours.seq_lens, ref.seq_lens)
+        assert ours.max_len == ref.max_len
+        assert (ours.mask is None) == (ref.mask is None)
+        assert ours.mask is None or torch.equal(ours.mask, ref.mask)
