@@ -46,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             raise EngineError("--quit-after must not be negative")
         if args.headless:
             from engine import Engine
-            from explorer.demo import seed_busy, seed_crowd
+            from explorer.demo import DEMOS
             from explorer.headless import run_headless
             engine = Engine(cfg, progress=None)
-            if args.demo in ("busy", "crowd"):
-                (seed_busy if args.demo == "busy" else seed_crowd)(engine)
+            if args.demo in DEMOS:
+                DEMOS[args.demo](engine)
             elif args.demo == "lesson":
                 raise EngineError("the lesson needs the window; drop --headless")
             run_headless(engine)

@@ -22,6 +22,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def blocks_needed(num_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """Blocks a conversation of ``num_tokens`` prompt tokens holds once it has generated ``max_new_tokens``: K/V is
+    stored for every token but the last one sampled."""
+    return -(-(num_tokens + max_new_tokens - 1) // block_size)
+
+
 def random_cycle(n: int, seed: int | None) -> np.ndarray:
     """``new_id`` for a relocation that moves every block: one random cycle through all ``n`` ids (n >= 2), so no
     block keeps its place."""

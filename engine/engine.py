@@ -16,8 +16,8 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
-from .attention import DecodePlan, attend_batch, use_compiled_attention
-from .block_pool import BlockPool, random_cycle
+from .attention import DecodePlan, attend_batch, plan_decode, use_compiled_attention
+from .block_pool import BlockPool, blocks_needed, random_cycle
 from .config import EngineConfig
 from .errors import EngineError
 from .kv_cache import KVCache
@@ -98,8 +98,9 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def tokenize(self, text: str, continuation: bool = False) -> list[int]:
+        """Token ids of ``text`` as a prompt takes them (a reply, ``continuation``, gets no BOS)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=not continuation))
 
     def detokenize(self, token_ids: Seq[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -121,7 +122,7 @@ class Engine:
                 raise EngineError(f"prompt must be text, got {type(prompt).__name__}")
             if not prompt:
                 raise EngineError("the prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=not continuation)
+            ids = self.tokenize(prompt, continuation)
         else:
             raise EngineError("give a prompt (text) or prompt_token_ids")
         if not ids:
@@ -149,7 +150,7 @@ class Engine:
     def max_model_len(self) -> int:
         """Most tokens (prompt + output) one conversation may reach: the positions the model was built for (as
         vLLM's max_model_len)."""
-        return self.model.config.max_position_embeddings
+        return self.model_config.max_position_embeddings
 
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
         max_len = self.max_model_len
@@ -158,8 +159,7 @@ class Engine:
                 f"this conversation would reach {num_tokens + max_new_tokens} tokens ({num_tokens} prompt + "
                 f"{max_new_tokens} new) but the model handles at most {max_len} (max_position_embeddings); "
                 f"shorten the prompt or lower max_new_tokens")
-        # K/V is stored for every token but the last one sampled.
-        need = -(-(num_tokens + max_new_tokens - 1) // self.cfg.block_size)
+        need = blocks_needed(num_tokens, max_new_tokens, self.cfg.block_size)
         if need > self.cfg.num_blocks:
             raise EngineError(
                 f"this conversation needs {need} blocks ({num_tokens} prompt tokens + {max_new_tokens} new tokens at "
@@ -325,20 +325,13 @@ class Engine:
                 torch.as_tensor(pos, dtype=torch.int64, device=dev), torch.as_tensor(sample_index, device=dev))
 
     def _plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
-        """What :func:`plan_decode` makes of the block tables, built in numpy from the tables the engine holds
-        (no torch reductions on the per-step path)."""
-        bs, dev = self.cfg.block_size, self.device
-        max_len = max(lens)
-        tables = np.zeros((len(seqs), -(-max_len // bs)), dtype=np.int64)  # entries past a sequence's end: 0
-        for i, (s, n) in enumerate(zip(seqs, lens)):
-            used = -(-n // bs)
-            tables[i, :used] = s.block_table[:used]
-        mask = None
-        if min(lens) != max_len:
-            live = np.arange(max_len)[None, :] < np.asarray(lens)[:, None]  # [seqs, max_len]
-            mask = torch.as_tensor(live, device=dev).view(len(seqs), 1, 1, max_len)
-        return DecodePlan(torch.as_tensor(tables, device=dev), torch.as_tensor(lens, dtype=torch.int64, device=dev),
-                          max_len, mask)
+        """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold."""
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        return plan_decode(torch.as_tensor(tables, device=self.device),
+                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.cfg.block_size)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()

@@ -47,6 +47,7 @@ TENANTS = (
     Tenant("D", 4, 3, False, 400.0),
 )
 FINISH_ORDER = ("C", "A")
+_TENANT_NAMES = {t.owner: t.name for t in TENANTS}  # BlockPool owner id -> tenant name
 
 
 @dataclass(frozen=True)
@@ -110,15 +111,15 @@ class ToyPagedSequence:
         shape = (self.num_blocks, self.block_size, 1, 1)  # [num_blocks, block_size, kv_heads, head_dim]
         self.key_cache = torch.zeros(shape, dtype=torch.float32)
         self.value_cache = torch.zeros(shape, dtype=torch.float32)
-        self.tenant_blocks: dict[str, list[int]] = {}
+        tenant_blocks: dict[str, list[int]] = {}
         for tenant in TENANTS:
             blocks = self.pool.allocate(tenant.num_blocks, tenant.owner)
-            self.tenant_blocks[tenant.name] = blocks
+            tenant_blocks[tenant.name] = blocks
             for b in blocks:
                 self.pool.num_filled[b] = self.block_size
                 self.value_cache[b] = tenant.value
         for name in FINISH_ORDER:
-            self.pool.free(self.tenant_blocks[name])
+            self.pool.free(tenant_blocks[name])
         self.block_table: list[int] = []
         self.num_positions = 0
         self.last_event: StepEvent | None = None
@@ -137,13 +138,6 @@ class ToyPagedSequence:
 
     def can_step(self) -> bool:
         return self.num_positions % self.block_size != 0 or self.pool.can_allocate(1)
-
-    def tenant_of(self, block: int) -> str | None:
-        """Name of the running tenant holding a block, or None."""
-        for tenant in TENANTS:
-            if not tenant.finished and block in self.tenant_blocks[tenant.name]:
-                return tenant.name
-        return None
 
     # ---- the experiment -------------------------------------------------------------------------------------
     def step(self) -> StepEvent:
@@ -192,7 +186,6 @@ class ToyPagedSequence:
         self.key_cache, self.value_cache = moved_k, moved_v
         self.pool.permute(new_id)
         self.block_table = [int(new_id[b]) for b in self.block_table]
-        self.tenant_blocks = {name: [int(new_id[b]) for b in blocks] for name, blocks in self.tenant_blocks.items()}
         if self.last_event is not None:
             e = self.last_event
             self.last_event = StepEvent(e.position, e.logical_block, int(new_id[e.physical_block]), e.slot, e.allocated)
@@ -218,14 +211,15 @@ class ToyPagedSequence:
 
     def block_roles(self) -> list[str]:
         """Per physical block: 'lesson', 'free' or a tenant's name."""
+        lesson = set(self.block_table)
         roles = []
         for b in range(self.num_blocks):
-            if b in self.block_table:
+            if b in lesson:
                 roles.append("lesson")
             elif self.pool.state[b] == BlockState.FREE:
                 roles.append("free")
-            else:
-                roles.append(self.tenant_of(b) or "?")
+            else:  # the pool's owner id (renamed with the block by BlockPool.permute) names the tenant
+                roles.append(_TENANT_NAMES.get(int(self.pool.owner[b]), "?"))
         return roles
 
     def memory(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ from PySide6 import QtCore, QtWidgets
 from engine.config import EngineConfig
 from engine.runner import EngineRunner
 
-from .demo import DEMO_SPEED, seed_busy, seed_crowd
+from .demo import DEMO_SPEED, DEMOS
 from .loader import load_engine_blocking
 from .main_window import MainWindow
 
@@ -49,16 +49,16 @@ def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None
             quit_after: float | None = None) -> int:
     """Run the app until its window closes; returns the process exit code (2 when the engine cannot load)."""
     app = application()
-    engine, error = load_engine_blocking(cfg, {"busy": seed_busy, "crowd": seed_crowd}.get(demo))
+    engine, error = load_engine_blocking(cfg, DEMOS.get(demo))
     if engine is None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo in ("busy", "crowd") else None).start()
+    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None).start()
     window = MainWindow(runner, cfg)
     window.show()
     if demo == "lesson":
         window.open_lesson()
-    elif demo in ("busy", "crowd"):
+    elif demo in DEMOS:
         show_example_selection(window, select_conversation=demo == "busy")
     if screenshot:
         def save_and_quit() -> None:

@@ -16,9 +16,7 @@ class EngineControls(QtWidgets.QToolBar):
 
     pauseToggled = QtCore.Signal(bool)  # True: pause
     stepRequested = QtCore.Signal()
-    # 0.0 means unlimited. Signals here never carry None: emitting None through Signal(object) under-counts
-    # None's references in PySide6 on Python 3.11 and crashes the interpreter later.
-    speedChanged = QtCore.Signal(float)
+    speedChanged = QtCore.Signal(object)  # steps/s, or None for unlimited
     restartRequested = QtCore.Signal()
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
@@ -37,7 +35,7 @@ class EngineControls(QtWidgets.QToolBar):
         for text, value in SPEEDS:
             self.speed.addItem(text, value)
         self.speed.setToolTip("Speed limit of the engine thread")
-        self.speed.currentIndexChanged.connect(lambda _: self.speedChanged.emit(float(self.speed.currentData() or 0.0)))
+        self.speed.currentIndexChanged.connect(lambda _: self.speedChanged.emit(self.speed.currentData()))
         self.restart_action = QtGui.QAction("Restart engine…", self)
         self.restart_action.setShortcut(QtGui.QKeySequence("Ctrl+Shift+R"))
         self.restart_action.triggered.connect(self.restartRequested)

@@ -144,7 +144,7 @@ class ConversationDetail(QtWidgets.QWidget):
 class ConversationsPanel(QtWidgets.QWidget):
     """Table of conversations with add / fork / reply / end buttons; emits what the user asked for."""
 
-    selectionChanged = QtCore.Signal(int)  # conversation id or -1 (never None: see controls.py)
+    selectionChanged = QtCore.Signal(object)  # conversation id, or None
     addRequested = QtCore.Signal()
     forkRequested = QtCore.Signal(int)
     replyRequested = QtCore.Signal(int)
@@ -223,7 +223,7 @@ class ConversationsPanel(QtWidgets.QWidget):
             self.detail.show_conversation(self._snapshot.conversation(cid) if cid is not None else None,
                                           self._snapshot)
         self._enable_buttons()
-        self.selectionChanged.emit(-1 if cid is None else cid)
+        self.selectionChanged.emit(cid)
 
     def _emit_for_selected(self, signal) -> None:
         cid = self.selected_conversation()

@@ -56,3 +56,6 @@ def seed_crowd(engine) -> list[int]:
     for parent in ids[1:count // 4:8]:
         ids.append(engine.fork_conversation(parent, seed=1000 + parent))
     return ids
+
+
+DEMOS = {"busy": seed_busy, "crowd": seed_crowd}  # --demo name -> what seeds a fresh engine (the lesson has no engine)

@@ -1,7 +1,7 @@
 """Dialogs that collect a request (add a conversation, reply, restart the engine) and refuse bad input at the field.
 
 Nothing reaches the engine until every field is valid. Prompt length is checked with the engine's own tokenizer,
-asked through the runner, so the dialog waits for the answer on a timer instead of blocking the GUI thread.
+asked through the runner; the answer comes back through the window's FutureWatcher, so the GUI thread never blocks.
 """
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtWidgets
 
+from engine.block_pool import blocks_needed
 from engine.config import EngineConfig
+from engine.snapshot import PoolSnapshot
 
 from .demo import SYSTEM_PROMPT  # the add dialog's "shared system prompt" is the demos' one
 
@@ -65,10 +67,6 @@ class _FormDialog(QtWidgets.QDialog):
         layout.addLayout(self.form)
         layout.addWidget(self.busy)
         layout.addWidget(self.buttons)
-        self._pending: tuple[Future, Callable[[Future], None]] | None = None  # (engine answer, what to do with it)
-        self._poll = QtCore.QTimer(self)
-        self._poll.setInterval(20)
-        self._poll.timeout.connect(self._check_pending)
 
     def add_row(self, key: str, label: str, widget: QtWidgets.QWidget) -> QtWidgets.QWidget:
         box = QtWidgets.QWidget()
@@ -94,41 +92,18 @@ class _FormDialog(QtWidgets.QDialog):
         """OK was pressed: subclasses validate their fields first and accept only if every field is valid."""
         self.accept()
 
-    def wait_for(self, future: Future, then: Callable[[Future], None]) -> None:
-        """Keep the dialog open (OK disabled) until ``future`` is done, then call ``then`` on the GUI thread."""
-        self._pending = (future, then)
-        self.busy.setText("Checking…")
-        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(False)
-        self._poll.start()
-
-    def _check_pending(self) -> None:
-        if self._pending is None or not self._pending[0].done():
-            return
-        (future, then), self._pending = self._pending, None
-        self._poll.stop()
-        self.busy.clear()
-        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(True)
-        then(future)
-
-    def reject(self) -> None:
-        """Cancel also forgets a check in flight, so its answer can no longer accept the dialog."""
-        self._pending = None
-        self._poll.stop()
-        self.busy.clear()
-        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(True)
-        super().reject()
-
-
 class _MessageDialog(_FormDialog):
     """A text message plus max new tokens, refused at its field when the engine's tokenizer says it cannot fit."""
 
-    def __init__(self, title: str, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
-                 parent: QtWidgets.QWidget | None = None, max_model_len: int = 0):
+    def __init__(self, title: str, tokenize: Callable[[str], Future], watch: Callable, snapshot: PoolSnapshot,
+                 parent: QtWidgets.QWidget | None = None):
         super().__init__(title, parent)
-        self._tokenize = tokenize
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.max_model_len = max_model_len  # the model's positions; 0: no limit known
+        self._tokenize = tokenize  # text -> Future of token ids, from the engine thread
+        self._watch = watch  # FutureWatcher.watch of the window: calls back on the GUI thread
+        self.num_blocks, self.block_size = snapshot.num_blocks, snapshot.block_size
+        self.max_model_len = snapshot.max_model_len  # the model's positions; 0: no limit known
         self.request = None  # set when the dialog is accepted
+        self._pending: Future | None = None  # the length check in flight
 
     def add_max_new_tokens_row(self) -> QtWidgets.QLineEdit:
         return self.add_row("max_new_tokens", "Max new tokens:", QtWidgets.QLineEdit("32"))
@@ -156,7 +131,7 @@ class _MessageDialog(_FormDialog):
                     f"Too long for the model: {num_tokens} prompt tokens + {max_new} new tokens, but it handles at "
                     f"most {self.max_model_len} tokens in one conversation.")
                 return
-            need = math.ceil((num_tokens + max_new) / self.block_size)
+            need = blocks_needed(num_tokens, max_new, self.block_size)
             if need > self.num_blocks:
                 self.errors[key].show_error(
                     f"Too long for the pool: {num_tokens} prompt tokens + {max_new} new tokens need {need} blocks "
@@ -165,7 +140,27 @@ class _MessageDialog(_FormDialog):
             self.request = request
             self.accept()
 
-        self.wait_for(self._tokenize(text), check_length)
+        future = self._pending = self._tokenize(text)
+        self._set_checking(True)
+
+        def answered(_=None) -> None:
+            if self._pending is future:  # not cancelled meanwhile
+                self._pending = None
+                self._set_checking(False)
+                check_length(future)
+
+        self._watch(future, answered, answered)
+
+    def _set_checking(self, checking: bool) -> None:
+        """While the engine answers, keep the dialog open with OK disabled."""
+        self.busy.setText("Checking…" if checking else "")
+        self.buttons.button(QtWidgets.QDialogButtonBox.StandardButton.Ok).setEnabled(not checking)
+
+    def reject(self) -> None:
+        """Cancel also forgets a check in flight, so its answer can no longer accept the dialog."""
+        self._pending = None
+        self._set_checking(False)
+        super().reject()
 
 
 @dataclass(frozen=True)
@@ -181,9 +176,9 @@ class AddRequest:
 class AddConversationDialog(_MessageDialog):
     """Prompt, generation settings, shared system prompt option and parallel samples."""
 
-    def __init__(self, tokenize: Callable[[str], Future], num_blocks: int, block_size: int,
-                 parent: QtWidgets.QWidget | None = None, max_model_len: int = 0):
-        super().__init__("Add conversation", tokenize, num_blocks, block_size, parent, max_model_len)
+    def __init__(self, tokenize: Callable[[str], Future], watch: Callable, snapshot: PoolSnapshot,
+                 parent: QtWidgets.QWidget | None = None):
+        super().__init__("Add conversation", tokenize, watch, snapshot, parent)
         self.prompt = self.add_row("prompt", "Prompt:", QtWidgets.QPlainTextEdit())
         self.prompt.setPlaceholderText("Type the user's message")
         self.prompt.setMinimumSize(420, 90)
@@ -226,10 +221,8 @@ class ReplyDialog(_MessageDialog):
     """A follow-up message to a finished conversation; its whole history becomes the new prompt."""
 
     def __init__(self, conversation_id: int, history_tokens: int, tokenize: Callable[[str], Future],
-                 num_blocks: int, block_size: int, parent: QtWidgets.QWidget | None = None,
-                 max_model_len: int = 0):
-        super().__init__(f"Reply to conversation {conversation_id}", tokenize, num_blocks, block_size, parent,
-                         max_model_len)
+                 watch: Callable, snapshot: PoolSnapshot, parent: QtWidgets.QWidget | None = None):
+        super().__init__(f"Reply to conversation {conversation_id}", tokenize, watch, snapshot, parent)
         self.conversation_id, self.history_tokens = conversation_id, history_tokens
         self.message = self.add_row("message", "Message:", QtWidgets.QPlainTextEdit())
         self.message.setMinimumSize(420, 70)

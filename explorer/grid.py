@@ -27,6 +27,29 @@ MIN_STRIPE_TILE = 8  # below this tile size slots are not drawn one by one
 MIN_OUTLINE_TILE = 6  # below this, gaps and outlines would alias when scaled to the screen: shade instead
 
 
+def _as_u32(rgba: np.ndarray) -> np.ndarray:
+    """View RGBA uint8 [..., 4] as one uint32 per pixel (same bytes, so the image stays RGBA in memory)."""
+    return np.ascontiguousarray(rgba, np.uint8).view(np.uint32)[..., 0]
+
+
+def _as_rgba(pixels: np.ndarray) -> np.ndarray:
+    """The inverse of _as_u32."""
+    return np.ascontiguousarray(pixels, np.uint32)[..., None].view(np.uint8)
+
+
+# Colours as one uint32 per pixel, computed once rather than on every redraw.
+_FREE32 = _as_u32(palette.FREE[None])[0]
+_UNOWNED32 = _as_u32(palette.UNOWNED[None])[0]
+_BACKGROUND32 = _as_u32(palette.BACKGROUND[None])[0]
+_STATE_USED32 = _as_u32(palette.STATE_USED[None])[0]
+_STATE_CACHED32 = _as_u32(palette.STATE_CACHED[None])[0]
+_REF32 = _as_u32(palette.REF_COLOURS)
+_REF_CACHED32 = _as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
+_SHADES32 = _as_u32(palette.ramp(np.linspace(0.0, 1.0, 256)))  # 256 steps are plenty for the eye
+_REF32.setflags(write=False)
+_SHADES32.setflags(write=False)
+
+
 @dataclass(frozen=True)
 class GridGeometry:
     """How blocks are laid out: block id b sits at row b // cols, column b % cols, in a tile of tile x tile pixels."""
@@ -106,30 +129,25 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
     state = np.asarray(snapshot.state)
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
-    free32 = _as_u32(palette.FREE[None])[0]
     if color_by == "owner":
         owner = np.asarray(snapshot.owner)
         known = np.maximum(owner, 0)
-        grey = _as_u32(palette.UNOWNED[None])[0]
-        owners = np.where(owner >= 0, _as_u32(palette.conversation_colours(known)), grey)
-        muted = np.where(owner >= 0, _as_u32(palette.cached_colours(known)), grey)
-        fill32 = np.where(used, owners, np.where(cached, muted, free32))
+        owners = np.where(owner >= 0, _as_u32(palette.conversation_colours(known)), _UNOWNED32)
+        muted = np.where(owner >= 0, _as_u32(palette.cached_colours(known)), _UNOWNED32)
+        fill32 = np.where(used, owners, np.where(cached, muted, _FREE32))
     elif color_by == "ref_count":
         ref = np.clip(np.asarray(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
-        cached32 = _as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
-        fill32 = np.where(used, _as_u32(palette.REF_COLOURS)[ref], np.where(cached, cached32, free32))
+        fill32 = np.where(used, _REF32[ref], np.where(cached, _REF_CACHED32, _FREE32))
     elif color_by in ("fill", "age"):
         if color_by == "fill":
             level = np.asarray(snapshot.num_filled, np.float32) / snapshot.block_size
         else:
             age = np.maximum(snapshot.step_id - np.asarray(snapshot.last_access, np.int64), 0)
             level = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
-        shades = _as_u32(palette.ramp(np.linspace(0.0, 1.0, 256)))  # 256 steps are plenty for the eye
         index = np.clip(np.round(level * 255), 0, 255).astype(np.intp)
-        fill32 = np.where(used | cached, shades[index], free32)
+        fill32 = np.where(used | cached, _SHADES32[index], _FREE32)
     else:  # state
-        fill32 = np.where(used, _as_u32(palette.STATE_USED[None])[0],
-                          np.where(cached, _as_u32(palette.STATE_CACHED[None])[0], free32))
+        fill32 = np.where(used, _STATE_USED32, np.where(cached, _STATE_CACHED32, _FREE32))
     fill = fill32.view(np.uint8).reshape(n, 4)
     if selected_conversation is not None:
         member = cached & (np.asarray(snapshot.owner) == selected_conversation)  # what it left in the cache
@@ -137,20 +155,11 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
         if table:
             member[np.asarray(table, np.int64)] = True
         outside = (used | cached) & ~member
-        fill = fill.copy()
         fill[outside] = palette.scale(fill[outside], palette.DIM_LEVEL)
-    empty = _scale_lut(fill, palette.EMPTY_SLOT_LEVEL)
+    empty = palette.scale(fill, palette.EMPTY_SLOT_LEVEL)
     empty32 = empty.view(np.uint32)[:, 0]
-    empty32[~(used | cached)] = free32
+    empty32[~(used | cached)] = _FREE32
     return fill, empty
-
-
-def _scale_lut(rgba: np.ndarray, level: float) -> np.ndarray:
-    """palette.scale through a 256-entry lookup table (several times faster on large pools)."""
-    lut = (np.arange(256, dtype=np.float32) * level).astype(np.uint8)
-    out = lut[rgba]
-    out[:, 3] = rgba[:, 3]
-    return out
 
 
 def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
@@ -178,7 +187,7 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
         ring_on[selected_block] = True
         ring_colour[selected_block] = palette.SELECTED_RING
 
-    background = _as_u32(palette.BACKGROUND[None])[0]
+    background = _BACKGROUND32
     cells = geo.rows * geo.cols
     if cells > n:  # blocks past the end of the pool are drawn as background
         profile = np.concatenate([profile, np.full((cells - n, t), background, np.uint32)])
@@ -197,13 +206,3 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
         image[:, 0] = background
         image[:, :, :, 0] = background
     return image.reshape(geo.rows * t, geo.cols * t).view(np.uint8).reshape(geo.rows * t, geo.cols * t, 4)
-
-
-def _as_u32(rgba: np.ndarray) -> np.ndarray:
-    """View RGBA uint8 [..., 4] as one uint32 per pixel (same bytes, so the image stays RGBA in memory)."""
-    return np.ascontiguousarray(rgba, np.uint8).view(np.uint32)[..., 0]
-
-
-def _as_rgba(pixels: np.ndarray) -> np.ndarray:
-    """The inverse of _as_u32."""
-    return np.ascontiguousarray(pixels, np.uint32)[..., None].view(np.uint8)

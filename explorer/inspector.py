@@ -57,12 +57,16 @@ def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
     return f"Block {info.block_id} is in use by {_conversations(cids)}{shared}."
 
 
+def _first_few(items: list[str], limit: int = 6) -> str:
+    """The first ``limit`` items joined by commas, then ' and N more' for the rest."""
+    text = ", ".join(items[:limit])
+    return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def _conversations(ids, limit: int = 6) -> str:
     """'conversation 3' or 'conversations 0, 1, ... and 4 more'."""
     ids = sorted(ids)
-    text = ", ".join(str(c) for c in ids[:limit])
-    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
-    return f"conversation{'s' if len(ids) > 1 else ''} {text}{more}"
+    return f"conversation{'s' if len(ids) > 1 else ''} {_first_few([str(c) for c in ids], limit)}"
 
 
 class Inspector(QtWidgets.QWidget):
@@ -134,8 +138,11 @@ class Inspector(QtWidgets.QWidget):
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot)
 
-    def show_summary(self, snapshot: PoolSnapshot) -> None:
-        """Fields the snapshot already has; used for instant feedback between engine answers."""
+    def show_summary(self, snapshot: PoolSnapshot, *, owners: list[tuple[int, int]] | None = None) -> None:
+        """Fields the snapshot already has; used for instant feedback between engine answers.
+
+        ``owners``: the block's (conversation, logical block) pairs when the caller already has them from
+        ``block_owners``; computed here otherwise."""
         b = self.block_id
         if b is None or b >= snapshot.num_blocks:
             return
@@ -144,7 +151,8 @@ class Inspector(QtWidgets.QWidget):
         self.fields["state"].setText(state.name.lower())
         self.fields["ref count"].setText(str(int(snapshot.ref_count[b])))
         self.fields["filled"].setText(f"{int(snapshot.num_filled[b])} of {snapshot.block_size} slots")
-        owners = block_owners(snapshot, b)
+        if owners is None:
+            owners = block_owners(snapshot, b)
         self.fields["owners"].setText(_owners_text(owners))
         if self.info is None:
             if state == BlockState.FREE:
@@ -169,7 +177,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["hash"].setText(_hash_text(info))
         self.fields["owners"].setText(_owners_text(info.owners))
         self.slots.set_block(info)
-        if previous is not None and previous.block_id == info.block_id and previous.num_filled == info.num_filled \
+        if previous is not None and previous.num_filled == info.num_filled \
                 and previous.token_ids == info.token_ids and np.array_equal(previous.keys, info.keys):
             return  # same contents: leave the heatmap alone (repainting plots is what costs)
         layers = info.keys.shape[0] if info.keys.ndim == 4 else 0
@@ -209,5 +217,4 @@ def _hash_text(info: BlockInfo) -> str:
 def _owners_text(owners, limit: int = 6) -> str:
     if not owners:
         return "none"
-    text = ", ".join(f"conv {c} (logical block {i})" for c, i in owners[:limit])
-    return text + (f" and {len(owners) - limit} more" if len(owners) > limit else "")
+    return _first_few([f"conv {c} (logical block {i})" for c, i in owners], limit)

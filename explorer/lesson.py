@@ -94,9 +94,10 @@ class PoolView(pg.GraphicsLayoutWidget):
         value_font.setBold(True)
         label_font.setPointSize(10)
         self._values: list[pg.TextItem] = []
-        for _ in range(num_blocks * block_size):  # created once, shown only in filled slots of the lesson
+        for i in range(num_blocks * block_size):  # created and placed once, shown only in filled slots of the lesson
             item = pg.TextItem(color="#1b1b22", anchor=(0.5, 0.5))
             item.setFont(value_font)
+            item.setPos(i % block_size + 0.5, i // block_size + 0.5)  # slot, block
             item.hide()
             self.plot.addItem(item)
             self._values.append(item)
@@ -122,7 +123,6 @@ class PoolView(pg.GraphicsLayoutWidget):
                     item.setText("empty" if empty else f"{v:g}")
                     item.setColor(MUTED if empty else "#1b1b22")
                     item.setFont(self._empty_font if empty else self._value_font)
-                    item.setPos(s + 0.5, b + 0.5)
                     item.show()
                 else:
                     item.hide()
@@ -319,12 +319,13 @@ class LessonWindow(QMainWindow):
     def refresh(self) -> None:
         lesson = self.lesson
         view = lesson.view()
-        n = lesson.num_positions
+        n = view.num_positions
         self.position_label.setText(f"Positions: <b>{n}</b> of at most {lesson.max_positions} &nbsp; "
-                                    f"\u00b7 &nbsp; blocks used: <b>{len(lesson.block_table)}</b> &nbsp; "
+                                    f"\u00b7 &nbsp; blocks used: <b>{len(view.block_table)}</b> &nbsp; "
                                     f"\u00b7 &nbsp; free queue: {', '.join(map(str, lesson.free_queue)) or 'empty'}")
-        self.step_button.setEnabled(lesson.can_step())
-        self.step_action.setEnabled(lesson.can_step())
+        can_step = lesson.can_step()
+        self.step_button.setEnabled(can_step)
+        self.step_action.setEnabled(can_step)
         self.layout_button.setEnabled(n > 0)
         comparing = self._before is not None
         self.before_panel.setVisible(comparing)
@@ -335,14 +336,14 @@ class LessonWindow(QMainWindow):
             self.before_panel.title.setText(f"Before the change ({n} positions)")
             self.current_panel.title.setText(f"After the change (same {n} positions)")
             self.current_panel.show_view(view, change.before_table)
-            every = all(a != b for a, b in zip(change.before_table, change.after_table))
             verdict = "bit-identical" if change.bit_identical else "DIFFERENT"
-            self.compare_label.setText(
+            self.compare_label.setText(  # random_cycle moves every block, so every table entry changed
                 f"<b>Same data, other blocks.</b> Table {list(change.before_table)} \u2192 "
-                f"{list(change.after_table)} ({'every' if every else 'not every'} block moved). "
+                f"{list(change.after_table)} (every block moved). "
                 f"Output {change.before_result:g} before and {change.after_result:g} after: <b>{verdict}</b>.")
         else:
-            self.current_panel.title.setText("Physical pool: 8 blocks \u00d7 4 slots (one head, dimension 1)")
+            self.current_panel.title.setText(f"Physical pool: {view.num_blocks} blocks \u00d7 {view.block_size} slots "
+                                             f"(one head, dimension 1)")
             self.current_panel.show_view(view)
         title, text = lesson.explanation()
         self.explain_title.setText(title)
@@ -356,7 +357,7 @@ class LessonWindow(QMainWindow):
             f"<b>Memory of this sequence</b><br>"
             f"K/V in use: {m['filled_slots']} slots = {m['kv_bytes']} B<br>"
             f"empty tail slots: {m['empty_tail_slots']} = {m['tail_bytes']} B<br>"
-            f"block table: {len(lesson.block_table)} entries \u00d7 {TABLE_BYTES_PER_ENTRY} B = {m['table_bytes']} B<br>"
+            f"block table: {len(view.block_table)} entries \u00d7 {TABLE_BYTES_PER_ENTRY} B = {m['table_bytes']} B<br>"
             f"<span style='color:{MUTED}'>contiguous reservation for {lesson.max_positions} positions: "
             f"{m['contiguous_bytes']} B ({KV_BYTES_PER_SLOT} B per slot: one key + one value)</span>")
 

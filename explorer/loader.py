@@ -25,27 +25,16 @@ class EngineLoader(QtCore.QObject):
     progress = QtCore.Signal(str, float)
     loaded = QtCore.Signal(object)
     failed = QtCore.Signal(str, str)
-    _worker_progress = QtCore.Signal(str, float)  # emitted by the worker thread ...
-    _worker_loaded = QtCore.Signal(object)  # ... and queued to slots of this GUI-thread object
+    _worker_progress = QtCore.Signal(str, float)  # emitted by the worker thread, queued on to the public signals,
+    _worker_loaded = QtCore.Signal(object)  # which then fire on this GUI-thread object's thread
     _worker_failed = QtCore.Signal(str, str)
 
     def __init__(self, parent: QtCore.QObject | None = None):
         super().__init__(parent)
-        self._worker_progress.connect(self._relay_progress, QtCore.Qt.ConnectionType.QueuedConnection)
-        self._worker_loaded.connect(self._relay_loaded, QtCore.Qt.ConnectionType.QueuedConnection)
-        self._worker_failed.connect(self._relay_failed, QtCore.Qt.ConnectionType.QueuedConnection)
-
-    @QtCore.Slot(str, float)
-    def _relay_progress(self, message: str, fraction: float) -> None:
-        self.progress.emit(message, fraction)
-
-    @QtCore.Slot(object)
-    def _relay_loaded(self, engine) -> None:
-        self.loaded.emit(engine)
-
-    @QtCore.Slot(str, str)
-    def _relay_failed(self, message: str, details: str) -> None:
-        self.failed.emit(message, details)
+        queued = QtCore.Qt.ConnectionType.QueuedConnection
+        self._worker_progress.connect(self.progress, queued)
+        self._worker_loaded.connect(self.loaded, queued)
+        self._worker_failed.connect(self.failed, queued)
 
     def start(self, cfg: EngineConfig, setup: Callable[[object], None] | None = None) -> None:
         _jobs.put((self._work, cfg, setup))
@@ -83,26 +72,27 @@ def _serve() -> None:
         work(cfg, setup)
 
 
-def progress_dialog(parent: QtWidgets.QWidget | None, title: str) -> QtWidgets.QProgressDialog:
+def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: EngineLoader) -> QtWidgets.QProgressDialog:
+    """A progress dialog that follows ``loader``'s progress."""
     dialog = QtWidgets.QProgressDialog(title, None, 0, 1000, parent)
     dialog.setWindowTitle(title)
     dialog.setMinimumDuration(0)
     dialog.setAutoClose(False)
     dialog.setAutoReset(False)
+    loader.progress.connect(lambda message, fraction: (dialog.setLabelText(message),
+                                                       dialog.setValue(int(1000 * min(max(fraction, 0), 1)))))
     return dialog
 
 
-def load_engine_blocking(cfg: EngineConfig, setup=None, parent=None):
+def load_engine_blocking(cfg: EngineConfig, setup=None):
     """Load with a progress dialog and a local event loop (startup, before the window exists).
 
     Returns (engine, None) or (None, message).
     """
     loader = EngineLoader()
-    dialog = progress_dialog(parent, f"Loading {cfg.model} model…")
+    dialog = progress_dialog(None, f"Loading {cfg.model} model…", loader)
     result: dict = {}
     loop = QtCore.QEventLoop()
-    loader.progress.connect(lambda message, fraction: (dialog.setLabelText(message),
-                                                       dialog.setValue(int(1000 * min(max(fraction, 0), 1)))))
     loader.loaded.connect(lambda engine: (result.setdefault("engine", engine), loop.quit()))
     loader.failed.connect(lambda message, _tb: (result.setdefault("error", message), loop.quit()))
     dialog.show()

@@ -57,7 +57,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self.lesson_window = None
         self.add_dialog: AddConversationDialog | None = None
         self.reply_dialog: ReplyDialog | None = None
-        self.restart_dialog: RestartDialog | None = None
         self._select_when_present: int | None = None
         self._inspect_future = None
         self._inspect_due = False
@@ -140,7 +139,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.addToolBar(self.controls)
         self.controls.pauseToggled.connect(lambda pause: self.runner.pause() if pause else self.runner.resume())
         self.controls.stepRequested.connect(lambda: self.runner.step_once())
-        self.controls.speedChanged.connect(lambda speed: self.runner.set_speed(speed or None))
+        self.controls.speedChanged.connect(lambda speed: self.runner.set_speed(speed))
         self.controls.restartRequested.connect(self.open_restart_dialog)
 
         self.grid.blockClicked.connect(self.select_block)
@@ -235,9 +234,10 @@ class MainWindow(QtWidgets.QMainWindow):
         if b >= snap.num_blocks:
             self.select_block(None)
             return
-        self.inspector.show_summary(snap)
+        owners = block_owners(snap, b)
+        self.inspector.show_summary(snap, owners=owners)
         key = (int(snap.state[b]), int(snap.ref_count[b]), int(snap.num_filled[b]), int(snap.owner[b]),
-               int(snap.last_access[b]), tuple(block_owners(snap, b)))
+               int(snap.last_access[b]), tuple(owners))
         if key != self._inspected_key:
             self._inspected_key = key
             self._inspect_due = True
@@ -313,8 +313,8 @@ class MainWindow(QtWidgets.QMainWindow):
         """Select conversation ``cid`` in the table as soon as a snapshot lists it (it may still be queued)."""
         self._select_when_present = cid
 
-    def _on_conversation_selected(self, cid: int) -> None:
-        self.grid.set_selected_conversation(None if cid < 0 else cid)
+    def _on_conversation_selected(self, cid: int | None) -> None:
+        self.grid.set_selected_conversation(cid)
 
     def _on_color_by(self, _index: int) -> None:
         mode = self.color_by.currentData()
@@ -329,12 +329,12 @@ class MainWindow(QtWidgets.QMainWindow):
         handler(cid)
 
     # ---- commands ---------------------------------------------------------------------------------------------
-    def _tokenize(self, text: str):
-        return self.runner.submit("tokenize", text)
+    def _tokenize(self, text: str, continuation: bool = False):
+        return self.runner.submit("tokenize", text, continuation)
 
     def open_add_dialog(self) -> AddConversationDialog:
         snap = self.runner.latest
-        dialog = AddConversationDialog(self._tokenize, snap.num_blocks, snap.block_size, self, snap.max_model_len)
+        dialog = AddConversationDialog(self._tokenize, self.futures.watch, snap, self)
         dialog.accepted.connect(lambda: self._submit_add(dialog.request))
         self.add_dialog = dialog
         dialog.open()
@@ -358,18 +358,18 @@ class MainWindow(QtWidgets.QMainWindow):
         self.futures.watch(self.runner.submit("end_conversation", cid))
 
     def open_reply_dialog(self, cid: int) -> ReplyDialog | None:
-        info = self.runner.latest.conversation(cid)
+        snap = self.runner.latest
+        info = snap.conversation(cid)
         if info is None:
             return None
-        if str(info.status) != "finished":
+        if info.status != "finished":
             self.show_error("Cannot reply", f"Conversation {cid} is {info.status}; only a finished conversation "
                             "can get a follow-up message.")
             return None
-        snap = self.runner.latest
-        dialog = ReplyDialog(cid, info.num_tokens, self._tokenize, snap.num_blocks, snap.block_size, self,
-                             snap.max_model_len)
+        dialog = ReplyDialog(cid, info.num_tokens, lambda text: self._tokenize(text, continuation=True),
+                             self.futures.watch, snap, self)
         dialog.accepted.connect(lambda: self.futures.watch(self.runner.submit(
-            "continue_conversation", cid, prompt=dialog.request.message,
+            "continue_conversation", dialog.request.conversation_id, prompt=dialog.request.message,
             max_new_tokens=dialog.request.max_new_tokens)))
         self.reply_dialog = dialog
         dialog.open()
@@ -402,7 +402,6 @@ class MainWindow(QtWidgets.QMainWindow):
     def open_restart_dialog(self) -> RestartDialog:
         dialog = RestartDialog(self.config, self)
         dialog.accepted.connect(lambda: self.restart_engine(dialog.config))
-        self.restart_dialog = dialog
         dialog.open()
         return dialog
 
@@ -412,10 +411,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.show_error("Restart in progress", "An engine is already being loaded.")
             return
         loader = self._loader = EngineLoader(self)
-        progress = progress_dialog(self, f"Loading {cfg.model}…")
-        self.restart_progress = progress
-        loader.progress.connect(lambda message, fraction: (progress.setLabelText(message),
-                                                           progress.setValue(int(1000 * min(max(fraction, 0), 1)))))
+        progress = self.restart_progress = progress_dialog(self, f"Loading {cfg.model}…", loader)
 
         def loaded(engine) -> None:
             progress.close()

@@ -8,6 +8,7 @@ thread light while the engine decodes.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
@@ -18,6 +19,7 @@ from engine.snapshot import PoolSnapshot
 HISTORY = 1200  # samples kept (about 40 s at 30 frames/s)
 SERIES = ("step", "used", "cached", "free", "filled", "allocated", "saved", "contiguous", "tokens_per_s",
           "preemptions", "hit_rate")
+_ROW = {name: i for i, name in enumerate(SERIES)}  # row of each series in MetricsHistory.samples
 PLOTS = (  # title, [(series, label, colour)]
     ("Blocks", [("used", "used", "#50c878"), ("cached", "cached", "#5a82d2"), ("free", "free", "#9a9aa6")]),
     ("Token slots", [("allocated", "allocated", "#f0a030"), ("filled", "filled", "#50c878")]),
@@ -31,7 +33,9 @@ PLOTS = (  # title, [(series, label, colour)]
 
 
 class MetricsHistory:
-    """Ring of recent samples; decode speed comes from the generated-token counter and wall time."""
+    """Ring of recent samples; decode speed comes from the generated-token counter and wall time.
+
+    ``samples`` is float [len(SERIES), HISTORY], one row per series (read them through :meth:`series`)."""
 
     def __init__(self):
         self.clear()
@@ -41,36 +45,33 @@ class MetricsHistory:
         mem, met = snap.memory, snap.metrics
         self._rate_window.append((now, met.num_generated_tokens))
         while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 1.0:
-            self._rate_window.pop(0)
+            self._rate_window.popleft()
         (t0, n0), (t1, n1) = self._rate_window[0], self._rate_window[-1]
         rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-        values = {
-            "step": snap.step_id,
-            "used": mem.num_used_blocks if mem else 0, "cached": mem.num_cached_blocks if mem else 0,
-            "free": mem.num_free_blocks if mem else 0, "filled": mem.num_filled_slots if mem else 0,
-            "allocated": mem.num_allocated_slots if mem else 0, "saved": mem.num_slots_saved_by_sharing if mem else 0,
-            "contiguous": mem.num_contiguous_slots if mem else 0, "tokens_per_s": max(rate, 0.0),
-            "preemptions": met.num_preemptions, "hit_rate": 100.0 * met.prefix_cache_hit_rate,
-        }
-        if self.count and self.data["step"][self.count - 1] == snap.step_id:
+        if mem:
+            pool = (mem.num_used_blocks, mem.num_cached_blocks, mem.num_free_blocks, mem.num_filled_slots,
+                    mem.num_allocated_slots, mem.num_slots_saved_by_sharing, mem.num_contiguous_slots)
+        else:
+            pool = (0,) * 7
+        values = (snap.step_id, *pool, max(rate, 0.0), met.num_preemptions,  # in SERIES order
+                  100.0 * met.prefix_cache_hit_rate)
+        if self.count and self.samples[_ROW["step"], self.count - 1] == snap.step_id:
             index = self.count - 1  # published again after a command, not a step: update the step's sample
         elif self.count == HISTORY:
-            for array in self.data.values():
-                array[:-1] = array[1:]
+            self.samples[:, :-1] = self.samples[:, 1:]
             index = HISTORY - 1
         else:
             index = self.count
             self.count += 1
-        for name, value in values.items():
-            self.data[name][index] = value
+        self.samples[:, index] = values
 
     def series(self, name: str) -> np.ndarray:
-        return self.data[name][:self.count]
+        return self.samples[_ROW[name], :self.count]
 
     def clear(self) -> None:
-        self.data = {name: np.zeros(HISTORY) for name in SERIES}
+        self.samples = np.zeros((len(SERIES), HISTORY))
         self.count = 0  # samples held, the newest at index count - 1
-        self._rate_window: list[tuple[float, int]] = []  # (time, tokens generated) over the last second
+        self._rate_window: deque[tuple[float, int]] = deque()  # (time, tokens generated) over the last second
 
 
 class MetricsPanel(QtWidgets.QWidget):
@@ -109,8 +110,9 @@ class MetricsPanel(QtWidgets.QWidget):
         x = self.history.series("step")
         for name, curve in self.curves:
             curve.setData(x, self.history.series(name))
+        held = self.history.count > 0
         for plot, names in self.plot_items:  # y from 0, so a flat line reads as a value, not as noise
-            top = max((float(self.history.series(n).max()) for n in names if self.history.count), default=0.0)
+            top = max((float(self.history.series(n).max()) for n in names), default=0.0) if held else 0.0
             plot.setYRange(0, max(top * 1.1, 1.0), padding=0)
         self._dirty = False
 

@@ -5,6 +5,8 @@ whole life (it depends only on its id) and neighbouring ids get clearly differen
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 BACKGROUND = np.array([24, 24, 30, 255], np.uint8)  # gaps between cells
@@ -25,29 +27,29 @@ _GOLDEN = 0.618033988749895
 
 
 _table = np.zeros((0, 4), np.uint8)  # colours of ids 0..len-1, grown on demand
+_muted = np.zeros((0, 4), np.uint8)  # the cached-block colours of the same ids, grown with _table
 
 
-def conversation_colours(ids: np.ndarray) -> np.ndarray:
-    """RGBA uint8 [n, 4] for non-negative conversation ids, looked up in a table computed once per id."""
-    global _table
+def _ensure(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as int64, with both colour tables grown to cover them."""
+    global _table, _muted
     ids = np.asarray(ids, dtype=np.int64)
     top = int(ids.max()) + 1 if ids.size else 0
     if top > len(_table):
         _table = _compute_colours(np.arange(max(top, 2 * len(_table), 64)))
+        _muted = mix(_table, UNOWNED, CACHED_MIX)
+    return ids
+
+
+def conversation_colours(ids: np.ndarray) -> np.ndarray:
+    """RGBA uint8 [n, 4] for non-negative conversation ids, looked up in a table computed once per id."""
+    ids = _ensure(ids)  # before reading the table: it may grow
     return _table[ids]
-
-
-_muted = np.zeros((0, 4), np.uint8)
 
 
 def cached_colours(ids: np.ndarray) -> np.ndarray:
     """The muted colour of a cached block whose last owner is each id (a hint of that conversation)."""
-    global _muted
-    ids = np.asarray(ids, dtype=np.int64)
-    top = int(ids.max()) + 1 if ids.size else 0
-    if top > len(_muted):
-        conversation_colours(np.array([top - 1]))
-        _muted = mix(_table, UNOWNED, CACHED_MIX)
+    ids = _ensure(ids)  # before reading the table: it may grow
     return _muted[ids]
 
 
@@ -80,10 +82,25 @@ def conversation_colour(conversation_id: int) -> tuple[int, int, int]:
 
 
 def scale(rgba: np.ndarray, level: float) -> np.ndarray:
-    """Darken (level < 1) colours, keeping alpha."""
-    out = rgba.copy()
-    out[..., :3] = (rgba[..., :3].astype(np.float32) * level).astype(np.uint8)
+    """Darken (level < 1) colours [..., 4], keeping alpha.
+
+    uint8 colours go through a 256-entry lookup table (several times faster than float arithmetic on a large
+    pool, and the same bytes, since the table holds exactly that arithmetic for every possible channel value)."""
+    if rgba.dtype != np.uint8:
+        out = rgba.copy()
+        out[..., :3] = (rgba[..., :3].astype(np.float32) * level).astype(np.uint8)
+        return out
+    out = _scale_table(level)[rgba]
+    out[..., 3:] = rgba[..., 3:]
     return out
+
+
+@lru_cache(maxsize=16, typed=True)
+def _scale_table(level) -> np.ndarray:
+    """channel value -> that value scaled by ``level``, for every uint8 (read-only)."""
+    table = (np.arange(256, dtype=np.float32) * level).astype(np.uint8)
+    table.setflags(write=False)
+    return table
 
 
 def mix(rgba: np.ndarray, other: np.ndarray, amount: float) -> np.ndarray:

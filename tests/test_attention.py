@@ -133,7 +133,8 @@ def test_compiled_kernel_limit_falls_back_to_eager(monkeypatch):
 
 
 def test_engine_plan_equals_plan_decode():
-    """The engine builds decode plans in numpy; they must equal what plan_decode makes of the same tables."""
+    """The engine's per-step plan (from the tables its conversations hold) equals plan_decode on the same tables
+    padded with -1 and spare columns."""
     from engine import Engine, EngineConfig
     from engine.attention import plan_decode
 

@@ -1,4 +1,6 @@
 """Engine behaviour: prefix sharing, fork with copy-on-write, preemption, relocation, replies, bad input."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -280,18 +282,18 @@ def test_bad_checkpoints(tmp_path, ckpt):
     (tmp_path / "empty").mkdir()
     with pytest.raises(EngineError, match="config.json"):
         Engine(EngineConfig(model=str(tmp_path / "empty")))
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text((__import__("pathlib").Path(ckpt) / "config.json").read_text())
-    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    def with_weights(name, filename, data):  # the tiny model's config.json beside one weights file
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "config.json").write_text((Path(ckpt) / "config.json").read_text())
+        (directory / filename).write_bytes(data)
+        return str(directory)
+
     with pytest.raises(EngineError, match="pickle"):
-        Engine(EngineConfig(model=str(pickled)))
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
-    (corrupt / "config.json").write_text((__import__("pathlib").Path(ckpt) / "config.json").read_text())
-    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+        Engine(EngineConfig(model=with_weights("pickled", "pytorch_model.bin", b"not loaded")))
     with pytest.raises(EngineError, match="cannot read weights"):
-        Engine(EngineConfig(model=str(corrupt)))
+        Engine(EngineConfig(model=with_weights("corrupt", "model.safetensors",
+                                               b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")))
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
