@@ -22,7 +22,11 @@ class EngineConfig:
     seed: int = 0  # base seed for weights of random models and per-conversation samplers
     max_num_seqs: int = 256  # most conversations decoding in one step
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (at least one prompt is always admitted)
-    compile_attention: bool = False  # decode attention through the torch.compile'd fused kernel (process-wide)
+    compile_attention: bool = False  # decode attention through the torch.compile'd fused kernel
+    finished_window: int = 256  # finished or ended conversations kept in snapshots (newest first); older ones drop out
+    kv_events_endpoint: str | None = None  # publish vLLM-format KV events on this ZMQ PUB endpoint ("tcp://*:5557")
+    kv_events_replay_endpoint: str | None = None  # ROUTER endpoint that replays buffered event batches
+    kv_events_topic: str = ""  # topic frame of every KV-event message
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

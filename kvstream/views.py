@@ -1,0 +1,224 @@
+"""Immutable views of a block pool, shared by every source the explorer can watch.
+
+The project's engine builds them after each step; the pool stream (:mod:`kvstream.poolstream`) carries them across
+processes and into recordings and rebuilds them array for array; the vLLM plugin builds them from vLLM's own block
+pool. Nothing here refers to a live engine object: arrays are copies marked read-only, tuples replace lists, so a
+view can be handed to another thread (the GUI) or kept as history.
+
+numpy only: no torch, no Qt, so a recorder, a network publisher and a plugin inside another server can use it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import numpy as np
+
+
+class BlockState(enum.IntEnum):
+    """What a physical block holds right now."""
+
+    FREE = 0  # no owner and no reusable content
+    USED = 1  # referenced by at least one conversation's block table
+    CACHED = 2  # no owner, but still holds a full block of KV that a matching prefix can reuse
+
+
+class Status(str, enum.Enum):
+    """Life cycle of a conversation."""
+
+    WAITING = "waiting"  # queued, holds no blocks yet
+    RUNNING = "running"  # holds blocks and decodes one token per step
+    PREEMPTED = "preempted"  # lost its blocks to make room; waits to be recomputed
+    FINISHED = "finished"  # reached max_new_tokens, end-of-sequence or the context limit; blocks released
+    ENDED = "ended"  # ended by the user; blocks released
+
+    def __str__(self) -> str:  # "running", not "Status.RUNNING"
+        return self.value
+
+
+class FinishReason(str, enum.Enum):
+    """Why a conversation stopped (None while it is live)."""
+
+    EOS = "eos"  # the model sampled an end-of-sequence token
+    LENGTH = "length"  # it generated max_new_tokens
+    CONTEXT = "context"  # it reached the model's context limit (max_position_embeddings)
+    ENDED = "ended"  # the user ended it
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def words(self) -> str:
+        """How a window says it: 'end-of-sequence', 'max new tokens', 'context limit', 'ended by user'."""
+        return _FINISH_WORDS[self]
+
+
+_FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max new tokens",
+                 FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    """One conversation as seen from outside the engine."""
+
+    conversation_id: int  # id handed out by add_conversation / fork_conversation
+    status: Status  # waiting | running | preempted | finished | ended (compares equal to the plain string)
+    prompt_token_ids: tuple[int, ...]  # the whole prompt, verbatim (history included after a reply)
+    output_token_ids: tuple[int, ...]  # tokens generated since the last prompt (may end with EOS)
+    output_text: str  # detokenized output; an incomplete trailing UTF-8 sequence is held back
+    prompt_text: str  # detokenized prompt
+    block_table: tuple[int, ...]  # physical block ids in logical order (empty when it holds no blocks)
+    num_computed_tokens: int  # tokens whose K/V sit in the pool
+    num_cached_tokens: int  # prompt tokens taken from the prefix cache at the last admission
+    max_new_tokens: int  # generation budget of the current turn
+    temperature: float  # 0 means greedy
+    parent_id: int | None  # conversation this one was forked from
+    num_preemptions: int  # times it lost its blocks and was recomputed
+    arrival_step: int  # engine step at which it was added (or continued)
+    finish_reason: FinishReason | None = None  # why it stopped; None while live
+    turns: tuple[tuple[int, int], ...] = ()  # per turn: (position its user message starts, position its reply starts)
+    label: str = ""  # the source's own name for it (a vLLM request id); "" for the project's engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Prompt then output: the token at every position."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_live(self) -> bool:
+        return self.status in (Status.WAITING, Status.RUNNING, Status.PREEMPTED)
+
+    @property
+    def name(self) -> str:
+        """'conversation 3', or the source's label when it has one."""
+        return self.label or f"conversation {self.conversation_id}"
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """Everything about one physical block, for the inspector."""
+
+    block_id: int  # physical id
+    state: BlockState
+    ref_count: int  # number of block-table entries naming this block
+    num_filled: int  # slots holding K/V (0..block_size)
+    block_size: int
+    token_ids: tuple[int, ...]  # token in each filled slot
+    token_texts: tuple[str, ...]  # printable text of each token
+    positions: tuple[int, ...]  # position in its conversation of each filled slot
+    owners: tuple[tuple[int, int], ...]  # (conversation id, logical block index) for each reference
+    block_hash: int | None  # prefix-cache hash; None unless the block is full and hashed
+    hash_note: str  # why there is or is not a hash, in words
+    last_owner: int  # conversation that last wrote or used it (-1 never)
+    keys: np.ndarray | None = field(default=None, repr=False)  # [layers, filled, kv_heads, head_dim] float32; None
+    values: np.ndarray | None = field(default=None, repr=False)  # where the source keeps K/V to itself (vLLM)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Counters since the engine started, plus figures of the current step."""
+
+    num_steps: int = 0  # step() calls that did work
+    num_generated_tokens: int = 0  # tokens sampled, all conversations
+    num_prefill_tokens: int = 0  # prompt tokens whose K/V were computed
+    num_preemptions: int = 0  # conversations preempted (recompute)
+    num_cow_copies: int = 0  # copy-on-write block copies
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not recomputed)
+    last_step_seconds: float = 0.0  # wall time of the last step
+    last_step_tokens: int = 0  # tokens sampled in the last step
+    last_step_prefill_tokens: int = 0  # tokens prefilled in the last step
+    num_evictions: int = 0  # cached blocks whose KV was dropped to make room
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Where the bytes of the pool go, for the conversations holding blocks now."""
+
+    bytes_per_block: int  # K and V of one block across all layers
+    bytes_per_token: int  # K and V of one token slot across all layers
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_free_blocks: int
+    num_filled_slots: int  # slots of used blocks holding K/V (shared blocks counted once)
+    num_allocated_slots: int  # used blocks * block_size
+    num_tail_empty_slots: int  # empty slots in used blocks: the internal waste of paging
+    num_logical_slots: int  # filled slots summed over conversations (shared blocks counted per owner)
+    num_slots_saved_by_sharing: int  # num_logical_slots - num_filled_slots
+    num_contiguous_slots: int  # what reserving prompt + max_new_tokens contiguously per conversation would take
+    block_table_bytes: int  # int32 entries of all block tables
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.num_filled_slots * self.bytes_per_token
+
+    @property
+    def tail_waste_bytes(self) -> int:
+        return self.num_tail_empty_slots * self.bytes_per_token
+
+    @property
+    def contiguous_bytes(self) -> int:
+        return self.num_contiguous_slots * self.bytes_per_token
+
+
+NO_HASH = 0  # block_hash entry of a block without a prefix hash (a real hash of 0 is remapped by its maker)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The block pool and its conversations after one engine step. Arrays have length num_blocks."""
+
+    step_id: int  # engine step this snapshot was taken after
+    block_size: int
+    num_blocks: int
+    ref_count: np.ndarray  # int32: block-table entries naming each block
+    num_filled: np.ndarray  # int32: slots holding K/V
+    state: np.ndarray  # int8: BlockState values
+    owner: np.ndarray  # int32: a conversation holding a used block (the earliest still holding it), the last
+    #                    holder of a cached one, -1 if none
+    last_access: np.ndarray  # int64: step at which each block was last allocated, written or read
+    block_tables: Mapping[int, tuple[int, ...]]  # conversation id -> physical ids, only conversations holding blocks
+    conversations: tuple[ConversationInfo, ...]  # live ones and the most recent finished ones, by id
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    memory: MemoryStats | None = None
+    model_name: str = ""  # "builtin" or the checkpoint directory
+    max_model_len: int = 0  # most tokens (prompt + output) in one conversation: the model's positions; 0: unknown
+    device: str = "cpu"
+    block_hash: np.ndarray | None = None  # uint64 prefix hash of each block, NO_HASH where it has none
+    version: int = 0  # bumped by every change to the pool or a conversation; equal versions: same contents
+    source: str = "engine"  # what produced it: "engine", "vllm", ... (the --json "source" field)
+
+    def conversation(self, conversation_id: int) -> ConversationInfo | None:
+        index = self._by_id.get(conversation_id)
+        return None if index is None else self.conversations[index]
+
+    @property
+    def _by_id(self) -> Mapping[int, int]:
+        cached = self.__dict__.get("_index")
+        if cached is None:  # built once per snapshot (frozen dataclass: write through __dict__)
+            cached = MappingProxyType({c.conversation_id: i for i, c in enumerate(self.conversations)})
+            object.__setattr__(self, "_index", cached)
+        return cached
+
+    def hashes(self) -> np.ndarray:
+        """block_hash, or all NO_HASH when the source sent none."""
+        if self.block_hash is None:
+            return np.zeros(self.num_blocks, np.uint64)
+        return self.block_hash
+
+
+def frozen_array(array: np.ndarray, dtype=None) -> np.ndarray:
+    """A read-only copy of ``array``."""
+    out = np.array(array, dtype=dtype, copy=True)
+    out.setflags(write=False)
+    return out
