@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.snapshot import BlockState, PoolSnapshot
+from kvstream.views import BlockState, PoolSnapshot
 
 from . import palette
 
@@ -27,25 +27,25 @@ MIN_STRIPE_TILE = 8  # below this tile size slots are not drawn one by one
 MIN_OUTLINE_TILE = 6  # below this, gaps and outlines would alias when scaled to the screen: shade instead
 
 
-def _as_u32(rgba: np.ndarray) -> np.ndarray:
+def as_u32(rgba: np.ndarray) -> np.ndarray:
     """View RGBA uint8 [..., 4] as one uint32 per pixel (same bytes, so the image stays RGBA in memory)."""
     return np.ascontiguousarray(rgba, np.uint8).view(np.uint32)[..., 0]
 
 
-def _as_rgba(pixels: np.ndarray) -> np.ndarray:
-    """The inverse of _as_u32."""
+def as_rgba(pixels: np.ndarray) -> np.ndarray:
+    """The inverse of as_u32."""
     return np.ascontiguousarray(pixels, np.uint32)[..., None].view(np.uint8)
 
 
 # Colours as one uint32 per pixel, computed once rather than on every redraw.
-_FREE32 = _as_u32(palette.FREE[None])[0]
-_UNOWNED32 = _as_u32(palette.UNOWNED[None])[0]
-_BACKGROUND32 = _as_u32(palette.BACKGROUND[None])[0]
-_STATE_USED32 = _as_u32(palette.STATE_USED[None])[0]
-_STATE_CACHED32 = _as_u32(palette.STATE_CACHED[None])[0]
-_REF32 = _as_u32(palette.REF_COLOURS)
-_REF_CACHED32 = _as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
-_SHADES32 = _as_u32(palette.ramp(np.linspace(0.0, 1.0, 256)))  # 256 steps are plenty for the eye
+_FREE32 = as_u32(palette.FREE[None])[0]
+_UNOWNED32 = as_u32(palette.UNOWNED[None])[0]
+_BACKGROUND32 = as_u32(palette.BACKGROUND[None])[0]
+_STATE_USED32 = as_u32(palette.STATE_USED[None])[0]
+_STATE_CACHED32 = as_u32(palette.STATE_CACHED[None])[0]
+_REF32 = as_u32(palette.REF_COLOURS)
+_REF_CACHED32 = as_u32(palette.scale(palette.REF_COLOURS[:1], 1.6))[0]
+_SHADES32 = as_u32(palette.ramp(np.linspace(0.0, 1.0, 256)))  # 256 steps are plenty for the eye
 _REF32.setflags(write=False)
 _SHADES32.setflags(write=False)
 
@@ -90,7 +90,7 @@ def grid_geometry(num_blocks: int, block_size: int) -> GridGeometry:
 
 
 @lru_cache(maxsize=8)
-def _tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T].
 
     Computed once per layout (the grid redraws with the same one many times); the arrays are read-only.
@@ -130,10 +130,11 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner",
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
     if color_by == "owner":
+        palette.observe(snapshot)  # live conversations get distinct colours before any is looked up
         owner = np.asarray(snapshot.owner)
         known = np.maximum(owner, 0)
-        owners = np.where(owner >= 0, _as_u32(palette.conversation_colours(known)), _UNOWNED32)
-        muted = np.where(owner >= 0, _as_u32(palette.cached_colours(known)), _UNOWNED32)
+        owners = np.where(owner >= 0, as_u32(palette.conversation_colours(known)), _UNOWNED32)
+        muted = np.where(owner >= 0, as_u32(palette.cached_colours(known)), _UNOWNED32)
         fill32 = np.where(used, owners, np.where(cached, muted, _FREE32))
     elif color_by == "ref_count":
         ref = np.clip(np.asarray(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
@@ -169,16 +170,16 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
     n, t = snapshot.num_blocks, geo.tile
     fill, empty = block_colours(snapshot, color_by, selected_conversation)
     num_filled = np.asarray(snapshot.num_filled, np.int32)
-    gap, ring, slot, separator = _tile_masks(geo)
-    fill32, empty32 = _as_u32(fill), _as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
+    gap, ring, slot, separator = tile_masks(geo)
+    fill32, empty32 = as_u32(fill), as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
     if geo.striped:
         profile = np.where(slot[None, :] < num_filled[:, None], fill32[:, None], empty32[:, None])  # [n, T]
         if separator.any():
-            profile[:, separator] = _as_u32(palette.scale(_as_rgba(profile[:, separator]), 0.7))
+            profile[:, separator] = as_u32(palette.scale(as_rgba(profile[:, separator]), 0.7))
     else:
         level = np.clip(num_filled / snapshot.block_size, 0.0, 1.0).astype(np.float32)[:, None]
         shade = (empty.astype(np.float32) * (1 - level) + fill.astype(np.float32) * level).astype(np.uint8)
-        profile = np.broadcast_to(_as_u32(shade)[:, None], (n, t))
+        profile = np.broadcast_to(as_u32(shade)[:, None], (n, t))
     ring_on = np.asarray(snapshot.ref_count) > 1
     ring_colour = np.zeros((n, 4), np.uint8)
     ring_colour[ring_on] = palette.SHARED_RING
@@ -198,10 +199,10 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
         r, c = ids // geo.cols, ids % geo.cols
         if ring.any():
             ry, rx = np.nonzero(ring)
-            image[r[:, None], ry[None, :], c[:, None], rx[None, :]] = _as_u32(ring_colour[ids])[:, None]
+            image[r[:, None], ry[None, :], c[:, None], rx[None, :]] = as_u32(ring_colour[ids])[:, None]
         else:  # tiles too small for an outline: lighten shared blocks instead
-            lit = palette.mix(_as_rgba(image[r, :, c, :]), ring_colour[ids][:, None, None, :], 0.45)
-            image[r, :, c, :] = _as_u32(lit)
+            lit = palette.mix(as_rgba(image[r, :, c, :]), ring_colour[ids][:, None, None, :], 0.45)
+            image[r, :, c, :] = as_u32(lit)
     if gap.any():
         image[:, 0] = background
         image[:, :, :, 0] = background

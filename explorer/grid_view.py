@@ -2,7 +2,13 @@
 
 Only the GUI thread touches it. The image is rebuilt from a snapshot by :func:`snapshot_to_rgba` when the snapshot
 or a view option changes; scene coordinates are cell units (one cell = 1 x 1), so mapping the mouse to a block is
-one division. Ref-count labels are a small reused pool of TextItems, shown only when few cells are visible.
+one division. Cell labels (the block id, and ×N on shared blocks) are a small reused pool of TextItems, shown only
+when few cells are visible.
+
+Tooltips: Qt asks for one with a ToolTip help event when the mouse rests. A QGraphicsView hands that event to its
+scene, which looks for an item with a tooltip, finds none (the grid is one image) and hides whatever tooltip is
+showing, so a tooltip shown from the mouse-move handler vanished 300 ms later (issue 13). The widget therefore
+answers the viewport's help events itself, with the block under the mouse.
 """
 from __future__ import annotations
 
@@ -10,19 +16,25 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from engine.snapshot import BlockState, PoolSnapshot
+from kvstream.views import BlockState, PoolSnapshot
+
+from kvstream import rules
 
 from . import palette
 from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 
-MAX_VISIBLE_FOR_LABELS = 256  # ref-count labels appear only when at most this many cells are in view
-MAX_LABELS = 64  # and at most this many labels are drawn
+MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
+MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
 
 
 def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
     """(conversation id, logical index) of every block-table entry naming ``block_id``."""
-    return [(cid, index) for cid, table in snapshot.block_tables.items()
-            for index, physical in enumerate(table) if physical == block_id]
+    return rules.block_owners(snapshot.block_tables, block_id)
+
+
+def cell_label(block_id: int, ref_count: int) -> str:
+    """What a zoomed-in cell says: its physical id, and ×N when N block tables share it."""
+    return f"{block_id}\n×{ref_count}" if ref_count > 1 else str(block_id)
 
 
 def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
@@ -79,6 +91,7 @@ class GridView(QtWidgets.QWidget):
         self.highlight.hide()
         self.box.addItem(self.highlight)
         self._labels: list[pg.TextItem] = []
+        self._label_texts: list[str] = []  # the text each label was last given
         self.hover_label = QtWidgets.QLabel("Hover a cell for details; click to inspect it.")
         self.hover_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
 
@@ -91,6 +104,7 @@ class GridView(QtWidgets.QWidget):
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
         self.box.sigRangeChanged.connect(lambda *_: self._update_labels())
+        self.view.viewport().installEventFilter(self)  # answer tooltip requests before the scene hides them
 
     # ---- state ----------------------------------------------------------------------------------------
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
@@ -165,15 +179,33 @@ class GridView(QtWidgets.QWidget):
         return self.geometry_.block_at(point.x(), point.y())
 
     # ---- mouse ------------------------------------------------------------------------------------------
+    def tooltip_at(self, viewport_pos: QtCore.QPoint) -> str:
+        """The tooltip for a viewport pixel: the block there, one fact per line ("" outside the pool)."""
+        block = self.block_at_scene(self.view.mapToScene(viewport_pos))
+        if block is None or self.snapshot is None:
+            return ""
+        return describe_block(self.snapshot, block).replace(", ", "\n")
+
+    def eventFilter(self, watched: QtCore.QObject, event: QtCore.QEvent) -> bool:
+        if watched is self.view.viewport() and event.type() == QtCore.QEvent.Type.ToolTip:
+            text = self.tooltip_at(event.pos())
+            if text:
+                QtWidgets.QToolTip.showText(event.globalPos(), text, self.view.viewport())
+            else:
+                QtWidgets.QToolTip.hideText()
+            return True  # handled: the scene would hide it again
+        return super().eventFilter(watched, event)
+
     def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
         block = self.block_at_scene(scene_pos)
         if block is None or self.snapshot is None:
             QtWidgets.QToolTip.hideText()
             return
-        text = describe_block(self.snapshot, block)
-        self.hover_label.setText(text)
-        global_pos = self.view.viewport().mapToGlobal(self.view.mapFromScene(scene_pos))
-        QtWidgets.QToolTip.showText(global_pos, text.replace(", ", "\n"), self.view)
+        self.hover_label.setText(describe_block(self.snapshot, block))
+        if QtWidgets.QToolTip.isVisible():  # a tooltip is up: follow the mouse to the next cell at once
+            viewport = self.view.viewport()
+            pos = self.view.mapFromScene(scene_pos)
+            QtWidgets.QToolTip.showText(viewport.mapToGlobal(pos), self.tooltip_at(pos), viewport)
 
     def _on_mouse_clicked(self, event) -> None:
         if event.button() != QtCore.Qt.MouseButton.LeftButton:
@@ -193,7 +225,8 @@ class GridView(QtWidgets.QWidget):
         self.highlight.show()
 
     def _update_labels(self) -> None:
-        """Put '×N' on shared cells, but only when the view is zoomed in enough for text to be readable."""
+        """Put each cell's block id (and ×N on shared ones) on it, but only when the view is zoomed in enough
+        for text to be readable."""
         geo, snap = self.geometry_, self.snapshot
         shown = 0
         if geo is not None and snap is not None:
@@ -202,25 +235,34 @@ class GridView(QtWidgets.QWidget):
             y0, y1 = max(int(np.floor(rect.top())), 0), min(int(np.ceil(rect.bottom())), geo.rows)
             if 0 < (x1 - x0) * (y1 - y0) <= MAX_VISIBLE_FOR_LABELS:
                 ids = (np.arange(y0, y1)[:, None] * geo.cols + np.arange(x0, x1)[None, :]).ravel()
-                ids = ids[ids < geo.num_blocks]
-                shared = ids[np.asarray(snap.ref_count)[ids] > 1][:MAX_LABELS]
-                for block in shared:
+                ids = ids[ids < geo.num_blocks][:MAX_LABELS]
+                refs = np.asarray(snap.ref_count)[ids]
+                for block, ref in zip(ids.tolist(), refs.tolist()):
                     label = self._label(shown)
-                    x, y = geo.cell_origin(int(block))
-                    label.setText(f"×{int(snap.ref_count[block])}")
+                    x, y = geo.cell_origin(block)
+                    text = cell_label(block, ref)
+                    if self._label_texts[shown] != text:  # setText re-lays out the text: only when it changed
+                        label.setText(text)
+                        self._label_texts[shown] = text
                     label.setPos(x + 0.5, y + 0.5)
                     label.show()
                     shown += 1
         for label in self._labels[shown:]:
             label.hide()
 
+    def label_texts(self) -> list[str]:
+        """Texts of the cell labels on screen now (tests read them)."""
+        return [label.textItem.toPlainText() for label in self._labels if label.isVisible()]
+
     def _label(self, index: int) -> pg.TextItem:
         while len(self._labels) <= index:
             label = pg.TextItem(color=(255, 255, 255), anchor=(0.5, 0.5), fill=pg.mkBrush(0, 0, 0, 150))
             font = label.textItem.font()
             font.setBold(True)
+            font.setPointSize(8)
             label.setFont(font)
             label.setZValue(20)
             self.box.addItem(label)
             self._labels.append(label)
+            self._label_texts.append("")
         return self._labels[index]

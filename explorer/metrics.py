@@ -14,9 +14,10 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtWidgets
 
-from engine.snapshot import PoolSnapshot
+from kvstream.views import PoolSnapshot
 
 HISTORY = 1200  # samples kept (about 40 s at 30 frames/s)
+EMPTY_STEPS = 10  # x span of a plot before any sample (and the least span after), so axes read as steps
 SERIES = ("step", "used", "cached", "free", "filled", "allocated", "saved", "contiguous", "tokens_per_s",
           "preemptions", "hit_rate")
 _ROW = {name: i for i, name in enumerate(SERIES)}  # row of each series in MetricsHistory.samples
@@ -85,7 +86,9 @@ class MetricsPanel(QtWidgets.QWidget):
         self.plot_items: list[tuple[pg.PlotItem, list[str]]] = []
         for i, (title, series) in enumerate(PLOTS):
             plot = self.plots.addPlot(row=i // 4, col=i % 4, title=f"<span style='font-size:9pt'>{title}</span>")
-            plot.enableAutoRange(y=False)
+            plot.enableAutoRange(x=False, y=False)  # ranges are set in redraw: empty or one-sample plots too
+            for side in ("left", "bottom"):  # "(x0.001)" on an axis that spans one step is noise, not a unit
+                plot.getAxis(side).enableAutoSIPrefix(False)
             self.plot_items.append((plot, [name for name, _, _ in series]))
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
@@ -98,7 +101,7 @@ class MetricsPanel(QtWidgets.QWidget):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.plots)
-        self._dirty = False
+        self._dirty = True  # the first redraw sets the empty plots' ranges
 
     def record(self, snap: PoolSnapshot) -> None:
         self.history.record(snap)
@@ -111,9 +114,12 @@ class MetricsPanel(QtWidgets.QWidget):
         for name, curve in self.curves:
             curve.setData(x, self.history.series(name))
         held = self.history.count > 0
+        first = float(x[0]) if held else 0.0
+        last = max(float(x[-1]) if held else 0.0, first + EMPTY_STEPS)
         for plot, names in self.plot_items:  # y from 0, so a flat line reads as a value, not as noise
             top = max((float(self.history.series(n).max()) for n in names), default=0.0) if held else 0.0
             plot.setYRange(0, max(top * 1.1, 1.0), padding=0)
+            plot.setXRange(first, last, padding=0)
         self._dirty = False
 
     def clear(self) -> None:

@@ -1,7 +1,12 @@
 """Colours shared by the grid, the legend and the conversation table, so one conversation looks the same everywhere.
 
-Conversation colours come from a golden-ratio walk around the hue circle: a conversation keeps its colour for its
-whole life (it depends only on its id) and neighbouring ids get clearly different hues.
+Live conversations must differ clearly from one another (issue 13: ids 3 and 11 were both pink under a pure
+function of the id). So colours are handed out, not computed: :class:`ColourBook` gives each conversation, when it
+is first seen live, the first of :data:`LIVE_COLOURS` (sixteen hues picked far apart in CIELAB, and far from the
+free, cached, shared and selected marks) that no other live conversation holds. A conversation keeps its colour
+for its whole life; once it has finished its colour may go to a newcomer (its cached blocks are drawn muted). Past
+sixteen live conversations, further colours come from a golden-ratio walk around the hue circle. Ids the book has
+never seen live (a hand-built view, a recording opened at its end) use their id as the palette index.
 """
 from __future__ import annotations
 
@@ -25,36 +30,95 @@ REF_COLOURS = np.array([  # ref count 0 (unused), 1, 2, 3, 4+
 
 _GOLDEN = 0.618033988749895
 
+LIVE_COLOURS = np.array([  # the first sixteen palette entries: min CIELAB distance 33 (45 among the first 12)
+    [237, 149, 47], [51, 51, 255], [51, 255, 133], [255, 51, 173], [47, 123, 237], [255, 51, 65], [43, 217, 194],
+    [212, 237, 142], [255, 153, 153], [187, 255, 51], [51, 201, 255], [241, 51, 255], [235, 153, 255],
+    [255, 207, 153], [136, 65, 217], [217, 65, 105],
+], np.uint8)
 
-_table = np.zeros((0, 4), np.uint8)  # colours of ids 0..len-1, grown on demand
-_muted = np.zeros((0, 4), np.uint8)  # the cached-block colours of the same ids, grown with _table
+
+class ColourBook:
+    """Which palette entry each conversation holds: distinct among the live ones, kept for a conversation's life.
+
+    :meth:`observe` is cheap (one pass over the live conversations) and idempotent; every panel that draws
+    conversation colours calls it with the snapshot it draws, so all of them agree whichever runs first."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self._slot = np.full(0, -1, np.int64)  # conversation id -> palette index, -1: never seen live
+
+    def observe(self, snapshot) -> None:
+        """Give every live conversation of ``snapshot`` a palette entry no other live one holds."""
+        live = sorted((c.arrival_step, c.conversation_id) for c in snapshot.conversations if c.is_live)
+        if not live:
+            return
+        ids = np.array([cid for _, cid in live], np.int64)
+        self._grow(int(ids.max()) + 1)
+        held, taken, newcomers = self._slot[ids], set(), []
+        for cid, slot in zip(ids.tolist(), held.tolist()):  # first come keeps its entry; a duplicate gives it up
+            if slot >= 0 and slot not in taken:
+                taken.add(slot)
+            else:
+                newcomers.append(cid)
+        free = (s for s in range(len(ids) + len(taken) + 1) if s not in taken)
+        for cid in newcomers:
+            self._slot[cid] = next(free)
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        """Palette index of each id (int64)."""
+        ids = np.asarray(ids, np.int64)
+        known = np.full(ids.shape, -1, np.int64)
+        inside = ids < len(self._slot)
+        known[inside] = self._slot[ids[inside]]
+        return np.where(known >= 0, known, ids)
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._slot):
+            grown = np.full(max(size, 2 * len(self._slot), 64), -1, np.int64)
+            grown[:len(self._slot)] = self._slot
+            self._slot = grown
 
 
-def _ensure(ids: np.ndarray) -> np.ndarray:
-    """``ids`` as int64, with both colour tables grown to cover them."""
+BOOK = ColourBook()  # the one book of this process's window (conversation ids are per source; see observe)
+
+
+def observe(snapshot) -> None:
+    """Let the colour book see ``snapshot``'s live conversations (call before drawing it)."""
+    BOOK.observe(snapshot)
+
+
+_table = np.zeros((0, 4), np.uint8)  # colour of palette index 0..len-1, grown on demand
+_muted = np.zeros((0, 4), np.uint8)  # the cached-block colours of the same indices, grown with _table
+
+
+def _ensure(slots: np.ndarray) -> np.ndarray:
+    """``slots`` as int64, with both colour tables grown to cover them."""
     global _table, _muted
-    ids = np.asarray(ids, dtype=np.int64)
-    top = int(ids.max()) + 1 if ids.size else 0
+    slots = np.asarray(slots, dtype=np.int64)
+    top = int(slots.max()) + 1 if slots.size else 0
     if top > len(_table):
         _table = _compute_colours(np.arange(max(top, 2 * len(_table), 64)))
         _muted = mix(_table, UNOWNED, CACHED_MIX)
-    return ids
+    return slots
 
 
 def conversation_colours(ids: np.ndarray) -> np.ndarray:
-    """RGBA uint8 [n, 4] for non-negative conversation ids, looked up in a table computed once per id."""
-    ids = _ensure(ids)  # before reading the table: it may grow
-    return _table[ids]
+    """RGBA uint8 [n, 4] for non-negative conversation ids: each id's palette entry in the colour book."""
+    slots = _ensure(BOOK.slots(ids))  # before reading the table: it may grow
+    return _table[slots]
 
 
 def cached_colours(ids: np.ndarray) -> np.ndarray:
     """The muted colour of a cached block whose last owner is each id (a hint of that conversation)."""
-    ids = _ensure(ids)  # before reading the table: it may grow
-    return _muted[ids]
+    slots = _ensure(BOOK.slots(ids))
+    return _muted[slots]
 
 
-def _compute_colours(ids: np.ndarray) -> np.ndarray:
-    """Vectorised HSV -> RGB on a golden-ratio hue walk, alternating saturation and value."""
+def _compute_colours(slots: np.ndarray) -> np.ndarray:
+    """Palette entries: LIVE_COLOURS first, then a golden-ratio hue walk, alternating saturation and value."""
+    ids = slots
     hue = (ids * _GOLDEN + 0.08) % 1.0
     sat = np.where(ids % 2 == 0, 0.62, 0.48)
     val = np.where(ids % 3 == 0, 0.97, 0.88)
@@ -72,6 +136,8 @@ def _compute_colours(ids: np.ndarray) -> np.ndarray:
     rgba[:, 1] = np.round(g * 255)
     rgba[:, 2] = np.round(b * 255)
     rgba[:, 3] = 255
+    listed = ids < len(LIVE_COLOURS)
+    rgba[listed, :3] = LIVE_COLOURS[ids[listed]]
     return rgba
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine.snapshot import BlockState, PoolSnapshot
+from kvstream.views import BlockState, PoolSnapshot
 from explorer import palette
 from explorer.grid import COLOR_BY, grid_geometry, snapshot_to_rgba
 
@@ -208,3 +208,106 @@ def test_inspector_sentences():
     assert _conversations([3]) == "conversation 3"
     assert _conversations([1, 0]) == "conversations 0, 1"
     assert token_label(" the") == "␣the" and token_label("\n") == "\\n"
+
+
+# ---- issue 13 -------------------------------------------------------------------------------------------------
+def conversation(cid, status="running", arrival=0):
+    from kvstream.views import ConversationInfo, Status
+    return ConversationInfo(conversation_id=cid, status=Status(status), prompt_token_ids=(1, 2), output_token_ids=(),
+                            output_text="", prompt_text="", block_table=(), num_computed_tokens=2,
+                            num_cached_tokens=0, max_new_tokens=4, temperature=0.0, parent_id=None, num_preemptions=0,
+                            arrival_step=arrival)
+
+
+def lab(rgb):
+    """CIELAB of sRGB colours [..., 3] (D65), for perceptual distances."""
+    c = np.asarray(rgb, float)[..., :3] / 255
+    c = np.where(c > 0.04045, ((c + 0.055) / 1.055) ** 2.4, c / 12.92)
+    m = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]])
+    xyz = c @ m.T / np.array([0.9505, 1.0, 1.089])
+    f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], -1)
+
+
+def min_distance(colours):
+    points = lab(colours)
+    d = np.linalg.norm(points[:, None] - points[None], axis=-1)
+    np.fill_diagonal(d, np.inf)
+    return d.min()
+
+
+def test_owner_colour_follows_owner_after_fork_and_end():
+    """Conversation 9 forked into 10, then 9 ended: 10 is the only owner of the shared first blocks now."""
+    palette.BOOK.clear()
+    used = [(b, 10, 4, 1) for b in range(4)] + [(4, 10, 2, 1), (5, 11, 4, 2)]
+    snap = make_snapshot(num_blocks=16, used=used, tables={10: (0, 1, 2, 3, 4), 11: (5,), 12: (5,)})
+    snap = PoolSnapshot(**{**snap.__dict__, "conversations": (conversation(9, "ended"), conversation(10, arrival=1),
+                                                              conversation(11, arrival=2), conversation(12, arrival=3))})
+    geo = grid_geometry(snap.num_blocks, snap.block_size)
+    image = snapshot_to_rgba(snap, "owner", geometry=geo)
+    mid = geo.tile // 2
+    for block in range(5):
+        assert cell(image, geo, block, mid, 3) == colour_of(10) != colour_of(9)
+    assert cell(image, geo, 5, mid, mid) == colour_of(11)  # shared: the earliest holder's colour
+
+
+def test_live_conversations_get_clearly_different_colours_and_keep_them():
+    palette.BOOK.clear()
+    live = [3, 11, 19, 24, 32, 40, 45, 53, 58, 66, 71, 79]  # ids 8 or 13 apart looked alike under the old hue walk
+    snap = make_snapshot()
+    snap = PoolSnapshot(**{**snap.__dict__, "conversations": tuple(conversation(c, arrival=i) for i, c in
+                                                                   enumerate(live))})
+    palette.observe(snap)
+    colours = palette.conversation_colours(np.array(live))
+    assert min_distance(colours) > 40  # CIELAB distance; 2.3 is a just-noticeable difference
+    reserved = np.array([palette.FREE, palette.UNOWNED, palette.SHARED_RING, palette.SELECTED_RING])
+    assert np.linalg.norm(lab(colours)[:, None] - lab(reserved)[None], axis=-1).min() > 25
+    before = {c: tuple(palette.conversation_colours(np.array([c]))[0]) for c in live}
+    # 3 finishes, 90 arrives: everyone keeps their colour, and the newcomer differs from every live one
+    later = tuple(conversation(c, "finished" if c == 3 else "running", i) for i, c in enumerate(live)) + (
+        conversation(90, arrival=20),)
+    palette.observe(PoolSnapshot(**{**snap.__dict__, "conversations": later}))
+    assert all(tuple(palette.conversation_colours(np.array([c]))[0]) == before[c] for c in live)
+    now_live = live[1:] + [90]
+    assert min_distance(palette.conversation_colours(np.array(now_live))) > 40
+
+
+def test_grid_tooltip_appears_and_stays(qtbot, small):
+    """The scene used to answer Qt's tooltip request with 'no tooltip' and hide it 300 ms later."""
+    from PySide6 import QtCore, QtGui, QtWidgets
+    from explorer.grid_view import GridView
+    snap, _ = small
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    view.activateWindow()
+    qtbot.waitUntil(view.isActiveWindow)  # activating the window later would close the tooltip, as Qt does
+    view.set_snapshot(snap)
+    view.render()
+    viewport = view.view.viewport()
+    pos = view.cell_center(5)
+    qtbot.mouseMove(viewport, pos)  # the mouse comes to rest on block 5 ...
+    qtbot.wait(50)
+    QtWidgets.QApplication.sendEvent(viewport, QtGui.QHelpEvent(QtCore.QEvent.Type.ToolTip, pos,  # ... so Qt
+                                                                viewport.mapToGlobal(pos)))  # asks for a tooltip
+    qtbot.wait(600)  # longer than the 300 ms after which the scene's "no tooltip here" used to hide it
+    assert QtWidgets.QToolTip.isVisible()
+    assert QtWidgets.QToolTip.text().startswith("block 5: used\nref count 1") and "conv 3" in QtWidgets.QToolTip.text()
+    QtWidgets.QToolTip.hideText()
+
+
+def test_zoomed_in_cells_show_their_block_ids(qtbot):
+    from PySide6 import QtCore
+    from explorer.grid_view import GridView
+    snap = make_snapshot(num_blocks=1024, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)], tables={2: (33,)})
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 400)
+    view.set_snapshot(snap)
+    view.render()
+    assert view.label_texts() == []  # 1,024 cells in view: too small for text
+    view.box.setRange(QtCore.QRectF(0, 0, 4, 4), padding=0)
+    texts = view.label_texts()
+    assert "0" in texts and "33\n×2" in texts and "2" in texts and len(texts) <= 36

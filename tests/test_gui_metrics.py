@@ -1,0 +1,40 @@
+"""The metric plots read sensibly before and right after the first sample (issue 13: "-400...400, step (x0.001)")."""
+import numpy as np
+
+from kvstream.views import PoolSnapshot
+
+
+def blank(step):
+    n = 8
+    return PoolSnapshot(step_id=step, block_size=4, num_blocks=n, ref_count=np.zeros(n, np.int32),
+                        num_filled=np.zeros(n, np.int32), state=np.zeros(n, np.int8), owner=np.full(n, -1, np.int32),
+                        last_access=np.zeros(n, np.int64), block_tables={}, conversations=())
+
+
+def ranges(panel):
+    out = []
+    for plot, _ in panel.plot_items:
+        (x0, x1), (y0, y1) = plot.getViewBox().viewRange()
+        scales = {plot.getAxis(side).autoSIPrefixScale for side in ("left", "bottom")}
+        out.append((x0, x1, y0, y1, scales))
+    return out
+
+
+def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot):
+    from explorer.metrics import EMPTY_STEPS, MetricsPanel
+    panel = MetricsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(900, 300)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.redraw()
+    for x0, x1, y0, y1, scales in ranges(panel):
+        assert (x0, x1, y0, y1) == (0, EMPTY_STEPS, 0, 1) and scales == {1.0}
+    panel.record(blank(5))  # one sample: a range of one step would get an SI prefix and a tiny span
+    panel.redraw()
+    for x0, x1, y0, y1, scales in ranges(panel):
+        assert x0 == 5 and x1 == 5 + EMPTY_STEPS and y0 == 0 and y1 >= 1 and scales == {1.0}
+    for step in range(6, 40):
+        panel.record(blank(step))
+    panel.redraw()
+    assert all(r[:2] == (5, 39) for r in ranges(panel))
