@@ -1,0 +1,88 @@
+"""Where a KV-event stream comes from, and how ``--attach-kv-events`` spells it.
+
+One spec names one instance, or the data-parallel ranks of one server (vLLM and SGLang publish rank r on the base
+port + r, replay socket too)::
+
+    tcp://host:5557                               live stream only
+    tcp://host:5557,tcp://host:5558               with its replay socket
+    tcp://host:5557,replay=tcp://host:5558,topic=kv,dp=4,name=node-a
+
+A wildcard host (``tcp://*:5557``, as written in a server's own config) is read as this machine (127.0.0.1).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvstream.kv_events_codec import KVEventError
+
+
+@dataclass(frozen=True)
+class KVEventEndpoint:
+    """One publisher to follow: its PUB address, its replay ROUTER if any, the topic, and a label."""
+
+    endpoint: str  # ZMQ address of the PUB socket, to connect to
+    replay_endpoint: str | None = None  # ZMQ address of its replay ROUTER socket; None: no catch-up, gaps are lost
+    topic: str = ""  # topic prefix to subscribe to ("" = everything, vLLM's default)
+    name: str = ""  # label in the window; the endpoint when empty
+
+    @property
+    def label(self) -> str:
+        """What the window calls this instance."""
+        return self.name or self.endpoint
+
+
+def endpoint_for_rank(endpoint: str, rank: int) -> str:
+    """The address data-parallel rank ``rank`` publishes on (vLLM's and SGLang's rule: tcp port + rank)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    m = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
+    if m is None:
+        raise KVEventError(f"data-parallel ranks need a tcp://host:port or inproc:// address, not {endpoint!r}")
+    return f"{m.group(1)}:{int(m.group(2)) + rank}"
+
+
+def _connectable(address: str, what: str) -> str:
+    if not isinstance(address, str) or not re.fullmatch(r"(tcp|ipc|inproc)://.+", address):
+        raise KVEventError(f"{what} must be a ZMQ address such as tcp://host:5557 or ipc:///path, not {address!r}")
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", address)
+
+
+def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:
+    """``endpoint`` with its addresses checked and wildcard hosts read as this machine."""
+    if not isinstance(endpoint.topic, str) or not isinstance(endpoint.name, str):
+        raise KVEventError(f"topic and name must be strings in {endpoint!r}")
+    replay = endpoint.replay_endpoint
+    return KVEventEndpoint(endpoint=_connectable(endpoint.endpoint, "the KV-event endpoint"),
+                           replay_endpoint=_connectable(replay, "the replay endpoint") if replay is not None else None,
+                           topic=endpoint.topic, name=endpoint.name)
+
+
+def parse_endpoint_spec(spec: str) -> tuple[KVEventEndpoint, ...]:
+    """The endpoints one ``--attach-kv-events`` value names (several for ``dp=N``); a bad spec raises KVEventError."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise KVEventError("a KV-event endpoint spec must be a non-empty string such as tcp://host:5557")
+    first, *rest = [part.strip() for part in spec.split(",")]
+    endpoint = _connectable(first, "the KV-event endpoint")
+    options = {"replay": None, "topic": "", "dp": "1", "name": ""}
+    for i, part in enumerate(rest):
+        key, sep, value = part.partition("=")
+        if not sep and i == 0 and "://" in part:
+            key, value = "replay", part
+        elif not sep or key not in options:
+            raise KVEventError(f"unknown option {part!r} in {spec!r}: use replay=ADDR, topic=T, dp=N or name=X")
+        options[key] = value
+    replay = _connectable(options["replay"], "the replay endpoint") if options["replay"] else None
+    if not options["dp"].isdigit() or not 1 <= int(options["dp"]) <= 1024:
+        raise KVEventError(f"dp must be a number of ranks from 1 to 1024, not {options['dp']!r}")
+    ranks = int(options["dp"])
+    base = options["name"]
+    out = []
+    for rank in range(ranks):
+        name = base if ranks == 1 else f"{base or endpoint} dp{rank}"
+        out.append(KVEventEndpoint(endpoint=endpoint_for_rank(endpoint, rank),
+                                   replay_endpoint=endpoint_for_rank(replay, rank) if replay else None,
+                                   topic=options["topic"], name=name))
+    return tuple(out)
