@@ -116,21 +116,14 @@ class ContiguousLayout:
         return text
 
     def slot_roles(self) -> np.ndarray:
-        """uint8 [num_slots]: FREE_SLOT, FILLED_SLOT, RESERVED_SLOT or GAP_SLOT for every slot (no Python loop over
-        slots: one ``np.repeat`` per kind of run)."""
+        """uint8 [num_slots]: FREE_SLOT, FILLED_SLOT, RESERVED_SLOT or GAP_SLOT for every slot (two slice
+        assignments per run: runs are few, slots are up to millions)."""
         roles = np.full(self.num_slots, FREE_SLOT, np.uint8)
-        if not self.reservations:
-            return roles
-        starts = np.array([r.start for r in self.reservations], np.int64)
-        lengths = np.array([r.length for r in self.reservations], np.int64)
-        filled = np.array([r.filled for r in self.reservations], np.int64)
-        top = int((starts + lengths).max())
+        top = max((r.end for r in self.reservations), default=0)
         roles[:top] = GAP_SLOT  # everything below the top that no run covers is a hole
-        slots = np.arange(int(lengths.sum()), dtype=np.int64)
-        first = np.repeat(np.cumsum(lengths) - lengths, lengths)  # [reserved slots]: index of its run's first slot
-        offset = slots - first  # position inside its run
-        where = np.repeat(starts, lengths) + offset  # the slot's address
-        roles[where] = np.where(offset < np.repeat(filled, lengths), FILLED_SLOT, RESERVED_SLOT)
+        for r in self.reservations:
+            roles[r.start:r.start + r.filled] = FILLED_SLOT
+            roles[r.start + r.filled:r.end] = RESERVED_SLOT
         return roles
 
     def slot_owners(self) -> np.ndarray:
@@ -168,12 +161,14 @@ class ContiguousAllocator:
         self._key: tuple | None = None  # (num_blocks, block_size, source) of the pool being followed
         self._step = -1  # step of the last snapshot seen
         self._placed: dict[int, tuple[int, int, int]] = {}  # id -> (start, length, arrival step it was placed for)
+        self._runs: list[tuple[int, int]] = []  # (start, length) of every placed run, by start (for first fit)
         self._queue: list[tuple[int, int, int]] = []  # (arrival step, id, length), first come first
         self.layout: ContiguousLayout | None = None  # the result of the last update
 
     def reset(self) -> None:
         self._key, self._step = None, -1
         self._placed.clear()
+        self._runs.clear()
         self._queue.clear()
         self.layout = None
 
@@ -191,6 +186,7 @@ class ContiguousAllocator:
             info = live.get(cid)
             if info is None or info.arrival_step != arrival:
                 del self._placed[cid]
+        self._runs = sorted((start, length) for start, length, _ in self._placed.values())
         self._queue = [(arrival, cid, length) for arrival, cid, length in self._queue
                        if cid in live and live[cid].arrival_step == arrival]
         known = set(self._placed) | {cid for _, cid, _ in self._queue}
@@ -201,13 +197,15 @@ class ContiguousAllocator:
 
         never = tuple(cid for _, cid, length in self._queue if length > num_slots)
         queue = [entry for entry in self._queue if entry[2] <= num_slots]
-        while queue:  # first come first served: the head waits for room, and so does everyone behind it
-            arrival, cid, length = queue[0]
-            start = self._first_fit(length, num_slots)
+        admitted = 0
+        for arrival, cid, length in queue:  # first come first served: the head waits for room, and so does
+            start = self._first_fit(length, num_slots)  # everyone behind it
             if start is None:
                 break
             self._placed[cid] = (start, length, arrival)
-            queue.pop(0)
+            bisect.insort(self._runs, (start, length))
+            admitted += 1
+        queue = queue[admitted:]
         self._queue = queue + [entry for entry in self._queue if entry[2] > num_slots]
 
         reservations = tuple(sorted(
@@ -223,8 +221,8 @@ class ContiguousAllocator:
     def _first_fit(self, length: int, num_slots: int) -> int | None:
         """Lowest address of a free run of at least ``length`` slots, or None."""
         cursor = 0
-        for start, run, _ in sorted(self._placed.values()):
+        for start, run in self._runs:
             if start - cursor >= length:
                 return cursor
-            cursor = max(cursor, start + run)
+            cursor = start + run
         return cursor if num_slots - cursor >= length else None

@@ -1,0 +1,208 @@
+"""The contiguous allocator's memory drawn beside the paged grid, at the same scale, with its summary line.
+
+The memory is the paged pool's size (``num_blocks * block_size`` slots) laid out exactly like the grid: rows of
+cells of ``block_size`` slots, so the two pictures line up cell for cell and their pan and zoom can be linked. A
+cell here is not a block (a contiguous allocator has none), only the same number of slots. Colours:
+
+- a filled slot: its conversation's colour (the same as in the grid and the table);
+- a reserved but empty slot: that colour, dark (the part of the max-length reservation not generated yet);
+- a gap: free slots stranded between reservations (external fragmentation), in a warning red;
+- free memory after the last reservation: the grid's free colour.
+A bright line marks where each reservation starts when cells are wide enough to show slots.
+
+One ImageItem fed one RGBA array, as the grid; the image is rebuilt only when the layout changed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from kvstream.views import PoolSnapshot
+
+from . import palette
+from .contiguous import GAP_SLOT, ContiguousAllocator, ContiguousLayout
+from .grid import GridGeometry, as_rgba, as_u32, grid_geometry, tile_masks
+
+GAP = np.array([196, 64, 52, 255], np.uint8)  # free slots between reservations: external fragmentation
+RUN_START = np.array([235, 235, 240, 255], np.uint8)  # the first pixel column of a reservation's first slot
+LEGEND = (("filled", None), ("reserved but empty", None), ("gap between reservations", GAP), ("free", palette.FREE))
+
+
+def slot_colours(layout: ContiguousLayout) -> np.ndarray:
+    """One uint32 (RGBA bytes) per slot of the contiguous memory: what each slot is drawn as (two slice
+    assignments per reservation, never a Python loop over slots)."""
+    colours = np.full(layout.num_slots, as_u32(palette.FREE[None])[0], np.uint32)
+    if not layout.reservations:
+        return colours
+    ids = np.array([r.conversation_id for r in layout.reservations], np.int64)
+    bright = palette.conversation_colours(ids)  # [runs, 4]
+    bright32 = as_u32(bright).tolist()
+    dark32 = as_u32(palette.scale(bright, palette.EMPTY_SLOT_LEVEL)).tolist()
+    colours[:max(r.end for r in layout.reservations)] = as_u32(GAP[None])[0]  # below the top, free = gap
+    for r, fill, dark in zip(layout.reservations, bright32, dark32):
+        colours[r.start:r.start + r.filled] = fill
+        colours[r.start + r.filled:r.end] = dark
+    return colours
+
+
+def contiguous_rgba(layout: ContiguousLayout, geometry: GridGeometry) -> np.ndarray:
+    """The picture, uint8 [rows * tile, cols * tile, 4], laid out as the paged grid of the same pool."""
+    geo, bs, t = geometry, layout.block_size, geometry.tile
+    n = geo.num_blocks  # cells of block_size slots: as many as the pool has blocks
+    gap, _, slot, separator = tile_masks(geo)
+    colours = slot_colours(layout).reshape(n, bs)  # [cell, slot in cell]
+    if geo.striped:
+        profile = colours[:, slot]  # [cell, x in tile]: each pixel column shows its slot
+        starts = np.array([r.start for r in layout.reservations], np.int64)
+        if starts.size:  # the first pixel column of each reservation's first slot
+            inside = np.nonzero(~gap[-1])[0]  # pixel columns that are not the gap between cells
+            first_x = inside[np.minimum(np.searchsorted(slot[inside], np.arange(bs)), len(inside) - 1)]  # [slot]
+            cells, slots = starts // bs, starts % bs
+            profile[cells, first_x[slots]] = as_u32(RUN_START[None])[0]
+        if separator.any():
+            profile[:, separator] = as_u32(palette.scale(as_rgba(profile[:, separator]), 0.85))
+    else:  # a few pixels per cell: the mean colour of its slots
+        total = as_rgba(colours).sum(axis=1, dtype=np.uint32)  # [cell, 4]: channel sums over the cell's slots
+        profile = np.broadcast_to(as_u32((total // bs).astype(np.uint8))[:, None], (n, t))
+    cells = geo.rows * geo.cols
+    background = as_u32(palette.BACKGROUND[None])[0]
+    if cells > n:
+        profile = np.concatenate([profile, np.full((cells - n, t), background, np.uint32)])
+    image = np.empty((geo.rows, t, geo.cols, t), np.uint32)  # [row, y in tile, col, x in tile]
+    image[...] = profile.reshape(geo.rows, 1, geo.cols, t)
+    if gap.any():
+        image[:, 0] = background
+        image[:, :, :, 0] = background
+    return image.reshape(geo.rows * t, geo.cols * t).view(np.uint8).reshape(geo.rows * t, geo.cols * t, 4)
+
+
+def describe_slot(layout: ContiguousLayout, slot: int) -> str:
+    """One line about a slot of the contiguous memory, for the hover line."""
+    r = layout.reservation_at(slot)
+    if r is not None:
+        return (f"slot {slot}: conversation {r.conversation_id}'s reservation, slots {r.start}..{r.end - 1} "
+                f"({r.length} = prompt + max new tokens), {r.filled} filled, {r.length - r.filled} reserved but empty")
+    roles = layout.slot_roles()
+    if roles[slot] == GAP_SLOT:
+        lo = slot
+        while lo > 0 and roles[lo - 1] == GAP_SLOT:
+            lo -= 1
+        hi = slot
+        while hi + 1 < layout.num_slots and roles[hi + 1] == GAP_SLOT:
+            hi += 1
+        return (f"slot {slot}: a gap of {hi - lo + 1} free slots between reservations (the next request waits "
+                f"for a run of its whole length)")
+    return f"slot {slot}: free"
+
+
+class ContiguousView(QtWidgets.QWidget):
+    """The same live conversations, placed by a contiguous max-length allocator of the same memory.
+
+    Feed it every snapshot (:meth:`set_snapshot`: the model keeps its placement from frame to frame) and call
+    :meth:`render` from the frame timer; it draws only when the layout changed and the widget is visible."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.model = ContiguousAllocator()
+        self.layout_: ContiguousLayout | None = None
+        self.geometry_: GridGeometry | None = None
+        self.image: np.ndarray | None = None
+        self._dirty = False
+        self._drawn_key = None
+
+        self.title = QtWidgets.QLabel("<b>Contiguous reservation</b> (what paging replaces): each conversation "
+                                      "reserves prompt + max new tokens in one run, first fit, first come first served")
+        self.title.setWordWrap(True)
+        self.summary = QtWidgets.QLabel("No conversations yet.")
+        self.summary.setWordWrap(True)
+        self.summary.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.view = pg.GraphicsView(background=tuple(int(c) for c in palette.BACKGROUND[:3]))
+        self.box = pg.ViewBox(lockAspect=True, invertY=True, enableMenu=False)
+        self.view.setCentralItem(self.box)
+        self.item = pg.ImageItem(axisOrder="row-major")
+        self.item.setAutoDownsample(False)
+        self.box.addItem(self.item)
+        self.hover_label = QtWidgets.QLabel("Hover the memory for details.")
+        self.hover_label.setWordWrap(True)
+        legend = QtWidgets.QHBoxLayout()
+        legend.setSpacing(6)
+        example = palette.LIVE_COLOURS[0]
+        for text, colour in LEGEND:
+            if text == "filled":
+                colour = example
+            elif text == "reserved but empty":
+                colour = palette.scale(np.append(example, 255).astype(np.uint8), palette.EMPTY_SLOT_LEVEL)
+            swatch = QtWidgets.QLabel()
+            swatch.setFixedSize(14, 14)
+            swatch.setStyleSheet(f"background: {palette.hex_colour(colour)}; border: 1px solid #18181e;")
+            legend.addWidget(swatch)
+            legend.addWidget(QtWidgets.QLabel(text))
+        legend.addStretch(1)
+
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.title)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.view, 1)
+        layout.addLayout(legend)
+        layout.addWidget(self.hover_label)
+        self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+
+    def set_snapshot(self, snapshot: PoolSnapshot) -> None:
+        """Place the snapshot's live conversations (call with every new snapshot, in order)."""
+        palette.observe(snapshot)
+        self.layout_ = self.model.update(snapshot)
+        key = (self.layout_.reservations, self.layout_.num_slots, self.layout_.block_size)
+        if key != self._drawn_key:
+            self._dirty = True
+        self.summary.setText(self.layout_.summary())
+
+    def reset(self) -> None:
+        """Forget the placement (after an engine restart)."""
+        self.model.reset()
+        self.layout_ = None
+        self.geometry_ = None
+        self._drawn_key = None
+
+    def summary_text(self) -> str:
+        return self.summary.text()
+
+    def link_to(self, grid_box: pg.ViewBox) -> None:
+        """Pan and zoom together with the paged grid's view box (the two pictures share cell coordinates)."""
+        self.box.setXLink(grid_box)
+        self.box.setYLink(grid_box)
+
+    def render(self, force: bool = False) -> bool:
+        """Redraw if the layout changed since the last call (and the widget is shown); returns whether it drew."""
+        if self.layout_ is None or not self._dirty or not (force or self.isVisible()):
+            return False
+        lay = self.layout_
+        geo = self.geometry_
+        new_layout = geo is None or geo.num_blocks * geo.block_size != lay.num_slots or geo.block_size != lay.block_size
+        if new_layout:
+            geo = self.geometry_ = grid_geometry(lay.num_slots // lay.block_size, lay.block_size)
+        self.image = contiguous_rgba(lay, geo)
+        self.item.setImage(self.image, autoLevels=False)
+        if new_layout:
+            self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
+            self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+        self._drawn_key = (lay.reservations, lay.num_slots, lay.block_size)
+        self._dirty = False
+        return True
+
+    def slot_at_scene(self, scene_pos: QtCore.QPointF) -> int | None:
+        geo, lay = self.geometry_, self.layout_
+        if geo is None or lay is None:
+            return None
+        point = self.box.mapSceneToView(scene_pos)
+        cell = geo.block_at(point.x(), point.y())
+        if cell is None:
+            return None
+        within = min(max(point.x() - int(point.x()), 0.0), 0.999)
+        return cell * geo.block_size + int(within * geo.block_size)
+
+    def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
+        slot = self.slot_at_scene(scene_pos)
+        if slot is not None and self.layout_ is not None:
+            self.hover_label.setText(describe_slot(self.layout_, slot))

@@ -1,0 +1,75 @@
+"""The contiguous view draws the allocator's memory at the paged grid's scale, in distinct colours per role."""
+import numpy as np
+
+from explorer import palette
+from explorer.contiguous_view import GAP, ContiguousView, contiguous_rgba, describe_slot
+from explorer.grid import grid_geometry
+from kvstream.views import Status
+from test_contiguous import conv, snap
+
+
+def pixel(image, geo, slot, bs):
+    """RGB in the middle of a slot's stripe."""
+    cell, within = divmod(slot, bs)
+    x, y = geo.cell_origin(cell)
+    t = geo.tile
+    columns = [px for px in range(1, t) if int((px - 1) * bs / (t - 1)) == within]
+    px = columns[len(columns) // 2]
+    return tuple(int(c) for c in image[y * t + t // 2, x * t + px, :3])
+
+
+def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
+    palette.BOOK.clear()
+    view = ContiguousView()
+    qtbot.addWidget(view)
+    view.resize(600, 500)
+    view.show()
+    qtbot.waitExposed(view)
+    # 32 slots: A (0) at 0..16 with 6 filled, B (1) at 16..24 with 4 filled; B ends, then C (2) wants 20 and waits
+    view.set_snapshot(snap(1, [conv(0, 6, 10, 6), conv(1, 4, 4, 4, arrival=1)]))
+    assert view.render() and not view.render()
+    view.set_snapshot(snap(2, [conv(0, 6, 10, 6), conv(1, 4, 4, 4, Status.ENDED, 1), conv(3, 2, 2, 2, arrival=2),
+                               conv(2, 10, 10, 0, Status.WAITING, 3)]))
+    assert view.render()
+    geo = grid_geometry(8, 4)
+    assert view.geometry_ == geo and geo.striped  # the paged grid's layout for 8 blocks of 4
+    image = view.image
+    a = tuple(int(c) for c in palette.conversation_colours(np.array([0]))[0][:3])
+    a_dark = tuple(int(c) for c in palette.scale(palette.conversation_colours(np.array([0]))[0],
+                                                 palette.EMPTY_SLOT_LEVEL)[:3])
+    assert pixel(image, geo, 1, 4) == a and pixel(image, geo, 5, 4) == a  # filled
+    assert pixel(image, geo, 6, 4) == a_dark and pixel(image, geo, 15, 4) == a_dark  # reserved, empty
+    # D (3, 4 slots) came first and took 16..20; C (20 slots) waits, since only 20..32 is left: free, not a gap
+    d = tuple(int(c) for c in palette.conversation_colours(np.array([3]))[0][:3])
+    assert pixel(image, geo, 17, 4) == d
+    assert pixel(image, geo, 22, 4) == tuple(palette.FREE[:3])
+    roles = {pixel(image, geo, s, 4) for s in (1, 6, 22)}
+    assert len(roles) == 3
+    assert view.summary_text() == ("paged: 2 running, 1 waiting; contiguous: 2 running, 1 waiting, "
+                                   "38% of its memory reserved but empty")  # (10 + 2) of 32
+    assert "reserved but empty" in describe_slot(view.layout_, 6) and describe_slot(view.layout_, 30).endswith("free")
+
+
+def test_gap_between_reservations_is_drawn_as_a_gap():
+    palette.BOOK.clear()
+    from explorer.contiguous import ContiguousAllocator
+    model = ContiguousAllocator()
+    model.update(snap(1, [conv(0, 4, 4, 4), conv(1, 4, 4, 4, arrival=1), conv(2, 4, 4, 4, arrival=2)]))
+    layout = model.update(snap(2, [conv(0, 4, 4, 4), conv(1, 4, 4, 4, Status.FINISHED, 1),
+                                   conv(2, 4, 4, 4, arrival=2)]))
+    geo = grid_geometry(8, 4)
+    image = contiguous_rgba(layout, geo)
+    assert pixel(image, geo, 9, 4) == tuple(GAP[:3])  # 8..16 freed between 0..8 and 16..24
+    assert "gap of 8 free slots" in describe_slot(layout, 9)
+
+
+def test_large_pool_draws_mean_colours_quickly():
+    from explorer.contiguous import ContiguousAllocator
+    model = ContiguousAllocator()
+    convs = [conv(i, 300, 700, 500, arrival=i) for i in range(200)]
+    layout = model.update(snap(1, convs, num_blocks=65536, block_size=16))
+    geo = grid_geometry(65536, 16)
+    assert not geo.striped
+    image = contiguous_rgba(layout, geo)
+    assert image.shape == (geo.rows * geo.tile, geo.cols * geo.tile, 4)
+    assert layout.num_running == 200 and layout.num_reserved_slots == 200_000
