@@ -23,6 +23,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.events import NOTABLE_KINDS, EventKind
 
 from .event_colours import ALL_KINDS, KIND_CODE, KIND_COLOURS, KIND_NAMES, KIND_PRIORITY
+from .kind_menu import KindMenu, as_kind
 
 MIB = 1 << 20
 SPEEDS = (1, 2, 5, 10, 30, 60, 120, 300)  # play speeds offered, frames per second
@@ -42,13 +43,6 @@ for _r, _kind in enumerate(KIND_PRIORITY):
 _RANK_COLOURS = np.zeros((len(ALL_KINDS) + 1, 4), np.uint8)  # rank -> RGBA; the last row (no mark) transparent
 for _r, _kind in enumerate(KIND_PRIORITY):
     _RANK_COLOURS[_r, :3], _RANK_COLOURS[_r, 3] = KIND_COLOURS[_kind], 255
-
-
-def _as_kind(kind) -> EventKind:
-    try:
-        return kind if isinstance(kind, EventKind) else EventKind(kind)
-    except ValueError:
-        raise ValueError(f"not a block event kind: {kind!r} (one of {', '.join(k.value for k in EventKind)})")
 
 
 def _check_seq(value, what: str) -> int:
@@ -318,14 +312,8 @@ class Timeline(QtWidgets.QWidget):
         self.markers_button.setText("Marks")
         self.markers_button.setToolTip("Which events are marked on the strip, and their colours")
         self.markers_button.setPopupMode(QtWidgets.QToolButton.ToolButtonPopupMode.InstantPopup)
-        self.markers_menu = _StayOpenMenu(self.markers_button)
-        self.kind_actions: dict[EventKind, QtGui.QAction] = {}
-        for kind in KIND_PRIORITY:
-            action = self.markers_menu.addAction(_swatch_icon(KIND_COLOURS[kind]), KIND_NAMES[kind])
-            action.setCheckable(True)
-            action.setChecked(bool(self.enabled_mask[KIND_CODE[kind]]))
-            action.toggled.connect(lambda on, k=kind: self._kind_toggled(k, on))
-            self.kind_actions[kind] = action
+        self.markers_menu = KindMenu(self.markers_button, NOTABLE_KINDS)
+        self.markers_menu.kindsChanged.connect(self._kinds_changed)
         self.markers_button.setMenu(self.markers_menu)
         self.budget_box = QtWidgets.QSpinBox()
         self.budget_box.setRange(*BUDGET_RANGE_MIB)
@@ -421,7 +409,7 @@ class Timeline(QtWidgets.QWidget):
     def _parse_marks(marks) -> tuple[np.ndarray, np.ndarray]:
         pairs = list(marks)
         seqs = np.fromiter((_check_seq(s, "a mark's frame") for s, _ in pairs), np.int64, len(pairs))
-        codes = np.fromiter((KIND_CODE[_as_kind(k)] for _, k in pairs), np.int8, len(pairs))
+        codes = np.fromiter((KIND_CODE[as_kind(k)] for _, k in pairs), np.int8, len(pairs))
         return seqs, codes
 
     def set_kept(self, nbytes: int, budget_bytes: int) -> None:
@@ -443,10 +431,8 @@ class Timeline(QtWidgets.QWidget):
         self._refresh()
 
     def set_marked_kinds(self, kinds: Iterable[EventKind | str]) -> None:
-        """Mark exactly these kinds on the strip (the menu follows)."""
-        wanted = {_as_kind(k) for k in kinds}
-        for kind, action in self.kind_actions.items():
-            action.setChecked(kind in wanted)  # toggled -> _kind_toggled updates the mask
+        """Mark exactly these kinds on the strip (the Marks menu follows)."""
+        self.markers_menu.set_kinds(kinds)
 
     # ----- moves ------------------------------------------------------------------------------------------------
     @property
@@ -560,8 +546,10 @@ class Timeline(QtWidgets.QWidget):
         if self.play_button.isChecked():
             self.play_button.setChecked(False)
 
-    def _kind_toggled(self, kind: EventKind, on: bool) -> None:
-        self.enabled_mask[KIND_CODE[kind]] = on
+    def _kinds_changed(self, kinds: frozenset) -> None:
+        self.enabled_mask[:] = False
+        for kind in kinds:
+            self.enabled_mask[KIND_CODE[kind]] = True
         self.track.update()
 
     def _budget_edited(self, mib: int) -> None:
@@ -672,23 +660,6 @@ class Timeline(QtWidgets.QWidget):
     def _refresh_kept(self) -> None:
         self.kept_label.set_variants(*self._kept_variants())
         self.kept_label.setToolTip(self.kept_text())
-
-
-class _StayOpenMenu(QtWidgets.QMenu):
-    """A menu of checkable actions that stays open while the user ticks several."""
-
-    def mouseReleaseEvent(self, event: QtGui.QMouseEvent) -> None:
-        action = self.activeAction()
-        if action is not None and action.isCheckable() and action.isEnabled():
-            action.trigger()
-            return
-        super().mouseReleaseEvent(event)
-
-
-def _swatch_icon(rgb: tuple[int, int, int]) -> QtGui.QIcon:
-    pix = QtGui.QPixmap(12, 12)
-    pix.fill(QtGui.QColor(*rgb))
-    return QtGui.QIcon(pix)
 
 
 def _html_swatch(rgb: tuple[int, int, int]) -> str:

@@ -111,12 +111,12 @@ def test_markers_are_drawn_in_their_kind_colour(qtbot, timeline):
     assert colour_at(500) == KIND_COLOURS[K.EVICTED]
     assert colour_at(800) == KIND_COLOURS[K.RELOCATED]
     assert colour_at(650) != KIND_COLOURS[K.ALLOCATED]
-    t.kind_actions[K.ALLOCATED].setChecked(True)  # from the Marks menu
+    t.markers_menu.kind_actions[K.ALLOCATED].setChecked(True)  # from the Marks menu
     assert t.visible_marker_count() == 4
     image = t.track.grab().toImage()
     assert colour_at(650) == KIND_COLOURS[K.ALLOCATED]
     t.set_marked_kinds([K.EVICTED])
-    assert t.visible_marker_count() == 1 and not t.kind_actions[K.COPIED_ON_WRITE].isChecked()
+    assert t.visible_marker_count() == 1 and not t.markers_menu.kind_actions[K.COPIED_ON_WRITE].isChecked()
     assert "evicted" in t.tooltip_at(t.track.x_of(500)) and "copy-on-write" not in t.tooltip_at(t.track.x_of(200))
 
 
