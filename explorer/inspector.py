@@ -3,6 +3,11 @@
 It first shows what the snapshot already knows (state, ref count, fill) so a click answers at once, then fills in
 the slot table and the K/V heatmap when the engine answers ``inspect_block``. Comparing consecutive answers lets it
 say plainly when the block was freed, cached, or taken over by another conversation.
+
+A relocation gives every block a new physical id. The selection follows the content, not the number
+(:meth:`Inspector.follow_relocation`, called with a RELOCATED event's old -> new ids), and the note says "moved
+from 35 to 12"; a block is never said to have been "freed" by a conversation that still holds its content
+elsewhere.
 """
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
-from engine.snapshot import BlockInfo, BlockState, PoolSnapshot
+from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 
 from .grid_view import block_owners
 from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
+SLOTS_SHARE = 0.68  # of the height below the fields, what the slot table gets before the user drags the splitter
+MAX_LABELLED_TICKS = 8  # heatmap axes label at most this many slots / dims (every one when they fit)
 
 
 class SlotsModel(RowsModel):
@@ -24,8 +31,12 @@ class SlotsModel(RowsModel):
     COLUMNS = SLOT_COLUMNS
 
     def set_block(self, info: BlockInfo | None) -> None:
-        self.set_rows([] if info is None else [(i, p, t, token_label(s)) for i, (p, t, s) in
-                                               enumerate(zip(info.positions, info.token_ids, info.token_texts))])
+        if info is None:
+            self.set_rows([])
+            return
+        texts = tuple(info.token_texts) + ("",) * (len(info.token_ids) - len(info.token_texts))
+        self.set_rows([(i, p, t, token_label(s) if s else f"<{t}>") for i, (p, t, s) in
+                       enumerate(zip(info.positions, info.token_ids, texts))])  # no text (no tokenizer): the id
 
 
 def token_label(text: str) -> str:
@@ -34,27 +45,55 @@ def token_label(text: str) -> str:
     return repr(text)[1:-1].replace(" ", "␣")
 
 
-def change_note(previous: BlockInfo | None, info: BlockInfo) -> str:
-    """A sentence about what happened to the block since the previous answer (or what it is now)."""
+def change_note(previous: BlockInfo | None, info: BlockInfo, *, moved_from: int | None = None,
+                elsewhere: dict[tuple[int, int], int] | None = None) -> str:
+    """A sentence about what happened to the block since the previous answer (or what it is now).
+
+    ``moved_from``: the id the block's content had before a relocation moved it here. ``elsewhere``: for the
+    previous owners' (conversation, logical index) entries, the block that holds that entry now, where it is not
+    this one (a relocation or a recompute put the content elsewhere: the conversation did not release it)."""
     cids = sorted({c for c, _ in info.owners})
     before = sorted({c for c, _ in previous.owners}) if previous is not None else []
+    here = f"Block {info.block_id}"
+    if moved_from is not None and moved_from != info.block_id:
+        here = f"Block {info.block_id} (moved from {moved_from} to {info.block_id} by a relocation)"
+        if info.state == BlockState.USED:
+            shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
+            return f"{here} is in use by {_conversations(cids)}{shared}."
     if info.state == BlockState.FREE:
+        if elsewhere:
+            (cid, index), block = next(iter(sorted(elsewhere.items())))
+            return (f"{here} is free now, but conversation {cid} did not release its content: its logical block "
+                    f"{index} is in block {block} now (moved there by a relocation, or recomputed).")
         if before:
-            return (f"Block {info.block_id} has been freed: {_conversations(before)} released it "
+            return (f"{here} has been freed: {_conversations(before)} released it "
                     "and no one refers to it now.")
-        return f"Block {info.block_id} is free: no conversation refers to it and it holds nothing reusable."
+        return f"{here} is free: no conversation refers to it and it holds nothing reusable."
     if info.state == BlockState.CACHED:
         who = f" (last filled by conversation {info.last_owner})" if info.last_owner >= 0 else ""
-        lead = f"Block {info.block_id} has been released but stays cached" if before else \
-            f"Block {info.block_id} is cached"
+        lead = f"{here} has been released but stays cached" if before else f"{here} is cached"
         return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
     if previous is not None and before and not set(before) & set(cids):
-        return (f"Block {info.block_id} has been reused: it now belongs to {_conversations(cids)} "
+        return (f"{here} has been reused: it now belongs to {_conversations(cids)} "
                 f"(before: {', '.join(map(str, before))}).")
     if previous is not None and previous.state != BlockState.USED:
-        return f"Block {info.block_id} is in use again, now by {_conversations(cids)}."
+        return f"{here} is in use again, now by {_conversations(cids)}."
     shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
-    return f"Block {info.block_id} is in use by {_conversations(cids)}{shared}."
+    return f"{here} is in use by {_conversations(cids)}{shared}."
+
+
+def content_elsewhere(previous: BlockInfo | None, snapshot: PoolSnapshot | None,
+                      block_id: int) -> dict[tuple[int, int], int]:
+    """For each (conversation, logical index) the previous answer listed, the block that holds it in
+    ``snapshot`` when that is another block than ``block_id`` (and the conversation still holds blocks)."""
+    if previous is None or snapshot is None:
+        return {}
+    out = {}
+    for cid, index in previous.owners:
+        table = snapshot.block_tables.get(cid, ())
+        if index < len(table) and table[index] != block_id:
+            out[(cid, index)] = int(table[index])
+    return out
 
 
 def _first_few(items: list[str], limit: int = 6) -> str:
@@ -70,28 +109,50 @@ def _conversations(ids, limit: int = 6) -> str:
 
 
 class Inspector(QtWidgets.QWidget):
-    """Panel for the selected block."""
+    """Panel for the selected block: a note in words, its fields, its slots and a K/V heatmap.
+
+    Laid out to stay usable in a narrow dock: the fields take two columns, and the slot table and the heatmap
+    share a splitter that gives the table most of the height (16 slots show at once in about 480 px)."""
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.block_id: int | None = None
         self.info: BlockInfo | None = None
+        self.moved_from: int | None = None  # the id the selected content had before the last relocation
+        self._snapshot: PoolSnapshot | None = None  # the last view seen, to tell "moved" from "released"
         self.note = QtWidgets.QLabel("Click a cell in the grid to inspect its block.")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("font-weight: bold;")
         self.fields: dict[str, QtWidgets.QLabel] = {}
-        form = QtWidgets.QFormLayout()
-        for key in ("block", "state", "ref count", "filled", "hash", "owners"):
+        form = QtWidgets.QGridLayout()
+        form.setHorizontalSpacing(6)
+        form.setVerticalSpacing(2)
+        places = {"block": (0, 0, 1), "state": (0, 2, 1), "ref count": (1, 0, 1), "filled": (1, 2, 1),
+                  "hash": (2, 0, 3), "owners": (3, 0, 3)}  # key -> (row, column, value columns spanned)
+        for key, (row, column, span) in places.items():
+            name = QtWidgets.QLabel(key + ":")
+            name.setAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignTop)
             label = QtWidgets.QLabel("-")
             label.setWordWrap(True)
             label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-            form.addRow(key + ":", label)
+            label.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+            form.addWidget(name, row, column)
+            form.addWidget(label, row, column + 1, 1, span)
             self.fields[key] = label
+        form.setColumnStretch(1, 1)
+        form.setColumnStretch(3, 1)
         self.slots = SlotsModel(self)
         self.slots_view = QtWidgets.QTableView()
         self.slots_view.setModel(self.slots)
         self.slots_view.verticalHeader().hide()
-        self.slots_view.horizontalHeader().setStretchLastSection(True)
+        row_height = self.slots_view.fontMetrics().height() + 3
+        self.slots_view.verticalHeader().setDefaultSectionSize(row_height)
+        self.slots_view.verticalHeader().setMinimumSectionSize(row_height)
+        header = self.slots_view.horizontalHeader()
+        header.setStretchLastSection(True)
+        for column, width in enumerate((40, 64, 64)):
+            header.resizeSection(column, width)
+        self.slots_view.setMinimumHeight(4 * row_height)
         self.kind = QtWidgets.QComboBox()
         self.kind.addItems(["K", "V"])
         self.layer = QtWidgets.QSpinBox()
@@ -100,35 +161,68 @@ class Inspector(QtWidgets.QWidget):
             signal = widget.currentIndexChanged if isinstance(widget, QtWidgets.QComboBox) else widget.valueChanged
             signal.connect(self._draw_heatmap)
         controls = QtWidgets.QHBoxLayout()
+        controls.setContentsMargins(0, 0, 0, 0)
         for text, widget in (("show", self.kind), ("layer", self.layer), ("kv head", self.head)):
             controls.addWidget(QtWidgets.QLabel(text))
             controls.addWidget(widget)
         controls.addStretch(1)
         self.plot = pg.PlotWidget()
         self.plot.setLabel("bottom", "head dim")
-        self.plot.setLabel("left", "filled slot")
+        self.plot.setLabel("left", "slot")
         self.plot.getViewBox().invertY(True)
-        self.plot.setMinimumHeight(120)
-        self.plot.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+        self.plot.getViewBox().setMouseEnabled(x=False, y=False)
+        self.plot.setMenuEnabled(False)
+        self.plot.setMinimumHeight(90)
         self.heat = pg.ImageItem(axisOrder="row-major")
-        self.heat.setColorMap(pg.colormap.get("viridis"))
         self.plot.addItem(self.heat)
+        self.colorbar = pg.ColorBarItem(values=(-1.0, 1.0), colorMap=pg.colormap.get("viridis"), interactive=False,
+                                        width=12)
+        self.colorbar.setImageItem(self.heat, insert_in=self.plot.getPlotItem())
+        self.kv_note = QtWidgets.QLabel()  # why there is no heatmap, when there is none
+        self.kv_note.setWordWrap(True)
+        self.kv_note.hide()
+        self.set_block_size(16)
+
+        heat_box = QtWidgets.QWidget()
+        heat_layout = QtWidgets.QVBoxLayout(heat_box)
+        heat_layout.setContentsMargins(0, 0, 0, 0)
+        heat_layout.setSpacing(2)
+        heat_layout.addLayout(controls)
+        heat_layout.addWidget(self.kv_note)
+        heat_layout.addWidget(self.plot, 1)
+        self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical)
+        self.split.addWidget(self.slots_view)
+        self.split.addWidget(heat_box)
+        self.split.setStretchFactor(0, 3)
+        self.split.setStretchFactor(1, 2)
+        self.split.setChildrenCollapsible(False)
+        self._split_by_user = False  # once the user drags the splitter, resizing keeps their choice
+        self.split.splitterMoved.connect(lambda *_: setattr(self, "_split_by_user", True))
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(4)
         layout.addWidget(self.note)
         layout.addLayout(form)
-        layout.addWidget(self.slots_view, 2)
-        layout.addLayout(controls)
-        layout.addWidget(self.plot, 2)
+        layout.addWidget(self.split, 1)
 
-    def select(self, block_id: int | None, snapshot: PoolSnapshot | None) -> None:
-        """A new block was clicked: show the snapshot's view of it now; details follow from the engine."""
-        if block_id != self.block_id:
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if not self._split_by_user:  # the slot table gets most of the height, the heatmap the rest
+            total = max(self.split.height(), 1)
+            table = int(total * SLOTS_SHARE)
+            self.split.setSizes([table, total - table])
+
+    def select(self, block_id: int | None, snapshot: PoolSnapshot | None, *, moved_from: int | None = None) -> None:
+        """A new block was clicked: show the snapshot's view of it now; details follow from the engine.
+
+        ``moved_from``: the block is the selected content's new id after a relocation (its old id)."""
+        if block_id != self.block_id and moved_from is None:
             self.info = None
             self.slots.set_block(None)
             self.heat.clear()
             self.plot.setTitle("")
+        self.moved_from = moved_from
         self.block_id = block_id
         if block_id is None:
             self.note.setText("Click a cell in the grid to inspect its block.")
@@ -138,16 +232,34 @@ class Inspector(QtWidgets.QWidget):
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot)
 
+    def follow_relocation(self, mapping) -> int | None:
+        """A relocation moved blocks (``mapping``: old id -> new id, as a RELOCATED event's block_ids ->
+        new_block_ids): keep the selected content selected under its new id. Returns the new id, or None if the
+        selected block did not move (the caller moves the grid's highlight to it)."""
+        old = self.block_id
+        if old is None or old not in mapping or int(mapping[old]) == old:
+            return None
+        new = int(mapping[old])
+        self.block_id = new
+        self.moved_from = old
+        self.fields["block"].setText(f"{new} (moved from {old})")
+        self.note.setText(f"Block {new} (moved from {old} to {new} by a relocation): the selection followed "
+                          "its content to its new physical id.")
+        return new
+
     def show_summary(self, snapshot: PoolSnapshot, *, owners: list[tuple[int, int]] | None = None) -> None:
         """Fields the snapshot already has; used for instant feedback between engine answers.
 
         ``owners``: the block's (conversation, logical block) pairs when the caller already has them from
         ``block_owners``; computed here otherwise."""
+        self._snapshot = snapshot
         b = self.block_id
         if b is None or b >= snapshot.num_blocks:
             return
+        if snapshot.block_size != self._block_size:
+            self.set_block_size(snapshot.block_size)
         state = BlockState(int(snapshot.state[b]))
-        self.fields["block"].setText(str(b))
+        self.fields["block"].setText(self._block_text(b))
         self.fields["state"].setText(state.name.lower())
         self.fields["ref count"].setText(str(int(snapshot.ref_count[b])))
         self.fields["filled"].setText(f"{int(snapshot.num_filled[b])} of {snapshot.block_size} slots")
@@ -168,42 +280,97 @@ class Inspector(QtWidgets.QWidget):
             return  # an answer for a block the user has since left
         previous = self.info
         self.info = info
-        if previous is None or (previous.state, previous.owners) != (info.state, info.owners):
-            self.note.setText(change_note(previous, info))  # otherwise keep saying what last changed
-        self.fields["block"].setText(str(info.block_id))
+        moved = previous is not None and previous.block_id != info.block_id
+        if moved or previous is None or (previous.state, previous.owners) != (info.state, info.owners):
+            elsewhere = content_elsewhere(previous, self._snapshot, info.block_id) \
+                if info.state == BlockState.FREE else {}
+            self.note.setText(change_note(previous, info, moved_from=self.moved_from, elsewhere=elsewhere))
+        if info.block_size != self._block_size:
+            self.set_block_size(info.block_size)
+        self.fields["block"].setText(self._block_text(info.block_id))
         self.fields["state"].setText(info.state.name.lower())
         self.fields["ref count"].setText(str(info.ref_count))
         self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
         self.fields["hash"].setText(_hash_text(info))
         self.fields["owners"].setText(_owners_text(info.owners))
         self.slots.set_block(info)
-        if previous is not None and previous.num_filled == info.num_filled \
-                and previous.token_ids == info.token_ids and np.array_equal(previous.keys, info.keys):
+        if previous is not None and not moved and previous.num_filled == info.num_filled \
+                and previous.token_ids == info.token_ids and _same_kv(previous, info):
             return  # same contents: leave the heatmap alone (repainting plots is what costs)
-        layers = info.keys.shape[0] if info.keys.ndim == 4 else 0
-        heads = info.keys.shape[2] if info.keys.ndim == 4 else 0
+        keys = info.keys
+        layers = keys.shape[0] if keys is not None and keys.ndim == 4 else 0
+        heads = keys.shape[2] if keys is not None and keys.ndim == 4 else 0
         self.layer.setMaximum(max(layers - 1, 0))
         self.head.setMaximum(max(heads - 1, 0))
         self._draw_heatmap()
 
+    def _block_text(self, block_id: int) -> str:
+        return f"{block_id} (moved from {self.moved_from})" if self.moved_from is not None else str(block_id)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Slot axis of the heatmap: one row per slot of a block, integer ticks (follows an engine restart)."""
+        self._block_size = block_size
+        self.plot.getAxis("left").setTicks(_integer_ticks(block_size))
+        self.plot.setRange(yRange=(0, block_size), padding=0)
+
     def _draw_heatmap(self, *_):
         info = self.info
-        if info is None or info.num_filled == 0 or info.keys.ndim != 4:
+        keys = info.keys if info is not None else None
+        if info is None or keys is None or info.num_filled == 0 or keys.ndim != 4:
             self.heat.clear()
-            self.plot.setTitle("no K/V: the block holds no filled slots" if info is not None else "")
+            self.plot.setTitle("")
+            text = ""
+            if info is not None and keys is None:
+                text = ("No K/V heatmap: this source keeps its K/V values to itself (they never leave its device or "
+                        "process); tokens, owners and hashes above come from its block tables.")
+            elif info is not None:
+                text = "No K/V heatmap: the block holds no filled slots."
+            self.kv_note.setText(text)
+            self.kv_note.setVisible(bool(text))
+            self.plot.setVisible(not text or info is None or keys is not None)
             return
-        data = info.keys if self.kind.currentText() == "K" else info.values
+        self.kv_note.hide()
+        self.plot.show()
+        data = keys if self.kind.currentText() == "K" else info.values
         layer = min(self.layer.value(), data.shape[0] - 1)
         head = min(self.head.value(), data.shape[2] - 1)
         image = np.asarray(data[layer, :, head, :], np.float32)  # [filled, head_dim]
-        self.plot.setTitle(f"{self.kind.currentText()} of layer {layer}, kv head {head}: "
-                           f"{image.shape[0]} slots × {image.shape[1]} dims")
-        self.heat.setImage(image, autoLevels=True)
+        self.plot.setTitle(f"<span style='font-size:9pt'>{self.kind.currentText()}, layer {layer}, kv head {head}: "
+                           f"{image.shape[0]} of {info.block_size} slots × {image.shape[1]} dims</span>")
+        low, high = float(image.min()), float(image.max())
+        if high <= low:
+            low, high = low - 0.5, high + 0.5
+        self.heat.setImage(image, autoLevels=False)
+        self.colorbar.setLevels((low, high))
         self.heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
-        self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, max(image.shape[0], 1)), padding=0)
+        self.plot.getAxis("bottom").setTicks(_integer_ticks(image.shape[1]))
+        self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, info.block_size), padding=0)
 
     def slot_rows(self) -> list[tuple]:
         return self.slots.rows()
+
+    def visible_slot_rows(self) -> int:
+        """Slot rows the table shows whole without scrolling at its current size."""
+        view = self.slots_view
+        height = view.viewport().height()
+        return int(height // view.verticalHeader().defaultSectionSize())
+
+
+def _integer_ticks(count: int) -> list[list[tuple[float, str]]]:
+    """Ticks at the middle of each of ``count`` cells, labelled 0, 1, ...: every cell when at most
+    MAX_LABELLED_TICKS fit, else every 2nd, 4th, ... (labelled), and every cell as an unlabelled minor tick."""
+    stride = 1
+    while count / stride > MAX_LABELLED_TICKS:
+        stride *= 2
+    major = [(i + 0.5, str(i)) for i in range(0, count, stride)]
+    minor = [(i + 0.5, "") for i in range(count) if i % stride] if stride > 1 and count <= 512 else []
+    return [major, minor]
+
+
+def _same_kv(a: BlockInfo, b: BlockInfo) -> bool:
+    if a.keys is None or b.keys is None:
+        return a.keys is None and b.keys is None
+    return a.keys.shape == b.keys.shape and np.array_equal(a.keys, b.keys)
 
 
 def _hash_text(info: BlockInfo) -> str:
