@@ -24,15 +24,14 @@ class HistoryLine(NamedTuple):
     text: str  # what happened to the block, in words
 
 
-def block_history(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> list[HistoryLine]:
-    """Everything the (seq, event) pairs say about the block that is ``block_id`` after the last of them, oldest
-    first, following its content back through relocations."""
+def block_events(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> list[tuple[int, BlockEvent, int]]:
+    """The (seq, event, the block's id at that event) triples that concern the block that is ``block_id`` after
+    the last of the (seq, event) pairs, oldest first, following its content back through relocations."""
     if isinstance(block_id, bool) or not isinstance(block_id, int) or block_id < 0:
         raise ValueError(f"a block id is a non-negative integer, not {block_id!r}")
-    pairs = list(events)
-    picked: list[tuple[int, BlockEvent, int]] = []  # (seq, event, the block's id at that event), newest first
+    picked: list[tuple[int, BlockEvent, int]] = []  # newest first
     cur = block_id
-    for seq, e in reversed(pairs):
+    for seq, e in reversed(list(events)):
         if not isinstance(e, BlockEvent):
             raise TypeError(f"block_history() takes (seq, BlockEvent) pairs, not {type(e).__name__}")
         if e.kind == EventKind.RELOCATED:
@@ -45,9 +44,15 @@ def block_history(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> li
         elif e.kind == EventKind.CLEARED or cur in e.block_ids or cur in e.new_block_ids:
             picked.append((seq, e, cur))
     picked.reverse()
+    return picked
+
+
+def block_history(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> list[HistoryLine]:
+    """What happened to the block that is ``block_id`` after the last of the (seq, event) pairs, in words, oldest
+    first (see :func:`block_events`)."""
     lines = []
     hashed: bool | None = None  # whether the block holds a prefix hash now; None before any event tells
-    for seq, e, bid in picked:
+    for seq, e, bid in block_events(events, block_id):
         text = _line_text(e, bid, hashed)
         hashed = _hashed_after(e, bid, hashed)
         if text:

@@ -167,8 +167,9 @@ def group(events: Iterable[BlockEvent]) -> list[EventLine]:
     """The events of ONE frame as log lines, in arrival order, with the events that tell one story merged.
 
     - a fork: CONVERSATION_ADDED (reason "fork") and the SHARED (reason "fork") of the same conversation;
-    - a preemption, finish or end with the RELEASED / CACHED / FREED of that conversation in the same frame
-      (for a preemption, only releases of blocks it lost).
+    - a preemption, finish or end with the RELEASED / CACHED / FREED of that conversation in the same frame and
+      step, before or after it (the engine releases a finished conversation's blocks first, a preempted one's
+      after); for a preemption, only releases of blocks it lost.
     Everything else is a line of its own.
     """
     events = list(events)
@@ -205,8 +206,8 @@ def group(events: Iterable[BlockEvent]) -> list[EventLine]:
 
 def _nearest_lead(events, leads: list[int], i: int, release: BlockEvent) -> int | None:
     """The lifecycle event a release belongs to: the closest one before it, else the closest after it."""
-    fits = [j for j in leads if events[j].kind != EventKind.PREEMPTED
-            or set(release.block_ids) <= set(events[j].block_ids)]
+    fits = [j for j in leads if events[j].step_id == release.step_id and (
+        events[j].kind != EventKind.PREEMPTED or set(release.block_ids) <= set(events[j].block_ids))]
     before = [j for j in fits if j < i]
     if before:
         return before[-1]

@@ -135,3 +135,46 @@ def test_widget_lists_lines_and_emits_on_click(qtbot):
     assert view.list.count() == MAX_LINES and "the newest 500 listed" in view.title.text()
     assert view.list.item(MAX_LINES - 1).text().startswith(f"step {MAX_LINES + 99}:")
 
+
+
+@pytest.fixture(scope="module")
+def real():
+    from tests.event_workload import engine_frames
+    return engine_frames()
+
+
+def test_real_engine_histories_agree_with_the_pool(real):
+    """Replaying each block's own events (followed through the relocation) gives exactly the references the
+    engine's block tables hold at the end, for every block of the pool."""
+    from collections import Counter
+
+    from explorer.block_history import block_events
+    eng, pairs = real
+    snap = eng.snapshot()
+    held = Counter(b for table in snap.block_tables.values() for b in table)
+    kinds = {e.kind for _, e in pairs}
+    assert {K.RELOCATED, K.COPIED_ON_WRITE, K.EVICTED, K.PREEMPTED, K.SHARED} <= kinds  # the workload did its job
+    moved = 0
+    for block in range(snap.num_blocks):
+        holders = Counter()
+        for _, e, bid in block_events(pairs, block):
+            if e.kind == K.ALLOCATED:
+                holders = Counter({e.conversation_id: 1})
+            elif e.kind == K.SHARED:
+                holders[e.conversation_id] += e.block_ids.count(bid)
+            elif e.kind == K.COPIED_ON_WRITE:
+                if bid == e.new_block_ids[0]:
+                    holders = Counter({e.conversation_id: 1})
+                else:
+                    holders[e.conversation_id] -= 1
+            elif e.kind in (K.RELEASED, K.CACHED, K.FREED):
+                holders[e.conversation_id] -= e.block_ids.count(bid)
+            elif e.kind == K.EVICTED:
+                holders = Counter()
+            elif e.kind == K.RELOCATED:
+                moved += bid in e.new_block_ids
+        assert sum(holders.values()) == held[block] == int(snap.ref_count[block]), block
+        lines = block_history(pairs, block)
+        assert all(line.text for line in lines)
+        assert [line.seq for line in lines] == sorted(line.seq for line in lines)
+    assert moved == len(next(e for _, e in pairs if e.kind == K.RELOCATED).block_ids)

@@ -146,3 +146,43 @@ def test_line_targets():
     moved = line_of(BlockEvent(5, K.RELOCATED, -1, (1, 2), (5, 6)))
     assert moved.block_id == -1 and moved.conversation_id == -1 and set(moved.block_ids) == {1, 2, 5, 6}
     assert isinstance(moved, EventLine)
+
+
+def test_releases_of_another_step_in_the_same_frame_stay_apart():
+    # As the engine orders them: a preemption's releases follow it, a finish's come first. A frame spanning
+    # several steps (run_until_idle between two frames) must not hand step 43's releases to step 22's preemption.
+    events = [BlockEvent(22, K.PREEMPTED, 5, (37, 15, 7)), BlockEvent(22, K.RELEASED, 5, (37, 15)),
+              BlockEvent(22, K.FREED, 5, (7,)),
+              BlockEvent(43, K.RELEASED, 5, (37, 15)), BlockEvent(43, K.CACHED, 5, (7,)),
+              BlockEvent(43, K.CONVERSATION_FINISHED, 5, reason="length")]
+    preempt, finish = group(events)
+    assert preempt.events == tuple(events[:3]) and finish.events == (events[5], events[3], events[4])
+    assert finish.sentence == ("step 43: conversation 5 finished (max new tokens), let go of blocks 37, 15, 7: "
+                               "1 kept cached, 2 still held by others")
+
+
+def test_real_engine_events_read_as_sentences():
+    from itertools import groupby
+
+    from tests.event_workload import engine_frames
+    _, pairs = engine_frames()
+    kinds = {e.kind for _, e in pairs}
+    assert {K.CONVERSATION_ADDED, K.CONVERSATION_CONTINUED, K.CONVERSATION_FINISHED, K.CONVERSATION_ENDED,
+            K.ALLOCATED, K.SHARED, K.COPIED_ON_WRITE, K.STORED, K.RELEASED, K.CACHED, K.FREED, K.EVICTED,
+            K.PREEMPTED, K.RELOCATED} <= kinds  # all but CLEARED: the workload exercises the pool
+    merged = []
+    for _, frame in groupby(pairs, key=lambda pair: pair[0]):
+        events = [e for _, e in frame]
+        lines = group(events)
+        assert sorted(id(e) for line in lines for e in line.events) == sorted(id(e) for e in events)
+        for line in lines:
+            assert "?" not in line.text and line.sentence.startswith(f"step {line.step_id:,}: ")
+            if line.conversation_id >= 0:
+                assert f"conversation {line.conversation_id}" in line.text
+            merged += [line] if len(line.events) > 1 else []
+    forks = [line for line in merged if line.kind == K.CONVERSATION_ADDED]
+    assert forks and all(" forked from " in line.text and ", shares blocks " in line.text for line in forks)
+    finishes = [line for line in merged if line.kind == K.CONVERSATION_FINISHED]
+    # A finish's own releases name exactly the blocks it held: none twice, none from another step.
+    assert finishes and all(len(set(line.block_ids)) == len(line.block_ids) for line in finishes)
+    assert all({e.step_id for e in line.events} == {line.step_id} for line in merged)
