@@ -20,13 +20,41 @@ log = logging.getLogger(__name__)
 
 
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    """Refuse inputs paged_attention cannot answer correctly, with a message (never an index error or garbage)."""
+    for name, value in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                        ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if not isinstance(value, torch.Tensor):
+            raise EngineError(f"paged_attention: {name} must be a torch tensor, got {type(value).__name__}")
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise EngineError("paged_attention expects query [seqs, heads, dim] and caches [blocks, block_size, kv_heads, dim]")
+    if query.shape[2] != key_cache.shape[3]:
+        raise EngineError(f"query head dim ({query.shape[2]}) differs from the caches' ({key_cache.shape[3]})")
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     if heads % kv_heads:
         raise EngineError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if block_tables.dim() != 2 or seq_lens.dim() != 1:
+        raise EngineError("block_tables must be [seqs, max_blocks] and seq_lens [seqs]")
     if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
         raise EngineError("block_tables and seq_lens need one row per query sequence")
+    for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise EngineError(f"paged_attention: {name} must hold integers, got {value.dtype}")
+    if not query.shape[0]:
+        return
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    lens = seq_lens.long().cpu()
+    if int(lens.min()) < 1:
+        raise EngineError(f"every seq_len must be at least 1, got {int(lens.min())}")
+    capacity = block_tables.shape[1] * block_size
+    if int(lens.max()) > capacity:
+        raise EngineError(f"a seq_len of {int(lens.max())} needs more blocks than the table's {block_tables.shape[1]} "
+                          f"({capacity} slots)")
+    live = torch.arange(block_tables.shape[1])[None, :] * block_size < lens[:, None]  # [seqs, max_blocks]
+    ids = block_tables.long().cpu()[live]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
+        raise EngineError(f"block table entry {int(bad)} is outside the cache (0..{num_blocks - 1}) within a "
+                          f"sequence's live blocks")
 
 
 @dataclass
@@ -167,8 +195,9 @@ _compiled = _Compiled()
 
 
 def use_compiled_attention(enabled: bool = True) -> bool:
-    """Route decode attention through the torch.compile'd fused kernel (True) or the eager gather (False).
-    Returns whether the fused kernel is in use (False after a compile failure)."""
+    """Route the public :func:`paged_attention` through the torch.compile'd fused kernel (True) or the eager gather
+    (False); engines choose for themselves (EngineConfig.compile_attention). Returns whether the fused kernel is in
+    use (False after a compile failure)."""
     _compiled.enabled = bool(enabled) and not _compiled.failed
     return _compiled.enabled
 
@@ -187,7 +216,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
     block_tables = block_tables.to(query.device)
     seq_lens = seq_lens.to(query.device)
-    out = _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale)  # needs no plan
+    out = _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) if _compiled.enabled else None
     if out is not None:
         return out
     return _paged_attention_eager(query, key_cache, value_cache, plan_decode(block_tables, seq_lens,
@@ -195,16 +224,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
-                 scale: float) -> torch.Tensor:
-    """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer)."""
-    out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+                 scale: float, compiled: bool = False) -> torch.Tensor:
+    """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer).
+    ``compiled``: try the fused kernel (an engine built with compile_attention asks for it)."""
+    out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale) if compiled else None
     return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
 def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
-    """The fused kernel's result, or None when it is off, has failed (then it stays off for good) or has no kernel
-    for this shape; the eager path computes the same thing."""
-    if not _compiled.enabled:
+    """The fused kernel's result, or None when it has failed (then it stays off for good) or has no kernel for this
+    shape; the eager path computes the same thing."""
+    if _compiled.failed:
         return None
     try:
         return _compiled(query, key_cache, value_cache, block_tables, seq_lens, scale)
@@ -254,14 +284,21 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float,
-                 block_size: int) -> torch.Tensor:
+                 block_size: int, compiled: bool = False) -> torch.Tensor:
     """Attention for a mixed batch (decodes first, then prefill chunks), all read through block tables."""
     if not meta.prefills:  # decode only: no assembly needed
-        return paged_decode(q, key_cache, value_cache, meta.decode_plan, scale)
+        return paged_decode(q, key_cache, value_cache, meta.decode_plan, scale, compiled)
     out = torch.empty_like(q)  # [tokens, heads, dim]
     if meta.num_decode:
-        out[: meta.num_decode] = paged_decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan, scale)
+        out[: meta.num_decode] = paged_decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan, scale,
+                                              compiled)
     for first, count, table, start in meta.prefills:
         out[first:first + count] = paged_prefill_attention(q[first:first + count], key_cache, value_cache,
                                                            table, start, scale)
     return out
+
+
+def attend_batch_compiled(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float,
+                          block_size: int) -> torch.Tensor:
+    """:func:`attend_batch` with decode attention through the fused kernel (EngineConfig.compile_attention)."""
+    return attend_batch(q, key_cache, value_cache, meta, scale, block_size, compiled=True)

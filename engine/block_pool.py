@@ -1,31 +1,32 @@
-"""Bookkeeping of the physical block pool: ref counts, the free queue, prefix-cache hashes, eviction.
+"""Bookkeeping of the physical block pool: ref counts, fill, the free queues, prefix-cache hashes.
 
 Pure Python and numpy (no torch): it decides *which* block ids hold what; :mod:`engine.kv_cache` holds the data.
-The per-block arrays are kept current as blocks change, so a snapshot is a handful of array copies.
+Only :class:`engine.kv_cache_manager.KVCacheManager` calls the mutating methods; they are primitive on purpose
+(take a free block, add or drop a reference, mark a block full) and say nothing about conversations.
+
+Every fact lives in a per-block numpy array, so a snapshot is a handful of array copies and a checkpoint for
+rolling back a failed step is too: the queues and the hash map are derived from the arrays and rebuilt on restore.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from .snapshot import BlockState
+from kvstream.rules import blocks_needed  # noqa: F401 (the old import path; new code imports kvstream.rules)
+from kvstream.views import NO_HASH, BlockState
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of a full block: it names the whole prefix up to and including this block."""
+    """Chained hash of a full block: it names the whole prefix up to and including this block. Never NO_HASH (0),
+    which marks blocks without a hash."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent_hash or 0).to_bytes(8, "little", signed=False))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def blocks_needed(num_tokens: int, max_new_tokens: int, block_size: int) -> int:
-    """Blocks a conversation of ``num_tokens`` prompt tokens holds once it has generated ``max_new_tokens``: K/V is
-    stored for every token but the last one sampled."""
-    return -(-(num_tokens + max_new_tokens - 1) // block_size)
+    return int.from_bytes(h.digest(), "little") or 1
 
 
 def random_cycle(n: int, seed: int | None) -> np.ndarray:
@@ -37,11 +38,24 @@ def random_cycle(n: int, seed: int | None) -> np.ndarray:
     return new_id
 
 
-class BlockPool:
-    """Which physical blocks are free, used or cached, and by whom.
+@dataclass(frozen=True)
+class HashedBlock:
+    """What a prefix hash names; immutable, so it never needs rolling back (a hash always names the same tokens)."""
 
-    Free blocks wait in two O(1) queues: plain ``FREE`` blocks, handed out first, and ``CACHED`` blocks (free but
-    holding a full, hashed block of KV) in least-recently-used order, evicted only when no plain block is left.
+    token_ids: tuple[int, ...]  # the block's tokens
+    start: int  # position of its first token in the conversation that stored it
+    parent_hash: int | None  # hash of the block before it (None for a conversation's first block)
+
+
+_ARRAYS = ("ref_count", "num_filled", "state", "owner", "last_access", "block_hash", "queued_at")
+
+
+class BlockPool:
+    """Which physical blocks are free, used or cached.
+
+    Free blocks wait in two O(1) queues: plain ``FREE`` blocks, handed out first (oldest freed first), and
+    ``CACHED`` blocks (free but holding a full, hashed block of KV) in least-recently-used order, evicted only when
+    no plain block is left. ``queued_at`` stamps each block's place in its queue, so the queues can be rebuilt.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -51,15 +65,25 @@ class BlockPool:
         self.ref_count = np.zeros(num_blocks, np.int32)  # block-table entries naming the block
         self.num_filled = np.zeros(num_blocks, np.int32)  # slots holding K/V
         self.state = np.zeros(num_blocks, np.int8)  # BlockState
-        self.owner = np.full(num_blocks, -1, np.int32)  # first owner (used) or last filler (cached); -1 none
-        self.last_access = np.zeros(num_blocks, np.int64)  # step of the last allocation, write or reuse
-        self.block_hash: list[int | None] = [None] * num_blocks  # prefix hash of a full, cached-able block
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # token ids of a hashed block
-        self.block_start: list[int] = [0] * num_blocks  # position of a hashed block's first token
-        self.hash_to_block: dict[int, int] = {}  # prefix hash -> block holding it
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.owner = np.full(num_blocks, -1, np.int32)  # a holder (used) or the last holder (cached); -1 none
+        self.last_access = np.zeros(num_blocks, np.int64)  # step of the last allocation, write or read
+        self.block_hash = np.zeros(num_blocks, np.uint64)  # prefix hash of a full, registered block; NO_HASH none
+        self.queued_at = np.arange(num_blocks, dtype=np.int64)  # order stamp in the free or cached queue
+        self._stamp = num_blocks  # next queue stamp
+        self.hashed: dict[int, HashedBlock] = {}  # prefix hash -> what it names (kept while some block has it)
         self.clock = 0  # current engine step, stamped into last_access
+        self._rebuild_derived()
+
+    # ---- derived structures ---------------------------------------------------------------------------------
+    def _rebuild_derived(self) -> None:
+        """The queues and hash map from the arrays (after a restore or a relocation)."""
+        order = np.argsort(self.queued_at, kind="stable")
+        state = self.state[order]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order[state == BlockState.FREE].tolist())
+        self._cached: OrderedDict[int, None] = OrderedDict.fromkeys(order[state == BlockState.CACHED].tolist())
+        hashed = np.flatnonzero(self.block_hash != NO_HASH)
+        self.hash_to_block: dict[int, int] = dict(zip(self.block_hash[hashed].tolist(), hashed.tolist()))
+        self.hashed = {h: info for h, info in self.hashed.items() if h in self.hash_to_block}
 
     # ---- counts ---------------------------------------------------------------------------------------------
     @property
@@ -73,37 +97,45 @@ class BlockPool:
 
     @property
     def free_queue(self) -> tuple[int, ...]:
-        """Plain free block ids in the order :meth:`allocate` hands them out (cached ones follow, LRU first)."""
+        """Plain free block ids in the order allocation hands them out (cached ones follow, LRU first)."""
         return tuple(self._free)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
-    # ---- allocation -----------------------------------------------------------------------------------------
-    def allocate(self, n: int, owner: int) -> list[int]:
-        if not self.can_allocate(n):
-            raise RuntimeError(f"allocate({n}) with only {self.num_free_blocks} free blocks")
-        out = []
-        for _ in range(n):
-            if self._free:
-                block, _ = self._free.popitem(last=False)
-            else:
-                block, _ = self._cached.popitem(last=False)  # evict the least recently used cached block
-                self._forget_hash(block)
-            self.ref_count[block] = 1
-            self.num_filled[block] = 0
-            self.state[block] = BlockState.USED
-            self.owner[block] = owner
-            self.last_access[block] = self.clock
-            out.append(block)
+    def next_free(self, n: int) -> list[int]:
+        """The ids the next ``n`` allocations would take, without taking them."""
+        out = list(_first(self._free, n))
+        if len(out) < n:
+            out += list(_first(self._cached, n - len(out)))
         return out
 
     def lookup(self, block_hash: int) -> int | None:
         """The block holding this prefix hash, if any (used or cached)."""
         return self.hash_to_block.get(block_hash) if self.enable_prefix_caching else None
 
-    def acquire(self, block: int, owner: int) -> None:
-        """Take one more reference to a block that already holds the wanted KV (prefix hit or fork)."""
+    # ---- primitive changes (KVCacheManager only) ------------------------------------------------------------
+    def take(self, owner: int) -> tuple[int, int]:
+        """Take the next free block for ``owner`` (USED, ref count 1, empty). Returns (block, evicted hash): a plain
+        free block first, else the least recently used cached one, whose hash is dropped (NO_HASH otherwise)."""
+        evicted = NO_HASH
+        if self._free:
+            block, _ = self._free.popitem(last=False)
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            evicted = int(self.block_hash[block])
+            self._drop_hash(block)
+        else:
+            raise RuntimeError("BlockPool.take with no free block (callers check can_allocate first)")
+        self.ref_count[block] = 1
+        self.num_filled[block] = 0
+        self.state[block] = BlockState.USED
+        self.owner[block] = owner
+        self.last_access[block] = self.clock
+        return block, evicted
+
+    def add_ref(self, block: int, owner: int) -> None:
+        """One more reference to a block that already holds the wanted KV (prefix hit or fork)."""
         if self.ref_count[block] == 0:
             self._cached.pop(block, None)
             self._free.pop(block, None)
@@ -112,53 +144,121 @@ class BlockPool:
         self.ref_count[block] += 1
         self.last_access[block] = self.clock
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block, tail first, so a conversation's tail blocks are evicted first."""
-        for block in reversed(blocks):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] > 0:
-                continue
-            if self.block_hash[block] is not None:
-                self.state[block] = BlockState.CACHED  # keeps its KV, owner stays as a hint of who filled it
-                self._cached[block] = None
-            else:
-                self.state[block] = BlockState.FREE
-                self.num_filled[block] = 0
-                self.owner[block] = -1
-                self._free[block] = None
+    def drop_ref(self, block: int) -> BlockState:
+        """One reference less; returns the block's state after (USED while others hold it, then CACHED if it holds
+        a hashed block, else FREE)."""
+        self.ref_count[block] -= 1
+        if self.ref_count[block] > 0:
+            return BlockState.USED
+        self.queued_at[block] = self._stamp
+        self._stamp += 1
+        if self.block_hash[block] != NO_HASH:
+            self.state[block] = BlockState.CACHED  # keeps its KV; owner stays as a hint of who filled it
+            self._cached[block] = None
+            return BlockState.CACHED
+        self.state[block] = BlockState.FREE
+        self.num_filled[block] = 0
+        self.owner[block] = -1
+        self._free[block] = None
+        return BlockState.FREE
 
-    # ---- prefix caching -------------------------------------------------------------------------------------
-    def cache_full_block(self, block: int, block_hash: int, token_ids: Sequence[int], start: int) -> None:
-        """Register a block that just became full so later prompts with the same prefix can reuse it."""
-        if not self.enable_prefix_caching or self.block_hash[block] is not None:
-            return
-        if block_hash in self.hash_to_block:  # the same prefix was computed twice; keep the first copy
-            return
+    def set_owner(self, block: int, owner: int) -> None:
+        self.owner[block] = owner
+
+    def set_filled(self, block: int, num_filled: int) -> None:
+        self.num_filled[block] = num_filled
+        self.last_access[block] = self.clock
+
+    def register_hash(self, block: int, block_hash: int, info: HashedBlock) -> bool:
+        """Make a just-filled block findable by its prefix hash. False (and nothing changes) when prefix caching is
+        off, the block already has a hash, or another block already holds the same prefix (the first copy stays)."""
+        if not self.enable_prefix_caching or self.block_hash[block] != NO_HASH or block_hash in self.hash_to_block:
+            return False
         self.block_hash[block] = block_hash
-        self.block_tokens[block] = tuple(token_ids)
-        self.block_start[block] = start
         self.hash_to_block[block_hash] = block
+        self.hashed[block_hash] = info
+        return True
 
-    def _forget_hash(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None and self.hash_to_block.get(h) == block:
-            del self.hash_to_block[h]
-        self.block_hash[block] = None
-        self.block_tokens[block] = None
+    def _drop_hash(self, block: int) -> None:
+        h = int(self.block_hash[block])
+        if h != NO_HASH:
+            self.hash_to_block.pop(h, None)
+            self.hashed.pop(h, None)
+        self.block_hash[block] = NO_HASH
 
-    # ---- relocation -----------------------------------------------------------------------------------------
+    def clear_hashes(self) -> list[int]:
+        """Forget every prefix hash (a reset of the prefix cache): cached blocks become free. Returns the blocks
+        that were cached."""
+        cached = list(self._cached)
+        for block in cached:
+            self.state[block] = BlockState.FREE
+            self.num_filled[block] = 0
+            self.owner[block] = -1
+            self._free[block] = None
+        self._cached.clear()
+        self.block_hash[:] = NO_HASH
+        self.hash_to_block.clear()
+        self.hashed.clear()
+        return cached
+
+    def touch_used(self, step: int) -> None:
+        """Every used block was read by attention in this step."""
+        self.last_access[self.state == BlockState.USED] = step
+
     def permute(self, new_id: np.ndarray) -> None:
         """Rename every block: old id b becomes ``new_id[b]`` (a permutation of range(num_blocks))."""
-        for name in ("ref_count", "num_filled", "state", "owner", "last_access"):
+        for name in _ARRAYS:
             old = getattr(self, name)
             moved = np.empty_like(old)
             moved[new_id] = old
             setattr(self, name, moved)
-        for name in ("block_hash", "block_tokens", "block_start"):
-            old, moved = getattr(self, name), [None] * self.num_blocks
-            for b, value in enumerate(old):
-                moved[new_id[b]] = value
-            setattr(self, name, moved)
-        self.hash_to_block = {h: int(new_id[b]) for h, b in self.hash_to_block.items()}
-        self._free = OrderedDict((int(new_id[b]), None) for b in self._free)
-        self._cached = OrderedDict((int(new_id[b]), None) for b in self._cached)
+        self._rebuild_derived()
+
+    # ---- rollback -------------------------------------------------------------------------------------------
+    def checkpoint(self) -> tuple:
+        """Everything needed to undo changes made after this call (array copies; cheap even at 65,536 blocks)."""
+        return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, dict(self.hashed), self.clock)
+
+    def restore(self, checkpoint: tuple) -> None:
+        *arrays, self._stamp, hashed, self.clock = checkpoint
+        for name, array in zip(_ARRAYS, arrays):
+            setattr(self, name, array)
+        self.hashed = hashed
+        self._rebuild_derived()
+
+    # ---- invariants -----------------------------------------------------------------------------------------
+    def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """Raise AssertionError unless the bookkeeping is consistent with ``block_tables`` (every table naming
+        blocks now): the free queues hold exactly the unused blocks, each in one queue; hash_to_block agrees with
+        each block's hash; ref counts equal the table entries naming each block; FREE and CACHED blocks have ref
+        count 0; FREE blocks hold nothing; CACHED blocks are full and hashed."""
+        counts = np.zeros(self.num_blocks, np.int64)
+        for table in block_tables:
+            assert len(set(table)) == len(table), f"a block table names a block twice: {list(table)}"
+            np.add.at(counts, np.asarray(table, np.int64), 1)
+        assert np.array_equal(counts, self.ref_count), \
+            f"ref counts differ from table entries at blocks {np.flatnonzero(counts != self.ref_count)[:10]}"
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free) and len(cached) == len(self._cached)
+        assert not free & cached, f"blocks in both queues: {sorted(free & cached)[:10]}"
+        state = self.state
+        assert free == set(np.flatnonzero(state == BlockState.FREE).tolist()), "free queue != FREE blocks"
+        assert cached == set(np.flatnonzero(state == BlockState.CACHED).tolist()), "cached queue != CACHED blocks"
+        assert (self.ref_count[state != BlockState.USED] == 0).all(), "a FREE or CACHED block has references"
+        assert (self.ref_count[state == BlockState.USED] > 0).all(), "a USED block has no reference"
+        assert (self.num_filled[state == BlockState.FREE] == 0).all(), "a FREE block holds slots"
+        assert (self.block_hash[state == BlockState.FREE] == NO_HASH).all(), "a FREE block has a hash"
+        assert (self.block_hash[state == BlockState.CACHED] != NO_HASH).all(), "a CACHED block has no hash"
+        assert (self.num_filled[state == BlockState.CACHED] == self.block_size).all(), "a CACHED block is not full"
+        hashed = np.flatnonzero(self.block_hash != NO_HASH)
+        assert self.hash_to_block == dict(zip(self.block_hash[hashed].tolist(), hashed.tolist())), \
+            "hash_to_block disagrees with block_hash"
+        assert set(self.hashed) == set(self.hash_to_block), "hashed-block records disagree with hash_to_block"
+        assert (self.owner[state == BlockState.USED] >= 0).all(), "a USED block has no owner"
+
+
+def _first(queue: OrderedDict, n: int):
+    for i, key in enumerate(queue):
+        if i >= n:
+            return
+        yield key

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import EngineError
+from .validation import MAX_SEED
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _DEVICES = ("cpu", "cuda", "auto")
@@ -21,7 +22,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full blocks with identical prefixes through a hash map
     seed: int = 0  # base seed for weights of random models and per-conversation samplers
     max_num_seqs: int = 256  # most conversations decoding in one step
-    max_num_batched_tokens: int = 8192  # prefill token budget of one step (at least one prompt is always admitted)
+    max_num_batched_tokens: int = 512  # tokens one step computes at most: decodes first, then prefill chunks
+    enable_chunked_prefill: bool = True  # split long prompts into chunks under that budget (False: whole prompts)
     compile_attention: bool = False  # decode attention through the torch.compile'd fused kernel
     finished_window: int = 256  # finished or ended conversations kept in snapshots (newest first); older ones drop out
     kv_events_endpoint: str | None = None  # publish vLLM-format KV events on this ZMQ PUB endpoint ("tcp://*:5557")
@@ -29,10 +31,13 @@ class EngineConfig:
     kv_events_topic: str = ""  # topic frame of every KV-event message
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "finished_window", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise EngineError(f"{name} must be an integer, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size < 1:
             raise EngineError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_blocks < 2:
@@ -41,11 +46,25 @@ class EngineConfig:
             raise EngineError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise EngineError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                              f"({self.max_num_seqs}): every running conversation computes one token per step")
+        if self.finished_window < 0:
+            raise EngineError(f"finished_window must not be negative, got {self.finished_window}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise EngineError(f"seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.dtype not in _DTYPES:
             raise EngineError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise EngineError(f"device must be one of {', '.join(_DEVICES)}, got {self.device!r}")
         if not isinstance(self.model, str) or not self.model:
             raise EngineError("model must be 'builtin' or the path of a checkpoint directory")
-        if not isinstance(self.seed, int):
-            raise EngineError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise EngineError(f"{name} must be a ZMQ endpoint such as 'tcp://*:5557' or 'ipc:///tmp/kv.sock', "
+                                  f"got {value!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise EngineError("kv_events_replay_endpoint needs kv_events_endpoint as well")
+        if not isinstance(self.kv_events_topic, str):
+            raise EngineError(f"kv_events_topic must be text, got {self.kv_events_topic!r}")

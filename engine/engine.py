@@ -1,47 +1,47 @@
 """The serving engine: conversations in, tokens out, K/V kept in a paged block pool.
 
-One :meth:`Engine.step` = schedule (admit, preempt, copy-on-write) -> run the model on a mixed batch of prefill
-chunks and single-token decodes -> sample -> update the pool. It is synchronous and deterministic for a seed, so
-tests drive it directly; :class:`engine.runner.EngineRunner` runs it on a thread for the GUI.
+One :meth:`Engine.step` = schedule (admit, preempt, copy-on-write, under a token budget) -> run the model on a
+mixed batch of decodes and prefill chunks -> postprocess (commit filled slots, sample, finish). It is synchronous,
+deterministic for a seed, and atomic: every public operation runs in a transaction, and if it raises, the engine
+(bookkeeping, K/V, samplers, events) is exactly as it was. :class:`engine.runner.EngineRunner` runs it on a thread.
+
+Its parts, one concept each: :class:`KVCacheManager` (the only writer of the pool, every change a block event),
+:class:`Scheduler` (who computes what), :class:`ModelRunner` (tensors, forward, sampling), :class:`PoolViews`
+(snapshots and inspection), :mod:`engine.relocation` (moving blocks, and proving attention did not change).
 """
 from __future__ import annotations
 
-import copy
-import math
 import time
-from dataclasses import dataclass
-from types import MappingProxyType
+from contextlib import contextmanager
 from typing import Callable, Sequence as Seq
 
 import numpy as np
 import torch
 
-from .attention import DecodePlan, attend_batch, plan_decode, use_compiled_attention
-from .block_pool import BlockPool, blocks_needed, random_cycle
+from kvstream.events import BlockEvent, EventKind
+from kvstream.rules import fit_error
+
+from . import relocation
+from .attention import attend_batch, attend_batch_compiled
+from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
 from .kv_cache import KVCache
-from .loader import load_model
-from .model import BatchMetadata
-from .scheduler import Scheduler
+from .kv_cache_manager import KVCacheManager
+from .loader import check_pool_fits_memory, load_model, read_model_config
+from .model_runner import ModelRunner
+from .pool_views import PoolViews
+from .relocation import RelocationReport
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .snapshot import (BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats, PoolSnapshot, Status,
-                       frozen_array)
+from .snapshot import BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
+from .validation import (check_bool, check_int, check_max_new_tokens, check_seed, check_temperature, check_text,
+                         check_token_ids, is_int)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay inside torch's range
 
-
-@dataclass(frozen=True)
-class RelocationReport:
-    """What :meth:`Engine.relocate_and_verify` moved, and the proof that attention did not change."""
-
-    mapping: dict  # old physical id -> new physical id, for every used or cached block
-    num_moved: int
-    max_abs_diff: float  # max |attention output before - after| over running conversations and layers
-    num_conversations_checked: int
-    lookahead_steps: int = 0  # steps decoded twice, from the old layout and from the new one, then rolled back
-    tokens_identical: bool = True  # those steps produced the same tokens for every conversation
-    num_tokens_compared: int = 0
+__all__ = ["Engine", "RelocationReport"]
 
 
 class Engine:
@@ -59,27 +59,40 @@ class Engine:
             device = cfg.device
         self.device = torch.device(device)
         self.dtype = _DTYPES[cfg.dtype]
-        if cfg.compile_attention:
-            use_compiled_attention(True)
+        mc = read_model_config(cfg.model)
+        check_pool_fits_memory(mc, cfg.num_blocks, cfg.block_size, self.dtype, self.device)
         loaded = load_model(cfg.model, self.dtype, self.device, cfg.seed, progress)
         self.model = loaded.model
-        self.model_config = loaded.config
+        self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
-        mc = loaded.config
+        self._eos = set(self.eos_token_ids)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.kv = KVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
-                          mc.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        try:
+            self.kv = KVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
+                              mc.head_dim, self.dtype, self.device)
+        except (RuntimeError, MemoryError) as exc:
+            raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
+        self.manager = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
+                                  attend_batch_compiled if cfg.compile_attention else attend_batch)
+        self.views = PoolViews(self)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
         self.step_id = 0
-        self._eos = set(self.eos_token_ids)
-        self._info_cache: dict[int, tuple[int, ConversationInfo]] = {}
-        self._num_steps = self._num_generated = self._num_prefill = 0
-        self._last_step_seconds = 0.0
-        self._last_step_tokens = self._last_step_prefill = 0
+        self.version = 0  # bumped by every change; snapshots carry it
+        self.num_steps = self.num_generated = self.num_prefill = 0
+        self.last_step_seconds = 0.0
+        self.last_step_tokens = self.last_step_prefill = 0
+        self._txn: dict | None = None  # the open transaction's checkpoint and what it saved
+        self._dirty = False  # something changed inside the open transaction
+        self._kv_events = None
+        if cfg.kv_events_endpoint:
+            from .kv_events import KVEventsOut  # only when asked for: binds a socket
+            self._kv_events = KVEventsOut(cfg)
+        self.background_errors: list[str] = []  # failures outside any operation (publishing); the runner reports
 
     # ---- model facts ------------------------------------------------------------------------------------------
     @property
@@ -98,76 +111,119 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def tokenize(self, text: str, continuation: bool = False) -> list[int]:
-        """Token ids of ``text`` as a prompt takes them (a reply, ``continuation``, gets no BOS)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=not continuation))
-
-    def detokenize(self, token_ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(token_ids))
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(int(token_id))
-
-    # ---- input checks -----------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt, prompt_token_ids, *, continuation: bool = False) -> list[int]:
-        if prompt is not None and prompt_token_ids is not None:
-            raise EngineError("give either prompt text or prompt_token_ids, not both")
-        if prompt_token_ids is not None:
-            try:
-                ids = [int(t) for t in prompt_token_ids]
-            except (TypeError, ValueError):
-                raise EngineError("prompt_token_ids must be a list of integers") from None
-        elif prompt is not None:
-            if not isinstance(prompt, str):
-                raise EngineError(f"prompt must be text, got {type(prompt).__name__}")
-            if not prompt:
-                raise EngineError("the prompt is empty")
-            ids = self.tokenize(prompt, continuation)
-        else:
-            raise EngineError("give a prompt (text) or prompt_token_ids")
-        if not ids:
-            raise EngineError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return ids
-
-    @staticmethod
-    def _check_generation(max_new_tokens, temperature) -> tuple[int, float]:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise EngineError(f"max_new_tokens must be a whole number, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        try:
-            temperature = float(temperature)
-        except (TypeError, ValueError):
-            raise EngineError(f"temperature must be a number, got {temperature!r}") from None
-        if not math.isfinite(temperature) or temperature < 0:
-            raise EngineError(f"temperature must be 0 (greedy) or positive, got {temperature}")
-        return int(max_new_tokens), temperature
-
     @property
     def max_model_len(self) -> int:
         """Most tokens (prompt + output) one conversation may reach: the positions the model was built for (as
         vLLM's max_model_len)."""
         return self.model_config.max_position_embeddings
 
+    def tokenize(self, text: str, continuation: bool = False) -> list[int]:
+        """Token ids of ``text`` as a prompt takes them (a reply, ``continuation``, gets no BOS)."""
+        text = check_text(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=not check_bool(continuation, "continuation")))
+
+    def detokenize(self, token_ids: Seq[int]) -> str:
+        return self.tokenizer.decode(check_token_ids(token_ids, self.vocab_size, allow_empty=True))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(int(token_id))
+
+    # ---- transactions -----------------------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self, rollback: bool = False):
+        """Everything inside happens whole or not at all: on an exception (or always, with ``rollback``) the pool,
+        the K/V a step overwrote, the conversations, the samplers, the counters and the events are put back.
+        Nested calls join the outer transaction."""
+        if self._txn is not None:
+            yield
+            return
+        txn = self._txn = self._checkpoint()
+        try:
+            yield
+        except BaseException:
+            self._restore(txn)
+            raise
+        else:
+            if rollback:
+                self._restore(txn)
+            elif self._dirty:
+                self.version += 1
+                self._publish_kv_events()
+        finally:
+            self._txn = None
+            self._dirty = False
+            self.manager.end()
+
+    def changed(self) -> None:
+        """Mark that the open transaction changed something (a new version when it commits)."""
+        self._dirty = True
+
+    def _checkpoint(self) -> dict:
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return {
+            "manager": self.manager.begin(), "scheduler": self.scheduler.checkpoint(),
+            "seqs": {s.seq_id: s.checkpoint() for s in live}, "seq_ids": set(self.seqs),
+            "counters": (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated,
+                         self.num_prefill, self.last_step_seconds, self.last_step_tokens, self.last_step_prefill),
+            "finished": list(self.views.finished), "generators": {}, "kv": [], "stored": dict(self.seqs),
+        }
+
+    def _touch(self, seq: Sequence) -> None:
+        """Remember ``seq`` as it is, if the open transaction has not already (for conversations not live)."""
+        if self._txn is not None and seq.seq_id not in self._txn["seqs"]:
+            self._txn["seqs"][seq.seq_id] = seq.checkpoint()
+
+    def _touch_generator(self, seq: Sequence) -> None:
+        if self._txn is not None and seq.temperature > 0 and seq.seq_id not in self._txn["generators"]:
+            self._txn["generators"][seq.seq_id] = seq.generator.get_state()
+
+    def _save_kv(self, copies: list[tuple[int, int, int]], prepared) -> None:
+        """Save the K/V of every slot this step is about to write (copy-on-write targets, the new tokens' slots),
+        so a rollback puts the cache back exactly."""
+        bs = self.cfg.block_size
+        parts = [torch.arange(dst * bs, dst * bs + n, device=self.device) for _, dst, n in copies if n]
+        if prepared is not None:
+            parts.append(prepared.meta.slot_mapping)
+        if parts:
+            self._txn["kv"].append(self.kv.save_slots(torch.cat(parts)))
+
+    def _restore(self, txn: dict) -> None:
+        for saved in reversed(txn["kv"]):  # newest first: the oldest copy of a slot is what stays
+            self.kv.restore_slots(saved)
+        self.seqs = txn["stored"]
+        for seq_id, checkpoint in txn["seqs"].items():
+            self.seqs[seq_id].restore(checkpoint)
+        for seq_id, state in txn["generators"].items():
+            self.seqs[seq_id].generator.set_state(state)
+        self.scheduler.restore(txn["scheduler"])
+        self.manager.rollback(txn["manager"], self.seqs.values())
+        (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated, self.num_prefill,
+         self.last_step_seconds, self.last_step_tokens, self.last_step_prefill) = txn["counters"]
+        self.views.finished.clear()
+        self.views.finished.extend(txn["finished"])
+        self.views.clear()
+
+    # ---- input checks -----------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt, prompt_token_ids, *, continuation: bool = False) -> list[int]:
+        if prompt is not None and prompt_token_ids is not None:
+            raise EngineError("give either prompt text or prompt_token_ids, not both")
+        if prompt_token_ids is not None:
+            return check_token_ids(prompt_token_ids, self.vocab_size)
+        if prompt is None:
+            raise EngineError("give a prompt (text) or prompt_token_ids")
+        ids = self.tokenize(prompt, continuation)
+        if not ids:
+            raise EngineError("the prompt is empty")
+        return check_token_ids(ids, self.vocab_size)
+
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
-        max_len = self.max_model_len
-        if num_tokens + max_new_tokens > max_len:
-            raise EngineError(
-                f"this conversation would reach {num_tokens + max_new_tokens} tokens ({num_tokens} prompt + "
-                f"{max_new_tokens} new) but the model handles at most {max_len} (max_position_embeddings); "
-                f"shorten the prompt or lower max_new_tokens")
-        need = blocks_needed(num_tokens, max_new_tokens, self.cfg.block_size)
-        if need > self.cfg.num_blocks:
-            raise EngineError(
-                f"this conversation needs {need} blocks ({num_tokens} prompt tokens + {max_new_tokens} new tokens at "
-                f"{self.cfg.block_size} per block) but the whole pool has {self.cfg.num_blocks}; shorten the prompt, "
-                f"lower max_new_tokens or restart with a larger pool")
+        problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size,
+                            num_blocks=self.cfg.num_blocks, max_model_len=self.max_model_len)
+        if problem:
+            raise EngineError(problem)
 
     def _seq(self, conversation_id) -> Sequence:
-        seq = self.seqs.get(conversation_id) if isinstance(conversation_id, (int, np.integer)) else None
+        seq = self.seqs.get(int(conversation_id)) if is_int(conversation_id) else None
         if seq is None:
             raise EngineError(f"no conversation with id {conversation_id!r}")
         return seq
@@ -175,11 +231,20 @@ class Engine:
     def _new_seq(self, token_ids, max_new_tokens, temperature, seed, parent_id=None, ignore_eos=False) -> Sequence:
         seq_id = self._next_id
         self._next_id += 1
-        seed = self.cfg.seed * 1_000_003 + seq_id if seed is None else int(seed)
-        seq = Sequence(seq_id, token_ids, max_new_tokens, temperature, seed, self.step_id, parent_id, bool(ignore_eos))
+        seed = (self.cfg.seed * 1_000_003 + seq_id) % _SEED_MODULUS if seed is None else seed
+        seq = Sequence(seq_id, token_ids, max_new_tokens, temperature, seed, self.step_id, parent_id, ignore_eos)
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.seqs[seq_id] = seq
         return seq
+
+    def _request(self, prompt, prompt_token_ids, max_new_tokens, temperature, seed, ignore_eos):
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        temperature = check_temperature(temperature)
+        seed = check_seed(seed)
+        ignore_eos = check_bool(ignore_eos, "ignore_eos")
+        self._check_fits(len(ids), max_new_tokens)
+        return ids, max_new_tokens, temperature, seed, ignore_eos
 
     # ---- conversations ----------------------------------------------------------------------------------------
     def add_conversation(self, prompt: str | None = None, *, prompt_token_ids: Seq[int] | None = None,
@@ -187,39 +252,102 @@ class Engine:
                          ignore_eos: bool = False) -> int:
         """Queue a new conversation; returns its id. It is admitted as soon as its prompt fits in the pool.
         ``ignore_eos`` keeps it decoding to ``max_new_tokens`` (for benchmarks that need a steady load)."""
-        ids = self._prompt_ids(prompt, prompt_token_ids)
-        max_new_tokens, temperature = self._check_generation(max_new_tokens, temperature)
-        self._check_fits(len(ids), max_new_tokens)
+        request = self._request(prompt, prompt_token_ids, max_new_tokens, temperature, seed, ignore_eos)
+        with self.transaction():
+            return self._add(*request).seq_id
+
+    def _add(self, ids, max_new_tokens, temperature, seed, ignore_eos, reason: str = "") -> Sequence:
         seq = self._new_seq(ids, max_new_tokens, temperature, seed, ignore_eos=ignore_eos)
         self.scheduler.add(seq)
-        return seq.seq_id
+        self.manager.emit(EventKind.CONVERSATION_ADDED, seq.seq_id, reason=reason)
+        self.changed()
+        return seq
+
+    def add_samples(self, prompt: str | None = None, *, prompt_token_ids: Seq[int] | None = None, n: int = 2,
+                    max_new_tokens: int = 64, temperature: float = 0.8, seed: int | None = None,
+                    ignore_eos: bool = False) -> tuple[int, ...]:
+        """``n`` samples of one prompt, added together (as vLLM's ``SamplingParams(n=...)``): the first is a new
+        conversation, the others fork it at once, so all share its blocks until they diverge. Atomic: either all
+        ``n`` are queued or none. Returns their ids."""
+        n = check_int(n, "n", 1, 256)
+        request = self._request(prompt, prompt_token_ids, max_new_tokens, temperature, seed, ignore_eos)
+        base = request[3]
+        with self.transaction():
+            first = self._add(*request)
+            ids = [first.seq_id]
+            for i in range(1, n):
+                sample_seed = None if base is None else (base + i) % (2**32)
+                ids.append(self._fork(first, sample_seed, reason="sample").seq_id)
+            return tuple(ids)
 
     def fork_conversation(self, conversation_id: int, seed: int | None = None) -> int:
-        """A child that shares every block of the parent; the two diverge by copy-on-write."""
+        """A child that shares every block of the parent; the two diverge by copy-on-write. The child joins the
+        running set at once if ``max_num_seqs`` allows, else it waits (and gets the parent's full blocks back as
+        prefix-cache hits when admitted)."""
         parent = self._seq(conversation_id)
+        seed = check_seed(seed)
         if parent.is_finished:
             raise EngineError(f"conversation {conversation_id} is {parent.status}; only a live conversation can be forked")
+        with self.transaction():
+            return self._fork(parent, seed).seq_id
+
+    def _fork(self, parent: Sequence, seed: int | None, reason: str = "fork") -> Sequence:
         child = self._new_seq(parent.token_ids, parent.max_new_tokens, parent.temperature, seed, parent.seq_id,
                               parent.ignore_eos)
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.block_hashes = list(parent.block_hashes)
-        if parent.status == Status.RUNNING:
-            for block in parent.block_table:
-                self.pool.acquire(block, child.seq_id)
-            child.block_table = list(parent.block_table)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = Status.RUNNING
-            self.scheduler.running.append(child)
+        child.turns = list(parent.turns)
+        self.manager.emit(EventKind.CONVERSATION_ADDED, child.seq_id, other_id=parent.seq_id, reason=reason)
+        if parent.status != Status.RUNNING or parent.num_uncomputed_tokens > 1:
+            self._touch(parent)
+            parent.pending_forks.append(child)  # forked when the parent's prompt is computed (see _postprocess)
+        elif self.scheduler.has_room():
+            self.manager.fork(parent, child)
+            self.scheduler.run_now(child)
         else:
+            self.scheduler.add(child)  # past max_num_seqs: waits, and reuses the parent's full blocks when admitted
+        self.changed()
+        return child
+
+    def _fork_now(self, parent: Sequence, child: Sequence, logits: torch.Tensor) -> None:
+        """A pending fork at the end of its parent's prefill: share every block, and sample the child's own first
+        token from the same logits (with its own generator)."""
+        self._touch(child)
+        if not self.scheduler.has_room():
             self.scheduler.add(child)
-        return child.seq_id
+            return
+        self.manager.fork(parent, child)
+        self.scheduler.run_now(child)
+        self._touch_generator(child)
+        self._append(child, self.runner.sample(logits[None], [child])[0])
 
     def end_conversation(self, conversation_id: int) -> None:
         """Stop a conversation now; its blocks are released at once."""
         seq = self._seq(conversation_id)
         if seq.status == Status.ENDED:
             raise EngineError(f"conversation {conversation_id} has already ended")
-        self.scheduler.finish(seq, Status.ENDED)
+        with self.transaction():
+            self._touch(seq)
+            self._finish(seq, Status.ENDED, FinishReason.ENDED)
+
+    def _finish(self, seq: Sequence, status: Status, reason: FinishReason) -> None:
+        for child in seq.pending_forks:  # ended before its prompt was computed: the forks go on their own
+            if not child.is_finished:
+                self.scheduler.add(child)
+        seq.pending_forks = []
+        self.scheduler.finish(seq, status, reason)
+        kind = EventKind.CONVERSATION_ENDED if status == Status.ENDED else EventKind.CONVERSATION_FINISHED
+        self.manager.emit(kind, seq.seq_id, reason=reason.value)
+        finished = self.views.finished
+        if seq.seq_id in finished:
+            finished.remove(seq.seq_id)
+        finished.append(seq.seq_id)
+        while len(finished) > self.cfg.finished_window:
+            old = finished.popleft()
+            self.views.forget(old)
+            if self.seqs[old].is_finished:  # forgotten for good: replies to it are no longer possible
+                del self.seqs[old]
+        self.changed()
 
     def continue_conversation(self, conversation_id: int, prompt: str | None = None, *,
                               prompt_token_ids: Seq[int] | None = None, max_new_tokens: int | None = None,
@@ -229,310 +357,172 @@ class Engine:
         if seq.status != Status.FINISHED:
             raise EngineError(f"conversation {conversation_id} is {seq.status}; only a finished conversation can get a reply")
         ids = self._prompt_ids(prompt, prompt_token_ids, continuation=True)
-        max_new_tokens, temperature = self._check_generation(
-            seq.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            seq.temperature if temperature is None else temperature)
+        max_new_tokens = check_max_new_tokens(seq.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        temperature = check_temperature(seq.temperature if temperature is None else temperature)
         self._check_fits(seq.num_tokens + len(ids), max_new_tokens)
-        seq.start_new_turn(ids, max_new_tokens, temperature, self.step_id)
-        self.scheduler.add(seq)
+        with self.transaction():
+            self._touch(seq)
+            seq.start_new_turn(ids, max_new_tokens, temperature, self.step_id)
+            if seq.seq_id in self.views.finished:
+                self.views.finished.remove(seq.seq_id)
+            self.scheduler.add(seq)
+            self.manager.emit(EventKind.CONVERSATION_CONTINUED, seq.seq_id)
+            self.changed()
 
     def conversation(self, conversation_id: int) -> ConversationInfo:
-        return self._info(self._seq(conversation_id))
+        return self.views.info(self._seq(conversation_id))
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
-        return tuple(self._info(s) for s in self.seqs.values())
+        return self.views.conversations()
 
     # ---- running ----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def run_until_idle(self, max_steps: int | None = None) -> None:
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step until nothing is left to do (or ``max_steps`` steps); returns the steps taken."""
+        if max_steps is not None:
+            max_steps = check_int(max_steps, "max_steps", 0)
         steps = 0
         while self.has_work() and (max_steps is None or steps < max_steps):
             self.step()
             steps += 1
+        return steps
 
     def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy outputs for a batch of token-id prompts, decoded together."""
-        ids = [self.add_conversation(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
-        while any(not self.seqs[i].is_finished for i in ids):
-            self.step()
-        return [list(self.seqs[i].output_token_ids) for i in ids]
+        """Greedy outputs for a batch of token-id prompts, decoded together. Atomic: a bad prompt anywhere, or a
+        failure while decoding, leaves the engine as it was."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise EngineError("generate takes a list of token-id prompts")
+        requests = [self._request(None, p, max_new_tokens, 0.0, None, False) for p in prompts]
+        with self.transaction():
+            seqs = [self._add(*r) for r in requests]
+            while any(not s.is_finished for s in seqs):
+                self.step_unprotected()
+            return [list(s.output_token_ids) for s in seqs]
 
     def step(self) -> None:
-        """Schedule, run the model once over every scheduled conversation, sample, update the pool."""
+        """Schedule, run the model once over every scheduled conversation, sample, update the pool. Atomic."""
         if not self.has_work():
             return
+        with self.transaction():
+            self.step_unprotected()
+
+    def step_unprotected(self) -> None:
+        """One step inside the caller's transaction."""
         start = time.perf_counter()
         self.step_id += 1
         self.pool.clock = self.step_id
         batch = self.scheduler.schedule()
+        prepared = None if batch.empty else self.runner.prepare(batch)
+        self._save_kv(batch.copies, prepared)
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
-        num_prefill = 0
-        num_sampled = 0
-        if not batch.empty:
-            seqs = batch.decodes + batch.prefills
-            meta, input_ids, positions, sample_index = self._prepare(batch)
-            with torch.inference_mode():
-                hidden = self.model(input_ids, positions, meta, self.kv.layers, attend_batch)
-                logits = self.model.compute_logits(hidden[sample_index])  # [seqs, vocab]
-            tokens = self._sample(logits, seqs)
-            num_prefill = sum(s.num_tokens - s.num_computed_tokens for s in batch.prefills)
-            self._postprocess(seqs, tokens)
-            num_sampled = len(seqs)
-        used = self.pool.state == BlockState.USED
-        self.pool.last_access[used] = self.step_id  # every used block was read by attention this step
-        self._num_steps += 1
-        self._num_generated += num_sampled
-        self._num_prefill += num_prefill
-        self._last_step_tokens = num_sampled
-        self._last_step_prefill = num_prefill
-        self._last_step_seconds = time.perf_counter() - start
+        num_sampled = num_prefill = 0
+        if prepared is not None:
+            logits = self.runner.forward(prepared)
+            for seq in prepared.sampled:
+                self._touch_generator(seq)
+            tokens = self.runner.sample(logits, prepared.sampled)
+            self._postprocess(batch, prepared.sampled, tokens, logits)
+            num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
+        self.pool.touch_used(self.step_id)
+        self.num_steps += 1
+        self.num_generated += num_sampled
+        self.num_prefill += num_prefill
+        self.last_step_tokens, self.last_step_prefill = num_sampled, num_prefill
+        self.last_step_seconds = time.perf_counter() - start
+        self.changed()
 
-    def _slot(self, seq: Sequence, position: int) -> int:
-        bs = self.cfg.block_size
-        return seq.block_table[position // bs] * bs + position % bs
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                     logits: torch.Tensor) -> None:
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.manager.commit(seq, seq.num_computed_tokens + n)
+            seq.version += 1
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            forks, seq.pending_forks = seq.pending_forks, []
+            for child in forks:
+                if not child.is_finished:  # a pending fork the user ended meanwhile stays ended
+                    self._fork_now(seq, child, logits[row])
+            self._append(seq, token)
 
-    def _prepare(self, batch):
-        bs = self.cfg.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for seq in batch.decodes:
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(self._slot(seq, p))
-        prefills = []
-        sample_index = list(range(len(batch.decodes)))
-        for seq in batch.prefills:
-            first, start = len(ids), seq.num_computed_tokens
-            new = seq.token_ids[start:]
-            ids.extend(new)
-            pos.extend(range(start, seq.num_tokens))
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            p = np.arange(start, seq.num_tokens)
-            slots.extend((table[p // bs] * bs + p % bs).tolist())
-            prefills.append((first, len(new), torch.as_tensor(table, device=self.device), start))
-            sample_index.append(first + len(new) - 1)
-        dev = self.device
-        plan = None
-        if batch.decodes:
-            plan = self._plan(batch.decodes, [s.num_computed_tokens + 1 for s in batch.decodes])
-        meta = BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), len(batch.decodes), plan, prefills)
-        return (meta, torch.as_tensor(ids, dtype=torch.int64, device=dev),
-                torch.as_tensor(pos, dtype=torch.int64, device=dev), torch.as_tensor(sample_index, device=dev))
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.append_token(token)
+        if token in self._eos and not seq.ignore_eos:
+            self._finish(seq, Status.FINISHED, FinishReason.EOS)
+        elif seq.num_output_tokens >= seq.max_new_tokens:
+            self._finish(seq, Status.FINISHED, FinishReason.LENGTH)
+        elif seq.num_tokens >= self.max_model_len:
+            self._finish(seq, Status.FINISHED, FinishReason.CONTEXT)
 
-    def _plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
-        """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold."""
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        return plan_decode(torch.as_tensor(tables, device=self.device),
-                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.cfg.block_size)
+    # ---- pool-wide operations ---------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix hash (cached blocks become free; used ones stay but are no longer shareable), as
+        vLLM's ``reset_prefix_cache``. Returns the number of cached blocks dropped."""
+        with self.transaction():
+            dropped = self.manager.reset_prefix_cache()
+            self.changed()
+            return dropped
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            if seq.temperature > 0:
-                probs = torch.softmax(logits[i] / seq.temperature, dim=-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
-        return tokens
-
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        bs = self.cfg.block_size
-        pool = self.pool
-        for seq, token in zip(seqs, tokens):
-            old = seq.num_computed_tokens
-            new = seq.num_tokens  # every token now has K/V in the pool
-            seq.num_computed_tokens = new
-            for index in range(old // bs, -(-new // bs)):
-                pool.num_filled[seq.block_table[index]] = min(bs, new - index * bs)
-            if pool.enable_prefix_caching and new // bs > old // bs:
-                hashes = seq.full_block_hashes(bs)
-                for index in range(old // bs, new // bs):
-                    pool.cache_full_block(seq.block_table[index], hashes[index],
-                                          seq.token_ids[index * bs:(index + 1) * bs], index * bs)
-            seq.append_token(token)
-            if (token in self._eos and not seq.ignore_eos) or seq.num_output_tokens >= seq.max_new_tokens:
-                self.scheduler.finish(seq, Status.FINISHED)
-
-    # ---- views ------------------------------------------------------------------------------------------------
-    def _info(self, seq: Sequence) -> ConversationInfo:
-        cached = self._info_cache.get(seq.seq_id)
-        if cached is not None and cached[0] == seq.version:
-            return cached[1]
-        out = seq.output_token_ids
-        info = ConversationInfo(
-            conversation_id=seq.seq_id, status=seq.status, prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
-            output_token_ids=tuple(out), output_text=self.tokenizer.decode(out, final=seq.is_finished),
-            prompt_text=self.tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens]),
-            block_table=tuple(seq.block_table), num_computed_tokens=seq.num_computed_tokens,
-            num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
-            parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step)
-        self._info_cache[seq.seq_id] = (seq.version, info)
-        return info
-
-    def metrics(self) -> EngineMetrics:
-        s = self.scheduler
-        return EngineMetrics(
-            num_steps=self._num_steps, num_generated_tokens=self._num_generated, num_prefill_tokens=self._num_prefill,
-            num_preemptions=s.num_preemptions, num_cow_copies=s.num_cow_copies, prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits, last_step_seconds=self._last_step_seconds,
-            last_step_tokens=self._last_step_tokens, last_step_prefill_tokens=self._last_step_prefill)
-
-    def memory_stats(self) -> MemoryStats:
-        pool, bs = self.pool, self.cfg.block_size
-        used = pool.state == BlockState.USED
-        num_used = int(used.sum())
-        filled = int(pool.num_filled[used].sum())
-        running = self.scheduler.running
-        logical = sum(s.num_computed_tokens for s in running)
-        entries = sum(len(s.block_table) for s in running)
-        per_block = self.kv.bytes_per_block
-        return MemoryStats(
-            bytes_per_block=per_block, bytes_per_token=per_block // bs, num_used_blocks=num_used,
-            num_cached_blocks=pool.num_cached_blocks, num_free_blocks=self.cfg.num_blocks - num_used - pool.num_cached_blocks,
-            num_filled_slots=filled, num_allocated_slots=num_used * bs, num_tail_empty_slots=num_used * bs - filled,
-            num_logical_slots=logical, num_slots_saved_by_sharing=logical - filled,
-            num_contiguous_slots=sum(s.num_prompt_tokens + s.max_new_tokens for s in running),
-            block_table_bytes=4 * entries)
-
-    def snapshot(self) -> PoolSnapshot:
-        """An immutable copy of the pool and the conversations, cheap enough to take after every step."""
-        pool = self.pool
-        tables = MappingProxyType({s.seq_id: tuple(s.block_table) for s in self.scheduler.running})
-        return PoolSnapshot(
-            step_id=self.step_id, block_size=self.cfg.block_size, num_blocks=self.cfg.num_blocks,
-            ref_count=frozen_array(pool.ref_count), num_filled=frozen_array(pool.num_filled),
-            state=frozen_array(pool.state), owner=frozen_array(pool.owner), last_access=frozen_array(pool.last_access),
-            block_tables=tables, conversations=self.conversations(), metrics=self.metrics(),
-            memory=self.memory_stats(), model_name=self.model_name, device=str(self.device),
-            max_model_len=self.max_model_len)
-
-    def _owners(self, block: int) -> list[tuple[int, int]]:
-        return [(s.seq_id, i) for s in self.scheduler.running for i, b in enumerate(s.block_table) if b == block]
-
-    def inspect_block(self, block_id: int) -> BlockInfo:
-        """Tokens, positions, owners, hash and K/V of one physical block."""
-        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < self.cfg.num_blocks:
-            raise EngineError(f"no block {block_id!r}: block ids run from 0 to {self.cfg.num_blocks - 1}")
-        pool, bs, b = self.pool, self.cfg.block_size, int(block_id)
-        state = BlockState(int(pool.state[b]))
-        filled = int(pool.num_filled[b])
-        owners = self._owners(b)
-        if owners:
-            seq, index = self.seqs[owners[0][0]], owners[0][1]
-            positions = tuple(range(index * bs, index * bs + filled))
-            tokens = tuple(seq.token_ids[p] for p in positions)
-        elif pool.block_tokens[b] is not None:
-            tokens = pool.block_tokens[b]
-            positions = tuple(range(pool.block_start[b], pool.block_start[b] + len(tokens)))
-        else:
-            tokens, positions = (), ()
-        h = pool.block_hash[b]
-        if state == BlockState.FREE:
-            note = "free: holds no reusable KV"
-        elif h is not None:
-            note = ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
-                    + (" (cached: free, evicted least-recently-used first)" if state == BlockState.CACHED else ""))
-        elif filled < bs:
-            note = f"partially filled ({filled}/{bs}): only full blocks are hashed and shared through the prefix cache"
-        elif not pool.enable_prefix_caching:
-            note = "full, but prefix caching is off"
-        else:
-            note = "full, but the same prefix is already cached in another block"
-        keys, values = self.kv.read_block(b, filled)
-        keys.setflags(write=False)
-        values.setflags(write=False)
-        return BlockInfo(
-            block_id=b, state=state, ref_count=int(pool.ref_count[b]), num_filled=filled, block_size=bs,
-            token_ids=tuple(tokens), token_texts=tuple(self.token_text(t) for t in tokens), positions=positions,
-            owners=tuple(owners), block_hash=h, hash_note=note, last_owner=int(pool.owner[b]), keys=keys, values=values)
-
-    # ---- relocation -------------------------------------------------------------------------------------------
     def relocate_blocks(self, seed: int | None = None, compact: bool = False) -> dict[int, int]:
         """Move every used and cached block to another physical id (or, with ``compact``, pack them at the low ids
-        in logical order), moving the K/V data and fixing block tables and the prefix-cache map."""
-        pool, n = self.pool, self.cfg.num_blocks
-        if compact:
-            order: list[int] = []
-            seen = np.zeros(n, bool)
-            for s in self.scheduler.running:
-                for b in s.block_table:
-                    if not seen[b]:
-                        seen[b] = True
-                        order.append(b)
-            order += [b for b in np.flatnonzero(pool.state == BlockState.CACHED) if not seen[b]]
-            seen[order] = True
-            order += np.flatnonzero(~seen).tolist()
-            new_id = np.empty(n, np.int64)
-            new_id[np.asarray(order, dtype=np.int64)] = np.arange(n)
-        else:
-            new_id = random_cycle(n, seed)
-        moved = np.flatnonzero(pool.state != BlockState.FREE)
-        mapping = {int(b): int(new_id[b]) for b in moved if new_id[b] != b}
-        pool.permute(new_id)
-        self.kv.permute(new_id)
-        for s in self.seqs.values():
-            if s.block_table:
-                s.block_table = [int(new_id[b]) for b in s.block_table]
-                s.version += 1
-        return mapping
-
-    def probe_attention(self) -> dict[int, np.ndarray]:
-        """Attention output of each running conversation's last computed token, every layer: [layers, heads, dim].
-
-        Reads K/V through the block tables and writes nothing, so it can be taken before and after a relocation."""
-        seqs = [s for s in self.scheduler.running if s.num_computed_tokens > 0]
-        if not seqs:
-            return {}
-        dev = self.device
-        meta = BatchMetadata(None, len(seqs), self._plan(seqs, [s.num_computed_tokens for s in seqs]), [])
-        ids = torch.as_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs], device=dev)
-        pos = torch.as_tensor([s.num_computed_tokens - 1 for s in seqs], device=dev)
-        outs: list[torch.Tensor] = []
-        with torch.inference_mode():
-            self.model(ids, pos, meta, self.kv.layers, attend_batch, layer_hook=lambda i, out: outs.append(out.float()))
-        stacked = torch.stack(outs).cpu().numpy()  # [layers, seqs, heads, dim]
-        return {s.seq_id: stacked[:, i] for i, s in enumerate(seqs)}
+        in logical order), moving their K/V and fixing block tables and the prefix-cache map. Returns old id ->
+        new id for every block that moved."""
+        return relocation.relocate(self, seed, compact)
 
     def relocate_and_verify(self, seed: int | None = None, compact: bool = False,
                             lookahead: int = 4) -> RelocationReport:
         """Relocate, and prove it: attention of every running conversation before and after the move, and the
         tokens of the next ``lookahead`` steps decoded from the old layout and from the new one (then rolled back,
         so the conversations carry on exactly once)."""
-        before = self.probe_attention()
-        expected = self._dry_run(lookahead)
-        mapping = self.relocate_blocks(seed=seed, compact=compact)
-        after = self.probe_attention()
-        got = self._dry_run(lookahead)
-        diff = max((float(np.abs(before[k] - after[k]).max()) for k in before), default=0.0)
-        return RelocationReport(mapping, len(mapping), diff, len(before), lookahead, expected == got,
-                                sum(len(t) for t in expected.values()))
+        return relocation.relocate_and_verify(self, seed, compact, lookahead)
 
-    def _dry_run(self, steps: int) -> dict[int, list[int]]:
-        """Tokens each conversation would get in the next ``steps`` steps; afterwards the engine is as it was."""
-        if steps <= 0 or not self.has_work():
-            return {}
-        generators = [s.generator for s in self.seqs.values()]
-        states = [g.get_state() for g in generators]
-        memo = {id(g): g for g in generators}  # samplers are rewound below, not copied
-        names = ("pool", "scheduler", "seqs", "_next_id", "step_id", "_num_steps", "_num_generated", "_num_prefill",
-                 "_last_step_seconds", "_last_step_tokens", "_last_step_prefill")
-        saved = copy.deepcopy({n: getattr(self, n) for n in names}, memo)
-        kv = self.kv.data.clone()
-        lengths = {i: s.num_tokens for i, s in self.seqs.items()}
+    def probe_attention(self) -> dict[int, np.ndarray]:
+        """Attention output of each running conversation's last computed token, every layer: [layers, heads, dim]."""
+        return relocation.probe_attention(self)
+
+    # ---- views ------------------------------------------------------------------------------------------------
+    def snapshot(self) -> PoolSnapshot:
+        """An immutable copy of the pool and the conversations (the same object while nothing changed)."""
+        return self.views.snapshot()
+
+    def metrics(self) -> EngineMetrics:
+        return self.views.metrics()
+
+    def memory_stats(self) -> MemoryStats:
+        return self.views.memory_stats()
+
+    def inspect_block(self, block_id: int) -> BlockInfo:
+        """Tokens, positions, owners, hash and K/V of one physical block."""
+        return self.views.inspect_block(block_id)
+
+    def take_events(self) -> list[BlockEvent]:
+        """Block events since the last call, oldest first (each has .step_id .kind .block_ids)."""
+        return self.manager.take_events()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping disagrees with the conversations' tables."""
+        self.manager.check_invariants(self.seqs.values())
+        running = set(id(s) for s in self.scheduler.running)
+        for seq in self.seqs.values():
+            assert bool(seq.block_table) <= (id(seq) in running), f"conversation {seq.seq_id} holds blocks but is not running"
+
+    # ---- KV events out ----------------------------------------------------------------------------------------
+    def _publish_kv_events(self) -> None:
+        """vLLM-format KV events of the committed changes (never raises: a failure is kept for the runner)."""
+        if self._kv_events is None:
+            return
         try:
-            for _ in range(steps):
-                self.step()
-            return {i: s.token_ids[lengths[i]:] for i, s in self.seqs.items() if s.num_tokens > lengths[i]}
-        finally:
-            for name, value in saved.items():
-                setattr(self, name, value)
-            self.kv.data.copy_(kv)
-            for g, state in zip(generators, states):
-                g.set_state(state)
-            self._info_cache.clear()
+            self._kv_events.publish(self.manager.events_since_publish())
+        except Exception as exc:  # the operation already happened; publishing must not undo or fail it
+            self.background_errors.append(f"publishing KV events failed: {type(exc).__name__}: {exc}")
+
+    def take_background_errors(self) -> list[str]:
+        errors, self.background_errors = self.background_errors, []
+        return errors
+
+    def close(self) -> None:
+        """Release sockets (KV-event publishing); the engine stays usable otherwise."""
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None

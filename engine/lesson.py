@@ -5,8 +5,9 @@ the values 1, 2, 3, ... stored so far. Any mistake in addressing (a wrong block,
 would change that mean, so the number the user sees checks the paging machinery itself.
 
 Nothing here is a separate animation: the K/V live in pool tensors of the engine's shape
-``[num_blocks, block_size, kv_heads, head_dim]``, blocks come from the engine's :class:`BlockPool` free queue, and the
-output comes from :func:`paged_attention`. No Qt here; the window in ``explorer/lesson.py`` only draws this state.
+``[num_blocks, block_size, kv_heads, head_dim]``, blocks come from the engine's :class:`BlockPool` free queue through
+its :class:`KVCacheManager` (the pool's one writer, as in the engine), and the output comes from
+:func:`paged_attention`. No Qt here; the window in ``explorer/lesson.py`` only draws this state.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from .attention import paged_attention
 from .block_pool import BlockPool, random_cycle
+from .kv_cache_manager import KVCacheManager
+from .sequence import Sequence
 from .snapshot import BlockState
 
 BLOCK_SIZE = 4
@@ -108,23 +111,30 @@ class ToyPagedSequence:
     def reset(self) -> None:
         """Back to zero positions, with the tenants' history replayed so the free queue has its chosen order."""
         self.pool = BlockPool(self.num_blocks, self.block_size, enable_prefix_caching=False)
+        self.manager = KVCacheManager(self.pool)
         shape = (self.num_blocks, self.block_size, 1, 1)  # [num_blocks, block_size, kv_heads, head_dim]
         self.key_cache = torch.zeros(shape, dtype=torch.float32)
         self.value_cache = torch.zeros(shape, dtype=torch.float32)
-        tenant_blocks: dict[str, list[int]] = {}
+        self.tenants: dict[str, Sequence] = {}
         for tenant in TENANTS:
-            blocks = self.pool.allocate(tenant.num_blocks, tenant.owner)
-            tenant_blocks[tenant.name] = blocks
-            for b in blocks:
-                self.pool.num_filled[b] = self.block_size
+            seq = _toy_sequence(tenant.owner, tenant.num_blocks * self.block_size)
+            self.manager.allocate_slots(seq, seq.num_tokens)
+            self.manager.commit(seq, seq.num_tokens)
+            for b in seq.block_table:
                 self.value_cache[b] = tenant.value
+            self.tenants[tenant.name] = seq
         for name in FINISH_ORDER:
-            self.pool.free(tenant_blocks[name])
-        self.block_table: list[int] = []
+            self.manager.free(self.tenants[name])
+        self.seq = _toy_sequence(TOY_OWNER, 0)
         self.num_positions = 0
         self.last_event: StepEvent | None = None
         self.last_change: LayoutChange | None = None
         self.last_action = "reset"  # "reset", "step" or "layout": what the explanation should talk about
+
+    @property
+    def block_table(self) -> list[int]:
+        """The lesson sequence's physical block ids in logical order."""
+        return self.seq.block_table
 
     @property
     def free_queue(self) -> tuple[int, ...]:
@@ -147,12 +157,12 @@ class ToyPagedSequence:
         index = self.num_positions  # 0-based index of the new position
         logical, slot = divmod(index, self.block_size)
         allocated = slot == 0
-        if allocated:
-            self.block_table.extend(self.pool.allocate(1, TOY_OWNER))
+        self.seq.token_ids.append(index + 1)  # the toy's "token" at a position is its value
+        self.manager.allocate_slots(self.seq, 1)
         block = self.block_table[logical]
         self.key_cache[block, slot, 0, 0] = 0.0
         self.value_cache[block, slot, 0, 0] = float(index + 1)
-        self.pool.num_filled[block] = slot + 1
+        self.manager.commit(self.seq, index + 1)
         self.num_positions = index + 1
         self.last_event = StepEvent(index + 1, logical, block, slot, allocated)
         self.last_action = "step"
@@ -184,8 +194,7 @@ class ToyPagedSequence:
         moved_k[index] = self.key_cache  # old block b now lives at new_id[b]
         moved_v[index] = self.value_cache
         self.key_cache, self.value_cache = moved_k, moved_v
-        self.pool.permute(new_id)
-        self.block_table = [int(new_id[b]) for b in self.block_table]
+        self.manager.relocate(new_id, [self.seq, *self.tenants.values()])
         if self.last_event is not None:
             e = self.last_event
             self.last_event = StepEvent(e.position, e.logical_block, int(new_id[e.physical_block]), e.slot, e.allocated)
@@ -324,6 +333,11 @@ class ToyPagedSequence:
 
     def _table_text(self) -> str:
         return ", ".join(f"{i} \u2192 {b}" for i, b in enumerate(self.block_table))
+
+
+def _toy_sequence(owner: int, num_tokens: int) -> Sequence:
+    """A sequence of the toy pool: only its block table and fill matter (its "tokens" are its values)."""
+    return Sequence(owner, list(range(1, num_tokens + 1)), max_new_tokens=1, temperature=0.0, seed=0, arrival_step=0)
 
 
 def _arrow(table: tuple[int, ...]) -> str:

@@ -5,6 +5,7 @@ Weights are read with ``safetensors`` only; pickle-based ``*.bin`` checkpoints a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -52,9 +53,73 @@ def _eos_ids(config: ModelConfig, directory: Path) -> tuple[int, ...]:
     if gen.is_file():
         eos = _read_json(gen).get("eos_token_id")
         for e in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
-            if int(e) not in ids:
-                ids.append(int(e))
+            if isinstance(e, bool) or not isinstance(e, int):
+                raise EngineError(f"{gen}: eos_token_id must be an integer or a list of integers, got {e!r}")
+            if not 0 <= e < config.vocab_size:
+                raise EngineError(f"{gen}: eos_token_id {e} is outside the vocabulary (0..{config.vocab_size - 1})")
+            if e not in ids:
+                ids.append(e)
     return tuple(ids)
+
+
+def _directory(spec: str) -> tuple[bool, Path]:
+    """(built-in?, directory) for a model spec, refusing what is not a checkpoint directory."""
+    if not isinstance(spec, str):
+        raise EngineError("model must be 'builtin' or the path of a checkpoint directory")
+    builtin = spec == "builtin"
+    directory = BUILTIN_DIR if builtin else Path(spec).expanduser()
+    if not builtin:
+        if directory.is_file():
+            raise EngineError(f"{spec!r} is a file; --model takes a checkpoint directory (the folder holding "
+                              f"config.json and *.safetensors)")
+        if not directory.is_dir():
+            raise EngineError(f"checkpoint directory {spec!r} does not exist")
+        if not (directory / "config.json").is_file():
+            raise EngineError(f"{directory} has no config.json: not a Hugging Face-style checkpoint")
+    return builtin, directory
+
+
+def read_model_config(spec: str) -> ModelConfig:
+    """The model's shape from its config.json (cheap: no weights are read), validated."""
+    builtin, directory = _directory(spec)
+    has_config = (directory / "config.json").is_file()
+    return ModelConfig.from_hf_dict(_read_json(directory / "config.json") if has_config else dict(BUILTIN_FALLBACK))
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (None when the system does not say)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pool_fits_memory(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    """Refuse a pool whose K/V tensor cannot fit in the memory left, saying what it would take."""
+    from .kv_cache import KVCache
+
+    need = KVCache.bytes_for(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                             config.head_dim, dtype)
+    have = available_memory(device)
+    if have is not None and need > 0.9 * have:
+        per_block = need // num_blocks
+        raise EngineError(
+            f"a pool of {num_blocks:,} blocks x {block_size} slots needs {need / 2**30:.1f} GiB for its K/V "
+            f"({per_block / 2**10:.0f} KiB per block: {config.num_hidden_layers} layers x K and V x {block_size} "
+            f"slots x {config.num_key_value_heads} heads x {config.head_dim} dims), but only {have / 2**30:.1f} GiB "
+            f"of {device.type} memory is available; use at most {int(0.9 * have // per_block):,} blocks or smaller "
+            f"blocks")
 
 
 def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, float], None]) -> None:
@@ -96,15 +161,9 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
                progress: Callable[[str, float], None] | None = None) -> LoadedModel:
     """Build the model named by ``spec`` ("builtin" or a directory) on ``device`` in ``dtype``."""
     progress = progress or (lambda message, fraction: None)
-    builtin = spec == "builtin"
-    directory = BUILTIN_DIR if builtin else Path(spec).expanduser()
-    if not builtin and not directory.is_dir():
-        raise EngineError(f"checkpoint directory {spec!r} does not exist")
-    has_config = (directory / "config.json").is_file()
-    if not has_config and not builtin:
-        raise EngineError(f"{directory} has no config.json: not a Hugging Face-style checkpoint")
-    hf = _read_json(directory / "config.json") if has_config else dict(BUILTIN_FALLBACK)
-    config = ModelConfig.from_hf_dict(hf)
+    builtin, directory = _directory(spec)
+    config = read_model_config(spec)
+    eos_ids = _eos_ids(config, directory)
     progress("building model", 0.0)
     with torch.device("cpu"):
         model = CausalLM(config)
@@ -123,7 +182,10 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
         tokenizer: Any = ByteTokenizer()
     elif (directory / "tokenizer.json").is_file():
         tokenizer = HFTokenizer(directory / "tokenizer.json")
+        if tokenizer.vocab_size > config.vocab_size:
+            raise EngineError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's "
+                              f"vocabulary has {config.vocab_size}: they do not belong together")
     else:
         tokenizer = NoTokenizer(config.vocab_size)
     progress("ready", 1.0)
-    return LoadedModel(model, config, tokenizer, "builtin" if builtin else str(directory), _eos_ids(config, directory))
+    return LoadedModel(model, config, tokenizer, "builtin" if builtin else str(directory), eos_ids)

@@ -54,8 +54,17 @@ class ModelConfig:
         if act != "silu":
             raise EngineError(f"unsupported activation {act!r}; only silu (SwiGLU) is supported")
         scaling = d.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise EngineError(f"rope_scaling must be an object (or null), got {scaling!r}")
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise EngineError(f"unsupported rope_scaling {scaling!r}")
+            raise EngineError(f"unsupported rope_scaling {scaling!r}: only the default rotary embedding is supported")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = d.get(name)
+            if value is None and name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineError(f"config.json: {name} must be a positive integer, got {value!r}")
         if d.get("mlp_bias"):
             raise EngineError("unsupported checkpoint: MLP biases (mlp_bias=true)")
         try:
@@ -63,7 +72,7 @@ class ModelConfig:
             hidden = int(d["hidden_size"])
             eos = d.get("eos_token_id")
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-            return cls(
+            config = cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
@@ -81,6 +90,10 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 architecture=arch,
             )
+            config.validate()
+            return config
+        except EngineError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"config.json is missing or has a bad field: {exc}") from None
 
@@ -107,6 +120,9 @@ class ModelConfig:
         return d
 
     def validate(self) -> None:
+        bad = [e for e in self.eos_token_ids if not 0 <= e < self.vocab_size]
+        if bad:
+            raise EngineError(f"config.json: eos_token_id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EngineError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")

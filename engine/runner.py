@@ -3,6 +3,12 @@
 The GUI (or any other client) never touches the engine directly. It sends commands with :meth:`EngineRunner.submit`
 and gets a :class:`concurrent.futures.Future` back; it reads :attr:`EngineRunner.latest`, the newest immutable
 :class:`PoolSnapshot`, whenever it likes. No lock is shared with the reader: publishing is one reference swap.
+
+A snapshot is published only when the engine's ``version`` changed (a step, or a command that changed something;
+read-only queries publish nothing). Each published snapshot goes, with the block events since the previous one, to
+every *observer* on the engine thread: the GUI's history, a recorder, a network publisher. Anything that goes wrong
+in the loop (a step, a command's side effects, an observer, publishing) reaches :meth:`take_failures`; the thread
+never dies silently, and every future resolves, including those still queued when the runner stops.
 """
 from __future__ import annotations
 
@@ -12,17 +18,22 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from kvstream.events import BlockEvent
+from kvstream.rules import Rate
 
 from .engine import Engine
 from .snapshot import PoolSnapshot
+
+Observer = Callable[[PoolSnapshot, list[BlockEvent]], None]
 
 
 @dataclass(frozen=True)
 class Command:
     """One request for the engine thread: call ``Engine.<name>(*args, **kwargs)`` between two steps."""
 
-    name: str  # an Engine method, or one of the runner's own: "pause", "resume", "step_once", "set_speed"
+    name: str  # an Engine method, or one of the runner's own (see _RUNNER_COMMANDS)
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     future: Future = field(default_factory=Future, compare=False)
@@ -30,34 +41,45 @@ class Command:
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """An exception raised inside ``Engine.step()``; the runner pauses itself when one happens."""
+    """Something that went wrong on the engine thread; after a failed step the runner pauses itself."""
 
     step_id: int  # last step id published before the failure
-    message: str  # str(exception)
+    message: str  # one line for the user
     traceback: str  # formatted traceback, for a "details" box
+    fatal: bool = False  # the engine thread has stopped (the window should say so)
 
 
-_RUNNER_COMMANDS = {"pause", "resume", "step_once", "set_speed"}
+class RunnerStopped(RuntimeError):
+    """A command that never ran because the runner was stopped."""
+
+
+_RUNNER_COMMANDS = {"pause", "resume", "step_once", "set_speed", "add_observer", "remove_observer"}
 _ENGINE_COMMANDS = {
-    "add_conversation", "fork_conversation", "end_conversation", "continue_conversation", "relocate_blocks",
-    "relocate_and_verify", "conversation", "inspect_block", "probe_attention", "memory_stats", "tokenize",
+    "add_conversation", "add_samples", "fork_conversation", "end_conversation", "continue_conversation",
+    "relocate_blocks", "relocate_and_verify", "reset_prefix_cache", "conversation", "inspect_block",
+    "probe_attention", "memory_stats", "tokenize", "detokenize",
 }
 
 
 class EngineRunner:
     """Owns an :class:`Engine` and the thread that steps it."""
 
-    def __init__(self, engine: Engine, *, max_steps_per_second: float | None = None, start_paused: bool = False):
+    def __init__(self, engine: Engine, *, max_steps_per_second: float | None = None, start_paused: bool = False,
+                 observers: list[Observer] | None = None):
         self.engine = engine
         self._commands: queue.Queue[Command] = queue.Queue()
         self._stop = threading.Event()
+        self._stopped = False  # set once stop() has drained the queue: later submits fail at once
         self._paused = start_paused
         self._single_steps = 0
         self._max_steps_per_second = max_steps_per_second
         self._failures: queue.Queue[EngineFailure] = queue.Queue()
-        self._step_times: list[float] = []
+        self._steps = Rate(window=2.0)
+        self._observers: list[Observer] = list(observers or [])
         self.latest: PoolSnapshot = engine.snapshot()  # newest published snapshot (replaced, never mutated)
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._published_version = self.latest.version
+        self._notify(self.latest, engine.take_events())  # the state before the first step (observers' first frame)
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     # ---- client side (any thread) -------------------------------------------------------------------------
     def start(self) -> "EngineRunner":
@@ -69,6 +91,9 @@ class EngineRunner:
         if name not in _ENGINE_COMMANDS and name not in _RUNNER_COMMANDS:
             raise ValueError(f"unknown engine command {name!r}")
         command = Command(name, args, kwargs)
+        if self._stopped or self._stop.is_set():
+            command.future.set_exception(RunnerStopped("the engine has stopped; the command was not run"))
+            return command.future
         self._commands.put(command)
         return command.future
 
@@ -86,6 +111,13 @@ class EngineRunner:
         """Limit the engine to this many steps per second (None: as fast as it goes)."""
         return self.submit("set_speed", max_steps_per_second)
 
+    def add_observer(self, observer: Observer) -> Future:
+        """Call ``observer(snapshot, events)`` on the engine thread for every published snapshot from now on."""
+        return self.submit("add_observer", observer)
+
+    def remove_observer(self, observer: Observer) -> Future:
+        return self.submit("remove_observer", observer)
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -100,13 +132,7 @@ class EngineRunner:
 
     def steps_per_second(self) -> float:
         """Engine steps per second over the last two seconds."""
-        times = self._step_times
-        now = time.perf_counter()
-        recent = [t for t in list(times) if now - t < 2.0]
-        if len(recent) < 2:
-            return 0.0
-        span = max(now - recent[0], 1e-6)
-        return (len(recent) - 1) / span
+        return self._steps.per_second()
 
     def take_failures(self) -> list[EngineFailure]:
         """Failures since the last call (the GUI shows each once)."""
@@ -118,33 +144,55 @@ class EngineRunner:
                 return out
 
     def stop(self, timeout: float = 1.0) -> bool:
-        """Stop the thread; returns True if it ended within ``timeout`` seconds."""
+        """Stop the thread; returns True if it ended within ``timeout`` seconds. Commands still queued fail with
+        :class:`RunnerStopped`; later submits fail at once."""
         self._stop.set()
         self._commands.put(Command("pause"))  # wake a thread blocked on the queue
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._fail_pending()
         return not self._thread.is_alive()
 
     # ---- engine thread ------------------------------------------------------------------------------------
+    def _fail(self, message: str, fatal: bool = False) -> None:
+        self._failures.put(EngineFailure(self.latest.step_id, message, traceback.format_exc(), fatal))
+
+    def _fail_pending(self) -> None:
+        self._stopped = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not command.future.done():
+                command.future.set_exception(RunnerStopped("the engine stopped before this command ran"))
+
     def _run_command(self, command: Command) -> None:
         if not command.future.set_running_or_notify_cancel():
             return
         try:
-            if command.name == "pause":
-                self._paused = True
-                result = None
-            elif command.name == "resume":
-                self._paused = False
-                result = None
-            elif command.name == "step_once":
+            name = command.name
+            if name == "pause":
+                self._paused, result = True, None
+            elif name == "resume":
+                self._paused, result = False, None
+            elif name == "step_once":
                 self._single_steps += 1
                 result = None
-            elif command.name == "set_speed":
+            elif name == "set_speed":
                 value = command.args[0] if command.args else None
                 self._max_steps_per_second = float(value) if value else None
                 result = None
+            elif name == "add_observer":
+                self._observers.append(command.args[0])
+                result = None
+            elif name == "remove_observer":
+                if command.args[0] in self._observers:
+                    self._observers.remove(command.args[0])
+                result = None
             else:
-                result = getattr(self.engine, command.name)(*command.args, **command.kwargs)
+                result = getattr(self.engine, name)(*command.args, **command.kwargs)
         except BaseException as exc:  # the client decides what to show; the thread goes on
             command.future.set_exception(exc)
         else:
@@ -152,7 +200,33 @@ class EngineRunner:
         self._publish()
 
     def _publish(self) -> None:
-        self.latest = self.engine.snapshot()
+        """Publish a snapshot if the engine changed since the last one, and hand it to the observers."""
+        for message in self.engine.take_background_errors():
+            self._failures.put(EngineFailure(self.latest.step_id, message, ""))
+        if self.engine.version == self._published_version:
+            return
+        snapshot = self.engine.snapshot()
+        self._published_version = snapshot.version
+        self.latest = snapshot
+        self._notify(snapshot, self.engine.take_events())
+
+    def _notify(self, snapshot: PoolSnapshot, events: list[BlockEvent]) -> None:
+        for observer in list(self._observers):
+            try:
+                observer(snapshot, events)
+            except Exception as exc:  # a broken recorder or socket must not stop the engine
+                self._observers.remove(observer)
+                self._fail(f"{getattr(observer, '__qualname__', type(observer).__name__)} stopped receiving "
+                           f"updates: {type(exc).__name__}: {exc}")
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: say so, and let every future resolve
+            self._fail(f"the engine thread stopped: {type(exc).__name__}: {exc}", fatal=True)
+        finally:
+            self._stop.set()
+            self._fail_pending()
 
     def _loop(self) -> None:
         last_step = 0.0
@@ -182,11 +256,8 @@ class EngineRunner:
             last_step = time.perf_counter()
             try:
                 self.engine.step()
-            except Exception as exc:  # surfaces in the GUI; decode stops until resumed
+            except Exception as exc:  # the step rolled back; decode stops until resumed
                 self._paused = True
-                self._failures.put(EngineFailure(self.latest.step_id, f"{type(exc).__name__}: {exc}",
-                                                 traceback.format_exc()))
-            self._step_times.append(time.perf_counter())
-            if len(self._step_times) > 256:
-                del self._step_times[:128]
+                self._fail(f"{type(exc).__name__}: {exc}")
+            self._steps.tick()
             self._publish()

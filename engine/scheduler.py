@@ -1,45 +1,56 @@
-"""Continuous batching: which conversations prefill, which decode, and who is preempted when blocks run out.
+"""Continuous batching: which conversations compute how many tokens this step, and who is preempted when blocks
+run out.
 
-Pure bookkeeping on top of :class:`BlockPool` (no torch). Every step first gives each running conversation room for
-one more token (a new block when its tail is full, or a private copy when its tail is shared), preempting the most
-recently admitted conversation when the pool is exhausted; then it admits waiting conversations whose prompts fit.
+Bookkeeping only (no torch), and it never touches the pool itself: it asks the :class:`KVCacheManager`. Each step
+shares a token budget (``max_num_batched_tokens``) as vLLM v1 does: running conversations first, in admission
+order (a decode takes 1 token, a prompt still being prefilled takes a chunk of what is left), then waiting ones are
+admitted with their prefix-cache hits and a first chunk. When a running conversation cannot get a block, the most
+recently admitted one is preempted (recompute) until it can.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
+from kvstream.views import FinishReason
+
+from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence
 from .snapshot import Status
 
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes."""
+    """What one step computes: ``seqs[i]`` computes its next ``num_tokens[i]`` tokens."""
 
-    decodes: list[Sequence] = field(default_factory=list)  # one new token each
-    prefills: list[Sequence] = field(default_factory=list)  # compute K/V of tokens [num_computed, num_tokens)
+    seqs: list[Sequence] = field(default_factory=list)  # running order; single-token work is moved first by the runner
+    num_tokens: list[int] = field(default_factory=list)  # tokens each computes this step (>= 1)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # copy-on-write (src, dst, num_slots) to run first
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.seqs
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
 
 
 class Scheduler:
-    """FCFS admission, recompute preemption (newest first), copy-on-write of shared tail blocks."""
+    """FCFS admission under a per-step token budget, chunked prefill, recompute preemption (newest first)."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
-        self.block_size = pool.block_size
+    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True):
+        self.manager = manager
+        self.block_size = manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill  # False: whole prompts only (one may exceed the budget if alone)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last one is preempted first
         self.num_preemptions = 0
-        self.num_cow_copies = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -49,112 +60,91 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_room(self) -> bool:
+        """Whether one more conversation may run now (max_num_seqs)."""
+        return len(self.running) < self.max_num_seqs
+
+    def run_now(self, seq: Sequence) -> None:
+        """A fork of a running conversation joins the running set at once (the caller checked has_room)."""
+        seq.status = Status.RUNNING
+        seq.version += 1
+        self.running.append(seq)
+
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        manager = self.manager
+        budget = self.max_num_batched_tokens
         queue = deque(self.running)
-        while queue:
+        while queue and budget > 0:
             seq = queue.popleft()
-            while not self._can_append(seq):
-                if queue:
-                    victim = queue.pop()
-                    self.preempt(victim)
-                    batch.preempted.append(victim)
-                else:
-                    self.preempt(seq)
-                    batch.preempted.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not manager.can_allocate(manager.num_blocks_for(seq, n)):
+                victim = queue.pop() if queue else seq
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
                     break
             else:
-                self._reserve_slot(seq, batch)
-                batch.decodes.append(seq)
+                batch.copies += manager.allocate_slots(seq, n)
+                batch.add(seq, n)
+                budget -= n
         if not batch.preempted:
-            self._admit(batch)
+            self._admit(batch, budget)
         return batch
 
-    def _needs_block(self, seq: Sequence) -> bool:
-        """Writing position num_computed needs a block we do not own alone: a fresh one, or a copy of a shared tail."""
-        index = seq.num_computed_tokens // self.block_size
-        if index >= len(seq.block_table):
-            return True
-        return self.pool.ref_count[seq.block_table[index]] > 1
-
-    def _can_append(self, seq: Sequence) -> bool:
-        return not self._needs_block(seq) or self.pool.can_allocate(1)
-
-    def _reserve_slot(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        index = seq.num_computed_tokens // self.block_size
-        if index >= len(seq.block_table):
-            seq.block_table.extend(self.pool.allocate(1, seq.seq_id))
-            return
-        old = seq.block_table[index]
-        if self.pool.ref_count[old] > 1:  # copy-on-write: never write into a block someone else reads
-            new = self.pool.allocate(1, seq.seq_id)[0]
-            filled = seq.num_computed_tokens - index * self.block_size
-            self.pool.num_filled[new] = filled
-            batch.copies.append((old, new, filled))
-            self.pool.free([old])
-            seq.block_table[index] = new
-            self.num_cow_copies += 1
-
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold this prompt's leading full blocks. The last token is always computed."""
-        hashes = seq.full_block_hashes(self.block_size)
-        limit = (seq.num_tokens - 1) // self.block_size
-        hits = []
-        for h in hashes[:limit]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _admit(self, batch: ScheduledBatch) -> None:
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        manager, bs = self.manager, self.block_size
+        while self.waiting and self.has_room() and budget > 0:
             seq = self.waiting[0]
-            hits = self._prefix_hits(seq)
-            num_new_tokens = seq.num_tokens - len(hits) * self.block_size
-            if num_new_tokens > budget and batch.prefills:
+            hits = manager.prefix_hits(seq)
+            remaining = seq.num_tokens - len(hits) * bs
+            if self.chunked_prefill:
+                n = min(remaining, budget)
+            elif remaining > budget and batch.seqs:
                 break
-            num_blocks = -(-seq.num_tokens // self.block_size) - len(hits)
-            num_revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached hits leave the free queue
-            if not self.pool.can_allocate(num_blocks + num_revived):
+            else:
+                n = remaining
+            if not manager.can_allocate(manager.num_blocks_for(seq, n, hits)):
                 break
             self.waiting.popleft()
-            for block in hits:
-                self.pool.acquire(block, seq.seq_id)
-            seq.block_table = hits + self.pool.allocate(num_blocks, seq.seq_id)
-            seq.num_computed_tokens = len(hits) * self.block_size
+            batch.copies += manager.admit(seq, hits, n)
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
             seq.status = Status.RUNNING
             seq.version += 1
             self.running.append(seq)
-            batch.prefills.append(seq)
-            budget -= num_new_tokens
+            batch.add(seq, n)
+            batch.admitted.append(seq)
+            budget -= n
 
     # ---- leaving the running set ------------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV (full blocks stay cached), go back to the front of the queue."""
-        self._release(seq)
+        self.manager.preempt(seq)
+        self.running.remove(seq)
         seq.status = Status.PREEMPTED
         seq.num_preemptions += 1
+        seq.version += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, status: Status) -> None:
+    def finish(self, seq: Sequence, status: Status, reason: FinishReason) -> None:
         if seq in self.running:
-            self._release(seq)
+            self.manager.free(seq)
+            self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
+        seq.finish_reason = reason
         seq.version += 1
 
-    def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.version += 1
-        if seq in self.running:
-            self.running.remove(seq)
+    # ---- rollback ---------------------------------------------------------------------------------------------
+    def checkpoint(self) -> tuple:
+        return list(self.running), list(self.waiting), self.num_preemptions, self.prefix_queries, self.prefix_hits
+
+    def restore(self, checkpoint: tuple) -> None:
+        running, waiting, self.num_preemptions, self.prefix_queries, self.prefix_hits = checkpoint
+        self.running = running
+        self.waiting = deque(waiting)

@@ -149,7 +149,7 @@ def test_engine_plan_equals_plan_decode():
         tables = torch.full((len(seqs), width + 2), -1, dtype=torch.int64)  # -1 and spare columns past the end
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
-        ours, ref = eng._plan(seqs, lens), plan_decode(tables, torch.tensor(lens), 4)
+        ours, ref = eng.runner.plan(seqs, lens), plan_decode(tables, torch.tensor(lens), 4)
         assert torch.equal(ours.tables, ref.tables) and torch.equal(ours.seq_lens, ref.seq_lens)
         assert ours.max_len == ref.max_len
         assert (ours.mask is None) == (ref.mask is None)

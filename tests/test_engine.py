@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import BlockState, Engine, EngineConfig, EngineError, Status
+from engine import BlockState, Engine, EngineConfig, EngineError, Status, relocation
 from tests.helpers import write_tiny_checkpoint
 
 
@@ -149,7 +149,7 @@ def test_dry_run_rolls_back_everything(ckpt):
     eng.step()
     eng.fork_conversation(ids[0])
     before = _pool_state(eng), eng.kv.data.clone(), eng.step_id
-    ahead = eng._dry_run(5)
+    ahead = relocation.dry_run(eng, 5)
     assert _pool_state(eng) == before[0] and torch.equal(eng.kv.data, before[1]) and eng.step_id == before[2]
     eng.run_until_idle()
     assert len(ahead) == 4 and all(len(t) == 5 for t in ahead.values())

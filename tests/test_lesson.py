@@ -131,7 +131,7 @@ def test_after_layout_change_the_sequence_keeps_growing_correctly():
 def test_a_wrong_table_would_give_a_wrong_answer():
     """The readout really depends on the table: the tenants' slots hold other values."""
     toy = stepped(5)
-    toy.block_table = [toy.block_table[0], 2]  # point logical 1 at tenant B's block
+    toy.seq.block_table = [toy.block_table[0], 2]  # point logical 1 at tenant B's block
     assert toy.result() != 3.0
 
 

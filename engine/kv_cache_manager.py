@@ -1,0 +1,293 @@
+"""The one writer of the block pool: allocation, sharing, copy-on-write, hashing, release, relocation.
+
+Why one writer: every later feature (history, recordings, watching from another process, KV events for routers)
+needs to know every change to the pool, and a rolled-back step must be able to undo them all. So the scheduler
+asks, the engine and the lesson call, and only this class changes :class:`BlockPool`; each change it makes is also
+a :class:`kvstream.events.BlockEvent`, in order, drained with :meth:`take_events`.
+
+It works per conversation (a :class:`engine.sequence.Sequence`), in the manner of vLLM v1's ``KVCacheManager`` and
+nano-vllm's ``BlockManager``: ``prefix_hits`` / ``admit`` (reuse cached full blocks of a prompt), ``can_allocate_slots``
+/ ``allocate_slots`` (room for the next tokens, copying a shared tail first), ``commit`` (slots filled, full blocks
+hashed), ``fork``, ``free`` / ``preempt``, ``relocate`` and ``reset_prefix_cache``. Bookkeeping only: the K/V
+copies it asks for are returned to the caller, which owns the tensors.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from kvstream.events import BlockEvent, EventKind
+from kvstream.rules import cdiv
+from kvstream.views import NO_HASH, BlockState
+
+from .block_pool import BlockPool, HashedBlock
+from .sequence import Sequence
+
+MAX_PENDING_EVENTS = 200_000  # events nobody took; older ones are dropped and counted (a headless script that never
+#                               calls take_events() must not grow without bound)
+
+
+class KVCacheManager:
+    """Per-conversation operations on a :class:`BlockPool`, each recorded as block events."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.events: list[BlockEvent] = []  # not yet taken, oldest first
+        self.num_dropped_events = 0  # events dropped because nobody took them (MAX_PENDING_EVENTS)
+        self._published = 0  # events[:_published] were already handed to events_since_publish()
+        self.holders: dict[int, set[int]] = {}  # used block -> ids of the conversations whose tables name it
+        self.num_cow_copies = 0
+        self.num_evictions = 0
+
+    # ---- events ---------------------------------------------------------------------------------------------
+    def emit(self, kind: EventKind, conversation_id: int = -1, **fields) -> None:
+        """Record one event at the pool's current step."""
+        self.events.append(BlockEvent(step_id=self.pool.clock, kind=kind, conversation_id=conversation_id, **fields))
+
+    def _trim_events(self) -> None:
+        """Drop the oldest untaken events past MAX_PENDING_EVENTS (between transactions only)."""
+        if len(self.events) > MAX_PENDING_EVENTS:
+            drop = len(self.events) - MAX_PENDING_EVENTS // 2
+            del self.events[:drop]
+            self.num_dropped_events += drop
+            self._published = max(0, self._published - drop)
+
+    def take_events(self) -> list[BlockEvent]:
+        events, self.events = self.events, []
+        self._published = 0
+        return events
+
+    def events_since_publish(self) -> list[BlockEvent]:
+        """Events recorded since the last call (for the KV-event publisher, which sees each committed event once)."""
+        out = self.events[self._published:]
+        self._published = len(self.events)
+        return out
+
+    # ---- queries --------------------------------------------------------------------------------------------
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """Blocks that already hold this prompt's leading full blocks. The last token is always computed, so a
+        prompt that is all cached still gets one token to run."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        hashes = seq.full_block_hashes(self.block_size)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_blocks_for(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> int:
+        """Free blocks that ``admit(seq, hits, num_new_tokens)`` (with hits) or ``allocate_slots(seq,
+        num_new_tokens)`` would take: new blocks, a private copy of a shared tail, and cached hits that leave the
+        free queue."""
+        bs = self.block_size
+        if hits is not None:
+            computed, table_len = len(hits) * bs, len(hits)
+            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+            return max(0, cdiv(computed + num_new_tokens, bs) - table_len) + revived
+        computed, table = seq.num_computed_tokens, seq.block_table
+        need = max(0, cdiv(computed + num_new_tokens, bs) - len(table))
+        index = computed // bs
+        if index < len(table) and self.pool.ref_count[table[index]] > 1:
+            need += 1  # copy-on-write of the shared block the first new token goes into
+        return need
+
+    def can_allocate(self, n: int) -> bool:
+        return self.pool.can_allocate(n)
+
+    def owners(self, block: int, tables: dict[int, list[int]]) -> list[tuple[int, int]]:
+        """(conversation id, logical index) of each reference to ``block``, given the holders' tables."""
+        return [(cid, tables[cid].index(block)) for cid in sorted(self.holders.get(block, ()))]
+
+    # ---- allocation -----------------------------------------------------------------------------------------
+    def _take(self, seq_id: int) -> tuple[int, int]:
+        block, evicted = self.pool.take(seq_id)
+        self.holders[block] = {seq_id}
+        return block, evicted
+
+    def _allocate(self, seq: Sequence, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        blocks, evicted_blocks, evicted_hashes = [], [], []
+        for _ in range(n):
+            block, evicted = self._take(seq.seq_id)
+            blocks.append(block)
+            if evicted != NO_HASH:
+                evicted_blocks.append(block)
+                evicted_hashes.append(evicted)
+        if evicted_blocks:
+            self.num_evictions += len(evicted_blocks)
+            self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(evicted_blocks),
+                      block_hashes=tuple(evicted_hashes))
+        self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
+        return blocks
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> list[tuple[int, int, int]]:
+        """Start (or restart) ``seq``: share its cached prefix blocks, then make room for its first
+        ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``."""
+        for block in hits:
+            self.pool.add_ref(block, seq.seq_id)
+            self.holders.setdefault(block, set()).add(seq.seq_id)
+        if hits:
+            self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(hits), reason="prefix_hit")
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        return self.allocate_slots(seq, num_new_tokens)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int, int]]:
+        """Make ``seq``'s table cover its next ``num_new_tokens`` tokens. Returns the copy-on-write copies
+        ``(src, dst, num_slots)`` the caller must make before writing K/V. The caller checked ``num_blocks_for``."""
+        bs, pool, table = self.block_size, self.pool, seq.block_table
+        copies = []
+        index = seq.num_computed_tokens // bs
+        if index < len(table) and pool.ref_count[table[index]] > 1:  # never write into a block others read
+            src = table[index]
+            dst, evicted = self._take(seq.seq_id)
+            if evicted != NO_HASH:
+                self.num_evictions += 1
+                self.emit(EventKind.EVICTED, seq.seq_id, block_ids=(dst,), block_hashes=(evicted,))
+            filled = seq.num_computed_tokens - index * bs
+            pool.set_filled(dst, filled)
+            self._drop(src, seq.seq_id)
+            table[index] = dst
+            copies.append((src, dst, filled))
+            self.num_cow_copies += 1
+            self.emit(EventKind.COPIED_ON_WRITE, seq.seq_id, block_ids=(src,), new_block_ids=(dst,))
+        missing = cdiv(seq.num_computed_tokens + num_new_tokens, bs) - len(table)
+        table.extend(self._allocate(seq, missing))
+        return copies
+
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Tokens up to ``num_computed_tokens`` now have K/V: update fill levels and register every block that
+        became full under its prefix hash (one STORED event per run of consecutive registered blocks)."""
+        bs, pool, table = self.block_size, self.pool, seq.block_table
+        old = seq.num_computed_tokens
+        seq.num_computed_tokens = num_computed_tokens
+        for index in range(old // bs, cdiv(num_computed_tokens, bs)):
+            pool.set_filled(table[index], min(bs, num_computed_tokens - index * bs))
+        if not pool.enable_prefix_caching or num_computed_tokens // bs <= old // bs:
+            return
+        hashes = seq.full_block_hashes(bs)
+        run: list[int] = []
+        for index in range(old // bs, num_computed_tokens // bs):
+            parent = hashes[index - 1] if index else None
+            info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs, parent)
+            if pool.register_hash(table[index], hashes[index], info):
+                run.append(index)
+                continue
+            self._emit_stored(seq, run, hashes)
+            run = []
+        self._emit_stored(seq, run, hashes)
+
+    def _emit_stored(self, seq: Sequence, indices: list[int], hashes: list[int]) -> None:
+        if not indices:
+            return
+        bs = self.block_size
+        self.emit(EventKind.STORED, seq.seq_id, block_ids=tuple(seq.block_table[i] for i in indices),
+                  block_hashes=tuple(hashes[i] for i in indices),
+                  parent_hash=hashes[indices[0] - 1] if indices[0] else None,
+                  token_ids=tuple(seq.token_ids[indices[0] * bs:(indices[-1] + 1) * bs]))
+
+    # ---- sharing --------------------------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` starts with every block of ``parent`` (ref counts up); they diverge by copy-on-write."""
+        for block in parent.block_table:
+            self.pool.add_ref(block, child.seq_id)
+            self.holders.setdefault(block, set()).add(child.seq_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if parent.block_table:
+            self.emit(EventKind.SHARED, child.seq_id, block_ids=tuple(parent.block_table), other_id=parent.seq_id,
+                      reason="fork")
+
+    # ---- release --------------------------------------------------------------------------------------------
+    def _drop(self, block: int, seq_id: int) -> BlockState:
+        """Drop ``seq_id``'s reference to ``block`` (no event); keeps ``owner`` a current holder."""
+        holders = self.holders.get(block)
+        if holders is not None:
+            holders.discard(seq_id)
+        state = self.pool.drop_ref(block)
+        if state == BlockState.USED:
+            if self.pool.owner[block] == seq_id and holders:
+                self.pool.set_owner(block, min(holders))
+        else:
+            self.holders.pop(block, None)
+        return state
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``, tail first (so its tail blocks are evicted first)."""
+        released, cached, freed = [], [], []
+        for block in reversed(seq.block_table):
+            state = self._drop(block, seq.seq_id)
+            (released if state == BlockState.USED else cached if state == BlockState.CACHED else freed).append(block)
+        for kind, blocks in ((EventKind.RELEASED, released), (EventKind.CACHED, cached), (EventKind.FREED, freed)):
+            if blocks:
+                self.emit(kind, seq.seq_id, block_ids=tuple(blocks))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: ``seq`` loses its blocks (full ones stay cached for its return)."""
+        self.emit(EventKind.PREEMPTED, seq.seq_id, block_ids=tuple(seq.block_table))
+        self.free(seq)
+
+    # ---- pool-wide ------------------------------------------------------------------------------------------
+    def relocate(self, new_id: np.ndarray, seqs: Iterable[Sequence]) -> list[int]:
+        """Rename every block (old b -> ``new_id[b]``) in the pool and in every table. Returns the non-free old ids
+        (the ones whose K/V must move)."""
+        moved = np.flatnonzero(self.pool.state != BlockState.FREE)
+        self.pool.permute(new_id)
+        for seq in seqs:
+            if seq.block_table:
+                seq.block_table = [int(new_id[b]) for b in seq.block_table]
+                seq.version += 1
+        self.holders = {int(new_id[b]): holders for b, holders in self.holders.items()}
+        self.emit(EventKind.RELOCATED, block_ids=tuple(moved.tolist()),
+                  new_block_ids=tuple(new_id[moved].tolist()))
+        return moved.tolist()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix hash; cached blocks become free. Returns how many cached blocks were dropped."""
+        cached = self.pool.clear_hashes()
+        self.emit(EventKind.CLEARED, block_ids=tuple(cached))
+        return len(cached)
+
+    # ---- transactions ---------------------------------------------------------------------------------------
+    def begin(self) -> tuple:
+        """A checkpoint for :meth:`rollback` (the caller saves the K/V it is about to overwrite itself)."""
+        return self.pool.checkpoint(), len(self.events), self.num_cow_copies, self.num_evictions
+
+    def end(self) -> None:
+        """The transaction is over (committed or rolled back)."""
+        self._trim_events()
+
+    def rollback(self, checkpoint: tuple, seqs: Iterable[Sequence]) -> None:
+        """Undo everything since :meth:`begin` (the caller restores the sequences first and passes them all)."""
+        pool_cp, num_events, self.num_cow_copies, self.num_evictions = checkpoint
+        self.pool.restore(pool_cp)
+        del self.events[num_events:]
+        self._published = min(self._published, len(self.events))
+        self.holders = {}
+        for seq in seqs:
+            for block in seq.block_table:
+                self.holders.setdefault(block, set()).add(seq.seq_id)
+        self.end()
+
+    # ---- invariants -----------------------------------------------------------------------------------------
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """The pool's invariants against the tables of ``seqs`` (all conversations), plus the manager's own:
+        holders match the tables, and a used block's owner is one of its holders."""
+        tables = {s.seq_id: s.block_table for s in seqs if s.block_table}
+        self.pool.check_invariants(tables.values())
+        expected: dict[int, set[int]] = {}
+        for cid, table in tables.items():
+            for block in table:
+                expected.setdefault(block, set()).add(cid)
+        assert expected == self.holders, "holders disagree with the block tables"
+        for block, holders in self.holders.items():
+            assert int(self.pool.owner[block]) in holders, f"block {block}'s owner holds no reference to it"

@@ -1,0 +1,119 @@
+"""Running the model on one scheduled batch: lay the tokens out, plan attention, forward, sample.
+
+The batch is flattened: every conversation computing a single token (a decode, or the last token of a prompt that
+was all cached) comes first and reads its context through one decode plan; every multi-token prefill chunk follows,
+back to back, each reading its earlier positions from the pool through its block table. Only conversations whose
+chunk reaches their last token are sampled (a chunk in the middle of a long prompt produces no token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .attention import DecodePlan, plan_decode
+from .kv_cache import KVCache
+from .model import BatchMetadata, CausalLM
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class PreparedBatch:
+    """Tensors of one forward pass, and which conversations get a sampled token."""
+
+    meta: BatchMetadata
+    input_ids: torch.Tensor  # int64 [tokens]
+    positions: torch.Tensor  # int64 [tokens]
+    sample_index: torch.Tensor  # int64 [sampled]: the row of each sampled conversation's last token
+    sampled: list[Sequence]  # conversations whose chunk ends at their last token, in sample_index order
+    num_prefill_tokens: int  # tokens computed that were not single-token decodes
+
+
+class ModelRunner:
+    """Owns nothing but references: the model, the K/V cache and the attention function the engine chose."""
+
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, block_size: int, attend: Callable):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.block_size = block_size
+        self.attend = attend  # engine.attention.attend_batch, or its compiled-kernel variant
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+        bs = self.block_size
+        singles = [s for s, n in zip(batch.seqs, batch.num_tokens) if n == 1]
+        chunks = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if n > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sampled: list[Sequence] = []
+        sample_rows: list[int] = []
+        for row, seq in enumerate(singles):
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            if p + 1 == seq.num_tokens:
+                sampled.append(seq)
+                sample_rows.append(row)
+        prefills = []
+        num_prefill = 0
+        for seq, n in chunks:
+            first, start = len(ids), seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            p = np.arange(start, end)
+            slots.extend((table[p // bs] * bs + p % bs).tolist())
+            prefills.append((first, n, torch.as_tensor(table, device=self.device), start))
+            num_prefill += n
+            if end == seq.num_tokens:
+                sampled.append(seq)
+                sample_rows.append(first + n - 1)
+        plan = self.plan(singles, [s.num_computed_tokens + 1 for s in singles]) if singles else None
+        dev = self.device
+        meta = BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), len(singles), plan, prefills)
+        return PreparedBatch(meta, torch.as_tensor(ids, dtype=torch.int64, device=dev),
+                             torch.as_tensor(pos, dtype=torch.int64, device=dev),
+                             torch.as_tensor(sample_rows, dtype=torch.int64, device=dev), sampled, num_prefill)
+
+    def plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
+        """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold."""
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        return plan_decode(torch.as_tensor(tables, device=self.device),
+                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.block_size)
+
+    def forward(self, prepared: PreparedBatch) -> torch.Tensor:
+        """K/V of every scheduled token written to the pool; logits [sampled, vocab] float32."""
+        with torch.inference_mode():
+            hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta, self.kv.layers, self.attend)
+            return self.model.compute_logits(hidden[prepared.sample_index])
+
+    @staticmethod
+    def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Greedy where temperature is 0, else a draw from softmax(logits / temperature) with the conversation's
+        own generator (so each conversation's stream depends only on its seed)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            if seq.temperature > 0:
+                probs = torch.softmax(logits[i] / seq.temperature, dim=-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+        return tokens
+
+    def probe(self, seqs: list[Sequence]) -> np.ndarray:
+        """Attention output of each conversation's last computed token in every layer, read through the block
+        tables and writing nothing: [layers, seqs, heads, dim] float32."""
+        meta = BatchMetadata(None, len(seqs), self.plan(seqs, [s.num_computed_tokens for s in seqs]), [])
+        ids = torch.as_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs], device=self.device)
+        pos = torch.as_tensor([s.num_computed_tokens - 1 for s in seqs], device=self.device)
+        outs: list[torch.Tensor] = []
+        with torch.inference_mode():
+            self.model(ids, pos, meta, self.kv.layers, self.attend, layer_hook=lambda i, out: outs.append(out.float()))
+        return torch.stack(outs).cpu().numpy()

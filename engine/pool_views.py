@@ -1,0 +1,153 @@
+"""The engine's state as immutable views: snapshots, conversation infos, memory figures, block inspection.
+
+Read-only: nothing here changes the pool. Views are cached by version (a conversation's info is rebuilt only when
+that conversation changed; the snapshot only when anything did), so the runner can ask after every step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
+                            PoolSnapshot, frozen_array)
+
+from .errors import EngineError
+from .sequence import Sequence
+from .validation import is_int
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class PoolViews:
+    """Builds the views of one engine."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self._info_cache: dict[int, tuple[int, ConversationInfo]] = {}  # seq id -> (seq version, info)
+        self._snapshot: PoolSnapshot | None = None
+        self.finished: deque[int] = deque()  # ids of finished/ended conversations still in views, newest last
+
+    def forget(self, seq_id: int) -> None:
+        self._info_cache.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self._info_cache.clear()
+        self._snapshot = None
+
+    # ---- conversations --------------------------------------------------------------------------------------
+    def info(self, seq: Sequence) -> ConversationInfo:
+        cached = self._info_cache.get(seq.seq_id)
+        if cached is not None and cached[0] == seq.version:
+            return cached[1]
+        tok = self.engine.tokenizer
+        out = seq.output_token_ids
+        info = ConversationInfo(
+            conversation_id=seq.seq_id, status=seq.status, prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+            output_token_ids=tuple(out), output_text=tok.decode(out, final=seq.is_finished),
+            prompt_text=tok.decode(seq.token_ids[: seq.num_prompt_tokens]),
+            block_table=tuple(seq.block_table), num_computed_tokens=seq.num_computed_tokens,
+            num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
+            parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,
+            finish_reason=seq.finish_reason, turns=tuple(seq.turns))
+        self._info_cache[seq.seq_id] = (seq.version, info)
+        return info
+
+    def conversations(self) -> tuple[ConversationInfo, ...]:
+        """Live conversations and the most recent finished ones (the window), by id."""
+        eng = self.engine
+        shown = sorted(s for s in eng.seqs if not eng.seqs[s].is_finished)
+        shown = sorted(shown + list(self.finished))
+        return tuple(self.info(eng.seqs[i]) for i in shown)
+
+    # ---- pool -----------------------------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        eng = self.engine
+        s, m = eng.scheduler, eng.manager
+        return EngineMetrics(
+            num_steps=eng.num_steps, num_generated_tokens=eng.num_generated, num_prefill_tokens=eng.num_prefill,
+            num_preemptions=s.num_preemptions, num_cow_copies=m.num_cow_copies, prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits, last_step_seconds=eng.last_step_seconds,
+            last_step_tokens=eng.last_step_tokens, last_step_prefill_tokens=eng.last_step_prefill,
+            num_evictions=m.num_evictions)
+
+    def memory_stats(self) -> MemoryStats:
+        eng = self.engine
+        pool, bs = eng.pool, eng.cfg.block_size
+        used = pool.state == BlockState.USED
+        num_used = int(used.sum())
+        filled = int(pool.num_filled[used].sum())
+        running = eng.scheduler.running
+        logical = sum(s.num_computed_tokens for s in running)
+        entries = sum(len(s.block_table) for s in running)
+        per_block = eng.kv.bytes_per_block
+        return MemoryStats(
+            bytes_per_block=per_block, bytes_per_token=per_block // bs, num_used_blocks=num_used,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_free_blocks=eng.cfg.num_blocks - num_used - pool.num_cached_blocks,
+            num_filled_slots=filled, num_allocated_slots=num_used * bs, num_tail_empty_slots=num_used * bs - filled,
+            num_logical_slots=logical, num_slots_saved_by_sharing=logical - filled,
+            num_contiguous_slots=sum(s.num_prompt_tokens + s.max_new_tokens for s in running),
+            block_table_bytes=4 * entries)
+
+    def snapshot(self) -> PoolSnapshot:
+        """An immutable copy of the pool and the conversations; the same object while nothing changed."""
+        eng = self.engine
+        if self._snapshot is not None and self._snapshot.version == eng.version:
+            return self._snapshot
+        pool = eng.pool
+        tables = MappingProxyType({s.seq_id: tuple(s.block_table) for s in eng.scheduler.running})
+        self._snapshot = PoolSnapshot(
+            step_id=eng.step_id, block_size=eng.cfg.block_size, num_blocks=eng.cfg.num_blocks,
+            ref_count=frozen_array(pool.ref_count), num_filled=frozen_array(pool.num_filled),
+            state=frozen_array(pool.state), owner=frozen_array(pool.owner), last_access=frozen_array(pool.last_access),
+            block_tables=tables, conversations=self.conversations(), metrics=self.metrics(),
+            memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
+            max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
+            source="engine")
+        return self._snapshot
+
+    # ---- one block ------------------------------------------------------------------------------------------
+    def inspect_block(self, block_id) -> BlockInfo:
+        eng = self.engine
+        n = eng.cfg.num_blocks
+        if not is_int(block_id) or not 0 <= block_id < n:
+            raise EngineError(f"no block {block_id!r}: block ids run from 0 to {n - 1}")
+        pool, bs, b = eng.pool, eng.cfg.block_size, int(block_id)
+        state = BlockState(int(pool.state[b]))
+        filled = int(pool.num_filled[b])
+        tables = {s.seq_id: s.block_table for s in eng.scheduler.running}
+        owners = eng.manager.owners(b, tables)
+        h = int(pool.block_hash[b])
+        if owners:
+            seq, index = eng.seqs[owners[0][0]], owners[0][1]
+            positions = tuple(range(index * bs, index * bs + filled))
+            tokens = tuple(seq.token_ids[p] for p in positions)
+        elif h != NO_HASH and h in pool.hashed:
+            record = pool.hashed[h]
+            tokens = record.token_ids
+            positions = tuple(range(record.start, record.start + len(tokens)))
+        else:
+            tokens, positions = (), ()
+        if state == BlockState.FREE:
+            note = "free: holds no reusable KV"
+        elif h != NO_HASH:
+            note = ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
+                    + (" (cached: free, evicted least-recently-used first)" if state == BlockState.CACHED else ""))
+        elif filled < bs:
+            note = f"partially filled ({filled}/{bs}): only full blocks are hashed and shared through the prefix cache"
+        elif not pool.enable_prefix_caching:
+            note = "full, but prefix caching is off"
+        else:
+            note = "full, but the same prefix is already cached in another block"
+        keys, values = eng.kv.read_block(b, filled)
+        keys.setflags(write=False)
+        values.setflags(write=False)
+        return BlockInfo(
+            block_id=b, state=state, ref_count=int(pool.ref_count[b]), num_filled=filled, block_size=bs,
+            token_ids=tuple(tokens), token_texts=tuple(eng.token_text(t) for t in tokens), positions=positions,
+            owners=tuple(owners), block_hash=h if h != NO_HASH else None, hash_note=note,
+            last_owner=int(pool.owner[b]), keys=keys, values=values)
