@@ -1,19 +1,45 @@
 """The conversations table, and the detail view of the selected conversation (block table and streaming text).
 
 The table model is updated in place from each snapshot (rows inserted, changed cells signalled) rather than
-rebuilt, so selection and scroll position survive 30 updates a second.
+rebuilt, so selection and scroll position survive 30 updates a second. A finished conversation says why it
+stopped (end-of-sequence, max new tokens, context limit, ended by user).
+
+The detail shows a conversation turn by turn (``ConversationInfo.turns``): each user message, then a "reply"
+separator, then the model's reply, so a follow-up message is never glued to the reply before it. The text of
+earlier turns needs a detokenizer (:meth:`ConversationDetail.set_detokenizer`, e.g. the local engine's); without
+one, the turns the panel watched live are split as they were seen, and anything else is shown whole, still
+separated from the reply being generated.
 """
 from __future__ import annotations
 
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from engine.snapshot import ConversationInfo, PoolSnapshot
+from kvstream.views import ConversationInfo, PoolSnapshot
 
+from . import palette
 from .palette import conversation_colour
 from .table_model import RowsModel
 
-COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill")
+COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by")
+COLUMN_WIDTHS = (48, 70, 58, 74, 50, 56, 60, 120)  # fixed: resizing to contents re-reads every cell on every update
+REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
+USER_MARK = "── user ──"  # the line before a follow-up message
+MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
+
+
+def stop_reason(info: ConversationInfo) -> str:
+    """Why a conversation stopped, in words ('max new tokens', 'ended by user', ...); '' while it is live or when
+    the source does not say."""
+    return info.finish_reason.words if info.finish_reason is not None else ""
+
+
+def status_text(info: ConversationInfo) -> str:
+    """'running', 'finished (max new tokens)', 'ended by user', ..."""
+    reason = stop_reason(info)
+    if not reason:
+        return str(info.status)
+    return reason if reason.startswith(str(info.status)) else f"{info.status} ({reason})"
 
 
 def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
@@ -22,7 +48,41 @@ def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
     shared = int((np.asarray(snapshot.ref_count)[list(table)] > 1).sum()) if table else 0
     tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table else "-"
     return (info.conversation_id, str(info.status), len(info.prompt_token_ids), len(info.output_token_ids),
-            len(table), shared, tail)
+            len(table), shared, tail, stop_reason(info))
+
+
+def ids_text(token_ids) -> str:
+    """Token ids as text, for sources that give no text (a checkpoint without a tokenizer)."""
+    return " ".join(str(t) for t in token_ids)
+
+
+def turn_segments(info: ConversationInfo, detokenize=None, seen=None) -> list[tuple[str, str]]:
+    """The conversation as (role, text) pairs, oldest first: ("user", message), ("reply", text), ...
+
+    The last reply is ``output_text`` (what is being generated). Earlier pieces come from ``detokenize`` (token ids
+    -> text) when given, else from ``seen`` (the (user, reply) texts of earlier turns as the panel saw them live),
+    else the whole prompt is one user piece."""
+    prompt = info.prompt_text or ids_text(info.prompt_token_ids)
+    output = info.output_text or (ids_text(info.output_token_ids) if not info.prompt_text else "")
+    turns = [t for t in info.turns if 0 <= t[0] <= t[1] <= len(info.prompt_token_ids)]
+    if len(turns) <= 1:
+        return [("user", prompt), ("reply", output)]
+    ids = info.token_ids
+    if detokenize is not None:
+        out = []
+        bounds = [u for u, _ in turns] + [len(info.prompt_token_ids)]
+        for k, (user, reply) in enumerate(turns):
+            out.append(("user", detokenize(ids[user:reply])))
+            out.append(("reply", detokenize(ids[reply:bounds[k + 1]]) if k + 1 < len(turns) else output))
+        return out
+    if seen and len(seen) == len(turns) - 1:
+        earlier = "".join(user + reply for user, reply in seen)
+        if prompt.startswith(earlier):
+            out = []
+            for user, reply in seen:
+                out += [("user", user), ("reply", reply)]
+            return out + [("user", prompt[len(earlier):]), ("reply", output)]
+    return [("user", prompt), ("reply", output)]
 
 
 class ConversationsModel(RowsModel):
@@ -33,7 +93,7 @@ class ConversationsModel(RowsModel):
     def cell_data(self, row: tuple, column: int, role):
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
             return QtGui.QColor(*conversation_colour(row[0]))
-        if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and column >= 2:
+        if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and 2 <= column < 7:
             return int(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
         return super().cell_data(row, column, role)
 
@@ -48,6 +108,7 @@ class ConversationsModel(RowsModel):
 
     def refresh(self, snapshot: PoolSnapshot) -> None:
         """Bring the rows up to date with ``snapshot`` (conversations only ever get added, never removed)."""
+        palette.observe(snapshot)  # the same colours as the grid, whichever draws first
         new_rows = [conversation_row(info, snapshot) for info in snapshot.conversations]
         if len(new_rows) < len(self._rows) or any(a[0] != b[0] for a, b in zip(self._rows, new_rows)):
             self.set_rows(new_rows)  # a different engine (restart): start over
@@ -64,7 +125,8 @@ class ConversationsModel(RowsModel):
 
 
 class ConversationDetail(QtWidgets.QWidget):
-    """Block table (logical -> physical) and the text of one conversation, prompt dim and output normal."""
+    """Block table (logical -> physical) and the text of one conversation, turn by turn: user messages dim, the
+    model's replies normal, a separator line between them."""
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
@@ -80,10 +142,20 @@ class ConversationDetail(QtWidgets.QWidget):
         layout.addWidget(self.table_label)
         layout.addWidget(self.text, 1)
         self._key = None
-        self._shown = ("", "")  # (prompt, output) currently in the text view
+        self._shown: tuple[tuple[tuple[str, str], ...], str] = ((), "")  # (pieces before the last reply, that reply)
+        self._detokenize = None  # token ids -> text, for the text of earlier turns (None: not available)
+        self._seen: dict[int, list[tuple[int, str, str]]] = {}  # id -> (turn, user text, reply text) seen live
         self._prompt_format = QtGui.QTextCharFormat()
         self._prompt_format.setForeground(QtGui.QColor(138, 138, 150))
         self._output_format = QtGui.QTextCharFormat()
+        self._mark_format = QtGui.QTextCharFormat()
+        self._mark_format.setForeground(QtGui.QColor(110, 150, 200))
+        self._mark_format.setFontWeight(QtGui.QFont.Weight.Bold)
+
+    def set_detokenizer(self, detokenize) -> None:
+        """``detokenize(token_ids) -> str`` for the text of earlier turns (None: the source has none)."""
+        self._detokenize = detokenize
+        self._key = None
 
     def show_conversation(self, info: ConversationInfo | None, snapshot: PoolSnapshot) -> None:
         if info is None:
@@ -91,21 +163,26 @@ class ConversationDetail(QtWidgets.QWidget):
                 self.title.setText("Select a conversation to see its block table and text.")
                 self.table_label.clear()
                 self.text.clear()
-                self._shown = ("", "")
+                self._shown = ((), "")
                 self._key = None
             return
+        self._remember_turn(info)
         table = snapshot.block_tables.get(info.conversation_id, ())
         refs = [int(snapshot.ref_count[b]) for b in table]
         fills = [int(snapshot.num_filled[b]) for b in table]
-        key = (info.conversation_id, str(info.status), len(info.prompt_text), info.output_text, tuple(table),
-               tuple(refs), tuple(fills))
+        key = (info.conversation_id, str(info.status), info.finish_reason, len(info.prompt_token_ids),
+               info.prompt_text, info.output_text, len(info.output_token_ids), info.turns, tuple(table), tuple(refs),
+               tuple(fills))
         if key == self._key:
             return
         self._key = key
+        palette.observe(snapshot)
         r, g, b = conversation_colour(info.conversation_id)
+        turns = f", turn {len(info.turns)}" if len(info.turns) > 1 else ""
         self.title.setText(
-            f"<b style='color:rgb({r},{g},{b})'>■</b> <b>Conversation {info.conversation_id}</b> — {info.status}, "
-            f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens"
+            f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — {status_text(info)}{turns}, "
+            f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens "
+            f"(at most {info.max_new_tokens} new)"
             + (f", forked from {info.parent_id}" if info.parent_id is not None else "")
             + (f", {info.num_cached_tokens} prompt tokens from the prefix cache" if info.num_cached_tokens else ""))
         if table:
@@ -119,23 +196,62 @@ class ConversationDetail(QtWidgets.QWidget):
             self.table_label.setText("Block table: empty (it holds no blocks now)")
         self._show_text(info)
 
+    def _remember_turn(self, info: ConversationInfo) -> None:
+        """Keep each turn's user message and finished reply as seen, to split the history without a
+        detokenizer once a follow-up message makes them part of one long prompt."""
+        if len(info.turns) != 1 and info.conversation_id not in self._seen:
+            return  # joined after the first turn: what was said before cannot be split by watching
+        seen = self._seen.setdefault(info.conversation_id, [])
+        turn = len(info.turns) - 1
+        earlier = "".join(user + reply for _, user, reply in seen if _ < turn)
+        prompt = info.prompt_text
+        if not prompt.startswith(earlier) or any(t > turn for t, _, _ in seen):
+            self._seen.pop(info.conversation_id, None)  # the history does not match what was seen: forget it
+            return
+        entry = (turn, prompt[len(earlier):], info.output_text)
+        if len(self._seen) > MAX_REMEMBERED:
+            del self._seen[next(iter(self._seen))]  # the oldest conversation watched
+        if seen and seen[-1][0] == turn:
+            seen[-1] = entry
+        else:
+            seen.append(entry)
+
+    def _segments(self, info: ConversationInfo) -> list[tuple[str, str]]:
+        seen = [(user, reply) for turn, user, reply in self._seen.get(info.conversation_id, ())
+                if turn < len(info.turns) - 1]
+        return turn_segments(info, self._detokenize, seen)
+
     def _show_text(self, info: ConversationInfo) -> None:
-        """Prompt dim, output normal; when only new output arrived, append it instead of redrawing everything."""
+        """User messages dim, replies normal, a separator before each; when only the last reply grew, append the
+        new text instead of redrawing everything."""
         scrollbar = self.text.verticalScrollBar()
         at_end = scrollbar.value() >= scrollbar.maximum() - 4
-        shown_prompt, shown_output = self._shown
+        pieces = self._segments(info)
+        head, (_, reply) = tuple(pieces[:-1]), pieces[-1]
+        shown_head, shown_reply = self._shown
         cursor = QtGui.QTextCursor(self.text.document())
-        if shown_prompt == info.prompt_text and info.output_text.startswith(shown_output):
+        if shown_head == head and reply.startswith(shown_reply):
             cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
-            cursor.insertText(info.output_text[len(shown_output):], self._output_format)
+            cursor.insertText(reply[len(shown_reply):], self._output_format)
         else:
             self.text.clear()
             cursor = QtGui.QTextCursor(self.text.document())
-            cursor.insertText(info.prompt_text, self._prompt_format)
-            cursor.insertText(info.output_text, self._output_format)
-        self._shown = (info.prompt_text, info.output_text)
+            for i, (role, text) in enumerate(pieces):
+                if role == "reply":
+                    self._insert_mark(cursor, REPLY_MARK)
+                elif i > 0:
+                    self._insert_mark(cursor, USER_MARK)
+                cursor.insertText(text, self._output_format if role == "reply" else self._prompt_format)
+        self._shown = (head, reply)
         if at_end:
             scrollbar.setValue(scrollbar.maximum())
+
+    def _insert_mark(self, cursor: QtGui.QTextCursor, mark: str) -> None:
+        """A separator line of its own: starts a new paragraph before and after it."""
+        if not cursor.atBlockStart():
+            cursor.insertBlock()
+        cursor.insertText(mark, self._mark_format)
+        cursor.insertBlock()
 
     def plain_text(self) -> str:
         return self.text.toPlainText()
@@ -159,8 +275,8 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
         header = self.view.horizontalHeader()
-        for column, width in enumerate((48, 70, 58, 78, 50, 56, 60)):  # fixed: resizing to contents re-reads
-            header.resizeSection(column, width)                        # every cell on every update
+        for column, width in enumerate(COLUMN_WIDTHS):
+            header.resizeSection(column, width)
         header.setStretchLastSection(True)
         self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)
@@ -192,6 +308,10 @@ class ConversationsPanel(QtWidgets.QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(split)
         self._snapshot: PoolSnapshot | None = None
+
+    def set_detokenizer(self, detokenize) -> None:
+        """Token ids -> text for the detail's earlier turns (the local engine's ``detokenize``); None: none."""
+        self.detail.set_detokenizer(detokenize)
 
     def selected_conversation(self) -> int | None:
         rows = self.view.selectionModel().selectedRows()

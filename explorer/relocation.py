@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from PySide6 import QtCore, QtWidgets
 
-from engine.snapshot import MemoryStats
+from kvstream.views import MemoryStats
 
 
 def human_bytes(n: int) -> str:

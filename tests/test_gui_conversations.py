@@ -1,0 +1,108 @@
+"""The conversations table and detail: why a conversation stopped, and turns shown as turns."""
+import numpy as np
+import pytest
+
+from kvstream.views import ConversationInfo, FinishReason, PoolSnapshot, Status
+from explorer.conversations import (REPLY_MARK, USER_MARK, ConversationDetail, ConversationsPanel, status_text,
+                                    turn_segments)
+
+
+def text_ids(text):
+    return tuple(text.encode())
+
+
+def detokenize(ids):
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def conv(cid, prompt="Hello there.", output="", status=Status.RUNNING, reason=None, turns=None, max_new=32,
+         prompt_text=None, output_text=None, prompt_ids=None, output_ids=None):
+    prompt_ids = text_ids(prompt) if prompt_ids is None else prompt_ids
+    output_ids = text_ids(output) if output_ids is None else output_ids
+    return ConversationInfo(
+        conversation_id=cid, status=status, prompt_token_ids=prompt_ids, output_token_ids=output_ids,
+        output_text=output if output_text is None else output_text,
+        prompt_text=prompt if prompt_text is None else prompt_text, block_table=(), num_computed_tokens=0,
+        num_cached_tokens=0, max_new_tokens=max_new, temperature=0.0, parent_id=None, num_preemptions=0,
+        arrival_step=cid, finish_reason=reason, turns=((0, len(prompt_ids)),) if turns is None else turns)
+
+
+def view(conversations):
+    n = 8
+    return PoolSnapshot(step_id=1, block_size=4, num_blocks=n, ref_count=np.zeros(n, np.int32),
+                        num_filled=np.zeros(n, np.int32), state=np.zeros(n, np.int8), owner=np.full(n, -1, np.int32),
+                        last_access=np.zeros(n, np.int64), block_tables={}, conversations=tuple(conversations))
+
+
+@pytest.fixture
+def panel(qtbot):
+    widget = ConversationsPanel()
+    qtbot.addWidget(widget)
+    widget.resize(900, 300)
+    widget.show()
+    return widget
+
+
+def test_table_and_detail_say_why_a_conversation_stopped(panel):
+    convs = [conv(0, status=Status.FINISHED, reason=FinishReason.LENGTH), conv(1, status=Status.FINISHED,
+                                                                               reason=FinishReason.EOS),
+             conv(2, status=Status.ENDED, reason=FinishReason.ENDED),
+             conv(3, status=Status.FINISHED, reason=FinishReason.CONTEXT), conv(4)]
+    panel.refresh(view(convs))
+    model = panel.model
+    column = model.COLUMNS.index("stopped by")
+    assert [model.data(model.index(r, column)) for r in range(5)] == [
+        "max new tokens", "end-of-sequence", "ended by user", "context limit", ""]
+    assert [model.data(model.index(r, 1)) for r in range(5)] == ["finished"] * 2 + ["ended", "finished", "running"]
+    assert [status_text(c) for c in convs] == ["finished (max new tokens)", "finished (end-of-sequence)",
+                                               "ended by user", "finished (context limit)", "running"]
+    panel.select_conversation(0)
+    assert "finished (max new tokens)" in panel.detail.title.text()
+    assert status_text(conv(5, status=Status.FINISHED)) == "finished"  # a source that does not say why
+
+
+def two_turns(reply="Sure, blocks."):
+    first, answer, follow = "Hello there.", "decoded strin", "Please say more"
+    prompt = first + answer + follow
+    return conv(7, prompt=prompt, output=reply, turns=((0, len(first)), (len(first + answer), len(prompt))))
+
+
+def test_a_follow_up_is_not_glued_to_the_reply_before_it(qtbot):
+    detail = ConversationDetail()
+    qtbot.addWidget(detail)
+    detail.set_detokenizer(detokenize)
+    info = two_turns()
+    detail.show_conversation(info, view([info]))
+    text = detail.plain_text()
+    assert "strinPlease" not in text
+    assert text == "\n".join(["Hello there.", REPLY_MARK, "decoded strin", USER_MARK, "Please say more", REPLY_MARK,
+                              "Sure, blocks."])
+    assert "turn 2" in detail.title.text()
+    longer = two_turns("Sure, blocks. More")  # streaming: only the last reply grows
+    detail.show_conversation(longer, view([longer]))
+    assert detail.plain_text().endswith(REPLY_MARK + "\nSure, blocks. More")
+    assert turn_segments(info, detokenize) == [("user", "Hello there."), ("reply", "decoded strin"),
+                                               ("user", "Please say more"), ("reply", "Sure, blocks.")]
+
+
+def test_turns_watched_live_are_split_without_a_detokenizer(qtbot):
+    detail = ConversationDetail()
+    qtbot.addWidget(detail)
+    first = conv(7, prompt="Hello there.", output="decoded strin", status=Status.FINISHED, reason=FinishReason.LENGTH)
+    detail.show_conversation(first, view([first]))
+    assert detail.plain_text() == f"Hello there.\n{REPLY_MARK}\ndecoded strin"
+    second = two_turns()
+    detail.show_conversation(second, view([second]))
+    assert USER_MARK + "\nPlease say more\n" + REPLY_MARK in detail.plain_text()
+    other = ConversationDetail()  # never saw the first turn: the history is one piece, the reply still apart
+    qtbot.addWidget(other)
+    other.show_conversation(second, view([second]))
+    assert other.plain_text() == f"Hello there.decoded strinPlease say more\n{REPLY_MARK}\nSure, blocks."
+
+
+def test_token_ids_when_the_source_has_no_text(qtbot):
+    detail = ConversationDetail()
+    qtbot.addWidget(detail)
+    info = conv(3, prompt_ids=(12, 7, 99), output_ids=(5, 6), prompt_text="", output_text="")
+    detail.show_conversation(info, view([info]))
+    assert detail.plain_text() == f"12 7 99\n{REPLY_MARK}\n5 6"
