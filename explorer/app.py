@@ -1,20 +1,26 @@
-"""Start the desktop app: load the engine with a progress dialog, start its thread, show the main window.
+"""Start the desktop app: build the sources the command line asks for, show the window, take screenshots.
 
 Kept apart from main.py so tests and benchmarks can build the same window without going through the CLI.
 """
 from __future__ import annotations
 
 import sys
+import time
 
 import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
-from engine.config import EngineConfig
-from engine.runner import EngineRunner
+from engine import EngineConfig
 
 from .demo import DEMO_SPEED, DEMOS
+from .engine_feed import EngineFeed
+from .layout import LayoutMemory
 from .loader import load_engine_blocking
 from .main_window import MainWindow
+
+SCREENSHOT_STEPS = 3  # engine steps to wait for before a screenshot, so the first tokens are on screen
+SCREENSHOT_TIMEOUT_S = 10.0  # take it anyway after this long (an idle or silent source)
+SCREENSHOT_MIN_S = 1.5  # and not before this: the status line's rates need a second of frames
 
 
 def application() -> QtWidgets.QApplication:
@@ -27,6 +33,7 @@ def application() -> QtWidgets.QApplication:
     sys.setswitchinterval(0.001)
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
     app.setApplicationName("Paged KV-cache explorer")
+    app.setOrganizationName("paged-kv-explorer")
     pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
     return app
 
@@ -34,7 +41,9 @@ def application() -> QtWidgets.QApplication:
 def show_example_selection(window: MainWindow, select_conversation: bool = True) -> None:
     """Select a block the second conversation shares (and that conversation), so the first screen also fills
     the side panels."""
-    snap = window.runner.latest
+    snap = window.source.feed.latest()
+    if snap is None:
+        return
     tables = snap.block_tables
     if len(tables) < 2:
         return
@@ -45,29 +54,104 @@ def show_example_selection(window: MainWindow, select_conversation: bool = True)
         window.select_conversation_when_present(cid)
 
 
-def run_gui(cfg: EngineConfig, demo: str = "none", screenshot: str | None = None,
-            quit_after: float | None = None) -> int:
-    """Run the app until its window closes; returns the process exit code (2 when the engine cannot load)."""
+def when_drawn(window: MainWindow, callback, steps: int = SCREENSHOT_STEPS,
+               timeout_s: float = SCREENSHOT_TIMEOUT_S) -> QtCore.QTimer:
+    """Call ``callback()`` once the window is drawn and, if its source is decoding, a few steps were shown."""
+    start = time.perf_counter()
+    first_step: list[int] = []
+    timer = QtCore.QTimer(window)
+    timer.setInterval(100)
+
+    def check() -> None:
+        view = window.source.view
+        drawn = window.isVisible() and window.grid.frames_drawn > 0 and view is not None
+        if drawn and not first_step:
+            first_step.append(view.step_id)
+        working = view is not None and any(c.is_live for c in view.conversations)
+        ready = drawn and (not working or view.step_id >= first_step[0] + steps) \
+            and time.perf_counter() - start >= SCREENSHOT_MIN_S
+        if ready or time.perf_counter() - start > timeout_s:
+            timer.stop()
+            callback()
+
+    timer.timeout.connect(check)
+    timer.start()
+    return timer
+
+
+def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> None:
+    target = window.lesson_window if lesson and window.lesson_window is not None else window
+    QtWidgets.QApplication.processEvents()
+    if target.grab().save(path):
+        print(f"saved {path}", flush=True)
+    else:
+        print(f"error: could not save the screenshot to {path}", file=sys.stderr, flush=True)
+
+
+def build_feeds(opts) -> tuple[list, str | None]:
+    """The feeds the command line asks for other than the local engine: (feeds, error message)."""
+    feeds = []
+    try:
+        if opts.open:
+            from .stream_feed import RecordingFeed
+            feeds.append(RecordingFeed.open(opts.open))
+        for endpoint in opts.attach:
+            from .stream_feed import AttachFeed
+            feeds.append(AttachFeed.connect(endpoint))
+        for endpoint in opts.attach_kv_events:
+            from .kv_event_feed import KVEventFeed
+            feeds.append(KVEventFeed.connect(endpoint, tokenizer=opts.tokenizer))
+    except (ValueError, OSError, ImportError) as exc:
+        for feed in feeds:
+            feed.close()
+        return [], str(exc)
+    return feeds, None
+
+
+def run_gui(opts, cfg: EngineConfig) -> int:
+    """Run the app until its window closes; returns the process exit code (2 when a source cannot start)."""
     app = application()
-    engine, error = load_engine_blocking(cfg, DEMOS.get(demo))
-    if engine is None:
+    settings = LayoutMemory.user_settings()
+    demo = opts.demo
+    feeds, error = build_feeds(opts)
+    if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    runner = EngineRunner(engine, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None).start()
-    window = MainWindow(runner, cfg)
+    if feeds:
+        window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
+    else:
+        engine, error = load_engine_blocking(cfg, DEMOS.get(demo))
+        if engine is None:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        from .outputs import engine_sinks
+        try:
+            sinks = engine_sinks(opts)
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        feed = EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None,
+                                extra_sinks=sinks)
+        window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
     window.show()
     if demo == "lesson":
         window.open_lesson()
     elif demo in DEMOS:
         show_example_selection(window, select_conversation=demo == "busy")
-    if screenshot:
-        def save_and_quit() -> None:
-            window.grab().save(screenshot)
-            print(f"saved {screenshot}")
+    lesson = demo == "lesson"
+    if opts.screenshot:
+        def first_shot() -> None:
+            save_screenshot(window, opts.screenshot, lesson)
+            if opts.quit_after is None:
+                window.close()
+        window.screenshot_timer = when_drawn(window, first_shot)
+    if opts.quit_after is not None:
+        def last_shot_and_quit() -> None:
+            if opts.screenshot:
+                save_screenshot(window, opts.screenshot, lesson)  # the state at the end, as asked
             window.close()
-        QtCore.QTimer.singleShot(int(1000 * (quit_after if quit_after is not None else 5.0)), save_and_quit)
-    elif quit_after is not None:
-        QtCore.QTimer.singleShot(int(1000 * quit_after), window.close)
+        QtCore.QTimer.singleShot(int(1000 * opts.quit_after), last_shot_and_quit)
     app.exec()
-    window.runner.stop(timeout=1.0)  # closing the window stopped it already; this covers any other way out
+    for source in window.sources:  # closing the window closed them already; this covers any other way out
+        source.close()
     return 0

@@ -1,36 +1,143 @@
-"""Run the engine without Qt: print a short summary every few steps and stop when there is nothing left to do.
+"""Run without a window: the same feeds as the GUI, printed as text or as one JSON object per line.
 
-Useful on machines without a display and as the baseline the GUI benchmark compares against.
+``--headless`` drives the local engine (its runner thread, with the recorder and publisher sinks the command line
+asks for) until nothing is left to decode, or plays a recording to its end, or follows attached streams until
+``--quit-after`` or Ctrl+C. Text mode prints a progress line about once a second and, at the end, the text each
+conversation generated; ``--json`` prints DESIGN.md's summary object (``kvstream.summary.json_summary``) about
+once a second and once at exit, which is what scripts and CI read.
+
+No Qt is imported here: headless runs on machines without a display.
 """
 from __future__ import annotations
 
+import json
+import signal
+import sys
+import threading
 import time
 from collections import Counter
 
+PRINT_INTERVAL_S = 1.0  # a line about once a second
+POLL_S = 0.05  # how often the main thread looks at the feeds
+TEXT_PREVIEW = 400  # characters of each conversation's output printed at the end
 
-def summary_line(engine) -> str:
-    snap = engine.snapshot()
+
+def summary_line(snap) -> str:
+    """One progress line for a view: step, conversations by status, pool occupancy."""
     statuses = Counter(str(c.status) for c in snap.conversations)
     mem = snap.memory
     pool = (f"pool {mem.num_used_blocks} used / {mem.num_cached_blocks} cached / {mem.num_free_blocks} free, "
-            f"{mem.num_filled_slots}/{mem.num_allocated_slots} slots filled" if mem else "")
+            f"{mem.num_filled_slots}/{mem.num_allocated_slots} slots filled" if mem else
+            f"pool of {snap.num_blocks} blocks")
     convs = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no conversations"
     return f"step {snap.step_id:5d}: {convs}; {pool}"
 
 
-def run_headless(engine, every: int = 10, max_steps: int | None = None, out=print) -> int:
-    """Step until idle (or ``max_steps``); returns the number of steps taken."""
-    steps = 0
-    start = time.perf_counter()
-    out(summary_line(engine))
-    while engine.has_work() and (max_steps is None or steps < max_steps):
-        engine.step()
-        steps += 1
-        if steps % every == 0:
-            out(summary_line(engine))
-    elapsed = time.perf_counter() - start
-    metrics = engine.snapshot().metrics
-    out(summary_line(engine))
-    out(f"idle after {steps} steps in {elapsed:.1f} s; {metrics.num_generated_tokens} tokens generated "
-        f"({metrics.num_generated_tokens / max(elapsed, 1e-9):.1f} tokens/s)")
-    return steps
+def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
+    """'conversation 3 (finished: max new tokens, 40 tokens): <its output>' for each conversation of the view."""
+    lines = []
+    for c in snap.conversations:
+        reason = f": {c.finish_reason.words}" if c.finish_reason is not None else ""
+        text = c.output_text if len(c.output_text) <= limit else c.output_text[:limit] + "…"
+        lines.append(f"{c.name} ({c.status}{reason}, {len(c.output_token_ids)} tokens): {text!r}")
+    return lines
+
+
+def json_line(snap, **extra) -> str:
+    from kvstream.summary import json_summary
+    data = dict(json_summary(snap))
+    data.update(extra)
+    return json.dumps(data, sort_keys=False)
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM so the last line is still printed."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.event.set())
+
+
+def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=None) -> int:
+    """Poll ``feeds`` until ``done()`` (all finished), ``quit_after`` seconds, or a signal; print as asked.
+
+    Returns the exit status (0). The last line(s) describe each feed's final view.
+    """
+    stop = _Stop()
+    stop.install()
+    start = last_print = time.perf_counter()
+    printed_any = False
+    while True:
+        now = time.perf_counter()
+        finished = done is not None and done()
+        timed_out = quit_after is not None and now - start >= quit_after
+        if finished or timed_out or stop.event.is_set():
+            break
+        if now - last_print >= PRINT_INTERVAL_S or not printed_any:
+            printed_any = _print_views(feeds, json_mode, out) or printed_any
+            last_print = now
+        stop.event.wait(POLL_S)
+    for feed in feeds:
+        for problem in feed.take_problems():
+            print(f"{problem.title}: {problem.text}", file=sys.stderr)
+    _print_views(feeds, json_mode, out, final=True)
+    return 0
+
+
+def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
+    printed = False
+    for feed in feeds:
+        snap = feed.final_view() if final else feed.latest()
+        if snap is None:
+            continue
+        printed = True
+        if json_mode:
+            out(json_line(snap))
+        else:
+            out(summary_line(snap) if len(feeds) == 1 else f"{feed.title}: {summary_line(snap)}")
+            if final:
+                for line in conversation_texts(snap):
+                    out("  " + line)
+    return printed
+
+
+def run_headless_cli(opts, cfg) -> int:
+    """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
+    from engine import Engine, EngineError
+    feeds = []
+    try:
+        if opts.open or opts.attach or opts.attach_kv_events:
+            from .stream_feed import open_feeds
+            feeds = open_feeds(opts)
+            done = (lambda: all(f.complete for f in feeds)) if opts.open else None
+        else:
+            from .demo import DEMOS
+            from .engine_feed import EngineFeed
+            from .outputs import engine_sinks
+            engine = Engine(cfg, progress=None)
+            if opts.demo in DEMOS:
+                DEMOS[opts.demo](engine)
+            feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0)]
+            done = feeds[0].idle
+    except (EngineError, ValueError, OSError, ImportError) as exc:
+        for feed in feeds:
+            feed.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done)
+    finally:
+        for feed in feeds:
+            feed.close()
+    if not opts.json and feeds and feeds[0].kind == "engine":
+        snap = feeds[0].final_view()
+        elapsed = time.perf_counter() - started
+        tokens = snap.metrics.num_generated_tokens
+        print(f"idle after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
+              f"({tokens / max(elapsed, 1e-9):.1f} tokens/s)")
+    return status

@@ -1,0 +1,157 @@
+"""The command line of DESIGN.md, parsed and checked before anything heavy loads.
+
+Every mistake ends in one line, ``error: ...`` on stderr, and exit status 2: argparse's own usage dump is replaced
+by that line, and combinations that cannot work together (``--json`` without ``--headless``, ``--record`` of an
+attached pool, ...) are refused here with the reason, before torch or Qt start.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+DEMO_NAMES = ("busy", "crowd", "lesson", "none")
+_ENDPOINT = re.compile(r"(tcp://(\*|[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)")
+
+USAGE = """python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
+               [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
+               [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
+               [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]"""
+
+
+class UsageError(Exception):
+    """A command line that cannot run; the message is the one line the user sees."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line and exit 2 (not the usage text)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        raise UsageError(message)
+
+
+def parse_geometry(text: str) -> tuple[int, int]:
+    """'1366x768' -> (1366, 768); a clear ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d{2,5})\s*[xX×]\s*(\d{2,5})\s*", text or "")
+    if not match:
+        raise ValueError(f"--geometry must look like WIDTHxHEIGHT (for example 1366x768), got {text!r}")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not (320 <= width <= 16384 and 240 <= height <= 16384):
+        raise ValueError(f"--geometry {width}x{height} is out of range: width 320-16384, height 240-16384 pixels")
+    return width, height
+
+
+def check_endpoint(flag: str, endpoint: str, bind: bool = False) -> str:
+    """A ZMQ endpoint ``tcp://host:port``, ``ipc://path`` or ``inproc://name``; ``*`` as host only to bind."""
+    match = _ENDPOINT.fullmatch(endpoint or "")
+    if not match:
+        raise UsageError(f"{flag} needs a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool, "
+                         f"got {endpoint!r}")
+    if match.group(3) is not None:
+        port = int(match.group(3))
+        if not 1 <= port <= 65535:
+            raise UsageError(f"{flag}: port {port} is out of range (1-65535)")
+        if match.group(2) == "*" and not bind:
+            raise UsageError(f"{flag} connects to a server: give its host (tcp://127.0.0.1:{port}), not '*'")
+    return endpoint
+
+
+def _check_output_file(flag: str, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="main.py", description="Paged KV-cache explorer", usage=USAGE)
+    parser.add_argument("--model", default="builtin", help="'builtin' or a local checkpoint directory")
+    parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
+    parser.add_argument("--num-blocks", type=int, default=128, help="physical blocks in the pool (default 128)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--demo", default="none", choices=DEMO_NAMES,
+                        help="busy: a few conversations sharing blocks; crowd: many, for large pools; lesson")
+    parser.add_argument("--headless", action="store_true", help="no window: print progress (or --json) instead")
+    parser.add_argument("--json", action="store_true",
+                        help="with --headless: one JSON object per line, about once a second and once at exit")
+    parser.add_argument("--screenshot", metavar="PATH", help="save a PNG of the window once it is drawn")
+    parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="close the app after this long")
+    parser.add_argument("--geometry", metavar="WxH", help="window size in pixels, e.g. 1366x768")
+    parser.add_argument("--record", metavar="FILE", help="save the local engine's pool stream to FILE while running")
+    parser.add_argument("--open", metavar="FILE", help="replay a recording (GUI: scrub it; headless: to the end)")
+    parser.add_argument("--kv-events", metavar="ENDPOINT",
+                        help="the local engine publishes vLLM-format KV events on this ZMQ endpoint")
+    parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ")
+    parser.add_argument("--attach", metavar="ENDPOINT", action="append", default=[],
+                        help="watch a pool stream (another --publish, or vLLM with the plugin); repeatable")
+    parser.add_argument("--attach-kv-events", metavar="ENDPOINT", action="append", default=[],
+                        help="watch a vLLM/SGLang KV-event stream; repeatable")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (tokenizer.json) for token text")
+    parser.add_argument("--compile-attention", action="store_true",
+                        help="decode attention through the torch.compile'd kernel: faster for long contexts and big "
+                             "batches; each new batch/context size bucket compiles once (seconds)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check; raises UsageError with the one line to print."""
+    opts = build_parser().parse_args(argv)
+    opts.size = parse_geometry(opts.geometry) if opts.geometry is not None else None
+    if opts.quit_after is not None and not opts.quit_after >= 0:
+        raise UsageError("--quit-after must be a number of seconds, 0 or more")
+    if opts.json and not opts.headless:
+        raise UsageError("--json prints to the terminal: add --headless (the window has File > Export > JSON)")
+    if opts.headless and opts.screenshot:
+        raise UsageError("--screenshot needs the window; drop --headless")
+    if opts.headless and opts.geometry:
+        raise UsageError("--geometry sizes the window; drop --headless")
+    if opts.headless and opts.demo == "lesson":
+        raise UsageError("the lesson needs the window; drop --headless")
+    if opts.screenshot:
+        _check_output_file("--screenshot", opts.screenshot)
+    for endpoint in opts.attach:
+        check_endpoint("--attach", endpoint)
+    for endpoint in opts.attach_kv_events:
+        check_endpoint("--attach-kv-events", endpoint)
+    if opts.publish:
+        check_endpoint("--publish", opts.publish, bind=True)
+    if opts.kv_events:
+        check_endpoint("--kv-events", opts.kv_events, bind=True)
+    watching = [flag for flag, on in (("--open", opts.open), ("--attach", opts.attach),
+                                      ("--attach-kv-events", opts.attach_kv_events)) if on]
+    if opts.open and (opts.attach or opts.attach_kv_events):
+        raise UsageError("--open replays one recording; it cannot be combined with --attach or --attach-kv-events")
+    if watching:
+        local = [flag for flag, on in (("--record", opts.record), ("--publish", opts.publish),
+                                       ("--kv-events", opts.kv_events), ("--compile-attention",
+                                                                         opts.compile_attention),
+                                       ("--demo", opts.demo not in ("none", "lesson"))) if on]
+        if local:
+            raise UsageError(f"{' and '.join(local)} run the local engine, but {watching[0]} watches another "
+                             "source instead; use them in separate runs")
+    if opts.open and not os.path.isfile(opts.open):
+        raise UsageError(f"--open {opts.open}: no such file" if not os.path.exists(opts.open)
+                         else f"--open {opts.open} is not a file")
+    if opts.record:
+        _check_output_file("--record", opts.record)
+        if opts.open and os.path.abspath(opts.open) == os.path.abspath(opts.record):
+            raise UsageError("--record would overwrite the file --open reads")
+    if opts.tokenizer is not None:
+        if not os.path.isdir(opts.tokenizer):
+            raise UsageError(f"--tokenizer {opts.tokenizer}: no such directory")
+        if not os.path.isfile(os.path.join(opts.tokenizer, "tokenizer.json")):
+            raise UsageError(f"--tokenizer {opts.tokenizer} has no tokenizer.json")
+    return opts
+
+
+def parse_or_exit(argv: list[str] | None = None) -> argparse.Namespace:
+    """parse_args, or print the one line and exit 2."""
+    try:
+        return parse_args(argv)
+    except (UsageError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

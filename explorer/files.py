@@ -1,0 +1,201 @@
+"""File and help actions of the window: export PNG/JSON, record and open pool streams, demos, help, shortcuts.
+
+Each action is a plain function of the window so menus, tests and the command line share it. Anything that can
+fail on the user's input (a path that cannot be written, a file that is not a recording) ends in a message that
+says what happened, and leaves the window as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from PySide6 import QtCore, QtWidgets
+
+EXPORT_KINDS = {  # kind -> (dialog title, file filter, default suffix)
+    "window": ("Export window as PNG", "PNG images (*.png)", ".png"),
+    "grid": ("Export grid as PNG", "PNG images (*.png)", ".png"),
+    "json": ("Export current view as JSON", "JSON (*.json)", ".json"),
+}
+
+
+def _writable(path: str) -> str:
+    """'' if ``path`` can be written, else why not."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable"
+    return ""
+
+
+# ---- export -------------------------------------------------------------------------------------------------------
+def view_json(window) -> dict:
+    """The current view as one JSON object: DESIGN.md's --json summary, plus what is being viewed and from where."""
+    from kvstream.summary import json_summary
+    source = window.source
+    if source.view is None:
+        raise ValueError("there is no view to export yet")
+    data = dict(json_summary(source.view))
+    data["viewing_history_seq"] = source.viewing
+    data["title"] = source.title
+    data["conversations"] = [
+        {"id": c.conversation_id, "status": str(c.status), "label": c.label, "prompt_tokens": len(c.prompt_token_ids),
+         "output_tokens": len(c.output_token_ids), "output_text": c.output_text,
+         "finish_reason": None if c.finish_reason is None else str(c.finish_reason)}
+        for c in source.view.conversations]
+    return data
+
+
+def export(window, kind: str, path: str) -> str:
+    """Write the window, the grid or the current view to ``path``; returns the path (raises ValueError/OSError)."""
+    if kind not in EXPORT_KINDS:
+        raise ValueError(f"unknown export {kind!r}; choose one of {', '.join(EXPORT_KINDS)}")
+    problem = _writable(path)
+    if problem:
+        raise ValueError(f"cannot write {path}: {problem}")
+    if kind == "json":
+        text = json.dumps(view_json(window), indent=1)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+        return path
+    widget = window if kind == "window" else window.grid
+    if not widget.grab().save(path, "PNG"):
+        raise OSError(f"could not save a PNG to {path}")
+    return path
+
+
+def export_dialog(window, kind: str) -> None:
+    title, pattern, suffix = EXPORT_KINDS[kind]
+    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, title, f"explorer-{kind}{suffix}", pattern)
+    if not path:
+        return
+    if not path.endswith(suffix):
+        path += suffix
+    try:
+        export(window, kind, path)
+    except (ValueError, OSError, ImportError) as exc:
+        window.show_error("Export failed", str(exc))
+        return
+    window.statusBar().showMessage(f"Saved {path}", 5000)
+
+
+# ---- recording and opening ------------------------------------------------------------------------------------------
+def start_recording_dialog(window) -> None:
+    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, "Record the pool stream", "explorer.kvrec",
+                                                    "Pool-stream recordings (*.kvrec);;All files (*)")
+    if path:
+        start_recording(window, path)
+
+
+def start_recording(window, path: str) -> bool:
+    """Save the local engine's frames to ``path`` from now on; False (and a message) when it cannot."""
+    from .recording_actions import attach_recorder
+    try:
+        attach_recorder(window, path)
+    except (ValueError, OSError, ImportError, PermissionError) as exc:
+        window.show_error("Cannot record", str(exc))
+        return False
+    window.stop_record_action.setEnabled(True)
+    window.statusBar().showMessage(f"Recording to {path}", 5000)
+    return True
+
+
+def stop_recording(window) -> None:
+    from .recording_actions import detach_recorder
+    path = detach_recorder(window)
+    window.stop_record_action.setEnabled(False)
+    if path:
+        window.statusBar().showMessage(f"Recording saved: {path}", 5000)
+
+
+def open_dialog(window) -> None:
+    path, _ = QtWidgets.QFileDialog.getOpenFileName(window, "Open a recording", "",
+                                                    "Pool-stream recordings (*.kvrec);;All files (*)")
+    if path:
+        open_recording(window, path)
+
+
+def open_recording(window, path: str) -> bool:
+    """Replace the active source by the recording at ``path``; on a bad file say why and keep the current one."""
+    from .stream_feed import RecordingFeed
+    try:
+        feed = RecordingFeed.open(path)
+    except (ValueError, OSError, ImportError) as exc:
+        window.show_error("Cannot open recording", str(exc))
+        return False
+    window.set_feed(feed)
+    window.statusBar().showMessage(f"Opened {path}: read-only; Engine > Restart starts a local engine again.", 8000)
+    return True
+
+
+# ---- demos and help ---------------------------------------------------------------------------------------------------
+def start_demo(window, name: str, confirm: bool = True) -> None:
+    """Restart with a demo workload (busy, crowd) or open the lesson; asks first if live conversations would go."""
+    if name == "lesson":
+        window.open_lesson()
+        return
+    from .demo import DEMOS
+    if name not in DEMOS:
+        window.show_error("Unknown demo", f"There is no demo {name!r}; the demos are {', '.join(DEMOS)} and lesson.")
+        return
+    view = window.source.live
+    live = [c for c in view.conversations if c.is_live] if view is not None else []
+    if confirm and live and window.source.capabilities.can_command:
+        box = QtWidgets.QMessageBox(QtWidgets.QMessageBox.Icon.Question, f"Start the {name} demo",
+                                    f"Starting the {name} demo restarts the engine and ends {len(live)} live "
+                                    "conversation(s). Continue?",
+                                    QtWidgets.QMessageBox.StandardButton.Yes
+                                    | QtWidgets.QMessageBox.StandardButton.Cancel, window)
+        yes = QtWidgets.QMessageBox.StandardButton.Yes
+        box.buttonClicked.connect(lambda button: box.standardButton(button) == yes
+                                  and start_demo(window, name, confirm=False))
+        window.demo_question = box
+        box.open()
+        return
+    cfg = window.config or window.engine_config
+    window.restart_engine(cfg, setup=DEMOS[name], demo=name)
+
+
+def open_help(window):
+    """The help window (what each grid mark means, shortcuts, the lesson)."""
+    try:
+        from .help import HelpDialog
+    except ImportError:
+        window.docks["legend"].show()
+        window.docks["legend"].raise_()
+        return show_shortcuts(window)
+    if window.help_window is None:
+        window.help_window = HelpDialog(window)
+    window.help_window.show()
+    window.help_window.raise_()
+    return window.help_window
+
+
+def show_shortcuts(window) -> QtWidgets.QDialog:
+    """A table of every keyboard shortcut, read from the window's own actions."""
+    from .menus import shortcut_rows
+    dialog = QtWidgets.QDialog(window)
+    dialog.setWindowTitle("Keyboard shortcuts")
+    table = QtWidgets.QTableWidget(0, 2, dialog)
+    table.setHorizontalHeaderLabels(["Keys", "Action"])
+    table.verticalHeader().hide()
+    table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+    for keys, text in shortcut_rows(window):
+        row = table.rowCount()
+        table.insertRow(row)
+        table.setItem(row, 0, QtWidgets.QTableWidgetItem(keys))
+        table.setItem(row, 1, QtWidgets.QTableWidgetItem(text))
+    table.resizeColumnsToContents()
+    table.horizontalHeader().setStretchLastSection(True)
+    buttons = QtWidgets.QDialogButtonBox(QtWidgets.QDialogButtonBox.StandardButton.Close)
+    buttons.rejected.connect(dialog.reject)
+    layout = QtWidgets.QVBoxLayout(dialog)
+    layout.addWidget(table)
+    layout.addWidget(buttons)
+    dialog.resize(440, 420)
+    dialog.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+    window.shortcuts_dialog = dialog
+    dialog.show()
+    return dialog

@@ -1,0 +1,158 @@
+"""Where the docks go, how they keep their proportions, and how the arrangement survives from launch to launch.
+
+The first launch arranges the docks for the screen it gets: side by side on a wide screen, tabbed on a laptop, so
+that at 1024 x 640 the grid keeps most of the window and no panel is squeezed below legibility (each dock's
+content sits in a scroll area, so a small dock scrolls instead of overlapping its text or widening the window).
+Later launches restore what the user left (``QMainWindow.saveState``/``saveGeometry`` in QSettings). When the
+window is resized, docks keep their share of it, so shrinking and then maximizing gives the old proportions back.
+"""
+from __future__ import annotations
+
+from PySide6 import QtCore, QtWidgets
+
+LAYOUT_VERSION = 2  # bump when docks are added or renamed: an older saved state is then ignored, not half-applied
+ORGANISATION = "paged-kv-explorer"
+APPLICATION = "explorer"
+RIGHT = QtCore.Qt.DockWidgetArea.RightDockWidgetArea
+BOTTOM = QtCore.Qt.DockWidgetArea.BottomDockWidgetArea
+H = QtCore.Qt.Orientation.Horizontal
+V = QtCore.Qt.Orientation.Vertical
+MIN_WIDTH, MIN_HEIGHT = 1024, 640  # the smallest screen the window must be usable on
+
+
+def scrolled(widget: QtWidgets.QWidget) -> QtWidgets.QScrollArea:
+    """``widget`` in a frameless scroll area that resizes it: a small dock scrolls instead of squeezing it."""
+    area = QtWidgets.QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+    area.setWidget(widget)
+    return area
+
+
+def make_dock(window: QtWidgets.QMainWindow, name: str, title: str, widget: QtWidgets.QWidget,
+              scroll: bool = True, min_width: int = 220, min_height: int = 120) -> QtWidgets.QDockWidget:
+    """A dock with a stable object name (saveState keys on it) holding ``widget``, scrolled unless told not to.
+
+    Plots and tables scroll by themselves; forms and readouts get a scroll area. ``min_width``/``min_height`` are
+    what the content may shrink to before its scroll bars appear.
+    """
+    dock = QtWidgets.QDockWidget(title, window)
+    dock.setObjectName(name)
+    if scroll:
+        widget.setMinimumSize(min_width, min_height)
+        content = scrolled(widget)
+    else:
+        content = widget
+    content.setMinimumSize(0, 0)
+    dock.setWidget(content)
+    dock.setFeatures(QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetMovable
+                     | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                     | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetClosable)
+    return dock
+
+
+def arrange(window: QtWidgets.QMainWindow, right: list[QtWidgets.QDockWidget],
+            bottom: list[QtWidgets.QDockWidget], width: int, height: int) -> str:
+    """Place docks for a ``width`` x ``height`` window; returns the arrangement's name ("wide", "medium", "small").
+
+    ``right`` is [inspector, legend, memory, ...]; ``bottom`` is [conversations, metrics, ...] (extra docks tab with
+    the last of their list). Wide: legend/memory beside the inspector, conversations beside metrics. Medium: the
+    right docks tab, the bottom ones split. Small: everything tabs; the grid keeps the most room.
+    """
+    for dock in right + bottom:
+        window.removeDockWidget(dock)
+    for dock in right:
+        window.addDockWidget(RIGHT, dock)
+        dock.show()
+    for dock in bottom:
+        window.addDockWidget(BOTTOM, dock)
+        dock.show()
+    kind = "wide" if width >= 1600 and height >= 900 else ("medium" if width >= 1280 else "small")
+    inspector, *others = right
+    conversations, *charts = bottom
+    if kind == "wide" and others:
+        window.splitDockWidget(others[0], inspector, H)  # legend column, then the inspector at the far right
+        for dock in others[1:]:
+            window.tabifyDockWidget(others[0], dock)
+        others[0].raise_()
+    else:
+        for dock in others:
+            window.tabifyDockWidget(inspector, dock)
+    inspector.raise_()
+    if kind != "small" and charts:
+        window.splitDockWidget(conversations, charts[0], H)
+        for dock in charts[1:]:
+            window.tabifyDockWidget(charts[0], dock)
+        charts[0].raise_()
+    else:
+        for dock in charts:
+            window.tabifyDockWidget(conversations, dock)
+        conversations.raise_()
+    if kind == "wide" and others:
+        window.resizeDocks([others[0], inspector], [int(width * 0.17), int(width * 0.25)], H)
+    else:
+        window.resizeDocks([inspector], [int(width * (0.3 if kind == "medium" else 0.33))], H)
+    if kind != "small" and charts:
+        window.resizeDocks([conversations, charts[0]], [int(width * 0.48), int(width * 0.52)], H)
+    window.resizeDocks([conversations], [int(height * (0.33 if kind == "wide" else 0.32))], V)
+    return kind
+
+
+def visible_docks(window: QtWidgets.QMainWindow) -> list[QtWidgets.QDockWidget]:
+    """Docked (not floating), shown docks whose area is on screen: the front tab of each tab group."""
+    return [d for d in window.findChildren(QtWidgets.QDockWidget)
+            if d.isVisible() and not d.isFloating() and not d.visibleRegion().isEmpty()]
+
+
+def keep_proportions(window: QtWidgets.QMainWindow, old: QtCore.QSize, new: QtCore.QSize) -> None:
+    """After a resize from ``old`` to ``new``, give each docked panel the same share of the window it had."""
+    if old.width() <= 0 or old.height() <= 0 or old == new:
+        return
+    across, down = [], []
+    for dock in visible_docks(window):
+        area = window.dockWidgetArea(dock)
+        if area in (RIGHT, QtCore.Qt.DockWidgetArea.LeftDockWidgetArea):
+            across.append((dock, dock.width() * new.width() / old.width()))
+        elif area in (BOTTOM, QtCore.Qt.DockWidgetArea.TopDockWidgetArea):
+            down.append((dock, dock.height() * new.height() / old.height()))
+    if across:
+        window.resizeDocks([d for d, _ in across], [max(int(w), 1) for _, w in across], H)
+    if down:
+        window.resizeDocks([d for d, _ in down], [max(int(h), 1) for _, h in down], V)
+
+
+class LayoutMemory:
+    """Saves and restores the window's geometry and dock arrangement in a QSettings (None: remember nothing).
+
+    Tests pass a QSettings on a temporary file, so they never read or write the user's own settings.
+    """
+
+    def __init__(self, settings: QtCore.QSettings | None):
+        self.settings = settings  # where the layout lives, or None
+
+    @staticmethod
+    def user_settings() -> QtCore.QSettings:
+        return QtCore.QSettings(ORGANISATION, APPLICATION)
+
+    def restore(self, window: QtWidgets.QMainWindow, geometry: bool = True) -> bool:
+        """Restore the saved dock state (and geometry unless told not to); False when nothing usable was saved."""
+        if self.settings is None:
+            return False
+        if geometry:
+            saved_geometry = self.settings.value("layout/geometry")
+            if isinstance(saved_geometry, QtCore.QByteArray) and not saved_geometry.isEmpty():
+                window.restoreGeometry(saved_geometry)
+        state = self.settings.value("layout/state")
+        if isinstance(state, QtCore.QByteArray) and not state.isEmpty():
+            return bool(window.restoreState(state, LAYOUT_VERSION))
+        return False
+
+    def save(self, window: QtWidgets.QMainWindow) -> None:
+        if self.settings is None:
+            return
+        self.settings.setValue("layout/state", window.saveState(LAYOUT_VERSION))
+        self.settings.setValue("layout/geometry", window.saveGeometry())
+        self.settings.sync()
+
+    def has_saved_layout(self) -> bool:
+        return self.settings is not None and self.settings.contains("layout/state")

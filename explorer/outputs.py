@@ -1,0 +1,31 @@
+"""Where the local engine's frames go besides the window: a recording file (``--record``) and a ZMQ publisher
+(``--publish``), as sinks of its runner.
+
+Both are the kvstream pool stream; the runner encodes each frame once and hands the same bytes to every sink.
+"""
+from __future__ import annotations
+
+from .engine_feed import runner_takes_sinks
+
+
+def engine_sinks(opts) -> list:
+    """Sinks for ``--record FILE`` and ``--publish ENDPOINT``; raises ValueError/OSError with a clear message."""
+    sinks: list = []
+    if not (opts.record or opts.publish):
+        return sinks
+    if not runner_takes_sinks():
+        raise ValueError("--record and --publish need the pool-stream engine runner, which this build lacks")
+    try:
+        if opts.record:
+            from kvstream.recording import Recorder
+            sinks.append(Recorder(opts.record))
+        if opts.publish:
+            from kvstream.publish import PoolStreamPublisher
+            sinks.append(PoolStreamPublisher(opts.publish))
+    except Exception:
+        for sink in sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+        raise
+    return sinks

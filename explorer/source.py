@@ -1,0 +1,187 @@
+"""The seam between the window and whatever it is watching: one object owns the current source of pool views.
+
+The explorer can watch the project's engine in this process, a pool stream another process publishes, a recording
+on disk, or a vLLM/SGLang KV-event stream. They differ in what they can do: only the local engine takes commands
+and has K/V values; a stream and a recording are read-only but keep a history to scrub; a KV-event stream knows
+block contents but no physical pool. :class:`PoolSource` hides the difference behind one API and a few signals,
+so panels ask it ("can I command?", "what should I show now?") instead of testing which kind of source they have,
+and a restart, an opened recording or an attach swaps the feed in one place that every panel hears about.
+
+A *feed* (:class:`~explorer.feed.Feed`, Qt-free so headless runs use the same ones) is one concrete source;
+:class:`PoolSource` drives it from the GUI thread's frame timer (:meth:`PoolSource.poll`) and never blocks on it.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from PySide6 import QtCore
+
+from kvstream.views import PoolSnapshot
+
+from .feed import Capabilities, Feed, Problem
+from .futures import FutureWatcher
+from .snapshot_block import block_info_from_snapshot
+
+__all__ = ["Capabilities", "Feed", "PoolSource", "Problem"]
+
+
+def _done(value=None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+class PoolSource(QtCore.QObject):
+    """Owns the current feed and the view the window shows: the newest frame (live) or one kept frame (history).
+
+    Signals (all on the GUI thread, from :meth:`poll` or a call that changes something):
+
+    - ``sourceChanged(feed)``: a different feed took over (restart, open, attach); panels start over.
+    - ``frameArrived(snapshot)``: a new live frame, whether or not it is being shown (metrics, rates).
+    - ``viewChanged(snapshot)``: what every view should show now (live frame, or the frame scrubbed to).
+    - ``viewingChanged(seq)``: ``None`` when live, else the history sequence number being viewed.
+    - ``problem(Problem)``: something to tell the user once (failures of the feed, refused commands).
+    """
+
+    sourceChanged = QtCore.Signal(object)
+    frameArrived = QtCore.Signal(object)
+    viewChanged = QtCore.Signal(object)
+    viewingChanged = QtCore.Signal(object)
+    problem = QtCore.Signal(object)
+
+    def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
+        super().__init__(parent)
+        self.feed: Feed = feed or Feed()
+        self.futures = FutureWatcher(on_error=self._command_refused)
+        self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
+        self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
+        self.viewing: int | None = None  # history seq being viewed; None while live
+
+    # ---- what the source can do ----------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.feed.capabilities
+
+    @property
+    def can_command(self) -> bool:
+        """Commands are possible now: the feed takes them and the window shows the present, not the past."""
+        return self.feed.capabilities.can_command
+
+    @property
+    def command_blocked_reason(self) -> str:
+        """Why a command button is disabled now ("" when it is enabled)."""
+        if not self.feed.capabilities.can_command:
+            return self.feed.capabilities.read_only_reason or "this source is read-only"
+        return ""
+
+    @property
+    def history(self):
+        return self.feed.history
+
+    @property
+    def title(self) -> str:
+        return self.feed.title
+
+    # ---- swapping feeds --------------------------------------------------------------------------------
+    def set_feed(self, feed: Feed) -> None:
+        """Replace the feed (the old one is closed, its pending answers dropped) and tell every panel."""
+        old = self.feed
+        self.feed = feed
+        self.futures.clear()
+        self.live = self.view = None
+        was_viewing = self.viewing is not None
+        self.viewing = None
+        if old is not feed:
+            old.close()
+        self.sourceChanged.emit(feed)
+        if was_viewing:
+            self.viewingChanged.emit(None)
+        self.poll()
+
+    def close(self) -> None:
+        self.futures.clear()
+        self.feed.close()
+
+    # ---- the frame loop -----------------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Deliver finished command answers, problems and the newest frame; returns whether the view changed."""
+        self.futures.poll()
+        for problem in self.feed.take_problems():
+            self.problem.emit(problem)
+        latest = self.feed.latest()
+        if latest is None or latest is self.live:
+            return self._keep_viewed_frame()
+        self.live = latest
+        self.frameArrived.emit(latest)
+        if self.viewing is None:
+            self.view = latest
+            self.viewChanged.emit(latest)
+            return True
+        return self._keep_viewed_frame()
+
+    def _keep_viewed_frame(self) -> bool:
+        """While viewing history, follow the viewed frame if the history dropped it (memory budget)."""
+        history = self.history
+        if self.viewing is None or history is None or len(history) == 0 or self.viewing >= history.first_seq:
+            return False
+        self.seek(history.first_seq)
+        return True
+
+    # ---- history ----------------------------------------------------------------------------------------------
+    def seek(self, seq: int) -> PoolSnapshot:
+        """Show history frame ``seq`` (clamped to what is kept); the feed keeps running. Raises without history."""
+        history = self.history
+        if history is None or len(history) == 0:
+            raise LookupError(f"this source keeps no history ({self.feed.kind})")
+        seq = min(max(int(seq), history.first_seq), history.last_seq)
+        if self.viewing is None and seq == history.last_seq and self.live is not None:
+            return self.live  # asked for the newest frame while live: nothing to change
+        snapshot = history.snapshot_at(seq)
+        changed = self.viewing != seq
+        self.viewing = seq
+        self.view = snapshot
+        if changed:
+            self.viewingChanged.emit(seq)
+        self.viewChanged.emit(snapshot)
+        return snapshot
+
+    def go_live(self) -> None:
+        """Back to the newest frame."""
+        if self.viewing is None:
+            return
+        self.viewing = None
+        self.viewingChanged.emit(None)
+        if self.live is not None:
+            self.view = self.live
+            self.viewChanged.emit(self.live)
+
+    # ---- commands and queries ---------------------------------------------------------------------------------
+    def submit(self, name: str, *args: Any, on_result: Callable[[Any], None] | None = None,
+               on_error: Callable[[BaseException], None] | None = None, **kwargs: Any) -> Future:
+        """Send a command to the feed and watch its answer (errors go to ``on_error`` or become a problem)."""
+        try:
+            future = self.feed.submit(name, *args, **kwargs)
+        except (PermissionError, ValueError) as exc:
+            future = _done(error=exc)
+        return self.futures.watch(future, on_result, on_error)
+
+    def inspect_block(self, block_id: int) -> Future:
+        """Details of a block of the view being shown: from the feed (K/V included) when live, else rebuilt from
+        the viewed frame and the history's stored tokens (no K/V: they are not kept over time)."""
+        if self.viewing is None:
+            return self.feed.inspect_live(block_id)
+        if self.view is None:
+            return _done(error=LookupError("nothing to inspect yet"))
+        try:
+            return _done(block_info_from_snapshot(self.view, block_id, self.history, self.viewing,
+                                                  self.feed.token_text))
+        except (IndexError, ValueError) as exc:
+            return _done(error=exc)
+
+    def _command_refused(self, exc: BaseException) -> None:
+        self.problem.emit(Problem("Command refused", str(exc)))
+

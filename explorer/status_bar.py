@@ -1,0 +1,104 @@
+"""The status line: what the source is doing, how fast it and the GUI go, and how full the pool is.
+
+Rates come from :class:`~explorer.rates.RateMeter` fed with what the source delivers (step ids and generated-token
+counts of its frames) and with the window's own frame ticks, so they read the same for every kind of source.
+Labels never ask for more width than they get: at 1024 pixels the line elides instead of widening the window.
+"""
+from __future__ import annotations
+
+import time
+
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from .rates import RateMeter
+
+KEYS = ("live", "engine", "gui", "pool", "model")
+
+
+class ElidedLabel(QtWidgets.QLabel):
+    """A one-line label that takes the width it is given and ends in '…' when its text does not fit."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(40)
+        self.setContentsMargins(4, 0, 8, 0)
+
+    def paintEvent(self, event: QtGui.QPaintEvent) -> None:
+        painter = QtGui.QPainter(self)
+        rect = self.contentsRect()
+        text = self.fontMetrics().elidedText(self.text(), QtCore.Qt.TextElideMode.ElideRight, rect.width())
+        painter.drawText(rect, int(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignVCenter), text)
+        painter.end()
+
+
+class StatusBar(QtWidgets.QStatusBar):
+    """Permanent labels (live, engine rate, GUI rate, pool, model) plus Qt's transient messages."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self.labels: dict[str, QtWidgets.QLabel] = {}
+        for key in KEYS:
+            label = ElidedLabel()
+            self.addPermanentWidget(label, {"pool": 5, "engine": 3, "gui": 3, "model": 2}.get(key, 2))
+            self.labels[key] = label
+        self.frames = RateMeter()  # frame-timer ticks: how often the GUI can show a new state
+        self.redraws = RateMeter()  # grid redraws: how often it did
+        self.steps = RateMeter(window_s=2.0)  # step ids of arriving frames
+        self.tokens = RateMeter(window_s=2.0)  # generated-token counter of arriving frames
+
+    # ---- what is counted ---------------------------------------------------------------------------------------
+    def frame_ticked(self, now: float | None = None) -> None:
+        self.frames.tick(now)
+
+    def redrawn(self, now: float | None = None) -> None:
+        self.redraws.tick(now)
+
+    def frame_arrived(self, snapshot, now: float | None = None) -> None:
+        """A live frame from the source (not a history frame being viewed)."""
+        now = time.perf_counter() if now is None else now
+        self.steps.add(snapshot.step_id, now)
+        self.tokens.add(snapshot.metrics.num_generated_tokens, now)
+
+    def reset_source(self) -> None:
+        """A new source: its counters start again."""
+        self.steps.reset()
+        self.tokens.reset()
+
+    # ---- what is shown ----------------------------------------------------------------------------------------
+    def show_state(self, source, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        feed = source.feed
+        live = feed.status_text()
+        if source.viewing is not None and source.view is not None:
+            live = f"⏪ viewing step {source.view.step_id} · {live}"
+        self._set("live", live)
+        self._set("engine", f"engine {self.steps.rate(now):.1f} steps/s · {self.tokens.rate(now):.0f} tokens/s")
+        self._set("gui", f"GUI {self.frames.rate(now):.0f} fps · {self.redraws.rate(now):.0f} redraws/s")
+        snap = source.view
+        if snap is not None and snap.memory is not None:
+            mem = snap.memory
+            self._set("pool", f"pool {mem.num_used_blocks}/{snap.num_blocks} used "
+                              f"({100 * mem.num_used_blocks / max(snap.num_blocks, 1):.0f}%) · "
+                              f"{mem.num_cached_blocks} cached · {mem.num_filled_slots}/{mem.num_allocated_slots} "
+                              "slots filled")
+        elif snap is not None:
+            self._set("pool", f"pool of {snap.num_blocks} blocks × {snap.block_size} slots")
+        else:
+            self._set("pool", "waiting for the first frame…")
+        self._set("model", f"{snap.model_name} on {snap.device}" if snap is not None and snap.model_name else "")
+        reason = source.command_blocked_reason
+        self.labels["live"].setToolTip(f"read-only: {reason}" if reason else "commands go to this engine")
+
+    def _set(self, key: str, text: str) -> None:
+        label = self.labels[key]
+        if label.text() != text:
+            label.setText(text)
+            if key != "live":  # the live label's tooltip says whether commands reach the source
+                label.setToolTip(text)
+
+    def gui_fps(self, now: float | None = None) -> float:
+        return self.frames.rate(now)
+
+    def redraws_per_second(self, now: float | None = None) -> float:
+        return self.redraws.rate(now)

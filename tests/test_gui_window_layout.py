@@ -1,0 +1,128 @@
+"""Layout: usable at 1024 x 640, --geometry, proportions kept through resizes, layout kept across launches."""
+import pytest
+from PySide6 import QtCore, QtWidgets
+
+from engine import Engine, EngineRunner
+from explorer.cli import UsageError, parse_args, parse_geometry
+from explorer.layout import LAYOUT_VERSION
+from explorer.main_window import MainWindow
+from test_gui_support import make_config
+
+
+@pytest.fixture
+def window_at(qtbot):
+    """window_at(width, height, settings=None) -> a shown MainWindow on a paused real engine with two
+    conversations."""
+    made = []
+
+    def make(width, height, settings=None):
+        cfg = make_config(num_blocks=64, block_size=4)
+        engine = Engine(cfg)
+        for prompt in ("Layout check, first.", "Layout check, second one."):
+            engine.add_conversation(prompt, max_new_tokens=20)
+        engine.step()
+        runner = EngineRunner(engine, start_paused=True).start()
+        window = MainWindow(runner, cfg, settings=settings, size=(width, height))
+        qtbot.addWidget(window)
+        window.show()
+        qtbot.waitExposed(window)
+        qtbot.waitUntil(lambda: window.snapshot is not None and window.grid.frames_drawn > 0, timeout=3000)
+        qtbot.wait(150)  # a few frames: panels refreshed, docks laid out
+        made.append(window)
+        return window
+
+    yield make
+    for window in made:
+        window.close()
+
+
+def temp_settings(path):
+    return QtCore.QSettings(str(path), QtCore.QSettings.Format.IniFormat)
+
+
+def rect_in_window(window, widget):
+    top_left = widget.mapTo(window, QtCore.QPoint(0, 0))
+    return QtCore.QRect(top_left, widget.size())
+
+
+def test_usable_at_1024_by_640(window_at):
+    window = window_at(1024, 640)
+    assert (window.width(), window.height()) == (1024, 640)  # the window did not insist on being bigger
+    hint = window.minimumSizeHint()
+    assert hint.width() <= 1024 and hint.height() <= 640
+    assert window.layout_kind == "small"
+    bounds = window.rect()
+    for widget in window.findChildren(QtWidgets.QWidget):
+        if not widget.isVisible() or widget.isWindow():
+            continue
+        assert widget.width() <= window.width(), f"{widget!r} is wider than the window"
+        region = widget.visibleRegion()
+        if not region.isEmpty():  # what is drawn of it lies inside the window
+            assert bounds.contains(region.boundingRect().translated(widget.mapTo(window, QtCore.QPoint(0, 0)))), \
+                widget
+    for key in ("inspector", "conversations"):  # the essentials are in front, not hidden behind a tab
+        dock = window.docks[key]
+        assert dock.isVisible() and not dock.visibleRegion().isEmpty(), key
+    assert all(window.docks[k].isVisible() for k in window.docks)  # the rest are tabs, one click away
+    assert window.grid.width() >= 500 and window.grid.height() >= 250  # the grid keeps the most room
+    snap = window.snapshot  # the whole pool is in view, not cropped
+    view = window.grid.box.viewRect()
+    geo = window.grid.geometry_
+    assert view.left() <= 0 and view.top() <= 0 and view.right() >= geo.cols and view.bottom() >= geo.rows
+    assert snap.num_blocks == 64
+
+
+def test_no_visible_text_overlaps_at_1024_by_640(window_at):
+    window = window_at(1024, 640)
+    for key in window.docks:  # bring each tab to the front in turn
+        window.docks[key].raise_()
+        QtWidgets.QApplication.processEvents()
+        labels = [w for w in window.docks[key].findChildren(QtWidgets.QLabel)
+                  if w.isVisible() and w.text() and not w.visibleRegion().isEmpty()]
+        rects = [(label, rect_in_window(window, label)) for label in labels]
+        for i, (a, ra) in enumerate(rects):
+            for b, rb in rects[i + 1:]:
+                assert not ra.intersects(rb), f"{key}: {a.text()!r} overlaps {b.text()!r}"
+
+
+def test_geometry_option_and_wide_layout(window_at):
+    assert parse_geometry("1366x768") == (1366, 768)
+    for bad in ("1366", "wide", "10x10", "1366x768x2", ""):
+        with pytest.raises(ValueError, match="geometry"):
+            parse_geometry(bad)
+    with pytest.raises(UsageError, match="--geometry sizes the window"):
+        parse_args(["--headless", "--geometry", "1024x640"])
+    assert parse_args(["--geometry", "1920x1080"]).size == (1920, 1080)
+    wide = window_at(1920, 1080)
+    assert (wide.width(), wide.height()) == (1920, 1080) and wide.layout_kind == "wide"
+    assert not wide.docks["legend"].visibleRegion().isEmpty()  # side by side, not tabbed, on a big screen
+    assert not wide.docks["metrics"].visibleRegion().isEmpty()
+
+
+def test_docks_keep_their_share_through_a_resize(window_at, qtbot):
+    window = window_at(1920, 1080)
+    share = window.docks["inspector"].width() / window.width()
+    window.resize(1024, 640)
+    qtbot.waitUntil(lambda: window.width() == 1024, timeout=2000)
+    QtWidgets.QApplication.processEvents()
+    window.resize(1920, 1080)
+    qtbot.waitUntil(lambda: window.width() == 1920, timeout=2000)
+    QtWidgets.QApplication.processEvents()
+    assert abs(window.docks["inspector"].width() / window.width() - share) < 0.04
+
+
+def test_layout_is_kept_from_one_launch_to_the_next(window_at, tmp_path, qtbot):
+    settings_path = tmp_path / "layout.ini"
+    first = window_at(1366, 768, settings=temp_settings(settings_path))
+    first.docks["metrics"].hide()  # the user closes one dock and floats another
+    first.docks["legend"].setFloating(True)
+    first.close()
+    saved = temp_settings(settings_path)
+    assert saved.contains("layout/state") and saved.contains("layout/geometry")
+    second = window_at(1366, 768, settings=temp_settings(settings_path))
+    assert second.layout_restored
+    assert not second.docks["metrics"].isVisible()
+    assert second.docks["legend"].isFloating()
+    fresh = window_at(1366, 768, settings=temp_settings(tmp_path / "other.ini"))  # nothing saved there
+    assert not fresh.layout_restored and fresh.docks["metrics"].isVisible()
+    assert LAYOUT_VERSION >= 1

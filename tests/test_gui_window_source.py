@@ -1,0 +1,169 @@
+"""The window's seam: one PoolSource owns the local engine; panels follow its signals (pytest-qt, offscreen)."""
+import numpy as np
+from PySide6 import QtWidgets
+
+from explorer.block_watch import relocated_id
+from explorer.rates import RateMeter
+from explorer.snapshot_block import block_info_from_snapshot
+from kvstream.events import BlockEvent, EventKind
+from kvstream.views import BlockState
+from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
+
+
+def seeded(prompts, steps=3, max_new_tokens=40):
+    def setup(engine):
+        for prompt in prompts:
+            engine.add_conversation(prompt, max_new_tokens=max_new_tokens)
+            engine.step()
+        for _ in range(steps):
+            engine.step()
+    return setup
+
+
+def test_local_engine_source_says_what_it_can_do_and_delivers_views(qtbot, make_window):
+    window = make_window(setup=seeded(["Capabilities of the local engine."]), speed=30)
+    source = window.source
+    caps = source.capabilities
+    assert caps.can_command and caps.has_kv_values and caps.has_physical_pool
+    assert source.command_blocked_reason == "" and source.feed.kind == "engine"
+    views = []
+    source.viewChanged.connect(views.append)
+    start = window.snapshot.step_id
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= start + 3)
+    assert views and views[-1] is window.snapshot is window.grid.snapshot
+    assert [v.step_id for v in views] == sorted(v.step_id for v in views)  # oldest first, never a stale one after
+    assert "local engine: builtin, 64 blocks × 4 slots" in window.windowTitle()
+    assert all(action.isEnabled() for action in window.command_actions if action is not window.record_action)
+
+
+def test_restart_swaps_the_feed_and_panels_reset_through_the_signal(qtbot, make_window):
+    window = make_window(setup=seeded(["Before the restart, two.", "And another one."]), paused=True)
+    old_feed, old_runner = window.source.feed, window.runner
+    snap = window.snapshot
+    block = next(iter(snap.block_tables.values()))[0]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    window.conversations.select_conversation(sorted(snap.block_tables)[0])
+    qtbot.waitUntil(lambda: window.conversations.model.rowCount() == 2, timeout=2000)
+    window.metrics.redraw()
+    assert window.metrics.history.count > 0
+    changes = []
+    window.source.sourceChanged.connect(changes.append)
+    window.restart_engine(make_config(num_blocks=32, block_size=8))
+    qtbot.waitUntil(lambda: window.source.feed is not old_feed, timeout=15000)
+    assert changes == [window.source.feed] and not old_runner.alive
+    assert window.block_watch.block_id is None and window.inspector.block_id is None
+    assert window.grid.selected_block is None
+    wait_for_snapshot(qtbot, window, lambda s: s.num_blocks == 32)
+    assert window.conversations.model.rowCount() == 0  # the old engine's conversations are gone from the table
+    assert window.metrics.history.count <= 1  # started over (the new engine's first frame at most)
+    assert "32 blocks × 8 slots" in window.windowTitle() and window.runner.paused  # pause kept
+
+
+def test_inspector_polls_through_the_source_at_most_five_times_a_second(qtbot, make_window):
+    window = make_window(setup=seeded(["A block that keeps changing while it fills."], steps=0,
+                                       max_new_tokens=200), speed=60)
+    snap = window.snapshot
+    (cid, table), = snap.block_tables.items()
+    window.select_block(table[-1])  # the tail: it changes every step
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    before = window.block_watch.requests
+    qtbot.wait(1500)
+    asked = window.block_watch.requests - before
+    assert 2 <= asked <= 9  # 5 Hz over 1.5 s (timer phase): follows the changes, never once per frame
+    assert window.inspector.info.block_id == table[-1]
+
+
+def test_snapshot_block_rebuilds_the_inspectors_view_without_kv(qtbot, make_window):
+    window = make_window(setup=seeded(["Tokens come from the owner."], steps=2), paused=True)
+    snap = window.snapshot
+    (cid, table), = snap.block_tables.items()
+    live = window.runner.engine.inspect_block(table[1])
+    rebuilt = block_info_from_snapshot(snap, table[1], token_text=window.source.feed.token_text)
+    for field in ("block_id", "state", "ref_count", "num_filled", "token_ids", "positions", "owners", "last_owner",
+                  "token_texts"):
+        assert getattr(rebuilt, field) == getattr(live, field), field
+    assert rebuilt.keys is None and rebuilt.values is None
+    free = int(np.nonzero(np.asarray(snap.state) == BlockState.FREE)[0][0])
+    assert block_info_from_snapshot(snap, free).token_ids == ()
+    try:
+        block_info_from_snapshot(snap, snap.num_blocks)
+    except IndexError as exc:
+        assert "block ids run from 0 to 63" in str(exc)
+    else:
+        raise AssertionError("an out-of-range block must be refused")
+
+
+def test_parallel_samples_are_made_without_a_race(qtbot, make_window):
+    """Issue 13, defect 1: shared system prompt, 3 samples, 200 new tokens gave 'conversation 0 is finished'."""
+    window = make_window(num_blocks=128, speed=200)
+    dialog = open_add_dialog(window, "Say more.", max_new_tokens=200, temperature=0.8, samples=3, system=True)
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=5000)
+    snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 3, timeout=8000)
+    qtbot.wait(300)
+    assert window.errors == []
+    first, *samples = sorted(c.conversation_id for c in snap.conversations)
+    assert len(samples) == 2
+    prompts = {snap.conversation(c).prompt_token_ids for c in [first, *samples]}
+    assert len(prompts) == 1  # all three answer the same prompt
+
+
+def test_a_refused_command_becomes_one_problem(qtbot, make_window):
+    window = make_window(setup=seeded(["Done quickly."], max_new_tokens=2, steps=4), paused=True)
+    cid = window.snapshot.conversations[0].conversation_id
+    problems = []
+    window.source.problem.connect(problems.append)
+    window.fork_conversation(cid)  # forking a finished conversation is an EngineError
+    qtbot.waitUntil(lambda: len(problems) == 1, timeout=3000)
+    assert problems[0].title == "Command refused" and "finished" in problems[0].text
+    assert window.errors[-1][0] == "Command refused"
+
+
+def test_block_watch_follows_a_relocation_event():
+    events = [BlockEvent(step_id=3, kind=EventKind.ALLOCATED, conversation_id=1, block_ids=(4,)),
+              BlockEvent(step_id=4, kind=EventKind.RELOCATED, block_ids=(4, 9), new_block_ids=(12, 3)),
+              BlockEvent(step_id=5, kind=EventKind.RELOCATED, block_ids=(12,), new_block_ids=(30,))]
+    assert relocated_id(events, 4) == 30
+    assert relocated_id(events, 9) == 3
+    assert relocated_id(events, 7) is None
+
+
+def test_rate_meter_counts_growth_per_second_and_decays():
+    clock = [0.0]
+    meter = RateMeter(window_s=1.0, clock=lambda: clock[0])
+    for i in range(31):  # 30 events over one second
+        clock[0] = i / 30
+        meter.tick()
+    assert abs(meter.rate() - 30.0) < 1.5
+    clock[0] = 1.5  # nothing for half a second: the rate falls
+    assert meter.rate() < 20
+    clock[0] = 3.0
+    assert meter.rate() == 0.0
+    steps = RateMeter(window_s=2.0, clock=lambda: clock[0])
+    for i in range(5):  # a slow counter: one step every 0.7 s still reads about 1.4 steps/s
+        clock[0] = 10 + 0.7 * i
+        steps.add(100 + i)
+    assert 1.0 < steps.rate() < 1.6
+    steps.add(0)  # a new source counts from 0: no negative rate
+    assert steps.rate() == 0.0
+    try:
+        RateMeter(window_s=0)
+    except ValueError as exc:
+        assert "positive" in str(exc)
+    else:
+        raise AssertionError("a zero window must be refused")
+
+
+def test_pool_source_without_history_refuses_to_seek(qtbot, make_window):
+    window = make_window(paused=True)
+    source = window.source
+    if source.history is not None:
+        return  # this engine's runner keeps history: the scrubbing tests cover seeking
+    try:
+        source.seek(0)
+    except LookupError as exc:
+        assert "no history" in str(exc)
+    else:
+        raise AssertionError("seeking without history must be refused")
+    assert source.viewing is None and window.pane.banner.isHidden()
