@@ -1,62 +1,40 @@
-"""One way to turn a running count into a rate, shared by every "per second" the window shows.
+"""The window's rates (GUI frames/s, engine steps/s, tokens/s), all from one helper: ``kvstream.rules.Rate``.
 
-GUI frames per second, engine steps per second and decoded tokens per second are all the same question: how much
-did a counter grow over the last second. Asking it of the views a source delivers (their ``step_id`` and
-``metrics.num_generated_tokens``) rather than of the engine thread means it works the same for the local engine,
-an attached stream and a recording being played.
+Steps and tokens are read off the views a source delivers (their ``step_id`` and ``metrics.num_generated_tokens``)
+rather than asked of the engine thread, so the status line reads the same for the local engine, an attached stream
+and a recording being played. A view carries a running count, not an event, hence this adapter.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+
+from kvstream.rules import Rate
 
 
-class RateMeter:
-    """Growth per second of a running count over a sliding window, decaying to 0 when the count stops growing.
+class CounterRate:
+    """Growth per second of a running count (a step id, a token counter), through a :class:`Rate`.
 
-    Feed it the count's current value with :meth:`add` (or :meth:`tick` for "one more event"); :meth:`rate` is
-    ``(newest count - oldest count in the window) / (now - oldest time)``. The sample just before the window is
-    kept as the window's anchor so a slow counter (one step every 0.7 s) still has a rate, and a count that goes
-    backwards (a new source started from 0) starts the meter over instead of reporting a negative rate.
+    ``add(count)`` gives the count's current value; the growth since the previous value is ticked into the rate.
+    A count that goes backwards (a new source counting from 0) starts the rate over instead of going negative.
     """
 
     def __init__(self, window_s: float = 1.0, clock=time.perf_counter):
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
-        self.window_s = window_s  # seconds the rate is averaged over
-        self._clock = clock  # time source (tests pass a fake one)
-        self._samples: deque[tuple[float, float]] = deque()  # (time, count), oldest first
-        self._count = 0.0  # running total for tick()
+        self.rate = Rate(window=window_s, clock=clock)  # the shared helper that does the arithmetic
+        self._last: float | None = None  # the count given last, None before the first
 
     def add(self, count: float, now: float | None = None) -> None:
-        """The count is ``count`` at time ``now``."""
-        now = self._clock() if now is None else now
-        if self._samples and count < self._samples[-1][1]:
-            self._samples.clear()  # a counter that restarted (new engine): the old samples say nothing now
-        self._samples.append((now, float(count)))
-        self._count = float(count)
-        self._trim(now)
+        if self._last is None or count < self._last:
+            self.rate.clear()
+            self.rate.tick(0, now)
+        else:
+            self.rate.tick(int(count - self._last), now)
+        self._last = count
 
-    def tick(self, now: float | None = None) -> None:
-        """One more event happened now."""
-        self.add(self._count + 1, now)
-
-    def rate(self, now: float | None = None) -> float:
-        """Count growth per second over the last ``window_s`` seconds; 0 with fewer than two samples."""
-        now = self._clock() if now is None else now
-        self._trim(now)
-        if len(self._samples) < 2:
-            return 0.0
-        t0, c0 = self._samples[0]
-        _, c1 = self._samples[-1]
-        return (c1 - c0) / max(now - t0, 1e-9)
+    def per_second(self, now: float | None = None) -> float:
+        return self.rate.per_second(now)
 
     def reset(self) -> None:
-        self._samples.clear()
-        self._count = 0.0
-
-    def _trim(self, now: float) -> None:
-        """Drop samples older than the window, keeping the newest of them as the anchor."""
-        start = now - self.window_s
-        while len(self._samples) >= 2 and self._samples[1][0] <= start:
-            self._samples.popleft()
+        self.rate.clear()
+        self._last = None

@@ -1,6 +1,6 @@
 """The status line: what the source is doing, how fast it and the GUI go, and how full the pool is.
 
-Rates come from :class:`~explorer.rates.RateMeter` fed with what the source delivers (step ids and generated-token
+Rates come from one helper (``kvstream.rules.Rate``, through :mod:`explorer.rates`) fed with what the source delivers (step ids and generated-token
 counts of its frames) and with the window's own frame ticks, so they read the same for every kind of source.
 Labels never ask for more width than they get: at 1024 pixels the line elides instead of widening the window.
 """
@@ -10,7 +10,9 @@ import time
 
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from .rates import RateMeter
+from kvstream.rules import Rate
+
+from .rates import CounterRate
 
 KEYS = ("live", "engine", "gui", "pool", "model")
 
@@ -42,17 +44,17 @@ class StatusBar(QtWidgets.QStatusBar):
             label = ElidedLabel()
             self.addPermanentWidget(label, {"pool": 5, "engine": 3, "gui": 3, "model": 2}.get(key, 2))
             self.labels[key] = label
-        self.frames = RateMeter()  # frame-timer ticks: how often the GUI can show a new state
-        self.redraws = RateMeter()  # grid redraws: how often it did
-        self.steps = RateMeter(window_s=2.0)  # step ids of arriving frames
-        self.tokens = RateMeter(window_s=2.0)  # generated-token counter of arriving frames
+        self.frames = Rate()  # frame-timer ticks: how often the GUI can show a new state
+        self.redraws = Rate()  # grid redraws: how often it did
+        self.steps = CounterRate(window_s=2.0)  # step ids of arriving frames
+        self.tokens = CounterRate(window_s=2.0)  # generated-token counter of arriving frames
 
     # ---- what is counted ---------------------------------------------------------------------------------------
     def frame_ticked(self, now: float | None = None) -> None:
-        self.frames.tick(now)
+        self.frames.tick(1, now)
 
     def redrawn(self, now: float | None = None) -> None:
-        self.redraws.tick(now)
+        self.redraws.tick(1, now)
 
     def frame_arrived(self, snapshot, now: float | None = None) -> None:
         """A live frame from the source (not a history frame being viewed)."""
@@ -73,8 +75,8 @@ class StatusBar(QtWidgets.QStatusBar):
         if source.viewing is not None and source.view is not None:
             live = f"⏪ viewing step {source.view.step_id} · {live}"
         self._set("live", live)
-        self._set("engine", f"engine {self.steps.rate(now):.1f} steps/s · {self.tokens.rate(now):.0f} tokens/s")
-        self._set("gui", f"GUI {self.frames.rate(now):.0f} fps · {self.redraws.rate(now):.0f} redraws/s")
+        self._set("engine", f"engine {self.steps.per_second(now):.1f} steps/s · {self.tokens.per_second(now):.0f} tokens/s")
+        self._set("gui", f"GUI {self.frames.per_second(now):.0f} fps · {self.redraws.per_second(now):.0f} redraws/s")
         snap = source.view
         if snap is not None and snap.memory is not None:
             mem = snap.memory
@@ -98,7 +100,7 @@ class StatusBar(QtWidgets.QStatusBar):
                 label.setToolTip(text)
 
     def gui_fps(self, now: float | None = None) -> float:
-        return self.frames.rate(now)
+        return self.frames.per_second(now)
 
     def redraws_per_second(self, now: float | None = None) -> float:
-        return self.redraws.rate(now)
+        return self.redraws.per_second(now)

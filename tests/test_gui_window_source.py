@@ -1,9 +1,10 @@
 """The window's seam: one PoolSource owns the local engine; panels follow its signals (pytest-qt, offscreen)."""
 import numpy as np
+import pytest
 from PySide6 import QtWidgets
 
 from explorer.block_watch import relocated_id
-from explorer.rates import RateMeter
+from explorer.rates import CounterRate
 from explorer.snapshot_block import block_info_from_snapshot
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import BlockState
@@ -86,12 +87,8 @@ def test_snapshot_block_rebuilds_the_inspectors_view_without_kv(qtbot, make_wind
     assert rebuilt.keys is None and rebuilt.values is None
     free = int(np.nonzero(np.asarray(snap.state) == BlockState.FREE)[0][0])
     assert block_info_from_snapshot(snap, free).token_ids == ()
-    try:
+    with pytest.raises(IndexError, match="block ids run from 0 to 63"):
         block_info_from_snapshot(snap, snap.num_blocks)
-    except IndexError as exc:
-        assert "block ids run from 0 to 63" in str(exc)
-    else:
-        raise AssertionError("an out-of-range block must be refused")
 
 
 def test_parallel_samples_are_made_without_a_race(qtbot, make_window):
@@ -129,30 +126,25 @@ def test_block_watch_follows_a_relocation_event():
     assert relocated_id(events, 7) is None
 
 
-def test_rate_meter_counts_growth_per_second_and_decays():
+def test_counter_rate_reads_running_counts_and_restarts_on_a_new_source():
     clock = [0.0]
-    meter = RateMeter(window_s=1.0, clock=lambda: clock[0])
-    for i in range(31):  # 30 events over one second
-        clock[0] = i / 30
-        meter.tick()
-    assert abs(meter.rate() - 30.0) < 1.5
-    clock[0] = 1.5  # nothing for half a second: the rate falls
-    assert meter.rate() < 20
-    clock[0] = 3.0
-    assert meter.rate() == 0.0
-    steps = RateMeter(window_s=2.0, clock=lambda: clock[0])
-    for i in range(5):  # a slow counter: one step every 0.7 s still reads about 1.4 steps/s
+    steps = CounterRate(window_s=2.0, clock=lambda: clock[0])
+    for i in range(5):  # a slow counter: one step every 0.7 s reads about 1.4 steps/s
         clock[0] = 10 + 0.7 * i
         steps.add(100 + i)
-    assert 1.0 < steps.rate() < 1.6
+    assert 1.0 < steps.per_second() < 1.6
+    for i in range(20):  # 30 tokens a step at 10 steps/s
+        clock[0] = 20 + 0.1 * i
+        steps.add(1000 + 30 * i)
+    assert 250 < steps.per_second() < 310
+    clock[0] = 30.0  # nothing for 8 s: the rate has decayed to 0
+    assert steps.per_second() == 0.0
     steps.add(0)  # a new source counts from 0: no negative rate
-    assert steps.rate() == 0.0
-    try:
-        RateMeter(window_s=0)
-    except ValueError as exc:
-        assert "positive" in str(exc)
-    else:
-        raise AssertionError("a zero window must be refused")
+    clock[0] = 30.5
+    steps.add(5)
+    assert steps.per_second() >= 0.0
+    with pytest.raises(ValueError, match="positive"):
+        CounterRate(window_s=0)
 
 
 def test_pool_source_without_history_refuses_to_seek(qtbot, make_window):
@@ -160,10 +152,6 @@ def test_pool_source_without_history_refuses_to_seek(qtbot, make_window):
     source = window.source
     if source.history is not None:
         return  # this engine's runner keeps history: the scrubbing tests cover seeking
-    try:
+    with pytest.raises(LookupError, match="no history"):
         source.seek(0)
-    except LookupError as exc:
-        assert "no history" in str(exc)
-    else:
-        raise AssertionError("seeking without history must be refused")
     assert source.viewing is None and window.pane.banner.isHidden()
