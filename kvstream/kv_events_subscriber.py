@@ -77,7 +77,8 @@ class EndpointStatus:
 class _Follower:
     """One endpoint: its sockets, where its sequence stands, and the batches waiting for a gap to close."""
 
-    RECENT = 4096  # applied (seq, payload hash) kept to tell a duplicate from a restarted publisher
+    RECENT = 20_000  # applied (seq, payload hash) kept to tell a duplicate from a restarted publisher (a live
+    #                  duplicate is never older than the live backlog a replay overtook)
     MAX_PENDING = 100_000  # live batches held while a gap is open; past that the gap is declared lost
     MAX_RETRIES = 3  # replays asked for one gap before it is declared lost
 
@@ -93,6 +94,8 @@ class _Follower:
         self.replay_deadline = 0.0
         self.replay_first: int | None = None  # first seq the replay in flight returned
         self.retries = 0
+        self.probe: int | None = None  # seq the replay in flight must return unchanged (after a reconnect)
+        self.replay_again = False  # a restart came during a replay: replay from 0 when it ends
         self.connected = self.ever_connected = False
         self.connected_at = self.last_message = None
         self.num_replayed = self.num_lost = self.num_malformed = self.num_unknown = 0
@@ -145,8 +148,11 @@ class _Follower:
             reconnect = self.ever_connected
             self.connected = self.ever_connected = True
             self.connected_at = time.monotonic()
-            if reconnect and self.dealer is not None and self.replay_start is None and self.next_seq is not None:
-                self._request_replay(self.next_seq)  # catch up on what passed while disconnected
+            if reconnect and self.dealer is not None and self.replay_start is None and self.next_seq:
+                # Catch up on what passed while disconnected, starting one back: the same publisher returns the
+                # batch we applied last, unchanged; a restarted one returns another batch there, or nothing.
+                self.probe = self.next_seq - 1
+                self._request_replay(self.probe)
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
             self.connected = False
             self.num_disconnects += 1
@@ -175,8 +181,11 @@ class _Follower:
             return
         if self.replay_first is None:
             self.replay_first = seq
-        if self.next_seq is None or seq >= self.next_seq:
-            self.num_replayed += 1
+        if self.next_seq is not None and seq < self.next_seq:
+            if seq in self.recent and self.recent[seq] != hash(payload):
+                self._restart()  # the publisher now has another batch under a number we applied
+            return
+        self.num_replayed += 1
         self._offer(seq, payload, live=False)
 
     def tick(self, now: float) -> None:
@@ -184,7 +193,7 @@ class _Follower:
         if self.replay_start is not None and now > self.replay_deadline:
             self.replay_answering = False
             self.last_error = f"replay socket {self.ep.replay_endpoint} did not answer in {self.replay_timeout_s} s"
-            self.replay_start = None
+            self.replay_start, self.probe, self.replay_again = None, None, False
             self._new_dealer()  # drop the queued request: a late answer must not arrive as if it were new
             self._give_up_gap()
 
@@ -196,8 +205,8 @@ class _Follower:
                 self.last_error = f"joined at seq {seq}; the {seq} batches before are unknown (no replay socket)"
             self.next_seq = seq
         if seq < self.next_seq:
-            if live and self.replay_start is None and self.recent.get(seq) != hash(payload):
-                self._restart(seq, payload)
+            if live and self.recent.get(seq) != hash(payload):
+                self._restart(seq, payload)  # not what we applied under that number: a new publisher
             return  # a duplicate (replay and live overlap)
         if seq > self.next_seq:
             self.pending[seq] = payload
@@ -220,6 +229,14 @@ class _Follower:
     def _replay_done(self) -> None:
         first, self.replay_start = self.replay_first, None
         self.replay_answering = True
+        probe, self.probe = self.probe, None
+        if self.replay_again:
+            self.replay_again = False
+            self._request_replay(0)
+            return
+        if probe is not None and (first is None or first > probe):
+            self._restart()  # the batch we applied last is not there: a new publisher with a shorter history
+            return
         if not self.pending or min(self.pending) <= self.next_seq:
             self._drain()
             self.retries = 0
@@ -251,20 +268,28 @@ class _Follower:
         while self.next_seq in self.pending:
             self._apply(self.next_seq, self.pending.pop(self.next_seq))
 
-    def _restart(self, seq: int, payload: bytes) -> None:
+    def _restart(self, seq: int | None = None, payload: bytes | None = None) -> None:
+        """The publisher restarted: forget its old history and follow the new one from its start (``seq`` and
+        ``payload``: the live batch that told us, kept to be applied in order)."""
         self.num_restarts += 1
-        self.last_error = f"the publisher restarted (sequence went back to {seq}); the index starts over"
+        self.last_error = "the publisher restarted (its sequence numbers began again); the index starts over"
         self.index.reset()
         self.pending.clear()
         self.recent.clear()
         self.retries = 0
+        self.probe = None
         if self.dealer is not None:
             self.next_seq = 0
-            self.pending[seq] = payload
-            self._request_replay(0)
+            if seq is not None:
+                self.pending[seq] = payload
+            if self.replay_start is None:
+                self._request_replay(0)
+            else:
+                self.replay_again = True  # one reply at a time: ask once the one in flight has ended
         else:
             self.next_seq = None
-            self._offer(seq, payload, live=True)
+            if seq is not None:
+                self._offer(seq, payload, live=True)
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.next_seq = seq + 1

@@ -1,0 +1,711 @@
+"""vLLM-format KV events: codec against vLLM's and SGLang's own classes, publisher and subscriber over real ZMQ
+sockets (ipc, in a temp dir), gap filling, loss, malformed input, several endpoints, and the content index.
+
+Every socket test follows one real stream; a "wire peer" built from the protocol text alone (raw PUB + ROUTER
+driven by the test) lets a test decide exactly what goes out live and what the replay buffer holds."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvstream.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheIndex,
+                                KVEventBatch, KVEventDecodeError, KVEventEndpoint, KVEventError, KVEventPublisher,
+                                KVEventSubscriber, decode_batch, decode_batch_counted, encode_batch,
+                                json_summary, make_batch, parse_endpoint_spec, prefix_overlap, where_cached)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sockdir():
+    """A short directory for ipc sockets (their paths are limited to about 100 characters)."""
+    path = tempfile.mkdtemp(prefix="kv", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_until(predicate, timeout=5.0, serve=None):
+    """Poll ``predicate`` (serving a wire peer's replay socket meanwhile) until it holds; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if serve is not None:
+            serve()
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("timed out waiting")
+
+
+def stored(hashes, parent=None, size=2, medium="GPU", tokens=None, lora_name=None):
+    hashes = tuple(hashes)
+    tokens = tuple(range(len(hashes) * size)) if tokens is None else tuple(tokens)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=size,
+                       lora_id=None, medium=medium, lora_name=lora_name)
+
+
+def removed(hashes, medium="GPU"):
+    return BlockRemoved(block_hashes=tuple(hashes), medium=medium)
+
+
+def workload(seed=0, steps=120, block_size=4):
+    """Batches a prefix-caching server would send: requests that share prefixes store chains of blocks, a full
+    cache evicts least recently used leaves, a reset clears everything once. Returns (batches, live set)."""
+    rng = random.Random(seed)
+    live: dict[int, int | None] = {}  # hash -> parent
+    order: list[int] = []  # LRU order of live hashes
+    batches, next_hash = [], 1
+    prefixes = [[rng.randrange(50) for _ in range(block_size * rng.randint(1, 3))] for _ in range(4)]
+    for step in range(steps):
+        events = []
+        if step == steps // 2:
+            events.append(AllBlocksCleared())
+            live.clear()
+            order.clear()
+        tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(block_size * rng.randint(0, 3))]
+        parent, chain = None, []
+        for i in range(len(tokens) // block_size):
+            h = next_hash
+            next_hash += 1
+            chain.append(h)
+        if chain:
+            events.append(BlockStored(block_hashes=tuple(chain), parent_block_hash=None, token_ids=tuple(tokens[
+                :len(chain) * block_size]), block_size=block_size, lora_id=None, medium="GPU", lora_name=None))
+            for h in chain:
+                live[h] = parent
+                parent = h
+                order.append(h)
+        while len(live) > 25:  # evict the oldest leaf
+            leaf = next(h for h in order if h not in live.values())
+            order.remove(leaf)
+            del live[leaf]
+            events.append(removed([leaf]))
+        batches.append(events)
+    return batches, set(live)
+
+
+# ----------------------------------------------------------------------------------------------- codec
+def _vllm_python():
+    for candidate in (os.environ.get("KV_EVENTS_VLLM_PYTHON"), ROOT / ".venv-vllm/bin/python",
+                      "/work/vllm-venv/bin/python"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
+
+
+# Batches both sides build from the same plain description: [ts, rank, [[type, fields], ...]].
+SPEC = [
+    [1.5, 0, [["BlockStored", dict(block_hashes=[1, 2, 2**64 - 1], parent_block_hash=None,
+                                   token_ids=list(range(48)), block_size=16, lora_id=None, medium="GPU",
+                                   lora_name=None, group_idx=0)],
+              ["BlockRemoved", dict(block_hashes=[7], medium="GPU", group_idx=0)],
+              ["AllBlocksCleared", {}]]],
+    [2.25, None, [["BlockStored", dict(block_hashes=[b"\x01" * 32], parent_block_hash=b"\xfe" * 32,
+                                       token_ids=[5, 6, 7, 8], block_size=4, lora_id=3, medium="CPU",
+                                       lora_name="adapter", extra_keys=[("salt",)], group_idx=1,
+                                       kv_cache_spec_kind="full_attention", session_id="s1")],
+                  ["BlockRemoved", dict(block_hashes=[b"\x01" * 32], medium="CPU", locality="LOCAL")]]],
+    [3.0, 2, []],
+]
+
+VLLM_SIDE = textwrap.dedent("""
+    import sys, msgspec
+    from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+    kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+    spec, ours = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
+    theirs = [msgspec.msgpack.encode(KVEventBatch(ts=ts, events=[kinds[k](**f) for k, f in evs],
+                                                  data_parallel_rank=rank)) for ts, rank, evs in spec]
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    # vLLM decodes our bytes; equal to what it built itself from the same description?
+    equal = [dec.decode(o) == dec.decode(t) for o, t in zip(ours, theirs)]
+    reencoded = [msgspec.msgpack.encode(dec.decode(o)) for o in ours]
+    open(sys.argv[2], "wb").write(msgspec.msgpack.encode([theirs, equal, reencoded]))
+""")
+
+
+def _ours(spec):
+    kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+    return [make_batch([msgspec.convert(f, kinds[k]) for k, f in evs], ts, rank) for ts, rank, evs in spec]
+
+
+def test_codec_matches_vllm_both_ways(tmp_path):
+    """vLLM 0.32's own decoder reads our bytes as the objects it builds itself, and ours reads its bytes."""
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM venv (set KV_EVENTS_VLLM_PYTHON, or build .venv-vllm / /work/vllm-venv)")
+    ours = _ours(SPEC)
+    (tmp_path / "in").write_bytes(msgspec.msgpack.encode([SPEC, [encode_batch(b) for b in ours]]))
+    subprocess.run([python, "-c", VLLM_SIDE, str(tmp_path / "in"), str(tmp_path / "out")], check=True,
+                   cwd=tmp_path, timeout=120, capture_output=True)
+    theirs, equal, reencoded = msgspec.msgpack.decode((tmp_path / "out").read_bytes())
+    assert equal == [True] * len(SPEC)
+    for batch, their_bytes, again in zip(ours, theirs, reencoded):
+        assert encode_batch(batch) == their_bytes == again  # byte for byte
+        assert decode_batch(their_bytes) == batch
+
+
+def test_decode_roundtrip_and_hash_types():
+    for batch in _ours(SPEC):
+        assert decode_batch(encode_batch(batch)) == batch
+    batch = decode_batch(encode_batch(_ours(SPEC)[1]))
+    assert batch.events[0].block_hashes == (b"\x01" * 32,) and batch.data_parallel_rank is None
+    # SGLang's namespaced hashes are signed int64
+    neg = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [-(2**63)]}], 0])
+    assert decode_batch(neg).events[0].block_hashes == (-(2**63),)
+
+
+# How vLLM before map encoding and SGLang <= 0.5.14 declared their events: tagged arrays.
+class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class OldStored(OldEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class OldRemoved(OldEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class OldCleared(OldEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):  # SGLang 0.4: [ts, events], no rank
+    ts: float
+    events: list[OldStored | OldRemoved | OldCleared]
+
+
+def test_decode_old_array_form_and_unknown_parts():
+    payload = msgspec.msgpack.encode(OldBatch(ts=4.0, events=[
+        OldStored([10, 11], None, [1, 2, 3, 4], 2, None), OldStored([12], 11, [5, 6], 2, None, "GPU"),
+        OldRemoved([10]), OldCleared()]))
+    batch = decode_batch(payload)
+    assert batch.ts == 4.0 and batch.data_parallel_rank is None
+    a, b, c, d = batch.events
+    assert a.block_hashes == (10, 11) and a.token_ids == (1, 2, 3, 4) and a.medium is None
+    assert b.parent_block_hash == 11 and b.medium == "GPU"
+    assert isinstance(c, BlockRemoved) and c.block_hashes == (10,) and isinstance(d, AllBlocksCleared)
+    # unknown fields are ignored, unknown event types skipped and counted, optional fields may be missing
+    payload = msgspec.msgpack.encode([5.0, [
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [9, 9], "block_size": 2, "future": {"x": 1}},
+        {"type": "BlockUpdated", "block_hashes": [1]}, ["SomethingNew", 1, 2]], 3, "extra"])
+    batch, unknown = decode_batch_counted(payload)
+    assert unknown == 2 and batch.data_parallel_rank == 3
+    assert batch.events == (BlockStored((1,), None, (9, 9), 2, None, None, None),)
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"\xc1", "not msgpack"),
+    (b"", "not msgpack"),
+    (msgspec.msgpack.encode({"ts": 1}), "a batch is the array"),
+    (msgspec.msgpack.encode([1.0]), "a batch is the array"),
+    (msgspec.msgpack.encode(["now", []]), "ts must be a number"),
+    (msgspec.msgpack.encode([1.0, {}]), "events must be an array"),
+    (msgspec.msgpack.encode([1.0, [], "rank"]), "rank must be an integer"),
+    (msgspec.msgpack.encode([1.0, [7]]), "must be a map or a tagged array"),
+    (msgspec.msgpack.encode([1.0, [{"block_hashes": [1]}]]), "no string type tag"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": ["x"], "token_ids": [],
+                                    "block_size": 1}]]), r"event 0 \(BlockStored\)"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1.5], "token_ids": [],
+                                    "block_size": 1}]]), "event 0"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1],
+                                    "block_size": 0}]]), "block_size must be positive"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved"}]]), "block_hashes"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [b""]}]]), "empty byte string"),
+])
+def test_malformed_payloads_raise_a_clear_value_error(payload, words):
+    with pytest.raises(KVEventDecodeError, match=words) as info:
+        decode_batch(payload)
+    assert isinstance(info.value, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------- SGLang
+_SGLANG = []  # SGLang's kv_events module, once loaded
+
+
+def _sglang_kv_events():
+    """SGLang's own publisher module. Its package __init__ files pull in the GPU stack (triton, torch, FastAPI);
+    the module itself needs only msgspec, pyzmq, pydantic and psutil, so load it without running those two files
+    (tools/install_sglang_publisher.sh installs exactly that)."""
+    if _SGLANG:
+        return _SGLANG[0]
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed: run tools/install_sglang_publisher.sh (CI does)")
+    root = Path(spec.origin).parent
+    added = []
+    try:
+        for name, sub in (("sglang", root), ("sglang.srt.utils", root / "srt" / "utils")):
+            if name not in sys.modules:
+                pkg = types.ModuleType(name)
+                pkg.__path__ = [str(sub)]
+                sys.modules[name] = pkg
+                added.append(name)
+        module = importlib.import_module("sglang.srt.disaggregation.kv_events")
+    except ImportError as exc:
+        pytest.skip(f"SGLang's publisher module does not import here: {exc}")
+    finally:
+        for name in added:  # the bare packages stood in only for the import
+            del sys.modules[name]
+    _SGLANG.append(module)
+    return module
+
+
+def test_sglang_publisher_batches(sockdir):
+    """SGLang's own ZmqEventPublisher: its batches ([ts, events, attn_dp_rank], optional fields left out) and its
+    replay socket, followed by our subscriber."""
+    sgl = _sglang_kv_events()
+    pub = sgl.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{sockdir}/s", replay_endpoint=f"ipc://{sockdir}/r",
+                                buffer_steps=100)
+    try:
+        events = [sgl.BlockStored(block_hashes=[101, -102], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                                  block_size=2, lora_id=None),
+                  sgl.BlockStored(block_hashes=[103], parent_block_hash=-102, token_ids=[5, 6], block_size=2,
+                                  lora_id=None, medium="GPU")]
+        pub.publish(sgl.KVEventBatch(ts=time.time(), events=events))
+        pub.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.BlockRemoved(block_hashes=[103])]))
+        wait_until(lambda: len(pub._buffer) == 2)
+        payload = pub._buffer[0][1]
+        first = msgspec.msgpack.decode(payload)[1][0]
+        assert "medium" not in first and "lora_name" not in first and first["lora_id"] is None  # left out
+        batch = decode_batch(payload)
+        assert batch.data_parallel_rank == 0 and batch.events[0].medium is None
+        assert batch.events[0].block_hashes == (101, -102) and batch.events[1].medium == "GPU"
+        with KVEventSubscriber([KVEventEndpoint(f"ipc://{sockdir}/s", f"ipc://{sockdir}/r")]) as sub:
+            wait_until(lambda: sub.indexes[0].num_batches == 2)
+            pub.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.AllBlocksCleared()]))
+            index = sub.indexes[0]
+            wait_until(lambda: index.num_batches == 3 or index.num_cleared == 1)
+            st = sub.status()[0]
+        assert index.num_stored_total == 3 and index.num_removed_total == 3 and len(index) == 0
+        assert st.num_lost == 0 and st.num_malformed == 0 and st.num_replayed == 2
+    finally:
+        pub.shutdown()
+
+
+def test_sglang_batch_decodes_to_live_set(sockdir):
+    sgl = _sglang_kv_events()
+    enc = msgspec.msgpack.Encoder()
+    payload = enc.encode(sgl.KVEventBatch(ts=1.0, events=[
+        sgl.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 1, 2, 2], block_size=2,
+                        lora_id=None, cache_salt="s"),
+        sgl.BlockRemoved(block_hashes=[1], medium="GPU")], attn_dp_rank=1))
+    index = KVCacheIndex()
+    index.apply_batch(decode_batch(payload), 0)
+    assert index.live_hashes() == {2} and decode_batch(payload).data_parallel_rank == 1
+
+
+# ----------------------------------------------------------------------------------------------- our publisher
+def test_round_trip_rebuilds_live_hashes_and_late_join_catches_up(sockdir):
+    batches, expected = workload(seed=1)
+    with KVEventPublisher(f"ipc://{sockdir}/p", f"ipc://{sockdir}/r") as pub:
+        for events in batches[:40]:  # published before anyone listens: only the replay can give them back
+            pub.publish(events)
+        with KVEventSubscriber([KVEventEndpoint(pub.endpoint, pub.replay_endpoint)]) as sub:
+            index = sub.indexes[0]
+            wait_until(lambda: index.num_batches == 40)
+            for events in batches[40:]:
+                pub.publish(events)
+            wait_until(lambda: index.num_batches == len(batches))
+            st = sub.status()[0]
+    assert index.live_hashes() == expected
+    assert st.num_lost == 0 and st.num_malformed == 0 and st.num_replayed >= 40 and st.last_seq == len(batches) - 1
+    assert index.last_seq == len(batches) - 1 and index.num_cleared == 1
+    tl = index.timeline()
+    assert list(tl.seq) == list(range(len(batches))) and tl.live[-1] == len(expected)
+    assert tl.stored.sum() == index.num_stored_total and tl.removed.sum() == index.num_removed_total
+
+
+def test_wire_only_subscriber_and_replay_from_zero(sockdir):
+    """A reader written from the wire description alone rebuilds the live set; replay from 0 returns the same
+    (seq, payload) pairs as the live stream, then the end marker [b"", -1, b""]."""
+    batches, expected = workload(seed=2, steps=60)
+    ctx = zmq.Context.instance()
+    with KVEventPublisher(f"ipc://{sockdir}/p", f"ipc://{sockdir}/r", topic="kv") as pub:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub.endpoint)
+        time.sleep(0.2)  # slow joiner: let the subscription reach the publisher
+        for events in batches:
+            pub.publish(events)
+        live, hashes = [], set()
+        while len(live) < len(batches):
+            assert sub.poll(5000)
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv" and len(seq) == 8
+            live.append((int.from_bytes(seq, "big"), payload))
+            ts, events, rank = msgspec.msgpack.decode(payload)
+            assert rank == 0 and isinstance(ts, float)
+            for event in events:
+                if event["type"] == "BlockStored":
+                    hashes.update(event["block_hashes"])
+                elif event["type"] == "BlockRemoved":
+                    hashes.difference_update(event["block_hashes"])
+                else:
+                    hashes.clear()
+        sub.close(linger=0)
+        assert [s for s, _ in live] == list(range(len(batches))) and hashes == expected
+        req = ctx.socket(zmq.DEALER)
+        req.connect(pub.replay_endpoint)
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert req.poll(5000)
+            frames = req.recv_multipart()
+            assert frames[0] == b""
+            if frames[2] == END_SEQ:
+                assert frames[1:] == [b"", END_SEQ, b""]
+                break
+            assert frames[1] == b"kv"
+            replayed.append((int.from_bytes(frames[2], "big"), frames[3]))
+        req.send_multipart([b"", (50).to_bytes(8, "big")])  # from the middle
+        tail = []
+        while True:
+            assert req.poll(5000)
+            frames = req.recv_multipart()
+            if frames[2] == END_SEQ:
+                break
+            tail.append(int.from_bytes(frames[2], "big"))
+        req.send_multipart([b"", b"bad"])  # not 8 bytes: ignored, counted
+        wait_until(lambda: pub.num_bad_replay_requests == 1)
+        req.close(linger=0)
+    assert replayed == live and tail == list(range(50, 60))
+
+
+def test_loss_beyond_replay_buffer_is_reported(sockdir):
+    batches, _ = workload(seed=3, steps=30)
+    with KVEventPublisher(f"ipc://{sockdir}/p", f"ipc://{sockdir}/r", buffer_size=8) as pub:
+        for events in batches:
+            pub.publish(events)
+        with KVEventSubscriber([KVEventEndpoint(pub.endpoint, pub.replay_endpoint)]) as sub:
+            wait_until(lambda: sub.indexes[0].num_batches == 8)
+            st = sub.status()[0]
+    assert st.num_lost == 22 and "lost 22 batches" in st.text and st.last_seq == 29
+    assert "older than the replay buffer" in st.last_error
+
+
+def test_without_replay_socket_a_late_join_counts_the_batches_before(sockdir):
+    with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
+        with KVEventSubscriber([f"ipc://{sockdir}/p"]) as sub:
+            wait_until(lambda: sub.status()[0].connected)
+            time.sleep(0.2)
+            seq = 0
+            while sub.indexes[0].num_batches == 0:  # the first few may go out before the subscription lands
+                seq = pub.publish([stored([seq + 1])])
+                time.sleep(0.02)
+            first = sub.indexes[0].last_seq
+            assert sub.status()[0].num_lost == first
+
+
+def test_publisher_restart_starts_the_index_over(sockdir):
+    ep = KVEventEndpoint(f"ipc://{sockdir}/p", f"ipc://{sockdir}/r")
+    pub = KVEventPublisher(ep.endpoint, ep.replay_endpoint)
+    for h in (1, 2, 3):
+        pub.publish([stored([h])])
+    with KVEventSubscriber([ep]) as sub:
+        index = sub.indexes[0]
+        wait_until(lambda: index.num_batches == 3)
+        pub.close()
+        wait_until(lambda: sub.status()[0].state == "reconnecting")
+        pub = KVEventPublisher(ep.endpoint, ep.replay_endpoint)  # a new server: seq from 0, other hashes
+        pub.publish([stored([9])])
+        wait_until(lambda: index.live_hashes() == {9})
+        st = sub.status()[0]
+        pub.close()
+    assert st.num_restarts == 1 and index.num_resets == 1 and st.num_disconnects >= 1 and st.num_lost == 0
+
+
+def test_silent_endpoint_and_nobody_there(sockdir):
+    with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
+        with KVEventSubscriber([pub.endpoint, f"ipc://{sockdir}/nobody"], silent_after_s=0.2) as sub:
+            wait_until(lambda: sub.status()[0].state == "silent")
+            silent, nobody = sub.status()
+    assert silent.text.startswith("silent for") and silent.connected
+    assert nobody.state == "connecting" and not nobody.connected and nobody.text == "connecting"
+
+
+def test_two_endpoints_each_its_own_pool(sockdir):
+    """Two instances (as two data-parallel ranks would be): separate indexes; the router's view across them."""
+    a_tokens, b_tokens = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9]
+    with KVEventPublisher(f"ipc://{sockdir}/a", f"ipc://{sockdir}/ar") as a, \
+            KVEventPublisher(f"ipc://{sockdir}/b", f"ipc://{sockdir}/br", data_parallel_rank=1) as b:
+        a.publish([stored([11, 12, 13], tokens=a_tokens)])
+        b.publish([stored([21, 22, 23], tokens=b_tokens)])
+        b.publish([removed([23])])
+        eps = [KVEventEndpoint(a.endpoint, a.replay_endpoint, name="A"),
+               KVEventEndpoint(b.endpoint, b.replay_endpoint, name="B")]
+        with KVEventSubscriber(eps) as sub:
+            ia, ib = sub.indexes
+            wait_until(lambda: ia.num_batches == 1 and ib.num_batches == 2)
+            statuses = sub.status()
+    assert ia.live_hashes() == {11, 12, 13} and ib.live_hashes() == {21, 22}
+    assert [s.label for s in statuses] == ["A", "B"] and ia.name == "A"
+    assert prefix_overlap([ia, ib], [1, 2, 3, 4, 5, 6, 7]) == (3, 2)
+    assert prefix_overlap([ia, ib], [1, 2, 3, 4, 9, 9]) == (2, 2)
+    (root,) = where_cached([ia, ib])
+    assert root.token_ids == (1, 2) and root.holders == {0, 1}
+    (second,) = root.children
+    assert second.holders == {0, 1} and [c.holders for c in second.children] == [frozenset({0})]
+
+
+# ----------------------------------------------------------------------------------------------- wire peer
+class WirePeer:
+    """A publisher built from the protocol text alone and driven by the test: it chooses what goes out live and
+    what its replay buffer holds, so gaps and losses happen exactly where the test says."""
+
+    def __init__(self, sockdir, answer=True):
+        ctx = zmq.Context.instance()
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        self.endpoint, self.replay_endpoint = f"ipc://{sockdir}/w", f"ipc://{sockdir}/wr"
+        self.pub.bind(self.endpoint)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: dict[int, bytes] = {}  # what a replay returns
+        self.requests: list[int] = []  # start seqs asked for
+        self.answer = answer
+
+    def payload(self, seq):
+        return encode_batch(make_batch([stored([1000 + seq])], 100.0 + seq, 0))
+
+    def live(self, *seqs, payload=None):
+        for seq in seqs:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload or self.payload(seq)])
+
+    def serve(self):
+        while self.router.poll(0):
+            ident, delim, start = self.router.recv_multipart()
+            assert delim == b"" and len(start) == 8
+            self.requests.append(int.from_bytes(start, "big"))
+            if not self.answer:
+                continue
+            for seq in sorted(self.buffer):
+                if seq >= self.requests[-1]:
+                    self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), self.buffer[seq]])
+            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    def close(self):
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+def peer(sockdir):
+    p = WirePeer(sockdir)
+    yield p
+    p.close()
+
+
+def _follow(peer, **kw):
+    sub = KVEventSubscriber([KVEventEndpoint(peer.endpoint, peer.replay_endpoint)], **kw).start()
+    wait_until(lambda: sub.status()[0].connected and peer.requests == [0], serve=peer.serve)
+    time.sleep(0.1)  # the subscription reaches the PUB socket
+    return sub
+
+
+def test_gap_is_filled_by_replay(peer):
+    sub = _follow(peer)
+    try:
+        peer.buffer = {s: peer.payload(s) for s in range(10)}
+        peer.live(0, 1, 2, 3, 4)
+        peer.live(8, 9)  # 5, 6, 7 never arrive live
+        index = sub.indexes[0]
+        wait_until(lambda: index.num_batches == 10, serve=peer.serve)
+        st = sub.status()[0]
+    finally:
+        sub.stop()
+    assert peer.requests == [0, 5]  # exactly the gap was asked for
+    assert index.live_hashes() == {1000 + s for s in range(10)} and st.num_lost == 0 and st.num_replayed == 3
+
+
+def test_gap_older_than_buffer_is_lost_and_said(peer):
+    sub = _follow(peer)
+    try:
+        peer.live(0, 1)
+        peer.buffer = {s: peer.payload(s) for s in range(4, 8)}  # 2 and 3 fell out of the buffer
+        peer.live(6, 7)
+        index = sub.indexes[0]
+        wait_until(lambda: index.num_batches == 6, serve=peer.serve)
+        st = sub.status()[0]
+    finally:
+        sub.stop()
+    assert st.num_lost == 2 and "lost 2 batches" in st.text and index.last_seq == 7
+    assert index.live_hashes() == {1000, 1001, 1004, 1005, 1006, 1007}
+
+
+def test_restarted_peer_detected_from_a_changed_batch(peer):
+    """A live batch under a number already applied, with other contents: a new publisher. Start over from 0."""
+    sub = _follow(peer)
+    try:
+        peer.live(0, 1, 2)
+        index = sub.indexes[0]
+        wait_until(lambda: index.num_batches == 3, serve=peer.serve)
+        fresh = encode_batch(make_batch([stored([77])], 500.0, 0))
+        peer.buffer = {0: fresh}
+        peer.live(0, payload=fresh)
+        wait_until(lambda: index.live_hashes() == {77}, serve=peer.serve)
+        st = sub.status()[0]
+    finally:
+        sub.stop()
+    assert st.num_restarts == 1 and peer.requests == [0, 0] and "restarted" in st.text and index.last_seq == 0
+
+
+def test_replay_socket_that_never_answers(sockdir):
+    peer = WirePeer(sockdir, answer=False)
+    try:
+        sub = KVEventSubscriber([KVEventEndpoint(peer.endpoint, peer.replay_endpoint)], replay_timeout_s=0.3)
+        sub.start()
+        wait_until(lambda: sub.status()[0].replay_answering is False, serve=peer.serve)
+        time.sleep(0.1)
+        peer.live(3, 4)
+        wait_until(lambda: sub.indexes[0].num_batches == 2, serve=peer.serve)
+        st = sub.status()[0]
+        sub.stop()
+    finally:
+        peer.close()
+    assert st.num_lost == 3 and "replay socket not answering" in st.text and len(peer.requests) == 2
+
+
+def test_malformed_messages_are_counted_and_skipped(peer):
+    sub = _follow(peer)
+    try:
+        peer.live(0)
+        peer.pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])  # counted, seq used up
+        peer.pub.send_multipart([b"", b"\x01\x02", peer.payload(2)])  # short seq frame
+        peer.pub.send_multipart([b"only one frame"])
+        peer.pub.send_multipart([b"", (2).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [{"type": 5}]])])
+        peer.live(3)
+        index = sub.indexes[0]
+        wait_until(lambda: index.last_seq == 3, serve=peer.serve)
+        st = sub.status()[0]
+    finally:
+        sub.stop()
+    assert st.num_malformed == 4 and "4 malformed messages skipped" in st.text and st.num_lost == 0
+    assert index.live_hashes() == {1000, 1003} and sub.failure is None and peer.requests == [0]
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(endpoint="nowhere"), "endpoint must be a ZMQ address"),
+    (dict(endpoint="ipc:///tmp/x", replay_endpoint=5), "replay_endpoint must be"),
+    (dict(endpoint="ipc:///tmp/x", buffer_size=0), "buffer_size must be a positive int"),
+    (dict(endpoint="ipc:///tmp/x", buffer_size=True), "buffer_size"),
+    (dict(endpoint="ipc:///tmp/x", topic=b"t"), "topic must be a string"),
+    (dict(endpoint="ipc:///tmp/x", data_parallel_rank=-1), "data_parallel_rank"),
+    (dict(endpoint="tcp://*:notaport"), "cannot open KV-event sockets"),
+])
+def test_publisher_bad_arguments(kwargs, words):
+    with pytest.raises(KVEventError, match=words):
+        KVEventPublisher(**kwargs)
+
+
+def test_publish_bad_events_changes_nothing(sockdir):
+    with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
+        for events, ts in (([{"type": "BlockStored"}], None), (["x"], None), ([stored([1])], "now")):
+            with pytest.raises(KVEventError):
+                pub.publish(events, ts)
+        assert pub.next_seq == 0 and pub.publish([stored([1])]) == 0 and pub.next_seq == 1
+    with pytest.raises(KVEventError, match="closed"):
+        pub.publish([])
+
+
+def test_two_publishers_on_one_address_is_a_clear_error(sockdir):
+    with KVEventPublisher(f"ipc://{sockdir}/p", f"tcp://127.0.0.1:*") as pub:
+        port = pub.replay_endpoint
+        with pytest.raises(KVEventError, match="cannot open"):
+            KVEventPublisher(f"ipc://{sockdir}/q", port)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "non-empty"), ("host:5557", "ZMQ address"), ("tcp://h:1,bogus", "unknown option"),
+    ("tcp://h:1,dp=0", "dp must be"), ("ipc:///x,dp=2", "tcp://host:port"), ("tcp://h:1,replay=nope", "replay"),
+])
+def test_endpoint_spec_errors(spec, words):
+    with pytest.raises(KVEventError, match=words):
+        parse_endpoint_spec(spec)
+
+
+def test_endpoint_spec_forms():
+    (one,) = parse_endpoint_spec("tcp://*:5557,tcp://*:5558")
+    assert one == KVEventEndpoint("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    ranks = parse_endpoint_spec("tcp://h:5557,replay=tcp://h:6000,topic=kv,dp=3,name=node")
+    assert [(e.endpoint, e.replay_endpoint, e.topic, e.label) for e in ranks] == [
+        (f"tcp://h:{5557 + r}", f"tcp://h:{6000 + r}", "kv", f"node dp{r}") for r in range(3)]
+    for bad in (dict(silent_after_s=0), dict(replay_timeout_s="1")):
+        with pytest.raises(KVEventError):
+            KVEventSubscriber(["tcp://h:1"], **bad)
+    with pytest.raises(KVEventError, match="at least one"):
+        KVEventSubscriber([])
+
+
+# ----------------------------------------------------------------------------------------------- index
+def test_index_prefix_tree_media_and_summary():
+    index = KVCacheIndex("x")
+    index.apply_batch(make_batch([stored([1, 2, 3], tokens=[1, 2, 3, 4, 5, 6]),
+                                  stored([4], parent=2, tokens=[7, 7]), stored([9], parent=77, tokens=[8, 8])],
+                                 10.0), 0)
+    assert [b.block_hash for b in index.roots()] == [1, 9]  # a sequence start, then an orphan
+    assert [b.block_hash for b in index.children(2)] == [3, 4]
+    assert [b.block_hash for b in index.chain(4)] == [1, 2, 4] and index.block(3).token_ids == (5, 6)
+    assert index.match_prefix([1, 2, 3, 4, 7, 7, 0]) == 3 and index.match_prefix([1, 2, 3]) == 1
+    # the same block on a second tier, then dropped tier by tier
+    index.apply_batch(make_batch([stored([3], parent=2, tokens=[5, 6], medium="CPU"), removed([3], "GPU")], 11.0), 1)
+    assert index.block(3).medium == "CPU" and index.num_reported_again == 1
+    index.apply_batch(make_batch([removed([3], "CPU"), removed([404])], 12.0), 2)
+    assert index.block(3) is None and index.num_unknown_removed == 1
+    summary = json_summary(index)
+    assert summary == {"source": "kv-events", "name": "x", "step": 2, "num_blocks": None, "block_size": 2,
+                       "used": None, "cached": None, "free": None, "block_tables": None,
+                       "stored_hashes": [1, 2, 4, 9]}
+    index.apply_batch(make_batch([AllBlocksCleared(), stored([b"\xab" * 32])], 13.0), 3)
+    assert json_summary(index)["stored_hashes"] == ["ab" * 32]
+    tl = index.timeline()
+    assert list(tl.stored) == [5, 0, 0, 1] and list(tl.removed) == [0, 0, 1, 4] and list(tl.live) == [5, 5, 4, 1]
+    assert tl.ts.dtype == np.float64
+
+
+def test_index_is_safe_to_read_while_a_thread_writes():
+    batches, expected = workload(seed=4, steps=200)
+    index = KVCacheIndex()
+    errors = []
+
+    def write():
+        for seq, events in enumerate(batches):
+            index.apply_batch(make_batch(events, float(seq)), seq)
+
+    def read():
+        try:
+            while writer.is_alive():
+                for b in index.roots():
+                    index.chain(b.block_hash)
+                where_cached([index])
+                json_summary(index)
+        except Exception as exc:  # pragma: no cover - the assertion below reports it
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    reader = threading.Thread(target=read)
+    writer.start()
+    reader.start()
+    writer.join()
+    reader.join()
+    assert not errors and index.live_hashes() == expected
