@@ -7,8 +7,7 @@ import pytest
 from kvstream.events import EventKind, PoolModel
 from kvstream.views import BlockState, FinishReason, Status
 from kvstream.vllm_tap import UnsupportedVllm, VllmPoolTap
-from tests.vllm.conftest import BLOCK_SIZE, scheduler_of
-from tests.vllm.reference import compare, read_state
+from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
 
 PREFIX = "The block table maps each logical block of a sequence to a physical block. "  # 76 bytes: 2 full blocks
 

@@ -9,6 +9,15 @@ import numpy as np
 from kvstream.views import BlockState
 from kvstream.vllm_hash import key_hash64
 
+BLOCK_SIZE = 32  # the tests' vLLM engines: vLLM's CPU backend wants a multiple of 32
+NUM_BLOCKS = 40  # small, so that a few requests fill it (evictions, preemptions)
+MAX_MODEL_LEN = 512
+
+
+def scheduler_of(engine):
+    """vLLM's Scheduler inside an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return engine.engine_core.engine_core.scheduler
+
 
 @dataclass(frozen=True)
 class VllmState:
