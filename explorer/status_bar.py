@@ -1,7 +1,8 @@
 """The status line: what the source is doing, how fast it and the GUI go, and how full the pool is.
 
-Rates come from one helper (``kvstream.rules.Rate``, through :mod:`explorer.rates`) fed with what the source delivers (step ids and generated-token
-counts of its frames) and with the window's own frame ticks, so they read the same for every kind of source.
+Rates come from the project's one rate helper (``kvstream.rules.Rate``), fed with what the source delivers (step ids
+and generated-token counts of its frames) and with the window's own frame ticks, so they read the same for every
+kind of source.
 Labels never ask for more width than they get: at 1024 pixels the line elides instead of widening the window.
 """
 from __future__ import annotations
@@ -12,9 +13,36 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.rules import Rate
 
-from .rates import CounterRate
-
 KEYS = ("live", "engine", "gui", "pool", "model")
+
+
+class CounterRate:
+    """Growth per second of a running count (a step id, a token counter), through a :class:`Rate`.
+
+    ``add(count)`` gives the count's current value; the growth since the previous value is ticked into the rate.
+    A count that goes backwards (a new source counting from 0) starts the rate over instead of going negative.
+    """
+
+    def __init__(self, window_s: float = 1.0, clock=time.perf_counter):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s!r}")
+        self.rate = Rate(window=window_s, clock=clock)  # the shared helper that does the arithmetic
+        self._last: float | None = None  # the count given last, None before the first
+
+    def add(self, count: float, now: float | None = None) -> None:
+        if self._last is None or count < self._last:
+            self.rate.clear()
+            self.rate.tick(0, now)
+        else:
+            self.rate.tick(int(count - self._last), now)
+        self._last = count
+
+    def per_second(self, now: float | None = None) -> float:
+        return self.rate.per_second(now)
+
+    def reset(self) -> None:
+        self.rate.clear()
+        self._last = None
 
 
 class ElidedLabel(QtWidgets.QLabel):

@@ -4,8 +4,8 @@ import pytest
 from PySide6 import QtWidgets
 
 from explorer.block_watch import relocated_id
-from explorer.rates import CounterRate
 from explorer.snapshot_block import block_info_from_snapshot
+from explorer.status_bar import CounterRate
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import BlockState
 from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
