@@ -313,6 +313,10 @@ class Engine:
         """A pending fork at the end of its parent's prefill: share every block, and sample the child's own first
         token from the same logits (with its own generator)."""
         self._touch(child)
+        child.token_ids = list(parent.token_ids)  # it forks now: everything the parent has (it may have grown)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.turns = list(parent.turns)
         if not self.scheduler.has_room():
             self.scheduler.add(child)
             return

@@ -53,6 +53,12 @@ class KVCache:
         flat = self.data.flatten(2, 3)  # [layers, 2, blocks * block_size, kv_heads, dim]: a view
         return slots, flat.index_select(2, slots)
 
+    def save_blocks(self, blocks: Sequence[int]):
+        """:meth:`save_slots` of every slot of ``blocks``."""
+        bs = self.data.shape[3]
+        ids = torch.as_tensor(list(blocks), dtype=torch.long, device=self.data.device)
+        return self.save_slots((ids[:, None] * bs + torch.arange(bs, device=ids.device)[None, :]).flatten())
+
     def restore_slots(self, saved: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if saved is not None:
             slots, data = saved

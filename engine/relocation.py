@@ -14,6 +14,7 @@ import numpy as np
 from kvstream.views import BlockState
 
 from .block_pool import random_cycle
+from .errors import EngineError
 from .validation import check_bool, check_int, check_seed
 
 if TYPE_CHECKING:
@@ -61,11 +62,18 @@ def relocate(engine: "Engine", seed, compact) -> dict[int, int]:
     new_id = new_ids(engine, seed, compact)
     with engine.transaction():
         moved = np.flatnonzero(engine.pool.state != BlockState.FREE)
-        engine.kv.move_blocks(moved.tolist(), new_id[moved].tolist())  # raises before writing if it cannot allocate
+        targets = new_id[moved]
+        try:  # what is overwritten, then every moving block, go to temporaries first: fails before writing anything
+            overwritten = engine.kv.save_blocks(np.setdiff1d(targets, moved).tolist())
+            engine.kv.move_blocks(moved.tolist(), targets.tolist())
+        except (RuntimeError, MemoryError) as exc:
+            raise EngineError(f"not enough memory to move {len(moved):,} blocks "
+                              f"({len(moved) * engine.kv.bytes_per_block / 2**20:.0f} MiB of K/V): {exc}") from None
         try:
             engine.manager.relocate(new_id, engine.seqs.values())
         except BaseException:
-            engine.kv.move_blocks(new_id[moved].tolist(), moved.tolist())  # put the K/V back
+            engine.kv.move_blocks(targets.tolist(), moved.tolist())  # put the K/V back, byte for byte
+            engine.kv.restore_slots(overwritten)
             raise
         engine.changed()
     return {int(b): int(new_id[b]) for b in moved if new_id[b] != b}

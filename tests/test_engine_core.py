@@ -1,0 +1,395 @@
+"""The engine core's promises: one writer whose events replay to the pool, operations that happen whole or not at
+all (faults injected), chunked prefill that changes nothing but the schedule, parallel samples, owners."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine import BlockState, Engine, EngineConfig, EngineError, FinishReason, Status
+from kvstream.events import EventKind, PoolModel
+from tests.helpers import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("core")))
+
+
+def make(ckpt, **kw):
+    kw.setdefault("num_blocks", 64)
+    kw.setdefault("block_size", 4)
+    return Engine(EngineConfig(model=ckpt, **kw))
+
+
+def prompt(n, start=1):
+    return [(start + 7 * i) % 90 + 1 for i in range(n)]
+
+
+SHARED = prompt(10, start=3)  # a common "system prompt": two full blocks and a half at block size 4
+
+
+def state_of(eng):
+    """Everything observable about an engine, for before/after comparisons."""
+    snap = eng.snapshot()
+    return {
+        "arrays": [a.tobytes() for a in (snap.ref_count, snap.num_filled, snap.state, snap.owner, snap.last_access,
+                                         snap.block_hash)],
+        "tables": dict(snap.block_tables), "conversations": snap.conversations, "step": snap.step_id,
+        "version": snap.version, "kv": eng.kv.data.clone(), "metrics": snap.metrics,
+        "free_queue": eng.pool.free_queue, "events": list(eng.manager.events),
+        "waiting": [s.seq_id for s in eng.scheduler.waiting], "running": [s.seq_id for s in eng.scheduler.running],
+    }
+
+
+def assert_same(a, b):
+    assert {k: v for k, v in a.items() if k != "kv"} == {k: v for k, v in b.items() if k != "kv"}
+    assert torch.equal(a["kv"], b["kv"])
+
+
+def random_workload(eng, rng, steps, replay=None):
+    """Adds (some sharing a prefix), forks, replies, ends, relocations, prefix-cache resets and steps on a small
+    pool (so preemption and eviction happen); calls replay(eng) after every operation."""
+    ids = []
+    for _ in range(steps):
+        op = rng.random()
+        live = [i for i in ids if i in eng.seqs and not eng.seqs[i].is_finished]
+        finished = [i for i in ids if i in eng.seqs and eng.seqs[i].status == Status.FINISHED]
+        try:
+            if op < 0.18:
+                tokens = (SHARED if rng.random() < 0.5 else []) + prompt(rng.randint(1, 14), rng.randint(1, 80))
+                ids.append(eng.add_conversation(prompt_token_ids=tokens, max_new_tokens=rng.randint(1, 14),
+                                                temperature=rng.choice([0.0, 0.9]), seed=rng.randint(0, 99)))
+            elif op < 0.25 and live:
+                ids.append(eng.fork_conversation(rng.choice(live)))
+            elif op < 0.29:
+                ids.extend(eng.add_samples(prompt_token_ids=SHARED + prompt(3), n=rng.randint(2, 3),
+                                           max_new_tokens=rng.randint(2, 8), seed=rng.randint(0, 99)))
+            elif op < 0.33 and finished:
+                eng.continue_conversation(rng.choice(finished), prompt_token_ids=prompt(rng.randint(1, 5)),
+                                          max_new_tokens=rng.randint(1, 6))
+            elif op < 0.37 and ids:
+                cid = rng.choice(ids)
+                if cid in eng.seqs and eng.seqs[cid].status != Status.ENDED:
+                    eng.end_conversation(cid)
+            elif op < 0.41:
+                eng.relocate_blocks(seed=rng.randint(0, 999), compact=rng.random() < 0.3)
+            elif op < 0.42:
+                eng.reset_prefix_cache()
+            else:
+                eng.step()
+        except EngineError as exc:  # a reply that outgrew the pool or the model
+            assert "pool" in str(exc) or "at most" in str(exc)
+        if replay is not None:
+            replay(eng)
+    return ids
+
+
+def test_events_replay_to_the_pool_at_every_step(ckpt):
+    """A long random workload: replaying the events alone onto an empty pool gives the snapshot's state and ref
+    counts after every operation, and the bookkeeping invariants hold throughout."""
+    eng = make(ckpt, num_blocks=24, block_size=3)
+    model = PoolModel(24)
+    seen = set()
+
+    def replay(eng):
+        for event in eng.take_events():
+            model.apply(event)
+            seen.add(event.kind)
+        snap = eng.snapshot()
+        assert np.array_equal(model.state, snap.state)
+        assert np.array_equal(model.ref_count, snap.ref_count)
+        assert np.array_equal(model.hashed, snap.block_hash != 0)
+        eng.check_invariants()
+
+    random_workload(eng, random.Random(7), 600, replay)
+    eng.run_until_idle()
+    replay(eng)
+    for kind in (EventKind.ALLOCATED, EventKind.SHARED, EventKind.COPIED_ON_WRITE, EventKind.STORED,
+                 EventKind.RELEASED, EventKind.CACHED, EventKind.FREED, EventKind.EVICTED, EventKind.PREEMPTED,
+                 EventKind.RELOCATED, EventKind.CLEARED, EventKind.CONVERSATION_ADDED,
+                 EventKind.CONVERSATION_FINISHED, EventKind.CONVERSATION_ENDED, EventKind.CONVERSATION_CONTINUED):
+        assert kind in seen, f"the workload never produced {kind.value}"
+
+
+def test_events_name_the_step_and_conversation(ckpt):
+    eng = make(ckpt)
+    a = eng.add_conversation(prompt_token_ids=SHARED, max_new_tokens=3)
+    eng.step()
+    b = eng.fork_conversation(a)
+    eng.step()
+    events = eng.take_events()
+    assert events and all(e.step_id in (0, 1, 2) for e in events)
+    added = [e for e in events if e.kind == EventKind.CONVERSATION_ADDED]
+    assert [(e.conversation_id, e.other_id, e.reason) for e in added] == [(a, -1, ""), (b, a, "fork")]
+    shared = [e for e in events if e.kind == EventKind.SHARED]
+    assert shared[0].reason == "fork" and shared[0].block_ids[:2] == tuple(eng.conversation(b).block_table[:2])
+    cow = [e for e in events if e.kind == EventKind.COPIED_ON_WRITE]
+    assert len(cow) == 1 and cow[0].block_ids[0] == shared[0].block_ids[2]  # the half-filled tail was copied
+    assert cow[0].conversation_id == a and eng.conversation(a).block_table[2] == cow[0].new_block_ids[0]
+    stored = [e for e in events if e.kind == EventKind.STORED]
+    assert stored[0].parent_hash is None and len(stored[0].token_ids) == 4 * len(stored[0].block_ids)
+    assert eng.take_events() == []
+
+
+# ---- whole or not at all ----------------------------------------------------------------------------------------
+def busy_engine(ckpt, **kw):
+    """Conversations in every state: decoding, mid-prefill (chunked), waiting, sharing, sampled."""
+    eng = make(ckpt, num_blocks=40, max_num_batched_tokens=24, max_num_seqs=6, **kw)
+    eng.add_conversation(prompt_token_ids=SHARED + prompt(5), max_new_tokens=9, temperature=0.9, seed=1)
+    eng.step()
+    eng.add_conversation(prompt_token_ids=SHARED + prompt(30, 5), max_new_tokens=8)
+    eng.add_samples(prompt_token_ids=prompt(7, 9), n=2, max_new_tokens=6, temperature=0.8, seed=3)
+    eng.step()
+    while not (partial := [s for s in eng.scheduler.running
+                           if s.num_computed_tokens % 4 and s.num_uncomputed_tokens == 1]):
+        eng.step()
+    eng.fork_conversation(partial[0].seq_id)  # its half-filled tail is copied on the next write
+    return eng
+
+
+def finish(eng):
+    eng.run_until_idle()
+    return {c.conversation_id: c.output_token_ids for c in eng.conversations()}
+
+
+@pytest.mark.parametrize("where", ["prepare", "copy", "forward", "sample"])
+def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
+    """A step that raises after admission, after copy-on-write, in the forward or in sampling leaves the engine as
+    it was, and what follows is exactly what a run without the fault produces."""
+    clean = busy_engine(ckpt)
+    expected = finish(clean)
+    eng = busy_engine(ckpt)
+    before = state_of(eng)
+    obj, name = {"prepare": (eng.runner, "prepare"), "copy": (eng.kv, "copy_blocks"),
+                 "forward": (eng.runner, "forward"), "sample": (eng.runner, "sample")}[where]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected fault in {name}")
+
+    monkeypatch.setattr(obj, name, boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+    assert finish(eng) == expected
+
+
+def test_failed_step_after_eviction_restores_the_cache(ckpt, monkeypatch):
+    """A step that evicts cached blocks and writes into them, then fails: the cached blocks come back with their
+    K/V, and a later prompt hits them as if nothing happened."""
+    eng = make(ckpt, num_blocks=12, block_size=4)
+    eng.add_conversation(prompt_token_ids=prompt(20, 2), max_new_tokens=1)
+    eng.run_until_idle()
+    assert eng.pool.num_cached_blocks == 5
+    eng.add_conversation(prompt_token_ids=prompt(40, 50), max_new_tokens=2)
+    before = state_of(eng)
+    calls = []
+    real = eng.runner.forward
+
+    def forward_then_fail(prepared):
+        real(prepared)  # K/V really written into the evicted blocks
+        calls.append(1)
+        raise RuntimeError("injected fault after the forward")
+
+    monkeypatch.setattr(eng.runner, "forward", forward_then_fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    monkeypatch.undo()
+    assert calls and eng.manager.num_evictions == 0
+    assert_same(state_of(eng), before)
+
+
+def test_relocation_that_cannot_allocate_changes_nothing(ckpt, monkeypatch):
+    eng = busy_engine(ckpt)
+    eng.step()
+    expected = finish(_stepped(busy_engine(ckpt)))
+    before = state_of(eng)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(eng.kv, "move_blocks", no_memory)
+    with pytest.raises(EngineError, match="memory"):
+        eng.relocate_blocks(seed=3)
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+    assert finish(eng) == expected
+
+
+def _stepped(eng):
+    eng.step()
+    return eng
+
+
+def test_relocation_failing_after_the_move_puts_kv_back(ckpt, monkeypatch):
+    eng = _stepped(busy_engine(ckpt))
+    before = state_of(eng)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault while renaming")
+
+    monkeypatch.setattr(eng.manager, "relocate", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.relocate_blocks(seed=5)
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+
+
+def test_generate_is_atomic(ckpt, monkeypatch):
+    eng = make(ckpt)
+    eng.add_conversation(prompt_token_ids=prompt(6), max_new_tokens=5)
+    before = state_of(eng)
+    with pytest.raises(EngineError, match="vocabulary"):
+        eng.generate([[1, 2, 3], [999]])
+    assert_same(state_of(eng), before)
+    real, calls = eng.runner.forward, []
+
+    def fail_third(prepared):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault on the third step")
+        return real(prepared)
+
+    monkeypatch.setattr(eng.runner, "forward", fail_third)
+    with pytest.raises(RuntimeError, match="third"):
+        eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=6)
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+    assert eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=6) == make(ckpt).generate([[1, 2, 3], [4, 5]], 6)
+
+
+def test_dry_run_leaves_cache_bytes_alone(ckpt):
+    eng = _stepped(busy_engine(ckpt))
+    before = state_of(eng)
+    report = eng.relocate_and_verify(seed=4, lookahead=4)
+    assert report.max_abs_diff == 0.0 and report.tokens_identical and report.num_tokens_compared > 0
+    after = state_of(eng)
+    assert after["step"] == before["step"]
+    assert [c.token_ids for c in after["conversations"]] == [c.token_ids for c in before["conversations"]]
+
+
+def test_relocation_moves_only_what_is_used(ckpt):
+    """K/V of non-free blocks move with them; free blocks' contents are never read or copied."""
+    eng = _stepped(busy_engine(ckpt))
+    used = np.flatnonzero(eng.pool.state != BlockState.FREE)
+    data = {int(b): eng.kv.data[:, :, b].clone() for b in used}
+    mapping = eng.relocate_blocks(seed=11)
+    assert set(mapping) == set(data.keys())
+    for old, new in mapping.items():
+        assert torch.equal(eng.kv.data[:, :, new], data[old])
+
+
+# ---- scheduling -------------------------------------------------------------------------------------------------
+def test_chunked_prefill_gives_the_same_tokens(ckpt):
+    prompts = [prompt(n, n) for n in (5, 40, 130, 17, 64)]
+    whole = make(ckpt, num_blocks=256, enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    reference = whole.generate(prompts, max_new_tokens=12)
+    for budget in (8, 16, 100):
+        eng = make(ckpt, num_blocks=256, max_num_batched_tokens=budget, max_num_seqs=5)
+        assert eng.generate(prompts, max_new_tokens=12) == reference
+        eng.check_invariants()
+
+
+def test_chunked_prefill_respects_the_budget_and_counts_prefix_hits(ckpt):
+    eng = make(ckpt, num_blocks=128, max_num_batched_tokens=16, max_num_seqs=4)
+    eng.add_conversation(prompt_token_ids=SHARED + prompt(2), max_new_tokens=2)
+    eng.run_until_idle()
+    cid = eng.add_conversation(prompt_token_ids=SHARED + prompt(50, 11), max_new_tokens=3)
+    steps = 0
+    while eng.conversation(cid).num_computed_tokens < len(SHARED) + 50:
+        eng.step()
+        steps += 1
+        assert eng.metrics().last_step_prefill_tokens + eng.metrics().last_step_tokens <= 16 + 1
+    assert eng.conversation(cid).num_cached_tokens == 8  # the two full blocks of the shared prompt
+    assert steps == -(-(len(SHARED) + 50 - 8) // 16)
+    m = eng.metrics()
+    assert m.prefix_cache_hits == 8 and m.prefix_cache_queries == len(SHARED) + 2 + len(SHARED) + 50
+
+
+def test_forks_respect_max_num_seqs(ckpt):
+    eng = make(ckpt, max_num_seqs=2, max_num_batched_tokens=64)
+    a = eng.add_conversation(prompt_token_ids=prompt(6), max_new_tokens=20)
+    eng.step()
+    kids = [eng.fork_conversation(a) for _ in range(3)]
+    assert len(eng.scheduler.running) == 2
+    for _ in range(5):
+        eng.step()
+        assert len(eng.scheduler.running) <= 2
+    assert eng.conversation(kids[0]).status == Status.RUNNING
+    assert {eng.conversation(k).status for k in kids[1:]} == {Status.WAITING}
+    eng.run_until_idle()
+    assert all(len(eng.conversation(k).output_token_ids) == 20 for k in kids)
+
+
+def test_add_samples_share_the_prompt_and_are_atomic(ckpt):
+    eng = make(ckpt, num_blocks=64)
+    ids = eng.add_samples(prompt_token_ids=SHARED + prompt(3), n=3, max_new_tokens=30, temperature=0.9, seed=5)
+    assert len(ids) == 3 and all(eng.conversation(i).status == Status.WAITING for i in ids)
+    eng.step()  # the prompt is computed once; the other two samples fork from it at once
+    tables = [eng.conversation(i).block_table for i in ids]
+    assert tables[0][:3] == tables[1][:3] == tables[2][:3]
+    assert all(len(eng.conversation(i).output_token_ids) == 1 for i in ids)
+    assert eng.metrics().num_prefill_tokens == len(SHARED) + 3
+    eng.run_until_idle()
+    outs = [eng.conversation(i).output_token_ids for i in ids]
+    assert all(len(o) == 30 for o in outs) and len(set(outs)) == 3  # each its own random stream
+    before = state_of(eng)
+    with pytest.raises(EngineError, match="vocabulary"):
+        eng.add_samples(prompt_token_ids=[5000], n=3)
+    with pytest.raises(EngineError, match="n must be at least 1"):
+        eng.add_samples(prompt_token_ids=[5], n=0)
+    assert_same(state_of(eng), before)
+
+
+def test_owner_moves_to_a_remaining_holder(ckpt):
+    """Fork 9 into 10, end 9: 10's shared blocks now belong to 10 (they were 9's)."""
+    eng = make(ckpt)
+    for _ in range(9):
+        eng.end_conversation(eng.add_conversation(prompt_token_ids=[1], max_new_tokens=1))
+    nine = eng.add_conversation(prompt_token_ids=prompt(14), max_new_tokens=20)
+    eng.step()
+    ten = eng.fork_conversation(nine)
+    assert (nine, ten) == (9, 10)
+    eng.step()
+    eng.end_conversation(nine)
+    table = eng.snapshot().block_tables[ten]
+    assert eng.snapshot().owner[list(table)].tolist() == [ten] * len(table)
+    eng.check_invariants()
+
+
+def test_finish_reasons(tmp_path, ckpt):
+    eng = make(ckpt)
+    a = eng.add_conversation(prompt_token_ids=prompt(5), max_new_tokens=3)
+    b = eng.add_conversation(prompt_token_ids=prompt(5, 2), max_new_tokens=30)
+    eng.step()
+    eng.end_conversation(b)
+    eng.run_until_idle()
+    assert eng.conversation(a).finish_reason == FinishReason.LENGTH
+    assert eng.conversation(b).finish_reason == FinishReason.ENDED
+    first = eng.generate([prompt(5)], max_new_tokens=1)[0][0]
+    eos = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "e", eos_token_id=first)), num_blocks=32))
+    c = eos.add_conversation(prompt_token_ids=prompt(5), max_new_tokens=8)
+    eos.run_until_idle()
+    assert eos.conversation(c).finish_reason == FinishReason.EOS and eos.conversation(c).output_token_ids == (first,)
+    eng.continue_conversation(a, prompt_token_ids=[7, 8], max_new_tokens=2)
+    info = eng.conversation(a)
+    assert info.finish_reason is None and info.turns == ((0, 5), (8, 10))
+
+
+def test_finished_window_bounds_views(ckpt):
+    eng = make(ckpt, finished_window=5)
+    ids = [eng.add_conversation(prompt_token_ids=prompt(3, i), max_new_tokens=1) for i in range(12)]
+    live = eng.add_conversation(prompt_token_ids=prompt(3), max_new_tokens=50)
+    eng.run_until_idle(max_steps=4)
+    shown = [c.conversation_id for c in eng.snapshot().conversations]
+    assert shown == ids[-5:] + [live]
+    with pytest.raises(EngineError, match="no conversation"):
+        eng.conversation(ids[0])
+
+
+def test_compile_attention_is_per_engine(ckpt):
+    from engine.attention import attend_batch, attend_batch_compiled
+    compiled = make(ckpt, compile_attention=True)
+    plain = make(ckpt)
+    assert compiled.runner.attend is attend_batch_compiled and plain.runner.attend is attend_batch
