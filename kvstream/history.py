@@ -1,0 +1,373 @@
+"""History: the frames of one pool stream kept in memory (or on disk, for a recording), with random access.
+
+Why a class of its own: the timeline scrubs back while the engine keeps running, so frames arrive on the engine (or
+subscriber) thread while the GUI asks for any kept frame at 30 Hz. Frames are kept encoded (a delta of a decode
+step is a few kilobytes even at 65,536 blocks); a frame is rebuilt by decoding from the keyframe before it, and a
+small decode cache makes scrubbing and playing forward cost one delta per frame. The memory budget drops the
+oldest frames first and re-keys the oldest kept frame (a keyframe made from its decoded state), so the history
+always starts with a keyframe. Block events stay decoded beside the frames for markers, the event log and the
+tokens of cached blocks.
+
+Thread-safe for one writer thread and any number of readers.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from typing import Iterable
+
+from .events import BlockEvent, EventKind
+from .poolstream import Frame, StreamDecoder, StreamError, encode_keyframe, read_head
+from .views import PoolSnapshot
+
+DEFAULT_BUDGET = 256 << 20  # bytes of frames a History keeps by default (issue 10: about 256 MiB)
+FRAME_OVERHEAD = 200  # bytes a kept frame costs beyond its payload (the Frame object, index entries)
+EVENT_OVERHEAD = 250  # bytes a decoded BlockEvent costs in memory beyond the payload that also carries it
+_TRIM_TO = 7 / 8  # a trim brings the history down to this share of the budget (a trim re-keys, so not per frame)
+_SNAPSHOT_CACHE = 4  # rebuilt snapshots kept (the view and the frames next to it)
+_CHECKPOINT_EVERY = 32  # while fast-forwarding a long run of deltas, keep the decoder state every this many frames
+_CHECKPOINTS = 8  # decoder states kept for jumps back (each holds one copy of the per-block arrays)
+_ENDS_CONTENT = frozenset({EventKind.ALLOCATED, EventKind.FREED, EventKind.EVICTED})  # the block's KV is gone
+
+
+def _cost(frame) -> int:
+    return frame.nbytes + FRAME_OVERHEAD + EVENT_OVERHEAD * len(frame.events)
+
+
+class History:
+    """A bounded, randomly accessible run of pool-stream frames (a sink: ``write(frame)``)."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET):
+        self._write_lock = threading.RLock()  # one mutation at a time (write, trim, clear, budget change)
+        self._lock = threading.Lock()  # guards the lists below for readers (held briefly)
+        self._read_lock = threading.Lock()  # guards the decode cache
+        self._frames: list = []  # Frame (or a recording's frame read from disk on demand), by seq
+        self._seqs: list[int] = []  # seq of each frame, ascending
+        self._steps: list[int] = []  # step_id of each frame, non-decreasing
+        self._keys: list[int] = []  # seqs of the keyframes among them, ascending
+        self._nbytes = 0  # cost of the kept frames (payloads + FRAME_OVERHEAD + EVENT_OVERHEAD per event)
+        self._touch: dict[int, list[int]] = {}  # block id -> seqs of the frames whose events name it, ascending
+        self._cleared: list[int] = []  # seqs of frames with a CLEARED event
+        self._budget = 0
+        self.read_only = False  # a recording opened from disk takes no frames
+        self.budget_bytes = budget_bytes
+        self._decoder: StreamDecoder | None = None  # decode cache: a decoder left at some kept frame
+        self._checkpoints: OrderedDict[int, StreamDecoder] = OrderedDict()  # seq -> decoder copy at that frame
+        self._snapshots: OrderedDict[int, PoolSnapshot] = OrderedDict()  # seq -> rebuilt snapshot (LRU)
+        self.recording = None  # a RecordingInfo when the history is a recording opened from disk
+        self._closer = None  # closes the recording's file
+
+    def close(self) -> None:
+        """Release the file of a recording opened from disk (nothing for an in-memory history)."""
+        if self._closer is not None:
+            self._closer()
+
+    def __enter__(self) -> "History":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- size ---------------------------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        """Most bytes of frames kept; lowering it trims at once (a recording read from disk ignores it)."""
+        return self._budget
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the history budget must be a positive number of bytes, got {value!r}")
+        with self._write_lock:
+            self._budget = value
+            if not self.read_only and self._nbytes > value:
+                self._trim()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kept frames cost (their payloads plus a per-frame and per-event estimate)."""
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def first_seq(self) -> int | None:
+        """seq of the oldest kept frame (None when empty)."""
+        seqs = self._seqs
+        return seqs[0] if seqs else None
+
+    @property
+    def last_seq(self) -> int | None:
+        """seq of the newest kept frame (None when empty)."""
+        seqs = self._seqs
+        return seqs[-1] if seqs else None
+
+    @property
+    def stream_id(self) -> int | None:
+        frames = self._frames
+        return frames[-1].stream_id if frames else None
+
+    def seqs(self) -> list[int]:
+        """seq of every kept frame, ascending (contiguous unless the writer resynced after a gap)."""
+        with self._lock:
+            return list(self._seqs)
+
+    def keyframe_seqs(self) -> list[int]:
+        with self._lock:
+            return list(self._keys)
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def write(self, frame: Frame) -> None:
+        """Keep ``frame`` (the writer thread). StreamError, and nothing kept, if it does not follow the last one."""
+        if not isinstance(frame, Frame):
+            raise TypeError(f"a History keeps Frames, not {type(frame).__name__}")
+        with self._write_lock:
+            if self.read_only:
+                raise StreamError("this history is a recording read from disk: it takes no new frames")
+            if self._frames:
+                last = self._frames[-1]
+                if frame.stream_id != last.stream_id:
+                    raise StreamError("this frame belongs to another stream (the source restarted): clear() the "
+                                      "history or start a new one")
+                if frame.seq <= last.seq:
+                    raise StreamError(f"frame {frame.seq} is not newer than the history's last frame {last.seq}")
+                if not frame.keyframe and frame.seq != last.seq + 1:
+                    raise StreamError(f"frame {frame.seq} is a delta but the history's last frame is {last.seq}: "
+                                      "frames are missing; write the next keyframe")
+                if frame.step_id < last.step_id:
+                    raise StreamError(f"frame {frame.seq} is of step {frame.step_id}, before step {last.step_id}")
+            elif not frame.keyframe:
+                raise StreamError("a history must start with a keyframe (give a sink that joins mid-stream "
+                                  "StreamEncoder.keyframe() first)")
+            self._append(frame)
+            if self._nbytes > self._budget:
+                self._trim()
+
+    def _append(self, frame) -> None:
+        with self._lock:
+            self._frames.append(frame)
+            self._seqs.append(frame.seq)
+            self._steps.append(frame.step_id)
+            if frame.keyframe:
+                self._keys.append(frame.seq)
+            self._nbytes += _cost(frame)
+            self._index_events(frame.seq, frame.events)
+
+    def _index_events(self, seq: int, events: Iterable[BlockEvent]) -> None:
+        touch = self._touch
+        for e in events:
+            if e.kind == EventKind.CLEARED:
+                if not self._cleared or self._cleared[-1] != seq:
+                    self._cleared.append(seq)
+            for ids in (e.block_ids, e.new_block_ids):
+                for b in ids:
+                    seqs = touch.get(b)
+                    if seqs is None:
+                        touch[b] = [seq]
+                    elif seqs[-1] != seq:
+                        seqs.append(seq)
+
+    def write_many(self, frames: Iterable[Frame]) -> None:
+        for frame in frames:
+            self.write(frame)
+
+    def clear(self) -> None:
+        """Forget every frame (a subscriber whose source restarted starts again)."""
+        with self._write_lock, self._lock:
+            self._frames, self._seqs, self._steps, self._keys = [], [], [], []
+            self._nbytes = 0
+            self._touch, self._cleared = {}, []
+        with self._read_lock:
+            self._decoder = None
+            self._checkpoints.clear()
+            self._snapshots.clear()
+
+    def _trim(self) -> None:
+        """Drop the oldest frames down to _TRIM_TO of the budget (keeping at least the newest), re-keying the oldest
+        kept frame when it is a delta. Runs on the writer thread, or the thread that lowers the budget."""
+        with self._lock:
+            target = int(self._budget * _TRIM_TO)
+            excess = self._nbytes - target
+            cut, dropped = 0, 0
+            while cut < len(self._frames) - 1 and dropped < excess:
+                dropped += _cost(self._frames[cut])
+                cut += 1
+            if cut == 0:
+                return
+            keep = self._frames[cut]
+            run = None
+            if not keep.keyframe:  # the keyframe before it and the deltas up to it
+                key_seq = self._keys[bisect.bisect_right(self._keys, keep.seq) - 1]
+                run = self._frames[bisect.bisect_left(self._seqs, key_seq, 0, cut + 1):cut + 1]
+        if run is not None:  # decode outside the lock: readers go on meanwhile (there is no other writer)
+            decoder = StreamDecoder()
+            for f in run:
+                decoder.apply(read_head(f.payload))
+            snap = decoder.snapshot()
+            keyframe = encode_keyframe(snap, keep.seq, keep.stream_id, keep.events)
+        with self._lock:
+            gone = self._frames[:cut]
+            del self._frames[:cut], self._seqs[:cut], self._steps[:cut]
+            self._nbytes -= dropped
+            if run is not None:
+                self._nbytes += _cost(keyframe) - _cost(keep)
+                self._frames[0] = keyframe
+            first = self._seqs[0]
+            del self._keys[:bisect.bisect_left(self._keys, first)]
+            if not self._keys or self._keys[0] != first:
+                self._keys.insert(0, first)
+            del self._cleared[:bisect.bisect_left(self._cleared, first)]
+            for f in gone:  # prune the block index of what the dropped frames named
+                for e in f.events:
+                    for ids in (e.block_ids, e.new_block_ids):
+                        for b in ids:
+                            seqs = self._touch.get(b)
+                            if seqs is not None and seqs and seqs[0] < first:
+                                del seqs[:bisect.bisect_left(seqs, first)]
+                                if not seqs:
+                                    del self._touch[b]
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def _index(self, seq: int) -> int:
+        """Position of frame ``seq`` (call with self._lock held)."""
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise TypeError(f"a frame number is an integer, not {type(seq).__name__}")
+        i = bisect.bisect_left(self._seqs, seq)
+        if i == len(self._seqs) or self._seqs[i] != seq:
+            if not self._seqs:
+                raise LookupError(f"frame {seq} is not in the history: it is empty")
+            raise LookupError(f"frame {seq} is not in the history (it keeps frames {self._seqs[0]} to "
+                              f"{self._seqs[-1]})")
+        return i
+
+    def frame(self, seq: int):
+        """The kept Frame ``seq`` (its payload is read from disk for a recording)."""
+        with self._lock:
+            return self._frames[self._index(seq)]
+
+    def frame_info(self, seq: int) -> tuple[int, tuple[BlockEvent, ...]]:
+        """(step_id, events) of frame ``seq``, without decoding it."""
+        with self._lock:
+            f = self._frames[self._index(seq)]
+            return f.step_id, f.events
+
+    def step_of(self, seq: int) -> int:
+        return self.frame_info(seq)[0]
+
+    def seq_of_step(self, step_id: int) -> int | None:
+        """The last kept frame of step ``step_id`` (None if no kept frame has that step)."""
+        with self._lock:
+            i = bisect.bisect_right(self._steps, step_id) - 1
+            return self._seqs[i] if i >= 0 and self._steps[i] == step_id else None
+
+    def events(self, first_seq: int | None = None, last_seq: int | None = None,
+               kinds: Iterable[EventKind] | None = None) -> list[tuple[int, BlockEvent]]:
+        """(seq, event) for the kept frames from ``first_seq`` to ``last_seq`` (inclusive), oldest first."""
+        wanted = None if kinds is None else frozenset(kinds)
+        with self._lock:
+            lo = 0 if first_seq is None else bisect.bisect_left(self._seqs, first_seq)
+            hi = len(self._seqs) if last_seq is None else bisect.bisect_right(self._seqs, last_seq)
+            frames = self._frames[lo:hi]
+        return [(f.seq, e) for f in frames for e in f.events if wanted is None or e.kind in wanted]
+
+    def snapshot_at(self, seq: int) -> PoolSnapshot:
+        """The snapshot the source had at frame ``seq`` (LookupError if it is not kept)."""
+        with self._lock:
+            i = self._index(seq)
+            k = bisect.bisect_right(self._keys, seq) - 1
+            key_seq = self._keys[k]
+            start = bisect.bisect_left(self._seqs, key_seq, 0, i + 1)
+            run = self._frames[start:i + 1]
+        with self._read_lock:
+            snap = self._snapshots.get(seq)
+            if snap is not None and run[-1].stream_id == self._snapshot_stream:
+                self._snapshots.move_to_end(seq)
+                return snap
+            decoder = self._resume(run, key_seq)
+            done = decoder.seq if decoder is not None else key_seq - 1
+            if decoder is None:
+                decoder = StreamDecoder()
+            last = len(run) - 1
+            for f in run[done - key_seq + 1:]:
+                decoder.apply(read_head(f.payload))
+                offset = f.seq - key_seq
+                if offset % _CHECKPOINT_EVERY == 0 and 0 < offset < last and f.seq not in self._checkpoints:
+                    self._keep_checkpoint(decoder)  # a later jump back into this run starts here
+            snap = decoder.snapshot()
+            self._decoder = decoder
+            self._snapshot_stream = run[-1].stream_id
+            self._snapshots[seq] = snap
+            while len(self._snapshots) > _SNAPSHOT_CACHE:
+                self._snapshots.popitem(last=False)
+            return snap
+
+    _snapshot_stream = None  # stream the cached snapshots belong to
+
+    def _resume(self, run: list, key_seq: int) -> StreamDecoder | None:
+        """A decoder at a frame of ``run`` (the keyframe and deltas up to the frame wanted) to continue from: the
+        cache or the nearest checkpoint at or before the wanted frame; None: start at the keyframe."""
+        seq, stream = run[-1].seq, run[-1].stream_id
+        best = None
+        cached = self._decoder
+        if cached is not None and cached.stream_id == stream and key_seq <= cached.seq <= seq:
+            best = cached
+        for s, d in self._checkpoints.items():
+            if d.stream_id == stream and key_seq <= s <= seq and (best is None or s > best.seq):
+                best = d
+        if best is not None and best is not cached:
+            best = best.copy()  # checkpoints stay where they are
+        return best
+
+    def _keep_checkpoint(self, decoder: StreamDecoder) -> None:
+        self._checkpoints[decoder.seq] = decoder.copy()
+        self._checkpoints.move_to_end(decoder.seq)
+        while len(self._checkpoints) > _CHECKPOINTS:
+            self._checkpoints.popitem(last=False)
+
+    def latest(self) -> PoolSnapshot | None:
+        """The newest kept frame's snapshot (None when empty)."""
+        last = self.last_seq
+        return None if last is None else self.snapshot_at(last)
+
+    def block_tokens(self, block_id: int, seq: int) -> tuple[int, ...] | None:
+        """The tokens block ``block_id`` holds at frame ``seq`` if it is a hashed block whose STORED event is kept
+        (followed back through relocations); None if it holds none or the history does not go back far enough."""
+        with self._lock:
+            if not self._seqs:
+                return None
+            self._index(seq)
+            first = self._seqs[0]
+            b, at = int(block_id), seq
+            while True:
+                seqs = self._touch.get(b, ())
+                j = bisect.bisect_right(seqs, at) - 1
+                s = seqs[j] if j >= 0 else -1
+                c = self._cleared[bisect.bisect_right(self._cleared, at) - 1] if self._cleared else -1
+                if c > at:
+                    c = -1
+                frame_seq = max(s, c)
+                if frame_seq < first:
+                    return None
+                events = self._frames[self._index(frame_seq)].events
+                for e in reversed(events):
+                    kind = e.kind
+                    if kind == EventKind.CLEARED:
+                        return None
+                    if kind == EventKind.RELOCATED:
+                        if b in e.new_block_ids:
+                            b = e.block_ids[e.new_block_ids.index(b)]  # where its content was before the move
+                        elif b in e.block_ids:
+                            return None  # moved away, nothing moved in
+                        continue
+                    if b in e.block_ids:
+                        if kind == EventKind.STORED:
+                            per = len(e.token_ids) // len(e.block_ids)
+                            k = e.block_ids.index(b)
+                            return tuple(e.token_ids[k * per:(k + 1) * per])
+                        if kind in _ENDS_CONTENT:
+                            return None
+                    elif kind == EventKind.COPIED_ON_WRITE and b in e.new_block_ids:
+                        return None  # a fresh private copy: written after this, not stored yet
+                at = frame_seq - 1
