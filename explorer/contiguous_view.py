@@ -6,7 +6,8 @@ cell here is not a block (a contiguous allocator has none), only the same number
 
 - a filled slot: its conversation's colour (the same as in the grid and the table);
 - a reserved but empty slot: that colour, dark (the part of the max-length reservation not generated yet);
-- a gap: free slots stranded between reservations (external fragmentation), in a warning red;
+- a gap: free slots stranded between reservations (external fragmentation), hatched in red and the free colour
+  (a pattern no conversation colour can be mistaken for);
 - free memory after the last reservation: the grid's free colour.
 A bright line marks where each reservation starts when cells are wide enough to show slots.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import PoolSnapshot
 
@@ -24,7 +25,8 @@ from . import palette
 from .contiguous import GAP_SLOT, ContiguousAllocator, ContiguousLayout
 from .grid import GridGeometry, as_rgba, as_u32, grid_geometry, tile_masks
 
-GAP = np.array([196, 64, 52, 255], np.uint8)  # free slots between reservations: external fragmentation
+GAP = np.array([214, 58, 48, 255], np.uint8)  # free slots between reservations: hatched with palette.FREE
+HATCH = 4  # pixels per period of the gap hatching (diagonal: half GAP, half FREE)
 RUN_START = np.array([235, 235, 240, 255], np.uint8)  # the first pixel column of a reservation's first slot
 LEGEND = (("filled", None), ("reserved but empty", None), ("gap between reservations", GAP), ("free", palette.FREE))
 
@@ -52,6 +54,7 @@ def contiguous_rgba(layout: ContiguousLayout, geometry: GridGeometry) -> np.ndar
     n = geo.num_blocks  # cells of block_size slots: as many as the pool has blocks
     gap, _, slot, separator = tile_masks(geo)
     colours = slot_colours(layout).reshape(n, bs)  # [cell, slot in cell]
+    is_gap = (layout.slot_roles() == GAP_SLOT).reshape(n, bs)  # [cell, slot in cell]
     if geo.striped:
         profile = colours[:, slot]  # [cell, x in tile]: each pixel column shows its slot
         starts = np.array([r.start for r in layout.reservations], np.int64)
@@ -62,15 +65,24 @@ def contiguous_rgba(layout: ContiguousLayout, geometry: GridGeometry) -> np.ndar
             profile[cells, first_x[slots]] = as_u32(RUN_START[None])[0]
         if separator.any():
             profile[:, separator] = as_u32(palette.scale(as_rgba(profile[:, separator]), 0.85))
+        gap_profile = is_gap[:, slot]  # [cell, x in tile]
     else:  # a few pixels per cell: the mean colour of its slots
         total = as_rgba(colours).sum(axis=1, dtype=np.uint32)  # [cell, 4]: channel sums over the cell's slots
         profile = np.broadcast_to(as_u32((total // bs).astype(np.uint8))[:, None], (n, t))
+        gap_profile = np.broadcast_to(is_gap.mean(axis=1)[:, None] >= 0.5, (n, t))  # mostly gap: hatched
     cells = geo.rows * geo.cols
     background = as_u32(palette.BACKGROUND[None])[0]
     if cells > n:
         profile = np.concatenate([profile, np.full((cells - n, t), background, np.uint32)])
+        gap_profile = np.concatenate([gap_profile, np.zeros((cells - n, t), bool)])
     image = np.empty((geo.rows, t, geo.cols, t), np.uint32)  # [row, y in tile, col, x in tile]
     image[...] = profile.reshape(geo.rows, 1, geo.cols, t)
+    if gap_profile.any():  # hatch the gaps: diagonal stripes of GAP and FREE over the whole picture
+        height, width = geo.rows * t, geo.cols * t
+        stripes = ((np.arange(height)[:, None] + np.arange(width)[None, :]) % HATCH) < HATCH // 2  # [y, x]
+        stripes = stripes.reshape(geo.rows, t, geo.cols, t)
+        hatched = np.broadcast_to(gap_profile.reshape(geo.rows, 1, geo.cols, t), image.shape) & ~stripes
+        image[hatched] = as_u32(palette.FREE[None])[0]
     if gap.any():
         image[:, 0] = background
         image[:, :, :, 0] = background
@@ -94,6 +106,18 @@ def describe_slot(layout: ContiguousLayout, slot: int) -> str:
         return (f"slot {slot}: a gap of {hi - lo + 1} free slots between reservations (the next request waits "
                 f"for a run of its whole length)")
     return f"slot {slot}: free"
+
+
+def _swatch(colour, hatched: bool = False) -> QtGui.QPixmap:
+    """A legend square: the colour, or the gap hatching."""
+    size = 14
+    tile = np.empty((size, size, 4), np.uint8)
+    tile[:] = colour
+    if hatched:
+        stripes = ((np.arange(size)[:, None] + np.arange(size)[None, :]) % HATCH) >= HATCH // 2
+        tile[stripes] = palette.FREE
+    image = QtGui.QImage(tile.tobytes(), size, size, 4 * size, QtGui.QImage.Format.Format_RGBA8888)
+    return QtGui.QPixmap.fromImage(image.copy())
 
 
 class ContiguousView(QtWidgets.QWidget):
@@ -126,18 +150,18 @@ class ContiguousView(QtWidgets.QWidget):
         self.hover_label = QtWidgets.QLabel("Hover the memory for details.")
         self.hover_label.setWordWrap(True)
         legend = QtWidgets.QHBoxLayout()
-        legend.setSpacing(6)
-        example = palette.LIVE_COLOURS[0]
+        legend.setSpacing(4)
+        example = np.append(palette.LIVE_COLOURS[0], 255).astype(np.uint8)
         for text, colour in LEGEND:
             if text == "filled":
                 colour = example
             elif text == "reserved but empty":
-                colour = palette.scale(np.append(example, 255).astype(np.uint8), palette.EMPTY_SLOT_LEVEL)
+                colour = palette.scale(example, palette.EMPTY_SLOT_LEVEL)
             swatch = QtWidgets.QLabel()
-            swatch.setFixedSize(14, 14)
-            swatch.setStyleSheet(f"background: {palette.hex_colour(colour)}; border: 1px solid #18181e;")
+            swatch.setPixmap(_swatch(colour, hatched=colour is GAP))
             legend.addWidget(swatch)
             legend.addWidget(QtWidgets.QLabel(text))
+            legend.addSpacing(6)
         legend.addStretch(1)
 
         layout = QtWidgets.QVBoxLayout(self)
@@ -169,9 +193,10 @@ class ContiguousView(QtWidgets.QWidget):
         return self.summary.text()
 
     def link_to(self, grid_box: pg.ViewBox) -> None:
-        """Pan and zoom together with the paged grid's view box (the two pictures share cell coordinates)."""
+        """Zoom and pan across together with the paged grid's view box: the same horizontal range in cell units,
+        hence (aspect locked) the same scale, whatever the two widgets' heights (linking both axes of two boxes
+        of different shapes would fight the locked aspect)."""
         self.box.setXLink(grid_box)
-        self.box.setYLink(grid_box)
 
     def render(self, force: bool = False) -> bool:
         """Redraw if the layout changed since the last call (and the widget is shown); returns whether it drew."""

@@ -1,61 +1,124 @@
-"""Demo workloads, run directly on a fresh engine before any other thread sees it.
+"""Demo workloads, run directly on a fresh engine before any other thread sees it (public Engine API only).
 
 "busy" makes the first screen tell the story: two conversations share the system prompt's full blocks (ref
 count 2), one is forked (all its blocks shared until copy-on-write), one finishes early (its full blocks stay
 cached, muted), and every running conversation has a partially filled tail block.
+
+"crowd" oversubscribes the pool on purpose: each request asks for up to twice its fair share of the pool's slots,
+which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous
+max-length allocator of the same memory has to keep many waiting (the contiguous view shows both).
+
+Both demos shrink a request whose generation budget would not fit the pool (or the model's context). A demo that
+lowers a request says so: every seed function returns a :class:`Seeded` with a note per lowered request, which
+the window shows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
                  "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
+MIN_NEW_TOKENS = 4  # a demo request never asks for fewer new tokens than this
 
 
-def seed_busy(engine) -> list[int]:
-    """Add the busy demo's conversations; returns their ids. Generation lengths shrink to fit small pools."""
-    snap = engine.snapshot()
-    budget = snap.num_blocks * snap.block_size // 4  # slots one long conversation may aim for
+@dataclass(frozen=True)
+class Seeded:
+    """What a demo added: the conversation ids, and one sentence for each request it lowered to fit."""
 
-    def add(prompt: str, wanted: int, **kwargs) -> int:
-        room = budget - len(engine.tokenize(prompt))
-        return engine.add_conversation(prompt, max_new_tokens=max(4, min(wanted, room)), **kwargs)
+    ids: tuple[int, ...]  # every conversation the demo added (forks included), in the order added
+    notes: tuple[str, ...] = ()  # "conversation 3: max new tokens lowered from 1200 to 340 ..." per lowered request
 
-    a = add(SYSTEM_PROMPT + "What does a block table store?", 240, temperature=0.7, seed=1)
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def summary(self) -> str:
+        """One line for a status bar: how many requests were lowered, or '' when none was."""
+        if not self.notes:
+            return ""
+        if len(self.notes) == 1:
+            return f"Demo: {self.notes[0]}"
+        return (f"Demo: {len(self.notes)} of {len(self.ids)} requests were lowered to fit the pool or the model "
+                f"({self.notes[0]}; …)")
+
+
+class _Adder:
+    """Adds demo conversations, lowering each generation budget to ``room(prompt length)`` and noting it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        snap = engine.snapshot()
+        self.num_blocks, self.block_size, self.max_model_len = snap.num_blocks, snap.block_size, snap.max_model_len
+        self.ids: list[int] = []
+        self.notes: list[str] = []
+
+    def add(self, prompt: str, wanted: int, budget: int, **kwargs) -> int:
+        """Add ``prompt`` asking for ``wanted`` new tokens, but at most ``budget`` slots in all (prompt + new) and
+        within the model's positions."""
+        prompt_len = len(self.engine.tokenize(prompt))
+        pool_room = budget - prompt_len
+        model_room = self.max_model_len - prompt_len if self.max_model_len else pool_room
+        granted = max(MIN_NEW_TOKENS, min(wanted, pool_room, model_room))
+        cid = self.engine.add_conversation(prompt, max_new_tokens=granted, **kwargs)
+        self.ids.append(cid)
+        if granted < wanted:
+            limit = (f"the model's context of {self.max_model_len} tokens" if model_room <= pool_room else
+                     f"its share of the pool ({budget} of {self.num_blocks * self.block_size} slots)")
+            self.notes.append(f"conversation {cid}: max new tokens lowered from {wanted} to {granted} to fit {limit}")
+        return cid
+
+    def fork(self, parent: int, **kwargs) -> int:
+        cid = self.engine.fork_conversation(parent, **kwargs)
+        self.ids.append(cid)
+        return cid
+
+    def result(self) -> Seeded:
+        return Seeded(tuple(self.ids), tuple(self.notes))
+
+
+def seed_busy(engine) -> Seeded:
+    """Add the busy demo's conversations. Generation lengths shrink to fit small pools (each note says so)."""
+    adder = _Adder(engine)
+    budget = adder.num_blocks * adder.block_size // 4  # slots one long conversation may aim for
+    adder.add(SYSTEM_PROMPT + "What does a block table store?", 240, budget, temperature=0.7, seed=1)
     engine.step()  # prefill a, so its full system-prompt blocks are hashed before b arrives
-    b = add(SYSTEM_PROMPT + "Why do tail blocks waste memory?", 240, temperature=0.7, seed=2)
-    c = add("Write a short poem about memory pages.", 200, temperature=0.9, seed=3)
-    e = add("Explain copy-on-write in one line.", 20, temperature=0.0)
+    adder.add(SYSTEM_PROMPT + "Why do tail blocks waste memory?", 240, budget, temperature=0.7, seed=2)
+    c = adder.add("Write a short poem about memory pages.", 200, budget, temperature=0.9, seed=3)
+    adder.add("Explain copy-on-write in one line.", 20, budget, temperature=0.0)
     engine.step()
-    d = engine.fork_conversation(c, seed=4)
-    return [a, b, c, d, e]
+    adder.fork(c, seed=4)
+    return adder.result()
 
 
-def seed_many(engine, count: int, max_new_tokens: int = 64, ignore_eos: bool = False) -> list[int]:
-    """``count`` independent conversations (benchmarks, large-pool screenshots)."""
-    return [engine.add_conversation(f"Conversation {i}: tell me about page number {i * 7}.",
-                                    max_new_tokens=max_new_tokens, temperature=0.8, seed=i, ignore_eos=ignore_eos)
-            for i in range(count)]
+def seed_many(engine, count: int, max_new_tokens: int = 64, ignore_eos: bool = False) -> Seeded:
+    """``count`` independent conversations (benchmarks, large-pool screenshots); nothing is lowered."""
+    ids = tuple(engine.add_conversation(f"Conversation {i}: tell me about page number {i * 7}.",
+                                        max_new_tokens=max_new_tokens, temperature=0.8, seed=i, ignore_eos=ignore_eos)
+                for i in range(count))
+    return Seeded(ids)
 
 
-def seed_crowd(engine) -> list[int]:
-    """Many conversations of mixed lengths for large pools: a third share the system prompt, some are forked,
-    the short ones finish early and leave cached blocks behind."""
-    snap = engine.snapshot()
-    count = int(min(128, max(8, snap.num_blocks // 128)))
-    budget = max(8, snap.num_blocks * snap.block_size // (2 * count))
-    ids = []
+def seed_crowd(engine) -> Seeded:
+    """Many conversations of mixed lengths: a third share the system prompt, some are forked, the short ones finish
+    early and leave cached blocks behind. Each may reserve up to twice its fair share of the pool."""
+    adder = _Adder(engine)
+    slots = adder.num_blocks * adder.block_size
+    count = int(min(128, max(8, slots // 512)))  # one conversation per 512 slots of the pool
+    budget = min(max(8, 2 * slots // count), slots)  # twice the fair share; one request always fits the pool
     for i in range(count):
         prompt = (SYSTEM_PROMPT if i % 3 == 0 else "") + f"Question {i}: how is page {i * 7} laid out?"
-        wanted = (24, 400, 1200)[i % 3]
-        prompt_len = len(engine.tokenize(prompt))
-        room = max(4, min(wanted, budget - prompt_len, snap.max_model_len - prompt_len))
-        ids.append(engine.add_conversation(prompt, max_new_tokens=room, temperature=0.8, seed=i))
+        adder.add(prompt, (24, 400, 1200)[i % 3], budget, temperature=0.8, seed=i)
         if i % 12 == 0:
             engine.step()  # let the first system-prompt conversation fill its blocks before others share them
     engine.step()
-    for parent in ids[1:count // 4:8]:
-        ids.append(engine.fork_conversation(parent, seed=1000 + parent))
-    return ids
+    live = {c.conversation_id for c in engine.snapshot().conversations if c.is_live}
+    for parent in adder.ids[1:count // 4:8]:
+        if parent in live:  # a parent that already stopped (end-of-sequence) cannot be forked
+            adder.fork(parent, seed=1000 + parent)
+    return adder.result()
 
 
 DEMOS = {"busy": seed_busy, "crowd": seed_crowd}  # --demo name -> what seeds a fresh engine (the lesson has no engine)
