@@ -5,6 +5,7 @@ Every socket test follows one real stream; a "wire peer" built from the protocol
 driven by the test) lets a test decide exactly what goes out live and what the replay buffer holds."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import random
@@ -62,13 +63,20 @@ def removed(hashes, medium="GPU"):
     return BlockRemoved(block_hashes=tuple(hashes), medium=medium)
 
 
+def chain_hash(parent, tokens):
+    """A block's prefix hash from its parent's and its tokens, as vLLM computes them (here: 64 bits of SHA-256)."""
+    digest = hashlib.sha256(repr((parent, tuple(tokens))).encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
 def workload(seed=0, steps=120, block_size=4):
-    """Batches a prefix-caching server would send: requests that share prefixes store chains of blocks, a full
-    cache evicts least recently used leaves, a reset clears everything once. Returns (batches, live set)."""
+    """Batches a prefix-caching server would send: requests share prefixes, so only the blocks past the cached
+    part of a prompt are stored (with the last cached block as parent); a full cache evicts least recently used
+    leaves; a reset clears everything once. Returns (batches, live set)."""
     rng = random.Random(seed)
     live: dict[int, int | None] = {}  # hash -> parent
     order: list[int] = []  # LRU order of live hashes
-    batches, next_hash = [], 1
+    batches = []
     prefixes = [[rng.randrange(50) for _ in range(block_size * rng.randint(1, 3))] for _ in range(4)]
     for step in range(steps):
         events = []
@@ -77,19 +85,25 @@ def workload(seed=0, steps=120, block_size=4):
             live.clear()
             order.clear()
         tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(block_size * rng.randint(0, 3))]
-        parent, chain = None, []
+        parent, new, new_parent, new_tokens = None, [], None, []
         for i in range(len(tokens) // block_size):
-            h = next_hash
-            next_hash += 1
-            chain.append(h)
-        if chain:
-            events.append(BlockStored(block_hashes=tuple(chain), parent_block_hash=None, token_ids=tuple(tokens[
-                :len(chain) * block_size]), block_size=block_size, lora_id=None, medium="GPU", lora_name=None))
-            for h in chain:
+            block = tokens[i * block_size:(i + 1) * block_size]
+            h = chain_hash(parent, block)
+            if h in live:
+                order.remove(h)  # a hit: most recently used now
+            else:
+                if not new:
+                    new_parent = parent
+                new.append(h)
+                new_tokens += block
                 live[h] = parent
-                parent = h
-                order.append(h)
-        while len(live) > 25:  # evict the oldest leaf
+            order.append(h)
+            parent = h
+        if new:
+            events.append(BlockStored(block_hashes=tuple(new), parent_block_hash=new_parent,
+                                      token_ids=tuple(new_tokens), block_size=block_size, lora_id=None,
+                                      medium="GPU", lora_name=None))
+        while len(live) > 25:  # evict the least recently used leaf
             leaf = next(h for h in order if h not in live.values())
             order.remove(leaf)
             del live[leaf]
