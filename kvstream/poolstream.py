@@ -1061,7 +1061,12 @@ def _build(state: _State) -> PoolSnapshot:
         device=h.device, block_hash=arrays.get("block_hash"), version=state.version, source=h.source)
 
 
-from .history import History  # noqa: E402  (the History of docs/architecture.md's API lives in its own file)
+def __getattr__(name: str):
+    if name == "History":  # docs/architecture.md's API names it here; it lives in its own file (history.py)
+        from .history import History
+        return History
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "StreamError", "Frame", "FrameHead", "Header", "Keyframe", "Delta",
            "StreamEncoder", "StreamDecoder", "History", "read_head", "frame_from_payload", "encode_keyframe"]

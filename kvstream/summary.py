@@ -1,0 +1,62 @@
+"""The ``--json`` object: one line of facts about a pool, the same whatever the source.
+
+Why here: ``--headless --json`` prints it for the local engine, an attached stream and a replayed recording, and
+``--open FILE --headless --json`` must end on exactly the line the recording run printed, so the object is computed
+from the snapshot alone, in one place. Keys DESIGN.md fixes: source, step, num_blocks, block_size, used, cached,
+free, block_tables, stored_hashes; ``null`` where a source cannot know (a snapshot without hashes has
+stored_hashes null). The rest are extras scripts find useful.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .views import NO_HASH, BlockState, PoolSnapshot
+
+FIXED_KEYS = ("source", "step", "num_blocks", "block_size", "used", "cached", "free", "block_tables",
+              "stored_hashes")  # what DESIGN.md's --json promises, in its order
+
+
+def json_summary(snapshot: PoolSnapshot | None, *, source: str | None = None) -> dict[str, Any]:
+    """The --json object of ``snapshot`` (None: a source with nothing to show yet, everything null).
+
+    ``source`` overrides the snapshot's own source name (an attached pool can say which endpoint it is)."""
+    if snapshot is None:
+        out = {key: None for key in FIXED_KEYS}
+        out["source"] = source
+        return out
+    counts = np.bincount(np.asarray(snapshot.state, np.int64), minlength=3) if snapshot.num_blocks else [0, 0, 0]
+    hashes = snapshot.block_hash
+    stored = None
+    if hashes is not None:
+        held = hashes[hashes != NO_HASH]
+        stored = int(np.unique(held).size)
+    metrics, memory = snapshot.metrics, snapshot.memory
+    return {
+        "source": source if source is not None else snapshot.source,
+        "step": int(snapshot.step_id),
+        "num_blocks": int(snapshot.num_blocks),
+        "block_size": int(snapshot.block_size),
+        "used": int(counts[BlockState.USED]),
+        "cached": int(counts[BlockState.CACHED]),
+        "free": int(counts[BlockState.FREE]),
+        "block_tables": {str(cid): [int(b) for b in table] for cid, table in snapshot.block_tables.items()},
+        "stored_hashes": stored,
+        # extras
+        "version": int(snapshot.version),
+        "model": snapshot.model_name or None,
+        "device": snapshot.device or None,
+        "conversations": len(snapshot.conversations),
+        "running": sum(1 for c in snapshot.conversations if c.status == "running"),
+        "filled_slots": None if memory is None else int(memory.num_filled_slots),
+        "shared_blocks": int(np.count_nonzero(np.asarray(snapshot.ref_count) > 1)),
+        "generated_tokens": int(metrics.num_generated_tokens),
+        "preemptions": int(metrics.num_preemptions),
+        "evictions": int(metrics.num_evictions),
+    }
+
+
+def fixed_part(summary: dict[str, Any]) -> dict[str, Any]:
+    """Only DESIGN.md's keys of a --json object (what a recording run and its replay must agree on)."""
+    return {key: summary.get(key) for key in FIXED_KEYS}
