@@ -723,3 +723,59 @@ def test_index_is_safe_to_read_while_a_thread_writes():
     writer.join()
     reader.join()
     assert not errors and index.live_hashes() == expected
+
+
+# ----------------------------------------------------------------------------------------------- the engine
+def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
+    """Our engine publishing with EngineConfig(kv_events_endpoint=...): after a workload with prefix hits and
+    evictions, the live set rebuilt from the stream equals the hashes the engine holds (used and cached blocks),
+    and every parent hash was stored before its child."""
+    if importlib.util.find_spec("engine.kv_events") is None:
+        pytest.skip("the engine does not publish KV events yet (engine/kv_events.py has not landed)")
+    from engine import Engine, EngineConfig
+    from helpers import write_tiny_checkpoint
+    from kvstream.views import BlockState
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    endpoint, replay = f"ipc://{sockdir}/e", f"ipc://{sockdir}/er"
+    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, num_blocks=24, device="cpu", dtype="float32",
+                              enable_prefix_caching=True, seed=0, kv_events_endpoint=endpoint,
+                              kv_events_replay_endpoint=replay))
+    rng = random.Random(0)
+    try:
+        with KVEventSubscriber([KVEventEndpoint(endpoint, replay)]) as sub:
+            shared = [rng.randrange(1, 90) for _ in range(8)]
+            for round_ in range(6):  # more distinct prefixes than the pool can cache: evictions
+                for _ in range(2):
+                    tail = [rng.randrange(1, 90) for _ in range(rng.randint(2, 9))]
+                    eng.add_conversation(prompt_token_ids=shared + tail if round_ % 2 else tail + shared,
+                                         max_new_tokens=4)
+                eng.run_until_idle()
+            snap = eng.snapshot()
+            held = {int(h) for h, s in zip(snap.block_hash, snap.state)
+                    if h != 0 and s in (BlockState.USED, BlockState.CACHED)}
+            index = sub.indexes[0]
+            wait_until(lambda: index.live_hashes() == held, timeout=10)
+            st = sub.status()[0]
+            assert st.num_lost == 0 and st.num_malformed == 0
+            assert index.num_removed_total > 0, "the workload was meant to evict"
+            # every parent stored before its child: walk the batches in sequence order, through the replay socket
+            ctx = zmq.Context.instance()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(replay)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            seen: set = set()
+            while True:
+                assert dealer.poll(5000)
+                frames = dealer.recv_multipart()
+                if frames[2] == END_SEQ:
+                    break
+                for event in decode_batch(frames[3]).events:
+                    if isinstance(event, BlockStored):
+                        parents = (event.parent_block_hash,) + event.block_hashes[:-1]
+                        assert all(p is None or p in seen for p in parents)
+                        seen.update(event.block_hashes)
+            dealer.close(linger=0)
+            assert held <= seen
+    finally:
+        eng.close()
