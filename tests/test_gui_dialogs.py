@@ -1,7 +1,7 @@
 """Dialogs refuse bad input at the field and send nothing; engine restarts keep the old engine on failure."""
-from PySide6 import QtWidgets
+from PySide6 import QtCore, QtWidgets
 
-from explorer.dialogs import parse_number
+from explorer.dialogs import AddConversationDialog, ReplyDialog, RestartDialog, parse_number, parse_token_ids
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
@@ -40,16 +40,20 @@ def test_add_dialog_refuses_bad_input_and_sends_nothing(qtbot, make_window):
     assert "whole number" in dialog.error_text("max_new_tokens")
     assert "number" in dialog.error_text("temperature")
     assert "whole number" in dialog.error_text("samples")
+    qtbot.waitUntil(lambda: dialog.busy.text() == "", timeout=3000)  # the prompt's length was checked too
     assert dialog.error_text("prompt") == ""
     assert dialog.errors["max_new_tokens"].isVisible()
-    assert dialog.isVisible() and sent == []
+    assert dialog.isVisible() and sent == ["tokenize"]  # a query; nothing that changes the engine
+    sent.clear()
 
     dialog.max_new_tokens.setText("8")
     dialog.temperature.setText("0")
     dialog.samples.setText("1")
     dialog.prompt.setPlainText("x" * 300)  # 64 blocks x 4 slots = 256 slots: can never fit
     dialog.try_accept()
-    qtbot.waitUntil(lambda: "Too long for the pool" in dialog.error_text("prompt"), timeout=3000)
+    qtbot.waitUntil(lambda: "needs 77 blocks" in dialog.error_text("prompt"), timeout=3000)
+    assert dialog.error_text("prompt").startswith("Too long: this conversation needs 77 blocks (301 prompt tokens")
+    assert "The prompt alone is too long" in dialog.error_text("prompt")
     assert dialog.isVisible()
     assert "add_conversation" not in sent and sent == ["tokenize"]  # only the length check reached the engine
     qtbot.wait(100)
@@ -65,12 +69,12 @@ def test_add_dialog_refuses_more_than_the_model_handles(qtbot, make_window):
     dialog.prompt.setPlainText("x" * 1000)
     dialog.max_new_tokens.setText("100")
     dialog.try_accept()
-    qtbot.waitUntil(lambda: "Too long for the model" in dialog.error_text("prompt"), timeout=3000)
-    assert "at most 1024" in dialog.error_text("prompt") and dialog.isVisible()
+    qtbot.waitUntil(lambda: "model handles at most 1024" in dialog.error_text("prompt"), timeout=3000)
+    assert "at most 23 new tokens fit" in dialog.error_text("prompt") and dialog.isVisible()  # 1001 + 23 = 1024
     dialog.max_new_tokens.setText("1100")
     dialog.try_accept()
     assert "at most 1024" in dialog.error_text("max_new_tokens")
-    assert sent == ["tokenize"]
+    assert "add_conversation" not in sent
 
 
 def test_add_dialog_with_samples_forks(qtbot, make_window):
@@ -96,7 +100,8 @@ def test_reply_dialog_refuses_empty_message(qtbot, make_window):
     dialog.max_new_tokens.setText("-3")
     dialog.try_accept()
     assert "at least 1" in dialog.error_text("max_new_tokens")
-    assert sent == [] and dialog.isVisible()
+    qtbot.waitUntil(lambda: dialog.busy.text() == "", timeout=3000)
+    assert "continue_conversation" not in sent and dialog.isVisible()
 
 
 def test_restart_dialog_validation(qtbot, make_window, tmp_path):
@@ -191,10 +196,24 @@ def test_checkpoint_without_tokenizer_explains_at_the_prompt(qtbot, make_window,
     dialog = open_add_dialog(window, "Hello")
     dialog.try_accept()
     qtbot.waitUntil(lambda: "tokenizer" in dialog.error_text("prompt"), timeout=3000)
-    assert "token" in dialog.error_text("prompt") and dialog.isVisible()
+    assert "Switch 'Message as' to token ids" in dialog.error_text("prompt") and dialog.isVisible()
     assert sent == ["tokenize"] and window.errors == []
     qtbot.wait(100)
     assert window.snapshot.conversations == ()
+    # the way out: the same dialog takes token ids, and the engine checks them against its vocabulary (97)
+    submit_dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot,
+                                          window, submit=submit_through(window))
+    submit_dialog.set_ids_mode(True)
+    submit_dialog.prompt.setPlainText("5, 120 7")
+    submit_dialog.try_accept()
+    qtbot.waitUntil(lambda: "outside the vocabulary" in submit_dialog.error_text("prompt"), timeout=3000)
+    assert "token id 120" in submit_dialog.error_text("prompt") and submit_dialog.result() == 0
+    submit_dialog.prompt.setPlainText("5, 12 7")
+    submit_dialog.try_accept()
+    qtbot.waitUntil(lambda: submit_dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
+    snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 1)
+    assert snap.conversations[0].prompt_token_ids == (5, 12, 7) == submit_dialog.request.prompt_token_ids
+    assert submit_dialog.answer == snap.conversations[0].conversation_id
 
 
 def test_closing_while_a_restart_loads_starts_no_engine(qtbot, make_window):
@@ -205,3 +224,151 @@ def test_closing_while_a_restart_loads_starts_no_engine(qtbot, make_window):
     assert not old.alive
     qtbot.waitUntil(lambda: window._loader is None, timeout=10000)  # the load finished (or failed) after closing
     assert window.runner is old and not window.restart_progress.isVisible()
+
+
+# ---- issue 13 -------------------------------------------------------------------------------------------------
+def submit_through(window):
+    """What the window would pass as ``submit``: send an AddRequest to the engine, return the Future."""
+    def submit(request):
+        if request.prompt_token_ids is not None:
+            return window.runner.submit("add_conversation", prompt_token_ids=list(request.prompt_token_ids),
+                                        max_new_tokens=request.max_new_tokens, temperature=request.temperature)
+        return window.runner.submit("add_conversation", prompt=request.prompt, max_new_tokens=request.max_new_tokens,
+                                    temperature=request.temperature)
+    return submit
+
+
+def test_parse_token_ids():
+    assert parse_token_ids("12 7 99") == ((12, 7, 99), "")
+    assert parse_token_ids(" 12, 7,99 \n 3") == ((12, 7, 99, 3), "")
+    assert "not a token id" in parse_token_ids("12 seven")[1] and parse_token_ids("-1")[0] is None
+    assert "No token ids" in parse_token_ids(" , ")[1]
+
+
+def test_add_dialog_shows_every_error_at_once(qtbot, make_window):
+    window = make_window(paused=True)  # 64 blocks of 4
+    dialog = window.open_add_dialog()
+    dialog.prompt.setPlainText("x" * 300)  # too long for the pool, found by the engine's tokenizer
+    dialog.temperature.setText("warm")
+    dialog.samples.setText("0")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.error_text("prompt") != "", timeout=3000)
+    assert "Too long" in dialog.error_text("prompt")
+    assert "number" in dialog.error_text("temperature") and "at least 1" in dialog.error_text("samples")
+    assert dialog.isVisible() and dialog.request is None
+
+
+def field_positions(dialog):
+    return [dialog.form.itemAt(i).widget().geometry().top() for i in range(dialog.form.count())
+            if dialog.form.itemAt(i).widget() is not None]
+
+
+def test_error_lines_do_not_move_the_fields(qtbot, make_window):
+    window = make_window(paused=True)
+    dialog = window.open_add_dialog()
+    qtbot.waitExposed(dialog)
+    before, size = field_positions(dialog), dialog.size()
+    dialog.max_new_tokens.setText("lots")
+    dialog.temperature.setText("warm")
+    dialog.samples.setText("2.5")
+    dialog.try_accept()
+    qtbot.wait(50)
+    assert dialog.error_text("samples") and field_positions(dialog) == before and dialog.size() == size
+
+
+def test_token_ids_in_the_add_and_reply_dialogs(qtbot, make_window):
+    window = make_window(paused=True)
+    sent = spy_on_submit(window)
+    dialog = window.open_add_dialog()
+    dialog.set_ids_mode(True)
+    assert not dialog.use_system.isEnabled()  # the system prompt is text
+    dialog.prompt.setPlainText("12 seven")
+    dialog.try_accept()
+    assert "not a token id" in dialog.error_text("prompt") and sent == [] and dialog.isVisible()
+    dialog.prompt.setPlainText("12, 7 99")
+    dialog.try_accept()
+    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted and "tokenize" not in sent  # ids: counted here
+    assert dialog.request.prompt_token_ids == (12, 7, 99) and dialog.request.prompt == ""
+    snap = window.snapshot
+    reply = ReplyDialog(3, 250, window.commands._tokenize, window.source.futures.watch, snap, window)
+    reply.set_ids_mode(True)
+    reply.message.setPlainText(" ".join(["5"] * 6))
+    reply.max_new_tokens.setText("8")
+    reply.try_accept()  # 250 history + 6 + 8 new: 66 blocks of 4 > 64
+    assert "Too long" in reply.error_text("message") and "at most 1 new tokens fit" in reply.error_text("message")
+    reply.max_new_tokens.setText("1")
+    reply.try_accept()
+    assert reply.request.prompt_token_ids == (5,) * 6 and reply.request.message == ""
+
+
+def test_add_dialog_with_submit_stays_open_on_a_refusal(qtbot, make_window):
+    window = make_window(paused=True)  # the built-in model: 258 token ids
+    dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot, window,
+                                   submit=submit_through(window))
+    dialog.open()
+    dialog.set_ids_mode(True)
+    dialog.prompt.setPlainText("72 105 999")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: "outside the vocabulary" in dialog.error_text("prompt"), timeout=3000)
+    assert dialog.isVisible() and window.snapshot.conversations == () and window.errors == []
+
+
+def restart_dialog_with_loader(window, **kwargs):
+    """A restart dialog whose submit starts a real engine load, reporting back as the window would."""
+    from explorer.loader import EngineLoader
+    loader = EngineLoader(window)
+    dialog = RestartDialog(window.config, window, submit=loader.start, **kwargs)
+    loader.failed.connect(lambda message, _details: dialog.restart_failed(message))
+    loader.loaded.connect(lambda engine: dialog.restart_succeeded())
+    return dialog
+
+
+def test_failed_restart_keeps_the_values_and_says_why_at_the_field(qtbot, make_window, tmp_path):
+    window = make_window(paused=True)
+    dialog = restart_dialog_with_loader(window)
+    dialog.open()
+    (tmp_path / "empty").mkdir()
+    dialog.block_size.setText("8")
+    dialog.num_blocks.setText("48")
+    dialog.checkpoint.setChecked(True)
+    dialog.path.setText(str(tmp_path / "empty"))  # a directory, but no checkpoint in it
+    dialog.try_accept()
+    assert dialog.loading and not dialog.ok_button().isEnabled()
+    qtbot.waitUntil(lambda: dialog.error_text("model") != "", timeout=10000)
+    assert "previous engine keeps running" in dialog.error_text("model") and dialog.isVisible()
+    assert (dialog.block_size.text(), dialog.num_blocks.text(), dialog.path.text()) == ("8", "48",
+                                                                                       str(tmp_path / "empty"))
+    assert dialog.ok_button().isEnabled() and dialog.config is None
+    dialog.builtin.setChecked(True)  # corrected: the built-in model
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=10000)
+    assert dialog.config.block_size == 8 and dialog.config.num_blocks == 48
+
+
+def test_restart_asks_before_discarding_conversations(qtbot, make_window, tmp_path):
+    window = make_window(paused=True)
+    dialog = RestartDialog(window.config, window, num_conversations=3)
+    dialog.open()
+    dialog.try_accept()
+    box = dialog.confirm
+    assert box is not None and box.isVisible() and "3 conversations will be discarded" in box.text()
+    qtbot.mouseClick(box.button(QtWidgets.QMessageBox.StandardButton.Cancel), QtCore.Qt.MouseButton.LeftButton)
+    assert dialog.isVisible() and dialog.config is None  # nothing restarted
+    dialog.try_accept()
+    restart = next(b for b in dialog.confirm.buttons() if b.text() == "Restart")
+    qtbot.mouseClick(restart, QtCore.Qt.MouseButton.LeftButton)
+    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted and dialog.config is not None
+    quiet = RestartDialog(window.config, window)  # an empty engine: nothing to lose, no question
+    quiet.open()
+    quiet.try_accept()
+    assert quiet.confirm is None and quiet.result() == QtWidgets.QDialog.DialogCode.Accepted
+
+
+def test_restart_with_a_file_for_a_model_says_it_is_a_file(qtbot, make_window, tmp_path):
+    window = make_window(paused=True)
+    dialog = RestartDialog(window.config, window)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    dialog.checkpoint.setChecked(True)
+    dialog.path.setText(str(tmp_path / "model.safetensors"))
+    dialog.try_accept()
+    assert "is a file; choose the checkpoint's directory" in dialog.error_text("model")
