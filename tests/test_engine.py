@@ -210,8 +210,9 @@ def test_sampling_is_seeded(ckpt):
 
 def _pool_state(eng):
     s = eng.snapshot()
-    return (s.ref_count.tobytes(), s.num_filled.tobytes(), s.state.tobytes(), dict(s.block_tables),
-            [(c.conversation_id, c.status, c.block_table) for c in s.conversations])
+    return (s.ref_count.tobytes(), s.num_filled.tobytes(), s.state.tobytes(), s.block_hash.tobytes(),
+            dict(s.block_tables), s.conversations, s.version, s.step_id, eng.pool.free_queue,
+            len(eng.manager.events), [q.seq_id for q in eng.scheduler.waiting])
 
 
 @pytest.mark.parametrize("call, message", [
@@ -231,6 +232,57 @@ def _pool_state(eng):
     (lambda e: e.continue_conversation(0, prompt_token_ids=[1]), "finished"),
     (lambda e: e.inspect_block(64), "no block"),
     (lambda e: e.inspect_block(-1), "no block"),
+    # what an adversarial user tried (issue 9): each is refused with a message and changes nothing
+    (lambda e: e.add_conversation(prompt="ab\ud800cd"), "lone surrogate"),
+    (lambda e: e.tokenize("ab\ud800cd"), "lone surrogate"),
+    (lambda e: e.add_conversation(prompt_token_ids=[float("inf")]), "integers"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1.7]), "integers"),
+    (lambda e: e.add_conversation(prompt_token_ids="123"), "list of integers"),
+    (lambda e: e.add_conversation(prompt_token_ids=["5"]), "integers"),
+    (lambda e: e.add_conversation(prompt_token_ids={1: 2}), "list of integers"),
+    (lambda e: e.add_conversation(prompt_token_ids=torch.tensor([1.0, 2.0])), "integers"),
+    (lambda e: e.add_conversation(prompt_token_ids=[True, 2]), "integers"),
+    (lambda e: e.add_conversation(prompt_token_ids=7), "list of integers"),
+    (lambda e: e.end_conversation(True), "no conversation"),
+    (lambda e: e.end_conversation(False), "no conversation"),
+    (lambda e: e.fork_conversation(False), "no conversation"),
+    (lambda e: e.conversation(True), "no conversation"),
+    (lambda e: e.conversation(0.0), "no conversation"),
+    (lambda e: e.continue_conversation(True, prompt_token_ids=[1]), "no conversation"),
+    (lambda e: e.inspect_block(True), "no block"),
+    (lambda e: e.inspect_block(1.0), "no block"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], max_new_tokens=True), "max_new_tokens"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], max_new_tokens=2.0), "max_new_tokens"),
+    (lambda e: e.add_samples(prompt_token_ids=[1, 2], n=True), "n must be"),
+    (lambda e: e.run_until_idle(max_steps="x"), "max_steps"),
+    (lambda e: e.run_until_idle(max_steps=True), "max_steps"),
+    (lambda e: e.run_until_idle(max_steps=-1), "max_steps"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], seed=True), "seed"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], seed="x"), "seed"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], seed=2**64), "seed"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], seed=1.5), "seed"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], seed=-1), "seed"),
+    (lambda e: e.fork_conversation(0, seed="x"), "seed"),
+    (lambda e: e.fork_conversation(0, seed=2**64), "seed"),
+    (lambda e: e.fork_conversation(0, seed=1.5), "seed"),
+    (lambda e: e.fork_conversation(0, seed=False), "seed"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], temperature="0.5"), "temperature"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], temperature=True), "temperature"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], temperature=1e-300), "too small"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], temperature=float("nan")), "temperature"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], temperature=float("inf")), "temperature"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], ignore_eos="yes"), "ignore_eos"),
+    (lambda e: e.add_conversation(prompt_token_ids=[1, 2], ignore_eos=1), "ignore_eos"),
+    (lambda e: e.relocate_blocks(seed=-1), "seed"),
+    (lambda e: e.relocate_blocks(seed="x"), "seed"),
+    (lambda e: e.relocate_blocks(seed=1.5), "seed"),
+    (lambda e: e.relocate_blocks(seed=float("nan")), "seed"),
+    (lambda e: e.relocate_blocks(seed=True), "seed"),
+    (lambda e: e.relocate_blocks(compact="no"), "compact"),
+    (lambda e: e.relocate_and_verify(lookahead=-2), "lookahead"),
+    (lambda e: e.generate([[1, 2, 3], [999]]), "vocabulary"),
+    (lambda e: e.generate("123"), "list of token-id prompts"),
+    (lambda e: e.detokenize([1.5]), "integers"),
 ])
 def test_bad_input_is_refused_and_changes_nothing(ckpt, call, message):
     eng = make(ckpt, num_blocks=64)
@@ -269,7 +321,12 @@ def test_fork_of_finished_is_refused(ckpt):
 
 @pytest.mark.parametrize("kw, message", [
     ({"block_size": 0}, "block_size"), ({"num_blocks": 1}, "num_blocks"), ({"dtype": "int8"}, "dtype"),
-    ({"device": "tpu"}, "device"), ({"block_size": "4"}, "block_size"),
+    ({"device": "tpu"}, "device"), ({"block_size": "4"}, "block_size"), ({"block_size": True}, "block_size"),
+    ({"num_blocks": 64.0}, "num_blocks"), ({"seed": 2**45}, "seed"), ({"seed": -1}, "seed"), ({"seed": "x"}, "seed"),
+    ({"seed": True}, "seed"), ({"enable_prefix_caching": 1}, "enable_prefix_caching"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"), ({"compile_attention": None}, "compile_attention"),
+    ({"max_num_seqs": 600}, "max_num_batched_tokens"), ({"kv_events_endpoint": "5557"}, "endpoint"),
+    ({"kv_events_replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"), ({"model": 3}, "model"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(EngineError, match=message):
@@ -343,3 +400,85 @@ def test_ignore_eos_keeps_decoding(tmp_path):
     eng.run_until_idle()
     assert eng.conversation(cid).output_token_ids[0] == first and len(eng.conversation(cid).output_token_ids) == 6
     assert len(eng.conversation(kid).output_token_ids) == 6
+
+
+def _checkpoint_with(tmp_path, ckpt, name, config=None, generation=None, tokenizer_vocab=None):
+    """The tiny model with one thing changed in its config.json / generation_config.json / tokenizer."""
+    import json
+    import shutil
+    directory = tmp_path / name
+    shutil.copytree(ckpt, directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(config or {})
+    (directory / "config.json").write_text(json.dumps(cfg))
+    if generation is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation))
+    if tokenizer_vocab is not None:
+        from tokenizers import Tokenizer, models
+        vocab = {f"t{i}": i for i in range(tokenizer_vocab)}
+        Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
+    return str(directory)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("rope", {"config": {"rope_scaling": "linear"}}, "rope_scaling"),
+    ("rope2", {"config": {"rope_scaling": {"type": "linear", "factor": 2.0}}}, "rope_scaling"),
+    ("heads", {"config": {"num_attention_heads": 0}}, "num_attention_heads"),
+    ("vocab", {"config": {"vocab_size": -1}}, "vocab_size"),
+    ("dim", {"config": {"head_dim": -12}}, "head_dim"),
+    ("positions", {"config": {"max_position_embeddings": 0}}, "max_position_embeddings"),
+    ("positions2", {"config": {"max_position_embeddings": -5}}, "max_position_embeddings"),
+    ("layers", {"config": {"num_hidden_layers": True}}, "num_hidden_layers"),
+    ("eos", {"config": {"eos_token_id": 500}}, "eos_token_id"),
+    ("gen_eos", {"generation": {"eos_token_id": 97}}, "eos_token_id"),
+    ("gen_eos_type", {"generation": {"eos_token_id": "2"}}, "eos_token_id"),
+    ("gen_eos_list", {"generation": {"eos_token_id": [3, 1.5]}}, "eos_token_id"),
+    ("tokenizer", {"tokenizer_vocab": 200}, "tokenizer"),
+])
+def test_bad_checkpoint_fields(tmp_path, ckpt, name, changes, message):
+    path = _checkpoint_with(tmp_path, ckpt, name, **changes)
+    with pytest.raises(EngineError, match=message):
+        Engine(EngineConfig(model=path, num_blocks=16))
+
+
+def test_a_file_is_not_a_checkpoint_directory(tmp_path, ckpt):
+    with pytest.raises(EngineError, match="is a file"):
+        Engine(EngineConfig(model=str(Path(ckpt) / "config.json")))
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 10000, "num_blocks": 100_000}, {"num_blocks": 10**8}])
+def test_pool_too_large_for_memory_is_refused_at_once(ckpt, kw):
+    import time
+    start = time.perf_counter()
+    with pytest.raises(EngineError, match=r"needs .* GiB .* available"):
+        Engine(EngineConfig(model=ckpt, **kw))
+    assert time.perf_counter() - start < 5  # refused before allocating anything (not a timing claim on speed)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("id_out_of_range", "outside the cache"), ("negative_id", "outside the cache"),
+    ("len_past_table", "needs more blocks"), ("zero_len", "at least 1"), ("float_table", "integers"),
+    ("list_table", "torch tensor"), ("float_lens", "integers"),
+])
+def test_paged_attention_refuses_bad_tables(case, message):
+    from engine import paged_attention
+    q, k = torch.randn(2, 4, 8), torch.randn(6, 4, 2, 8)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8])
+    if case == "id_out_of_range":
+        tables = torch.tensor([[0, 6], [2, 3]])
+    elif case == "negative_id":
+        tables = torch.tensor([[0, 1], [-1, 3]])
+    elif case == "len_past_table":
+        lens = torch.tensor([5, 9])
+    elif case == "zero_len":
+        lens = torch.tensor([0, 8])
+    elif case == "float_table":
+        tables = tables.float()
+    elif case == "list_table":
+        tables = [[0, 1], [2, 3]]
+    elif case == "float_lens":
+        lens = lens.float()
+    with pytest.raises(EngineError, match=message):
+        paged_attention(q, k, k.clone(), tables, lens)
+    ok = paged_attention(q, k, k.clone(), torch.tensor([[0, 99], [2, 3]]), torch.tensor([4, 8]))  # past the end: ignored
+    assert ok.shape == (2, 4, 8)

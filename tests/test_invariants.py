@@ -8,6 +8,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import BlockState, Engine, EngineConfig, EngineError, Status
+from kvstream.events import PoolModel
 from tests.helpers import write_tiny_checkpoint
 
 _CKPT = {}
@@ -24,8 +25,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24))
+        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24, max_num_batched_tokens=256))
         self.ids = []
+        self.replayed = PoolModel(24)  # the pool rebuilt from block events alone
 
     def _live(self):
         return [i for i in self.ids if not self.eng.seqs[i].is_finished]
@@ -66,6 +68,25 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(seed=st.integers(0, 100), compact=st.booleans())
     def relocate(self, seed, compact):
         self.eng.relocate_blocks(seed=seed, compact=compact)
+
+    @rule(n=st.integers(1, 4), new=st.integers(1, 8))
+    def samples(self, n, new):
+        self.ids.extend(self.eng.add_samples(prompt_token_ids=[5, 6, 7, 8, 9, 10, 11], n=n, max_new_tokens=new))
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.eng.reset_prefix_cache()
+
+    @invariant()
+    def manager_invariants(self):
+        self.eng.check_invariants()
+
+    @invariant()
+    def events_replay_to_the_pool(self):
+        for event in self.eng.take_events():
+            self.replayed.apply(event)
+        snap = self.eng.snapshot()
+        assert (self.replayed.state == snap.state).all() and (self.replayed.ref_count == snap.ref_count).all()
 
     @invariant()
     def bookkeeping(self):

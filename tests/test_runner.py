@@ -71,3 +71,71 @@ def test_stop_is_prompt(tmp_path):
     start = time.perf_counter()
     assert r.stop(timeout=1.0)
     assert time.perf_counter() - start < 1.0
+
+
+def test_observers_get_every_published_version_and_its_events(tmp_path):
+    eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "m")), num_blocks=64, block_size=4))
+    seen = []
+    r = EngineRunner(eng, observers=[lambda snap, events: seen.append((snap, list(events)))]).start()
+    try:
+        cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=6).result(5)
+        assert wait_for(lambda: seen[-1][0].conversation(cid) is not None
+                        and seen[-1][0].conversation(cid).status == "finished")
+        versions = [s.version for s, _ in seen]
+        assert versions == sorted(set(versions)), "a version was published twice, or out of order"
+        steps = [s.step_id for s, _ in seen]
+        assert steps[-1] == 6 and set(range(1, 7)) <= set(steps)
+        kinds = [e.kind.value for _, events in seen for e in events]
+        assert kinds[0] == "conversation_added" and "conversation_finished" in kinds and "allocated" in kinds
+        published = len(seen)
+        for _ in range(5):  # read-only queries publish nothing
+            r.submit("inspect_block", 0).result(5)
+            r.submit("conversation", cid).result(5)
+            r.submit("tokenize", "x").exception(5)
+        time.sleep(0.1)
+        assert len(seen) == published and r.latest is seen[-1][0]
+    finally:
+        assert r.stop()
+
+
+def test_a_broken_observer_is_reported_and_detached(runner):
+    calls = []
+
+    def broken(snap, events):
+        calls.append(snap.version)
+        raise OSError("disk full")
+
+    runner.add_observer(broken).result(5)
+    runner.submit("add_conversation", prompt_token_ids=[1, 2, 3], max_new_tokens=4).result(5)
+    failures = []
+    assert wait_for(lambda: failures.extend(runner.take_failures()) or failures)
+    assert "disk full" in failures[0].message and len(calls) == 1 and runner.alive
+    assert wait_for(lambda: not runner.engine.has_work())
+
+
+def test_a_dying_loop_is_reported_and_every_future_resolves(runner, monkeypatch):
+    def broken():
+        raise RuntimeError("bug in the loop")
+
+    runner.pause().result(5)
+    monkeypatch.setattr(runner, "_publish", broken)  # runs after every command, outside the command's own guard
+    pending = [runner.submit("conversation", 0) for _ in range(3)]
+    failures = []
+    assert wait_for(lambda: failures.extend(runner.take_failures()) or failures)
+    assert failures[0].fatal and "bug in the loop" in failures[0].message
+    assert wait_for(lambda: not runner.alive)
+    for future in pending:
+        assert future.done()
+    late = runner.submit("conversation", 0)
+    assert late.done() and "stopped" in str(late.exception())
+    monkeypatch.undo()
+
+
+def test_commands_queued_at_stop_fail_clearly(tmp_path):
+    eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "m")), num_blocks=64, block_size=4))
+    r = EngineRunner(eng)  # never started: everything stays queued
+    futures = [r.submit("add_conversation", prompt_token_ids=[1, 2], max_new_tokens=2) for _ in range(3)]
+    assert r.stop()
+    assert all("stopped" in str(f.exception(1)) for f in futures)
+    assert "stopped" in str(r.submit("pause").exception(1))
+    assert not eng.has_work()
