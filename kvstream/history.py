@@ -187,15 +187,22 @@ class History:
     def _trim(self) -> None:
         """Drop the oldest frames down to _TRIM_TO of the budget (keeping at least the newest), re-keying the oldest
         kept frame when it is a delta. Runs on the writer thread, or the thread that lowers the budget."""
+        for _ in range(4):  # a re-keyed frame is bigger than the delta it replaces: trim again if that overshoots
+            if self._nbytes <= self._budget or not self._trim_once():
+                return
+
+    def _trim_once(self) -> bool:
         with self._lock:
             target = int(self._budget * _TRIM_TO)
-            excess = self._nbytes - target
+            key_cost = max(_cost(self._frames[bisect.bisect_left(self._seqs, self._keys[-1])]), 0)
             cut, dropped = 0, 0
-            while cut < len(self._frames) - 1 and dropped < excess:
+            # drop until what is left, with the kept head re-keyed (about as big as the newest keyframe), fits
+            while cut < len(self._frames) - 1 and self._nbytes - dropped + (
+                    0 if self._frames[cut].keyframe else key_cost - _cost(self._frames[cut])) > target:
                 dropped += _cost(self._frames[cut])
                 cut += 1
             if cut == 0:
-                return
+                return False
             keep = self._frames[cut]
             run = None
             if not keep.keyframe:  # the keyframe before it and the deltas up to it
@@ -228,6 +235,7 @@ class History:
                                 del seqs[:bisect.bisect_left(seqs, first)]
                                 if not seqs:
                                     del self._touch[b]
+        return True
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def _index(self, seq: int) -> int:

@@ -211,6 +211,7 @@ def _enc_hook(obj: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_MAGIC_BYTES = msgspec.msgpack.encode(MAGIC)  # how every message goes on after its array header
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Version)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_RawEnvelope)
 _BODY_DECODER = msgspec.msgpack.Decoder(Body)
@@ -249,6 +250,8 @@ def read_head(payload: bytes) -> FrameHead:
     try:
         peek = _VERSION_DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+        if bytes(payload[1:8]) == _MAGIC_BYTES and 0x90 <= payload[0] <= 0x9F:  # ours, but cut short or damaged
+            raise StreamError(f"malformed pool-stream message ({_why(exc)})") from None
         raise StreamError(f"not a pool-stream message ({_why(exc)})") from None
     if peek.magic != MAGIC:
         raise StreamError(f"not a pool-stream message (it starts with {_short(peek.magic)}, not {MAGIC!r})")
