@@ -108,7 +108,7 @@ def describe_slot(layout: ContiguousLayout, slot: int) -> str:
     return f"slot {slot}: free"
 
 
-def _swatch(colour, hatched: bool = False) -> QtGui.QPixmap:
+def swatch(colour, hatched: bool = False) -> QtGui.QPixmap:
     """A legend square: the colour, or the gap hatching."""
     size = 14
     tile = np.empty((size, size, 4), np.uint8)
@@ -157,9 +157,9 @@ class ContiguousView(QtWidgets.QWidget):
                 colour = example
             elif text == "reserved but empty":
                 colour = palette.scale(example, palette.EMPTY_SLOT_LEVEL)
-            swatch = QtWidgets.QLabel()
-            swatch.setPixmap(_swatch(colour, hatched=colour is GAP))
-            legend.addWidget(swatch)
+            icon = QtWidgets.QLabel()
+            icon.setPixmap(swatch(colour, hatched=colour is GAP))
+            legend.addWidget(icon)
             legend.addWidget(QtWidgets.QLabel(text))
             legend.addSpacing(6)
         legend.addStretch(1)

@@ -180,7 +180,8 @@ class ConversationDetail(QtWidgets.QWidget):
         r, g, b = conversation_colour(info.conversation_id)
         turns = f", turn {len(info.turns)}" if len(info.turns) > 1 else ""
         self.title.setText(
-            f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — {status_text(info)}{turns}, "
+            f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — "
+            f"{status_text(info)}{turns}, "
             f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens "
             f"(at most {info.max_new_tokens} new)"
             + (f", forked from {info.parent_id}" if info.parent_id is not None else "")

@@ -1,8 +1,8 @@
 """Dialogs that collect a request (add a conversation, reply, restart the engine) and refuse bad input at the field.
 
-Nothing that changes the engine is sent until every field is valid, and every invalid field says so at once (one press of OK
-shows all the errors). Each field's error line has its room reserved, so an error never pushes the fields below
-it. Prompt length is checked with the engine's own tokenizer, asked through the runner; the answer comes back
+Nothing that changes the engine is sent until every field is valid, and every invalid field says so at once (one
+press of OK shows all the errors). Each field's error line has its room reserved, so an error never pushes the
+fields below it. Prompt length is checked with the engine's own tokenizer, asked through the runner; the answer comes back
 through the window's FutureWatcher, so the GUI thread never blocks. The fit rule is the engine's own
 (:func:`kvstream.rules.fit_error`), and a refusal says how many new tokens would fit.
 

@@ -44,7 +44,7 @@ def _gradient(colours: np.ndarray) -> QtGui.QPixmap:
 
 def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
     """(swatch, explanation) rows for a colour-by mode; the shared/selected/dim marks apply in every mode."""
-    example = palette.conversation_colours(np.array([1]))[0]
+    example = np.append(palette.LIVE_COLOURS[0], 255).astype(np.uint8)  # a fixed example, whoever holds it now
     dark = palette.scale(example, palette.EMPTY_SLOT_LEVEL)
     rows: list[tuple[QtGui.QPixmap, str]] = [(_swatch(palette.FREE), "free block")]
     if mode == "owner":
@@ -62,7 +62,8 @@ def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
         rows.append((_gradient(palette.ramp(np.linspace(1, 0, 32))), "last access: just now → 256+ steps ago"))
     else:
         rows += [(_swatch(palette.STATE_USED), "used"), (_swatch(palette.STATE_CACHED), "cached")]
-    rows += [(_swatch(example, ring=palette.SHARED_RING), "shared: ref count > 1 (×N when zoomed in)"),
+    rows += [(_swatch(example, ring=palette.SHARED_RING),
+              "shared: ref count > 1 (zoomed in, cells show their id and ×N)"),
              (_swatch(example, ring=palette.SELECTED_RING), "selected block"),
              (_swatch(palette.scale(example, palette.DIM_LEVEL)), "dimmed: not in the selected conversation")]
     return rows

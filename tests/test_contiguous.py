@@ -45,7 +45,8 @@ def test_hand_computed_first_fit_queue_and_release():
 
     # B finishes: 16..32 is free, C goes to 16..28 and D to 28..32; A has decoded 3 more tokens
     b_done = conv(1, 4, 4, 4, Status.FINISHED)
-    layout = model.update(snap(2, [conv(0, 6, 10, 9), b_done, conv(2, 5, 7, 5, arrival=1), conv(3, 2, 2, 3, arrival=1)]))
+    layout = model.update(snap(2, [conv(0, 6, 10, 9), b_done, conv(2, 5, 7, 5, arrival=1),
+                                   conv(3, 2, 2, 3, arrival=1)]))
     assert runs(layout) == [(0, 0, 16, 9), (2, 16, 12, 5), (3, 28, 4, 3)]
     assert layout.waiting == () and layout.num_free_slots == 0
 

@@ -241,8 +241,9 @@ def test_owner_colour_follows_owner_after_fork_and_end():
     palette.BOOK.clear()
     used = [(b, 10, 4, 1) for b in range(4)] + [(4, 10, 2, 1), (5, 11, 4, 2)]
     snap = make_snapshot(num_blocks=16, used=used, tables={10: (0, 1, 2, 3, 4), 11: (5,), 12: (5,)})
-    snap = PoolSnapshot(**{**snap.__dict__, "conversations": (conversation(9, "ended"), conversation(10, arrival=1),
-                                                              conversation(11, arrival=2), conversation(12, arrival=3))})
+    convs = (conversation(9, "ended"), conversation(10, arrival=1), conversation(11, arrival=2),
+             conversation(12, arrival=3))
+    snap = PoolSnapshot(**{**snap.__dict__, "conversations": convs})
     geo = grid_geometry(snap.num_blocks, snap.block_size)
     image = snapshot_to_rgba(snap, "owner", geometry=geo)
     mid = geo.tile // 2

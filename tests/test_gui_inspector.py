@@ -11,7 +11,8 @@ def info(block_id, state=BlockState.USED, owners=((5, 2),), filled=4, block_size
     tokens = tuple(range(10, 10 + filled)) if tokens is None else tokens
     kv = np.arange(2 * filled * 2 * 3, dtype=np.float32).reshape(2, filled, 2, 3) if keys else None
     return BlockInfo(block_id=block_id, state=state, ref_count=len(owners), num_filled=filled, block_size=block_size,
-                     token_ids=tokens, token_texts=tuple(chr(97 + i) for i in range(filled)) if texts is None else texts,
+                     token_ids=tokens,
+                     token_texts=tuple(chr(97 + i) for i in range(filled)) if texts is None else texts,
                      positions=tuple(range(8, 8 + filled)), owners=tuple(owners), block_hash=None, hash_note="",
                      last_owner=owners[0][0] if owners else -1, keys=kv, values=None if kv is None else -kv)
 

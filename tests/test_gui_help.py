@@ -1,0 +1,30 @@
+"""The Help window explains the grid's marks, lists the window's real shortcuts and opens the lesson."""
+from PySide6 import QtCore
+
+from explorer.help import MOUSE, HelpDialog
+from test_gui_support import make_window  # noqa: F401  (fixture)
+
+
+def test_help_lists_marks_and_the_windows_own_shortcuts_and_opens_the_lesson(qtbot, make_window):
+    window = make_window(paused=True)
+    dialog = HelpDialog(window)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    keys = dict(dialog.shortcuts)
+    assert keys["Ctrl+N"] == "Add" and keys["Ctrl+L"] == "Lesson" and "Space" in keys
+    texts = " ".join(dialog.texts())
+    for words in ("shared: ref count > 1", "partial tail", "external fragmentation", "Fill level", "zoom"):
+        assert words in texts
+    requested = []
+    dialog.lessonRequested.connect(lambda: requested.append(True))
+    qtbot.mouseClick(dialog.lesson_button, QtCore.Qt.MouseButton.LeftButton)
+    assert requested and window.lesson_window is not None and window.lesson_window.isVisible()
+
+
+def test_help_without_a_window_still_explains_the_mouse(qtbot):
+    dialog = HelpDialog()
+    qtbot.addWidget(dialog)
+    dialog.resize(320, 280)  # small screens: the tabs scroll, labels wrap
+    dialog.show()
+    assert dialog.shortcuts == list(MOUSE)
+    assert dialog.minimumSizeHint().width() <= 400
