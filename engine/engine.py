@@ -461,8 +461,11 @@ class Engine:
 
     # ---- pool-wide operations ---------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> int:
-        """Forget every prefix hash (cached blocks become free; used ones stay but are no longer shareable), as
-        vLLM's ``reset_prefix_cache``. Returns the number of cached blocks dropped."""
+        """Forget every prefix hash: cached blocks become free (``AllBlocksCleared`` on the KV-event stream). As
+        vLLM's ``reset_prefix_cache``, only while no conversation holds blocks. Returns the blocks dropped."""
+        if self.scheduler.running:
+            raise EngineError(f"the prefix cache can be reset only when no conversation holds blocks; "
+                              f"{len(self.scheduler.running)} are running (pause and end them, or wait)")
         with self.transaction():
             dropped = self.manager.reset_prefix_cache()
             self.changed()
@@ -530,3 +533,8 @@ class Engine:
         if self._kv_events is not None:
             self._kv_events.close()
             self._kv_events = None
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, str | None] | None:
+        """(endpoint, replay endpoint) as bound, when this engine publishes KV events."""
+        return None if self._kv_events is None else (self._kv_events.endpoint, self._kv_events.replay_endpoint)

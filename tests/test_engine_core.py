@@ -74,12 +74,16 @@ def random_workload(eng, rng, steps, replay=None):
                     eng.end_conversation(cid)
             elif op < 0.41:
                 eng.relocate_blocks(seed=rng.randint(0, 999), compact=rng.random() < 0.3)
-            elif op < 0.42:
+            elif op < 0.43:
+                if rng.random() < 0.5:
+                    for cid in list(eng.seqs):
+                        if eng.seqs[cid].status == Status.RUNNING:
+                            eng.end_conversation(cid)
                 eng.reset_prefix_cache()
             else:
                 eng.step()
-        except EngineError as exc:  # a reply that outgrew the pool or the model
-            assert "pool" in str(exc) or "at most" in str(exc)
+        except EngineError as exc:  # a reply that outgrew the pool or the model; a reset while blocks are held
+            assert "pool" in str(exc) or "at most" in str(exc) or "reset only" in str(exc)
         if replay is not None:
             replay(eng)
     return ids

@@ -137,7 +137,8 @@ SPEC = [
 ]
 
 VLLM_SIDE = textwrap.dedent("""
-    import sys, msgspec
+    import os, sys, tempfile, time, traceback
+    import msgspec
     from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
     kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
     spec, ours = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
@@ -147,7 +148,47 @@ VLLM_SIDE = textwrap.dedent("""
     # vLLM decodes our bytes; equal to what it built itself from the same description?
     equal = [dec.decode(o) == dec.decode(t) for o, t in zip(ours, theirs)]
     reencoded = [msgspec.msgpack.encode(dec.decode(o)) for o in ours]
-    open(sys.argv[2], "wb").write(msgspec.msgpack.encode([theirs, equal, reencoded]))
+
+    def follow_a_real_engine():
+        # A real vLLM engine (in-process engine core, to read its block pool) publishing KV events; our subscriber,
+        # started after the first requests, follows it. Returns vLLM's cached hashes, ours, and the status.
+        sys.path.insert(0, sys.argv[3])
+        from pathlib import Path
+        from tests.vllm_live.checkpoint import make_checkpoint
+        from kvstream.kv_events import KVEventEndpoint, KVEventSubscriber
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVEventsConfig
+        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+        d = tempfile.mkdtemp(prefix="vkv", dir="/tmp")
+        ep, rp = f"ipc://{d}/ev", f"ipc://{d}/rp"
+        llm = LLM(model=str(make_checkpoint(Path(d) / "llama")), block_size=32, num_gpu_blocks_override=40,
+                  max_model_len=512, enforce_eager=True, enable_prefix_caching=True,
+                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=ep,
+                                                  replay_endpoint=rp))
+        shared = "The quick brown fox jumps over the lazy dog. " * 3
+        params = SamplingParams(max_tokens=40, temperature=0)
+        llm.generate([shared + "One.", shared + "Two two."], params)  # before anyone listens
+        with KVEventSubscriber([KVEventEndpoint(ep, rp)]) as sub:
+            for i in range(6):  # more than 40 blocks: evictions
+                llm.generate([f"{i} unique prompt number {i} " * 12, shared + f"tail {i}"], params)
+            pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+            vllm_hashes = sorted(maybe_convert_block_hash(get_block_hash(k))
+                                 for k in pool.cached_block_hash_to_block._cache)
+            index = sub.indexes[0]
+            deadline = time.time() + 10
+            while time.time() < deadline and sorted(index.live_hashes()) != vllm_hashes:
+                time.sleep(0.05)
+            st = sub.status()[0]
+        return [vllm_hashes, sorted(index.live_hashes()), st.num_lost, st.num_malformed, st.num_replayed,
+                index.num_removed_total]
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        engine = follow_a_real_engine()
+    except Exception:
+        engine = traceback.format_exc()
+    open(sys.argv[2], "wb").write(msgspec.msgpack.encode([theirs, equal, reencoded, engine]))
 """)
 
 
@@ -156,20 +197,36 @@ def _ours(spec):
     return [make_batch([msgspec.convert(f, kinds[k]) for k, f in evs], ts, rank) for ts, rank, evs in spec]
 
 
-def test_codec_matches_vllm_both_ways(tmp_path):
-    """vLLM 0.32's own decoder reads our bytes as the objects it builds itself, and ours reads its bytes."""
+@pytest.fixture(scope="module")
+def vllm_side(tmp_path_factory):
+    """One vLLM subprocess for both vLLM tests (importing vLLM is most of the cost: 10-20 s here)."""
     python = _vllm_python()
     if python is None:
-        pytest.skip("no vLLM venv (set KV_EVENTS_VLLM_PYTHON, or build .venv-vllm / /work/vllm-venv)")
-    ours = _ours(SPEC)
-    (tmp_path / "in").write_bytes(msgspec.msgpack.encode([SPEC, [encode_batch(b) for b in ours]]))
-    subprocess.run([python, "-c", VLLM_SIDE, str(tmp_path / "in"), str(tmp_path / "out")], check=True,
-                   cwd=tmp_path, timeout=120, capture_output=True)
-    theirs, equal, reencoded = msgspec.msgpack.decode((tmp_path / "out").read_bytes())
+        pytest.skip("no vLLM venv (set KV_EVENTS_VLLM_PYTHON, or build .venv-vllm with tools/make_vllm_venv.sh)")
+    tmp = tmp_path_factory.mktemp("vllm")
+    (tmp / "in").write_bytes(msgspec.msgpack.encode([SPEC, [encode_batch(b) for b in _ours(SPEC)]]))
+    subprocess.run([python, "-c", VLLM_SIDE, str(tmp / "in"), str(tmp / "out"), str(ROOT)], check=True,
+                   cwd=tmp, timeout=300, capture_output=True)
+    return msgspec.msgpack.decode((tmp / "out").read_bytes())
+
+
+def test_codec_matches_vllm_both_ways(vllm_side):
+    """vLLM 0.32's own decoder reads our bytes as the objects it builds itself, and ours reads its bytes."""
+    theirs, equal, reencoded, _ = vllm_side
     assert equal == [True] * len(SPEC)
-    for batch, their_bytes, again in zip(ours, theirs, reencoded):
+    for batch, their_bytes, again in zip(_ours(SPEC), theirs, reencoded):
         assert encode_batch(batch) == their_bytes == again  # byte for byte
         assert decode_batch(their_bytes) == batch
+
+
+def test_real_vllm_stream_rebuilds_vllms_cached_hashes(vllm_side):
+    """A real vLLM engine's KV events, followed from after its first requests (catch-up by replay): our live set
+    equals the hashes in vLLM's own block pool, after evictions, with nothing lost or malformed."""
+    engine = vllm_side[3]
+    assert not isinstance(engine, str), engine  # the traceback, if vLLM failed
+    vllm_hashes, ours, lost, malformed, replayed, removed_total = engine
+    assert ours == vllm_hashes and len(vllm_hashes) > 10
+    assert lost == 0 and malformed == 0 and replayed >= 1 and removed_total > 0
 
 
 def test_decode_roundtrip_and_hash_types():
@@ -771,9 +828,8 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
                 if frames[2] == END_SEQ:
                     break
                 for event in decode_batch(frames[3]).events:
-                    if isinstance(event, BlockStored):
-                        parents = (event.parent_block_hash,) + event.block_hashes[:-1]
-                        assert all(p is None or p in seen for p in parents)
+                    if isinstance(event, BlockStored):  # block i's parent is block i - 1 of the same event
+                        assert event.parent_block_hash is None or event.parent_block_hash in seen
                         seen.update(event.block_hashes)
             dealer.close(linger=0)
             assert held <= seen

@@ -1,0 +1,54 @@
+"""The engine's block events, published as vLLM-format KV events (what KV-aware routers read).
+
+Only the changes a content index can use cross the wire, as vLLM sends them: a STORED event (full blocks got their
+prefix hash) becomes ``BlockStored`` with the parent hash, the tokens and the block size; an EVICTED one (cached
+blocks lost their KV) becomes ``BlockRemoved``; a reset of the prefix cache becomes ``AllBlocksCleared``. One batch
+per committed operation that produced any of them. The medium is "GPU", vLLM's name for an engine's own block pool
+(on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvstream.events import BlockEvent, EventKind
+from kvstream.kv_events_codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstream.kv_events_publisher import KVEventError, KVEventPublisher
+
+from .config import EngineConfig
+from .errors import EngineError
+
+
+def to_kv_events(events: Sequence[BlockEvent], block_size: int) -> list[KVEvent]:
+    out: list[KVEvent] = []
+    for e in events:
+        if e.kind == EventKind.STORED:
+            out.append(BlockStored(block_hashes=tuple(e.block_hashes), parent_block_hash=e.parent_hash,
+                                   token_ids=tuple(e.token_ids), block_size=block_size, lora_id=None,
+                                   medium=MEDIUM_GPU, lora_name=None))
+        elif e.kind == EventKind.EVICTED:
+            out.append(BlockRemoved(block_hashes=tuple(e.block_hashes), medium=MEDIUM_GPU))
+        elif e.kind == EventKind.CLEARED:
+            out.append(AllBlocksCleared())
+    return out
+
+
+class KVEventsOut:
+    """Owns the ZMQ publisher of one engine (EngineConfig.kv_events_endpoint and friends)."""
+
+    def __init__(self, cfg: EngineConfig):
+        try:
+            self.publisher = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
+                                              cfg.kv_events_topic)
+        except KVEventError as exc:
+            raise EngineError(str(exc)) from None
+        self.block_size = cfg.block_size
+        self.endpoint = self.publisher.endpoint  # as bound (a port of 0 resolved)
+        self.replay_endpoint = self.publisher.replay_endpoint
+
+    def publish(self, events: Sequence[BlockEvent]) -> int | None:
+        """One batch of the KV events among ``events``; returns its sequence number (None: nothing to send)."""
+        kv_events = to_kv_events(events, self.block_size)
+        return self.publisher.publish(kv_events) if kv_events else None
+
+    def close(self) -> None:
+        self.publisher.close()
