@@ -25,6 +25,7 @@ from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
+MIN_LABEL_PIXELS = 44  # ... and each cell is at least this wide on screen (the label covers its top-left corner)
 
 
 def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
@@ -34,7 +35,7 @@ def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]
 
 def cell_label(block_id: int, ref_count: int) -> str:
     """What a zoomed-in cell says: its physical id, and ×N when N block tables share it."""
-    return f"{block_id}\n×{ref_count}" if ref_count > 1 else str(block_id)
+    return f"{block_id} ×{ref_count}" if ref_count > 1 else str(block_id)
 
 
 def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
@@ -225,15 +226,16 @@ class GridView(QtWidgets.QWidget):
         self.highlight.show()
 
     def _update_labels(self) -> None:
-        """Put each cell's block id (and ×N on shared ones) on it, but only when the view is zoomed in enough
-        for text to be readable."""
+        """Put each cell's block id (and ×N on shared ones) in its top-left corner, but only when the view is
+        zoomed in enough for text to be readable without hiding the cell's colour."""
         geo, snap = self.geometry_, self.snapshot
         shown = 0
         if geo is not None and snap is not None:
             rect = self.box.viewRect()
             x0, x1 = max(int(np.floor(rect.left())), 0), min(int(np.ceil(rect.right())), geo.cols)
             y0, y1 = max(int(np.floor(rect.top())), 0), min(int(np.ceil(rect.bottom())), geo.rows)
-            if 0 < (x1 - x0) * (y1 - y0) <= MAX_VISIBLE_FOR_LABELS:
+            pixels = self.view.viewport().width() / max(rect.width(), 1e-9)  # screen pixels per cell
+            if 0 < (x1 - x0) * (y1 - y0) <= MAX_VISIBLE_FOR_LABELS and pixels >= MIN_LABEL_PIXELS:
                 ids = (np.arange(y0, y1)[:, None] * geo.cols + np.arange(x0, x1)[None, :]).ravel()
                 ids = ids[ids < geo.num_blocks][:MAX_LABELS]
                 refs = np.asarray(snap.ref_count)[ids]
@@ -244,7 +246,7 @@ class GridView(QtWidgets.QWidget):
                     if self._label_texts[shown] != text:  # setText re-lays out the text: only when it changed
                         label.setText(text)
                         self._label_texts[shown] = text
-                    label.setPos(x + 0.5, y + 0.5)
+                    label.setPos(x + 0.06, y + 0.06)
                     label.show()
                     shown += 1
         for label in self._labels[shown:]:
@@ -256,10 +258,10 @@ class GridView(QtWidgets.QWidget):
 
     def _label(self, index: int) -> pg.TextItem:
         while len(self._labels) <= index:
-            label = pg.TextItem(color=(255, 255, 255), anchor=(0.5, 0.5), fill=pg.mkBrush(0, 0, 0, 150))
+            label = pg.TextItem(color=(255, 255, 255), anchor=(0, 0), fill=pg.mkBrush(0, 0, 0, 130))
             font = label.textItem.font()
             font.setBold(True)
-            font.setPointSize(8)
+            font.setPointSize(7)
             label.setFont(font)
             label.setZValue(20)
             self.box.addItem(label)
