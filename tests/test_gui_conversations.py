@@ -106,3 +106,25 @@ def test_token_ids_when_the_source_has_no_text(qtbot):
     info = conv(3, prompt_ids=(12, 7, 99), output_ids=(5, 6), prompt_text="", output_text="")
     detail.show_conversation(info, view([info]))
     assert detail.plain_text() == f"12 7 99\n{REPLY_MARK}\n5 6"
+
+
+def test_a_real_reply_shows_as_a_new_turn_and_says_why_it_stopped(qtbot):
+    from engine import Engine, EngineConfig
+    engine = Engine(EngineConfig(model="builtin", num_blocks=64, block_size=4))
+    cid = engine.add_conversation("Hello", max_new_tokens=6, ignore_eos=True)
+    engine.run_until_idle()
+    first = engine.conversation(cid)
+    engine.continue_conversation(cid, prompt=" more please", max_new_tokens=5)
+    engine.run_until_idle()
+    info = engine.conversation(cid)
+    assert len(info.turns) == 2 and info.finish_reason == FinishReason.LENGTH
+    panel = ConversationsPanel()
+    qtbot.addWidget(panel)
+    panel.set_detokenizer(engine.detokenize)
+    panel.refresh(engine.snapshot())
+    panel.select_conversation(cid)
+    model = panel.model
+    assert model.data(model.index(0, model.COLUMNS.index("stopped by"))) == "max new tokens"
+    text = panel.detail.plain_text()
+    assert text == "\n".join(["Hello", REPLY_MARK, first.output_text, USER_MARK, " more please", REPLY_MARK,
+                              info.output_text])

@@ -127,3 +127,30 @@ def test_slot_table_shows_a_whole_block_of_16(qtbot, inspector):
     inspector.resize(400, 480)  # smaller: most of a block, with a scroll bar
     qtbot.wait(20)
     assert inspector.visible_slot_rows() >= 12
+
+
+def test_real_relocation_keeps_the_selected_content(inspector):
+    from engine import Engine, EngineConfig
+    from kvstream.events import EventKind
+    engine = Engine(EngineConfig(model="builtin", num_blocks=64, block_size=4))
+    cid = engine.add_conversation("Pages are not addresses.", max_new_tokens=20)
+    for _ in range(4):
+        engine.step()
+    snap = engine.snapshot()
+    block = snap.block_tables[cid][1]
+    inspector.select(block, snap)
+    before = engine.inspect_block(block)
+    inspector.show_block(before)
+    engine.take_events()
+    engine.relocate_blocks(seed=3)
+    moved = [e for e in engine.take_events() if e.kind == EventKind.RELOCATED]
+    assert len(moved) == 1
+    mapping = dict(zip(moved[0].block_ids, moved[0].new_block_ids))
+    new = inspector.follow_relocation(mapping)
+    assert new == mapping[block] != block
+    after = engine.snapshot()
+    inspector.show_summary(after)
+    inspector.show_block(engine.inspect_block(new))
+    assert f"moved from {block} to {new}" in inspector.note.text() and "freed" not in inspector.note.text()
+    assert [r[1:3] for r in inspector.slot_rows()] == list(zip(before.positions, before.token_ids))
+    assert after.block_tables[cid][1] == new
