@@ -21,8 +21,8 @@ from kvstream.kv_events_endpoint import KVEventEndpoint, endpoint_for_rank, pars
 from kvstream.kv_events_index import (KVCacheIndex, PrefixNode, StoredBlock, Timeline, hash_text, json_summary,
                                       prefix_overlap, where_cached)
 from kvstream.kv_events_publisher import KVEventPublisher
-from kvstream.kv_events_subscriber import (CATCHING_UP, CONNECTING, LIVE, RECONNECTING, SILENT, EndpointStatus,
-                                           KVEventSubscriber)
+from kvstream.kv_events_subscriber import (CATCHING_UP, CONNECTING, FAILED, LIVE, RECONNECTING, SILENT,
+                                           EndpointStatus, KVEventSubscriber)
 
 __all__ = [
     "END_SEQ", "MEDIUM_CPU", "MEDIUM_GPU", "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored",
@@ -32,5 +32,5 @@ __all__ = [
     "KVCacheIndex", "PrefixNode", "StoredBlock", "Timeline", "hash_text", "json_summary", "prefix_overlap",
     "where_cached",
     "KVEventPublisher",
-    "CATCHING_UP", "CONNECTING", "LIVE", "RECONNECTING", "SILENT", "EndpointStatus", "KVEventSubscriber",
+    "CATCHING_UP", "CONNECTING", "FAILED", "LIVE", "RECONNECTING", "SILENT", "EndpointStatus", "KVEventSubscriber",
 ]

@@ -33,6 +33,7 @@ RECONNECTING = "reconnecting"  # was connected, lost the connection; ZMQ is retr
 CATCHING_UP = "catching up"  # waiting for a replay to fill a gap (or the initial catch-up)
 LIVE = "live"  # connected, and a message came within silent_after_s
 SILENT = "silent"  # connected, but nothing came for silent_after_s (an idle server is silent too)
+FAILED = "failed"  # the address could not be used at all (last_error says why); nothing is retried
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class EndpointStatus:
     """How following one endpoint is going, as the window shows it."""
 
     label: str  # the instance's label (KVEventEndpoint.label)
-    state: str  # CONNECTING | RECONNECTING | CATCHING_UP | LIVE | SILENT
+    state: str  # CONNECTING | RECONNECTING | CATCHING_UP | LIVE | SILENT | FAILED
     connected: bool  # the SUB socket is connected now
     silent_for_s: float | None  # seconds since the last message (since connecting, if none yet); None unconnected
     last_seq: int | None  # sequence number of the last applied batch
@@ -57,6 +58,8 @@ class EndpointStatus:
     @property
     def text(self) -> str:
         """One line: state first, then what went wrong, e.g. "live · seq 41 · lost 3 batches"."""
+        if self.state == FAILED:
+            return f"failed: {self.last_error}"
         if self.state == SILENT and self.silent_for_s is not None:
             parts = [f"silent for {self.silent_for_s:.0f} s"]
         else:
@@ -117,7 +120,7 @@ class _Follower:
                 self._new_dealer()
                 self._request_replay(0)
         except zmq.ZMQError as exc:
-            self.last_error = f"cannot connect to {self.ep.endpoint}: {exc}"
+            self.last_error = f"cannot connect to {self.ep.endpoint} (replay {self.ep.replay_endpoint}): {exc}"
             self.close()
 
     def _new_dealer(self) -> None:
@@ -311,7 +314,9 @@ class _Follower:
     def status(self, now: float, silent_after_s: float) -> EndpointStatus:
         since = self.last_message if self.last_message is not None else self.connected_at
         silent_for = None if since is None or not self.connected else now - since
-        if not self.connected:
+        if self.sub is None:
+            state = FAILED
+        elif not self.connected:
             state = RECONNECTING if self.ever_connected else CONNECTING
         elif self.replay_start is not None:
             state = CATCHING_UP

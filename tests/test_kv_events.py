@@ -509,11 +509,13 @@ def test_publisher_restart_starts_the_index_over(sockdir):
 
 def test_silent_endpoint_and_nobody_there(sockdir):
     with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
-        with KVEventSubscriber([pub.endpoint, f"ipc://{sockdir}/nobody"], silent_after_s=0.2) as sub:
+        with KVEventSubscriber([pub.endpoint, f"ipc://{sockdir}/nobody", "tcp://127.0.0.1:notaport"],
+                               silent_after_s=0.2) as sub:
             wait_until(lambda: sub.status()[0].state == "silent")
-            silent, nobody = sub.status()
+            silent, nobody, bad = sub.status()
     assert silent.text.startswith("silent for") and silent.connected
     assert nobody.state == "connecting" and not nobody.connected and nobody.text == "connecting"
+    assert bad.state == "failed" and bad.text.startswith("failed: cannot connect to tcp://127.0.0.1:notaport")
 
 
 def test_two_endpoints_each_its_own_pool(sockdir):
