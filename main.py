@@ -21,6 +21,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def main(argv: list[str] | None = None) -> int:
     from explorer.cli import parse_or_exit
     opts = parse_or_exit(argv)
+    watching = bool(opts.open or opts.attach or opts.attach_kv_events)
+    if opts.headless and watching:  # no local engine: torch need not load
+        from explorer.headless import run_headless_cli
+        return run_headless_cli(opts, None)
     from engine import EngineConfig, EngineError
     try:
         cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,

@@ -64,9 +64,10 @@ def when_drawn(window: MainWindow, callback, steps: int = SCREENSHOT_STEPS,
 
     def check() -> None:
         view = window.source.view
-        drawn = window.isVisible() and window.grid.frames_drawn > 0 and view is not None
+        pool = window.source.capabilities.has_physical_pool
+        drawn = window.isVisible() and (not pool or (window.grid.frames_drawn > 0 and view is not None))
         if drawn and not first_step:
-            first_step.append(view.step_id)
+            first_step.append(view.step_id if view is not None else 0)
         working = view is not None and any(c.is_live for c in view.conversations)
         ready = drawn and (not working or view.step_id >= first_step[0] + steps) \
             and time.perf_counter() - start >= SCREENSHOT_MIN_S
@@ -90,22 +91,13 @@ def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> None
 
 def build_feeds(opts) -> tuple[list, str | None]:
     """The feeds the command line asks for other than the local engine: (feeds, error message)."""
-    feeds = []
+    if not (opts.open or opts.attach or opts.attach_kv_events):
+        return [], None
+    from .stream_feed import open_feeds
     try:
-        if opts.open:
-            from .stream_feed import RecordingFeed
-            feeds.append(RecordingFeed.open(opts.open))
-        for endpoint in opts.attach:
-            from .stream_feed import AttachFeed
-            feeds.append(AttachFeed.connect(endpoint))
-        for endpoint in opts.attach_kv_events:
-            from .kv_event_feed import KVEventFeed
-            feeds.append(KVEventFeed.connect(endpoint, tokenizer=opts.tokenizer))
-    except (ValueError, OSError, ImportError) as exc:
-        for feed in feeds:
-            feed.close()
+        return open_feeds(opts), None
+    except (ValueError, OSError) as exc:
         return [], str(exc)
-    return feeds, None
 
 
 def run_gui(opts, cfg: EngineConfig) -> int:
@@ -120,7 +112,9 @@ def run_gui(opts, cfg: EngineConfig) -> int:
     if feeds:
         window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
     else:
-        engine, error = load_engine_blocking(cfg, DEMOS.get(demo))
+        notes: list[str] = []  # what a demo lowered to fit the pool, said once the window is up
+        setup = (lambda engine: notes.extend(DEMOS[demo](engine).notes)) if demo in DEMOS else None
+        engine, error = load_engine_blocking(cfg, setup)
         if engine is None:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -133,6 +127,8 @@ def run_gui(opts, cfg: EngineConfig) -> int:
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None,
                                 extra_sinks=sinks)
         window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
+        if notes:
+            window.status.showMessage(f"{demo} demo: " + "; ".join(notes), 15000)
     window.show()
     if demo == "lesson":
         window.open_lesson()

@@ -17,17 +17,6 @@ from .source import PoolSource
 INSPECT_INTERVAL_MS = 200  # at most 5 detail requests a second
 
 
-def relocated_id(events, block_id: int) -> int | None:
-    """Where the last RELOCATED event among ``events`` moved ``block_id`` (None if none moved it)."""
-    moved = None
-    current = block_id
-    for event in events:
-        if event.kind == EventKind.RELOCATED and current in event.block_ids:
-            current = event.new_block_ids[event.block_ids.index(current)]
-            moved = current
-    return moved
-
-
 class BlockWatch(QtCore.QObject):
     """Selection -> inspector, through a :class:`PoolSource` (which may be swapped with :meth:`set_source`)."""
 
@@ -67,6 +56,9 @@ class BlockWatch(QtCore.QObject):
         """The user picked a block (or nothing)."""
         self.block_id = None if block_id is None else int(block_id)
         self.moved_from = None
+        history = self.source.history
+        if history is not None and len(history):
+            self._seen_seq = history.last_seq  # relocations before the click do not move the new selection
         self.inspector.select(self.block_id, self.source.view)
         self._key = None
         self._due = self.block_id is not None
@@ -114,13 +106,18 @@ class BlockWatch(QtCore.QObject):
         self._seen_seq = last
         if self.block_id is None or self.source.viewing is not None or first > last:
             return
-        events = [event for _, event in history.events(first, last)]
-        new = relocated_id(events, self.block_id)
-        if new is not None and new != self.block_id:
+        for _, event in history.events(first, last, kinds=(EventKind.RELOCATED,)):
+            mapping = dict(zip(event.block_ids, event.new_block_ids))  # old id -> new id
             old = self.block_id
-            self.block_id = new
-            self.inspector.select(new, self.source.view)
-            self.moved_from = old
+            if old not in mapping or mapping[old] == old:
+                continue
+            new = int(mapping[old])
+            follow = getattr(self.inspector, "follow_relocation", None)
+            if follow is not None:
+                follow(mapping)  # the inspector keeps its contents and says "moved from old to new"
+            else:
+                self.inspector.select(new, self.source.view)
+            self.block_id, self.moved_from = new, old
             self._key = None
             self._due = True
             self.selectionChanged.emit(new)

@@ -115,8 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_output_file("--screenshot", opts.screenshot)
     for endpoint in opts.attach:
         check_endpoint("--attach", endpoint)
-    for endpoint in opts.attach_kv_events:
-        check_endpoint("--attach-kv-events", endpoint)
+    for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X]
+        from kvstream.kv_events_endpoint import parse_endpoint_spec
+        try:
+            parse_endpoint_spec(spec)
+        except ValueError as exc:
+            raise UsageError(f"--attach-kv-events: {exc}") from None
     if opts.publish:
         check_endpoint("--publish", opts.publish, bind=True)
     if opts.kv_events:

@@ -1,42 +1,26 @@
 """The local engine as a feed: the project's engine in this process, stepped by its EngineRunner thread.
 
-The only kind of source that takes commands and has K/V values. Its frames also go to a kvstream History (one of
-the runner's sinks) when the runner and the pool stream support it, which gives it a timeline like a recording's.
+The only kind of source that takes commands and has K/V values. Its published snapshots also become pool-stream
+frames (one :class:`~explorer.frames.FrameFanout` observer of the runner) that go to a kvstream History, which gives
+it a timeline like a recording's, and to a recorder or publisher when the command line asks for them.
 """
 from __future__ import annotations
 
-import inspect
 from concurrent.futures import Future
 from typing import Any, Sequence
 
 from engine import EngineConfig, EngineRunner
 
 from .feed import Capabilities, Feed, Problem
+from .frames import FrameFanout
 
 DEFAULT_HISTORY_BYTES = 256 << 20  # the timeline's default memory budget (issue 10: about 256 MiB)
 
 
-def runner_takes_sinks() -> bool:
-    """Whether this engine's EngineRunner hands frames to sinks (the pool-stream runner)."""
-    return "sinks" in inspect.signature(EngineRunner.__init__).parameters
-
-
 def make_history(budget_bytes: int = DEFAULT_HISTORY_BYTES):
-    """A kvstream History, or None when the pool stream is not available."""
-    try:
-        from kvstream.poolstream import History
-    except ImportError:
-        return None
+    """A kvstream History with that memory budget."""
+    from kvstream.history import History
     return History(budget_bytes=budget_bytes)
-
-
-def start_runner(engine, *, max_steps_per_second: float | None = None, start_paused: bool = False,
-                 sinks: Sequence[object] = ()) -> EngineRunner:
-    """Start a runner for ``engine`` with ``sinks`` when the runner takes them (else without)."""
-    kwargs: dict[str, Any] = dict(max_steps_per_second=max_steps_per_second, start_paused=start_paused)
-    if sinks and runner_takes_sinks():
-        kwargs["sinks"] = list(sinks)
-    return EngineRunner(engine, **kwargs).start()
 
 
 class EngineFeed(Feed):
@@ -44,10 +28,12 @@ class EngineFeed(Feed):
 
     kind = "engine"
 
-    def __init__(self, runner: EngineRunner, config: EngineConfig, history=None):
+    def __init__(self, runner: EngineRunner, config: EngineConfig, history=None, fanout: FrameFanout | None = None):
         self.runner = runner  # the engine thread; the only way to reach the engine
         self.config = config  # what it was started with (the restart dialog starts from it)
-        self._history = history  # kvstream History the runner writes frames to, or None
+        self._history = history  # kvstream History the runner's frames go to, or None
+        self.fanout = fanout  # the observer that encodes frames for the history and the other sinks, or None
+        self.recorders: list[tuple[object, FrameFanout]] = []  # File > Record: (recorder, its observer)
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
                                          has_physical_pool=True)
         self._closed = False
@@ -56,13 +42,14 @@ class EngineFeed(Feed):
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
               start_paused: bool = False, extra_sinks: Sequence[object] = (),
               history_bytes: int | None = DEFAULT_HISTORY_BYTES) -> "EngineFeed":
-        """Start a runner for ``engine`` with a history (``history_bytes`` budget, None: no history; only where the
-        runner takes sinks) and ``extra_sinks`` (recorder, publisher)."""
-        history = make_history(history_bytes) if history_bytes and runner_takes_sinks() else None
+        """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
+        ``extra_sinks`` (recorder, publisher)."""
+        history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
-        runner = start_runner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
-                              sinks=sinks)
-        return cls(runner, config, history)
+        fanout = FrameFanout(sinks) if sinks else None
+        runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
+                              observers=[fanout] if fanout is not None else None).start()
+        return cls(runner, config, history, fanout)
 
     @property
     def title(self) -> str:
@@ -77,12 +64,18 @@ class EngineFeed(Feed):
         return self.runner.latest
 
     def take_problems(self) -> list[Problem]:
-        problems = [Problem("Engine error", f"The engine failed after step {f.step_id}: {f.message}\n\nThe engine "
-                            "is paused; press Run to try again, or restart it.", f.traceback)
-                    for f in self.runner.take_failures()]
-        take_sinks = getattr(self.runner, "take_sink_failures", None)
-        if take_sinks is not None:  # a recorder or publisher that failed was detached; decoding goes on
-            problems += [Problem("Output stopped", str(f)) for f in take_sinks()]
+        problems = []
+        for f in self.runner.take_failures():
+            if getattr(f, "fatal", False):
+                problems.append(Problem("Engine stopped", f"The engine thread stopped after step {f.step_id}: "
+                                        f"{f.message}\n\nRestart the engine to go on.", f.traceback))
+            else:
+                problems.append(Problem("Engine error", f"The engine failed after step {f.step_id}: {f.message}"
+                                        "\n\nThe engine is paused; press Run to try again, or restart it.",
+                                        f.traceback))
+        for fanout in [self.fanout] + [f for _, f in self.recorders]:
+            if fanout is not None:  # a recorder or publisher that failed was dropped; decoding goes on
+                problems += [Problem("Output stopped", message) for message in fanout.take_failures()]
         return problems
 
     def submit(self, name: str, *args: Any, **kwargs: Any) -> Future:
@@ -117,7 +110,28 @@ class EngineFeed(Feed):
         snap = self.runner.latest
         return snap is not None and not any(c.is_live for c in snap.conversations)
 
+    # ---- File > Record while running -------------------------------------------------------------------------
+    def start_recording(self, recorder) -> None:
+        """Write every frame from now on to ``recorder`` (a kvstream Recorder), starting with a keyframe of the
+        newest published state (so a paused engine still gives a file that opens)."""
+        fanout = FrameFanout([recorder], first=self.runner.latest)
+        self.recorders.append((recorder, fanout))
+        self.runner.add_observer(fanout)
+
+    def stop_recording(self):
+        """Stop the newest recording (closed once the engine thread let go of it); returns its recorder or None."""
+        if not self.recorders:
+            return None
+        recorder, fanout = self.recorders.pop()
+        done = self.runner.remove_observer(fanout)
+        done.add_done_callback(lambda _f: fanout.close())
+        return recorder
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.runner.stop(timeout=1.0)
+            for fanout in [self.fanout] + [f for _, f in self.recorders]:
+                if fanout is not None:
+                    fanout.close()
+            self.recorders.clear()

@@ -94,6 +94,16 @@ class Feed:
         """A short state for the status bar ("live", "replaying 40%", "disconnected")."""
         return "live"
 
+    def summary(self, final: bool = False) -> dict:
+        """DESIGN.md's ``--json`` object for this feed's newest (or final) view (null where it cannot know)."""
+        from kvstream.summary import json_summary
+        view = self.final_view() if final else self.latest()
+        return json_summary(view) if view is not None else json_summary(None, source=self.kind)
+
+    def summaries(self, final: bool = False) -> list[dict]:
+        """One ``--json`` object per pool the feed shows (a KV-event feed follows several instances)."""
+        return [self.summary(final)]
+
     def final_view(self) -> PoolSnapshot | None:
         """The view to report at the end of a headless run (after :meth:`close` too)."""
         return self.latest()

@@ -91,23 +91,39 @@ def start_recording_dialog(window) -> None:
 
 def start_recording(window, path: str) -> bool:
     """Save the local engine's frames to ``path`` from now on; False (and a message) when it cannot."""
-    from .recording_actions import attach_recorder
+    feed = window.source.feed
+    if not hasattr(feed, "start_recording"):
+        window.show_error("Cannot record", f"Only the local engine can be recorded; this source is a {feed.kind} "
+                          "(it is already a stream: open or attach it again instead).")
+        return False
+    if feed.recorders:
+        window.show_error("Cannot record", f"Already recording to {feed.recorders[-1][0].path}; stop that first.")
+        return False
+    problem = _writable(path)
+    if problem:
+        window.show_error("Cannot record", f"Cannot write {path}: {problem}.")
+        return False
+    from kvstream.recording import Recorder
     try:
-        attach_recorder(window, path)
-    except (ValueError, OSError, ImportError, PermissionError) as exc:
+        recorder = Recorder(path)
+    except (ValueError, OSError) as exc:
         window.show_error("Cannot record", str(exc))
         return False
+    feed.start_recording(recorder)
     window.stop_record_action.setEnabled(True)
     window.statusBar().showMessage(f"Recording to {path}", 5000)
     return True
 
 
-def stop_recording(window) -> None:
-    from .recording_actions import detach_recorder
-    path = detach_recorder(window)
+def stop_recording(window) -> str | None:
+    """Stop the recording File > Record started; returns its path."""
+    feed = window.source.feed
+    recorder = feed.stop_recording() if hasattr(feed, "stop_recording") else None
     window.stop_record_action.setEnabled(False)
-    if path:
-        window.statusBar().showMessage(f"Recording saved: {path}", 5000)
+    if recorder is None:
+        return None
+    window.statusBar().showMessage(f"Recording saved: {recorder.path} ({recorder.frames_written} frames)", 8000)
+    return recorder.path
 
 
 def open_dialog(window) -> None:
@@ -122,7 +138,7 @@ def open_recording(window, path: str) -> bool:
     from .stream_feed import RecordingFeed
     try:
         feed = RecordingFeed.open(path)
-    except (ValueError, OSError, ImportError) as exc:
+    except (ValueError, OSError) as exc:
         window.show_error("Cannot open recording", str(exc))
         return False
     window.set_feed(feed)

@@ -43,13 +43,6 @@ def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
     return lines
 
 
-def json_line(snap, **extra) -> str:
-    from kvstream.summary import json_summary
-    data = dict(json_summary(snap))
-    data.update(extra)
-    return json.dumps(data, sort_keys=False)
-
-
 class _Stop:
     """Set by SIGINT/SIGTERM so the last line is still printed."""
 
@@ -89,25 +82,31 @@ def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=
 
 
 def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
+    """One line per pool (JSON or text); at the end, text mode adds what each conversation generated."""
     printed = False
     for feed in feeds:
+        if json_mode:
+            for data in feed.summaries(final):
+                out(json.dumps(data))
+                printed = True
+            continue
+        if not feed.capabilities.has_physical_pool:
+            out(f"{feed.title}: {feed.status_text()}")
+            printed = True
+            continue
         snap = feed.final_view() if final else feed.latest()
         if snap is None:
             continue
         printed = True
-        if json_mode:
-            out(json_line(snap))
-        else:
-            out(summary_line(snap) if len(feeds) == 1 else f"{feed.title}: {summary_line(snap)}")
-            if final:
-                for line in conversation_texts(snap):
-                    out("  " + line)
+        out(summary_line(snap) if len(feeds) == 1 else f"{feed.title}: {summary_line(snap)}")
+        if final:
+            for line in conversation_texts(snap):
+                out("  " + line)
     return printed
 
 
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
-    from engine import Engine, EngineError
     feeds = []
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
@@ -115,15 +114,25 @@ def run_headless_cli(opts, cfg) -> int:
             feeds = open_feeds(opts)
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
         else:
-            from .demo import DEMOS
+            from engine import Engine
+
+            from .demo import DEMO_SPEED, DEMOS
             from .engine_feed import EngineFeed
             from .outputs import engine_sinks
             engine = Engine(cfg, progress=None)
             if opts.demo in DEMOS:
-                DEMOS[opts.demo](engine)
-            feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0)]
+                for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
+                    print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
+            speed = DEMO_SPEED if opts.publish and opts.demo in DEMOS else None  # watchers see it unfold
+            feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0,
+                                      max_steps_per_second=speed)]
             done = feeds[0].idle
-    except (EngineError, ValueError, OSError, ImportError) as exc:
+            if opts.publish:  # others are watching: keep publishing until --quit-after or Ctrl+C
+                done = None
+                print(f"publishing the pool stream on {opts.publish}; stop with Ctrl+C"
+                      + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
+                      file=sys.stderr, flush=True)
+    except (ValueError, OSError) as exc:  # EngineError, RecordingError, PublishError are ValueErrors
         for feed in feeds:
             feed.close()
         print(f"error: {exc}", file=sys.stderr)

@@ -15,12 +15,14 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import EngineConfig
 
+from .block_history import BlockHistoryView
 from .block_watch import BlockWatch
 from .commands import Commands
 from .controls import EngineControls
 from .conversations import ConversationsPanel
 from .dialogs import RestartDialog
 from .engine_feed import EngineFeed
+from .eventlog import EventLog
 from .inspector import Inspector
 from .layout import MIN_HEIGHT, MIN_WIDTH, LayoutMemory, arrange, keep_proportions, make_dock
 from .legend import Legend
@@ -35,6 +37,7 @@ from .status_bar import StatusBar
 FRAME_MS = 33
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
+BLOCK_HISTORY_INTERVAL = 1.0  # the selected block's own history is recomputed at most once a second while live
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -61,7 +64,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
-        self._last_panels = self._last_slow = 0.0
+        self._last_panels = self._last_slow = self._last_block_history = 0.0
+        self._logged_seq: int | None = None  # newest history frame whose events are in the event log
+        self._logged_stream: int | None = None  # stream id of those frames
+        self._block_history_stale = False
         self._closed = False
         self._shown_once = False
         self.layout_memory = LayoutMemory(settings)
@@ -91,6 +97,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.relocation = RelocationPanel()
         self.conversations = ConversationsPanel()
         self.metrics = MetricsPanel()
+        self.event_log = EventLog(self)
+        self.block_history = BlockHistoryView()
         self.docks = {
             "inspector": make_dock(self, "inspector", "Block inspector", self.inspector, min_width=300,
                                    min_height=420),
@@ -100,9 +108,11 @@ class MainWindow(QtWidgets.QMainWindow):
             "conversations": make_dock(self, "conversations", "Conversations", self.conversations, min_width=520,
                                        min_height=160),
             "metrics": make_dock(self, "metrics", "Metrics", self.metrics, scroll=False),
+            "events": self.event_log,
+            "block-history": make_dock(self, "block-history", "Block history", self.block_history, scroll=False),
         }
-        self.right_docks = ["inspector", "legend", "memory"]
-        self.bottom_docks = ["conversations", "metrics"]
+        self.right_docks = ["inspector", "legend", "memory", "block-history"]
+        self.bottom_docks = ["conversations", "metrics", "events"]
 
     def _build_centre(self) -> None:
         if len(self.panes) == 1:
@@ -126,6 +136,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.replyRequested.connect(self.open_reply_dialog)
         self.conversations.endRequested.connect(self.end_conversation)
         self.relocation.relocateRequested.connect(self.relocate)
+        self.event_log.eventActivated.connect(self.jump_to_event)
+        self.block_history.lineActivated.connect(lambda seq, _step: self.jump_to(seq))
         for pane in self.panes:
             pane.grid.blockClicked.connect(self.select_block)
             pane.color_by.currentIndexChanged.connect(
@@ -232,18 +244,40 @@ class MainWindow(QtWidgets.QMainWindow):
         if self._panels_stale and view is not None and now - self._last_panels >= PANEL_INTERVAL:
             self._refresh_panels(view)
             self._last_panels = now
+        if self._block_history_stale and now - self._last_block_history >= BLOCK_HISTORY_INTERVAL:
+            self._refresh_block_history()
+            self._last_block_history = now
         if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now
             self.metrics.redraw()
+            for pane in self.panes:
+                pane.refresh_header()
             feed = self.source.feed
             if self.source.capabilities.can_command:
                 self.controls.sync(feed.paused, feed.speed)
             self.status.show_state(self.source, now)
 
     def _on_frame(self, snapshot) -> None:
-        """A new live frame of the active source: metrics follow the present (history frames are not samples)."""
+        """A new live frame of the active source: metrics follow the present (history frames are not samples);
+        the event log gets the new frames' events."""
         self.metrics.record(snapshot)
         self.status.frame_arrived(snapshot)
+        self._log_new_events()
+
+    def _log_new_events(self) -> None:
+        history = self.source.history
+        if history is None or len(history) == 0:
+            return
+        first, last = history.first_seq, history.last_seq
+        if history.stream_id != self._logged_stream:  # a new stream (the attached source restarted)
+            self.event_log.clear()
+            self._logged_seq, self._logged_stream = None, history.stream_id
+        start = first if self._logged_seq is None else max(first, self._logged_seq + 1)
+        if start <= last:
+            self.event_log.append_events(history.events(start, last))
+            if self.block_watch.block_id is not None and self.source.viewing is None:
+                self._block_history_stale = True
+        self._logged_seq = last
 
     def _on_view(self, _snapshot) -> None:
         self._panels_stale = True
@@ -252,6 +286,37 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = True
         self._last_panels = 0.0
         self.back_to_live_action.setEnabled(seq is not None)
+        self._refresh_block_history()
+
+    # ---- history: the event log, the block's own history, jumps -------------------------------------------------
+    def jump_to(self, seq: int) -> bool:
+        """Show history frame ``seq`` in every view (the timeline follows); False, with a message, if not kept."""
+        history = self.source.history
+        if history is None or len(history) == 0 or not history.first_seq <= seq <= history.last_seq:
+            self.status.showMessage(f"Frame {seq} is no longer kept in history (memory budget).", 5000)
+            return False
+        self.source.seek(seq)
+        return True
+
+    def jump_to_event(self, seq: int, _step: int, conversation_id: int, block_id: int) -> None:
+        """An event clicked in the log: go to its frame and select what it is about."""
+        if not self.jump_to(seq):
+            return
+        if block_id >= 0:
+            self.select_block(block_id)
+        if conversation_id >= 0 and self.snapshot is not None and self.snapshot.conversation(conversation_id):
+            self.conversations.refresh(self.snapshot)
+            self.conversations.select_conversation(conversation_id)
+
+    def _refresh_block_history(self) -> None:
+        """The selected block's own story, from the events history keeps up to the frame on view."""
+        self._block_history_stale = False
+        history, block = self.source.history, self.block_watch.block_id
+        if history is None or len(history) == 0 or block is None:
+            self.block_history.set_block(block, ())
+            return
+        upto = self.source.viewing if self.source.viewing is not None else history.last_seq
+        self.block_history.set_block(block, history.events(None, upto))
 
     def _refresh_panels(self, snap) -> None:
         """Conversations table, text, readouts: a few times a second is enough for reading."""
@@ -271,6 +336,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self.metrics.clear()
         self.status.reset_source()
         self.conversations.refresh(_empty_view(feed))
+        self.event_log.clear()
+        self._logged_seq = self._logged_stream = None
+        self._log_new_events()
+        self.block_history.set_block(None)
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self._enable_commands()
 
@@ -312,6 +381,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_block_selected(self, block_id) -> None:
         self.grid.set_selected_block(block_id)
+        self._refresh_block_history()
         moved = self.block_watch.moved_from
         if block_id is not None and moved is not None:
             self.status.showMessage(f"Block {moved} moved to {block_id} (relocation); the inspector followed it.",

@@ -5,16 +5,12 @@ Both are the kvstream pool stream; the runner encodes each frame once and hands 
 """
 from __future__ import annotations
 
-from .engine_feed import runner_takes_sinks
-
 
 def engine_sinks(opts) -> list:
     """Sinks for ``--record FILE`` and ``--publish ENDPOINT``; raises ValueError/OSError with a clear message."""
     sinks: list = []
     if not (opts.record or opts.publish):
         return sinks
-    if not runner_takes_sinks():
-        raise ValueError("--record and --publish need the pool-stream engine runner, which this build lacks")
     try:
         if opts.record:
             from kvstream.recording import Recorder

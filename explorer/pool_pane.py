@@ -1,9 +1,11 @@
-"""One pool in the middle of the window: a header naming its source, a banner when the past is shown, the grid
-with its view options, and the timeline under it.
+"""One pool in the middle of the window: a header naming its source, the grid with its view options, and the
+timeline under it.
 
 The pane is given its :class:`~explorer.source.PoolSource` and follows it alone: the grid shows whatever view the
-source says is current, the banner appears while a history frame is shown, and a new feed resets the grid. Several
-panes side by side (several ``--attach``) are several sources, each with its own header.
+source says is current; the timeline (when the source keeps history) is fed the kept range, the event marks and
+the memory kept at every frame, and its moves become the source's seeks (its banner says "viewing step N of M"
+and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
+sources, each with its own header.
 """
 from __future__ import annotations
 
@@ -12,40 +14,11 @@ from PySide6 import QtCore, QtWidgets
 from .grid import COLOR_BY, COLOR_BY_LABELS
 from .grid_view import GridView
 from .source import PoolSource
-
-BANNER_STYLE = ("QFrame#history-banner { background: #5a4a12; border-radius: 3px; }"
-                " QFrame#history-banner QLabel { color: #ffe9a8; font-weight: bold; }")
-
-
-class HistoryBanner(QtWidgets.QFrame):
-    """"Viewing step N of M" with a Back to live button; hidden while the live frame is shown."""
-
-    liveRequested = QtCore.Signal()
-
-    def __init__(self, parent: QtWidgets.QWidget | None = None):
-        super().__init__(parent)
-        self.setObjectName("history-banner")
-        self.setStyleSheet(BANNER_STYLE)
-        self.label = QtWidgets.QLabel()
-        self.label.setWordWrap(True)
-        self.live_button = QtWidgets.QPushButton("Back to live")
-        self.live_button.setToolTip("Show the newest frame again (End)")
-        self.live_button.clicked.connect(self.liveRequested)
-        row = QtWidgets.QHBoxLayout(self)
-        row.setContentsMargins(6, 2, 6, 2)
-        row.addWidget(self.label, 1)
-        row.addWidget(self.live_button)
-        self.hide()
-
-    def show_step(self, step: int, live_step: int | None, running: bool) -> None:
-        newest = f" of {live_step}" if live_step is not None else ""
-        tail = "; the engine keeps running" if running else ""
-        self.label.setText(f"Viewing step {step}{newest} (history{tail})")
-        self.show()
+from .timeline import Timeline
 
 
 class PoolPane(QtWidgets.QWidget):
-    """Header, history banner, grid options, grid and a slot for the timeline, all bound to one source."""
+    """Header, grid options, grid and timeline, all bound to one source."""
 
     activated = QtCore.Signal(object)  # this pane (clicked or its grid clicked): the side panels follow it
 
@@ -55,8 +28,6 @@ class PoolPane(QtWidgets.QWidget):
         self.header = QtWidgets.QLabel()
         self.header.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.header.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
-        self.banner = HistoryBanner()
-        self.banner.liveRequested.connect(source.go_live)
         self.grid = GridView()
         self.color_by = QtWidgets.QComboBox()
         for mode in COLOR_BY:
@@ -75,26 +46,27 @@ class PoolPane(QtWidgets.QWidget):
         options.addWidget(self.color_by)
         options.addWidget(self.fit)
         options.addWidget(self.pool_label, 1)
-        self.unavailable = QtWidgets.QLabel()  # shown instead of the grid when the source has no physical pool
-        self.unavailable.setWordWrap(True)
-        self.unavailable.setAlignment(QtCore.Qt.AlignmentFlag.AlignCenter)
-        self.unavailable.hide()
-        self._timeline_box = QtWidgets.QVBoxLayout()
-        self._timeline_box.setContentsMargins(0, 0, 0, 0)
-        self.timeline: QtWidgets.QWidget | None = None
+        self.content_view = None  # the KV-event content view, shown instead of the grid for such a source
+        self.timeline = Timeline()
+        self.timeline.seekRequested.connect(self._seek)
+        self.timeline.liveRequested.connect(source.go_live)
+        self.timeline.budgetChanged.connect(self._set_budget)
+        self._marked_seq: int | None = None  # newest frame whose events are on the timeline
+        self._marked_stream: int | None = None  # stream id of those events (a restarted source starts over)
+        self._header_text: str | None = None
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.setSpacing(2)
         layout.addWidget(self.header)
-        layout.addWidget(self.banner)
         layout.addLayout(options)
         layout.addWidget(self.grid, 1)
-        layout.addWidget(self.unavailable, 1)
-        layout.addLayout(self._timeline_box)
+        layout.addWidget(self.timeline)
+        self._layout = layout
         self.grid.blockClicked.connect(lambda _block: self.activated.emit(self))
         source.sourceChanged.connect(self._on_source_changed)
         source.viewChanged.connect(self._on_view)
-        source.viewingChanged.connect(lambda _seq: self._update_banner())
+        source.frameArrived.connect(lambda _snapshot: self.sync_timeline())
+        source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
 
     def fit_grid(self) -> None:
@@ -129,30 +101,87 @@ class PoolPane(QtWidgets.QWidget):
     def _user_moved_view(self, *_):
         self.follow_fit = False
 
-    def set_timeline(self, widget: QtWidgets.QWidget | None) -> None:
-        """Put ``widget`` under the grid (replacing any timeline there)."""
-        if self.timeline is not None:
-            self._timeline_box.removeWidget(self.timeline)
-            self.timeline.setParent(None)
-        self.timeline = widget
-        if widget is not None:
-            self._timeline_box.addWidget(widget)
+    # ---- the timeline ------------------------------------------------------------------------------------------
+    def sync_timeline(self) -> None:
+        """Give the timeline what history keeps now: range, marks of the new frames' events, bytes kept."""
+        history = self.source.history
+        if history is None or len(history) == 0:
+            return
+        first, last = history.first_seq, history.last_seq
+        if history.stream_id != self._marked_stream:  # a new stream (the attached source restarted)
+            self.timeline.clear()
+            self._marked_seq, self._marked_stream = None, history.stream_id
+        start = first if self._marked_seq is None else max(first, self._marked_seq + 1)
+        self.timeline.set_range(first, last, history.step_of)
+        if start <= last:
+            self.timeline.add_markers((seq, event.kind) for seq, event in history.events(start, last))
+        self._marked_seq = last
+        self.timeline.set_kept(history.nbytes, history.budget_bytes)
+
+    def _seek(self, seq: int) -> None:
+        try:
+            self.source.seek(seq)
+        except LookupError:  # dropped from history between the click and now: the timeline catches up next frame
+            self.sync_timeline()
+
+    def _set_budget(self, nbytes) -> None:
+        history = self.source.history
+        if history is not None:
+            history.budget_bytes = int(nbytes)
+            self.sync_timeline()
+
+    def _on_viewing(self, seq) -> None:
+        """Keep the timeline's cursor where the source is (a seek from the event log, Back to live from a menu)."""
+        if seq is None and not self.timeline.is_live:
+            self.timeline.go_live()
+        elif seq is not None and (self.timeline.is_live or self.timeline.position != seq):
+            self.sync_timeline()
+            self.timeline.seek(seq)
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()
         self.follow_fit = True
         self._fitted_size = None
         caps = feed.capabilities
-        note = "" if caps.can_command else f" <span style='color:#c8a040'>— read-only: {caps.read_only_reason}</span>"
-        self.header.setText(f"<b>{feed.title}</b>{note}")
-        self.header.setToolTip(caps.read_only_reason)
+        self._header_text = None
+        self.refresh_header()
         self.grid.setVisible(caps.has_physical_pool)
-        self.unavailable.setVisible(not caps.has_physical_pool)
-        self.unavailable.setText("" if caps.has_physical_pool else
-                                 "This source has no physical block ids, so there is no pool grid to draw: see its "
-                                 "content view.")
+        for widget in (self.color_by, self.fit):
+            widget.setVisible(caps.has_physical_pool)
+        self._show_content_view(feed)
         self.pool_label.setText("")
-        self._update_banner()
+        self.timeline.clear()
+        self._marked_seq = self._marked_stream = None
+        self.timeline.setVisible(caps.has_history)
+        self.timeline.set_live_source(feed.kind != "recording")
+        self.sync_timeline()
+
+    def refresh_header(self) -> None:
+        """Name the source, say how it is doing (live, silent, replaying) and, if read-only, why."""
+        feed = self.source.feed
+        caps = feed.capabilities
+        state = "" if feed.kind == "engine" else f" · {feed.status_text()}"
+        note = "" if caps.can_command else f" <span style='color:#c8a040'>— read-only: {caps.read_only_reason}</span>"
+        text = f"<b>{feed.title}</b>{state}{note}"
+        if text != self._header_text:
+            self._header_text = text
+            self.header.setText(text)
+            self.header.setToolTip(caps.read_only_reason or feed.title)
+
+    def _show_content_view(self, feed) -> None:
+        """A source without physical block ids (KV events) gets the content view where the grid would be."""
+        if self.content_view is not None:
+            self._layout.removeWidget(self.content_view)
+            self.content_view.timer.stop()
+            self.content_view.deleteLater()
+            self.content_view = None
+        subscriber = getattr(feed, "subscriber", None)
+        if feed.capabilities.has_physical_pool or subscriber is None or not hasattr(subscriber, "indexes"):
+            return
+        from .content_view import ContentView
+        self.content_view = ContentView(subscriber.indexes, getattr(feed, "tokenizer", None))
+        self.content_view.attach(subscriber)
+        self._layout.insertWidget(self._layout.indexOf(self.grid) + 1, self.content_view, 1)
 
     def _on_view(self, snapshot) -> None:
         self.grid.set_snapshot(snapshot)
@@ -164,12 +193,3 @@ class PoolPane(QtWidgets.QWidget):
             text = f"step {snapshot.step_id} · {snapshot.num_blocks} blocks"
         self.pool_label.setText(text)
         self.pool_label.setToolTip(text)
-        self._update_banner()
-
-    def _update_banner(self) -> None:
-        source = self.source
-        if source.viewing is None or source.view is None:
-            self.banner.hide()
-            return
-        live = source.live.step_id if source.live is not None else None
-        self.banner.show_step(source.view.step_id, live, source.can_command and not source.feed.paused)

@@ -138,8 +138,6 @@ class PoolSource(QtCore.QObject):
         if history is None or len(history) == 0:
             raise LookupError(f"this source keeps no history ({self.feed.kind})")
         seq = min(max(int(seq), history.first_seq), history.last_seq)
-        if self.viewing is None and seq == history.last_seq and self.live is not None:
-            return self.live  # asked for the newest frame while live: nothing to change
         snapshot = history.snapshot_at(seq)
         changed = self.viewing != seq
         self.viewing = seq

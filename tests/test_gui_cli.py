@@ -1,50 +1,120 @@
-"""main.py: bad arguments give one clear line and exit 2; headless mode and --screenshot run to the end."""
+"""main.py end to end: one clear line and exit 2 for bad input; headless runs, JSON lines, record/open, publish/attach
+between two processes, screenshots taken once the window is drawn. Subprocesses with a temporary settings home."""
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from kvstream.summary import fixed_part
+
 ROOT = Path(__file__).resolve().parents[1]
+SMALL = ("--num-blocks", "64", "--block-size", "4")
 
 
-def run_main(*args, timeout=90):
+def run_main(*args, timeout=90, home=None):
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    if home is not None:  # QSettings and everything else under XDG_CONFIG_HOME: never the user's own
+        env["XDG_CONFIG_HOME"] = str(home)
     return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
 def test_missing_checkpoint_is_one_line_and_exit_2(tmp_path):
     for extra in ((), ("--headless",)):
-        result = run_main("--model", str(tmp_path / "no-such-checkpoint"), *extra)
+        result = run_main("--model", str(tmp_path / "no-such-checkpoint"), *extra, home=tmp_path)
         assert result.returncode == 2
         lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "Traceback" not in result.stderr
 
 
-def test_invalid_block_size_exits_2():
-    result = run_main("--block-size", "0", "--headless")
-    assert result.returncode == 2 and "block_size" in result.stderr and "Traceback" not in result.stderr
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
+    for args, words in ((("--block-size", "0", "--headless"), "block_size"),
+                        (("--json",), "add --headless"),
+                        (("--geometry", "wide"), "WIDTHxHEIGHT"),
+                        (("--open", str(tmp_path / "missing.kvrec"), "--headless"), "no such file"),
+                        (("--attach", "localhost:5560"), "ZMQ endpoint"),
+                        (("--no-such-flag",), "unrecognized arguments")):
+        result = run_main(*args, home=tmp_path, timeout=60)
+        assert result.returncode == 2, args
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and words in result.stderr, \
+            (args, result.stderr)
 
 
-def test_headless_busy_demo_runs_until_idle():
-    result = run_main("--headless", "--demo", "busy", "--num-blocks", "64", "--block-size", "4")
+def test_headless_busy_demo_runs_until_idle_and_shows_generated_text(tmp_path):
+    result = run_main("--headless", "--demo", "busy", *SMALL, home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "idle after" in result.stdout and "finished" in result.stdout
+    texts = [line for line in result.stdout.splitlines() if line.startswith("  conversation ")]
+    assert len(texts) == 5 and all("tokens): '" in line for line in texts)
+    assert any(len(line.split("tokens): ", 1)[1]) > 6 for line in texts)  # real generated text, not empty
+    assert "lowered from" in result.stdout  # the demo says what it shrank to fit 64 blocks
 
 
-def test_headless_with_compiled_attention_runs_until_idle():
-    result = run_main("--headless", "--demo", "busy", "--num-blocks", "64", "--block-size", "4",
-                      "--compile-attention", timeout=300)
+def test_headless_with_compiled_attention_runs_until_idle(tmp_path):
+    result = run_main("--headless", "--demo", "busy", *SMALL, "--compile-attention", timeout=300, home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "idle after" in result.stdout and "finished" in result.stdout
     assert "eager path" not in result.stderr  # the compiled kernel did not fall back
 
 
-def test_screenshot_is_saved(tmp_path):
+def test_record_then_open_headless_json_ends_on_the_same_line(tmp_path):
+    path = tmp_path / "busy.kvrec"
+    recorded = run_main("--headless", "--json", "--demo", "busy", *SMALL, "--record", str(path), home=tmp_path)
+    assert recorded.returncode == 0, recorded.stderr
+    lines = json_lines(recorded.stdout)
+    assert len(lines) >= 2 and path.stat().st_size > 0
+    last = lines[-1]
+    assert set(last) >= {"source", "step", "num_blocks", "block_size", "used", "cached", "free", "block_tables",
+                         "stored_hashes"}
+    assert last["source"] == "engine" and last["num_blocks"] == 64 and last["step"] > 0
+    replay = run_main("--open", str(path), "--headless", "--json", home=tmp_path, timeout=60)
+    assert replay.returncode == 0, replay.stderr
+    assert fixed_part(json_lines(replay.stdout)[-1]) == fixed_part(last)
+    cut = tmp_path / "cut.kvrec"  # a recording cut off mid-frame opens up to its last complete frame
+    cut.write_bytes(path.read_bytes()[:-7])
+    partial = run_main("--open", str(cut), "--headless", "--json", home=tmp_path, timeout=60)
+    assert partial.returncode == 0 and "cut off" in partial.stderr
+    assert json_lines(partial.stdout)[-1]["step"] <= last["step"]
+    (tmp_path / "foreign.kvrec").write_bytes(b"PK\x03\x04 not a recording")
+    foreign = run_main("--open", str(tmp_path / "foreign.kvrec"), "--headless", home=tmp_path, timeout=60)
+    assert foreign.returncode == 2 and foreign.stderr.startswith("error: ") and "Traceback" not in foreign.stderr
+
+
+def test_publish_and_attach_between_two_processes(tmp_path):
+    """One process decodes and publishes over ipc; another attaches headless and ends on the publisher's state."""
+    endpoint = f"ipc://{tmp_path}/pool"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
+    publisher = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--headless", "--json", "--demo", "busy",
+                                  *SMALL, "--publish", endpoint, "--quit-after", "12"], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        attached = run_main("--attach", endpoint, "--headless", "--json", "--quit-after", "9", home=tmp_path)
+        out, err = publisher.communicate(timeout=60)
+    finally:
+        publisher.kill()
+    assert attached.returncode == 0 and publisher.returncode == 0, (attached.stderr, err)
+    seen = json_lines(attached.stdout)
+    final = json_lines(out)[-1]
+    assert final["used"] == 0 and final["cached"] > 0  # the publisher finished its work before the attacher left
+    assert fixed_part(seen[-1]) == fixed_part(final)
+    assert seen[-1]["endpoint"] == endpoint
+    assert any(line["step"] is not None and line["step"] < final["step"] for line in seen)  # it watched it unfold
+
+
+def test_screenshot_is_saved_once_drawn_at_the_given_size(tmp_path):
     from PySide6 import QtGui
     path = tmp_path / "shot.png"
-    result = run_main("--demo", "busy", "--num-blocks", "64", "--block-size", "4", "--screenshot", str(path),
-                      "--quit-after", "1.5")
-    assert result.returncode == 0, result.stderr
+    result = run_main("--demo", "busy", *SMALL, "--geometry", "1024x640", "--screenshot", str(path), home=tmp_path)
+    assert result.returncode == 0, result.stderr  # no --quit-after: it saved once drawn, then closed by itself
     image = QtGui.QImage(str(path))
-    assert not image.isNull() and image.width() >= 1000
+    assert (image.width(), image.height()) == (1024, 640)
+    lesson = tmp_path / "lesson.png"
+    result = run_main("--demo", "lesson", "--geometry", "1024x640", "--screenshot", str(lesson), home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shot = QtGui.QImage(str(lesson))
+    assert not shot.isNull() and (shot.width(), shot.height()) != (1024, 640)  # the lesson window, not the main one

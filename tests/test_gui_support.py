@@ -4,6 +4,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, EngineRunner
+from explorer.engine_feed import EngineFeed
 from explorer.main_window import MainWindow
 
 
@@ -13,16 +14,21 @@ def make_config(num_blocks=64, block_size=4):
 
 @pytest.fixture
 def make_window(qtbot):
-    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4) -> MainWindow."""
+    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4, history=False)
+    -> MainWindow. ``history``: the engine's frames also go to a History (the timeline and event log work)."""
     windows = []
 
-    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4):
+    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4, history=False, size=None):
         cfg = make_config(num_blocks, block_size)
         engine = Engine(cfg)
         if setup is not None:
             setup(engine)
-        runner = EngineRunner(engine, max_steps_per_second=speed, start_paused=paused).start()
-        window = MainWindow(runner, cfg)
+        if history:
+            feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused)
+            window = MainWindow(feed=feed, config=cfg, size=size)
+        else:
+            runner = EngineRunner(engine, max_steps_per_second=speed, start_paused=paused).start()
+            window = MainWindow(runner, cfg, size=size)
         qtbot.addWidget(window)
         window.show()
         qtbot.waitExposed(window)
@@ -33,7 +39,7 @@ def make_window(qtbot):
     yield make
     for window in windows:
         window.close()
-        assert not window.runner.alive
+        assert window.runner is None or not window.runner.alive
 
 
 def wait_for_snapshot(qtbot, window, predicate, timeout=8000):

@@ -3,10 +3,8 @@ import numpy as np
 import pytest
 from PySide6 import QtWidgets
 
-from explorer.block_watch import relocated_id
 from explorer.snapshot_block import block_info_from_snapshot
 from explorer.status_bar import CounterRate
-from kvstream.events import BlockEvent, EventKind
 from kvstream.views import BlockState
 from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
 
@@ -117,15 +115,6 @@ def test_a_refused_command_becomes_one_problem(qtbot, make_window):
     assert window.errors[-1][0] == "Command refused"
 
 
-def test_block_watch_follows_a_relocation_event():
-    events = [BlockEvent(step_id=3, kind=EventKind.ALLOCATED, conversation_id=1, block_ids=(4,)),
-              BlockEvent(step_id=4, kind=EventKind.RELOCATED, block_ids=(4, 9), new_block_ids=(12, 3)),
-              BlockEvent(step_id=5, kind=EventKind.RELOCATED, block_ids=(12,), new_block_ids=(30,))]
-    assert relocated_id(events, 4) == 30
-    assert relocated_id(events, 9) == 3
-    assert relocated_id(events, 7) is None
-
-
 def test_counter_rate_reads_running_counts_and_restarts_on_a_new_source():
     clock = [0.0]
     steps = CounterRate(window_s=2.0, clock=lambda: clock[0])
@@ -154,4 +143,4 @@ def test_pool_source_without_history_refuses_to_seek(qtbot, make_window):
         return  # this engine's runner keeps history: the scrubbing tests cover seeking
     with pytest.raises(LookupError, match="no history"):
         source.seek(0)
-    assert source.viewing is None and window.pane.banner.isHidden()
+    assert source.viewing is None and window.pane.timeline.isHidden()

@@ -1,0 +1,71 @@
+"""A vLLM/SGLang KV-event stream as a feed (``--attach-kv-events``): content, not a physical pool.
+
+The stream names block hashes, their parents and tokens, never physical block ids, so this feed has no pool view
+(``has_physical_pool`` False: the pane shows the content view instead of a grid, and says why). One kvstream
+KVEventSubscriber follows every endpoint given (one KVCacheIndex per instance). Qt-free; the window builds the
+ContentView from :attr:`KVEventFeed.subscriber`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .feed import Capabilities, Feed, Problem
+
+KV_EVENTS_READ_ONLY = "a KV-event stream only reports what a server cached; it takes no commands"
+
+
+class KVEventFeed(Feed):
+    """Follows KV-event endpoints; its views are the content indexes, its summaries one per instance."""
+
+    kind = "kv-events"
+    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=False, has_physical_pool=False,
+                                read_only_reason=KV_EVENTS_READ_ONLY,
+                                kv_values_reason="a KV-event stream carries no K/V values")
+
+    def __init__(self, subscriber, tokenizer=None):
+        self.subscriber = subscriber  # the KVEventSubscriber (started), owner of the sockets
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer for token text, or None
+        self._reported_failure = False
+        self._lost: dict[str, int] = {}  # instance label -> batches lost already reported
+
+    @classmethod
+    def connect(cls, endpoints: Sequence[str], tokenizer=None) -> "KVEventFeed":
+        from kvstream.kv_events import KVEventSubscriber
+        return cls(KVEventSubscriber(list(endpoints)).start(), tokenizer)
+
+    @property
+    def title(self) -> str:
+        labels = [ep.label for ep in self.subscriber.endpoints]
+        return "KV events: " + ", ".join(labels)
+
+    @property
+    def indexes(self):
+        return self.subscriber.indexes
+
+    def take_problems(self) -> list[Problem]:
+        problems = []
+        if self.subscriber.failure and not self._reported_failure:
+            self._reported_failure = True
+            problems.append(Problem("KV-event reader stopped", "The thread that follows the KV-event endpoints "
+                                    "stopped; the view keeps what it had.", self.subscriber.failure))
+        for status in self.subscriber.status():
+            seen = self._lost.get(status.label, 0)
+            if status.num_lost > seen:
+                self._lost[status.label] = status.num_lost
+                problems.append(Problem("KV events lost", f"{status.label}: {status.num_lost - seen} event "
+                                        "batch(es) were lost beyond the publisher's replay buffer; the content view "
+                                        "may miss blocks stored or removed then."))
+        return problems
+
+    def status_text(self) -> str:
+        return " · ".join(f"{s.label}: {s.text}" for s in self.subscriber.status())
+
+    def summaries(self, final: bool = False) -> list[dict]:
+        from kvstream.kv_events import json_summary
+        return [json_summary(index) for index in self.subscriber.indexes]
+
+    def summary(self, final: bool = False) -> dict:
+        return self.summaries(final)[0]
+
+    def close(self) -> None:
+        self.subscriber.stop()

@@ -1,0 +1,163 @@
+"""Read-only feeds of the project's pool stream: a recording on disk (``--open``) and another process's stream
+(``--attach``: a ``--publish`` of this app, or a vLLM server with the plugin).
+
+Both are a kvstream History the timeline scrubs, and views rebuilt from it array for array; neither takes commands
+nor has K/V values, and each says why in words the window shows on its disabled controls. Qt-free, so headless
+runs (``--open FILE --headless --json``) use the same feeds as the window.
+"""
+from __future__ import annotations
+
+import os
+
+from .feed import Capabilities, Feed, Problem
+
+RECORDING_READ_ONLY = "a recording replays what was recorded; it takes no commands"
+ATTACH_READ_ONLY = "an attached pool belongs to another process; commands are not sent over the wire"
+
+
+def _tokenizer_text(tokenizer):
+    """token id -> printable text with a ``tokenizers`` tokenizer (None without one)."""
+    if tokenizer is None:
+        return None
+
+    def text(token_id: int) -> str | None:
+        try:
+            return tokenizer.decode([int(token_id)], skip_special_tokens=False)
+        except Exception:  # an id outside this tokenizer's vocabulary: show the id instead
+            return None
+    return text
+
+
+class RecordingFeed(Feed):
+    """A recording opened from disk: every frame kept (payloads read on demand), the newest frame as "live"."""
+
+    kind = "recording"
+    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
+                                read_only_reason=RECORDING_READ_ONLY,
+                                kv_values_reason="a recording keeps no K/V values")
+
+    def __init__(self, history, path: str, tokenizer=None):
+        self._history = history  # the read-only History open_recording built
+        self.path = path  # the file
+        self._token_text = _tokenizer_text(tokenizer)
+        self._latest = history.latest()
+        info = getattr(history, "recording", None)
+        self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
+        self.complete = True  # everything there is has been read (headless stops at once)
+
+    @classmethod
+    def open(cls, path: str, tokenizer=None) -> "RecordingFeed":
+        """Open ``path``; a ValueError (RecordingError) with a message for the user if it is not a recording."""
+        from kvstream.recording import open_recording
+        return cls(open_recording(path), os.fspath(path), tokenizer)
+
+    @property
+    def title(self) -> str:
+        h = self._history
+        first, last = h.step_of(h.first_seq), h.step_of(h.last_seq)
+        return f"recording: {os.path.basename(self.path)} ({len(h):,} frames, steps {first:,}-{last:,})"
+
+    @property
+    def history(self):
+        return self._history
+
+    def latest(self):
+        return self._latest
+
+    def take_problems(self) -> list[Problem]:
+        out, self._problems = self._problems, []
+        return out
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._token_text(token_id) if self._token_text is not None else None
+
+    def status_text(self) -> str:
+        return "▣ recording (read-only)"
+
+
+class AttachFeed(Feed):
+    """Another process's pool stream, read by a kvstream PoolStreamSubscriber thread into a History."""
+
+    kind = "stream"
+    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
+                                read_only_reason=ATTACH_READ_ONLY,
+                                kv_values_reason="K/V values stay in the process that owns the pool")
+
+    def __init__(self, subscriber, tokenizer=None):
+        self.subscriber = subscriber  # owns the socket and the thread
+        self.endpoint = subscriber.endpoint
+        self._token_text = _tokenizer_text(tokenizer)
+        self._latest = None
+        self._latest_seq: int | None = None
+        self._last_state = ""
+        self._problems: list[Problem] = []
+
+    @classmethod
+    def connect(cls, endpoint: str, tokenizer=None, history_bytes: int | None = None) -> "AttachFeed":
+        from kvstream.history import History
+        from kvstream.publish import PoolStreamSubscriber
+        history = History() if history_bytes is None else History(budget_bytes=history_bytes)
+        return cls(PoolStreamSubscriber(endpoint, history), tokenizer)
+
+    @property
+    def title(self) -> str:
+        return f"attached: {self.endpoint}"
+
+    @property
+    def history(self):
+        return self.subscriber.history
+
+    def latest(self):
+        status = self.subscriber.status
+        if status.last_seq is not None and status.last_seq != self._latest_seq:
+            snapshot = self.subscriber.latest()  # rebuilt only when a new frame came in
+            if snapshot is not None:
+                self._latest, self._latest_seq = snapshot, status.last_seq
+        return self._latest
+
+    def take_problems(self) -> list[Problem]:
+        status = self.subscriber.status
+        if status.state != self._last_state:
+            if status.state == "silent" and self._last_state == "live":
+                self._problems.append(Problem("Attached pool silent", f"{self.endpoint}: {status.text}. The view "
+                                              "keeps the last state; it resumes by itself when frames come again."))
+            self._last_state = status.state
+        out, self._problems = self._problems, []
+        return out
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._token_text(token_id) if self._token_text is not None else None
+
+    def status_text(self) -> str:
+        return f"⇄ {self.subscriber.status.text}"
+
+    def summary(self, final: bool = False) -> dict:
+        data = super().summary(final)
+        data["endpoint"] = self.endpoint
+        data["stream"] = self.subscriber.status.state
+        return data
+
+    def close(self) -> None:
+        self.subscriber.close()
+
+
+def open_feeds(opts) -> list[Feed]:
+    """The feeds of ``--open`` / ``--attach`` / ``--attach-kv-events``; ValueError/OSError with a clear message."""
+    tokenizer = None
+    if getattr(opts, "tokenizer", None):
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(os.path.join(opts.tokenizer, "tokenizer.json"))
+    feeds: list[Feed] = []
+    try:
+        if opts.open:
+            feeds.append(RecordingFeed.open(opts.open, tokenizer))
+        for endpoint in opts.attach:
+            feeds.append(AttachFeed.connect(endpoint, tokenizer))
+        if opts.attach_kv_events:
+            from .kv_event_feed import KVEventFeed
+            feeds.append(KVEventFeed.connect(opts.attach_kv_events, tokenizer))
+    except Exception:
+        for feed in feeds:
+            feed.close()
+        raise
+    return feeds

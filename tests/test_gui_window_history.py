@@ -1,0 +1,123 @@
+"""History in the window: scrubbing shows a past frame everywhere while the engine keeps decoding, Back to live,
+clicking an event jumps and selects, the selection follows a relocation (pytest-qt, offscreen, real engine)."""
+import numpy as np
+from PySide6 import QtCore
+
+from kvstream.events import EventKind
+from kvstream.views import BlockState
+from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+
+
+def three_conversations(engine):
+    engine.add_conversation("History keeps every step of the pool.", max_new_tokens=120, temperature=0.0)
+    engine.step()
+    engine.add_conversation("A second voice joins.", max_new_tokens=120, temperature=0.0)
+
+
+def test_scrubbing_shows_the_past_everywhere_and_the_engine_keeps_decoding(qtbot, make_window):
+    window = make_window(setup=three_conversations, speed=40, history=True)
+    source, history = window.source, window.source.history
+    assert source.capabilities.has_history and history is not None
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 12)
+    timeline = window.pane.timeline
+    qtbot.waitUntil(lambda: timeline.last_seq >= 10, timeout=3000)
+    assert timeline.isVisible() and timeline.first_seq == history.first_seq
+    seq = history.first_seq + 4
+    past = history.snapshot_at(seq)
+    (cid, table), *_ = sorted(past.block_tables.items())
+    timeline.seek(seq)  # what a drag on the strip does
+    assert source.viewing == seq and window.snapshot.step_id == past.step_id
+    live_then = source.live.step_id
+    qtbot.waitUntil(lambda: window.grid.snapshot.step_id == past.step_id, timeout=2000)
+    assert f"step {past.step_id:,}" in timeline.banner_text()
+    qtbot.waitUntil(lambda: f"viewing step {past.step_id}" in window.status_labels["live"].text(), timeout=2000)
+    # the inspector shows the block as it was at that frame, from the view (no K/V in history)
+    block = table[-1]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.info.block_id == block,
+                    timeout=3000)
+    info = window.inspector.info
+    assert info.num_filled == int(past.num_filled[block]) and info.keys is None
+    assert info.token_ids == past.conversation(cid).token_ids[(len(table) - 1) * past.block_size:][:info.num_filled]
+    # conversations show their text as it was
+    window.conversations.select_conversation(cid)
+    qtbot.waitUntil(lambda: window.conversations.selected_conversation() == cid, timeout=2000)
+    old_text = past.conversation(cid).output_text
+    qtbot.waitUntil(lambda: old_text in window.conversations.detail.plain_text(), timeout=2000)
+    # the engine kept decoding behind the past view
+    qtbot.waitUntil(lambda: source.live.step_id >= live_then + 4, timeout=5000)
+    assert window.snapshot.step_id == past.step_id and window.grid.snapshot.step_id == past.step_id
+    # back to live
+    timeline.go_live()
+    assert source.viewing is None
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id > past.step_id + 4)
+    assert window.snapshot is source.live
+    qtbot.waitUntil(lambda: window.grid.snapshot is source.live or window.grid.snapshot.step_id > past.step_id,
+                    timeout=2000)
+    assert window.errors == []
+
+
+def test_back_to_live_from_the_view_menu_and_keys_step_frames(qtbot, make_window):
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    for _ in range(6):
+        window.runner.step_once()
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 7)
+    timeline = window.pane.timeline
+    qtbot.waitUntil(lambda: timeline.last_seq == window.source.history.last_seq, timeout=2000)
+    timeline.setFocus()
+    qtbot.keyClick(timeline.track, QtCore.Qt.Key.Key_Left)
+    last = window.source.history.last_seq
+    assert window.source.viewing == last - 1
+    assert window.back_to_live_action.isEnabled()
+    window.back_to_live_action.trigger()
+    assert window.source.viewing is None and timeline.is_live
+    assert not window.back_to_live_action.isEnabled()
+
+
+def test_clicking_an_event_jumps_to_its_frame_and_selects(qtbot, make_window):
+    def fork_later(engine):
+        three_conversations(engine)
+        engine.step()
+        engine.step()
+        engine.fork_conversation(0)
+    window = make_window(setup=fork_later, speed=40, history=True)
+    log = window.event_log
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 10)
+    qtbot.waitUntil(lambda: log.model.rowCount() > 0, timeout=3000)
+    model = log.model
+    rows = [r for r in range(model.rowCount()) if model.entry(r)[1].block_id >= 0]
+    assert rows, [model.entry(r)[1] for r in range(model.rowCount())]
+    row = rows[0]
+    seq, line = model.entry(row)
+    index = model.index(row, 1)
+    log.view.scrollTo(index)
+    qtbot.mouseClick(log.view.viewport(), QtCore.Qt.MouseButton.LeftButton, pos=log.view.visualRect(index).center())
+    assert window.source.viewing == seq
+    assert window.snapshot.step_id == window.source.history.step_of(seq)
+    assert window.block_watch.block_id == line.block_id and window.grid.selected_block == line.block_id
+    assert window.pane.timeline.position == seq
+
+
+def test_selection_follows_a_relocation(qtbot, make_window):
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
+    (cid, table), *_ = sorted(snap.block_tables.items())
+    block = table[0]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    window.relocate(False)  # scramble
+    qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
+    history = window.source.history
+    moves = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))]
+    assert moves
+    mapping = dict(zip(moves[-1].block_ids, moves[-1].new_block_ids))
+    new = mapping[block]
+    qtbot.waitUntil(lambda: window.block_watch.block_id == new, timeout=3000)
+    assert window.grid.selected_block == new and window.block_watch.moved_from == block
+    assert f"moved from {block}" in window.inspector.fields["block"].text()
+    qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.info.block_id == new,
+                    timeout=3000)
+    after = window.snapshot
+    assert int(after.state[new]) == BlockState.USED and (cid, 0) in window.inspector.info.owners
+    assert np.asarray(after.block_tables[cid])[0] == new
