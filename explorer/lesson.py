@@ -16,7 +16,7 @@ from PySide6.QtGui import QAction, QFont, QKeySequence
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSizePolicy, QVBoxLayout,
                                QWidget)
 
-from engine.lesson import KV_BYTES_PER_SLOT, TABLE_BYTES_PER_ENTRY, LessonView, ToyPagedSequence
+from engine import ToyPagedSequence  # the public name; its view() is what the window draws
 
 from . import palette
 
@@ -31,8 +31,10 @@ TEXT = "#e6e6ea"  # text drawn on the dark pool picture
 MUTED = "#8a8a96"  # secondary text, readable on light and dark window themes alike
 
 
-def lesson_rgba(view: LessonView) -> np.ndarray:
-    """uint8 [num_blocks * CELL_Y, block_size * CELL_X, 4]: block b is row b, slot s column s (block 0 on top)."""
+def lesson_rgba(view) -> np.ndarray:
+    """uint8 [num_blocks * CELL_Y, block_size * CELL_X, 4]: block b is row b, slot s column s (block 0 on top).
+
+    ``view`` is what ``ToyPagedSequence.view()`` returns."""
     n, bs = view.num_blocks, view.block_size
     roles = np.array(view.roles)
     filled = ~np.isnan(view.slot_values)  # [n, bs]
@@ -110,7 +112,7 @@ class PoolView(pg.GraphicsLayoutWidget):
             self._labels.append(item)
         self.setMinimumSize(300, 330)
 
-    def show_view(self, view: LessonView) -> None:
+    def show_view(self, view) -> None:
         self.image.setImage(lesson_rgba(view), autoLevels=False)
         self.image.setRect(QRectF(0, 0, view.block_size, view.num_blocks))  # one unit per slot and per block
         logical_of = {b: i for i, b in enumerate(view.block_table)}
@@ -154,7 +156,7 @@ def table_html(table: tuple[int, ...], previous: tuple[int, ...] | None = None) 
             f"<tr><td {head}>physical</td>{cells_p}</tr></table>")
 
 
-def result_html(view: LessonView) -> str:
+def result_html(view) -> str:
     n = view.num_positions
     if n == 0:
         return f"<span style='color:{MUTED}'>Attention output: no positions yet</span>"
@@ -188,7 +190,7 @@ class LayoutPanel(QFrame):
         layout.addWidget(self.table)
         layout.addWidget(self.result)
 
-    def show_view(self, view: LessonView, previous_table: tuple[int, ...] | None = None) -> None:
+    def show_view(self, view, previous_table: tuple[int, ...] | None = None) -> None:
         self.pool.show_view(view)
         self.table.setText(table_html(view.block_table, previous_table))
         self.result.setText(result_html(view))
@@ -202,7 +204,7 @@ class LessonWindow(QMainWindow):
         self.setWindowTitle("Lesson: text order is not a memory address")
         self.lesson = ToyPagedSequence()
         self.layout_seed = seed
-        self._before: LessonView | None = None  # the layout just before the last "Change layout"
+        self._before = None  # the layout just before the last "Change layout"
 
         self.step_button = QPushButton("Step \u25b6   (Space / \u2192)")
         self.reset_button = QPushButton("Reset")
@@ -349,6 +351,8 @@ class LessonWindow(QMainWindow):
         self.explain_title.setText(title)
         self.explain_text.setText(text)
         m = lesson.memory()
+        per_slot = m["contiguous_bytes"] // max(lesson.max_positions, 1)  # the engine's sizes, read from its figures
+        per_entry = m["table_bytes"] // len(view.block_table) if view.block_table else 4  # int32 entries
         note = "<b>How this pool was set up</b><br>" + lesson.setup_note()
         if lesson.last_change is not None:
             note += " Change layout has since moved every used block, so these ids have changed."
@@ -357,9 +361,9 @@ class LessonWindow(QMainWindow):
             f"<b>Memory of this sequence</b><br>"
             f"K/V in use: {m['filled_slots']} slots = {m['kv_bytes']} B<br>"
             f"empty tail slots: {m['empty_tail_slots']} = {m['tail_bytes']} B<br>"
-            f"block table: {len(view.block_table)} entries \u00d7 {TABLE_BYTES_PER_ENTRY} B = {m['table_bytes']} B<br>"
+            f"block table: {len(view.block_table)} entries \u00d7 {per_entry} B = {m['table_bytes']} B<br>"
             f"<span style='color:{MUTED}'>contiguous reservation for {lesson.max_positions} positions: "
-            f"{m['contiguous_bytes']} B ({KV_BYTES_PER_SLOT} B per slot: one key + one value)</span>")
+            f"{m['contiguous_bytes']} B ({per_slot} B per slot: one key + one value)</span>")
 
     # ---- readouts for tests and scripts ---------------------------------------------------------------------
     def result_text(self) -> str:
