@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders

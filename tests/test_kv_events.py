@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from kvstream.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheIndex,
-                                KVEventBatch, KVEventDecodeError, KVEventEndpoint, KVEventError, KVEventPublisher,
+                                KVEventDecodeError, KVEventEndpoint, KVEventError, KVEventPublisher,
                                 KVEventSubscriber, decode_batch, decode_batch_counted, encode_batch,
                                 json_summary, make_batch, parse_endpoint_spec, prefix_overlap, where_cached)
 
@@ -702,7 +702,7 @@ def test_publish_bad_events_changes_nothing(sockdir):
 
 
 def test_two_publishers_on_one_address_is_a_clear_error(sockdir):
-    with KVEventPublisher(f"ipc://{sockdir}/p", f"tcp://127.0.0.1:*") as pub:
+    with KVEventPublisher(f"ipc://{sockdir}/p", "tcp://127.0.0.1:*") as pub:
         port = pub.replay_endpoint
         with pytest.raises(KVEventError, match="cannot open"):
             KVEventPublisher(f"ipc://{sockdir}/q", port)
