@@ -299,13 +299,13 @@ def hash_text(block_hash: BlockHash | None) -> str:
 def json_summary(index: KVCacheIndex) -> dict:
     """The ``--json`` object of DESIGN.md for a KV-event source: what the stream cannot know is null.
 
-    ``step`` is the last applied sequence number; ``stored_hashes`` the live hashes, sorted (integers as numbers,
-    digests as hex strings)."""
+    ``step`` is the last applied sequence number; ``stored_hashes`` the number of distinct live hashes (a count, as
+    :func:`kvstream.summary.json_summary` gives it for every other source). Extras: the instance's name and its
+    stored / removed totals."""
     with index._lock:  # one consistent moment
-        hashes = list(index._blocks)
-        last_seq, block_size = index.last_seq, index.block_size
-    ints = sorted(h for h in hashes if isinstance(h, int))
-    digests = sorted(h.hex() for h in hashes if isinstance(h, bytes))
-    return {"source": "kv-events", "name": index.name, "step": last_seq, "num_blocks": None,
-            "block_size": block_size, "used": None, "cached": None, "free": None, "block_tables": None,
-            "stored_hashes": ints + digests}
+        return {"source": "kv-events", "step": index.last_seq, "num_blocks": None, "block_size": index.block_size,
+                "used": None, "cached": None, "free": None, "block_tables": None,
+                "stored_hashes": len(index._blocks),
+                # extras
+                "name": index.name, "batches": index.num_batches, "stored_total": index.num_stored_total,
+                "removed_total": index.num_removed_total}

@@ -746,11 +746,12 @@ def test_index_prefix_tree_media_and_summary():
     index.apply_batch(make_batch([removed([3], "CPU"), removed([404])], 12.0), 2)
     assert index.block(3) is None and index.num_unknown_removed == 1
     summary = json_summary(index)
-    assert summary == {"source": "kv-events", "name": "x", "step": 2, "num_blocks": None, "block_size": 2,
-                       "used": None, "cached": None, "free": None, "block_tables": None,
-                       "stored_hashes": [1, 2, 4, 9]}
+    assert summary == {"source": "kv-events", "step": 2, "num_blocks": None, "block_size": 2, "used": None,
+                       "cached": None, "free": None, "block_tables": None, "stored_hashes": 4,
+                       "name": "x", "batches": 3, "stored_total": 5, "removed_total": 1}
+    assert index.live_hashes() == {1, 2, 4, 9}
     index.apply_batch(make_batch([AllBlocksCleared(), stored([b"\xab" * 32])], 13.0), 3)
-    assert json_summary(index)["stored_hashes"] == ["ab" * 32]
+    assert json_summary(index)["stored_hashes"] == 1 and index.live_hashes() == {b"\xab" * 32}
     tl = index.timeline()
     assert list(tl.stored) == [5, 0, 0, 1] and list(tl.removed) == [0, 0, 1, 4] and list(tl.live) == [5, 5, 4, 1]
     assert tl.ts.dtype == np.float64
