@@ -1,0 +1,125 @@
+"""File menu and read-only sources in the window: export PNG/JSON, record at runtime and open the recording
+(commands disabled, with the reason), a bad file changes nothing, attached pools side by side (pytest-qt, offscreen,
+real engine, real pool stream over ipc)."""
+import json
+
+from PySide6 import QtGui
+
+from explorer import files
+from explorer.engine_feed import EngineFeed
+from explorer.main_window import MainWindow
+from explorer.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
+from kvstream.publish import PoolStreamPublisher
+from kvstream.summary import fixed_part, json_summary
+from engine import Engine
+from test_gui_support import make_config, make_window, wait_for_snapshot  # noqa: F401  (fixture)
+
+
+def two_conversations(engine):
+    engine.add_conversation("Files and frames.", max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    engine.add_conversation("Another, for the record.", max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    engine.step()
+
+
+def test_export_window_grid_and_view_json(qtbot, make_window, tmp_path):
+    window = make_window(setup=two_conversations, paused=True)
+    for kind, name in (("window", "w.png"), ("grid", "g.png")):
+        path = files.export(window, kind, str(tmp_path / name))
+        image = QtGui.QImage(path)
+        assert not image.isNull() and image.width() > 100
+    assert QtGui.QImage(str(tmp_path / "w.png")).width() == window.width()
+    path = files.export(window, "json", str(tmp_path / "view.json"))
+    data = json.loads(open(path).read())
+    assert fixed_part(data) == fixed_part(json_summary(window.snapshot))
+    assert data["viewing_history_seq"] is None and len(data["conversations"]) == 2
+    for bad, words in ((str(tmp_path / "no-such-dir" / "x.png"), "does not exist"), (str(tmp_path), "is a folder")):
+        try:
+            files.export(window, "window", bad)
+        except ValueError as exc:
+            assert words in str(exc)
+        else:
+            raise AssertionError(f"exporting to {bad} must be refused")
+
+
+def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path):
+    window = make_window(setup=two_conversations, speed=40, history=True)
+    path = str(tmp_path / "run.kvrec")
+    assert files.start_recording(window, path)
+    assert window.stop_record_action.isEnabled()
+    start = window.runner.latest.step_id
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= start + 6)
+    assert files.stop_recording(window) == path
+    engine_feed = window.source.feed
+    assert engine_feed.recorders == []
+    qtbot.wait(200)  # the engine thread lets go of the recorder (removing the observer is a runner command)
+    recorded_to = engine_feed.runner.latest.step_id
+    assert files.open_recording(window, path)
+    qtbot.waitUntil(lambda: window.source.feed.kind == "recording", timeout=2000)
+    assert not engine_feed.runner.alive  # the engine it replaced was stopped
+    source = window.source
+    assert source.command_blocked_reason == RECORDING_READ_ONLY
+    for action in (window.add_action, window.fork_action, window.scramble_action, window.controls.pause_action):
+        assert not action.isEnabled() and RECORDING_READ_ONLY in action.toolTip()
+    assert not window.conversations.buttons["add"].isEnabled()
+    assert RECORDING_READ_ONLY in window.pane.header.text()
+    wait_for_snapshot(qtbot, window, lambda s: s is source.live)
+    history = source.history
+    assert len(history) >= 6 and history.step_of(history.first_seq) <= start
+    assert start + 6 <= source.live.step_id <= recorded_to
+    assert window.pane.timeline.isVisible() and not window.pane.timeline.live_source
+    window.pane.timeline.seek(history.first_seq)  # scrub back to where the recording started
+    assert window.snapshot.step_id == history.step_of(history.first_seq)
+    window.add_action.trigger()  # disabled: nothing happens, no dialog
+    assert window.add_dialog is None and window.errors == []
+    window.commands.fork(0)  # a direct call is refused with the reason, nothing sent
+    assert RECORDING_READ_ONLY in window.statusBar().currentMessage()
+
+
+def test_a_bad_recording_is_refused_and_the_engine_keeps_running(qtbot, make_window, tmp_path):
+    window = make_window(setup=two_conversations, speed=40)
+    feed = window.source.feed
+    bad = tmp_path / "bad.kvrec"
+    bad.write_bytes(b"\x89KVPOOL\n" + b"\xff" * 40)
+    assert not files.open_recording(window, str(bad))
+    assert window.errors[-1][0] == "Cannot open recording" and "bad.kvrec" in window.errors[-1][1]
+    assert window.source.feed is feed and feed.runner.alive
+    before = window.snapshot.step_id
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id > before)
+
+
+def test_two_attached_pools_side_by_side_each_with_its_header(qtbot, tmp_path):
+    feeds, publishers = [], []
+    for i, prompt in enumerate(("First pool decodes.", "Second pool decodes too.")):
+        cfg = make_config(num_blocks=32 * (i + 1), block_size=4)
+        engine = Engine(cfg)
+        engine.add_conversation(prompt, max_new_tokens=40, temperature=0.0)
+        publisher = PoolStreamPublisher(f"ipc://{tmp_path}/pool{i}")
+        publishers.append(publisher)
+        feeds.append(EngineFeed.start(engine, cfg, max_steps_per_second=20, extra_sinks=[publisher],
+                                      history_bytes=None))
+    attached = [AttachFeed.connect(f"ipc://{tmp_path}/pool{i}") for i in range(2)]
+    window = MainWindow(feed=attached[0], extra_feeds=attached[1:])
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        assert len(window.panes) == 2
+        for i, pane in enumerate(window.panes):
+            qtbot.waitUntil(lambda p=pane: p.source.view is not None, timeout=8000)
+            assert f"ipc://{tmp_path}/pool{i}" in pane.header.text() and ATTACH_READ_ONLY in pane.header.text()
+            qtbot.waitUntil(lambda p=pane: p.grid.frames_drawn > 0, timeout=3000)
+        assert [p.source.view.num_blocks for p in window.panes] == [32, 64]
+        assert window.source is window.panes[0].source and not window.add_action.isEnabled()
+        second = window.panes[1]
+        window.activate_pane(second)  # the side panels follow the second pool now
+        assert window.source is second.source and window.snapshot.num_blocks == 64
+        table = next(iter(window.snapshot.block_tables.values()))
+        window.select_block(table[0])
+        qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.info.block_id == table[0],
+                        timeout=3000)
+        assert window.inspector.info.keys is None and window.inspector.info.owners
+        step = second.source.live.step_id
+        qtbot.waitUntil(lambda: second.source.live.step_id > step, timeout=5000)  # live, frame by frame
+    finally:
+        window.close()
+        for feed in feeds:
+            feed.close()
