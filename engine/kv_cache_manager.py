@@ -154,7 +154,7 @@ class KVCacheManager:
             filled = seq.num_computed_tokens - index * bs
             pool.set_filled(dst, filled)
             self._drop(src, seq.seq_id)
-            table[index] = dst
+            table = seq.block_table = table[:index] + [dst] + table[index + 1:]  # a new list: tables only grow in place
             copies.append((src, dst, filled))
             self.num_cow_copies += 1
             self.emit(EventKind.COPIED_ON_WRITE, seq.seq_id, block_ids=(src,), new_block_ids=(dst,))

@@ -80,19 +80,25 @@ class Sequence:
         self.version += 1
 
     # ---- rollback -------------------------------------------------------------------------------------------
-    _FIELDS = ("num_prompt_tokens", "max_new_tokens", "temperature", "arrival_step", "status", "finish_reason",
-               "num_computed_tokens", "num_cached_tokens", "num_preemptions", "version")
+    # Lists are only ever appended to in place; anything else (a copy-on-write, a release, a relocation, a fork)
+    # assigns a new list. So a checkpoint keeps each list object with its length, and a restore puts the object
+    # back and cuts it to that length: O(1) per conversation, per step.
 
     def checkpoint(self) -> tuple:
-        """What a failed step or command may have changed (lists are append-only but for the block table)."""
-        return (tuple(getattr(self, f) for f in self._FIELDS), len(self.token_ids), len(self.block_hashes),
-                list(self.block_table), list(self.turns), list(self.pending_forks))
+        """What a failed step or command may have changed."""
+        return (self.num_prompt_tokens, self.max_new_tokens, self.temperature, self.arrival_step, self.status,
+                self.finish_reason, self.num_computed_tokens, self.num_cached_tokens, self.num_preemptions,
+                self.version, self.token_ids, len(self.token_ids), self.block_hashes, len(self.block_hashes),
+                self.block_table, len(self.block_table), self.turns, len(self.turns), self.pending_forks,
+                len(self.pending_forks))
 
     def restore(self, checkpoint: tuple) -> None:
-        values, num_tokens, num_hashes, table, turns, self.pending_forks = checkpoint
-        for name, value in zip(self._FIELDS, values):
-            setattr(self, name, value)
-        del self.token_ids[num_tokens:]
-        del self.block_hashes[num_hashes:]
-        self.block_table = table
-        self.turns = turns
+        (self.num_prompt_tokens, self.max_new_tokens, self.temperature, self.arrival_step, self.status,
+         self.finish_reason, self.num_computed_tokens, self.num_cached_tokens, self.num_preemptions,
+         self.version, self.token_ids, n_tokens, self.block_hashes, n_hashes, self.block_table, n_table,
+         self.turns, n_turns, self.pending_forks, n_pending) = checkpoint
+        del self.token_ids[n_tokens:]
+        del self.block_hashes[n_hashes:]
+        del self.block_table[n_table:]
+        del self.turns[n_turns:]
+        del self.pending_forks[n_pending:]
