@@ -176,12 +176,7 @@ def start_demo(window, name: str, confirm: bool = True) -> None:
 
 def open_help(window):
     """The help window (what each grid mark means, shortcuts, the lesson)."""
-    try:
-        from .help import HelpDialog
-    except ImportError:
-        window.docks["legend"].show()
-        window.docks["legend"].raise_()
-        return show_shortcuts(window)
+    from .help import HelpDialog
     if window.help_window is None:
         window.help_window = HelpDialog(window)
     window.help_window.show()

@@ -477,6 +477,13 @@ class MainWindow(QtWidgets.QMainWindow):
         self.source.set_feed(feed)
         self.status.showMessage(f"Engine restarted: {cfg.model}, {cfg.num_blocks} blocks of {cfg.block_size}.", 5000)
 
+    def set_contiguous(self, on: bool) -> None:
+        """View > Contiguous side by side, for every pane."""
+        for pane in self.panes:
+            pane.set_contiguous(on)
+        if self.contiguous_action.isChecked() != on:
+            self.contiguous_action.setChecked(on)
+
     def set_feed(self, feed: Feed) -> None:
         """Watch ``feed`` in the active pane instead (File > Open, attach)."""
         self.source.set_feed(feed)

@@ -76,6 +76,11 @@ def build_menus(window) -> None:
     window.back_to_live_action = _action(window, view, "Back to live", "End", lambda: window.source.go_live(),
                                          "Leave the history frame and show the newest one")
     window.back_to_live_action.setEnabled(False)
+    window.contiguous_action = _action(window, view, "Contiguous allocator side by side", "Ctrl+Shift+K",
+                                       lambda: window.set_contiguous(window.contiguous_action.isChecked()),
+                                       "Beside the paged grid: the same conversations reserved prompt + max new "
+                                       "tokens each, in one run of slots (what paging replaces)")
+    window.contiguous_action.setCheckable(True)
     view.addSeparator()
     for key in window.docks:
         view.addAction(window.docks[key].toggleViewAction())

@@ -54,12 +54,17 @@ class PoolPane(QtWidgets.QWidget):
         self._marked_seq: int | None = None  # newest frame whose events are on the timeline
         self._marked_stream: int | None = None  # stream id of those events (a restarted source starts over)
         self._header_text: str | None = None
+        self._contiguous_restart = False  # the contiguous view last placed a history frame: start over when live
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.setSpacing(2)
         layout.addWidget(self.header)
         layout.addLayout(options)
-        layout.addWidget(self.grid, 1)
+        self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)  # the grid, and the contiguous view
+        self.split.setChildrenCollapsible(False)
+        self.split.addWidget(self.grid)
+        self.contiguous = None  # ContiguousView beside the grid while View > Contiguous side by side is on
+        layout.addWidget(self.split, 1)
         layout.addWidget(self.timeline)
         self._layout = layout
         self.grid.blockClicked.connect(lambda _block: self.activated.emit(self))
@@ -78,6 +83,8 @@ class PoolPane(QtWidgets.QWidget):
         """Redraw the grid if needed (the window's frame timer calls this); keeps the pool fitted to the view's
         current size until the user pans or zooms. Returns whether it drew."""
         drawn = self.grid.render()
+        if self.contiguous is not None:
+            drawn = self.contiguous.render() or drawn
         if self.follow_fit and self.grid.geometry_ is not None:
             size = self.grid.box.size()
             if size != self._fitted_size and size.width() > 0 and size.height() > 0:
@@ -145,6 +152,9 @@ class PoolPane(QtWidgets.QWidget):
         caps = feed.capabilities
         self._header_text = None
         self.refresh_header()
+        if self.contiguous is not None:
+            self.contiguous.reset()
+            self.contiguous.setVisible(caps.has_physical_pool)
         self.grid.setVisible(caps.has_physical_pool)
         for widget in (self.color_by, self.fit):
             widget.setVisible(caps.has_physical_pool)
@@ -155,6 +165,23 @@ class PoolPane(QtWidgets.QWidget):
         self.timeline.setVisible(caps.has_history)
         self.timeline.set_live_source(feed.kind != "recording")
         self.sync_timeline()
+
+    # ---- paged against contiguous -------------------------------------------------------------------------------
+    def set_contiguous(self, on: bool) -> None:
+        """Show (or hide) the same conversations placed by a contiguous max-length allocator beside the grid, at
+        the same scale (the two views pan and zoom across together)."""
+        if on and self.contiguous is None and self.source.capabilities.has_physical_pool:
+            from .contiguous_view import ContiguousView
+            self.contiguous = ContiguousView()
+            self.contiguous.link_to(self.grid.box)
+            self.split.addWidget(self.contiguous)
+            self.split.setSizes([1, 1])
+            if self.source.view is not None:
+                self.contiguous.set_snapshot(self.source.view)
+        elif not on and self.contiguous is not None:
+            self.contiguous.setParent(None)
+            self.contiguous.deleteLater()
+            self.contiguous = None
 
     def refresh_header(self) -> None:
         """Name the source, say how it is doing (live, silent, replaying) and, if read-only, why."""
@@ -181,10 +208,15 @@ class PoolPane(QtWidgets.QWidget):
         from .content_view import ContentView
         self.content_view = ContentView(subscriber.indexes, getattr(feed, "tokenizer", None))
         self.content_view.attach(subscriber)
-        self._layout.insertWidget(self._layout.indexOf(self.grid) + 1, self.content_view, 1)
+        self._layout.insertWidget(self._layout.indexOf(self.split) + 1, self.content_view, 1)
 
     def _on_view(self, snapshot) -> None:
         self.grid.set_snapshot(snapshot)
+        if self.contiguous is not None:
+            if self.source.viewing is not None or self._contiguous_restart:
+                self.contiguous.reset()  # a frame out of order (history): placed afresh, not from the last one
+            self._contiguous_restart = self.source.viewing is not None
+            self.contiguous.set_snapshot(snapshot)
         mem = snapshot.memory
         if mem is not None:
             text = (f"step {snapshot.step_id} · {mem.num_used_blocks} used, {mem.num_cached_blocks} cached, "
