@@ -1,0 +1,202 @@
+"""Pool-stream benchmarks, measured side by side in one run on the real engine (print figures, assert nothing).
+
+1. record: cost of encoding a frame and writing it to a recording at 65,536 blocks with 256 conversations decoding
+   (target: at most 1 ms per frame on top of the step), and decode steps/s with recording against without it, in
+   alternating rounds of the same run (target: at least 0.95x).
+2. jump: a recording of --jump-steps steps (default 10,000) of the same workload, kept at 256 conversations by
+   adding one whenever one finishes; then opening it and jumping to random frames, to the frames furthest from a
+   keyframe (the worst case) and scrubbing one frame back and forth (target: at most 50 ms per jump).
+3. bytes: bytes per frame on disk for the busy demo (the app's default pool of 128 blocks) and the crowd demo
+   (4,096 and 65,536 blocks).
+
+    python bench/stream.py [--sections record,jump,bytes] [--jump-steps 10000] [--rounds 6] [--steps-per-round 8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import Engine, EngineConfig  # noqa: E402
+from explorer.demo import seed_busy, seed_crowd, seed_many  # noqa: E402
+from kvstream.poolstream import StreamEncoder  # noqa: E402
+from kvstream.recording import Recorder, open_recording  # noqa: E402
+
+BIG = dict(model="builtin", num_blocks=65536, block_size=16)  # the pool of the performance targets
+CONVERSATIONS = 256
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def take_events(engine):
+    take = getattr(engine, "take_events", None)
+    return take() if take is not None else []
+
+
+def heavy_engine(max_new_tokens: int) -> Engine:
+    engine = Engine(EngineConfig(**BIG))
+    seed_many(engine, CONVERSATIONS, max_new_tokens=max_new_tokens, ignore_eos=True)
+    for _ in range(3):  # prefill
+        engine.step()
+    take_events(engine)
+    return engine
+
+
+def bench_record(rounds: int, steps: int) -> None:
+    print(f"== record: {BIG['num_blocks']} blocks, {CONVERSATIONS} conversations decoding, {rounds} rounds of "
+          f"{steps} steps per mode, alternating")
+    engine = heavy_engine(max_new_tokens=2 * rounds * steps + 16)
+    path = Path(tempfile.mkdtemp(prefix="bench-stream-")) / "record.kvpool"
+    encoder = StreamEncoder()
+    recorder = Recorder(path)
+    recorder.write(encoder.encode(engine.snapshot(), take_events(engine)))
+    base_times, rec_times, encode_ms, write_ms, sizes = [], [], [], [], []
+    for r in range(rounds):
+        for mode in ("without", "with") if r % 2 == 0 else ("with", "without"):
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+                snap = engine.snapshot()  # the runner snapshots every step either way (the GUI's latest)
+                events = take_events(engine)  # (a "with" round's first delta spans the round before: pessimistic)
+                if mode == "with":
+                    t0 = time.perf_counter()
+                    frame = encoder.encode(snap, events)
+                    t1 = time.perf_counter()
+                    recorder.write(frame)
+                    t2 = time.perf_counter()
+                    encode_ms.append((t1 - t0) * 1e3)
+                    write_ms.append((t2 - t1) * 1e3)
+                    sizes.append(len(frame.payload))
+            (rec_times if mode == "with" else base_times).append((time.perf_counter() - start) / steps)
+    recorder.close()
+    base, rec = statistics.median(base_times), statistics.median(rec_times)
+    cost = [e + w for e, w in zip(encode_ms, write_ms)]
+    print(f"step without recording: {base * 1e3:.1f} ms (median of rounds); with: {rec * 1e3:.1f} ms")
+    print(f"decode with recording / without: {base / rec:.3f}x  (per round: "
+          f"{', '.join(f'{b / r:.3f}' for b, r in zip(base_times, rec_times))})")
+    print(f"encode: median {statistics.median(encode_ms):.3f} ms, p90 {pct(encode_ms, 0.9):.3f} ms; write+flush: "
+          f"median {statistics.median(write_ms):.3f} ms; encode+write median {statistics.median(cost):.3f} ms, "
+          f"p90 {pct(cost, 0.9):.3f} ms, max {max(cost):.3f} ms")
+    print(f"bytes per frame: median {statistics.median(sizes):.0f}")
+
+
+def bench_jump(num_steps: int) -> None:
+    print(f"== jump: a {num_steps}-step recording, {BIG['num_blocks']} blocks, {CONVERSATIONS} conversations "
+          "decoding (replenished as they finish)")
+    rng = random.Random(0)
+    engine = Engine(EngineConfig(**BIG))
+    live = [engine.add_conversation(f"Conversation {i}: tell me about page number {i * 7}.", ignore_eos=True,
+                                    max_new_tokens=rng.randrange(100, 900), temperature=0.8, seed=i)
+            for i in range(CONVERSATIONS)]
+    path = Path(tempfile.mkdtemp(prefix="bench-stream-")) / "jump.kvpool"
+    encoder = StreamEncoder()
+    added = CONVERSATIONS
+    cost, start = [], time.perf_counter()
+    with Recorder(path) as recorder:
+        for step in range(num_steps):
+            engine.step()
+            t0 = time.perf_counter()
+            recorder.write(encoder.encode(engine.snapshot(), take_events(engine)))
+            cost.append(time.perf_counter() - t0)
+            snap_convs = {c.conversation_id: c for c in engine.conversations()} if step % 8 == 0 else None
+            if snap_convs is not None:
+                for i, cid in enumerate(live):
+                    if not snap_convs[cid].is_live:
+                        live[i] = engine.add_conversation(
+                            f"Conversation {added}: tell me about page number {added * 7}.", ignore_eos=True,
+                            max_new_tokens=rng.randrange(100, 900), temperature=0.8, seed=added)
+                        added += 1
+            if (step + 1) % 1000 == 0:
+                print(f"  {step + 1} steps, {time.perf_counter() - start:.0f} s, {path.stat().st_size / 2**20:.0f} MiB")
+    metrics = engine.snapshot().metrics
+    size = path.stat().st_size
+    print(f"recorded {recorder.frames_written} frames, {size / 2**20:.1f} MiB ({size / recorder.frames_written:.0f} "
+          f"bytes/frame incl. keyframes); {added} conversations, {metrics.num_evictions} evictions; snapshot+snapshot "
+          f"encode+write: median {statistics.median(cost) * 1e3:.2f} ms, p99 {pct(cost, 0.99) * 1e3:.2f} ms")
+    t0 = time.perf_counter()
+    history = open_recording(path)
+    print(f"open: {time.perf_counter() - t0:.2f} s for {len(history)} frames "
+          f"({len(history.keyframe_seqs())} keyframes)")
+    keys = history.keyframe_seqs() + [history.last_seq + 1]
+    worst = [k - 1 for k in keys[1:]]  # the frame before each keyframe: the longest run of deltas to decode
+    rng = random.Random(1)
+
+    def cold(seq):  # a jump nothing cached helps: a fresh view of the same file
+        with open_recording(path) as fresh:
+            t = time.perf_counter()
+            fresh.snapshot_at(seq)
+            return (time.perf_counter() - t) * 1e3
+
+    random_ms = [cold(rng.randrange(len(history))) for _ in range(30)]
+    worst_ms = [cold(seq) for seq in rng.sample(worst, min(15, len(worst)))]
+    warm = []
+    for seq in rng.sample(range(len(history)), 30):  # jumps within one view (its decode cache and checkpoints)
+        t = time.perf_counter()
+        history.snapshot_at(seq)
+        warm.append((time.perf_counter() - t) * 1e3)
+    mid = worst[len(worst) // 2]
+    scrub = []
+    for seq in list(range(mid, mid - 40, -1)) + list(range(mid - 40, mid)):  # one frame back, then forward
+        t = time.perf_counter()
+        history.snapshot_at(seq)
+        scrub.append((time.perf_counter() - t) * 1e3)
+    print(f"jump, cold, random frame: median {statistics.median(random_ms):.1f} ms, max {max(random_ms):.1f} ms")
+    print(f"jump, cold, frame before a keyframe (worst): median {statistics.median(worst_ms):.1f} ms, "
+          f"max {max(worst_ms):.1f} ms")
+    print(f"jump, same view, random frame: median {statistics.median(warm):.1f} ms, max {max(warm):.1f} ms")
+    print(f"scrub one frame back/forward: median {statistics.median(scrub):.2f} ms, max {max(scrub):.1f} ms")
+    history.close()
+
+
+def bench_bytes(max_steps: int) -> None:
+    print("== bytes per frame on disk")
+    for name, seed, blocks in (("busy", seed_busy, 128), ("crowd", seed_crowd, 4096), ("crowd", seed_crowd, 65536)):
+        engine = Engine(EngineConfig(model="builtin", num_blocks=blocks, block_size=16))
+        seed(engine)
+        path = Path(tempfile.mkdtemp(prefix="bench-stream-")) / f"{name}.kvpool"
+        encoder = StreamEncoder()
+        deltas, keys = [], []
+        with Recorder(path) as recorder:
+            for _ in range(max_steps):
+                if not engine.has_work():
+                    break
+                engine.step()
+                frame = encoder.encode(engine.snapshot(), take_events(engine))
+                recorder.write(frame)
+                (keys if frame.keyframe else deltas).append(len(frame.payload))
+        frames = len(deltas) + len(keys)
+        print(f"{name:5s} {blocks:6d} blocks, {len(engine.conversations()):3d} conversations, {frames} frames: "
+              f"{path.stat().st_size / frames:.0f} bytes/frame on disk; deltas median {statistics.median(deltas):.0f}"
+              f" (max {max(deltas)}), keyframes median {statistics.median(keys):.0f} ({len(keys)} of them)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="record,jump,bytes")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps-per-round", type=int, default=8)
+    parser.add_argument("--jump-steps", type=int, default=10000)
+    parser.add_argument("--bytes-steps", type=int, default=400)
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    if "bytes" in sections:
+        bench_bytes(args.bytes_steps)
+    if "record" in sections:
+        bench_record(args.rounds, args.steps_per_round)
+    if "jump" in sections:
+        bench_jump(args.jump_steps)
+
+
+if __name__ == "__main__":
+    main()
