@@ -21,8 +21,9 @@ from .grid_view import block_owners
 from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
-SLOTS_SHARE = 0.68  # of the height below the fields, what the slot table gets before the user drags the splitter
-MAX_LABELLED_TICKS = 8  # heatmap axes label at most this many slots / dims (every one when they fit)
+PREFERRED_SLOT_ROWS = 16  # slot rows the inspector asks room for: a whole block at the default block size
+SLOTS_SHARE = 0.72  # of the height below the fields, what the slot table gets before the user drags the splitter
+MIN_TICK_PIXELS = {"left": 14, "bottom": 26}  # least screen distance between two labelled heatmap ticks
 
 
 class SlotsModel(RowsModel):
@@ -37,6 +38,23 @@ class SlotsModel(RowsModel):
         texts = tuple(info.token_texts) + ("",) * (len(info.token_ids) - len(info.token_texts))
         self.set_rows([(i, p, t, token_label(s) if s else f"<{t}>") for i, (p, t, s) in
                        enumerate(zip(info.positions, info.token_ids, texts))])  # no text (no tokenizer): the id
+
+
+class _SlotsView(QtWidgets.QTableView):
+    """The slot table; its preferred height is a whole block of 16 slots (a scroll area that holds the inspector
+    sizes it by its preferred height)."""
+
+    def sizeHint(self) -> QtCore.QSize:
+        rows = self.verticalHeader().defaultSectionSize() * PREFERRED_SLOT_ROWS
+        return QtCore.QSize(260, rows + self.horizontalHeader().sizeHint().height() + 2 * self.frameWidth())
+
+
+class _HeatPlot(pg.PlotWidget):
+    """The K/V heatmap; a modest preferred size (a PlotWidget asks for 600 x 480, which made the inspector
+    twice as tall as the slots need)."""
+
+    def sizeHint(self) -> QtCore.QSize:
+        return QtCore.QSize(260, 160)
 
 
 def token_label(text: str) -> str:
@@ -142,7 +160,7 @@ class Inspector(QtWidgets.QWidget):
         form.setColumnStretch(1, 1)
         form.setColumnStretch(3, 1)
         self.slots = SlotsModel(self)
-        self.slots_view = QtWidgets.QTableView()
+        self.slots_view = _SlotsView()
         self.slots_view.setModel(self.slots)
         self.slots_view.verticalHeader().hide()
         row_height = self.slots_view.fontMetrics().height() + 3
@@ -166,7 +184,7 @@ class Inspector(QtWidgets.QWidget):
             controls.addWidget(QtWidgets.QLabel(text))
             controls.addWidget(widget)
         controls.addStretch(1)
-        self.plot = pg.PlotWidget()
+        self.plot = _HeatPlot()
         self.plot.setLabel("bottom", "head dim")
         self.plot.setLabel("left", "slot")
         self.plot.getViewBox().invertY(True)
@@ -178,16 +196,21 @@ class Inspector(QtWidgets.QWidget):
         self.colorbar = pg.ColorBarItem(values=(-1.0, 1.0), colorMap=pg.colormap.get("viridis"), interactive=False,
                                         width=12)
         self.colorbar.setImageItem(self.heat, insert_in=self.plot.getPlotItem())
+        self.heat_title = QtWidgets.QLabel()  # what the heatmap shows (a plot title would set its minimum width)
+        self.heat_title.setWordWrap(True)
         self.kv_note = QtWidgets.QLabel()  # why there is no heatmap, when there is none
         self.kv_note.setWordWrap(True)
         self.kv_note.hide()
-        self.set_block_size(16)
+        self._head_dim = 1  # columns of the heatmap shown last
+        self._block_size = 16  # slots of the block shown last (the default block size until one is shown)
+        self.plot.getViewBox().sigResized.connect(self._retick)
 
         heat_box = QtWidgets.QWidget()
         heat_layout = QtWidgets.QVBoxLayout(heat_box)
         heat_layout.setContentsMargins(0, 0, 0, 0)
         heat_layout.setSpacing(2)
         heat_layout.addLayout(controls)
+        heat_layout.addWidget(self.heat_title)
         heat_layout.addWidget(self.kv_note)
         heat_layout.addWidget(self.plot, 1)
         self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical)
@@ -198,6 +221,7 @@ class Inspector(QtWidgets.QWidget):
         self.split.setChildrenCollapsible(False)
         self._split_by_user = False  # once the user drags the splitter, resizing keeps their choice
         self.split.splitterMoved.connect(lambda *_: setattr(self, "_split_by_user", True))
+        self.set_block_size(self._block_size)
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -208,10 +232,25 @@ class Inspector(QtWidgets.QWidget):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        if not self._split_by_user:  # the slot table gets most of the height, the heatmap the rest
-            total = max(self.split.height(), 1)
-            table = int(total * SLOTS_SHARE)
-            self.split.setSizes([table, total - table])
+        self._place_splitter()
+
+    def _place_splitter(self) -> None:
+        """The slot table gets most of the height (no more than a whole block needs), the heatmap the rest."""
+        if self._split_by_user:
+            return
+        total = max(self.split.height(), 1)
+        view = self.slots_view
+        whole_block = (view.verticalHeader().defaultSectionSize() * self._block_size
+                       + view.horizontalHeader().sizeHint().height() + 2 * view.frameWidth() + 2)
+        table = min(int(total * SLOTS_SHARE), whole_block)
+        self.split.setSizes([table, total - table])
+
+    def _retick(self, *_) -> None:
+        """Whole-slot and whole-dim ticks, labelled as densely as the plot's size allows."""
+        box = self.plot.getViewBox()
+        height, width = box.height(), box.width()
+        self.plot.getAxis("left").setTicks(_integer_ticks(self._block_size, height, MIN_TICK_PIXELS["left"]))
+        self.plot.getAxis("bottom").setTicks(_integer_ticks(self._head_dim, width, MIN_TICK_PIXELS["bottom"]))
 
     def select(self, block_id: int | None, snapshot: PoolSnapshot | None, *, moved_from: int | None = None) -> None:
         """A new block was clicked: show the snapshot's view of it now; details follow from the engine.
@@ -221,7 +260,7 @@ class Inspector(QtWidgets.QWidget):
             self.info = None
             self.slots.set_block(None)
             self.heat.clear()
-            self.plot.setTitle("")
+            self.heat_title.setText("")
         self.moved_from = moved_from
         self.block_id = block_id
         if block_id is None:
@@ -310,15 +349,16 @@ class Inspector(QtWidgets.QWidget):
     def set_block_size(self, block_size: int) -> None:
         """Slot axis of the heatmap: one row per slot of a block, integer ticks (follows an engine restart)."""
         self._block_size = block_size
-        self.plot.getAxis("left").setTicks(_integer_ticks(block_size))
+        self._retick()
         self.plot.setRange(yRange=(0, block_size), padding=0)
+        self._place_splitter()
 
     def _draw_heatmap(self, *_):
         info = self.info
         keys = info.keys if info is not None else None
         if info is None or keys is None or info.num_filled == 0 or keys.ndim != 4:
             self.heat.clear()
-            self.plot.setTitle("")
+            self.heat_title.setText("")
             text = ""
             if info is not None and keys is None:
                 text = ("No K/V heatmap: this source keeps its K/V values to itself (they never leave its device or "
@@ -335,15 +375,16 @@ class Inspector(QtWidgets.QWidget):
         layer = min(self.layer.value(), data.shape[0] - 1)
         head = min(self.head.value(), data.shape[2] - 1)
         image = np.asarray(data[layer, :, head, :], np.float32)  # [filled, head_dim]
-        self.plot.setTitle(f"<span style='font-size:9pt'>{self.kind.currentText()}, layer {layer}, kv head {head}: "
-                           f"{image.shape[0]} of {info.block_size} slots × {image.shape[1]} dims</span>")
+        self.heat_title.setText(f"{self.kind.currentText()} of layer {layer}, kv head {head}: {image.shape[0]} of "
+                                f"{info.block_size} slots × {image.shape[1]} dims")
         low, high = float(image.min()), float(image.max())
         if high <= low:
             low, high = low - 0.5, high + 0.5
         self.heat.setImage(image, autoLevels=False)
         self.colorbar.setLevels((low, high))
         self.heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
-        self.plot.getAxis("bottom").setTicks(_integer_ticks(image.shape[1]))
+        self._head_dim = image.shape[1]
+        self._retick()
         self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, info.block_size), padding=0)
 
     def slot_rows(self) -> list[tuple]:
@@ -356,11 +397,13 @@ class Inspector(QtWidgets.QWidget):
         return int(height // view.verticalHeader().defaultSectionSize())
 
 
-def _integer_ticks(count: int) -> list[list[tuple[float, str]]]:
-    """Ticks at the middle of each of ``count`` cells, labelled 0, 1, ...: every cell when at most
-    MAX_LABELLED_TICKS fit, else every 2nd, 4th, ... (labelled), and every cell as an unlabelled minor tick."""
+def _integer_ticks(count: int, pixels: float, min_spacing: float) -> list[list[tuple[float, str]]]:
+    """Ticks at the middle of each of ``count`` cells spread over ``pixels``, labelled 0, 1, ...: every cell when
+    labels ``min_spacing`` apart fit, else every 2nd, 4th, ... (labelled), with every cell as an unlabelled minor
+    tick. Never a fractional slot, whatever the size (block size 1 included)."""
     stride = 1
-    while count / stride > MAX_LABELLED_TICKS:
+    per_cell = pixels / max(count, 1)
+    while stride < count and stride * per_cell < min_spacing:
         stride *= 2
     major = [(i + 0.5, str(i)) for i in range(0, count, stride)]
     minor = [(i + 0.5, "") for i in range(count) if i % stride] if stride > 1 and count <= 512 else []

@@ -100,19 +100,31 @@ def ticks(inspector, side):
     return [label for _, label in major]
 
 
+def test_integer_ticks_label_as_densely_as_the_size_allows():
+    from explorer.inspector import _integer_ticks
+    major, minor = _integer_ticks(16, 400, 14)  # 25 px per slot: every slot labelled
+    assert major == [(i + 0.5, str(i)) for i in range(16)] and minor == []
+    major, minor = _integer_ticks(16, 100, 14)  # 6.25 px per slot: every 4th
+    assert [label for _, label in major] == ["0", "4", "8", "12"] and len(minor) == 12
+    assert _integer_ticks(1, 5, 14)[0] == [(0.5, "0")]  # block size 1, however small: one whole slot
+
+
 def test_heatmap_ticks_are_whole_slots_and_follow_the_block_size(inspector):
     inspector.select(0, view({1: (0,)}, block_size=1))
     inspector.show_block(info(0, owners=((1, 0),), filled=1, block_size=1))
     assert ticks(inspector, "left") == ["0"]  # block size 1: one slot, no fractional ticks
     assert ticks(inspector, "bottom") == ["0", "1", "2"]  # head dim 3
+    assert inspector.heat_title.text().startswith("K of layer 0, kv head 0: 1 of 1 slots")
     assert inspector.plot.getViewBox().viewRange()[1] == [0, 1]
     inspector.select(1, view({1: (1,)}, block_size=8))  # after a restart with blocks of 8
     inspector.show_block(info(1, owners=((1, 0),), filled=5, block_size=8))
-    assert ticks(inspector, "left") == [str(i) for i in range(8)]
-    assert inspector.plot.getViewBox().viewRange()[1] == [0, 8]
+    labels = ticks(inspector, "left")  # whole slots, as many as fit 14 px apart
+    height = inspector.plot.getViewBox().height()
+    assert labels == [str(i) for i in range(0, 8, int(labels[1]) if len(labels) > 1 else 8)]
+    assert height / 8 * (8 / len(labels)) >= 14 and inspector.plot.getViewBox().viewRange()[1] == [0, 8]
     inspector.select(2, view({1: (2,)}, block_size=16))
     inspector.show_block(info(2, owners=((1, 0),), filled=16, block_size=16))
-    assert ticks(inspector, "left") == [str(i) for i in range(0, 16, 2)]  # every other slot labelled
+    assert ticks(inspector, "left")[0] == "0" and all(t.isdigit() for t in ticks(inspector, "left"))
     low, high = inspector.colorbar.levels()
     keys = info(2, filled=16, block_size=16).keys[0, :, 0, :]
     assert (low, high) == (float(keys.min()), float(keys.max()))  # the colour bar spans the shown values
@@ -121,9 +133,9 @@ def test_heatmap_ticks_are_whole_slots_and_follow_the_block_size(inspector):
 def test_slot_table_shows_a_whole_block_of_16(qtbot, inspector):
     inspector.select(2, view({1: (2,)}, block_size=16))
     inspector.show_block(info(2, owners=((1, 0),), filled=16, block_size=16))
-    inspector.resize(400, 560)  # about the inspector dock at the default window size
+    inspector.resize(400, inspector.sizeHint().height())  # what a scroll area (the window's dock) gives it
     qtbot.wait(20)
-    assert inspector.visible_slot_rows() >= 16
+    assert inspector.visible_slot_rows() >= 16 and inspector.height() <= 640
     inspector.resize(400, 480)  # smaller: most of a block, with a scroll bar
     qtbot.wait(20)
     assert inspector.visible_slot_rows() >= 12
