@@ -40,7 +40,8 @@ ARRAYS = ("state", "ref_count", "num_filled", "owner", "last_access", "block_has
 _BLANK = {"owner": -1}  # value of each per-block array in an empty pool (0 where not listed): keyframes send the rest
 # dtypes a per-block array, or its values on the wire, may have (little-endian; a foreign dtype is never built)
 _DTYPES = frozenset({"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8"})
-_NARROW = tuple(np.dtype(d) for d in ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8"))  # smallest first
+_NARROW_RANGES = tuple((np.dtype(d), int(np.iinfo(d).min), int(np.iinfo(d).max))  # smallest first: (dtype, min, max)
+                       for d in ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8"))
 
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # a count: negative ones are malformed
@@ -330,27 +331,35 @@ def _make_numbers(cls, fields: dict[str, type], values: Numbers, old=None):
 
 
 # ---- per-block arrays ------------------------------------------------------------------------------------------
-def _narrow(values: np.ndarray) -> Packed:
+def _narrow(values: np.ndarray, lo: int | None = None, hi: int | None = None) -> Packed:
+    """``values`` in the narrowest integer dtype holding lo..hi (their min and max, computed if not given)."""
     if values.dtype == np.bool_:
         return Packed("|b1", values.tobytes())
     if values.size == 0:
         return Packed("|u1", b"")
-    lo, hi = int(values.min()), int(values.max())
-    for dt in _NARROW:
-        info = np.iinfo(dt)
-        if info.min <= lo and hi <= info.max:
-            return Packed(dt.str, values.astype(dt, copy=False).tobytes())
+    if lo is None:
+        lo, hi = int(values.min()), int(values.max())
+    for dt, dt_min, dt_max in _NARROW_RANGES:
+        if dt_min <= lo and hi <= dt_max:
+            return Packed(dt.str, (values if values.dtype == dt else values.astype(dt)).tobytes())
     raise StreamError(f"values {lo}..{hi} do not fit 64 bits")  # unreachable for numpy integer arrays
 
 
 def _patch(values: np.ndarray, index: np.ndarray | None) -> ArrayPatch:
     """``values`` (at ascending ``index``; None: all) as a patch; one value for all when they are equal."""
     gaps = None
-    if index is not None:
-        gaps = _narrow(np.diff(index, prepend=-1) - 1)  # [changed] -> gaps >= 0
-    if values.size and values.dtype != np.bool_ and values.min() == values.max():
-        return ArrayPatch(gaps, int(values[0]))
-    return ArrayPatch(gaps, _narrow(values))
+    if index is not None and index.size:
+        steps = np.empty(index.size, np.int64)  # [changed] gaps between ascending indices
+        steps[0] = index[0]
+        np.subtract(index[1:], index[:-1], out=steps[1:])
+        steps[1:] -= 1
+        gaps = _narrow(steps, 0, int(steps.max()))
+    if values.size == 0 or values.dtype == np.bool_:
+        return ArrayPatch(gaps, _narrow(values))
+    lo, hi = int(values.min()), int(values.max())
+    if lo == hi:
+        return ArrayPatch(gaps, lo)
+    return ArrayPatch(gaps, _narrow(values, lo, hi))
 
 
 def _column(values: list[int]) -> Packed | int:
