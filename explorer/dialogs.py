@@ -33,9 +33,9 @@ TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
 
 class FieldError(QtWidgets.QLabel):
     """The red message under a field. Its height is reserved (``lines`` lines) whether or not there is an error,
-    so showing one never moves the fields below; a longer message is elided, in full in the tooltip."""
+    so showing one never moves the fields below; a longer message is cut, and shown in full in the tooltip."""
 
-    def __init__(self, lines: int = 1, parent: QtWidgets.QWidget | None = None):
+    def __init__(self, lines: int = 2, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.setStyleSheet("color: #e0443e;")
         self.setWordWrap(True)
@@ -106,7 +106,7 @@ class _FormDialog(QtWidgets.QDialog):
         layout.addWidget(self.busy)
         layout.addWidget(self.buttons)
 
-    def add_row(self, key: str, label: str, widget: QtWidgets.QWidget, error_lines: int = 1) -> QtWidgets.QWidget:
+    def add_row(self, key: str, label: str, widget: QtWidgets.QWidget, error_lines: int = 2) -> QtWidgets.QWidget:
         box = QtWidgets.QWidget()
         column = QtWidgets.QVBoxLayout(box)
         column.setContentsMargins(0, 0, 0, 0)
@@ -166,8 +166,9 @@ class _MessageDialog(_FormDialog):
         self.mode.currentTextChanged.connect(self._on_mode)
 
     def add_message_rows(self, key: str, label: str, placeholder: str) -> QtWidgets.QPlainTextEdit:
-        self.add_row("mode", "Message as:", self.mode, error_lines=0)
-        editor = self.add_row(key, label, QtWidgets.QPlainTextEdit(), error_lines=2)
+        self.mode_label = f"{label.rstrip(':')} as"  # "Prompt as", "Message as"
+        self.add_row("mode", self.mode_label + ":", self.mode, error_lines=0)
+        editor = self.add_row(key, label, QtWidgets.QPlainTextEdit(), error_lines=3)
         editor.setPlaceholderText(placeholder)
         editor.setMinimumSize(260, 70)
         self._placeholder = placeholder
@@ -233,7 +234,7 @@ class _MessageDialog(_FormDialog):
             try:
                 num_tokens = len(future.result())
             except Exception as exc:  # the tokenizer refused the text (a checkpoint without one, say)
-                hint = " Switch 'Message as' to token ids." if "token ids" in str(exc) else ""
+                hint = f" Switch '{self.mode_label}' to token ids." if "token ids" in str(exc) else ""
                 self.errors[key].show_error(f"{exc}.{hint}" if hint else str(exc))
                 return
             counted(num_tokens)
@@ -289,7 +290,7 @@ class AddConversationDialog(_MessageDialog):
                  parent: QtWidgets.QWidget | None = None, submit: Callable[[AddRequest], Future] | None = None):
         super().__init__("Add conversation", tokenize, watch, snapshot, parent, submit)
         self.prompt = self.add_message_rows("prompt", "Prompt:", "Type the user's message")
-        self.prompt.setMinimumSize(300, 90)
+        self.prompt.setMinimumSize(300, 70)
         self.max_new_tokens = self.add_max_new_tokens_row()
         self.temperature = self.add_row("temperature", "Temperature:", QtWidgets.QLineEdit("0.8"))
         self.use_system = self.add_row("system", "", QtWidgets.QCheckBox("Start from the shared system prompt"),

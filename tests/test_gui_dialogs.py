@@ -196,7 +196,7 @@ def test_checkpoint_without_tokenizer_explains_at_the_prompt(qtbot, make_window,
     dialog = open_add_dialog(window, "Hello")
     dialog.try_accept()
     qtbot.waitUntil(lambda: "tokenizer" in dialog.error_text("prompt"), timeout=3000)
-    assert "Switch 'Message as' to token ids" in dialog.error_text("prompt") and dialog.isVisible()
+    assert "Switch 'Prompt as' to token ids" in dialog.error_text("prompt") and dialog.isVisible()
     assert sent == ["tokenize"] and window.errors == []
     qtbot.wait(100)
     assert window.snapshot.conversations == ()
