@@ -166,3 +166,13 @@ def test_real_relocation_keeps_the_selected_content(inspector):
     assert f"moved from {block} to {new}" in inspector.note.text() and "freed" not in inspector.note.text()
     assert [r[1:3] for r in inspector.slot_rows()] == list(zip(before.positions, before.token_ids))
     assert after.block_tables[cid][1] == new
+
+
+def test_select_with_moved_from_keeps_the_story(inspector):
+    """The window may move the selection itself (select(new, view, moved_from=old)) instead of follow_relocation."""
+    inspector.select(35, view({5: (7, 9, 35)}))
+    inspector.show_block(info(35))
+    inspector.select(12, view({5: (40, 3, 12)}), moved_from=35)
+    assert inspector.fields["block"].text() == "12 (moved from 35)"
+    inspector.show_block(info(12))
+    assert "moved from 35 to 12" in inspector.note.text() and "freed" not in inspector.note.text()
