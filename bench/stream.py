@@ -122,8 +122,8 @@ def bench_jump(num_steps: int) -> None:
     metrics = engine.snapshot().metrics
     size = path.stat().st_size
     print(f"recorded {recorder.frames_written} frames, {size / 2**20:.1f} MiB ({size / recorder.frames_written:.0f} "
-          f"bytes/frame incl. keyframes); {added} conversations, {metrics.num_evictions} evictions; snapshot+snapshot "
-          f"encode+write: median {statistics.median(cost) * 1e3:.2f} ms, p99 {pct(cost, 0.99) * 1e3:.2f} ms")
+          f"bytes/frame incl. keyframes); {added} conversations, {metrics.num_evictions} evictions; snapshot + "
+          f"encode + write: median {statistics.median(cost) * 1e3:.2f} ms, p99 {pct(cost, 0.99) * 1e3:.2f} ms")
     t0 = time.perf_counter()
     history = open_recording(path)
     print(f"open: {time.perf_counter() - t0:.2f} s for {len(history)} frames "

@@ -21,6 +21,7 @@ act on, leaving the decoder as it was.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import os
 import typing
@@ -368,9 +369,10 @@ def _column(values: list[int]) -> Packed | int:
     return first if values.count(first) == len(values) else _narrow(np.array(values, np.int64))
 
 
-def _read_column(column: Packed | int, count: int, what: str) -> list[int]:
+def _read_column(column: Packed | int, count: int, what: str) -> list[int] | int:
+    """The column's values, or its one value for all (an int)."""
     if isinstance(column, int):
-        return [column] * count
+        return column
     values = _unpack(column, what)
     if values.size != count:
         raise StreamError(f"malformed pool-stream message: {what} has {values.size} entries for {count}")
@@ -955,37 +957,60 @@ def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
     block_counts = _read_column(g.block_counts, count, "grown block counts")
     blocks = _unpack(g.blocks, "grown blocks").tolist()
     computed = _read_column(g.computed, count, "grown num_computed_tokens")
-    if len(g.texts) != count or sum(token_counts) != len(tokens) or sum(block_counts) != len(blocks) or \
-            min(token_counts) < 0 or min(block_counts) < 0:
+
+    def total(counts):
+        return counts * count if isinstance(counts, int) else sum(counts)
+
+    def least(counts):
+        return counts if isinstance(counts, int) else min(counts, default=0)
+
+    if len(g.texts) != count or total(token_counts) != len(tokens) or total(block_counts) != len(blocks) or \
+            least(token_counts) < 0 or least(block_counts) < 0:
         raise StreamError("malformed pool-stream message: the grown columns do not line up")
     if blocks and (min(blocks) < 0 or max(blocks) >= n):
         raise StreamError(f"malformed pool-stream message: a grown block table names a block outside 0..{n - 1}")
     return ids, token_counts, tokens, g.texts, computed, block_counts, blocks
 
 
+def _append_runs(rows: list, at: int, counts: list[int] | int, flat: list) -> None:
+    """Append to field ``at`` of each row its run of ``flat`` (``counts`` items each, or that many for all)."""
+    if counts == 1:  # one token per conversation: a decode step
+        pairs = zip(rows, flat)
+    elif isinstance(counts, int):
+        if not counts:
+            return
+        pairs = ((vals, flat[j * counts:(j + 1) * counts]) for j, vals in enumerate(rows))
+    else:
+        starts = itertools.accumulate(counts, initial=0)
+        pairs = ((vals, flat[start:start + k]) for vals, k, start in zip(rows, counts, starts) if k)
+    for vals, items in pairs:
+        cur = vals[at]
+        if type(cur) is not list:
+            cur = vals[at] = list(cur)  # mutable while patches arrive (see _apply_conv)
+        if counts == 1:
+            cur.append(items)
+        else:
+            cur.extend(items)
+
+
 def _apply_grown(grown: tuple, convs: dict, objs: dict) -> None:
     ids, token_counts, tokens, texts, computed, block_counts, blocks = grown
     rows = [convs[cid] for cid in ids]
-    for rows_at, counts, flat in ((_OUT_AT, token_counts, tokens), (_TABLE_AT, block_counts, blocks)):
-        start = 0
-        for vals, k in zip(rows, counts):
-            if k:
-                cur = vals[rows_at]
-                if type(cur) is not list:
-                    cur = vals[rows_at] = list(cur)  # mutable while patches arrive (see _apply_conv)
-                if k == 1:
-                    cur.append(flat[start])
-                else:
-                    cur.extend(flat[start:start + k])
-                start += k
+    _append_runs(rows, _OUT_AT, token_counts, tokens)
+    _append_runs(rows, _TABLE_AT, block_counts, blocks)
     for vals, text in zip(rows, texts):
         if text:
             vals[_TEXT_OUT_AT] += text
-    for vals, value in zip(rows, computed):
-        vals[_COMPUTED_AT] = value
-    pop = objs.pop
-    for cid in ids:
-        pop(cid, None)
+    if isinstance(computed, int):
+        for vals in rows:
+            vals[_COMPUTED_AT] = computed
+    else:
+        for vals, value in zip(rows, computed):
+            vals[_COMPUTED_AT] = value
+    if objs:
+        pop = objs.pop
+        for cid in ids:
+            pop(cid, None)
 
 
 def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patches: list, grown) -> None:
