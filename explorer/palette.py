@@ -6,7 +6,7 @@ is first seen live, the first of :data:`LIVE_COLOURS` (sixteen hues picked far a
 free, cached, shared and selected marks) that no other live conversation holds. A conversation keeps its colour
 for its whole life; once it has finished its colour may go to a newcomer (its cached blocks are drawn muted). Past
 sixteen live conversations, further colours come from a golden-ratio walk around the hue circle. Ids the book has
-never seen live (a hand-built view, a recording opened at its end) use their id as the palette index.
+never seen live (a hand-built view, a recording opened at its end) use their id (modulo 1024) as the palette index.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ REF_COLOURS = np.array([  # ref count 0 (unused), 1, 2, 3, 4+
 ], np.uint8)
 
 _GOLDEN = 0.618033988749895
+
+MAX_TRACKED_ID = 1 << 20  # ids the book keeps a dense entry for (8 MiB at most); larger ones use the fallback
+FALLBACK_PERIOD = 1024  # an id the book has not seen live uses palette entry id % this
 
 LIVE_COLOURS = np.array([  # the first sixteen palette entries: min CIELAB distance 33 (45 among the first 12)
     [237, 149, 47], [51, 51, 255], [51, 255, 133], [255, 51, 173], [47, 123, 237], [255, 51, 65], [43, 217, 194],
@@ -54,7 +57,9 @@ class ColourBook:
         live = sorted((c.arrival_step, c.conversation_id) for c in snapshot.conversations if c.is_live)
         if not live:
             return
-        ids = np.array([cid for _, cid in live], np.int64)
+        ids = np.array([cid for _, cid in live if 0 <= cid < MAX_TRACKED_ID], np.int64)
+        if not ids.size:
+            return
         self._grow(int(ids.max()) + 1)
         held, taken, newcomers = self._slot[ids], set(), []
         for cid, slot in zip(ids.tolist(), held.tolist()):  # first come keeps its entry; a duplicate gives it up
@@ -70,9 +75,9 @@ class ColourBook:
         """Palette index of each id (int64)."""
         ids = np.asarray(ids, np.int64)
         known = np.full(ids.shape, -1, np.int64)
-        inside = ids < len(self._slot)
+        inside = (ids >= 0) & (ids < len(self._slot))
         known[inside] = self._slot[ids[inside]]
-        return np.where(known >= 0, known, ids)
+        return np.where(known >= 0, known, ids % FALLBACK_PERIOD)
 
     def _grow(self, size: int) -> None:
         if size > len(self._slot):
