@@ -122,3 +122,13 @@ def test_empty_memory(count):
     model = ContiguousAllocator()
     layout = model.update(snap(1, [conv(0, 2, 2, 1)][:count]))
     assert layout.slot_roles().shape == (32,) and layout.largest_free_run == 32 - 4 * count
+
+
+def test_the_model_imports_neither_qt_nor_torch():
+    import subprocess
+    import sys
+    code = ("import sys, explorer.contiguous; "
+            "print(sorted(m for m in ('PySide6', 'torch', 'pyqtgraph') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert out.stdout.strip() == "[]"
