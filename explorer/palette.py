@@ -53,21 +53,23 @@ class ColourBook:
         self._slot = np.full(0, -1, np.int64)  # conversation id -> palette index, -1: never seen live
 
     def observe(self, snapshot) -> None:
-        """Give every live conversation of ``snapshot`` a palette entry no other live one holds."""
-        live = sorted((c.arrival_step, c.conversation_id) for c in snapshot.conversations if c.is_live)
-        if not live:
+        """Give every live conversation of ``snapshot`` a palette entry no other live one holds, and a stopped one
+        never seen before an entry no live one holds (so a table row never looks like a live conversation's)."""
+        order = sorted((c.arrival_step, c.conversation_id, c.is_live) for c in snapshot.conversations
+                       if 0 <= c.conversation_id < MAX_TRACKED_ID)
+        if not order:
             return
-        ids = np.array([cid for _, cid in live if 0 <= cid < MAX_TRACKED_ID], np.int64)
-        if not ids.size:
-            return
-        self._grow(int(ids.max()) + 1)
-        held, taken, newcomers = self._slot[ids], set(), []
-        for cid, slot in zip(ids.tolist(), held.tolist()):  # first come keeps its entry; a duplicate gives it up
+        self._grow(max(cid for _, cid, _ in order) + 1)
+        live = [cid for _, cid, is_live in order if is_live]
+        taken, newcomers = set(), []
+        for cid in live:  # first come keeps its entry; a duplicate gives it up
+            slot = int(self._slot[cid])
             if slot >= 0 and slot not in taken:
                 taken.add(slot)
             else:
                 newcomers.append(cid)
-        free = (s for s in range(len(ids) + len(taken) + 1) if s not in taken)
+        newcomers += [cid for _, cid, is_live in order if not is_live and self._slot[cid] < 0]
+        free = (s for s in range(len(order) + len(taken) + 1) if s not in taken)
         for cid in newcomers:
             self._slot[cid] = next(free)
 

@@ -316,3 +316,12 @@ def test_zoomed_in_cells_show_their_block_ids(qtbot):
     view.box.setRange(QtCore.QRectF(0, 0, 4, 4), padding=0)
     texts = view.label_texts()
     assert "0" in texts and "33 ×2" in texts and "2" in texts and len(texts) <= 36
+
+
+def test_a_conversation_first_seen_stopped_does_not_look_like_a_live_one():
+    palette.BOOK.clear()
+    snap = make_snapshot()
+    convs = (conversation(0, "finished"), conversation(1, arrival=1), conversation(2, arrival=2))
+    palette.observe(PoolSnapshot(**{**snap.__dict__, "conversations": convs}))
+    colours = {tuple(palette.conversation_colours(np.array([c]))[0]) for c in (0, 1, 2)}
+    assert len(colours) == 3
