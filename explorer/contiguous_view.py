@@ -120,6 +120,17 @@ def swatch(colour, hatched: bool = False) -> QtGui.QPixmap:
     return QtGui.QPixmap.fromImage(image.copy())
 
 
+def _match_scale(source: pg.ViewBox, target: pg.ViewBox) -> None:
+    """Give ``target`` the units per pixel and the top-left corner of ``source`` (both have locked aspects)."""
+    rect = source.viewRect()
+    width = source.width()
+    if width <= 0 or target.width() <= 0 or rect.width() <= 0:
+        return
+    per_pixel = rect.width() / width
+    target.setRange(QtCore.QRectF(rect.left(), rect.top(), target.width() * per_pixel,
+                                  target.height() * per_pixel), padding=0)
+
+
 class ContiguousView(QtWidgets.QWidget):
     """The same live conversations, placed by a contiguous max-length allocator of the same memory.
 
@@ -134,6 +145,8 @@ class ContiguousView(QtWidgets.QWidget):
         self.image: np.ndarray | None = None
         self._dirty = False
         self._drawn_key = None
+        self._grid_box: pg.ViewBox | None = None  # the paged grid's view box, when linked (same scale)
+        self._syncing = False  # a scale change in progress between the two boxes (no echo)
 
         self.title = QtWidgets.QLabel("<b>Contiguous reservation</b> (what paging replaces): each conversation "
                                       "reserves prompt + max new tokens in one run, first fit, first come first served")
@@ -193,10 +206,33 @@ class ContiguousView(QtWidgets.QWidget):
         return self.summary.text()
 
     def link_to(self, grid_box: pg.ViewBox) -> None:
-        """Zoom and pan across together with the paged grid's view box: the same horizontal range in cell units,
-        hence (aspect locked) the same scale, whatever the two widgets' heights (linking both axes of two boxes
-        of different shapes would fight the locked aspect)."""
-        self.box.setXLink(grid_box)
+        """Draw at the paged grid's scale and pan and zoom with it: the same cell units per screen pixel, the same
+        top-left cell, whatever the two widgets' sizes (pyqtgraph's own axis links copy the range, which gives
+        two boxes of different widths different scales). Panning or zooming either one moves both."""
+        self._grid_box = grid_box
+        grid_box.sigRangeChanged.connect(self._follow_grid)
+        grid_box.sigResized.connect(self._follow_grid)
+        self.box.sigResized.connect(self._follow_grid)
+        self.box.sigRangeChangedManually.connect(self._lead_grid)
+        self._follow_grid()
+
+    def _follow_grid(self, *_) -> None:
+        """Take the grid's scale and top-left corner."""
+        if self._grid_box is not None and not self._syncing:
+            self._syncing = True
+            try:
+                _match_scale(self._grid_box, self.box)
+            finally:
+                self._syncing = False
+
+    def _lead_grid(self, *_) -> None:
+        """The user panned or zoomed this view: move the grid the same way."""
+        if self._grid_box is not None and not self._syncing:
+            self._syncing = True
+            try:
+                _match_scale(self.box, self._grid_box)
+            finally:
+                self._syncing = False
 
     def render(self, force: bool = False) -> bool:
         """Redraw if the layout changed since the last call (and the widget is shown); returns whether it drew."""
@@ -211,7 +247,10 @@ class ContiguousView(QtWidgets.QWidget):
         self.item.setImage(self.image, autoLevels=False)
         if new_layout:
             self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
-            self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+            if self._grid_box is None:
+                self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+            else:
+                self._follow_grid()
         self._drawn_key = (lay.reservations, lay.num_slots, lay.block_size)
         self._dirty = False
         return True

@@ -79,3 +79,38 @@ def test_large_pool_draws_mean_colours_quickly():
     image = contiguous_rgba(layout, geo)
     assert image.shape == (geo.rows * geo.tile, geo.cols * geo.tile, 4)
     assert layout.num_running == 200 and layout.num_reserved_slots == 200_000
+
+
+def test_linked_view_draws_at_the_grids_scale_whatever_its_width(qtbot):
+    from PySide6 import QtCore, QtWidgets
+    from explorer.grid_view import GridView
+    from test_gui_grid import make_snapshot
+    holder = QtWidgets.QWidget()
+    qtbot.addWidget(holder)
+    row = QtWidgets.QHBoxLayout(holder)
+    grid, view = GridView(), ContiguousView()
+    row.addWidget(grid, 1)
+    row.addWidget(view, 2)  # twice as wide: pyqtgraph's own x link would draw it at twice the scale
+    holder.resize(1200, 500)
+    holder.show()
+    qtbot.waitExposed(holder)
+    pool = make_snapshot(num_blocks=1024, block_size=16)
+    grid.set_snapshot(pool)
+    grid.render()
+    view.link_to(grid.box)
+    view.set_snapshot(snap(1, [conv(0, 30, 90, 30)], num_blocks=1024, block_size=16))
+    view.render()
+    qtbot.wait(50)
+
+    def scale(box):
+        return box.viewRect().width() / box.width()
+
+    def corner(box):
+        return round(box.viewRect().left(), 6), round(box.viewRect().top(), 6)
+
+    assert abs(scale(view.box) - scale(grid.box)) < 1e-6 and corner(view.box) == corner(grid.box)
+    grid.box.setRange(QtCore.QRectF(4, 2, 8, 8), padding=0)  # zoom the grid: the contiguous view follows
+    assert abs(scale(view.box) - scale(grid.box)) < 1e-6 and corner(view.box) == corner(grid.box)
+    view.box.setRange(QtCore.QRectF(10, 6, 4, 4), padding=0)  # the user zooms the contiguous view ...
+    view.box.sigRangeChangedManually.emit([True, True])  # ... with the mouse: the grid follows
+    assert abs(scale(view.box) - scale(grid.box)) < 1e-6 and corner(view.box) == corner(grid.box)
