@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record", metavar="FILE", help="save the local engine's pool stream to FILE while running")
     parser.add_argument("--open", metavar="FILE", help="replay a recording (GUI: scrub it; headless: to the end)")
     parser.add_argument("--kv-events", metavar="ENDPOINT",
-                        help="the local engine publishes vLLM-format KV events on this ZMQ endpoint")
+                        help="the local engine publishes vLLM-format KV events on this ZMQ endpoint (as vLLM does: "
+                             "tcp://*:PORT and ipc:// bind, a host address connects)")
     parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ")
     parser.add_argument("--attach", metavar="ENDPOINT", action="append", default=[],
                         help="watch a pool stream (another --publish, or vLLM with the plugin); repeatable")

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import EngineConfig
+from kvstream.views import PoolSnapshot
 
 from .block_history import BlockHistoryView
 from .block_watch import BlockWatch
@@ -535,8 +537,6 @@ def _empty_view(feed: Feed):
     latest = feed.latest()
     if latest is not None:
         return latest
-    import numpy as np
-    from kvstream.views import PoolSnapshot
     zeros = np.zeros(0, np.int32)
     return PoolSnapshot(step_id=0, block_size=1, num_blocks=0, ref_count=zeros, num_filled=zeros,
                         state=zeros.astype(np.int8), owner=zeros, last_access=zeros.astype(np.int64),

@@ -42,7 +42,8 @@ class PoolPane(QtWidgets.QWidget):
         self.pool_label = QtWidgets.QLabel()
         self.pool_label.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
         options = QtWidgets.QHBoxLayout()
-        options.addWidget(QtWidgets.QLabel("Colour by:"))
+        self.color_label = QtWidgets.QLabel("Colour by:")
+        options.addWidget(self.color_label)
         options.addWidget(self.color_by)
         options.addWidget(self.fit)
         options.addWidget(self.pool_label, 1)
@@ -156,7 +157,7 @@ class PoolPane(QtWidgets.QWidget):
             self.contiguous.reset()
             self.contiguous.setVisible(caps.has_physical_pool)
         self.grid.setVisible(caps.has_physical_pool)
-        for widget in (self.color_by, self.fit):
+        for widget in (self.color_label, self.color_by, self.fit):
             widget.setVisible(caps.has_physical_pool)
         self._show_content_view(feed)
         self.pool_label.setText("")

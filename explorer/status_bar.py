@@ -101,7 +101,7 @@ class StatusBar(QtWidgets.QStatusBar):
         feed = source.feed
         live = feed.status_text()
         if source.viewing is not None and source.view is not None:
-            live = f"⏪ viewing step {source.view.step_id} · {live}"
+            live = f"◀ viewing step {source.view.step_id} · {live}"
         self._set("live", live)
         self._set("engine", f"engine {self.steps.per_second(now):.1f} steps/s · {self.tokens.per_second(now):.0f} tokens/s")
         self._set("gui", f"GUI {self.frames.per_second(now):.0f} fps · {self.redraws.per_second(now):.0f} redraws/s")

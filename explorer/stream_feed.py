@@ -72,7 +72,7 @@ class RecordingFeed(Feed):
         return self._token_text(token_id) if self._token_text is not None else None
 
     def status_text(self) -> str:
-        return "▣ recording (read-only)"
+        return "■ recording (read-only)"
 
 
 class AttachFeed(Feed):
@@ -129,7 +129,7 @@ class AttachFeed(Feed):
         return self._token_text(token_id) if self._token_text is not None else None
 
     def status_text(self) -> str:
-        return f"⇄ {self.subscriber.status.text}"
+        return f"↔ {self.subscriber.status.text}"
 
     def summary(self, final: bool = False) -> dict:
         data = super().summary(final)
