@@ -3,9 +3,10 @@
 The window owns no engine logic. A :class:`~explorer.source.PoolSource` owns what is watched (the local engine, an
 attached stream, a recording) and says what it can do; the centre is one :class:`~explorer.pool_pane.PoolPane` per
 source (several ``--attach`` sit side by side, each with its own header); the docks around it (inspector, legend,
-memory, conversations, metrics) follow the active source through its signals. A 30 Hz timer only polls the
-sources and repaints; commands go through :mod:`explorer.commands`, the inspector follows its block through
-:mod:`explorer.block_watch`, rates and pool figures live in :mod:`explorer.status_bar`.
+memory, conversations, metrics, event log, block history) follow the active source through its signals. A 30 Hz
+timer only polls the sources and repaints; commands go through :mod:`explorer.commands`, the inspector follows its
+block through :mod:`explorer.block_watch`, the event log and block history live in :mod:`explorer.history_panels`,
+rates and pool figures in :mod:`explorer.status_bar`, dock arrangement in :mod:`explorer.layout`.
 """
 from __future__ import annotations
 
@@ -17,14 +18,13 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from engine import EngineConfig
 from kvstream.views import PoolSnapshot
 
-from .block_history import BlockHistoryView
 from .block_watch import BlockWatch
 from .commands import Commands
 from .controls import EngineControls
 from .conversations import ConversationsPanel
 from .dialogs import RestartDialog
 from .engine_feed import EngineFeed
-from .eventlog import EventLog
+from .history_panels import HistoryPanels
 from .inspector import Inspector
 from .layout import MIN_HEIGHT, MIN_WIDTH, LayoutMemory, arrange, keep_proportions, make_dock
 from .legend import Legend
@@ -39,7 +39,6 @@ from .status_bar import StatusBar
 FRAME_MS = 33
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
-BLOCK_HISTORY_INTERVAL = 1.0  # the selected block's own history is recomputed at most once a second while live
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -66,10 +65,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
-        self._last_panels = self._last_slow = self._last_block_history = 0.0
-        self._logged_seq: int | None = None  # newest history frame whose events are in the event log
-        self._logged_stream: int | None = None  # stream id of those frames
-        self._block_history_stale = False
+        self._last_panels = self._last_slow = 0.0
         self._closed = False
         self._shown_once = False
         self.layout_memory = LayoutMemory(settings)
@@ -83,7 +79,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status_labels = self.status.labels
         build_menus(self)
         self._wire()
-        self.block_watch = BlockWatch(self.source, self.inspector, self)
         self.block_watch.selectionChanged.connect(self._on_block_selected)
         self._place_window(size)
         self._on_source_changed(self.source.feed)
@@ -99,8 +94,11 @@ class MainWindow(QtWidgets.QMainWindow):
         self.relocation = RelocationPanel()
         self.conversations = ConversationsPanel()
         self.metrics = MetricsPanel()
-        self.event_log = EventLog(self)
-        self.block_history = BlockHistoryView()
+        self.block_watch = BlockWatch(self.source, self.inspector, self)  # the inspector follows its block
+        self.history_panels = HistoryPanels(self, self.block_watch)  # event log and the block's own history
+        self.history_panels.set_source(self.source)
+        self.event_log = self.history_panels.event_log
+        self.block_history = self.history_panels.block_history
         self.docks = {
             "inspector": make_dock(self, "inspector", "Block inspector", self.inspector, min_width=300,
                                    min_height=420),
@@ -138,8 +136,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.replyRequested.connect(self.open_reply_dialog)
         self.conversations.endRequested.connect(self.end_conversation)
         self.relocation.relocateRequested.connect(self.relocate)
-        self.event_log.eventActivated.connect(self.jump_to_event)
-        self.block_history.lineActivated.connect(lambda seq, _step: self.jump_to(seq))
         for pane in self.panes:
             pane.grid.blockClicked.connect(self.select_block)
             pane.color_by.currentIndexChanged.connect(
@@ -246,9 +242,6 @@ class MainWindow(QtWidgets.QMainWindow):
         if self._panels_stale and view is not None and now - self._last_panels >= PANEL_INTERVAL:
             self._refresh_panels(view)
             self._last_panels = now
-        if self._block_history_stale and now - self._last_block_history >= BLOCK_HISTORY_INTERVAL:
-            self._refresh_block_history()
-            self._last_block_history = now
         if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now
             self.metrics.redraw()
@@ -264,22 +257,6 @@ class MainWindow(QtWidgets.QMainWindow):
         the event log gets the new frames' events."""
         self.metrics.record(snapshot)
         self.status.frame_arrived(snapshot)
-        self._log_new_events()
-
-    def _log_new_events(self) -> None:
-        history = self.source.history
-        if history is None or len(history) == 0:
-            return
-        first, last = history.first_seq, history.last_seq
-        if history.stream_id != self._logged_stream:  # a new stream (the attached source restarted)
-            self.event_log.clear()
-            self._logged_seq, self._logged_stream = None, history.stream_id
-        start = first if self._logged_seq is None else max(first, self._logged_seq + 1)
-        if start <= last:
-            self.event_log.append_events(history.events(start, last))
-            if self.block_watch.block_id is not None and self.source.viewing is None:
-                self._block_history_stale = True
-        self._logged_seq = last
 
     def _on_view(self, _snapshot) -> None:
         self._panels_stale = True
@@ -288,37 +265,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = True
         self._last_panels = 0.0
         self.back_to_live_action.setEnabled(seq is not None)
-        self._refresh_block_history()
-
-    # ---- history: the event log, the block's own history, jumps -------------------------------------------------
-    def jump_to(self, seq: int) -> bool:
-        """Show history frame ``seq`` in every view (the timeline follows); False, with a message, if not kept."""
-        history = self.source.history
-        if history is None or len(history) == 0 or not history.first_seq <= seq <= history.last_seq:
-            self.status.showMessage(f"Frame {seq} is no longer kept in history (memory budget).", 5000)
-            return False
-        self.source.seek(seq)
-        return True
-
-    def jump_to_event(self, seq: int, _step: int, conversation_id: int, block_id: int) -> None:
-        """An event clicked in the log: go to its frame and select what it is about."""
-        if not self.jump_to(seq):
-            return
-        if block_id >= 0:
-            self.select_block(block_id)
-        if conversation_id >= 0 and self.snapshot is not None and self.snapshot.conversation(conversation_id):
-            self.conversations.refresh(self.snapshot)
-            self.conversations.select_conversation(conversation_id)
-
-    def _refresh_block_history(self) -> None:
-        """The selected block's own story, from the events history keeps up to the frame on view."""
-        self._block_history_stale = False
-        history, block = self.source.history, self.block_watch.block_id
-        if history is None or len(history) == 0 or block is None:
-            self.block_history.set_block(block, ())
-            return
-        upto = self.source.viewing if self.source.viewing is not None else history.last_seq
-        self.block_history.set_block(block, history.events(None, upto))
 
     def _refresh_panels(self, snap) -> None:
         """Conversations table, text, readouts: a few times a second is enough for reading."""
@@ -338,10 +284,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self.metrics.clear()
         self.status.reset_source()
         self.conversations.refresh(_empty_view(feed))
-        self.event_log.clear()
-        self._logged_seq = self._logged_stream = None
-        self._log_new_events()
-        self.block_history.set_block(None)
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self._enable_commands()
 
@@ -372,6 +314,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.source = pane.source
         self._connect_source(self.source)
         self.block_watch.set_source(self.source)
+        self.history_panels.set_source(self.source)
         for p in self.panes:
             p.setProperty("active", p is pane)
         self._on_source_changed(self.source.feed)
@@ -383,7 +326,6 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_block_selected(self, block_id) -> None:
         self.grid.set_selected_block(block_id)
-        self._refresh_block_history()
         moved = self.block_watch.moved_from
         if block_id is not None and moved is not None:
             self.status.showMessage(f"Block {moved} moved to {block_id} (relocation); the inspector followed it.",
@@ -522,6 +464,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._closed = True
         self.timer.stop()
         self.block_watch.stop()
+        self.history_panels.stop()
         for source in self.sources:
             source.close()
         if self.restart_progress is not None:
