@@ -9,6 +9,7 @@ use it; the widgets only lay the lines out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 from kvstream.events import BlockEvent, EventKind
@@ -116,7 +117,8 @@ class EventLine:
 
     A fork (CONVERSATION_ADDED "fork" + SHARED "fork") and a finish, end or preemption with the releases it caused
     are one line each; the line keeps its events so a filter on any of their kinds, conversations or blocks
-    still finds it.
+    still finds it. Its words and block list are made on first use: a busy engine reports far more events than
+    anyone reads, and most lines are filtered out or dropped unseen.
     """
 
     step_id: int  # the step of its first event
@@ -124,9 +126,23 @@ class EventLine:
     kinds: frozenset  # EventKind of every event in the line
     conversation_id: int  # the conversation it is about; -1 for pool-wide lines (relocation, reset)
     conversation_ids: frozenset  # every conversation it names (its own, a fork's parent)
-    block_ids: tuple  # every block it names, first mention first (relocation and copy targets included)
-    text: str  # the sentence without the "step N: " prefix
-    events: tuple  # the BlockEvents it stands for, in arrival order
+    events: tuple  # the BlockEvents it stands for, in arrival order (the lead event first)
+
+    @cached_property
+    def text(self) -> str:
+        """The sentence without the "step N: " prefix."""
+        return _event_text(self.events[0]) if len(self.events) == 1 else _group_text(self.events)
+
+    @cached_property
+    def block_ids(self) -> tuple:
+        """Every block it names, first mention first (relocation and copy targets included)."""
+        if len(self.events) == 1 and not self.events[0].new_block_ids:
+            return tuple(dict.fromkeys(self.events[0].block_ids))
+        blocks: dict[int, None] = {}  # an ordered set
+        for e in self.events:
+            blocks.update(dict.fromkeys(e.block_ids))
+            blocks.update(dict.fromkeys(e.new_block_ids))
+        return tuple(blocks)
 
     @property
     def sentence(self) -> str:
@@ -143,24 +159,23 @@ class EventLine:
         return self.block_ids[0] if self.block_ids else -1
 
 
-def _line(events: Sequence[BlockEvent], text: str, kind: EventKind | None = None) -> EventLine:
+def _line(events: Sequence[BlockEvent]) -> EventLine:
     main = events[0]
+    if len(events) == 1:  # the common case, kept cheap
+        ids = {main.conversation_id, main.other_id} - {-1}
+        return EventLine(main.step_id, main.kind, frozenset((main.kind,)), main.conversation_id,
+                         frozenset(i for i in ids if i >= 0), (main,))
     conversations = {e.conversation_id for e in events if e.conversation_id >= 0}
     conversations |= {e.other_id for e in events if e.other_id >= 0}
-    blocks: dict[int, None] = {}  # ordered set
-    for e in events:
-        blocks.update(dict.fromkeys(e.block_ids))
-        blocks.update(dict.fromkeys(e.new_block_ids))
-    lead = kind or main.kind
-    cid = next((e.conversation_id for e in events if e.kind == lead), main.conversation_id)
-    return EventLine(step_id=main.step_id, kind=lead, kinds=frozenset(e.kind for e in events),
-                     conversation_id=cid, conversation_ids=frozenset(conversations), block_ids=tuple(blocks),
-                     text=text, events=tuple(events))
+    return EventLine(main.step_id, main.kind, frozenset(e.kind for e in events), main.conversation_id,
+                     frozenset(conversations), tuple(events))
 
 
 def line_of(event: BlockEvent) -> EventLine:
     """A line for one event on its own."""
-    return _line([event], describe(event, step=False))
+    if not isinstance(event, BlockEvent):
+        raise TypeError(f"line_of() takes a kvstream.events.BlockEvent, not {type(event).__name__}")
+    return _line([event])
 
 
 def group(events: Iterable[BlockEvent]) -> list[EventLine]:
@@ -199,8 +214,7 @@ def group(events: Iterable[BlockEvent]) -> list[EventLine]:
     for i, e in enumerate(events):
         if i in taken:
             continue
-        members = [e] + [events[j] for j in attached.get(i, ())]
-        lines.append(_group_line(members) if len(members) > 1 else line_of(e))
+        lines.append(_line([e] + [events[j] for j in attached.get(i, ())]))
     return lines
 
 
@@ -215,14 +229,13 @@ def _nearest_lead(events, leads: list[int], i: int, release: BlockEvent) -> int 
     return after[0] if after else None
 
 
-def _group_line(members: list[BlockEvent]) -> EventLine:
+def _group_text(members: Sequence[BlockEvent]) -> str:
+    """The words of a merged line: a fork with its shared blocks, or a lifecycle event with its releases."""
     lead = members[0]
     who = _conv(lead.conversation_id)
     if lead.kind == EventKind.CONVERSATION_ADDED:  # a fork with its shared blocks
-        shared = members[1].block_ids
         parent = lead.other_id if lead.other_id >= 0 else members[1].other_id
-        text = f"{who} forked from {parent}, shares {blocks_phrase(shared)}"
-        return _line(members, text)
+        return f"{who} forked from {parent}, shares {blocks_phrase(members[1].block_ids)}"
     releases = members[1:]
     blocks = [b for e in releases for b in e.block_ids]
     counts = {k: sum(len(e.block_ids) for e in releases if e.kind == k) for k in _RELEASE_KINDS}
@@ -232,7 +245,5 @@ def _group_line(members: list[BlockEvent]) -> EventLine:
     fate = ", ".join(p for p in parts if p)
     if lead.kind == EventKind.PREEMPTED:
         lost = lead.block_ids or tuple(blocks)
-        text = f"{who} preempted: lost {blocks_phrase(lost)} ({fate}); it will be recomputed"
-    else:
-        text = f"{_event_text(lead)}, let go of {blocks_phrase(blocks)}: {fate}"
-    return _line(members, text)
+        return f"{who} preempted: lost {blocks_phrase(lost)} ({fate}); it will be recomputed"
+    return f"{_event_text(lead)}, let go of {blocks_phrase(blocks)}: {fate}"

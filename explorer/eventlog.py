@@ -192,20 +192,20 @@ class EventLog(QtWidgets.QDockWidget):
             edit.setClearButtonEnabled(True)
             edit.textChanged.connect(lambda _text: self._filter_timer.start())
             edit.returnPressed.connect(self.apply_filters)
-        self.view = QtWidgets.QTableView()
+        self.view = _LogView()
         self.view.setModel(self.model)
         self.view.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.view.setShowGrid(False)
-        self.view.setWordWrap(True)  # rows are one or two lines high, uniform (see _fit_rows)
+        self.view.setWordWrap(True)  # rows are one or two lines high, uniform (see _LogView)
         self.view.setTextElideMode(QtCore.Qt.TextElideMode.ElideRight)
         self.view.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.view.setVerticalScrollMode(QtWidgets.QAbstractItemView.ScrollMode.ScrollPerPixel)
         rows = self.view.verticalHeader()
         rows.hide()
         rows.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Fixed)  # uniform rows: no per-row sizing
-        self._row_lines = 0  # lines per row now (1 wide, 2 narrow)
+        self.view.fit_rows()
         columns = self.view.horizontalHeader()
         columns.setSectionResizeMode(0, QtWidgets.QHeaderView.ResizeMode.Fixed)  # never measure every row
         columns.resizeSection(0, self.fontMetrics().horizontalAdvance("step") + 16)  # grows with the steps seen
@@ -228,8 +228,6 @@ class EventLog(QtWidgets.QDockWidget):
         layout.addWidget(self.view, 1)
         layout.addWidget(self.status)
         self.setWidget(body)
-        self.view.viewport().installEventFilter(self)
-        self._fit_rows()
         self._error = ""  # the last filter field's complaint, shown until it is fixed
         self._refresh_status()
 
@@ -253,23 +251,6 @@ class EventLog(QtWidgets.QDockWidget):
         """Forget every line (a new source)."""
         self.model.clear()
         self._refresh_status()
-
-    def eventFilter(self, watched, event) -> bool:
-        if watched is self.view.viewport() and event.type() == QtCore.QEvent.Type.Resize:
-            self._fit_rows()
-        return super().eventFilter(watched, event)
-
-    def _fit_rows(self) -> None:
-        """Two lines a row when the text column is narrow (a 300-px dock), else one: uniform heights either way."""
-        text_width = self.view.viewport().width() - self.view.horizontalHeader().sectionSize(0)
-        lines = 2 if text_width < 420 else 1
-        if lines != self._row_lines:
-            bar = self.view.verticalScrollBar()
-            at_bottom = bar.value() >= bar.maximum() - 2
-            self._row_lines = lines
-            self.view.verticalHeader().setDefaultSectionSize(lines * self.fontMetrics().lineSpacing() + 6)
-            if at_bottom:
-                QtCore.QTimer.singleShot(0, self.view, self.view.scrollToBottom)  # once the new heights are laid out
 
     def _fit_step_column(self) -> None:
         """Widen the step column to the newest step's digits (steps only grow), never by measuring every row."""
@@ -345,6 +326,35 @@ class EventLog(QtWidgets.QDockWidget):
         if self._error:
             text = f"<span style='color:#e0524a'>{self._error}</span><br>{text}"
         self.status.setText(text)
+
+
+class _LogView(QtWidgets.QTableView):
+    """The log's table: rows two lines high when the text column is narrow (a 300-px dock), else one; uniform
+    heights either way, so a long log never measures its rows."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None):
+        super().__init__(parent)
+        self._row_lines = 0  # lines per row now
+        self._to_bottom = QtCore.QTimer(self)  # scrolls once the new row heights are laid out
+        self._to_bottom.setSingleShot(True)
+        self._to_bottom.setInterval(0)
+        self._to_bottom.timeout.connect(self.scrollToBottom)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit_rows()
+
+    def fit_rows(self) -> None:
+        text_width = self.viewport().width() - self.horizontalHeader().sectionSize(0)
+        lines = 2 if text_width < 420 else 1
+        if lines == self._row_lines:
+            return
+        bar = self.verticalScrollBar()
+        at_bottom = bar.value() >= bar.maximum() - 2
+        self._row_lines = lines
+        self.verticalHeader().setDefaultSectionSize(lines * self.fontMetrics().lineSpacing() + 6)
+        if at_bottom:
+            self._to_bottom.start()
 
 
 def _block_after(line: EventLine, block: int) -> int:
