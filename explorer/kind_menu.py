@@ -24,10 +24,29 @@ def as_kind(kind) -> EventKind:
         raise ValueError(f"not a block event kind: {kind!r} (one of {', '.join(k.value for k in EventKind)})")
 
 
-def swatch_icon(rgb: tuple[int, int, int], size: int = 12) -> QtGui.QIcon:
-    pix = QtGui.QPixmap(size, size)
-    pix.fill(QtGui.QColor(*rgb))
-    return QtGui.QIcon(pix)
+def swatch_icon(rgb: tuple[int, int, int], size: int = 14) -> QtGui.QIcon:
+    """The kind's colour: filled with a tick when the action is checked, an outline when it is not."""
+    colour = QtGui.QColor(*rgb)
+    icon = QtGui.QIcon()
+    for state in (QtGui.QIcon.State.On, QtGui.QIcon.State.Off):
+        pix = QtGui.QPixmap(size, size)
+        pix.fill(QtCore.Qt.GlobalColor.transparent)
+        painter = QtGui.QPainter(pix)
+        painter.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing)
+        box = QtCore.QRectF(1.5, 1.5, size - 3, size - 3)
+        if state == QtGui.QIcon.State.On:
+            painter.fillRect(box, colour)
+            ink = QtGui.QColor(20, 20, 20) if colour.lightness() > 110 else QtGui.QColor(245, 245, 245)
+            painter.setPen(QtGui.QPen(ink, 2))
+            painter.drawPolyline([QtCore.QPointF(size * 0.25, size * 0.52), QtCore.QPointF(size * 0.43, size * 0.72),
+                                  QtCore.QPointF(size * 0.77, size * 0.30)])
+        else:
+            painter.setPen(QtGui.QPen(colour, 2))
+            painter.drawRect(box)
+        painter.end()
+        icon.addPixmap(pix, QtGui.QIcon.Mode.Normal, state)
+        icon.addPixmap(pix, QtGui.QIcon.Mode.Active, state)
+    return icon
 
 
 class KindMenu(QtWidgets.QMenu):

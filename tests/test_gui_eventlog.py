@@ -156,3 +156,19 @@ def test_filter_value_object():
     f = LogFilter()
     assert not f.narrowed and f.kinds == NOTABLE_KINDS
     assert LogFilter(blocks=frozenset({3})).narrowed
+
+
+def test_kinds_menu_stays_open_while_ticking(qtbot, log):
+    menu = log.kinds_menu
+    menu.popup(log.mapToGlobal(QtCore.QPoint(0, 0)))
+    qtbot.waitUntil(menu.isVisible, timeout=2000)
+    action = menu.kind_actions[K.ALLOCATED]
+    with qtbot.waitSignal(menu.kindsChanged) as blocker:
+        point = menu.actionGeometry(action).center()
+        qtbot.mouseMove(menu, point)
+        qtbot.mouseClick(menu, LEFT, pos=point)
+    assert K.ALLOCATED in blocker.args[0] and action.isChecked() and menu.isVisible()
+    assert len(texts(log)) == 7  # the allocations are listed at once
+    qtbot.mouseClick(menu, LEFT, pos=menu.actionGeometry(menu.actions()[0]).center())  # "Notable kinds"
+    assert menu.kinds() == NOTABLE_KINDS and len(texts(log)) == 5
+    menu.close()
