@@ -451,6 +451,20 @@ class Timeline(QtWidgets.QWidget):
             raise ValueError(f"frame {seq:,} is not in the history kept ({kept})")
         self._view(seq)
 
+    def set_viewed(self, seq: int | None) -> None:
+        """Put the cursor where the source already is (None: live) without emitting anything: for a move made
+        elsewhere (an event clicked in the log, a menu's Back to live), so the source is not asked twice."""
+        if seq is None:
+            self._stop()
+            self.is_live = True
+        else:
+            seq = _check_seq(seq, "seq")
+            if self.empty or not self.first_seq <= seq <= self.last_seq:
+                kept = "nothing yet" if self.empty else f"frames {self.first_seq:,}-{self.last_seq:,}"
+                raise ValueError(f"frame {seq:,} is not in the history kept ({kept})")
+            self.is_live, self.viewed_seq = False, seq
+        self._refresh()
+
     def go_live(self) -> None:
         """Follow the newest frame again and emit liveRequested."""
         self._stop()

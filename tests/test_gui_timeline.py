@@ -225,3 +225,15 @@ def test_empty_and_narrow(qtbot):
     assert t.minimumSizeHint().width() <= 300 and t.minimumSizeHint().height() <= 64
     t.clear()
     assert t.empty and t.is_live and t.markers.n == 0
+
+
+def test_set_viewed_moves_the_cursor_silently(qtbot, timeline):
+    t = timeline
+    with qtbot.assertNotEmitted(t.seekRequested), qtbot.assertNotEmitted(t.liveRequested):
+        t.set_viewed(400)
+        assert not t.is_live and t.position == 400 and t.banner_text() == "viewing step 200 of 550"
+        t.set_viewed(None)
+        assert t.is_live and t.position == 1100
+    with pytest.raises(ValueError, match="not in the history kept"):
+        t.set_viewed(50)
+    assert t.is_live
