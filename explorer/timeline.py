@@ -45,6 +45,15 @@ for _r, _kind in enumerate(KIND_PRIORITY):
     _RANK_COLOURS[_r, :3], _RANK_COLOURS[_r, 3] = KIND_COLOURS[_kind], 255
 
 
+def size_text(nbytes: int) -> str:
+    """Bytes for people: '640 KiB', '3.2 MiB', '212 MiB', '1,536 MiB' (MiB above 1 MiB: the budget's unit)."""
+    if nbytes < MIB:
+        return f"{nbytes / 1024:,.0f} KiB"
+    if nbytes < 10 * MIB:
+        return f"{nbytes / MIB:.1f} MiB"
+    return f"{nbytes / MIB:,.0f} MiB"
+
+
 def _check_seq(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{what} must be a non-negative integer frame number, not {value!r}")
@@ -609,17 +618,16 @@ class Timeline(QtWidgets.QWidget):
     def kept_text(self) -> str:
         """What history keeps, in one sentence: 'history: steps 1,204-9,880 kept, 212 MiB of 256 MiB'."""
         if self.empty:
-            return f"history: nothing kept yet, budget {self.budget_bytes / MIB:,.0f} MiB"
+            return f"history: nothing kept yet, budget {size_text(self.budget_bytes)}"
         first, last = self.step_of(self.first_seq), self.step_of(self.last_seq)
-        return (f"history: steps {first:,}-{last:,} kept, {self.kept_bytes / MIB:,.0f} MiB of "
-                f"{self.budget_bytes / MIB:,.0f} MiB")
+        return f"history: steps {first:,}-{last:,} kept, {size_text(self.kept_bytes)} of {size_text(self.budget_bytes)}"
 
     def _kept_variants(self) -> tuple[str, ...]:
         """The words before the budget box (which shows the budget itself), longest first."""
         if self.empty:
             return "history: nothing kept yet · budget", "budget"
         first, last = self.step_of(self.first_seq), self.step_of(self.last_seq)
-        used = f"{self.kept_bytes / MIB:,.0f} MiB of"
+        used = f"{size_text(self.kept_bytes)} of"
         return f"history: steps {first:,}-{last:,} kept · {used}", f"steps {first:,}-{last:,} · {used}", used
 
     def tooltip_at(self, x: float) -> str:

@@ -179,6 +179,10 @@ def test_budget_box_and_kept_display(qtbot, timeline):
     with qtbot.assertNotEmitted(t.budgetChanged):
         t.set_kept(100 * MIB, 512 * MIB)  # the window reporting back does not echo
     assert t.budget_box.value() == 512 and "100 MiB of 512 MiB" in t.kept_text()
+    t.set_kept(300 * 1024, 256 * MIB)  # a young history: not "0 MiB"
+    assert t.kept_text().endswith("kept, 300 KiB of 256 MiB")
+    t.set_kept(3 * MIB + MIB // 4, 256 * MIB)
+    assert "3.2 MiB of 256 MiB" in t.kept_text()
 
 
 def test_recording_speaks_of_the_end(timeline):
