@@ -223,8 +223,8 @@ class _Track(QtWidgets.QWidget):
         painter.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing)
         painter.setPen(QtGui.QPen(colour, 2))
         painter.drawLine(QtCore.QPointF(x, r.top() - 1), QtCore.QPointF(x, r.bottom() + 1))
-        handle = QtGui.QPolygonF([QtCore.QPointF(x - HANDLE, r.bottom() + 2), QtCore.QPointF(x + HANDLE, r.bottom() + 2),
-                                  QtCore.QPointF(x, r.bottom() - HANDLE)])
+        handle = QtGui.QPolygonF([QtCore.QPointF(x - HANDLE, r.bottom() + 2),
+                                  QtCore.QPointF(x + HANDLE, r.bottom() + 2), QtCore.QPointF(x, r.bottom() - HANDLE)])
         painter.setBrush(colour)
         painter.setPen(QtCore.Qt.PenStyle.NoPen)
         painter.drawPolygon(handle)
@@ -436,7 +436,8 @@ class Timeline(QtWidgets.QWidget):
         """False for a recording: its end does not move, so the banner and button speak of 'the end'."""
         self.live_source = bool(live)
         self.resizeEvent(QtGui.QResizeEvent(self.size(), self.size()))  # the button's words
-        self.live_button.setToolTip("Follow the newest frame again (End)" if self.live_source else "Go to the last frame (End)")
+        self.live_button.setToolTip("Follow the newest frame again (End)" if self.live_source else
+                                    "Go to the last frame (End)")
         self._refresh()
 
     def set_marked_kinds(self, kinds: Iterable[EventKind | str]) -> None:
