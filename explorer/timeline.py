@@ -368,7 +368,8 @@ class Timeline(QtWidgets.QWidget):
     def set_range(self, first_seq: int, last_seq: int,
                   step_of: Callable[[int], int] | Sequence[int] | np.ndarray | None = None) -> None:
         """The frames history keeps now, and how to tell a frame's step: a callable seq -> step_id, or an array of
-        the step of every frame first_seq..last_seq, or None (step = seq). While live the cursor follows
+        the step of every frame first_seq..last_seq, or None (step = seq); a callable may raise LookupError for
+        frames in a gap (History.step_of does), which the cursor then skips. While live the cursor follows
         ``last_seq``; a viewed frame history dropped moves to ``first_seq`` (and says so with seekRequested)."""
         first, last = _check_seq(first_seq, "first_seq"), _check_seq(last_seq, "last_seq")
         if first > last:
@@ -451,10 +452,34 @@ class Timeline(QtWidgets.QWidget):
         return self.last_seq if self.is_live else self.viewed_seq
 
     def step_of(self, seq: int) -> int:
-        return seq if self._step_of is None else int(self._step_of(seq))
+        """The step of frame ``seq``; for a frame in a gap, the step of the kept frame before it."""
+        if self._step_of is None:
+            return seq
+        try:
+            return int(self._step_of(seq))
+        except LookupError:
+            return int(self._step_of(self._snap(seq)))
+
+    def _snap(self, seq: int, direction: int = -1) -> int:
+        """``seq``, or the nearest frame history keeps, looking first towards ``direction`` (-1 older, +1 newer).
+
+        Frames are contiguous except after a resync (a subscriber that missed frames starts again at a keyframe);
+        ``step_of`` raising LookupError tells a frame in such a gap. The ends of the range are always kept."""
+        if self._step_of is None:
+            return seq
+        for way in (direction, -direction):
+            probe = seq
+            while self.first_seq <= probe <= self.last_seq:
+                try:
+                    self._step_of(probe)
+                    return probe
+                except LookupError:
+                    probe += way
+        return self.last_seq
 
     def seek(self, seq: int) -> None:
-        """View frame ``seq`` (leaving live) and emit seekRequested; ValueError if history does not keep it."""
+        """View frame ``seq`` (leaving live) and emit seekRequested; ValueError if it is outside the range kept
+        (inside, a frame in a gap moves to the kept one before it)."""
         seq = _check_seq(seq, "seq")
         if self.empty or not self.first_seq <= seq <= self.last_seq:
             kept = "nothing yet" if self.empty else f"frames {self.first_seq:,}-{self.last_seq:,}"
@@ -472,7 +497,7 @@ class Timeline(QtWidgets.QWidget):
             if self.empty or not self.first_seq <= seq <= self.last_seq:
                 kept = "nothing yet" if self.empty else f"frames {self.first_seq:,}-{self.last_seq:,}"
                 raise ValueError(f"frame {seq:,} is not in the history kept ({kept})")
-            self.is_live, self.viewed_seq = False, seq
+            self.is_live, self.viewed_seq = False, self._snap(seq)
         self._refresh()
 
     def go_live(self) -> None:
@@ -492,7 +517,7 @@ class Timeline(QtWidgets.QWidget):
         if target > self.last_seq:
             self.go_live()
         else:
-            self._view(max(self.first_seq, target))
+            self._view(max(self.first_seq, target), 1 if delta > 0 else -1)
 
     def next_marker(self, direction: int) -> None:
         """Move to the nearest marked frame before (-1) or after (+1) the one on view, if there is one."""
@@ -529,7 +554,8 @@ class Timeline(QtWidgets.QWidget):
     def pause(self) -> None:
         self.play_button.setChecked(False)
 
-    def _view(self, seq: int) -> None:
+    def _view(self, seq: int, direction: int = -1) -> None:
+        seq = self._snap(seq, direction)  # never onto a frame history does not have
         changed = self.is_live or seq != self.viewed_seq
         self.is_live, self.viewed_seq = False, seq
         self._refresh()
@@ -564,7 +590,7 @@ class Timeline(QtWidgets.QWidget):
         if self.is_live or target > self.last_seq:
             self.go_live()  # caught up with the newest frame
         else:
-            self._view(target)
+            self._view(target, 1)
 
     def _stop(self) -> None:
         if self.play_button.isChecked():

@@ -241,3 +241,26 @@ def test_set_viewed_moves_the_cursor_silently(qtbot, timeline):
     with pytest.raises(ValueError, match="not in the history kept"):
         t.set_viewed(50)
     assert t.is_live
+
+
+def test_frames_in_a_gap_are_skipped(qtbot, timeline):
+    """After a resync history keeps frames 100-500 and 800-1100 (History.step_of raises LookupError between)."""
+    t = timeline
+
+    def step_of(seq):
+        if 500 < seq < 800:
+            raise LookupError(f"frame {seq} is not in the history")
+        return seq // 2
+
+    t.set_range(100, 1100, step_of)
+    seen = []
+    t.seekRequested.connect(seen.append)
+    t.seek(650)
+    assert seen[-1] == 500 and t.banner_text() == "viewing step 250 of 550"
+    qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Right)
+    assert seen[-1] == 800  # forward over the gap
+    qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Left)
+    assert seen[-1] == 500  # and back
+    qtbot.mousePress(t.track, LEFT, pos=track_point(t, 700))
+    assert seen[-1] == 500 and t.viewed_seq == 500
+    assert "step 250" in t.tooltip_at(t.track.x_of(700))
