@@ -115,8 +115,12 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
         except UnsupportedVllm as exc:
             logger.warning("paged-kv-explorer: not publishing the block pool: %s", exc)
             return None
-        publisher = PoolPublisher(tap, _stream_sink(endpoint), max_hz=_env_float(ENV_MAX_HZ, 20.0),
-                                  budget=_env_float(ENV_BUDGET, 0.02))
+        try:
+            publisher = PoolPublisher(tap, StreamSink(endpoint), max_hz=_env_float(ENV_MAX_HZ, 20.0),
+                                      budget=_env_float(ENV_BUDGET, 0.02))
+        except Exception:
+            tap.detach()  # e.g. the endpoint is taken: vLLM goes on exactly as without the plugin
+            raise
         setattr(scheduler, ATTRIBUTE, publisher)
         logger.info("paged-kv-explorer: publishing vLLM %s's block pool (%d blocks of %d tokens) on %s",
                     version, tap.num_blocks, tap.block_size, endpoint)
@@ -140,17 +144,21 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
-def _stream_sink(endpoint: str) -> Callable:
-    """``write(snapshot, events)`` that encodes a frame and publishes it on ``endpoint`` (bound now)."""
-    from kvstream.poolstream import StreamEncoder
-    from kvstream.publish import PoolStreamPublisher
-    encoder = StreamEncoder()
-    publisher = PoolStreamPublisher(endpoint)
+class StreamSink:
+    """``sink(snapshot, events)``: encodes one pool-stream frame and hands it to a PoolStreamPublisher on
+    ``endpoint`` (bound at construction; late subscribers get a keyframe from the publisher's catch-up)."""
 
-    def write(snapshot, events) -> None:
-        publisher.write(encoder.encode(snapshot, events))
-    write.close = publisher.close if hasattr(publisher, "close") else (lambda: None)  # type: ignore[attr-defined]
-    return write
+    def __init__(self, endpoint: str):
+        from kvstream.poolstream import StreamEncoder
+        from kvstream.publish import PoolStreamPublisher
+        self.encoder = StreamEncoder()  # keyframe, then deltas
+        self.publisher = PoolStreamPublisher(endpoint)  # its own thread owns the socket: write() never blocks
+
+    def __call__(self, snapshot, events) -> None:
+        self.publisher.write(self.encoder.encode(snapshot, events))
+
+    def close(self) -> None:
+        self.publisher.close()
 
 
 class FrameGate:
@@ -211,8 +219,10 @@ class PoolPublisher:
         self.close()
 
     def close(self) -> None:
-        """Detach from vLLM and close the socket."""
+        """Detach from vLLM and close the socket (a later ``attach`` may start again)."""
         self.tap.detach()
+        if getattr(self.tap.scheduler, ATTRIBUTE, None) is self:
+            delattr(self.tap.scheduler, ATTRIBUTE)
         close = getattr(self.sink, "close", None)
         if close is not None:
             try:

@@ -45,8 +45,7 @@ _SCHEDULER_METHODS = ("schedule", "update_from_output", "add_request", "_free_re
                       "finish_requests")
 _POOL_METHODS = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks", "_maybe_evict_cached_block",
                  "reset_prefix_cache", "get_num_free_blocks")
-_MANAGER_METHODS = ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks", "free",
-                    "pop_blocks_for_free", "cache_blocks", "remove_skipped_blocks")
+_MANAGER_METHODS = ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks", "free")
 
 
 class UnsupportedVllm(RuntimeError):
@@ -145,8 +144,9 @@ class _Counters:
     evictions: int = 0  # cached blocks evicted
     step_started: float = 0.0  # clock at the start of the step in progress
     last_step_seconds: float = 0.0  # wall time of the last step
-    last_step_tokens: int = 0  # tokens sampled in the last step
-    last_step_prefill: int = 0  # prompt tokens computed in the last step
+    last_step_tokens: int = 0  # tokens sampled since the last frame (one step unless frames were rate-limited)
+    last_step_prefill: int = 0  # prompt tokens computed since the last frame (same)
+    generated_at_frame: int = 0  # ``generated`` at the last frame
 
 
 @dataclass
@@ -197,7 +197,8 @@ class VllmPoolTap:
         self._dirty: set[int] = set()  # blocks whose state / ref / hash may have changed since the last frame
         self._events: list[BlockEvent] = []  # since the last frame
         self._rid: str | None = None  # request the manager is working for right now (attribution of pool calls)
-        self._cids: dict[str, int] = {}  # vLLM request id -> conversation id
+        self._cids: dict[str, int] = {}  # vLLM request id -> conversation id (live requests)
+        self._next_cid = 0  # conversation ids are handed out in order of arrival, never reused
         self._convs: dict[int, _Conv] = {}  # live (and not yet dropped) conversations
         self._first_sample: dict[str, int] = {}  # parent request id of n samples -> first sample's cid
         self._tracked: dict[str, _Tracked] = {}  # requests holding blocks at the last frame
@@ -254,31 +255,21 @@ class VllmPoolTap:
     def _install(self) -> None:
         tap, pool, manager, scheduler = self, self.pool, self.manager, self.scheduler
 
-        def with_request(name: str, rid_of: Callable[..., str]):
-            def make(original):
-                def wrapper(*args, **kwargs):
-                    previous = tap._rid
-                    try:
-                        tap._rid = rid_of(*args, **kwargs)
-                    except Exception:
-                        tap._rid = None
-                    try:
-                        return original(*args, **kwargs)
-                    finally:
-                        tap._rid = previous
-                return wrapper
-            self._wrap(manager, name, make)
+        def for_request(original):  # the manager's per-request calls: pool calls inside are for that request
+            def wrapper(request_id, *args, **kwargs):
+                previous = tap._rid
+                tap._rid = request_id
+                try:
+                    return original(request_id, *args, **kwargs)
+                finally:
+                    tap._rid = previous
+            return wrapper
 
-        def first_arg(*args, **kwargs):
-            return args[0] if args else kwargs.get("request_id")
-
-        def request_arg(*args, **kwargs):
-            return (args[0] if args else kwargs["request"]).request_id
-
-        for name in ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks", "free",
-                     "pop_blocks_for_free", "remove_skipped_blocks"):
-            with_request(name, first_arg)
-        with_request("cache_blocks", request_arg)
+        # allocate_new_blocks runs for every scheduled request every step: the wrapper is kept to three assignments.
+        # Not wrapped: cache_blocks (STORED events read the request from cache_full_blocks' own arguments),
+        # pop_blocks_for_free (no pool call inside), remove_skipped_blocks (frees nothing with full attention).
+        for name in ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks", "free"):
+            self._wrap(manager, name, for_request)
 
         def get_new_blocks(original):
             def wrapper(*args, **kwargs):
@@ -345,7 +336,7 @@ class VllmPoolTap:
         def update_from_output(original):
             def wrapper(*args, **kwargs):
                 outputs = original(*args, **kwargs)
-                tap._guard(tap._on_step_done, args[1] if len(args) > 1 else kwargs.get("model_runner_output"))
+                tap._guard(tap._on_step_done)
                 if tap.after_step is not None:
                     tap._guard(tap.after_step)
                 return outputs
@@ -476,7 +467,8 @@ class VllmPoolTap:
 
     def _on_added(self, request) -> None:
         rid = request.request_id
-        cid = len(self._cids)
+        cid = self._next_cid
+        self._next_cid += 1
         self._cids[rid] = cid
         parent_id, fields = None, {}
         sample = _SAMPLE_ID.match(rid)
@@ -516,12 +508,10 @@ class VllmPoolTap:
                 del self._first_sample[sample.group(2)]  # its siblings were all added with it
             self._finished.append(self._info(conv, request, ()))
 
-    def _on_step_done(self, runner_output) -> None:
+    def _on_step_done(self) -> None:
         c = self._c
         c.steps += 1
         c.last_step_seconds = self._clock() - c.step_started if c.step_started else 0.0
-        sampled = getattr(runner_output, "sampled_token_ids", None) or ()
-        c.last_step_tokens = sum(len(s) for s in sampled)
         self._changed = True
 
     # ---- reading the pool back --------------------------------------------------------------------------------
@@ -729,6 +719,7 @@ class VllmPoolTap:
         self._changed = False
         events, self._events = self._events, []
         c, bs = self._c, self.block_size
+        c.last_step_tokens, c.generated_at_frame = c.generated - c.generated_at_frame, c.generated
         used, cached, free = self._counts[BlockState.USED], self._counts[BlockState.CACHED], \
             self._counts[BlockState.FREE]
         memory = MemoryStats(

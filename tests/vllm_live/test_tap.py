@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvstream.events import EventKind, PoolModel
+from kvstream.poolstream import StreamDecoder, StreamEncoder
 from kvstream.views import BlockState, FinishReason, Status
 from kvstream.vllm_tap import UnsupportedVllm, VllmPoolTap
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
@@ -25,6 +26,7 @@ class Run:
 
     def __init__(self, engine, tap):
         self.engine, self.tap, self.scheduler = engine, tap, scheduler_of(engine)
+        self.encoder, self.decoder = StreamEncoder(), StreamDecoder()  # what --attach and --open decode
         self.model = PoolModel(tap.num_blocks)
         self.events = []
         self.snapshots = []
@@ -32,6 +34,11 @@ class Run:
 
     def frame(self):
         snap, events = self.tap.frame()
+        ids = [c.conversation_id for c in snap.conversations]
+        assert ids == sorted(set(ids)), f"conversation ids repeat: {ids}"
+        decoded, decoded_events, _ = self.decoder.feed(self.encoder.encode(snap, events).payload)
+        assert list(decoded_events) == events
+        snap = decoded
         for e in events:
             self.model.apply(e)  # raises on an impossible event
         self.events += events
