@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -150,10 +151,16 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(script), str(checkpoint), kv, str(write_fd)], env=env,
                                 cwd=tmp_path, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                pass_fds=(write_fd,))
+                                pass_fds=(write_fd,), start_new_session=True)  # its engine core joins its group
+
+    def kill():  # the server and its engine-core process, which would outlive a killed parent
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     os.close(write_fd)
     said = os.fdopen(read_fd)
-    watchdog = threading.Timer(300, proc.kill)  # a hung server fails the test instead of hanging CI
+    watchdog = threading.Timer(300, kill)  # a hung server fails the test instead of hanging CI
     watchdog.start()
     subscriber = kv_subscriber = None
     try:
@@ -195,7 +202,7 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill()
             proc.wait()
         watchdog.cancel()
         said.close()
