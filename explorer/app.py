@@ -112,9 +112,7 @@ def run_gui(opts, cfg: EngineConfig) -> int:
     if feeds:
         window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
     else:
-        notes: list[str] = []  # what a demo lowered to fit the pool, said once the window is up
-        setup = (lambda engine: notes.extend(DEMOS[demo](engine).notes)) if demo in DEMOS else None
-        engine, error = load_engine_blocking(cfg, setup)
+        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo))
         if engine is None:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -127,8 +125,7 @@ def run_gui(opts, cfg: EngineConfig) -> int:
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None,
                                 extra_sinks=sinks)
         window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
-        if notes:
-            window.status.showMessage(f"{demo} demo: " + "; ".join(notes), 15000)
+        window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
     window.show()
     if demo == "lesson":
         window.open_lesson()

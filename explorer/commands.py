@@ -7,17 +7,39 @@ sized from the newest live frame, never from a history frame the user may be loo
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
 from PySide6 import QtCore
-
-from engine import Engine
 
 from .dialogs import AddConversationDialog, ReplyDialog
 
 
-def engine_has_add_samples() -> bool:
-    """Whether the engine makes n parallel samples as one atomic command (else: add, then fork while paused)."""
-    return hasattr(Engine, "add_samples")
+def _quiet(_exc: BaseException) -> None:
+    """An error the dialog that sent the command shows at its field (no second message box)."""
+
+
+def add_command(request) -> tuple[str, dict]:
+    """The runner command for an :class:`~explorer.dialogs.AddRequest`: one conversation, or ``samples`` parallel
+    samples of one prompt as one atomic ``add_samples`` (forks sent one by one raced the engine's steps: a step in
+    between could finish the first sample, and a finished conversation cannot be forked)."""
+    kwargs = dict(max_new_tokens=request.max_new_tokens, temperature=request.temperature)
+    if request.prompt_token_ids is not None:
+        kwargs["prompt_token_ids"] = list(request.prompt_token_ids)  # ids verbatim; no text, no tokenizer
+    else:
+        kwargs["prompt"] = request.prompt
+    if request.samples <= 1:
+        return "add_conversation", kwargs
+    return "add_samples", dict(kwargs, n=request.samples)
+
+
+def reply_command(request) -> tuple[tuple, dict]:
+    """(args, kwargs) of ``continue_conversation`` for a :class:`~explorer.dialogs.ReplyRequest`."""
+    kwargs = dict(max_new_tokens=request.max_new_tokens)
+    if request.prompt_token_ids is not None:
+        kwargs["prompt_token_ids"] = list(request.prompt_token_ids)
+    else:
+        kwargs["prompt"] = request.message
+    return (request.conversation_id,), kwargs
 
 
 class Commands(QtCore.QObject):
@@ -45,45 +67,33 @@ class Commands(QtCore.QObject):
 
     # ---- conversations ----------------------------------------------------------------------------------------
     def open_add_dialog(self) -> AddConversationDialog | None:
+        """The add dialog sends its request itself (``submit``) and stays open on a refusal, which it shows at
+        the prompt field; once the engine took it, the new conversation (the first sample) is selected."""
         if self._refuse("add a conversation"):
             return None
-        dialog = AddConversationDialog(self._tokenize, self.source.futures.watch, self.source.live, self.window)
-        dialog.accepted.connect(lambda: self.submit_add(dialog.request))
+        dialog = AddConversationDialog(self._tokenize, self.source.futures.watch, self.source.live, self.window,
+                                       submit=self.send_add)
+        dialog.accepted.connect(lambda: self._select_answer(dialog.answer))
         self.add_dialog = dialog
         dialog.open()
         return dialog
 
-    def submit_add(self, request) -> None:
-        """One conversation, or ``request.samples`` parallel samples of one prompt as one engine command."""
-        source, select = self.source, self.window.select_conversation_when_present
-        common = dict(prompt=request.prompt, max_new_tokens=request.max_new_tokens, temperature=request.temperature)
-        if request.samples <= 1:
-            source.submit("add_conversation", **common, on_result=select)
-        elif engine_has_add_samples():
-            source.submit("add_samples", n=request.samples, **common, on_result=lambda ids: select(ids[0]))
-        else:
-            self._add_then_fork_paused(request.samples, common)
+    def send_add(self, request) -> Future:
+        """Send an add request; the Future holds the new id (or the ids of the samples). Errors are left to the
+        caller (the dialog shows them at its field)."""
+        name, kwargs = add_command(request)
+        return self.source.submit(name, **kwargs, on_error=_quiet)
 
-    def _add_then_fork_paused(self, samples: int, common: dict) -> None:
-        """Fallback for engines without add_samples: pause first so no step runs between the add and its forks
-        (a step in between can finish the first sample, and a finished conversation cannot be forked)."""
-        source = self.source
-        was_paused = source.feed.paused
-        source.submit("pause")
+    def submit_add(self, request) -> Future:
+        """Send an add request without a dialog (scripts, tests): a refusal becomes the window's error box."""
+        name, kwargs = add_command(request)
+        return self.source.submit(name, **kwargs, on_result=self._select_answer)
 
-        def added(cid: int) -> None:
-            self.window.select_conversation_when_present(cid)
-            for _ in range(samples - 1):
-                source.submit("fork_conversation", cid)
-            if not was_paused:
-                source.submit("resume")
-
-        def failed(exc: BaseException) -> None:
-            if not was_paused:
-                source.submit("resume")
-            self.window.show_error("Command refused", str(exc))
-
-        source.submit("add_conversation", **common, on_result=added, on_error=failed)
+    def _select_answer(self, answer) -> None:
+        if answer is None:
+            return
+        cid = answer[0] if isinstance(answer, tuple) else answer
+        self.window.select_conversation_when_present(int(cid))
 
     def fork(self, cid: int) -> None:
         if not self._refuse("fork"):
@@ -105,13 +115,15 @@ class Commands(QtCore.QObject):
                                    "conversation can get a follow-up message.")
             return None
         dialog = ReplyDialog(cid, info.num_tokens, lambda text: self._tokenize(text, continuation=True),
-                             self.source.futures.watch, snap, self.window)
-        dialog.accepted.connect(lambda: self.source.submit(
-            "continue_conversation", dialog.request.conversation_id, prompt=dialog.request.message,
-            max_new_tokens=dialog.request.max_new_tokens))
+                             self.source.futures.watch, snap, self.window, submit=self.send_reply)
         self.reply_dialog = dialog
         dialog.open()
         return dialog
+
+    def send_reply(self, request) -> Future:
+        """Send a reply request (text or token ids); errors are left to the dialog."""
+        args, kwargs = reply_command(request)
+        return self.source.submit("continue_conversation", *args, **kwargs, on_error=_quiet)
 
     def close_dialogs(self) -> None:
         """Dialogs sized for, and waiting on, a feed that is gone."""

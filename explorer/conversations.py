@@ -309,6 +309,14 @@ class ConversationsPanel(QtWidgets.QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(split)
         self._snapshot: PoolSnapshot | None = None
+        self.read_only_reason = ""  # why the source takes no commands now ("": it does)
+        self._tips = {key: button.toolTip() for key, button in self.buttons.items()}  # the tooltips when usable
+
+    def set_read_only(self, reason: str) -> None:
+        """Disable every button, with ``reason`` as their tooltip, while the source takes no commands (a
+        recording, an attached stream); "" enables them again as the selection allows."""
+        self.read_only_reason = reason or ""
+        self._enable_buttons()
 
     def set_detokenizer(self, detokenize) -> None:
         """Token ids -> text for the detail's earlier turns (the local engine's ``detokenize``); None: none."""
@@ -331,9 +339,18 @@ class ConversationsPanel(QtWidgets.QWidget):
         self._enable_buttons()
 
     def _enable_buttons(self) -> None:
+        """Each button as the selected conversation's status allows, unless the source is read-only."""
+        if self.read_only_reason:
+            for button in self.buttons.values():
+                button.setEnabled(False)
+                button.setToolTip(f"Unavailable: {self.read_only_reason}")
+            return
+        for key, button in self.buttons.items():
+            button.setToolTip(self._tips[key])
         cid = self.selected_conversation()
         info = self._snapshot.conversation(cid) if (cid is not None and self._snapshot) else None
         status = str(info.status) if info else ""
+        self.buttons["add"].setEnabled(True)
         self.buttons["fork"].setEnabled(status in ("waiting", "running", "preempted"))
         self.buttons["reply"].setEnabled(status == "finished")
         self.buttons["end"].setEnabled(status in ("waiting", "running", "preempted", "finished"))

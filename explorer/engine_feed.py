@@ -91,6 +91,20 @@ class EngineFeed(Feed):
             return None
 
     @property
+    def detokenizer(self):
+        """The engine's ``detokenize``: a pure function of its tokenizer (read-only after load), so the GUI thread
+        may call it directly instead of queueing behind a step. Ids it refuses read as ids."""
+        engine = self.runner.engine
+
+        def detokenize(token_ids) -> str:
+            try:
+                return engine.detokenize(list(token_ids))
+            except (ValueError, TypeError, IndexError):
+                return " ".join(str(t) for t in token_ids)
+
+        return detokenize
+
+    @property
     def paused(self) -> bool:
         return self.runner.paused
 

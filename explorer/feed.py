@@ -83,6 +83,12 @@ class Feed:
         return None
 
     @property
+    def detokenizer(self):
+        """``token_ids -> text`` with the source's own tokenizer (the text of a conversation's earlier turns), or
+        None when the source has none."""
+        return None
+
+    @property
     def paused(self) -> bool:
         return False
 

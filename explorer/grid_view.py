@@ -26,6 +26,7 @@ from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
 MIN_LABEL_PIXELS = 44  # ... and each cell is at least this wide on screen (the label covers its top-left corner)
+FIT_PAD = 1.04  # a fitted pool leaves 2% of its size free on each side
 
 
 def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
@@ -105,6 +106,7 @@ class GridView(QtWidgets.QWidget):
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
         self.box.sigRangeChanged.connect(lambda *_: self._update_labels())
+        self.box.sigResized.connect(lambda *_: self.update_limits())  # a new aspect may need wider limits
         self.view.viewport().installEventFilter(self)  # answer tooltip requests before the scene hides them
 
     # ---- state ----------------------------------------------------------------------------------------
@@ -142,14 +144,49 @@ class GridView(QtWidgets.QWidget):
         self.item.setImage(self.image, autoLevels=False)
         if new_layout:  # the image size changed with the layout: map it onto cell units again (after setImage)
             self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
-            self.box.setLimits(xMin=-0.5 * geo.cols, xMax=1.5 * geo.cols, yMin=-0.5 * geo.rows, yMax=1.5 * geo.rows,
-                               minXRange=2, minYRange=2)
-            self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+            self.fit_whole_pool()
         self._place_highlight()
         self._update_labels()
         self._dirty = False
         self.frames_drawn += 1
         return True
+
+    def fit_rect(self) -> QtCore.QRectF | None:
+        """The view rectangle that shows every cell with a small margin at the view box's aspect ratio (cells stay
+        square), centred on the pool; None before the first layout or while the box has no size."""
+        geo, size = self.geometry_, self.box.size()
+        if geo is None or size.width() <= 0 or size.height() <= 0:
+            return None
+        aspect = size.width() / size.height()
+        height = max(geo.rows * FIT_PAD, geo.cols * FIT_PAD / aspect)
+        width = height * aspect
+        return QtCore.QRectF(geo.cols / 2 - width / 2, geo.rows / 2 - height / 2, width, height)
+
+    def update_limits(self) -> None:
+        """Pan limits: half a pool beyond each edge, and never less than the fit for the view's current aspect, so
+        a view much wider (or taller) than the pool can still show all of it (8 x 8 cells in a 677 x 295 view
+        showed 3.6 of 8 rows when the limits ignored the aspect)."""
+        geo = self.geometry_
+        if geo is None:
+            return
+        fit = self.fit_rect()
+        x0, x1, y0, y1 = -0.5 * geo.cols, 1.5 * geo.cols, -0.5 * geo.rows, 1.5 * geo.rows
+        if fit is not None:
+            x0, x1 = min(x0, fit.left()), max(x1, fit.right())
+            y0, y1 = min(y0, fit.top()), max(y1, fit.bottom())
+        self.box.setLimits(xMin=x0, xMax=x1, yMin=y0, yMax=y1, minXRange=2, minYRange=2)
+
+    def fit_whole_pool(self) -> None:
+        """Show the whole pool (limits first, so the fit is never clamped into a crop)."""
+        geo = self.geometry_
+        if geo is None:
+            return
+        self.update_limits()
+        fit = self.fit_rect()
+        if fit is None:  # not laid out yet: the cells, with a margin; the next resize fits again
+            self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
+        else:
+            self.box.setRange(fit, padding=0)
 
     def reset_view(self) -> None:
         """Forget the layout (after an engine restart) so the next render fits the new pool."""

@@ -20,21 +20,29 @@ from engine import Engine, EngineConfig, EngineError
 
 
 class EngineLoader(QtCore.QObject):
-    """One load at a time; ``loaded`` carries the Engine, ``failed`` a message and a traceback."""
+    """One load at a time; ``loaded`` carries the Engine, ``failed`` a message and a traceback.
+
+    ``setup(engine)``'s return value (a demo's :class:`~explorer.demo.Seeded`: ids and notes about requests it
+    lowered to fit) is in :attr:`setup_result` when ``loaded`` fires."""
 
     progress = QtCore.Signal(str, float)
     loaded = QtCore.Signal(object)
     failed = QtCore.Signal(str, str)
     _worker_progress = QtCore.Signal(str, float)  # emitted by the worker thread, queued on to the public signals,
-    _worker_loaded = QtCore.Signal(object)  # which then fire on this GUI-thread object's thread
+    _worker_loaded = QtCore.Signal(object, object)  # which then fire on this GUI-thread object's thread
     _worker_failed = QtCore.Signal(str, str)
 
     def __init__(self, parent: QtCore.QObject | None = None):
         super().__init__(parent)
+        self.setup_result = None  # what setup(engine) returned for the engine ``loaded`` carries
         queued = QtCore.Qt.ConnectionType.QueuedConnection
         self._worker_progress.connect(self.progress, queued)
-        self._worker_loaded.connect(self.loaded, queued)
+        self._worker_loaded.connect(self._on_loaded, queued)
         self._worker_failed.connect(self.failed, queued)
+
+    def _on_loaded(self, engine, setup_result) -> None:  # on the GUI thread
+        self.setup_result = setup_result
+        self.loaded.emit(engine)
 
     def start(self, cfg: EngineConfig, setup: Callable[[object], None] | None = None) -> None:
         _jobs.put((self._work, cfg, setup))
@@ -44,13 +52,12 @@ class EngineLoader(QtCore.QObject):
         try:
             engine = Engine(cfg, progress=lambda message, fraction: self._worker_progress.emit(str(message),
                                                                                                float(fraction)))
-            if setup is not None:
-                setup(engine)
+            result = setup(engine) if setup is not None else None
         except Exception as exc:  # shown to the user; the caller keeps whatever engine it had
             message = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
             self._worker_failed.emit(message, traceback.format_exc())
             return
-        self._worker_loaded.emit(engine)
+        self._worker_loaded.emit(engine, result)
 
 
 _jobs: queue.Queue = queue.Queue()
@@ -87,7 +94,7 @@ def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: Engine
 def load_engine_blocking(cfg: EngineConfig, setup=None):
     """Load with a progress dialog and a local event loop (startup, before the window exists).
 
-    Returns (engine, None) or (None, message).
+    Returns (engine, None, what setup returned) or (None, message, None).
     """
     loader = EngineLoader()
     dialog = progress_dialog(None, f"Loading {cfg.model} model…", loader)
@@ -100,4 +107,5 @@ def load_engine_blocking(cfg: EngineConfig, setup=None):
     loop.exec()
     dialog.close()
     dialog.deleteLater()
-    return result.get("engine"), result.get("error")
+    engine = result.get("engine")
+    return engine, result.get("error"), loader.setup_result if engine is not None else None

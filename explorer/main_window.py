@@ -62,6 +62,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.lesson_window = None
         self.help_window = None
         self.restart_progress: QtWidgets.QProgressDialog | None = None
+        self.restart_dialog: RestartDialog | None = None  # the newest restart dialog opened
+        self.demo_notes: tuple[str, ...] = ()  # what the running demo lowered to fit the pool, one note each
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
@@ -258,8 +260,9 @@ class MainWindow(QtWidgets.QMainWindow):
         self.metrics.record(snapshot)
         self.status.frame_arrived(snapshot)
 
-    def _on_view(self, _snapshot) -> None:
+    def _on_view(self, snapshot) -> None:
         self._panels_stale = True
+        self.metrics.show_until(snapshot.step_id if self.source.viewing is not None else None)
 
     def _on_viewing(self, seq) -> None:
         self._panels_stale = True
@@ -283,6 +286,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.relocation.reset()
         self.metrics.clear()
         self.status.reset_source()
+        self.conversations.set_detokenizer(feed.detokenizer)  # the text of earlier turns (None: split as seen)
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self._enable_commands()
@@ -297,7 +301,8 @@ class MainWindow(QtWidgets.QMainWindow):
             action.setProperty("base_tip", base)
             action.setToolTip(tip or base)
         self.controls.speed.setEnabled(not reason)
-        for button in list(self.conversations.buttons.values()) + [self.relocation.scramble, self.relocation.compact]:
+        self.conversations.set_read_only(reason)
+        for button in (self.relocation.scramble, self.relocation.compact):
             if reason:
                 button.setEnabled(False)
                 button.setToolTip(tip)
@@ -380,15 +385,26 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- restart: a new local engine replaces the active source's feed ----------------------------------------
     def open_restart_dialog(self) -> RestartDialog:
-        dialog = RestartDialog(self.config or self.engine_config, self)
-        dialog.accepted.connect(lambda: self.restart_engine(dialog.config))
+        """The restart dialog: asks before discarding the engine's conversations, stays open (values kept) while
+        the new engine loads, shows a failure at the field it concerns, and closes once the new engine runs."""
+        view = self.source.live
+        local = self.source.feed.kind == "engine"
+        count = len(view.conversations) if (local and view is not None) else 0
+        dialog = RestartDialog(self.config or self.engine_config, self, num_conversations=count,
+                               submit=lambda cfg: self.restart_engine(cfg, dialog=dialog))  # bound below, called later
+        self.restart_dialog = dialog
         dialog.open()
         return dialog
 
-    def restart_engine(self, cfg: EngineConfig, setup=None, demo: str | None = None) -> None:
-        """Build the new engine in a worker thread; swap it in only once it loaded, else keep the old feed."""
+    def restart_engine(self, cfg: EngineConfig, setup=None, demo: str | None = None,
+                       dialog: RestartDialog | None = None) -> None:
+        """Build the new engine in a worker thread; swap it in only once it loaded, else keep the old feed.
+        ``dialog``: the restart dialog that asked, told how it went (else a failure is a message box)."""
         if self._loader is not None:
-            self.show_error("Restart in progress", "An engine is already being loaded.")
+            if dialog is not None:
+                dialog.restart_failed("An engine is already being loaded; try again when it is up")
+            else:
+                self.show_error("Restart in progress", "An engine is already being loaded.")
             return
         loader = self._loader = EngineLoader(self)
         progress = self.restart_progress = progress_dialog(self, f"Loading {cfg.model}…", loader)
@@ -396,12 +412,19 @@ class MainWindow(QtWidgets.QMainWindow):
         def loaded(engine) -> None:
             progress.close()
             self._loader = None
-            if not self._closed:  # a closed window must not start an engine thread that nothing would stop
-                self.swap_engine(engine, cfg, demo=demo)
+            if self._closed:  # a closed window must not start an engine thread that nothing would stop
+                return
+            self.swap_engine(engine, cfg, demo=demo)
+            self.show_demo_notes(loader.setup_result)
+            if dialog is not None:
+                dialog.restart_succeeded()
 
         def failed(message: str, details: str) -> None:
             progress.close()
             self._loader = None
+            if dialog is not None and not self._closed:
+                dialog.restart_failed(message)
+                return
             previous = "engine" if self.source.feed.kind == "engine" else "source"
             self.show_error("Engine restart failed", f"{message}\n\nThe previous {previous} keeps running.", details)
 
@@ -409,6 +432,16 @@ class MainWindow(QtWidgets.QMainWindow):
         loader.failed.connect(failed)
         progress.show()
         loader.start(cfg, setup)
+
+    def show_demo_notes(self, seeded) -> None:
+        """Say in the status bar what a demo lowered to fit the pool (``seeded``: a demo's Seeded, or None); the
+        full list is kept in ``demo_notes`` and in the status bar's tooltip."""
+        notes = tuple(getattr(seeded, "notes", ()) or ())
+        self.demo_notes = notes
+        summary = seeded.summary() if notes else ""
+        if summary:
+            self.status.showMessage(summary, 20000)
+        self.status.setToolTip("\n".join(notes))
 
     def swap_engine(self, engine, cfg: EngineConfig, demo: str | None = None) -> None:
         """Run ``engine`` instead of the active feed, keeping pause and speed; answers in flight are dropped."""

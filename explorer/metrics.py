@@ -102,6 +102,15 @@ class MetricsPanel(QtWidgets.QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.plots)
         self._dirty = True  # the first redraw sets the empty plots' ranges
+        self.until: int | None = None  # show samples up to this step only (a history frame on view); None: all
+
+    def show_until(self, step_id: int | None) -> None:
+        """Metrics up to ``step_id`` (the step of the history frame being viewed), or all of them (None, live).
+        Samples are only ever recorded from live frames; a scrub hides the later ones instead of replaying."""
+        step_id = None if step_id is None else int(step_id)
+        if step_id != self.until:
+            self.until = step_id
+            self._dirty = True
 
     def record(self, snap: PoolSnapshot) -> None:
         self.history.record(snap)
@@ -111,17 +120,22 @@ class MetricsPanel(QtWidgets.QWidget):
         if not self._dirty:
             return
         x = self.history.series("step")
+        keep = len(x) if self.until is None else int(np.searchsorted(x, self.until, side="right"))  # steps ascend
+        x = x[:keep]
         for name, curve in self.curves:
-            curve.setData(x, self.history.series(name))
-        held = self.history.count > 0
+            curve.setData(x, self.history.series(name)[:keep])
+        held = keep > 0
         first = float(x[0]) if held else 0.0
         last = max(float(x[-1]) if held else 0.0, first + EMPTY_STEPS)
+        if self.until is not None:  # the x axis ends at the step on view, even before its sample
+            last = max(float(self.until), first + EMPTY_STEPS) if held else last
         for plot, names in self.plot_items:  # y from 0, so a flat line reads as a value, not as noise
-            top = max((float(self.history.series(n).max()) for n in names), default=0.0) if held else 0.0
+            top = max((float(self.history.series(n)[:keep].max()) for n in names), default=0.0) if held else 0.0
             plot.setYRange(0, max(top * 1.1, 1.0), padding=0)
             plot.setXRange(first, last, padding=0)
         self._dirty = False
 
     def clear(self) -> None:
         self.history.clear()
+        self.until = None
         self._dirty = True

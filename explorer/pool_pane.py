@@ -90,21 +90,8 @@ class PoolPane(QtWidgets.QWidget):
             size = self.grid.box.size()
             if size != self._fitted_size and size.width() > 0 and size.height() > 0:
                 self._fitted_size = size
-                self._fit_whole_pool(size)
+                self.grid.fit_whole_pool()
         return drawn
-
-    def _fit_whole_pool(self, size) -> None:
-        """Show every cell with a small margin at the view's aspect ratio (cells stay square), widening the pan
-        limits when the view is much wider or taller than the pool, so the fit is never clamped into a crop."""
-        geo, box = self.grid.geometry_, self.grid.box
-        pad = 1.04
-        aspect = size.width() / size.height()
-        height = max(geo.rows * pad, geo.cols * pad / aspect)
-        width = height * aspect
-        cx, cy = geo.cols / 2, geo.rows / 2
-        box.setLimits(xMin=min(-0.5 * geo.cols, cx - width / 2), xMax=max(1.5 * geo.cols, cx + width / 2),
-                      yMin=min(-0.5 * geo.rows, cy - height / 2), yMax=max(1.5 * geo.rows, cy + height / 2))
-        box.setRange(QtCore.QRectF(cx - width / 2, cy - height / 2, width, height), padding=0)
 
     def _user_moved_view(self, *_):
         self.follow_fit = False

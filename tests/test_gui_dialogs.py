@@ -137,9 +137,10 @@ def test_restart_swaps_in_new_engine(qtbot, make_window):
     dialog.num_blocks.setText("32")
     dialog.builtin.setChecked(True)
     dialog.try_accept()
-    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted
+    assert dialog.loading and dialog.isVisible()  # open, values kept, until the new engine is up
     add = open_add_dialog(window, "sized for the old pool")
     qtbot.waitUntil(lambda: window.runner is not old, timeout=10000)
+    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted and not dialog.isVisible()
     assert not old.alive and window.runner.alive and window.runner.paused  # the user had paused it
     assert not add.isVisible() and window.relocation.scramble.isEnabled()  # nothing waits on the old engine
     snap = wait_for_snapshot(qtbot, window, lambda s: s.num_blocks == 32)
@@ -286,9 +287,14 @@ def test_token_ids_in_the_add_and_reply_dialogs(qtbot, make_window):
     dialog.try_accept()
     assert "not a token id" in dialog.error_text("prompt") and sent == [] and dialog.isVisible()
     dialog.prompt.setPlainText("12, 7 99")
-    dialog.try_accept()
-    assert dialog.result() == QtWidgets.QDialog.DialogCode.Accepted and "tokenize" not in sent  # ids: counted here
+    dialog.try_accept()  # ids are counted here and sent as ids (they went out as prompt="" and were refused)
+    qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
+    assert "tokenize" not in sent and sent == ["add_conversation"] and window.errors == []
     assert dialog.request.prompt_token_ids == (12, 7, 99) and dialog.request.prompt == ""
+    snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 1)
+    assert snap.conversations[0].prompt_token_ids == (12, 7, 99)
+    assert dialog.answer == snap.conversations[0].conversation_id
+    qtbot.waitUntil(lambda: window.conversations.selected_conversation() == dialog.answer, timeout=3000)
     snap = window.snapshot
     reply = ReplyDialog(3, 250, window.commands._tokenize, window.source.futures.watch, snap, window)
     reply.set_ids_mode(True)

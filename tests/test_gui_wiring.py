@@ -1,0 +1,179 @@
+"""How the window wires its panels (docs/notes/gui-integration.md): dialogs that send their own requests (token
+ids go out as ids), the restart dialog that asks, stays open and reports at its field, the detokenizer for earlier
+turns, demo notes in the status bar, read-only conversation buttons, metrics up to the scrubbed step, and pan
+limits that never crop a fit (pytest-qt, offscreen, real engine, small pools)."""
+import numpy as np
+from PySide6 import QtCore, QtWidgets
+
+from explorer import files
+from explorer.conversations import REPLY_MARK, USER_MARK, ConversationsPanel
+from explorer.grid_view import GridView
+from kvstream.views import PoolSnapshot
+from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+
+ACCEPTED = QtWidgets.QDialog.DialogCode.Accepted
+
+
+def finished_one(engine):
+    engine.add_conversation("Pages and tables.", max_new_tokens=3, temperature=0.0)
+    engine.run_until_idle()
+
+
+def test_reply_with_token_ids_goes_out_as_ids_and_a_refusal_stays_at_the_field(qtbot, make_window):
+    window = make_window(setup=finished_one, paused=True)
+    cid = window.snapshot.conversations[0].conversation_id
+    history = window.snapshot.conversation(cid).token_ids
+    dialog = window.open_reply_dialog(cid)
+    dialog.set_ids_mode(True)
+    dialog.message.setPlainText("72 105 999")  # 999: outside the built-in model's 258 ids
+    dialog.max_new_tokens.setText("2")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: "outside the vocabulary" in dialog.error_text("message"), timeout=3000)
+    assert dialog.isVisible() and window.errors == []  # shown at the field, not in a second message box
+    assert str(window.runner.engine.conversation(cid).status) == "finished"  # nothing changed
+    dialog.message.setPlainText("72, 105")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.result() == ACCEPTED, timeout=3000)
+    info = window.runner.engine.conversation(cid)
+    assert info.prompt_token_ids == tuple(history) + (72, 105) and len(info.turns) == 2
+    assert window.errors == []
+
+
+def test_parallel_samples_from_the_window_select_the_first(qtbot, make_window):
+    window = make_window(num_blocks=128, speed=100)
+    dialog = window.open_add_dialog()
+    dialog.prompt.setPlainText("Three at once.")
+    dialog.max_new_tokens.setText("200")
+    dialog.samples.setText("3")
+    dialog.use_system.setChecked(True)
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.result() == ACCEPTED, timeout=5000)
+    first, *rest = dialog.answer
+    assert len(rest) == 2
+    qtbot.waitUntil(lambda: window.conversations.selected_conversation() == first, timeout=3000)
+    snap = window.snapshot
+    assert [snap.conversation(c).parent_id for c in rest] == [first, first] and window.errors == []
+
+
+def test_restart_from_the_window_asks_keeps_values_on_failure_and_closes_once_loaded(qtbot, make_window, tmp_path):
+    window = make_window(setup=finished_one, paused=True)
+    old = window.runner
+    dialog = window.open_restart_dialog()
+    assert dialog.num_conversations == 1
+    (tmp_path / "empty").mkdir()
+    dialog.block_size.setText("8")
+    dialog.checkpoint.setChecked(True)
+    dialog.path.setText(str(tmp_path / "empty"))  # a directory without a checkpoint: the load fails
+    dialog.try_accept()
+    assert "1 conversation will be discarded" in dialog.confirm.text()
+    restart = next(b for b in dialog.confirm.buttons() if b.text() == "Restart")
+    qtbot.mouseClick(restart, QtCore.Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "previous engine keeps running" in dialog.error_text("model"), timeout=10000)
+    assert dialog.isVisible() and window.errors == [] and window.runner is old and old.alive
+    assert (dialog.block_size.text(), dialog.path.text()) == ("8", str(tmp_path / "empty"))
+    dialog.builtin.setChecked(True)
+    dialog.try_accept()
+    restart = next(b for b in dialog.confirm.buttons() if b.text() == "Restart")
+    qtbot.mouseClick(restart, QtCore.Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.result() == ACCEPTED, timeout=10000)
+    assert window.runner is not old and not old.alive and not dialog.isVisible()
+    assert wait_for_snapshot(qtbot, window, lambda s: s.block_size == 8).conversations == ()
+
+
+def test_earlier_turns_read_as_text_through_the_engines_detokenizer(qtbot, make_window):
+    window = make_window(setup=finished_one, paused=True)
+    detokenize = window.source.feed.detokenizer
+    assert window.conversations.detail._detokenize is not None
+    engine = window.runner.engine
+    cid = window.snapshot.conversations[0].conversation_id
+    assert detokenize(engine.tokenize("Pages", continuation=True)) == "Pages"
+    first_reply = engine.conversation(cid).output_text
+    window.conversations.select_conversation(cid)
+    dialog = window.open_reply_dialog(cid)
+    dialog.message.setPlainText(" More?")
+    dialog.max_new_tokens.setText("2")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.result() == ACCEPTED, timeout=3000)
+    window.runner.step_once()
+    wait_for_snapshot(qtbot, window, lambda s: len(s.conversation(cid).output_token_ids) >= 1)
+    window.conversations.detail._seen.clear()  # nothing remembered from watching: only the detokenizer can split
+    window.conversations.detail._key = None
+    qtbot.waitUntil(lambda: USER_MARK in window.conversations.detail.plain_text(), timeout=3000)
+    text = window.conversations.detail.plain_text()
+    assert text.count(REPLY_MARK) == 2 and first_reply in text and " More?" in text.split(USER_MARK)[1]
+
+
+def test_a_demo_from_the_menu_says_what_it_lowered_in_the_status_bar(qtbot, make_window):
+    window = make_window(paused=True)  # 64 blocks of 4: the busy demo's long asks cannot fit
+    old = window.runner
+    files.start_demo(window, "busy")  # an empty engine: no question
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=10000)
+    assert window.demo_notes and all("lowered from" in n for n in window.demo_notes)
+    assert window.status.currentMessage().startswith("Demo: ") and "lowered" in window.status.currentMessage()
+    assert window.demo_notes[0] in window.status.toolTip()
+
+
+def test_read_only_buttons_stay_disabled_through_selection_and_refresh(qtbot):
+    panel = ConversationsPanel()
+    qtbot.addWidget(panel)
+    from engine import Engine, EngineConfig
+    engine = Engine(EngineConfig(model="builtin", num_blocks=32, block_size=4))
+    finished_one(engine)
+    snap = engine.snapshot()
+    panel.refresh(snap)
+    panel.select_conversation(snap.conversations[0].conversation_id)
+    assert panel.buttons["reply"].isEnabled() and panel.buttons["add"].isEnabled()
+    panel.set_read_only("a recording is read-only")
+    panel.refresh(snap)
+    panel.view.clearSelection()
+    panel.select_conversation(snap.conversations[0].conversation_id)  # selection re-enabled them before
+    assert not any(b.isEnabled() for b in panel.buttons.values())
+    assert panel.buttons["reply"].toolTip() == "Unavailable: a recording is read-only"
+    panel.set_read_only("")
+    assert panel.buttons["reply"].isEnabled() and not panel.buttons["fork"].isEnabled()
+    assert panel.buttons["reply"].toolTip() == "Reply (Ctrl+R)"
+
+
+def test_metrics_show_up_to_the_scrubbed_step_then_all_again(qtbot, make_window):
+    def decoding(engine):
+        engine.add_conversation("Metrics over time.", max_new_tokens=200, temperature=0.0, ignore_eos=True)
+
+    window = make_window(setup=decoding, speed=40, history=True)
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 12)
+    qtbot.waitUntil(lambda: window.metrics.history.count >= 8, timeout=3000)
+    history, steps = window.source.history, window.metrics.history.series("step")
+    middle = int(steps[len(steps) // 2])  # a step the metrics sampled, with later samples after it
+    seq = history.seq_of_step(middle)
+    view = window.source.seek(seq)
+    window.metrics.redraw()
+    x, _ = window.metrics.curves[0][1].getData()
+    assert len(x) > 0 and x.max() <= view.step_id < window.metrics.history.series("step").max()
+    window.source.go_live()
+    window.metrics.redraw()
+    x, _ = window.metrics.curves[0][1].getData()
+    assert x.max() == window.metrics.history.series("step").max()
+
+
+def pool_of(num_blocks):
+    zeros = np.zeros(num_blocks, np.int32)
+    return PoolSnapshot(step_id=1, block_size=4, num_blocks=num_blocks, ref_count=zeros, num_filled=zeros,
+                        state=zeros.astype(np.int8), owner=zeros - 1, last_access=zeros.astype(np.int64),
+                        block_tables={}, conversations=())
+
+
+def test_a_fit_in_a_view_much_wider_than_the_pool_shows_every_row(qtbot):
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(677, 320)  # the view box about 677 x 295, as in the window's bottom-heavy layouts
+    view.show()
+    qtbot.waitExposed(view)
+    view.set_snapshot(pool_of(64))
+    view.render()
+    geo = view.geometry_
+    for size in ((677, 320), (1400, 300), (300, 900)):
+        view.resize(*size)
+        qtbot.wait(20)
+        view.fit_whole_pool()
+        rect = view.box.viewRect()
+        assert rect.top() <= 0 and rect.bottom() >= geo.rows, (size, rect)
+        assert rect.left() <= 0 and rect.right() >= geo.cols, (size, rect)
