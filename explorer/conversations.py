@@ -25,6 +25,7 @@ COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill
 COLUMN_WIDTHS = (48, 70, 58, 74, 50, 56, 60, 120)  # fixed: resizing to contents re-reads every cell on every update
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
+PLACEHOLDER = "Select a conversation to see its block table and text."
 MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
 
 
@@ -130,7 +131,7 @@ class ConversationDetail(QtWidgets.QWidget):
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
-        self.title = QtWidgets.QLabel("Select a conversation to see its block table and text.")
+        self.title = QtWidgets.QLabel(PLACEHOLDER)
         self.title.setWordWrap(True)
         self.table_label = QtWidgets.QLabel()
         self.table_label.setWordWrap(True)
@@ -141,7 +142,8 @@ class ConversationDetail(QtWidgets.QWidget):
         layout.addWidget(self.title)
         layout.addWidget(self.table_label)
         layout.addWidget(self.text, 1)
-        self._key = None
+        self._key = None  # what was drawn last (None: draw again)
+        self._shown_id: int | None = None  # the conversation on display (None: the placeholder)
         self._shown: tuple[tuple[tuple[str, str], ...], str] = ((), "")  # (pieces before the last reply, that reply)
         self._detokenize = None  # token ids -> text, for the text of earlier turns (None: not available)
         self._seen: dict[int, list[tuple[int, str, str]]] = {}  # id -> (turn, user text, reply text) seen live
@@ -159,13 +161,14 @@ class ConversationDetail(QtWidgets.QWidget):
 
     def show_conversation(self, info: ConversationInfo | None, snapshot: PoolSnapshot) -> None:
         if info is None:
-            if self._key is not None:
-                self.title.setText("Select a conversation to see its block table and text.")
+            if self._shown_id is not None:  # (not _key: a new detokenizer clears that, and the text must go too)
+                self.title.setText(PLACEHOLDER)
                 self.table_label.clear()
                 self.text.clear()
                 self._shown = ((), "")
-                self._key = None
+                self._key = self._shown_id = None
             return
+        self._shown_id = info.conversation_id
         self._remember_turn(info)
         table = snapshot.block_tables.get(info.conversation_id, ())
         refs = [int(snapshot.ref_count[b]) for b in table]
@@ -230,6 +233,7 @@ class ConversationDetail(QtWidgets.QWidget):
         pieces = self._segments(info)
         head, (_, reply) = tuple(pieces[:-1]), pieces[-1]
         shown_head, shown_reply = self._shown
+        new_turn = len(head) > len(shown_head) and head[:len(shown_head)] == shown_head  # a follow-up started
         cursor = QtGui.QTextCursor(self.text.document())
         if shown_head == head and reply.startswith(shown_reply):
             cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
@@ -244,7 +248,7 @@ class ConversationDetail(QtWidgets.QWidget):
                     self._insert_mark(cursor, USER_MARK)
                 cursor.insertText(text, self._output_format if role == "reply" else self._prompt_format)
         self._shown = (head, reply)
-        if at_end:
+        if at_end or new_turn:  # follow the text as it streams, and show a new turn's message and reply
             scrollbar.setValue(scrollbar.maximum())
 
     def _insert_mark(self, cursor: QtGui.QTextCursor, mark: str) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 from PySide6 import QtCore, QtWidgets
 
 from explorer import files
-from explorer.conversations import REPLY_MARK, USER_MARK, ConversationsPanel
+from explorer.conversations import PLACEHOLDER, REPLY_MARK, USER_MARK, ConversationsPanel
 from explorer.grid_view import GridView
 from kvstream.views import PoolSnapshot
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
@@ -177,3 +177,23 @@ def test_a_fit_in_a_view_much_wider_than_the_pool_shows_every_row(qtbot):
         rect = view.box.viewRect()
         assert rect.top() <= 0 and rect.bottom() >= geo.rows, (size, rect)
         assert rect.left() <= 0 and rect.right() >= geo.cols, (size, rect)
+
+
+def test_a_restart_clears_the_detail_of_the_old_engines_conversation(qtbot, make_window):
+    """Found in the X window: after Demos > Busy the detail kept showing the old engine's conversation 7."""
+    def four(engine):
+        for i in range(4):
+            engine.add_conversation(f"Old engine {i}.", max_new_tokens=2)
+        engine.run_until_idle()
+
+    window = make_window(setup=four, paused=True)
+    qtbot.waitUntil(lambda: window.conversations.model.rowCount() == 4, timeout=3000)
+    window.conversations.select_conversation(3)
+    assert "Conversation 3" in window.conversations.detail.title.text()
+    old = window.runner
+    window.restart_engine(window.config, setup=lambda engine: engine.add_conversation("New.", max_new_tokens=2))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=10000)
+    qtbot.waitUntil(lambda: window.conversations.model.rowCount() == 1, timeout=3000)
+    assert window.conversations.selected_conversation() is None
+    assert window.conversations.detail.title.text() == PLACEHOLDER
+    assert window.conversations.detail.plain_text() == ""
