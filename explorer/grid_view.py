@@ -76,6 +76,7 @@ class GridView(QtWidgets.QWidget):
         self.selected_conversation: int | None = None
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
         self.frames_drawn = 0
+        self.hovered_block: int | None = None  # the block under the mouse (the hover line describes it)
         self._dirty = False
 
         self.view = pg.GraphicsView(background=tuple(int(c) for c in palette.BACKGROUND[:3]))
@@ -147,6 +148,7 @@ class GridView(QtWidgets.QWidget):
             self.fit_whole_pool()
         self._place_highlight()
         self._update_labels()
+        self._describe_hovered()
         self._dirty = False
         self.frames_drawn += 1
         return True
@@ -191,6 +193,7 @@ class GridView(QtWidgets.QWidget):
     def reset_view(self) -> None:
         """Forget the layout (after an engine restart) so the next render fits the new pool."""
         self.geometry_ = None
+        self.hovered_block = None
         self.selected_block = None
         self.selected_conversation = None
         self._dirty = True
@@ -234,8 +237,17 @@ class GridView(QtWidgets.QWidget):
             return True  # handled: the scene would hide it again
         return super().eventFilter(watched, event)
 
+    def _describe_hovered(self) -> None:
+        """The hover line follows the pool under a resting mouse: after a relocation or an end it said 'used,
+        owners conv 1' of a block that was free by then."""
+        block, snap = self.hovered_block, self.snapshot
+        if block is not None and snap is not None and block < snap.num_blocks:
+            text = describe_block(snap, block)
+            if self.hover_label.text() != text:
+                self.hover_label.setText(text)
+
     def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
-        block = self.block_at_scene(scene_pos)
+        block = self.hovered_block = self.block_at_scene(scene_pos)
         if block is None or self.snapshot is None:
             QtWidgets.QToolTip.hideText()
             return

@@ -71,6 +71,8 @@ class RelocationPanel(QtWidgets.QWidget):
         self.readout.setWordWrap(True)
         self.memory = QtWidgets.QFormLayout()
         self.memory.setContentsMargins(0, 4, 0, 0)
+        # a narrow dock puts each value under its label instead of cutting the label ("Contiguous reservatio")
+        self.memory.setRowWrapPolicy(QtWidgets.QFormLayout.RowWrapPolicy.WrapLongRows)
         self._memory_labels: dict[str, QtWidgets.QLabel] = {}
         buttons = QtWidgets.QHBoxLayout()
         buttons.addWidget(self.scramble)

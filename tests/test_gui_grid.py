@@ -194,6 +194,29 @@ def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
     assert view.render() and not view.render()
 
 
+def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, small):
+    """Found in the X window: after Scramble the hover line still said 'block 27: used ... owners conv 1' of a
+    block the relocation had freed (the inspector, rightly, said it moved)."""
+    from explorer.grid_view import GridView
+    snap, _ = small
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    view.set_snapshot(snap)
+    view.render()
+    view._on_mouse_moved(view.view.mapToScene(view.cell_center(5)))
+    assert view.hover_label.text().startswith("block 5: used")
+    state, ref, owner = np.array(snap.state), np.array(snap.ref_count), np.array(snap.owner)
+    state[5], ref[5], owner[5] = BlockState.FREE, 0, -1  # conversation 3's tail moved elsewhere
+    moved = PoolSnapshot(**{**snap.__dict__, "state": state, "ref_count": ref, "owner": owner,
+                            "block_tables": {1: (0, 1), 2: (2,), 3: (2, 6)}, "step_id": snap.step_id + 1})
+    view.set_snapshot(moved)
+    view.render()
+    assert view.hover_label.text().startswith("block 5: free") and "conv 3" not in view.hover_label.text()
+
+
 def test_metrics_keep_one_sample_per_step():
     from explorer.metrics import MetricsHistory
     snap = make_snapshot(step_id=5)

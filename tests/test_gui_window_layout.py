@@ -1,6 +1,6 @@
 """Layout: usable at 1024 x 640, --geometry, proportions kept through resizes, layout kept across launches."""
 import pytest
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import Engine, EngineRunner
 from explorer.cli import UsageError, parse_args, parse_geometry
@@ -126,3 +126,28 @@ def test_layout_is_kept_from_one_launch_to_the_next(window_at, tmp_path, qtbot):
     fresh = window_at(1366, 768, settings=temp_settings(tmp_path / "other.ini"))  # nothing saved there
     assert not fresh.layout_restored and fresh.docks["metrics"].isVisible()
     assert LAYOUT_VERSION >= 1
+
+
+def cut_labels(window):
+    """Visible one-line plain-text labels whose text is wider than the label (drawn cut off)."""
+    from explorer.status_bar import ElidedLabel
+    cut = []
+    for key in window.docks:
+        window.docks[key].raise_()
+        QtWidgets.QApplication.processEvents()
+        for label in window.docks[key].findChildren(QtWidgets.QLabel):
+            text = label.text()
+            if (not label.isVisible() or label.visibleRegion().isEmpty() or not text or label.wordWrap()
+                    or isinstance(label, ElidedLabel) or QtGui.Qt.mightBeRichText(text)):
+                continue
+            if label.fontMetrics().horizontalAdvance(text) > label.contentsRect().width() + 1:
+                cut.append((key, text, label.contentsRect().width()))
+    return cut
+
+
+@pytest.mark.parametrize("size", [(1024, 640), (1366, 768), (1600, 1000)])
+def test_no_label_is_cut_off(window_at, size):
+    """Found in the X window at 1600 x 1000: 'Paged total (used bloc', 'Contiguous reservatio' in the memory
+    readout."""
+    window = window_at(*size)
+    assert cut_labels(window) == []
