@@ -1,7 +1,14 @@
 """paged_attention vs torch SDPA on the same K/V stored contiguously, side by side in one run.
 
-Decode shapes (one query token per sequence): 8 query heads, 2 KV heads, head dim 64, block size 16, float32.
-Prints paged/contiguous time ratios; the PagedAttention paper reports 20-26% kernel overhead for paging.
+Decode shapes (one query token per sequence): 8 query heads, 2 KV heads, head dim 64, block size 16, float32, every
+sequence's blocks scattered over the pool. Variants, timed in alternating blocks of calls:
+- contiguous: SDPA on [batch, kv_heads, ctx, dim] K/V (the floor paging is measured against);
+- default: ``paged_attention`` as the engine runs it (cache-sized groups: gather a few sequences, attend, repeat);
+- previous: the earlier default (one gather of the whole batch's K/V, then one SDPA), kept here for comparison;
+- compiled: the opt-in torch.compile'd fused kernel (``EngineConfig(compile_attention=True)``), compiled first.
+Cold: a 64 MiB buffer is read before every call, so K/V come from memory as in a real decode step (each layer's
+K/V were last touched a whole step ago). Hot: calls back to back. Ratios are time / contiguous time (medians).
+Targets (issue 12): default <= 1.15x contiguous at batch 32, context 1024; never slower than the previous path.
 """
 from __future__ import annotations
 
@@ -19,20 +26,29 @@ from engine import attention  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
+VARIANTS = ("contiguous", "default", "previous", "compiled")
 
 
-def timeit(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_lens):
+    """The earlier default path: every sequence's K/V gathered into one padded tensor, then one masked SDPA."""
+    seqs, heads, dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    max_len = int(seq_lens.max())
+    max_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :max_blocks].long()
+    live = torch.arange(max_blocks)[None, :] * block_size < seq_lens[:, None]
+    tables = torch.where(live, tables, 0)
+    mask = None
+    if bool((seq_lens != max_len).any()):
+        mask = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]
+    keys = key_cache.index_select(0, tables.view(-1)).view(seqs, max_blocks * block_size, kv_heads, dim)[:, :max_len]
+    values = value_cache.index_select(0, tables.view(-1)).view(seqs, max_blocks * block_size, kv_heads, dim)[:, :max_len]
+    out = F.scaled_dot_product_attention(query.view(seqs, kv_heads, heads // kv_heads, dim), keys.transpose(1, 2),
+                                         values.transpose(1, 2), attn_mask=mask, scale=dim ** -0.5)
+    return out.reshape(seqs, heads, dim)
 
 
-def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]:
+def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(batch, KV_HEADS, ctx, DIM, generator=g)  # contiguous layout for SDPA
     values = torch.randn(batch, KV_HEADS, ctx, DIM, generator=g)
@@ -47,56 +63,69 @@ def case(batch: int, ctx: int, repeat: int) -> tuple[float, float, float, float]
     value_cache[tables.long()] = values.permute(0, 2, 1, 3).reshape(batch, blocks_per_seq, BLOCK, KV_HEADS, DIM)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
 
-    def contiguous():
-        return F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
-
-    def paged():
-        return paged_attention(query, key_cache, value_cache, tables, seq_lens)
-
+    fns = {
+        "contiguous": lambda: F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2),
+        "default": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
+        "previous": lambda: previous_paged_attention(query, key_cache, value_cache, tables, seq_lens.long()),
+        "compiled": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
+    }
     flush = torch.ones(64 * 2**20 // 4)  # larger than the 32 MiB L3 seen here; read, never written, between calls
 
-    def rounds():
-        """Variants timed in alternating blocks of `repeat` calls (so machine noise hits them alike), each call
-        starting with K/V out of cache as in a real decode step. Not call-by-call round robin: the eager variant
-        leaves 2 x 16 MiB of freshly written copies behind, whose write-back would be charged to the next call."""
-        samples = {"contiguous": [], "eager": [], "compiled": []}
-        for _ in range(3):
-            for name in samples:
+    def timed(cold: bool) -> dict:
+        """Variants in alternating blocks of `repeat` calls (so machine noise hits them alike). Not call-by-call
+        round robin: a gathering variant leaves freshly written copies behind, whose write-back would be charged
+        to the next call."""
+        samples = {name: [] for name in VARIANTS}
+        for _ in range(rounds):
+            for name in VARIANTS:
                 attention.use_compiled_attention(name == "compiled")
-                fn = contiguous if name == "contiguous" else paged
-                fn()
+                fns[name]()
                 for _ in range(repeat):
-                    flush.sum()
-                    t = time.perf_counter()
-                    fn()
-                    samples[name].append(time.perf_counter() - t)
-        return {k: statistics.median(v) for k, v in samples.items()}
+                    if cold:
+                        flush.sum()
+                    start = time.perf_counter()
+                    fns[name]()
+                    samples[name].append(time.perf_counter() - start)
+        attention.use_compiled_attention(False)
+        return {name: statistics.median(v) for name, v in samples.items()}
 
     with torch.inference_mode():
-        ref = contiguous()
+        ref = fns["contiguous"]()
+        err = 0.0
+        for name in ("default", "previous", "compiled"):  # the last also compiles the fused kernel
+            attention.use_compiled_attention(name == "compiled")
+            err = max(err, (fns[name]() - ref).abs().max().item())
         attention.use_compiled_attention(False)
-        err = (paged() - ref).abs().max().item()
-        attention.use_compiled_attention(True)
-        err = max(err, (paged() - ref).abs().max().item())  # also compiles the fused kernel
-        t = rounds()
-    return t["contiguous"], t["eager"], t["compiled"], err
+        return {"cold": timed(True), "hot": timed(False), "err": err}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=15, help="calls per variant per round (3 rounds)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15, help="calls per variant per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--shapes", default="1x128,1x1024,8x128,8x1024,32x128,32x1024",
+                        help="batch x context pairs, comma-separated")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("ratio = paged time / contiguous SDPA time (medians; K/V out of cache before every call)")
-    print(f"{'batch':>5} {'ctx':>5} {'contiguous ms':>14} {'eager ms':>9} {'ratio':>6} {'compiled ms':>12} {'ratio':>6} {'max err':>8}")
-    for batch in (1, 8, 32):
-        for ctx in (128, 1024):
-            tc, te, tf, err = case(batch, ctx, args.repeat)
-            print(f"{batch:>5} {ctx:>5} {tc * 1e3:>14.3f} {te * 1e3:>9.3f} {te / tc:>6.2f} {tf * 1e3:>12.3f} "
-                  f"{tf / tc:>6.2f} {err:>8.1e}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.repeat} calls")
+    print("ratio = time / contiguous SDPA time (medians); cold: K/V out of cache before every call; hot: back to back")
+    print(f"{'batch':>5} {'ctx':>5} {'cache':>5} {'contig ms':>10} {'default':>8} {'ratio':>6} {'previous':>9} "
+          f"{'ratio':>6} {'compiled':>9} {'ratio':>6} {'default/previous':>17}")
+    worst = 0.0
+    for shape in args.shapes.split(","):
+        batch, ctx = (int(x) for x in shape.split("x"))
+        result = case(batch, ctx, args.repeat, args.rounds)
+        for cache in ("cold", "hot"):
+            t = result[cache]
+            c = t["contiguous"]
+            worst = max(worst, t["default"] / t["previous"])
+            print(f"{batch:>5} {ctx:>5} {cache:>5} {c * 1e3:>10.3f} {t['default'] * 1e3:>8.3f} {t['default'] / c:>6.2f} "
+                  f"{t['previous'] * 1e3:>9.3f} {t['previous'] / c:>6.2f} {t['compiled'] * 1e3:>9.3f} "
+                  f"{t['compiled'] / c:>6.2f} {t['default'] / t['previous']:>17.2f}")
+        print(f"{'':>17} max abs error against contiguous: {result['err']:.1e}")
+    print(f"largest default/previous ratio over all shapes: {worst:.2f} (target <= 1.00)")
     if attention._compiled.failed:
         print("note: torch.compile failed on this machine; the compiled column is the eager fallback")
 

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .attention import DecodePlan, plan_decode
+from .attention import DecodePlan, bytes_per_token, group_bytes_for, plan_decode
 from .kv_cache import KVCache
 from .model import BatchMetadata, CausalLM
 from .scheduler import ScheduledBatch
@@ -87,8 +87,10 @@ class ModelRunner:
         tables = np.full((len(seqs), width), -1, dtype=np.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
+        cache = self.kv.layers[0][0]
         return plan_decode(torch.as_tensor(tables, device=self.device),
-                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.block_size)
+                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.block_size,
+                           group_bytes_for(cache), bytes_per_token(cache))
 
     def forward(self, prepared: PreparedBatch) -> torch.Tensor:
         """K/V of every scheduled token written to the pool; logits [sampled, vocab] float32."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine import EngineError, dense_attention, paged_attention
+from engine import EngineError, attention, dense_attention, paged_attention
 
 
 def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_value):
@@ -149,8 +149,50 @@ def test_engine_plan_equals_plan_decode():
         tables = torch.full((len(seqs), width + 2), -1, dtype=torch.int64)  # -1 and spare columns past the end
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
-        ours, ref = eng.runner.plan(seqs, lens), plan_decode(tables, torch.tensor(lens), 4)
+        cache = eng.kv.layers[0][0]
+        ours = eng.runner.plan(seqs, lens)
+        ref = plan_decode(tables, torch.tensor(lens), 4, attention.group_bytes_for(cache),
+                          attention.bytes_per_token(cache))
         assert torch.equal(ours.tables, ref.tables) and torch.equal(ours.seq_lens, ref.seq_lens)
         assert ours.max_len == ref.max_len
-        assert (ours.mask is None) == (ref.mask is None)
-        assert ours.mask is None or torch.equal(ours.mask, ref.mask)
+        assert _same_groups(ours, ref)
+
+
+def _same_groups(a, b):
+    def key(plan):
+        return [(g.start, g.end, g.num_blocks, g.length, g.rows.tolist(), None if g.mask is None else g.mask.tolist())
+                for g in plan.groups]
+    same_order = (a.order is None) == (b.order is None) and (a.order is None or torch.equal(a.order, b.order))
+    return same_order and key(a) == key(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=12), group_tokens=st.integers(1, 200),
+       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_decode_groups_cover_the_batch_and_equal_dense(lens, group_tokens, block_size, seed):
+    """However the sorted batch is cut into groups (down to one sequence each), every sequence is in exactly one
+    group, padded only to its group's longest (at most twice its own length), and the result is the dense one."""
+    from engine.attention import plan_decode
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    keys = [torch.randn(n, 2, 8) for n in lens]
+    values = [torch.randn(n, 2, 8) for n in lens]
+    key_cache, value_cache, tables = _scatter(keys, values, block_size, sum(-(-n // block_size) for n in lens) + 2,
+                                              rng, -1)
+    per_token = attention.bytes_per_token(key_cache)
+    plan = plan_decode(tables, torch.tensor(lens), block_size, group_tokens * per_token, per_token)
+    order = list(range(len(lens))) if plan.order is None else plan.order.tolist()
+    assert sorted(order) == list(range(len(lens))) and [lens[i] for i in order] == sorted(lens, reverse=True)
+    assert [g.start for g in plan.groups] == [0] + [g.end for g in plan.groups[:-1]] and plan.groups[-1].end == len(lens)
+    for g in plan.groups:
+        members = [lens[i] for i in order[g.start:g.end]]
+        assert g.length == max(members) and 2 * min(members) >= g.length
+        assert len(members) == 1 or len(members) * g.length <= group_tokens
+    query = torch.randn(len(lens), 4, 8)
+    old, attention.GROUP_BYTES = attention.GROUP_BYTES, group_tokens * per_token
+    try:
+        out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
+    finally:
+        attention.GROUP_BYTES = old
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert torch.allclose(out, ref, atol=1e-5)
