@@ -19,7 +19,6 @@ if anything in it fails, it logs one line and stays inert: the server runs exact
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
@@ -57,8 +56,13 @@ class _SchedulerImportHook(importlib.abc.MetaPathFinder):
         if fullname != SCHEDULER_MODULE:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
+        spec = None
+        for finder in list(sys.meta_path):  # whoever would have found it (site-packages, an editable install)
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
         exec_module = loader.exec_module

@@ -210,3 +210,19 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
     lines = [ln for ln in err.splitlines() if "paged-kv-explorer: publishing" in ln]
     assert len(lines) == 1, err[-3000:]
     assert f"pid={front_pid}" not in lines[0] and "EngineCore" in lines[0]
+
+
+def test_register_hooks_the_scheduler_when_vllm_imports_it():
+    """register() only leaves an import hook; the scheduler class is wrapped when vLLM imports its module."""
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ["PAGED_KV_EXPLORER_PUBLISH"] = "ipc:///tmp/never-bound.sock"
+        from kvstream import vllm_plugin
+        vllm_plugin.register()
+        before = "vllm.v1.core.sched.scheduler" in sys.modules
+        from vllm.v1.core.sched.scheduler import Scheduler
+        print(before, getattr(Scheduler.__init__, "_paged_kv_explorer_hook", False))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stderr[-2000:]
