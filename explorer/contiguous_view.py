@@ -185,6 +185,8 @@ class ContiguousView(QtWidgets.QWidget):
         layout.addLayout(legend)
         layout.addWidget(self.hover_label)
         self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.box.sigRangeChanged.connect(self._check_tile)
+        self.box.sigResized.connect(self._check_tile)
 
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
         """Place the snapshot's live conversations (call with every new snapshot, in order)."""
@@ -243,17 +245,33 @@ class ContiguousView(QtWidgets.QWidget):
         new_layout = geo is None or geo.num_blocks * geo.block_size != lay.num_slots or geo.block_size != lay.block_size
         if new_layout:
             geo = self.geometry_ = grid_geometry(lay.num_slots // lay.block_size, lay.block_size)
+        elif geo.tile != self.wanted_tile():  # drawn at another size on screen now (see grid.fitting_tile)
+            geo = self.geometry_ = grid_geometry(geo.num_blocks, geo.block_size, self._pixels_per_cell())
         self.image = contiguous_rgba(lay, geo)
         self.item.setImage(self.image, autoLevels=False)
+        self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
         if new_layout:
-            self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
             if self._grid_box is None:
                 self.box.setRange(QtCore.QRectF(0, 0, geo.cols, geo.rows), padding=0.02)
             else:
                 self._follow_grid()
         self._drawn_key = (lay.reservations, lay.num_slots, lay.block_size)
         self._dirty = False
+        self._check_tile()
         return True
+
+    def _pixels_per_cell(self) -> float:
+        rect, width = self.box.viewRect(), self.box.width()
+        return width / rect.width() if rect.width() > 0 and width > 0 else float("inf")
+
+    def wanted_tile(self) -> int | None:
+        """The image tile for the cells' size on screen (None before the first layout)."""
+        geo = self.geometry_
+        return None if geo is None else grid_geometry(geo.num_blocks, geo.block_size, self._pixels_per_cell()).tile
+
+    def _check_tile(self, *_) -> None:
+        if self.geometry_ is not None and self.geometry_.tile != self.wanted_tile():
+            self._dirty = True
 
     def slot_at_scene(self, scene_pos: QtCore.QPointF) -> int | None:
         geo, lay = self.geometry_, self.layout_

@@ -79,14 +79,30 @@ class GridGeometry:
         return block_id % self.cols, block_id // self.cols
 
 
-def grid_geometry(num_blocks: int, block_size: int) -> GridGeometry:
-    """A near-square layout with a power-of-two column count (64 -> 8 x 8, 65,536 -> 256 x 256)."""
+def grid_geometry(num_blocks: int, block_size: int, pixels_per_cell: float | None = None) -> GridGeometry:
+    """A near-square layout with a power-of-two column count (64 -> 8 x 8, 65,536 -> 256 x 256).
+
+    ``pixels_per_cell``: how wide a cell is on screen now; the tile is then no wider than that (see
+    :func:`fitting_tile`), so the image is never shrunk on screen."""
     cols = 1
     while cols * cols < num_blocks:
         cols *= 2
     rows = -(-num_blocks // cols)
     tile = int(np.clip(MAX_IMAGE_SIDE // cols, 2, 32))
+    if pixels_per_cell is not None:
+        tile = fitting_tile(pixels_per_cell, tile)
     return GridGeometry(num_blocks, block_size, cols, rows, tile)
+
+
+def fitting_tile(pixels_per_cell: float, largest: int) -> int:
+    """The tile for cells drawn ``pixels_per_cell`` wide: at most that many pixels, at most ``largest``, at least 2.
+
+    Qt scales the image to the screen without smoothing; shrinking it drops whole pixel rows and columns, and the
+    one-pixel gaps between cells went with them (at 1024 x 640, 32-pixel tiles drawn 26 pixels wide merged free
+    cells into larger blocks). Enlarging only repeats pixels, which keeps every gap."""
+    if not np.isfinite(pixels_per_cell):
+        return int(largest)
+    return int(max(2, min(int(largest), int(pixels_per_cell))))
 
 
 @lru_cache(maxsize=8)

@@ -106,8 +106,8 @@ class GridView(QtWidgets.QWidget):
         scene = self.view.scene()
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
-        self.box.sigRangeChanged.connect(lambda *_: self._update_labels())
-        self.box.sigResized.connect(lambda *_: self.update_limits())  # a new aspect may need wider limits
+        self.box.sigRangeChanged.connect(lambda *_: (self._update_labels(), self._check_tile()))
+        self.box.sigResized.connect(lambda *_: (self.update_limits(), self._check_tile()))  # aspect, cell size
         self.view.viewport().installEventFilter(self)  # answer tooltip requests before the scene hides them
 
     # ---- state ----------------------------------------------------------------------------------------
@@ -141,17 +141,37 @@ class GridView(QtWidgets.QWidget):
         new_layout = geo is None or geo.num_blocks != snap.num_blocks or geo.block_size != snap.block_size
         if new_layout:
             geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size)
+        elif geo.tile != self.wanted_tile():  # cells drawn smaller or larger on screen now
+            geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size, self.pixels_per_cell())
         self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
         self.item.setImage(self.image, autoLevels=False)
-        if new_layout:  # the image size changed with the layout: map it onto cell units again (after setImage)
-            self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
+        self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))  # cell units, whatever the tile (after setImage)
+        if new_layout:
             self.fit_whole_pool()
         self._place_highlight()
         self._update_labels()
         self._describe_hovered()
         self._dirty = False
+        self._check_tile()  # a fit just now may have changed the cells' screen size: draw again next frame
         self.frames_drawn += 1
         return True
+
+    def pixels_per_cell(self) -> float:
+        """Screen pixels across one cell now (inf before the view has a size)."""
+        rect, width = self.box.viewRect(), self.box.width()
+        return width / rect.width() if rect.width() > 0 and width > 0 else float("inf")
+
+    def wanted_tile(self) -> int | None:
+        """The image tile for the cells' size on screen (None before the first layout)."""
+        geo = self.geometry_
+        if geo is None:
+            return None
+        return grid_geometry(geo.num_blocks, geo.block_size, self.pixels_per_cell()).tile
+
+    def _check_tile(self) -> None:
+        """After a zoom or a resize: redraw when the cells' screen size calls for another tile."""
+        if self.geometry_ is not None and self.geometry_.tile != self.wanted_tile():
+            self._dirty = True
 
     def fit_rect(self) -> QtCore.QRectF | None:
         """The view rectangle that shows every cell with a small margin at the view box's aspect ratio (cells stay

@@ -1,6 +1,7 @@
 """The snapshot-to-image function on synthetic snapshots, and the grid widget's hover/click mapping."""
 import numpy as np
 import pytest
+from PySide6 import QtGui
 
 from kvstream.views import BlockState, PoolSnapshot
 from explorer import palette
@@ -349,3 +350,33 @@ def test_a_conversation_first_seen_stopped_does_not_look_like_a_live_one():
     palette.observe(PoolSnapshot(**{**snap.__dict__, "conversations": convs}))
     colours = {tuple(palette.conversation_colours(np.array([c]))[0]) for c in (0, 1, 2)}
     assert len(colours) == 3
+
+
+def test_every_cell_gap_survives_a_small_view(qtbot):
+    """Found in the X window at 1024 x 640: 32-pixel tiles drawn 26 pixels wide lost gap rows and columns (Qt
+    scales without smoothing), so free cells merged into larger blocks. The tile follows the screen size now."""
+    from explorer.grid_view import GridView
+    view = GridView()
+    qtbot.addWidget(view)
+    view.set_snapshot(make_snapshot(num_blocks=128, block_size=16))
+    for width, height in ((480, 300), (900, 640), (330, 700)):
+        view.resize(width, height)
+        view.show()
+        qtbot.waitExposed(view)
+        for _ in range(3):  # draw, fit, draw again at the tile the fit calls for
+            view.fit_whole_pool()
+            view.render()
+            qtbot.wait(10)
+        geo = view.geometry_
+        assert geo.tile <= view.pixels_per_cell()
+        image = view.view.viewport().grab().toImage()
+        free = QtGui.QColor(*[int(c) for c in palette.FREE[:3]]).rgb()
+
+        def runs(points):  # how many separate stretches of free-cell colour a line of pixels crosses
+            inside = [image.pixel(x, y) == free for x, y in points]
+            return sum(1 for i, now in enumerate(inside) if now and (i == 0 or not inside[i - 1]))
+
+        from PySide6 import QtCore
+        inside = view.view.mapFromScene(view.box.mapViewToScene(QtCore.QPointF(0.85, 1.75)))  # clear of id labels
+        assert runs([(x, inside.y()) for x in range(image.width())]) == geo.cols, (width, height)
+        assert runs([(inside.x(), y) for y in range(image.height())]) == geo.rows, (width, height)
