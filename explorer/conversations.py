@@ -22,7 +22,7 @@ from .palette import conversation_colour
 from .table_model import RowsModel
 
 COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by")
-COLUMN_WIDTHS = (48, 70, 58, 74, 50, 56, 60, 120)  # fixed: resizing to contents re-reads every cell on every update
+COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110)  # fixed: resizing to contents re-reads every cell on every update
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
@@ -233,9 +233,9 @@ class ConversationDetail(QtWidgets.QWidget):
         pieces = self._segments(info)
         head, (_, reply) = tuple(pieces[:-1]), pieces[-1]
         shown_head, shown_reply = self._shown
-        new_turn = len(head) > len(shown_head) and head[:len(shown_head)] == shown_head  # a follow-up started
+        redrawn = not (shown_head == head and reply.startswith(shown_reply))  # another conversation, a new turn
         cursor = QtGui.QTextCursor(self.text.document())
-        if shown_head == head and reply.startswith(shown_reply):
+        if not redrawn:
             cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
             cursor.insertText(reply[len(shown_reply):], self._output_format)
         else:
@@ -248,7 +248,7 @@ class ConversationDetail(QtWidgets.QWidget):
                     self._insert_mark(cursor, USER_MARK)
                 cursor.insertText(text, self._output_format if role == "reply" else self._prompt_format)
         self._shown = (head, reply)
-        if at_end or new_turn:  # follow the text as it streams, and show a new turn's message and reply
+        if at_end or redrawn:  # the newest text in view; a reader who scrolled up while it streams stays there
             scrollbar.setValue(scrollbar.maximum())
 
     def _insert_mark(self, cursor: QtGui.QTextCursor, mark: str) -> None:
@@ -308,6 +308,8 @@ class ConversationsPanel(QtWidgets.QWidget):
         left_layout.addWidget(self.view, 1)
         split.addWidget(left)
         split.addWidget(self.detail)
+        split.setStretchFactor(0, 3)  # the table's columns need more width than the text (which wraps)
+        split.setStretchFactor(1, 2)
         split.setSizes([560, 440])
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)

@@ -24,7 +24,7 @@ MODE_TEXT = {  # what each colour-by mode answers
     "state": "Used (held by a conversation), cached (free, but its KV is kept for a matching prefix) or free.",
 }
 MOUSE = (  # (gesture, what it does) on the grid
-    ("Click a cell", "inspect that block: its tokens, owners, prefix hash and K/V (the Block inspector)"),
+    ("Click a cell", "inspect that block: its tokens, owners, prefix hash and K/V (the Inspector)"),
     ("Hover a cell", "one line about the block under the status of the grid, and a tooltip"),
     ("Drag", "pan the grid"),
     ("Mouse wheel", "zoom; zoomed in, each cell shows its physical block id (and ×N when shared)"),

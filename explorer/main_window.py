@@ -102,10 +102,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self.event_log = self.history_panels.event_log
         self.block_history = self.history_panels.block_history
         self.docks = {
-            "inspector": make_dock(self, "inspector", "Block inspector", self.inspector, min_width=300,
+            "inspector": make_dock(self, "inspector", "Inspector", self.inspector, min_width=300,
                                    min_height=420),
             "legend": make_dock(self, "legend", "Legend", self.legend, min_width=240, min_height=300),
-            "memory": make_dock(self, "memory", "Relocation and memory", self.relocation, min_width=260,
+            "memory": make_dock(self, "memory", "Memory", self.relocation, min_width=260,
                                 min_height=360),
             "conversations": make_dock(self, "conversations", "Conversations", self.conversations, min_width=520,
                                        min_height=160),

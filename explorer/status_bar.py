@@ -14,6 +14,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.rules import Rate
 
 KEYS = ("live", "engine", "gui", "pool", "model")
+STRETCH = {"live": 2, "engine": 4, "gui": 3, "pool": 6, "model": 2}  # about the length of each label's text
 
 
 class CounterRate:
@@ -70,7 +71,7 @@ class StatusBar(QtWidgets.QStatusBar):
         self.labels: dict[str, QtWidgets.QLabel] = {}
         for key in KEYS:
             label = ElidedLabel()
-            self.addPermanentWidget(label, {"pool": 5, "engine": 3, "gui": 3, "model": 2}.get(key, 2))
+            self.addPermanentWidget(label, STRETCH[key])
             self.labels[key] = label
         self.frames = Rate()  # frame-timer ticks: how often the GUI can show a new state
         self.redraws = Rate()  # grid redraws: how often it did

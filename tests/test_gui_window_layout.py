@@ -151,3 +151,18 @@ def test_no_label_is_cut_off(window_at, size):
     readout."""
     window = window_at(*size)
     assert cut_labels(window) == []
+
+
+@pytest.mark.parametrize("size", [(1024, 640), (1600, 1000)])
+def test_dock_tabs_show_their_whole_titles(window_at, size):
+    """Found in the X window: tabbed docks read 'Block i…', 'Le…', 'Relocation and …' at 1024 x 640 and in the
+    wide layout's legend column."""
+    window = window_at(*size)
+    elided = []
+    for bar in window.findChildren(QtWidgets.QTabBar):
+        if not bar.isVisible():
+            continue
+        for i in range(bar.count()):
+            if bar.tabRect(i).width() < bar.tabSizeHint(i).width():
+                elided.append((bar.tabText(i), bar.tabRect(i).width(), bar.tabSizeHint(i).width()))
+    assert elided == []

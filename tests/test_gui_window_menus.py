@@ -18,7 +18,7 @@ def test_menus_are_all_there(qtbot, make_window):
     rows = dict((text, keys) for keys, text in shortcut_rows(window))
     assert rows["Add"] == "Ctrl+N" and rows["Lesson"] == "Ctrl+L" and rows["Quit"] == "Ctrl+Q"
     view = window.view_menu.actions()
-    assert any(a.text() == "Block inspector" for a in view) and any(a.text() == "Event log" for a in view)
+    assert any(a.text() == "Inspector" for a in view) and any(a.text() == "Event log" for a in view)
     dialog = files.show_shortcuts(window)
     table = dialog.findChild(QtWidgets.QTableWidget)
     assert table.rowCount() == len(shortcut_rows(window)) >= 10
