@@ -93,7 +93,7 @@ def arrange(window: QtWidgets.QMainWindow, right: list[QtWidgets.QDockWidget],
     else:
         window.resizeDocks([inspector], [int(width * (0.3 if kind == "medium" else 0.33))], H)
     if kind != "small" and charts:
-        window.resizeDocks([conversations, charts[0]], [int(width * 0.48), int(width * 0.52)], H)
+        window.resizeDocks([conversations, charts[0]], [int(width * 0.56), int(width * 0.44)], H)  # table columns
     window.resizeDocks([conversations], [int(height * (0.33 if kind == "wide" else 0.32))], V)
     return kind
 

@@ -12,7 +12,7 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6 import QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import PoolSnapshot
 
@@ -75,32 +75,67 @@ class MetricsHistory:
         self._rate_window: deque[tuple[float, int]] = deque()  # (time, tokens generated) over the last second
 
 
+MIN_PLOT_WIDTH, MIN_PLOT_HEIGHT = 230, 150  # pixels a plot needs for readable ticks and title
+MAX_COLUMNS = 4
+
+
 class MetricsPanel(QtWidgets.QWidget):
-    """A grid of small plots sharing the engine step as x axis."""
+    """A grid of small plots sharing the engine step as x axis.
+
+    The grid reflows to the panel's width (four plots a row on a wide screen, fewer on a narrow one) and scrolls
+    vertically rather than squashing plots below legibility (at 1366 x 768 the fourth column ran past the window's
+    edge and the tick labels of the short rows overlapped)."""
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.history = MetricsHistory()
         self.plots = pg.GraphicsLayoutWidget()
+        self.plots.setMinimumSize(MIN_PLOT_WIDTH, MIN_PLOT_HEIGHT)
         self.curves: list[tuple[str, pg.PlotDataItem]] = []
         self.plot_items: list[tuple[pg.PlotItem, list[str]]] = []
-        for i, (title, series) in enumerate(PLOTS):
-            plot = self.plots.addPlot(row=i // 4, col=i % 4, title=f"<span style='font-size:9pt'>{title}</span>")
+        self.columns = 0  # plots per row now (set by _reflow)
+        for title, series in PLOTS:
+            plot = pg.PlotItem(title=f"<span style='font-size:9pt'>{title}</span>")
             plot.enableAutoRange(x=False, y=False)  # ranges are set in redraw: empty or one-sample plots too
             for side in ("left", "bottom"):  # "(x0.001)" on an axis that spans one step is noise, not a unit
                 plot.getAxis(side).enableAutoSIPrefix(False)
             self.plot_items.append((plot, [name for name, _, _ in series]))
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
-            if i >= 4:  # the bottom row
-                plot.getAxis("bottom").setLabel("step")
             if len(series) > 1:
                 plot.addLegend(offset=(4, 4), labelTextSize="7pt", brush=pg.mkBrush(0, 0, 0, 170))  # over curves
             for name, label, colour in series:
                 self.curves.append((name, plot.plot(pen=pg.mkPen(colour, width=2), name=label)))
+        self.scroll = QtWidgets.QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setWidget(self.plots)
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.plots)
+        layout.addWidget(self.scroll)
+        self._reflow(MAX_COLUMNS)
+
+    def _reflow(self, columns: int) -> None:
+        """Lay the plots out ``columns`` to a row; the plot area is tall enough for every row at its least height."""
+        columns = max(1, min(MAX_COLUMNS, columns))
+        if columns == self.columns:
+            return
+        self.columns = columns
+        layout = self.plots.ci
+        for plot, _ in self.plot_items:
+            if plot in layout.items:
+                layout.removeItem(plot)
+        rows = -(-len(self.plot_items) // columns)
+        for i, (plot, _) in enumerate(self.plot_items):
+            layout.addItem(plot, row=i // columns, col=i % columns)
+            bottom = i // columns == rows - 1 or i + columns >= len(self.plot_items)  # nothing below it
+            plot.getAxis("bottom").setLabel("step" if bottom else None)
+        self.plots.setMinimumHeight(rows * MIN_PLOT_HEIGHT)
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._reflow(max(1, event.size().width() // MIN_PLOT_WIDTH))
         self._dirty = True  # the first redraw sets the empty plots' ranges
         self.until: int | None = None  # show samples up to this step only (a history frame on view); None: all
 

@@ -166,3 +166,19 @@ def test_dock_tabs_show_their_whole_titles(window_at, size):
             if bar.tabRect(i).width() < bar.tabSizeHint(i).width():
                 elided.append((bar.tabText(i), bar.tabRect(i).width(), bar.tabSizeHint(i).width()))
     assert elided == []
+
+
+@pytest.mark.parametrize("size", [(1024, 640), (1366, 768), (1920, 1080)])
+def test_metric_plots_stay_inside_their_dock_and_readable(window_at, size):
+    """Found in the X window at 1366 x 768: the fourth plot ran past the window's edge and the short rows'
+    tick labels overlapped."""
+    from explorer.metrics import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH
+    window = window_at(*size)
+    window.docks["metrics"].raise_()
+    QtWidgets.QApplication.processEvents()
+    metrics = window.metrics
+    viewport = metrics.scroll.viewport()
+    assert metrics.plots.width() <= viewport.width()  # no plot column beyond the dock's edge
+    for plot, _ in metrics.plot_items:
+        rect = plot.sceneBoundingRect()
+        assert rect.width() >= MIN_PLOT_WIDTH * 0.8 and rect.height() >= MIN_PLOT_HEIGHT * 0.8, (plot, rect)
