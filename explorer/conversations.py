@@ -22,6 +22,7 @@ from .palette import conversation_colour
 from .table_model import RowsModel
 
 COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by")
+ID_DIGITS = 5  # the id column fits ids this long beside the colour swatch
 COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110)  # fixed: resizing to contents re-reads every cell on every update
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
@@ -282,6 +283,9 @@ class ConversationsPanel(QtWidgets.QWidget):
         header = self.view.horizontalHeader()
         for column, width in enumerate(COLUMN_WIDTHS):
             header.resizeSection(column, width)
+        icon = self.view.style().pixelMetric(QtWidgets.QStyle.PixelMetric.PM_SmallIconSize)
+        header.resizeSection(0, max(COLUMN_WIDTHS[0], self.view.fontMetrics().horizontalAdvance(ID_DIGITS * "0")
+                                    + icon + 16))  # the colour swatch and a five-digit id ("1…" at 44 px)
         header.setStretchLastSection(True)
         self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)

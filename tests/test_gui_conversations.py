@@ -128,3 +128,16 @@ def test_a_real_reply_shows_as_a_new_turn_and_says_why_it_stopped(qtbot):
     text = panel.detail.plain_text()
     assert text == "\n".join(["Hello", REPLY_MARK, first.output_text, USER_MARK, " more please", REPLY_MARK,
                               info.output_text])
+
+
+def test_long_ids_are_not_cut_beside_the_colour_swatch(qtbot):
+    """Found in the X window (crowd demo): ids from 10 on read '…' in the id column."""
+    panel = ConversationsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(900, 300)
+    panel.show()
+    panel.refresh(view([conv(i) for i in (7, 42, 127, 12345)]))
+    for row in range(4):
+        index = panel.model.index(row, 0)
+        needed = panel.view.sizeHintForIndex(index).width()  # swatch, margins and the whole id
+        assert panel.view.horizontalHeader().sectionSize(0) >= needed, (panel.model.data(index), needed)
