@@ -162,20 +162,20 @@ class ContiguousView(QtWidgets.QWidget):
         self.box.addItem(self.item)
         self.hover_label = QtWidgets.QLabel("Hover the memory for details.")
         self.hover_label.setWordWrap(True)
-        legend = QtWidgets.QHBoxLayout()
-        legend.setSpacing(4)
+        legend = QtWidgets.QGridLayout()  # two marks a row: one row of four kept the view from half the pane
+        legend.setHorizontalSpacing(4)
+        legend.setVerticalSpacing(1)
         example = np.append(palette.LIVE_COLOURS[0], 255).astype(np.uint8)
-        for text, colour in LEGEND:
+        for i, (text, colour) in enumerate(LEGEND):
             if text == "filled":
                 colour = example
             elif text == "reserved but empty":
                 colour = palette.scale(example, palette.EMPTY_SLOT_LEVEL)
             icon = QtWidgets.QLabel()
             icon.setPixmap(swatch(colour, hatched=colour is GAP))
-            legend.addWidget(icon)
-            legend.addWidget(QtWidgets.QLabel(text))
-            legend.addSpacing(6)
-        legend.addStretch(1)
+            legend.addWidget(icon, i // 2, 2 * (i % 2))
+            legend.addWidget(QtWidgets.QLabel(text), i // 2, 2 * (i % 2) + 1)
+        legend.setColumnStretch(4, 1)
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)

@@ -163,7 +163,8 @@ class PoolPane(QtWidgets.QWidget):
             self.contiguous = ContiguousView()
             self.contiguous.link_to(self.grid.box)
             self.split.addWidget(self.contiguous)
-            self.split.setSizes([1, 1])
+            half = max(self.split.width(), 2) // 2  # equal halves ([1, 1] gave the grid a third: size hints won)
+            self.split.setSizes([half, half])
             if self.source.view is not None:
                 self.contiguous.set_snapshot(self.source.view)
         elif not on and self.contiguous is not None:

@@ -67,5 +67,7 @@ def test_contiguous_view_side_by_side_toggles(qtbot, make_window):
     qtbot.waitUntil(lambda: pane.contiguous.isVisible() and pane.contiguous.image is not None, timeout=3000)
     assert "running" in pane.contiguous.summary_text()
     assert pane.split.indexOf(pane.contiguous) == 1 and pane.grid.isVisible()  # beside the grid, not instead
+    grid, contiguous = pane.split.sizes()  # halves (found in the X window: the grid got a third)
+    assert abs(grid - contiguous) <= 0.1 * (grid + contiguous), (grid, contiguous)
     window.contiguous_action.trigger()
     assert pane.contiguous is None and not window.contiguous_action.isChecked()
