@@ -314,7 +314,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         split.addWidget(self.detail)
         split.setStretchFactor(0, 2)  # the table's columns need more width than the text (which wraps)
         split.setStretchFactor(1, 1)
-        split.setSizes([560, 440])
+        split.setSizes([640, 320])  # applied in proportion once the dock has its width
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(split)
