@@ -126,6 +126,10 @@ def _conversations(ids, limit: int = 6) -> str:
     return f"conversation{'s' if len(ids) > 1 else ''} {_first_few([str(c) for c in ids], limit)}"
 
 
+DEFAULT_KV_REASON = ("this source keeps its K/V values to itself (they never leave its device or process); tokens, "
+                     "owners and hashes above come from its block tables")
+
+
 class Inspector(QtWidgets.QWidget):
     """Panel for the selected block: a note in words, its fields, its slots and a K/V heatmap.
 
@@ -134,6 +138,7 @@ class Inspector(QtWidgets.QWidget):
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
+        self.kv_reason = DEFAULT_KV_REASON  # why K/V values are missing when a block comes without them
         self.block_id: int | None = None
         self.info: BlockInfo | None = None
         self.moved_from: int | None = None  # the id the selected content had before the last relocation
@@ -346,6 +351,15 @@ class Inspector(QtWidgets.QWidget):
     def _block_text(self, block_id: int) -> str:
         return f"{block_id} (moved from {self.moved_from})" if self.moved_from is not None else str(block_id)
 
+    def set_kv_reason(self, reason: str) -> None:
+        """Why blocks come without K/V values now (a history frame, a recording, another process); shown in place of
+        the heatmap when they do."""
+        reason = reason or DEFAULT_KV_REASON
+        if reason != self.kv_reason:
+            self.kv_reason = reason
+            if self.info is not None and self.info.keys is None:
+                self._draw_heatmap()
+
     def set_block_size(self, block_size: int) -> None:
         """Slot axis of the heatmap: one row per slot of a block, integer ticks (follows an engine restart)."""
         self._block_size = block_size
@@ -361,8 +375,7 @@ class Inspector(QtWidgets.QWidget):
             self.heat_title.setText("")
             text = ""
             if info is not None and keys is None:
-                text = ("No K/V heatmap: this source keeps its K/V values to itself (they never leave its device or "
-                        "process); tokens, owners and hashes above come from its block tables.")
+                text = f"No K/V heatmap: {self.kv_reason}."
             elif info is not None:
                 text = "No K/V heatmap: the block holds no filled slots."
             self.kv_note.setText(text)

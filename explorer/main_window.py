@@ -268,6 +268,17 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = True
         self._last_panels = 0.0
         self.back_to_live_action.setEnabled(seq is not None)
+        self.inspector.set_kv_reason(self._kv_reason())
+
+    def _kv_reason(self) -> str:
+        """Why the inspector has no K/V values now ("" when it has them)."""
+        caps = self.source.capabilities
+        if not caps.has_kv_values:
+            return caps.kv_values_reason
+        if self.source.viewing is not None:
+            return ("K/V values are not kept over time, only the present's (Back to live shows them); tokens, owners "
+                    "and hashes above are this step's")
+        return ""
 
     def _refresh_panels(self, snap) -> None:
         """Conversations table, text, readouts: a few times a second is enough for reading."""
@@ -289,6 +300,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.set_detokenizer(feed.detokenizer)  # the text of earlier turns (None: split as seen)
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
+        self.inspector.set_kv_reason(self._kv_reason())
         self._enable_commands()
 
     def _enable_commands(self) -> None:

@@ -197,3 +197,25 @@ def test_a_restart_clears_the_detail_of_the_old_engines_conversation(qtbot, make
     assert window.conversations.selected_conversation() is None
     assert window.conversations.detail.title.text() == PLACEHOLDER
     assert window.conversations.detail.plain_text() == ""
+
+
+def test_a_history_frame_says_why_the_inspector_has_no_heatmap(qtbot, make_window):
+    """Found in the X window: scrubbed back on the local engine, the inspector said 'this source keeps its K/V
+    values to itself (they never leave its device or process)', which is the story of another process's pool."""
+    def decoding(engine):
+        engine.add_conversation("Heatmaps now and then.", max_new_tokens=100, temperature=0.0, ignore_eos=True)
+        engine.step()
+
+    window = make_window(setup=decoding, speed=30, history=True)
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 4)
+    block = next(iter(window.snapshot.block_tables.values()))[0]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.info.keys is not None,
+                    timeout=3000)
+    window.source.seek(window.source.history.first_seq + 1)
+    qtbot.waitUntil(lambda: window.inspector.info.keys is None, timeout=3000)
+    note = window.inspector.kv_note.text()
+    assert "not kept over time" in note and "device or process" not in note
+    window.source.go_live()
+    qtbot.waitUntil(lambda: window.inspector.info.keys is not None, timeout=3000)
+    assert not window.inspector.kv_note.isVisible()
