@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import EngineConfig, EngineError
 from kvstream.rules import fit_error
@@ -171,11 +171,20 @@ class _MessageDialog(_FormDialog):
         editor = self.add_row(key, label, QtWidgets.QPlainTextEdit(), error_lines=3)
         editor.setPlaceholderText(placeholder)
         editor.setMinimumSize(260, 70)
+        editor.setTabChangesFocus(True)  # Tab goes on to the next field, as in every other field of the form
+        send = QtGui.QShortcut(QtGui.QKeySequence("Ctrl+Return"), self)  # Return itself starts a new line
+        send.activated.connect(self.try_accept)
         self._placeholder = placeholder
         return editor
 
     def message_editor(self) -> QtWidgets.QPlainTextEdit:
         raise NotImplementedError
+
+    def showEvent(self, event) -> None:
+        """Typing goes into the message at once (the focus was on the mode box, and the space in "Record me"
+        then pressed OK)."""
+        super().showEvent(event)
+        self.message_editor().setFocus(QtCore.Qt.FocusReason.ActiveWindowFocusReason)
 
     def ids_mode(self) -> bool:
         return self.mode.currentText() == IDS_MODE

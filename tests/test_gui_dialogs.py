@@ -378,3 +378,23 @@ def test_restart_with_a_file_for_a_model_says_it_is_a_file(qtbot, make_window, t
     dialog.path.setText(str(tmp_path / "model.safetensors"))
     dialog.try_accept()
     assert "is a file; choose the checkpoint's directory" in dialog.error_text("model")
+
+
+def test_typing_goes_into_the_prompt_and_tab_moves_on(qtbot, make_window):
+    """Found in the X window: the add dialog opened with the focus on 'Prompt as', and the space in the typed
+    'Record me please.' pressed OK ('The prompt is empty')."""
+    window = make_window(paused=True)
+    window.activateWindow()
+    for open_dialog, editor in ((window.open_add_dialog, "prompt"),):
+        dialog = open_dialog()
+        qtbot.waitExposed(dialog)
+        qtbot.waitUntil(lambda: QtWidgets.QApplication.focusWidget() is getattr(dialog, editor), timeout=2000)
+        qtbot.keyClicks(QtWidgets.QApplication.focusWidget(), "Record me please.")
+        assert getattr(dialog, editor).toPlainText() == "Record me please." and dialog.isVisible()
+        assert dialog.error_text(editor) == ""
+        qtbot.keyClick(QtWidgets.QApplication.focusWidget(), QtCore.Qt.Key.Key_Tab)
+        assert QtWidgets.QApplication.focusWidget() is dialog.max_new_tokens
+        qtbot.keyClick(dialog.max_new_tokens, QtCore.Qt.Key.Key_Return, QtCore.Qt.KeyboardModifier.ControlModifier)
+        qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
+        assert wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 1).conversations[0].prompt_text \
+            == "Record me please."
