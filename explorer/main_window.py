@@ -31,6 +31,7 @@ from .legend import Legend
 from .loader import EngineLoader, progress_dialog
 from .menus import build_menus
 from .metrics import MetricsPanel
+from .metrics_backfill import MetricsBackfill
 from .pool_pane import PoolPane
 from .relocation import RelocationPanel
 from .source import Feed, PoolSource, Problem
@@ -96,6 +97,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.relocation = RelocationPanel()
         self.conversations = ConversationsPanel()
         self.metrics = MetricsPanel()
+        self.metrics_backfill = MetricsBackfill(self.metrics, self)
         self.block_watch = BlockWatch(self.source, self.inspector, self)  # the inspector follows its block
         self.history_panels = HistoryPanels(self, self.block_watch)  # event log and the block's own history
         self.history_panels.set_source(self.source)
@@ -255,9 +257,10 @@ class MainWindow(QtWidgets.QMainWindow):
             self.status.show_state(self.source, now)
 
     def _on_frame(self, snapshot) -> None:
-        """A new live frame of the active source: metrics follow the present (history frames are not samples);
-        the event log gets the new frames' events."""
-        self.metrics.record(snapshot)
+        """A new live frame of the active source: metrics follow the present (history frames are not samples,
+        except a recording's, read back by the backfill); the event log gets the new frames' events."""
+        if not self.metrics_backfill.active:
+            self.metrics.record(snapshot, timed=self.source.feed.kind != "recording")
         self.status.frame_arrived(snapshot)
 
     def _on_view(self, snapshot) -> None:
@@ -296,6 +299,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self._select_when_present = None
         self.relocation.reset()
         self.metrics.clear()
+        if feed.kind == "recording":  # its frames are all in its history already: no live frame will bring them
+            self.metrics_backfill.start(feed.history)
+        else:
+            self.metrics_backfill.stop()
         self.status.reset_source()
         self.conversations.set_detokenizer(feed.detokenizer)  # the text of earlier turns (None: split as seen)
         self.conversations.refresh(_empty_view(feed))
@@ -508,6 +515,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.layout_memory.save(self)
         self._closed = True
         self.timer.stop()
+        self.metrics_backfill.stop()
         self.block_watch.stop()
         self.history_panels.stop()
         for source in self.sources:

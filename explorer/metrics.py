@@ -41,20 +41,25 @@ class MetricsHistory:
     def __init__(self):
         self.clear()
 
-    def record(self, snap: PoolSnapshot, now: float | None = None) -> None:
-        now = time.perf_counter() if now is None else now
+    def record(self, snap: PoolSnapshot, now: float | None = None, timed: bool = True) -> None:
+        """One sample of ``snap``. ``timed`` False: a frame read back from a history or recording, whose wall-clock
+        time is unknown, so its tokens/s is left out (NaN, not drawn) instead of measured against now."""
         mem, met = snap.memory, snap.metrics
-        self._rate_window.append((now, met.num_generated_tokens))
-        while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 1.0:
-            self._rate_window.popleft()
-        (t0, n0), (t1, n1) = self._rate_window[0], self._rate_window[-1]
-        rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        if timed:
+            now = time.perf_counter() if now is None else now
+            self._rate_window.append((now, met.num_generated_tokens))
+            while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 1.0:
+                self._rate_window.popleft()
+            (t0, n0), (t1, n1) = self._rate_window[0], self._rate_window[-1]
+            rate = max((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0, 0.0)
+        else:
+            rate = float("nan")
         if mem:
             pool = (mem.num_used_blocks, mem.num_cached_blocks, mem.num_free_blocks, mem.num_filled_slots,
                     mem.num_allocated_slots, mem.num_slots_saved_by_sharing, mem.num_contiguous_slots)
         else:
             pool = (0,) * 7
-        values = (snap.step_id, *pool, max(rate, 0.0), met.num_preemptions,  # in SERIES order
+        values = (snap.step_id, *pool, rate, met.num_preemptions,  # in SERIES order
                   100.0 * met.prefix_cache_hit_rate)
         if self.count and self.samples[_ROW["step"], self.count - 1] == snap.step_id:
             index = self.count - 1  # published again after a command, not a step: update the step's sample
@@ -73,6 +78,12 @@ class MetricsHistory:
         self.samples = np.zeros((len(SERIES), HISTORY))
         self.count = 0  # samples held, the newest at index count - 1
         self._rate_window: deque[tuple[float, int]] = deque()  # (time, tokens generated) over the last second
+
+
+def _top(values: np.ndarray) -> float:
+    """The largest measured value (0 when nothing was measured)."""
+    finite = values[np.isfinite(values)]
+    return float(finite.max()) if finite.size else 0.0
 
 
 MIN_PLOT_WIDTH, MIN_PLOT_HEIGHT = 230, 150  # pixels a plot needs for readable ticks and title
@@ -147,8 +158,8 @@ class MetricsPanel(QtWidgets.QWidget):
             self.until = step_id
             self._dirty = True
 
-    def record(self, snap: PoolSnapshot) -> None:
-        self.history.record(snap)
+    def record(self, snap: PoolSnapshot, timed: bool = True) -> None:
+        self.history.record(snap, timed=timed)
         self._dirty = True
 
     def redraw(self) -> None:
@@ -158,14 +169,14 @@ class MetricsPanel(QtWidgets.QWidget):
         keep = len(x) if self.until is None else int(np.searchsorted(x, self.until, side="right"))  # steps ascend
         x = x[:keep]
         for name, curve in self.curves:
-            curve.setData(x, self.history.series(name)[:keep])
+            curve.setData(x, self.history.series(name)[:keep], connect="finite")  # NaN: not measured
         held = keep > 0
         first = float(x[0]) if held else 0.0
         last = max(float(x[-1]) if held else 0.0, first + EMPTY_STEPS)
         if self.until is not None:  # the x axis ends at the step on view, even before its sample
             last = max(float(self.until), first + EMPTY_STEPS) if held else last
         for plot, names in self.plot_items:  # y from 0, so a flat line reads as a value, not as noise
-            top = max((float(self.history.series(n)[:keep].max()) for n in names), default=0.0) if held else 0.0
+            top = max((_top(self.history.series(n)[:keep]) for n in names), default=0.0) if held else 0.0
             plot.setYRange(0, max(top * 1.1, 1.0), padding=0)
             plot.setXRange(first, last, padding=0)
         self._dirty = False

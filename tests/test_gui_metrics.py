@@ -38,3 +38,12 @@ def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot):
         panel.record(blank(step))
     panel.redraw()
     assert all(r[:2] == (5, 39) for r in ranges(panel))
+
+
+def test_backfill_samples_spread_evenly_with_both_ends():
+    from explorer.metrics_backfill import sample_seqs
+    assert sample_seqs([3, 4, 5], most=10) == [3, 4, 5]
+    picked = sample_seqs(list(range(10_000)), most=1200)
+    assert len(picked) == 1200 and picked[0] == 0 and picked[-1] == 9_999
+    gaps = np.diff(picked)
+    assert gaps.min() >= 8 and gaps.max() <= 9  # even strides of 9999 / 1199

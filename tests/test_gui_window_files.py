@@ -3,6 +3,8 @@
 real engine, real pool stream over ipc)."""
 import json
 
+import numpy as np
+
 from PySide6 import QtGui
 
 from explorer import files
@@ -73,6 +75,16 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path):
     assert window.add_dialog is None and window.errors == []
     window.commands.fork(0)  # a direct call is refused with the reason, nothing sent
     assert RECORDING_READ_ONLY in window.statusBar().currentMessage()
+    # the metrics come from the recording itself (found in the X window: a recording's plots stayed empty)
+    steps = [history.step_of(s) for s in history.seqs()]
+    qtbot.waitUntil(lambda: not window.metrics_backfill.active, timeout=5000)
+    sampled = window.metrics.history.series("step")
+    assert sorted(set(sampled)) == sorted(set(steps))  # one sample per recorded step
+    assert np.isnan(window.metrics.history.series("tokens_per_s")).all()  # no wall clock in a recording
+    assert (window.metrics.history.series("used") > 0).all()
+    window.metrics.redraw()
+    x, _ = window.metrics.curves[0][1].getData()
+    assert x.max() == window.snapshot.step_id  # scrubbed to the first frame: metrics up to that step
 
 
 def test_a_bad_recording_is_refused_and_the_engine_keeps_running(qtbot, make_window, tmp_path):

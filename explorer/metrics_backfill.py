@@ -1,0 +1,69 @@
+"""Metrics for a source whose frames were recorded before the window saw them (a recording opened from disk).
+
+The metric plots are fed by live frames as they arrive. A recording has none: all its frames are already in its
+history, so its plots stayed empty and "metrics up to the step on view" showed nothing. This reads the history
+back, oldest first, into the metrics panel: at most as many frames as the panel keeps, spread evenly over the
+recording, a few milliseconds per timer tick so the window keeps drawing while it fills (a sequential read costs
+one delta per frame: the history continues from the frame it decoded last).
+"""
+from __future__ import annotations
+
+import time
+
+from PySide6 import QtCore
+
+from .metrics import HISTORY
+
+TICK_BUDGET_S = 0.008  # GUI-thread time one tick may spend reading frames
+
+
+def sample_seqs(seqs: list[int], most: int = HISTORY) -> list[int]:
+    """At most ``most`` of ``seqs`` (ascending), spread evenly, the first and the last always included."""
+    if len(seqs) <= most:
+        return list(seqs)
+    stride = (len(seqs) - 1) / (most - 1)
+    return sorted({seqs[round(i * stride)] for i in range(most)})
+
+
+class MetricsBackfill(QtCore.QObject):
+    """Reads a history's frames into a MetricsPanel, a slice per timer tick; :meth:`stop` abandons it."""
+
+    def __init__(self, panel, parent: QtCore.QObject | None = None):
+        super().__init__(parent)
+        self.panel = panel  # the MetricsPanel to fill
+        self.history = None  # the kvstream History being read, None when idle
+        self.pending: list[int] = []  # frames still to read, ascending
+        self.timer = QtCore.QTimer(self)
+        self.timer.setInterval(0)
+        self.timer.timeout.connect(self._tick)
+
+    @property
+    def active(self) -> bool:
+        return self.history is not None
+
+    def start(self, history) -> None:
+        """Read ``history`` (all it keeps now) into the panel, from an empty panel."""
+        self.stop()
+        if history is None or len(history) == 0:
+            return
+        self.history = history
+        self.pending = sample_seqs(history.seqs())
+        self.pending.reverse()  # popped from the end: oldest first
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+        self.history = None
+        self.pending = []
+
+    def _tick(self) -> None:
+        end = time.perf_counter() + TICK_BUDGET_S
+        while self.pending and time.perf_counter() < end:
+            seq = self.pending.pop()
+            try:
+                snapshot = self.history.snapshot_at(seq)
+            except LookupError:  # dropped from the history meanwhile (its budget)
+                continue
+            self.panel.record(snapshot, timed=False)
+        if not self.pending:
+            self.stop()
