@@ -407,6 +407,7 @@ class RestartDialog(_FormDialog):
         self.checkpoint = QtWidgets.QRadioButton("checkpoint:")
         self.path = QtWidgets.QLineEdit("" if current.model == "builtin" else current.model)
         self.path.setPlaceholderText("directory with config.json and *.safetensors")
+        self.path.setMinimumWidth(self.path.fontMetrics().horizontalAdvance(self.path.placeholderText()) + 24)
         self.browse = QtWidgets.QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
         (self.builtin if current.model == "builtin" else self.checkpoint).setChecked(True)

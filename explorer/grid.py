@@ -190,8 +190,10 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
     fill32, empty32 = as_u32(fill), as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
     if geo.striped:
         profile = np.where(slot[None, :] < num_filled[:, None], fill32[:, None], empty32[:, None])  # [n, T]
-        if separator.any():
-            profile[:, separator] = as_u32(palette.scale(as_rgba(profile[:, separator]), 0.7))
+        if separator.any():  # slot boundaries in blocks that hold tokens; a free block is one plain cell (its
+            holding = np.asarray(snapshot.state) != BlockState.FREE  # stripes read as cell gaps at block size 8)
+            lines = profile[holding][:, separator]  # [holding blocks, separator columns]
+            profile[np.ix_(holding, separator)] = as_u32(palette.scale(as_rgba(lines), 0.7))
     else:
         level = np.clip(num_filled / snapshot.block_size, 0.0, 1.0).astype(np.float32)[:, None]
         shade = (empty.astype(np.float32) * (1 - level) + fill.astype(np.float32) * level).astype(np.uint8)

@@ -380,3 +380,17 @@ def test_every_cell_gap_survives_a_small_view(qtbot):
         inside = view.view.mapFromScene(view.box.mapViewToScene(QtCore.QPointF(0.85, 1.75)))  # clear of id labels
         assert runs([(x, inside.y()) for x in range(image.width())]) == geo.cols, (width, height)
         assert runs([(inside.x(), y) for y in range(image.height())]) == geo.rows, (width, height)
+
+
+def test_free_blocks_are_plain_cells_and_used_ones_show_their_slots():
+    """Found in the X window at block size 8: slot separators in every free cell read like the gaps between
+    cells, so the pool looked like a grid of thin stripes."""
+    snap = make_snapshot(num_blocks=16, block_size=8, used=[(0, 1, 8, 1)])
+    geo = grid_geometry(16, 8, pixels_per_cell=40)
+    assert geo.striped
+    image = snapshot_to_rgba(snap, "owner", geometry=geo)
+    t = geo.tile
+    free = image[t + t // 2, 1:t]  # a free cell's middle pixel row, past its gap column
+    assert (free[:, :3] == palette.FREE[:3]).all()
+    used = image[t // 2, 1:t, :3]
+    assert len({tuple(px) for px in used}) == 2  # the owner's colour and the darker slot separators
