@@ -74,6 +74,7 @@ class Commands(QtCore.QObject):
         dialog = AddConversationDialog(self._tokenize, self.source.futures.watch, self.source.live, self.window,
                                        submit=self.send_add)
         dialog.accepted.connect(lambda: self._select_answer(dialog.answer))
+        self._ids_only(dialog)
         self.add_dialog = dialog
         dialog.open()
         return dialog
@@ -116,9 +117,17 @@ class Commands(QtCore.QObject):
             return None
         dialog = ReplyDialog(cid, info.num_tokens, lambda text: self._tokenize(text, continuation=True),
                              self.source.futures.watch, snap, self.window, submit=self.send_reply)
+        self._ids_only(dialog)
         self.reply_dialog = dialog
         dialog.open()
         return dialog
+
+    def _ids_only(self, dialog) -> None:
+        """A model without a tokenizer takes token ids only: the dialog opens in that mode and says why."""
+        if not self.source.feed.takes_text:
+            dialog.set_ids_mode(True)
+            dialog.mode.setEnabled(False)
+            dialog.mode.setToolTip("This model has no tokenizer (no tokenizer.json): prompts are token ids.")
 
     def send_reply(self, request) -> Future:
         """Send a reply request (text or token ids); errors are left to the dialog."""

@@ -37,6 +37,7 @@ class EngineFeed(Feed):
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
                                          has_physical_pool=True)
         self._closed = False
+        self._takes_text: bool | None = None  # asked of the engine's tokenizer once, when first needed
 
     @classmethod
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
@@ -89,6 +90,18 @@ class EngineFeed(Feed):
             return self.runner.engine.token_text(token_id)  # the tokenizer is read-only after load
         except (AttributeError, ValueError, IndexError, KeyError):
             return None
+
+    @property
+    def takes_text(self) -> bool:
+        """False for a checkpoint without a tokenizer: its ``tokenize`` refuses any text (a pure function of the
+        tokenizer, so asking from the GUI thread is fine)."""
+        if self._takes_text is None:
+            try:
+                self.runner.engine.tokenize("a")
+                self._takes_text = True
+            except ValueError:  # EngineError: "this checkpoint has no tokenizer.json ..."
+                self._takes_text = False
+        return self._takes_text
 
     @property
     def detokenizer(self):

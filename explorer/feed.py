@@ -83,6 +83,11 @@ class Feed:
         return None
 
     @property
+    def takes_text(self) -> bool:
+        """Whether prompts may be text (False: the model has no tokenizer, so only token ids)."""
+        return True
+
+    @property
     def detokenizer(self):
         """``token_ids -> text`` with the source's own tokenizer (the text of a conversation's earlier turns), or
         None when the source has none."""

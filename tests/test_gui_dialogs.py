@@ -194,7 +194,13 @@ def test_checkpoint_without_tokenizer_explains_at_the_prompt(qtbot, make_window,
     qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
     assert window.runner.paused  # a restart keeps the engine paused when it was
     sent = spy_on_submit(window)
-    dialog = open_add_dialog(window, "Hello")
+    dialog = window.open_add_dialog()
+    assert dialog.ids_mode() and not dialog.mode.isEnabled()  # no tokenizer: the dialog opens taking ids
+    assert "no tokenizer" in dialog.mode.toolTip()
+    dialog.reject()
+    dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot, window)
+    dialog.open()
+    dialog.prompt.setPlainText("Hello")  # text anyway (a dialog not told): the engine's tokenizer says why not
     dialog.try_accept()
     qtbot.waitUntil(lambda: "tokenizer" in dialog.error_text("prompt"), timeout=3000)
     assert "Switch 'Prompt as' to token ids" in dialog.error_text("prompt") and dialog.isVisible()
