@@ -91,7 +91,7 @@ def bench_record(rounds: int, steps: int) -> None:
     print(f"bytes per frame: median {statistics.median(sizes):.0f}")
 
 
-def bench_jump(num_steps: int) -> None:
+def record_jump_workload(num_steps: int) -> Path:
     print(f"== jump: a {num_steps}-step recording, {BIG['num_blocks']} blocks, {CONVERSATIONS} conversations "
           "decoding (replenished as they finish)")
     rng = random.Random(0)
@@ -106,8 +106,9 @@ def bench_jump(num_steps: int) -> None:
     with Recorder(path) as recorder:
         for step in range(num_steps):
             engine.step()
+            snap, events = engine.snapshot(), take_events(engine)
             t0 = time.perf_counter()
-            recorder.write(encoder.encode(engine.snapshot(), take_events(engine)))
+            recorder.write(encoder.encode(snap, events))
             cost.append(time.perf_counter() - t0)
             snap_convs = {c.conversation_id: c for c in engine.conversations()} if step % 8 == 0 else None
             if snap_convs is not None:
@@ -122,8 +123,13 @@ def bench_jump(num_steps: int) -> None:
     metrics = engine.snapshot().metrics
     size = path.stat().st_size
     print(f"recorded {recorder.frames_written} frames, {size / 2**20:.1f} MiB ({size / recorder.frames_written:.0f} "
-          f"bytes/frame incl. keyframes); {added} conversations, {metrics.num_evictions} evictions; snapshot + "
+          f"bytes/frame incl. keyframes); {added} conversations, {metrics.num_evictions} evictions; "
           f"encode + write: median {statistics.median(cost) * 1e3:.2f} ms, p99 {pct(cost, 0.99) * 1e3:.2f} ms")
+    return path
+
+
+def bench_jump(path: Path) -> None:
+    print(f"== jump: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     t0 = time.perf_counter()
     history = open_recording(path)
     print(f"open: {time.perf_counter() - t0:.2f} s for {len(history)} frames "
@@ -132,30 +138,25 @@ def bench_jump(num_steps: int) -> None:
     worst = [k - 1 for k in keys[1:]]  # the frame before each keyframe: the longest run of deltas to decode
     rng = random.Random(1)
 
-    def cold(seq):  # a jump nothing cached helps: a fresh view of the same file
-        with open_recording(path) as fresh:
-            t = time.perf_counter()
-            fresh.snapshot_at(seq)
-            return (time.perf_counter() - t) * 1e3
+    def timed(seq, cold):  # (wall ms, CPU ms): CPU time is what the jump costs when the machine is shared
+        if cold:
+            history.drop_cache()  # nothing cached helps: decode from the keyframe before it
+        t, c = time.perf_counter(), time.process_time()
+        history.snapshot_at(seq)
+        return (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
 
-    random_ms = [cold(rng.randrange(len(history))) for _ in range(30)]
-    worst_ms = [cold(seq) for seq in rng.sample(worst, min(15, len(worst)))]
-    warm = []
-    for seq in rng.sample(range(len(history)), 30):  # jumps within one view (its decode cache and checkpoints)
-        t = time.perf_counter()
-        history.snapshot_at(seq)
-        warm.append((time.perf_counter() - t) * 1e3)
+    def show(what, runs):
+        wall, cpu = [w for w, _ in runs], [c for _, c in runs]
+        print(f"{what}: wall median {statistics.median(wall):.1f} ms, max {max(wall):.1f} ms; CPU median "
+              f"{statistics.median(cpu):.1f} ms, max {max(cpu):.1f} ms ({len(runs)} jumps)")
+
+    show("jump, cold, random frame", [timed(rng.randrange(len(history)), True) for _ in range(30)])
+    show("jump, cold, frame before a keyframe (worst)", [timed(s, True) for s in rng.sample(worst, min(15, len(worst)))])
+    show("jump, warm (decode cache, checkpoints), random frame",
+         [timed(s, False) for s in rng.sample(range(len(history)), 30)])
     mid = worst[len(worst) // 2]
-    scrub = []
-    for seq in list(range(mid, mid - 40, -1)) + list(range(mid - 40, mid)):  # one frame back, then forward
-        t = time.perf_counter()
-        history.snapshot_at(seq)
-        scrub.append((time.perf_counter() - t) * 1e3)
-    print(f"jump, cold, random frame: median {statistics.median(random_ms):.1f} ms, max {max(random_ms):.1f} ms")
-    print(f"jump, cold, frame before a keyframe (worst): median {statistics.median(worst_ms):.1f} ms, "
-          f"max {max(worst_ms):.1f} ms")
-    print(f"jump, same view, random frame: median {statistics.median(warm):.1f} ms, max {max(warm):.1f} ms")
-    print(f"scrub one frame back/forward: median {statistics.median(scrub):.2f} ms, max {max(scrub):.1f} ms")
+    show("scrub one frame back, then forward",
+         [timed(s, False) for s in list(range(mid, mid - 40, -1)) + list(range(mid - 40, mid))])
     history.close()
 
 
@@ -187,6 +188,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=8)
     parser.add_argument("--jump-steps", type=int, default=10000)
+    parser.add_argument("--jump-file", type=Path, help="jump around this recording instead of recording one")
     parser.add_argument("--bytes-steps", type=int, default=400)
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -195,7 +197,7 @@ def main() -> None:
     if "record" in sections:
         bench_record(args.rounds, args.steps_per_round)
     if "jump" in sections:
-        bench_jump(args.jump_steps)
+        bench_jump(args.jump_file or record_jump_workload(args.jump_steps))
 
 
 if __name__ == "__main__":

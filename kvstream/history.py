@@ -17,6 +17,8 @@ import threading
 from collections import OrderedDict
 from typing import Iterable
 
+import numpy as np
+
 from .events import BlockEvent, EventKind
 from .poolstream import Frame, StreamDecoder, StreamError, encode_keyframe, read_head
 from .views import PoolSnapshot
@@ -47,7 +49,11 @@ class History:
         self._steps: list[int] = []  # step_id of each frame, non-decreasing
         self._keys: list[int] = []  # seqs of the keyframes among them, ascending
         self._nbytes = 0  # cost of the kept frames (payloads + FRAME_OVERHEAD + EVENT_OVERHEAD per event)
-        self._touch: dict[int, list[int]] = {}  # block id -> seqs of the frames whose events name it, ascending
+        # (block id, seq) of every block a kept frame's events name, in seq order: two flat lists of ints, not one
+        # list per block, so that the garbage collector has two objects to walk, not 65,536
+        self._touch_blocks: list[int] = []
+        self._touch_seqs: list[int] = []
+        self._touch_np: tuple[np.ndarray, np.ndarray] | None = None  # the same as arrays, for lookups (None: stale)
         self._cleared: list[int] = []  # seqs of frames with a CLEARED event
         self._budget = 0
         self.read_only = False  # a recording opened from disk takes no frames
@@ -156,18 +162,17 @@ class History:
             self._index_events(frame.seq, frame.events)
 
     def _index_events(self, seq: int, events: Iterable[BlockEvent]) -> None:
-        touch = self._touch
+        named: set[int] = set()
         for e in events:
             if e.kind == EventKind.CLEARED:
                 if not self._cleared or self._cleared[-1] != seq:
                     self._cleared.append(seq)
-            for ids in (e.block_ids, e.new_block_ids):
-                for b in ids:
-                    seqs = touch.get(b)
-                    if seqs is None:
-                        touch[b] = [seq]
-                    elif seqs[-1] != seq:
-                        seqs.append(seq)
+            named.update(e.block_ids)
+            named.update(e.new_block_ids)
+        if named:
+            self._touch_blocks.extend(named)
+            self._touch_seqs.extend([seq] * len(named))
+            self._touch_np = None
 
     def write_many(self, frames: Iterable[Frame]) -> None:
         for frame in frames:
@@ -178,7 +183,15 @@ class History:
         with self._write_lock, self._lock:
             self._frames, self._seqs, self._steps, self._keys = [], [], [], []
             self._nbytes = 0
-            self._touch, self._cleared = {}, []
+            self._touch_blocks, self._touch_seqs, self._touch_np, self._cleared = [], [], None, []
+        with self._read_lock:
+            self._decoder = None
+            self._checkpoints.clear()
+            self._snapshots.clear()
+
+    def drop_cache(self) -> None:
+        """Forget decoded states and snapshots (they cost a copy of the pool each); the next access decodes from a
+        keyframe."""
         with self._read_lock:
             self._decoder = None
             self._checkpoints.clear()
@@ -211,7 +224,7 @@ class History:
         if run is not None:  # decode outside the lock: readers go on meanwhile (there is no other writer)
             decoder = StreamDecoder()
             for f in run:
-                decoder.apply(read_head(f.payload))
+                decoder.apply(read_head(f.payload, events=False))
             snap = decoder.snapshot()
             keyframe = encode_keyframe(snap, keep.seq, keep.stream_id, keep.events)
         with self._lock:
@@ -226,15 +239,9 @@ class History:
             if not self._keys or self._keys[0] != first:
                 self._keys.insert(0, first)
             del self._cleared[:bisect.bisect_left(self._cleared, first)]
-            for f in gone:  # prune the block index of what the dropped frames named
-                for e in f.events:
-                    for ids in (e.block_ids, e.new_block_ids):
-                        for b in ids:
-                            seqs = self._touch.get(b)
-                            if seqs is not None and seqs and seqs[0] < first:
-                                del seqs[:bisect.bisect_left(seqs, first)]
-                                if not seqs:
-                                    del self._touch[b]
+            stale = bisect.bisect_left(self._touch_seqs, first)  # the dropped frames' part of the block index
+            del self._touch_blocks[:stale], self._touch_seqs[:stale]
+            self._touch_np = None
         return True
 
     # ---- reading ------------------------------------------------------------------------------------------------
@@ -299,7 +306,7 @@ class History:
                 decoder = StreamDecoder()
             last = len(run) - 1
             for f in run[done - key_seq + 1:]:
-                decoder.apply(read_head(f.payload))
+                decoder.apply(read_head(f.payload, events=False))
                 offset = f.seq - key_seq
                 if offset % _CHECKPOINT_EVERY == 0 and 0 < offset < last and f.seq not in self._checkpoints:
                     self._keep_checkpoint(decoder)  # a later jump back into this run starts here
@@ -348,10 +355,13 @@ class History:
             self._index(seq)
             first = self._seqs[0]
             b, at = int(block_id), seq
+            if self._touch_np is None:
+                self._touch_np = (np.array(self._touch_blocks, np.int64), np.array(self._touch_seqs, np.int64))
+            blocks, frames = self._touch_np
             while True:
-                seqs = self._touch.get(b, ())
-                j = bisect.bisect_right(seqs, at) - 1
-                s = seqs[j] if j >= 0 else -1
+                seqs = frames[blocks == b]  # [frames naming b], ascending
+                j = int(np.searchsorted(seqs, at, side="right")) - 1
+                s = int(seqs[j]) if j >= 0 else -1
                 c = self._cleared[bisect.bisect_right(self._cleared, at) - 1] if self._cleared else -1
                 if c > at:
                     c = -1

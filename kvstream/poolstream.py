@@ -197,6 +197,19 @@ class _RawEnvelope(msgspec.Struct, array_like=True, frozen=True):
     body: Raw
 
 
+class _RawEnvelopeNoEvents(msgspec.Struct, array_like=True, frozen=True):
+    """The same, leaving the events undecoded too (a history already has them)."""
+
+    magic: str
+    format_version: int
+    stream_id: int
+    seq: int
+    step_id: int
+    keyframe: bool
+    events: Raw
+    body: Raw
+
+
 class _Version(msgspec.Struct, array_like=True):
     """The first two envelope elements, read before anything else so that a newer format is told as such."""
 
@@ -216,10 +229,11 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _MAGIC_BYTES = msgspec.msgpack.encode(MAGIC)  # how every message goes on after its array header
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Version)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_RawEnvelope)
+_ENVELOPE_NO_EVENTS_DECODER = msgspec.msgpack.Decoder(_RawEnvelopeNoEvents)
 _BODY_DECODER = msgspec.msgpack.Decoder(Body)
 
 
-class Frame(msgspec.Struct, frozen=True):
+class Frame(msgspec.Struct, frozen=True, gc=False):  # gc=False: bytes and events only, never in a cycle
     """One published state of a pool: what files and sockets carry (``payload``) plus what the history indexes.
 
     Encoded once by the runner's StreamEncoder; every sink (History, Recorder, publisher) gets the same object."""
@@ -236,7 +250,7 @@ class Frame(msgspec.Struct, frozen=True):
         return len(self.payload)
 
 
-class FrameHead(msgspec.Struct, frozen=True):
+class FrameHead(msgspec.Struct, frozen=True, gc=False):
     """A message's envelope without its body (cheap: what a reader needs to index a frame or skip a duplicate)."""
 
     stream_id: int
@@ -247,8 +261,10 @@ class FrameHead(msgspec.Struct, frozen=True):
     body: Raw  # the undecoded body
 
 
-def read_head(payload: bytes) -> FrameHead:
-    """Decode a message's envelope (not its body); StreamError if it is not a pool-stream message of a known version."""
+def read_head(payload: bytes, events: bool = True) -> FrameHead:
+    """Decode a message's envelope (not its body); StreamError if it is not a pool-stream message of a known version.
+
+    ``events=False`` leaves the events out (``()``), for a reader that has them already."""
     try:
         peek = _VERSION_DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
@@ -264,12 +280,12 @@ def read_head(payload: bytes) -> FrameHead:
         raise StreamError(f"this pool stream uses format version {version}, newer than this program reads "
                           f"(up to {FORMAT_VERSION}); update the explorer to read it")
     try:
-        env = _ENVELOPE_DECODER.decode(payload)
+        env = (_ENVELOPE_DECODER if events else _ENVELOPE_NO_EVENTS_DECODER).decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise StreamError(f"malformed pool-stream message: {_why(exc)}") from None
     if env.seq < 0:
         raise StreamError(f"malformed pool-stream message: negative frame number {env.seq}")
-    return FrameHead(env.stream_id, env.seq, env.step_id, env.keyframe, env.events, env.body)
+    return FrameHead(env.stream_id, env.seq, env.step_id, env.keyframe, env.events if events else (), env.body)
 
 
 def frame_from_payload(payload: bytes) -> Frame:
