@@ -27,6 +27,7 @@ COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110)  # fixed: resizing to contents
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
+TABLE_LINES = 4  # lines of block table shown before it scrolls
 MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
 
 
@@ -137,11 +138,19 @@ class ConversationDetail(QtWidgets.QWidget):
         self.table_label = QtWidgets.QLabel()
         self.table_label.setWordWrap(True)
         self.table_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.table_area = QtWidgets.QScrollArea()  # a long block table scrolls instead of hiding under the text
+        self.table_area.setWidgetResizable(True)
+        self.table_area.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+        self.table_area.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table_area.setWidget(self.table_label)
+        line = self.fontMetrics().lineSpacing()
+        self.table_area.setMinimumHeight(line + 4)
+        self.table_area.setMaximumHeight(TABLE_LINES * line + 6)
         self.text = QtWidgets.QTextBrowser()
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.title)
-        layout.addWidget(self.table_label)
+        layout.addWidget(self.table_area)
         layout.addWidget(self.text, 1)
         self._key = None  # what was drawn last (None: draw again)
         self._shown_id: int | None = None  # the conversation on display (None: the placeholder)

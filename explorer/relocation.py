@@ -120,6 +120,7 @@ class RelocationPanel(QtWidgets.QWidget):
         for label, value in memory_lines(mem):
             if label not in self._memory_labels:
                 widget = QtWidgets.QLabel()
+                widget.setWordWrap(True)  # a value grows as the pool fills ("776.0 KiB  (194 slots)"): wrap, not cut
                 self._memory_labels[label] = widget
                 self.memory.addRow(label + ":", widget)
             self._memory_labels[label].setText(value)
