@@ -30,6 +30,9 @@ MOUSE = (  # (gesture, what it does) on the grid
     ("Mouse wheel", "zoom; zoomed in, each cell shows its physical block id (and ×N when shared)"),
     ("Fit", "show the whole pool again"),
     ("Click a conversation", "select it: its blocks stay bright, every other block dims"),
+    ("Ctrl+Return", "in the add and reply dialogs: send (Return starts a new line, Tab goes to the next field)"),
+    ("Left / Right, Home", "on the timeline (click it first): one frame back or on (with Shift: to the previous or "
+                           "next mark), the oldest frame kept; End: back to live"),
 )
 LESSON_TEXT = ("The lesson replays the source text's experiment one position at a time: blocks of 4 slots, keys 0, "
                "query 1, values 1, 2, 3, ... When the fifth position arrives it takes a second block somewhere else "
