@@ -14,7 +14,9 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.rules import Rate
 
 KEYS = ("live", "engine", "gui", "pool", "model")
-STRETCH = {"live": 2, "engine": 4, "gui": 3, "pool": 6, "model": 2}  # about the length of each label's text
+STRETCH = {"live": 2, "engine": 4, "gui": 3, "pool": 6, "model": 0}  # about the length of each label's text
+PERMANENT = ("model",)  # always shown; the others give way to a transient message while it shows
+MODEL_WIDTH = 320  # pixels the model label may take (a long checkpoint path is elided)
 
 
 class CounterRate:
@@ -64,14 +66,23 @@ class ElidedLabel(QtWidgets.QLabel):
 
 
 class StatusBar(QtWidgets.QStatusBar):
-    """Permanent labels (live, engine rate, GUI rate, pool, model) plus Qt's transient messages."""
+    """Labels (live, engine rate, GUI rate, pool, model) plus Qt's transient messages.
+
+    The live, rate and pool labels are normal status-bar widgets, which a transient message covers while it shows;
+    the model's is permanent, at its own width. With every label permanent (and stretching), a message ("Demo: 21
+    of 32 requests were lowered ...") got the 2 pixels they left and was never seen."""
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.labels: dict[str, QtWidgets.QLabel] = {}
         for key in KEYS:
             label = ElidedLabel()
-            self.addPermanentWidget(label, STRETCH[key])
+            if key in PERMANENT:  # its own width (at most MODEL_WIDTH), no stretch: the rest is the message's
+                label.setSizePolicy(QtWidgets.QSizePolicy.Policy.Preferred, QtWidgets.QSizePolicy.Policy.Preferred)
+                label.setMaximumWidth(MODEL_WIDTH)
+                self.addPermanentWidget(label, 0)
+            else:
+                self.addWidget(label, STRETCH[key])
             self.labels[key] = label
         self.frames = Rate()  # frame-timer ticks: how often the GUI can show a new state
         self.redraws = Rate()  # grid redraws: how often it did

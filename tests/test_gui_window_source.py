@@ -144,3 +144,18 @@ def test_pool_source_without_history_refuses_to_seek(qtbot, make_window):
     with pytest.raises(LookupError, match="no history"):
         source.seek(0)
     assert source.viewing is None and window.pane.timeline.isHidden()
+
+
+def test_a_status_message_gets_room_to_be_read(qtbot, make_window):
+    """Found in a screenshot: the crowd demo's 'Demo: ... requests were lowered' never showed, because the
+    permanent labels (rates, pool, model) took the whole status bar and left the message no width."""
+    window = make_window(paused=True, size=(1366, 768))
+    message = "Demo: 21 of 32 requests were lowered to fit the pool or the model (conversation 2: ...)"
+    window.status.showMessage(message, 5000)
+    QtWidgets.QApplication.processEvents()
+    shown = [label for label in window.status.labels.values() if label.isVisible()]
+    room = min(label.geometry().left() for label in shown) if shown else window.status.width()
+    assert room >= window.status.fontMetrics().horizontalAdvance(message)
+    window.status.clearMessage()
+    QtWidgets.QApplication.processEvents()
+    assert all(label.isVisible() for label in window.status.labels.values())  # the rates are back
