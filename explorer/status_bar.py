@@ -84,10 +84,30 @@ class StatusBar(QtWidgets.QStatusBar):
             else:
                 self.addWidget(label, STRETCH[key])
             self.labels[key] = label
+        self._message: tuple[str, int, float] | None = None  # (text, timeout ms, when shown) of the last message
         self.frames = Rate()  # frame-timer ticks: how often the GUI can show a new state
         self.redraws = Rate()  # grid redraws: how often it did
         self.steps = CounterRate(window_s=2.0)  # step ids of arriving frames
         self.tokens = CounterRate(window_s=2.0)  # generated-token counter of arriving frames
+
+    def showMessage(self, text: str, timeout: int = 0) -> None:
+        self._message = (text, int(timeout), time.perf_counter())
+        super().showMessage(text, timeout)
+
+    def showEvent(self, event: QtGui.QShowEvent) -> None:
+        """A message shown before the bar was (main.py's demo notes) found the labels not yet visible, so Qt did not
+        hide them, and the two were drawn over each other: say it again now, for the time it has left."""
+        super().showEvent(event)
+        if self._message is not None and self.currentMessage() == self._message[0]:
+            text, timeout, start = self._message
+            left = timeout - int(1000 * (time.perf_counter() - start)) if timeout else 0
+            if not timeout or left > 0:
+                QtCore.QTimer.singleShot(0, lambda: self._say_again(text, max(left, 1) if timeout else 0))
+
+    def _say_again(self, text: str, timeout: int) -> None:
+        if self.currentMessage() == text:
+            super().clearMessage()  # Qt ignores a message equal to the one it shows: clear it first
+            super().showMessage(text, timeout)
 
     # ---- what is counted ---------------------------------------------------------------------------------------
     def frame_ticked(self, now: float | None = None) -> None:

@@ -151,7 +151,10 @@ def test_a_status_message_gets_room_to_be_read(qtbot, make_window):
     permanent labels (rates, pool, model) took the whole status bar and left the message no width."""
     window = make_window(paused=True, size=(1366, 768))
     message = "Demo: 21 of 32 requests were lowered to fit the pool or the model (conversation 2: ...)"
+    window.hide()  # main.py says it before the window is first shown
     window.status.showMessage(message, 5000)
+    window.show()
+    qtbot.waitExposed(window)
     QtWidgets.QApplication.processEvents()
     shown = [label for label in window.status.labels.values() if label.isVisible()]
     room = min(label.geometry().left() for label in shown) if shown else window.status.width()
