@@ -175,6 +175,7 @@ class EventLog(QtWidgets.QDockWidget):
         self.kinds_button.setText("Kinds")
         self.kinds_button.setToolTip("Which kinds of event to list (notable ones by default)")
         self.kinds_button.setPopupMode(QtWidgets.QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.kinds_button.setMinimumWidth(self.kinds_button.sizeHint().width())  # the text and its arrow
         self.kinds_menu = KindMenu(self.kinds_button, NOTABLE_KINDS)
         self.kinds_menu.kindsChanged.connect(lambda _kinds: self.apply_filters())
         self.kinds_button.setMenu(self.kinds_menu)

@@ -340,9 +340,10 @@ class Timeline(QtWidgets.QWidget):
         top.addWidget(self.live_button)
         bottom = QtWidgets.QHBoxLayout()
         bottom.setSpacing(3)
-        bottom.addWidget(self.kept_label, 1)
         bottom.addWidget(self.markers_button)
+        bottom.addWidget(self.kept_label, 1)  # right-aligned: "... 69 KiB of" runs into the budget box it names
         bottom.addWidget(self.budget_box)
+        self.kept_label.setAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(3, 1, 3, 1)
         layout.setSpacing(2)
