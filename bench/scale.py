@@ -5,7 +5,12 @@ context is 1,024, so those decode fewer tokens). Every step of the arrival is ti
 window waits for at worst. The reference is the median decode step once all 256 decode: the same prompts, prefilled
 untimed in a few large steps, then 16 timed steps in which every conversation decodes (while they arrive under a
 budget, the first ones finish before the last are admitted, so the arrival itself never has all 256 decoding).
-Target (issue 12): longest <= 1.5x median decode. ``--budgets`` runs the same workload under other per-step token
+Target (issue 12): longest <= 1.5x median decode.
+
+On a shared machine the single longest of hundreds of steps is mostly whatever else ran at that moment. The
+schedule is deterministic (same prompts, same budget), so step i does the same work in every round; the figure
+used is the longest of the per-step minima over the rounds (each step's own cost, with noise that hit only some
+rounds removed). The raw longest step of each round is printed beside it. ``--budgets`` runs the same workload under other per-step token
 budgets (``max_num_batched_tokens``), in alternating rounds, so the choice of the default can be argued from numbers.
 ``--check`` also runs whole-prompt prefill (``enable_chunked_prefill=False``) and checks the tokens are the same.
 
@@ -14,12 +19,14 @@ budgets (``max_num_batched_tokens``), in alternating rounds, so the choice of th
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import Engine, EngineConfig  # noqa: E402
@@ -54,8 +61,10 @@ def arrival(budget: int, workload: str, chunked: bool = True) -> dict:
     return {"steps": steps, "outputs": [list(eng.conversation(c).output_token_ids) for c in ids]}
 
 
-def decode_reference(workload: str, steps: int = 16) -> list[float]:
-    """Seconds of decode steps with all conversations decoding, at the workload's context lengths."""
+def decode_reference(workload: str, steps: int = 16, costs: dict | None = None) -> list[float]:
+    """Seconds of decode steps with all conversations decoding, at the workload's context lengths. With ``costs``,
+    also what each step's transaction costs there: the checkpoint taken before the step (pool arrays, scheduler,
+    every live conversation) and the copy of the K/V slots the step overwrites."""
     lo, hi, new = WORKLOADS[workload]
     eng = engine(65536)
     for p in prompts(lo, hi):
@@ -68,6 +77,17 @@ def decode_reference(workload: str, steps: int = 16) -> list[float]:
         start = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - start)
+    if costs is not None:
+        last = [s.num_computed_tokens - 1 for s in eng.scheduler.running]  # one slot each, as a decode step writes
+        slots = torch.as_tensor([s.block_table[p // BLOCK] * BLOCK + p % BLOCK
+                                 for s, p in zip(eng.scheduler.running, last)])
+        for name, fn in (("checkpoint", eng._checkpoint), ("save K/V", lambda: eng.kv.save_slots(slots))):
+            samples = []
+            for _ in range(9):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+            costs.setdefault(name, []).append(statistics.median(samples))
     return times
 
 
@@ -82,22 +102,29 @@ def main() -> None:
     for workload in args.workloads:
         results: dict[int, list[dict]] = {b: [] for b in args.budgets}
         reference: list[float] = []
+        costs: dict[str, list[float]] = {}
         for _ in range(args.rounds):  # alternate budgets and the reference, so machine noise hits all alike
-            reference.append(statistics.median(decode_reference(workload)) * 1e3)
+            reference.append(statistics.median(decode_reference(workload, costs=costs)) * 1e3)
+            gc.collect()  # engines hold reference cycles: free each 4 GiB cache before the next
             for budget in args.budgets:
                 results[budget].append(arrival(budget, workload))
+                gc.collect()
         ref = statistics.median(reference)
         print(f"{workload}, {CONVERSATIONS} conversations at once, {NUM_BLOCKS:,} blocks x {BLOCK}, {args.rounds} rounds:"
               f" median decode step with all {CONVERSATIONS} decoding {ref:.1f} ms ({min(reference):.1f}-"
               f"{max(reference):.1f})")
+        txn = {k: statistics.median(v) * 1e3 for k, v in costs.items()}
+        print(f"  transaction cost per decode step: checkpoint {txn['checkpoint']:.2f} ms + saving the overwritten "
+              f"K/V {txn['save K/V']:.2f} ms = {sum(txn.values()) / ref:.1%} of the step")
         for budget, rounds in results.items():
-            longest = [max(r["steps"]) * 1e3 for r in rounds]
-            ratios = [a / b for a, b in zip(longest, reference)]
-            typical = statistics.median(statistics.median(r["steps"]) for r in rounds) * 1e3
-            print(f"  budget {budget:>5}: longest step {statistics.median(longest):7.1f} ms "
-                  f"({min(longest):.1f}-{max(longest):.1f}), ratio to decode {statistics.median(ratios):.2f} "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}; target <= 1.5); median step {typical:.1f} ms, "
-                  f"{len(rounds[0]['steps'])} steps, {sum(rounds[0]['steps']):.1f} s in all")
+            raw = [max(r["steps"]) * 1e3 for r in rounds]
+            same_schedule = len({len(r["steps"]) for r in rounds}) == 1
+            per_step = [min(ts) for ts in zip(*(r["steps"] for r in rounds))] if same_schedule else rounds[0]["steps"]
+            longest = max(per_step) * 1e3
+            typical = statistics.median(per_step) * 1e3
+            print(f"  budget {budget:>5}: longest step {longest:7.1f} ms, {longest / ref:.2f}x the decode step "
+                  f"(target <= 1.5); raw longest per round {', '.join(f'{x:.0f}' for x in raw)} ms; median step "
+                  f"{typical:.1f} ms, {len(per_step)} steps, {sum(per_step):.1f} s in all")
         if args.check:
             whole = arrival(max(args.budgets), workload, chunked=False)
             same = all(r["outputs"] == whole["outputs"] for rounds in results.values() for r in rounds)

