@@ -16,7 +16,6 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvstream.rules import blocks_needed  # noqa: F401 (the old import path; new code imports kvstream.rules)
 from kvstream.views import NO_HASH, BlockState
 
 
@@ -71,6 +70,7 @@ class BlockPool:
         self.queued_at = np.arange(num_blocks, dtype=np.int64)  # order stamp in the free or cached queue
         self._stamp = num_blocks  # next queue stamp
         self.hashed: dict[int, HashedBlock] = {}  # prefix hash -> what it names (kept while some block has it)
+        self._dropped: dict[int, HashedBlock] = {}  # records dropped since the last checkpoint (for a restore)
         self.clock = 0  # current engine step, stamped into last_access
         self._rebuild_derived()
 
@@ -183,7 +183,7 @@ class BlockPool:
         h = int(self.block_hash[block])
         if h != NO_HASH:
             self.hash_to_block.pop(h, None)
-            self.hashed.pop(h, None)
+            self._dropped.setdefault(h, self.hashed.pop(h))
         self.block_hash[block] = NO_HASH
 
     def clear_hashes(self) -> list[int]:
@@ -198,6 +198,8 @@ class BlockPool:
         self._cached.clear()
         self.block_hash[:] = NO_HASH
         self.hash_to_block.clear()
+        for h, record in self.hashed.items():
+            self._dropped.setdefault(h, record)
         self.hashed.clear()
         return cached
 
@@ -216,14 +218,17 @@ class BlockPool:
 
     # ---- rollback -------------------------------------------------------------------------------------------
     def checkpoint(self) -> tuple:
-        """Everything needed to undo changes made after this call (array copies; cheap even at 65,536 blocks)."""
-        return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, dict(self.hashed), self.clock)
+        """Everything needed to undo changes made after this call: array copies (cheap even at 65,536 blocks); the
+        hashed-block records are immutable, so only the ones dropped from now on are remembered."""
+        self._dropped = {}
+        return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, self.clock)
 
     def restore(self, checkpoint: tuple) -> None:
-        *arrays, self._stamp, hashed, self.clock = checkpoint
+        *arrays, self._stamp, self.clock = checkpoint
         for name, array in zip(_ARRAYS, arrays):
             setattr(self, name, array)
-        self.hashed = hashed
+        self.hashed.update(self._dropped)  # records added since are dropped by the rebuild (no block has them)
+        self._dropped = {}
         self._rebuild_derived()
 
     # ---- invariants -----------------------------------------------------------------------------------------

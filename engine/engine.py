@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Sequence as Seq
 
 import numpy as np
@@ -35,8 +36,8 @@ from .relocation import RelocationReport
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .snapshot import BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
-from .validation import (check_bool, check_int, check_max_new_tokens, check_seed, check_temperature, check_text,
-                         check_token_ids, is_int)
+from .validation import (MAX_SEED, check_bool, check_int, check_max_new_tokens, check_seed, check_temperature,
+                         check_text, check_token_ids, is_int)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay inside torch's range
@@ -162,7 +163,7 @@ class Engine:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return {
             "manager": self.manager.begin(), "scheduler": self.scheduler.checkpoint(),
-            "seqs": {s.seq_id: s.checkpoint() for s in live}, "seq_ids": set(self.seqs),
+            "seqs": {s.seq_id: s.checkpoint() for s in live},
             "counters": (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated,
                          self.num_prefill, self.last_step_seconds, self.last_step_tokens, self.last_step_prefill),
             "finished": list(self.views.finished), "generators": {}, "kv": [], "stored": dict(self.seqs),
@@ -185,11 +186,16 @@ class Engine:
         if prepared is not None:
             parts.append(prepared.meta.slot_mapping)
         if parts:
-            self._txn["kv"].append(self.kv.save_slots(torch.cat(parts)))
+            self.on_rollback(partial(self.kv.restore_slots, self.kv.save_slots(torch.cat(parts))))
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` if the open transaction is rolled back (undos run newest first, before the bookkeeping is
+        restored): how K/V changes, which live outside the checkpoint, are taken back."""
+        self._txn["kv"].append(undo)
 
     def _restore(self, txn: dict) -> None:
-        for saved in reversed(txn["kv"]):  # newest first: the oldest copy of a slot is what stays
-            self.kv.restore_slots(saved)
+        for undo in reversed(txn["kv"]):  # newest first: the oldest copy of a slot is what stays
+            undo()
         self.seqs = txn["stored"]
         for seq_id, checkpoint in txn["seqs"].items():
             self.seqs[seq_id].restore(checkpoint)
@@ -276,7 +282,7 @@ class Engine:
             first = self._add(*request)
             ids = [first.seq_id]
             for i in range(1, n):
-                sample_seed = None if base is None else (base + i) % (2**32)
+                sample_seed = None if base is None else (base + i) % (MAX_SEED + 1)
                 ids.append(self._fork(first, sample_seed, reason="sample").seq_id)
             return tuple(ids)
 

@@ -110,9 +110,8 @@ class KVCacheManager:
         self.holders[block] = {seq_id}
         return block, evicted
 
-    def _allocate(self, seq: Sequence, n: int) -> list[int]:
-        if n <= 0:
-            return []
+    def _take_blocks(self, seq: Sequence, n: int) -> list[int]:
+        """``n`` blocks for ``seq``, with one EVICTED event for the cached ones among them."""
         blocks, evicted_blocks, evicted_hashes = [], [], []
         for _ in range(n):
             block, evicted = self._take(seq.seq_id)
@@ -124,6 +123,12 @@ class KVCacheManager:
             self.num_evictions += len(evicted_blocks)
             self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(evicted_blocks),
                       block_hashes=tuple(evicted_hashes))
+        return blocks
+
+    def _allocate(self, seq: Sequence, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        blocks = self._take_blocks(seq, n)
         self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
         return blocks
 
@@ -147,10 +152,7 @@ class KVCacheManager:
         index = seq.num_computed_tokens // bs
         if index < len(table) and pool.ref_count[table[index]] > 1:  # never write into a block others read
             src = table[index]
-            dst, evicted = self._take(seq.seq_id)
-            if evicted != NO_HASH:
-                self.num_evictions += 1
-                self.emit(EventKind.EVICTED, seq.seq_id, block_ids=(dst,), block_hashes=(evicted,))
+            dst = self._take_blocks(seq, 1)[0]
             filled = seq.num_computed_tokens - index * bs
             pool.set_filled(dst, filled)
             self._drop(src, seq.seq_id)

@@ -314,10 +314,10 @@ class ToyPagedSequence:
                     f"It does not shorten the context. Output: mean(1..{n}) = {_num(self.expected())}.")
         if n == 2 * bs:
             return ("Full blocks can be shared",
-                    f"Both blocks are full. A full block never changes again, which is what prefix caching uses: "
-                    f"another sequence starting with the same tokens could point its table at the same physical "
-                    f"blocks (the ref count counts the tables naming a block) instead of storing them twice. "
-                    f"Paging makes that sharing possible; prefix caching decides when to do it.")
+                    "Both blocks are full. A full block never changes again, which is what prefix caching uses: "
+                    "another sequence starting with the same tokens could point its table at the same physical "
+                    "blocks (the ref count counts the tables naming a block) instead of storing them twice. "
+                    "Paging makes that sharing possible; prefix caching decides when to do it.")
         if not self.can_step():
             return ("The pool is full",
                     f"{n} positions fill all the blocks the lesson can get; B and D keep theirs. A real engine "

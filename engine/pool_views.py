@@ -9,10 +9,11 @@ from collections import deque
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
                             PoolSnapshot, frozen_array)
+
+from kvstream.rules import hash_note
 
 from .errors import EngineError
 from .sequence import Sequence
@@ -58,10 +59,9 @@ class PoolViews:
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
         """Live conversations and the most recent finished ones (the window), by id."""
-        eng = self.engine
-        shown = sorted(s for s in eng.seqs if not eng.seqs[s].is_finished)
-        shown = sorted(shown + list(self.finished))
-        return tuple(self.info(eng.seqs[i]) for i in shown)
+        seqs = self.engine.seqs
+        shown = sorted([i for i, s in seqs.items() if not s.is_finished] + list(self.finished))
+        return tuple(self.info(seqs[i]) for i in shown)
 
     # ---- pool -----------------------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
@@ -132,17 +132,7 @@ class PoolViews:
             positions = tuple(range(record.start, record.start + len(tokens)))
         else:
             tokens, positions = (), ()
-        if state == BlockState.FREE:
-            note = "free: holds no reusable KV"
-        elif h != NO_HASH:
-            note = ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
-                    + (" (cached: free, evicted least-recently-used first)" if state == BlockState.CACHED else ""))
-        elif filled < bs:
-            note = f"partially filled ({filled}/{bs}): only full blocks are hashed and shared through the prefix cache"
-        elif not pool.enable_prefix_caching:
-            note = "full, but prefix caching is off"
-        else:
-            note = "full, but the same prefix is already cached in another block"
+        note = hash_note(state, h != NO_HASH, filled, bs, pool.enable_prefix_caching)
         keys, values = eng.kv.read_block(b, filled)
         keys.setflags(write=False)
         values.setflags(write=False)

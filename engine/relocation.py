@@ -69,12 +69,12 @@ def relocate(engine: "Engine", seed, compact) -> dict[int, int]:
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"not enough memory to move {len(moved):,} blocks "
                               f"({len(moved) * engine.kv.bytes_per_block / 2**20:.0f} MiB of K/V): {exc}") from None
-        try:
-            engine.manager.relocate(new_id, engine.seqs.values())
-        except BaseException:
-            engine.kv.move_blocks(targets.tolist(), moved.tolist())  # put the K/V back, byte for byte
+        def put_back() -> None:  # the K/V back where it was, byte for byte, if the transaction rolls back
+            engine.kv.move_blocks(targets.tolist(), moved.tolist())
             engine.kv.restore_slots(overwritten)
-            raise
+
+        engine.on_rollback(put_back)
+        engine.manager.relocate(new_id, engine.seqs.values())
         engine.changed()
     return {int(b): int(new_id[b]) for b in moved if new_id[b] != b}
 

@@ -57,7 +57,7 @@ _RUNNER_COMMANDS = {"pause", "resume", "step_once", "set_speed", "add_observer",
 _ENGINE_COMMANDS = {
     "add_conversation", "add_samples", "fork_conversation", "end_conversation", "continue_conversation",
     "relocate_blocks", "relocate_and_verify", "reset_prefix_cache", "conversation", "inspect_block",
-    "probe_attention", "memory_stats", "tokenize", "detokenize",
+    "probe_attention", "memory_stats", "tokenize", "detokenize", "close",
 }
 
 
@@ -69,7 +69,8 @@ class EngineRunner:
         self.engine = engine
         self._commands: queue.Queue[Command] = queue.Queue()
         self._stop = threading.Event()
-        self._stopped = False  # set once stop() has drained the queue: later submits fail at once
+        self._stopped = False  # set once the queue has been drained at the end: later submits fail at once
+        self._lock = threading.Lock()  # orders submit() against that final drain
         self._paused = start_paused
         self._single_steps = 0
         self._max_steps_per_second = max_steps_per_second
@@ -91,10 +92,11 @@ class EngineRunner:
         if name not in _ENGINE_COMMANDS and name not in _RUNNER_COMMANDS:
             raise ValueError(f"unknown engine command {name!r}")
         command = Command(name, args, kwargs)
-        if self._stopped or self._stop.is_set():
-            command.future.set_exception(RunnerStopped("the engine has stopped; the command was not run"))
-            return command.future
-        self._commands.put(command)
+        with self._lock:  # against _fail_pending: a command is either queued before it drains, or refused here
+            if not self._stopped and not self._stop.is_set():
+                self._commands.put(command)
+                return command.future
+        command.future.set_exception(RunnerStopped("the engine has stopped; the command was not run"))
         return command.future
 
     def pause(self) -> Future:
@@ -145,21 +147,25 @@ class EngineRunner:
 
     def stop(self, timeout: float = 1.0) -> bool:
         """Stop the thread; returns True if it ended within ``timeout`` seconds. Commands still queued fail with
-        :class:`RunnerStopped`; later submits fail at once."""
+        :class:`RunnerStopped`; later submits fail at once. Once the thread has ended, the engine's sockets (KV-event
+        publishing) are closed, so a new engine can bind the same endpoint."""
         self._stop.set()
         self._commands.put(Command("pause"))  # wake a thread blocked on the queue
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._fail_pending()
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._fail_pending()
+        self.engine.close()
+        return True
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _fail(self, message: str, fatal: bool = False) -> None:
         self._failures.put(EngineFailure(self.latest.step_id, message, traceback.format_exc(), fatal))
 
     def _fail_pending(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -193,7 +199,7 @@ class EngineRunner:
                 result = None
             else:
                 result = getattr(self.engine, name)(*command.args, **command.kwargs)
-        except BaseException as exc:  # the client decides what to show; the thread goes on
+        except Exception as exc:  # the client decides what to show; the thread goes on
             command.future.set_exception(exc)
         else:
             command.future.set_result(result)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from kvstream.tokens import piece_text
+
 from .errors import EngineError
 
 BYTE_VOCAB = 256
@@ -77,8 +79,8 @@ class HFTokenizer:
         return text
 
     def token_text(self, token_id: int) -> str:
-        piece = self._tok.id_to_token(int(token_id))
-        return repr(piece)[1:-1] if piece is not None else f"<{token_id}>"
+        text = piece_text(self._tok, token_id)
+        return text if text is not None else f"<{token_id}>"
 
 
 class NoTokenizer:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from kvstream.tokens import piece_text
+
 from .feed import Capabilities, Feed, Problem
 
 RECORDING_READ_ONLY = "a recording replays what was recorded; it takes no commands"
@@ -20,12 +22,7 @@ def _tokenizer_text(tokenizer):
     if tokenizer is None:
         return None
 
-    def text(token_id: int) -> str | None:
-        try:
-            return tokenizer.decode([int(token_id)], skip_special_tokens=False)
-        except Exception:  # an id outside this tokenizer's vocabulary: show the id instead
-            return None
-    return text
+    return lambda token_id: piece_text(tokenizer, token_id)
 
 
 class RecordingFeed(Feed):
