@@ -118,6 +118,12 @@ class Engine:
         vLLM's max_model_len)."""
         return self.model_config.max_position_embeddings
 
+    # tokenize, detokenize, token_text and takes_text read only the (immutable) tokenizer: any thread may call them.
+    @property
+    def takes_text(self) -> bool:
+        """Whether prompts may be text (False for a checkpoint without a tokenizer: token ids only)."""
+        return getattr(self.tokenizer, "takes_text", True)
+
     def tokenize(self, text: str, continuation: bool = False) -> list[int]:
         """Token ids of ``text`` as a prompt takes them (a reply, ``continuation``, gets no BOS)."""
         text = check_text(text)

@@ -86,6 +86,8 @@ class HFTokenizer:
 class NoTokenizer:
     """For checkpoints without ``tokenizer.json``: token ids only."""
 
+    takes_text = False  # prompts must be token ids
+
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
