@@ -28,7 +28,7 @@ FRAME_OVERHEAD = 200  # bytes a kept frame costs beyond its payload (the Frame o
 EVENT_OVERHEAD = 250  # bytes a decoded BlockEvent costs in memory beyond the payload that also carries it
 _TRIM_TO = 7 / 8  # a trim brings the history down to this share of the budget (a trim re-keys, so not per frame)
 _SNAPSHOT_CACHE = 4  # rebuilt snapshots kept (the view and the frames next to it)
-_CHECKPOINT_EVERY = 32  # while fast-forwarding a long run of deltas, keep the decoder state every this many frames
+_CHECKPOINT_EVERY = 16  # scrubbing back through a run of deltas, keep the decoder state every this many frames
 _CHECKPOINTS = 8  # decoder states kept for jumps back (each holds one copy of the per-block arrays)
 _ENDS_CONTENT = frozenset({EventKind.ALLOCATED, EventKind.FREED, EventKind.EVICTED})  # the block's KV is gone
 
@@ -300,6 +300,9 @@ class History:
             if snap is not None and run[-1].stream_id == self._snapshot_stream:
                 self._snapshots.move_to_end(seq)
                 return snap
+            cached = self._decoder
+            # going back within the run the cache is in: the user scrubs backwards, so checkpoints will pay off
+            backward = (cached is not None and cached.stream_id == run[-1].stream_id and key_seq <= seq < cached.seq)
             decoder = self._resume(run, key_seq)
             done = decoder.seq if decoder is not None else key_seq - 1
             if decoder is None:
@@ -308,8 +311,9 @@ class History:
             for f in run[done - key_seq + 1:]:
                 decoder.apply(read_head(f.payload, events=False))
                 offset = f.seq - key_seq
-                if offset % _CHECKPOINT_EVERY == 0 and 0 < offset < last and f.seq not in self._checkpoints:
-                    self._keep_checkpoint(decoder)  # a later jump back into this run starts here
+                if backward and offset % _CHECKPOINT_EVERY == 0 and 0 < offset < last and \
+                        f.seq not in self._checkpoints:
+                    self._keep_checkpoint(decoder)  # the next step back starts here, not at the keyframe
             snap = decoder.snapshot()
             self._decoder = decoder
             self._snapshot_stream = run[-1].stream_id
