@@ -46,10 +46,15 @@ class PoolViews:
             return cached[1]
         tok = self.engine.tokenizer
         out = seq.output_token_ids
+        previous = cached[1] if cached is not None else None
+        if previous is not None and len(previous.prompt_token_ids) == seq.num_prompt_tokens:
+            prompt, prompt_text = previous.prompt_token_ids, previous.prompt_text  # a decode step: prompt unchanged
+        else:
+            prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
+            prompt_text = tok.decode(prompt)
         info = ConversationInfo(
-            conversation_id=seq.seq_id, status=seq.status, prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
-            output_token_ids=tuple(out), output_text=tok.decode(out, final=seq.is_finished),
-            prompt_text=tok.decode(seq.token_ids[: seq.num_prompt_tokens]),
+            conversation_id=seq.seq_id, status=seq.status, prompt_token_ids=prompt,
+            output_token_ids=tuple(out), output_text=tok.decode(out, final=seq.is_finished), prompt_text=prompt_text,
             block_table=tuple(seq.block_table), num_computed_tokens=seq.num_computed_tokens,
             num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
             parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,

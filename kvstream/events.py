@@ -46,8 +46,9 @@ NOTABLE_KINDS = frozenset({
 })
 
 
-class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One change to the pool, stamped with the step it happened in."""
+class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """One change to the pool, stamped with the step it happened in. Only ints, tuples, strings and None: it can
+    never be part of a reference cycle, so the garbage collector skips it (a history holds hundreds of thousands)."""
 
     step_id: int  # engine step during (or before, for commands between steps: the step it follows) which it happened
     kind: EventKind
