@@ -12,7 +12,7 @@ One message is a msgpack array, the **envelope**::
     ["kvpool", FORMAT_VERSION, stream_id, seq, step_id, keyframe, events, body]
 
 ``body`` is a map tagged by ``"kind"``: ``"keyframe"`` (:class:`Keyframe`) or ``"delta"`` (:class:`Delta`).
-``docs/notes/poolstream.md`` documents every field for people who read recordings from their own scripts.
+``docs/poolstream.md`` documents every field for people who read recordings from their own scripts.
 
 numpy + msgspec only (no torch, no Qt): the recorder, the ZMQ publisher, the GUI and the vLLM plugin share it.
 Nothing is ever pickled; decoding validates every field and raises :class:`StreamError` with a message a user can
