@@ -13,7 +13,10 @@ from PySide6 import QtCore, QtWidgets
 
 from kvstream.events import BlockEvent, EventKind
 
-MAX_LINES = 500  # lines the widget lists (the newest); the function itself returns them all
+from .event_text import block_phrase
+
+MAX_LINES = 500  # lines the widget lists (the newest); block_history() itself returns them all
+MAX_KEPT = 5000  # lines a live BlockStory keeps (the newest); older ones are counted, not kept
 
 
 class HistoryLine(NamedTuple):
@@ -50,63 +53,61 @@ def block_events(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> lis
 def block_history(events: Iterable[tuple[int, BlockEvent]], block_id: int) -> list[HistoryLine]:
     """What happened to the block that is ``block_id`` after the last of the (seq, event) pairs, in words, oldest
     first (see :func:`block_events`)."""
-    lines = []
-    hashed: bool | None = None  # whether the block holds a prefix hash now; None before any event tells
-    for seq, e, bid in block_events(events, block_id):
-        text = _line_text(e, bid, hashed)
-        hashed = _hashed_after(e, bid, hashed)
+    return BlockStory(block_id, events, limit=None).lines
+
+
+class BlockStory:
+    """One block's history, kept up to date as frames arrive: computed once from the events kept, then extended
+    with each new frame's events instead of being recomputed from every kept event.
+
+    At most ``limit`` lines are kept (the newest; ``dropped`` counts the older ones let go). :meth:`extend` declines
+    (returns False) when a new event relocates the block: the selection then follows it to its new id, and the
+    story is computed again for that id."""
+
+    def __init__(self, block_id: int, events: Iterable[tuple[int, BlockEvent]] = (), limit: int | None = MAX_KEPT):
+        self.block_id = block_id  # the block's id after the newest event seen
+        self.limit = limit  # lines kept at most (None: all)
+        self.lines: list[HistoryLine] = []  # oldest first
+        self.dropped = 0  # older lines let go to stay within ``limit``
+        self._hashed: bool | None = None  # whether the block holds a prefix hash after the newest line
+        for seq, e, bid in block_events(events, block_id):
+            self._add(seq, e, bid)
+        self._trim()
+
+    @property
+    def total(self) -> int:
+        """Lines of the whole story, kept or let go."""
+        return len(self.lines) + self.dropped
+
+    def extend(self, pairs: Iterable[tuple[int, BlockEvent]]) -> list[HistoryLine] | None:
+        """Add newer (seq, event) pairs, oldest first; returns the lines added, or None (nothing changed) when one
+        of them relocates this block (compute the story again for the id it moved to)."""
+        pairs = list(pairs)
+        b = self.block_id
+        for _, e in pairs:
+            if not isinstance(e, BlockEvent):
+                raise TypeError(f"a block's story takes (seq, BlockEvent) pairs, not {type(e).__name__}")
+            if e.kind == EventKind.RELOCATED and (b in e.block_ids or b in e.new_block_ids):
+                return None
+        before = len(self.lines)
+        for seq, e in pairs:
+            if e.kind in (EventKind.RELOCATED, EventKind.CLEARED) or b in e.block_ids or b in e.new_block_ids:
+                self._add(seq, e, b)
+        added = self.lines[before:]
+        self._trim()
+        return added
+
+    def _add(self, seq: int, e: BlockEvent, bid: int) -> None:
+        text = block_phrase(e, bid, self._hashed)
+        self._hashed = _hashed_after(e, bid, self._hashed)
         if text:
-            lines.append(HistoryLine(seq, e.step_id, text))
-    return lines
+            self.lines.append(HistoryLine(seq, e.step_id, text))
 
-
-def _line_text(e: BlockEvent, bid: int, hashed: bool | None) -> str:
-    who = f"conversation {e.conversation_id}"
-    kind = e.kind
-    if kind == EventKind.ALLOCATED:
-        return f"allocated to {who}"
-    if kind == EventKind.SHARED:
-        if e.reason == "prefix_hit":
-            return f"{who} reused it for its prompt (prefix cache hit)"
-        if e.reason == "fork":
-            return f"shared with {who}, a fork of conversation {e.other_id}"
-        return f"{who} took one more reference to it"
-    if kind == EventKind.COPIED_ON_WRITE:
-        src, dst = e.block_ids[0], e.new_block_ids[0]
-        if bid == dst and bid != src:
-            return f"made for {who} as a copy of block {src} (copy on write)"
-        return f"{who} wrote into it while shared: copied to block {dst}, which {who} holds instead"
-    if kind == EventKind.STORED:
-        k = e.block_ids.index(bid)
-        digest = f" (hash {e.block_hashes[k]:016x})" if k < len(e.block_hashes) else ""
-        owner = f" for {who}" if e.conversation_id >= 0 else ""
-        return f"full and hashed{owner}{digest}: a prompt with this prefix can reuse it"
-    if kind == EventKind.RELEASED:
-        return f"{who} let go of it; others still hold it"
-    if kind == EventKind.CACHED:
-        return f"{who} let go of it: free, KV kept cached for reuse"
-    if kind == EventKind.FREED:
-        return f"{who} let go of it: free"
-    if kind == EventKind.EVICTED:
-        return f"evicted: its cached KV dropped so {who} could have it" if e.conversation_id >= 0 else \
-            "evicted: its cached KV dropped"
-    if kind == EventKind.PREEMPTED:
-        return f"{who} preempted: lost it (to be recomputed)"
-    if kind == EventKind.RELOCATED:
-        if bid in e.new_block_ids:
-            old = e.block_ids[e.new_block_ids.index(bid)]
-            return f"moved from {old} to {bid} (every block moved)" if old != bid else \
-                f"stayed at {bid} when every block moved"
-        if bid in e.block_ids:
-            new = e.new_block_ids[e.block_ids.index(bid)]
-            return f"every block moved: what block {bid} held went to block {new}; nothing moved in"
-        return f"every block moved; block {bid} was free and stayed free"
-    if kind == EventKind.CLEARED:
-        if hashed is False:
-            return ""  # nothing to drop
-        return "prefix cache cleared: its hash dropped" if hashed else \
-            "prefix cache cleared: any hash it had was dropped"
-    return ""  # conversation events name no blocks
+    def _trim(self) -> None:
+        excess = 0 if self.limit is None else len(self.lines) - self.limit
+        if excess > 0:
+            del self.lines[:excess]
+            self.dropped += excess
 
 
 def _hashed_after(e: BlockEvent, bid: int, hashed: bool | None) -> bool | None:
@@ -122,8 +123,8 @@ def _hashed_after(e: BlockEvent, bid: int, hashed: bool | None) -> bool | None:
 class BlockHistoryView(QtWidgets.QWidget):
     """A short list of one block's history for the inspector; clicking a line asks to jump to its frame.
 
-    It is given events (from ``History.events()`` up to the frame on view), never a source, so it can sit in any
-    panel and be tested on its own.
+    It is given events (from ``History.events()`` up to the frame on view) or a :class:`BlockStory`, never a
+    source, so it can sit in any panel and be tested on its own.
     """
 
     lineActivated = QtCore.Signal(int, int)  # seq, step_id of the clicked line
@@ -131,7 +132,8 @@ class BlockHistoryView(QtWidgets.QWidget):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.block_id: int | None = None
-        self.lines: list[HistoryLine] = []
+        self.lines: list[HistoryLine] = []  # the lines listed (the newest MAX_LINES)
+        self.total = 0  # lines of the whole story (listed or not)
         self.title = QtWidgets.QLabel("Block history: select a block.")
         self.title.setWordWrap(True)
         self.list = QtWidgets.QListWidget()
@@ -148,28 +150,60 @@ class BlockHistoryView(QtWidgets.QWidget):
 
     def set_block(self, block_id: int | None, events: Iterable[tuple[int, BlockEvent]] = ()) -> None:
         """Show the history of ``block_id`` (None: nothing selected) from (seq, event) pairs, oldest first."""
-        lines = [] if block_id is None else block_history(events, block_id)  # raises before anything changes
-        self.set_lines(block_id, lines)
+        story = None if block_id is None else BlockStory(block_id, events, limit=None)  # raises before any change
+        self.show_story(block_id, story)
 
-    def set_lines(self, block_id: int | None, lines: list[HistoryLine]) -> None:
-        """Show lines computed elsewhere (say, on a worker thread)."""
-        self.block_id, self.lines = block_id, list(lines)
+    def show_story(self, block_id: int | None, story: BlockStory | None) -> None:
+        """Show a :class:`BlockStory` (None: nothing selected)."""
+        self.set_lines(block_id, story.lines if story is not None else [],
+                       total=story.total if story is not None else 0)
+
+    def set_lines(self, block_id: int | None, lines: list[HistoryLine], total: int | None = None) -> None:
+        """Show lines computed elsewhere; ``total``: how many the whole story has (more than ``lines`` when older
+        ones were let go)."""
+        self.block_id, self.lines = block_id, list(lines[-MAX_LINES:])
+        self.total = len(lines) if total is None else max(int(total), len(lines))
         self.list.clear()
-        if block_id is None:
-            self.title.setText("Block history: select a block.")
+        self._retitle()
+        if block_id is not None:
+            self._add_items(self.lines)
+
+    def add_lines(self, lines: list[HistoryLine], total: int | None = None) -> None:
+        """Append the newest lines of the block shown (a new frame's events) without rebuilding the list."""
+        if self.block_id is None or not lines:
             return
-        shown = self.lines[-MAX_LINES:]
-        if not self.lines:
-            self.title.setText(f"Block {block_id}: nothing happened to it in the history kept.")
-        elif len(shown) < len(self.lines):
-            self.title.setText(f"Block {block_id}: {len(self.lines):,} events; the newest {len(shown):,} listed.")
-        else:
-            self.title.setText(f"Block {block_id}: {_count(len(self.lines))} in the history kept.")
-        for line in shown:
+        bar = self.list.verticalScrollBar()
+        at_end = bar.value() >= bar.maximum() - 2
+        self.lines.extend(lines)
+        self.total = self.total + len(lines) if total is None else int(total)
+        excess = len(self.lines) - MAX_LINES
+        if excess > 0:
+            del self.lines[:excess]
+            for _ in range(min(excess, self.list.count())):
+                self.list.takeItem(0)  # the oldest go first (takeItem hands ownership back: it is deleted here)
+        self._add_items(lines[-MAX_LINES:], scroll=at_end)
+        self._retitle()
+
+    def _add_items(self, lines: list[HistoryLine], scroll: bool = True) -> None:
+        for line in lines:
             item = QtWidgets.QListWidgetItem(f"step {line.step_id:,}: {line.text}")
             item.setData(QtCore.Qt.ItemDataRole.UserRole, (line.seq, line.step_id))
             self.list.addItem(item)
-        self.list.scrollToBottom()
+        if scroll:
+            self.list.scrollToBottom()
+
+    def _retitle(self) -> None:
+        block = self.block_id
+        if block is None:
+            text = "Block history: select a block."
+        elif not self.total:
+            text = f"Block {block}: nothing happened to it in the history kept."
+        elif len(self.lines) < self.total:
+            text = f"Block {block}: {self.total:,} events; the newest {len(self.lines):,} listed."
+        else:
+            text = f"Block {block}: {_count(self.total)} in the history kept."
+        if self.title.text() != text:
+            self.title.setText(text)
 
     def _clicked(self, item: QtWidgets.QListWidgetItem) -> None:
         seq, step_id = item.data(QtCore.Qt.ItemDataRole.UserRole)

@@ -11,7 +11,6 @@ from PySide6 import QtCore
 
 from kvstream.events import EventKind
 
-from .snapshot_block import block_owners
 from .source import PoolSource
 
 INSPECT_INTERVAL_MS = 200  # at most 5 detail requests a second
@@ -32,7 +31,6 @@ class BlockWatch(QtCore.QObject):
         self._due = False
         self._pending = None
         self._key = None
-        self._seen_seq: int | None = None  # newest history frame whose events were checked for relocations
         self.timer = QtCore.QTimer(self)
         self.timer.setInterval(INSPECT_INTERVAL_MS)
         self.timer.timeout.connect(self._request)
@@ -46,19 +44,18 @@ class BlockWatch(QtCore.QObject):
             self.source.viewChanged.disconnect(self._on_view)
             self.source.sourceChanged.disconnect(self._on_source_changed)
             self.source.viewingChanged.disconnect(self._on_viewing)
+            self.source.eventsArrived.disconnect(self._on_events)
         self.source = source
         source.viewChanged.connect(self._on_view)
         source.sourceChanged.connect(self._on_source_changed)
         source.viewingChanged.connect(self._on_viewing)
+        source.eventsArrived.connect(self._on_events)
         self._on_source_changed(source.feed)
 
     def select(self, block_id: int | None) -> None:
         """The user picked a block (or nothing)."""
         self.block_id = None if block_id is None else int(block_id)
         self.moved_from = None
-        history = self.source.history
-        if history is not None and len(history):
-            self._seen_seq = history.last_seq  # relocations before the click do not move the new selection
         self.inspector.select(self.block_id, self.source.view)
         self._key = None
         self._due = self.block_id is not None
@@ -71,8 +68,6 @@ class BlockWatch(QtCore.QObject):
     # ---- following the source ---------------------------------------------------------------------------------
     def _on_source_changed(self, _feed) -> None:
         self._pending = None
-        history = self.source.history
-        self._seen_seq = history.last_seq if history is not None and len(history) else None
         if self.block_id is not None:
             self.select(None)
 
@@ -81,14 +76,13 @@ class BlockWatch(QtCore.QObject):
         self._due = self.block_id is not None
 
     def _on_view(self, snapshot) -> None:
-        self._follow_relocation()
         b = self.block_id
         if b is None:
             return
         if b >= snapshot.num_blocks:
             self.select(None)
             return
-        owners = list(block_owners(snapshot, b))
+        owners = list(snapshot.owners_of(b))
         self.inspector.show_summary(snapshot, owners=owners)
         key = (self.source.viewing, int(snapshot.state[b]), int(snapshot.ref_count[b]), int(snapshot.num_filled[b]),
                int(snapshot.owner[b]), int(snapshot.last_access[b]), tuple(owners))
@@ -96,17 +90,14 @@ class BlockWatch(QtCore.QObject):
             self._key = key
             self._due = True
 
-    def _follow_relocation(self) -> None:
-        """Live only: when new frames hold a relocation that moved the selected block, select its new id."""
-        history = self.source.history
-        if history is None or len(history) == 0:
+    def _on_events(self, pairs, restarted: bool) -> None:
+        """Live only: when new frames hold a relocation that moved the selected block, select its new id (the
+        frames of a restarted stream are not news: they were there before the selection)."""
+        if restarted or self.block_id is None or self.source.viewing is not None:
             return
-        last = history.last_seq
-        first = max(history.first_seq, (self._seen_seq + 1) if self._seen_seq is not None else last)
-        self._seen_seq = last
-        if self.block_id is None or self.source.viewing is not None or first > last:
-            return
-        for _, event in history.events(first, last, kinds=(EventKind.RELOCATED,)):
+        for _, event in pairs:
+            if event.kind != EventKind.RELOCATED:
+                continue
             mapping = dict(zip(event.block_ids, event.new_block_ids))  # old id -> new id
             old = self.block_id
             if old not in mapping or mapping[old] == old:

@@ -63,7 +63,8 @@ class Commands(QtCore.QObject):
         return bool(reason)
 
     def _tokenize(self, text: str, continuation: bool = False):
-        return self.source.feed.submit("tokenize", text, continuation)
+        """The feed's tokenizer (the local engine's, called directly: it is safe from any thread), as a Future."""
+        return self.source.feed.tokenize(text, continuation)
 
     # ---- conversations ----------------------------------------------------------------------------------------
     def open_add_dialog(self) -> AddConversationDialog | None:

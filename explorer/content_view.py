@@ -12,7 +12,6 @@ are rebuilt only when an index's version changed; expanded rows stay expanded ac
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -22,6 +21,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.kv_events import (LIVE, EndpointStatus, KVCacheIndex, KVEventSubscriber,
                                 StoredBlock, hash_text, prefix_overlap, where_cached)
 
+from .stream_feed import load_tokenizer  # noqa: F401  (--tokenizer DIR; kept importable from here)
+
 PLACEMENT_UNKNOWN = ("Physical placement unknown: a KV-event stream tells which blocks are cached (hashes, parents, "
                      "tokens), not where they lie in the pool, so no block grid is drawn for this source.")
 TREE_COLUMNS = ("block tokens", "hash", "medium", "tokens", "stored at seq")
@@ -29,20 +30,6 @@ MAX_TREE_ROWS = 3000  # rows built per tree; past that a last row says how many 
 HASH_CHARS = 16  # a hash column shows this many characters (the tooltip has all of it)
 HASH_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # item data: the block's hash text, to keep expansion across rebuilds
 STATUS_COLOURS = {"ok": "#50c878", "warn": "#f0a030", "bad": "#e0443e"}
-
-
-def load_tokenizer(directory: str | Path):
-    """The ``tokenizers`` tokenizer in ``directory`` (its tokenizer.json), for ``--tokenizer DIR``."""
-    from tokenizers import Tokenizer
-
-    path = Path(directory)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"no tokenizer.json in {directory}: --tokenizer wants a directory holding one")
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as exc:  # the library raises its own exception type for a bad file
-        raise ValueError(f"{file} is not a tokenizer file the tokenizers library can read: {exc}") from None
 
 
 def status_line(status: EndpointStatus | None) -> tuple[str, str]:

@@ -2,8 +2,9 @@
 
 Nothing that changes the engine is sent until every field is valid, and every invalid field says so at once (one
 press of OK shows all the errors). Each field's error line has its room reserved, so an error never pushes the
-fields below it. Prompt length is checked with the engine's own tokenizer, asked through the runner; the answer comes back
-through the window's FutureWatcher, so the GUI thread never blocks. The fit rule is the engine's own
+fields below it. Prompt length is checked with the engine's own tokenizer (:class:`explorer.engine_text.EngineText`,
+safe to call from the GUI thread); its answer is a Future like every engine answer and comes back through the
+window's FutureWatcher. The fit rule is the engine's own
 (:func:`kvstream.rules.fit_error`), and a refusal says how many new tokens would fit.
 
 A prompt can be text or token ids ("12 7 99" or "12, 7, 99"): a checkpoint without a tokenizer takes only ids.
@@ -151,7 +152,7 @@ class _MessageDialog(_FormDialog):
     def __init__(self, title: str, tokenize: Callable[[str], Future], watch: Callable, snapshot: PoolSnapshot,
                  parent: QtWidgets.QWidget | None = None, submit: Callable[[object], Future] | None = None):
         super().__init__(title, parent)
-        self._tokenize = tokenize  # text -> Future of token ids, from the engine thread
+        self._tokenize = tokenize  # text -> Future of token ids (the feed's tokenizer)
         self._watch = watch  # FutureWatcher.watch of the window: calls back on the GUI thread
         self._submit = submit  # request -> Future of the engine's answer (None: the caller sends it)
         self.num_blocks, self.block_size = snapshot.num_blocks, snapshot.block_size

@@ -3,14 +3,15 @@
 ``describe`` turns one :class:`kvstream.events.BlockEvent` into a sentence ("step 230: block 17 copied on write
 to 42 for conversation 7"). ``group`` goes one step further for the events of one frame: the engine reports a
 fork as two events (the conversation added, then its shared blocks) and a finish or preemption as one event plus
-a release per block state, but a reader wants one line for each story. Qt-free, so tests and headless tools can
-use it; the widgets only lay the lines out.
+a release per block state, but a reader wants one line for each story. Every kind's wording lives in one
+table, :data:`PHRASES`: the event as a whole, and what it did to one block it names (:func:`block_phrase`, which a
+block's own history uses). Qt-free, so tests and headless tools can use it; the widgets only lay the lines out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import FinishReason
@@ -58,57 +59,165 @@ def _conv(cid: int) -> str:
     return f"conversation {cid}"
 
 
+# ---- one phrase per kind: the whole event (the log) and what it did to one block (that block's own history) -------
+# Each kind's two wordings sit side by side, so a change to how an event reads is made once, in one place.
+# ``bid`` is the block's id at that event; ``hashed`` whether it held a prefix hash just before (None: unknown).
+
+def _added(e: BlockEvent) -> str:
+    who = _conv(e.conversation_id)
+    if e.reason == "fork":
+        return f"{who} forked from {e.other_id}" if e.other_id >= 0 else f"{who} added as a fork"
+    if e.reason == "sample":
+        return (f"{who} added, another sample of the request of conversation {e.other_id}"
+                if e.other_id >= 0 else f"{who} added, one more sample of the same request")
+    return f"{who} added"
+
+
+def _finished(e: BlockEvent) -> str:
+    who = _conv(e.conversation_id)
+    return f"{who} finished ({finish_words(e.reason)})" if e.reason else f"{who} finished"
+
+
+def _shared(e: BlockEvent) -> str:
+    who, ids = _conv(e.conversation_id), e.block_ids
+    if e.reason == "prefix_hit":
+        if len(ids) == 1:
+            return f"{who} reused cached block {ids[0]} of its prompt"
+        return f"{who} reused {len(ids):,} cached blocks ({id_list(ids)}) of its prompt"
+    if e.reason == "fork" and e.other_id >= 0:
+        return f"{who} shares {blocks_phrase(ids)} with conversation {e.other_id} (fork)"
+    return f"{who} took one more reference to {blocks_phrase(ids)}"
+
+
+def _shared_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    who = _conv(e.conversation_id)
+    if e.reason == "prefix_hit":
+        return f"{who} reused it for its prompt (prefix cache hit)"
+    if e.reason == "fork":
+        return f"shared with {who}, a fork of conversation {e.other_id}"
+    return f"{who} took one more reference to it"
+
+
+def _copied(e: BlockEvent) -> str:
+    src = e.block_ids[0] if e.block_ids else "?"
+    dst = e.new_block_ids[0] if e.new_block_ids else "?"
+    return f"block {src} copied on write to {dst} for {_conv(e.conversation_id)}"
+
+
+def _copied_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    who, src, dst = _conv(e.conversation_id), e.block_ids[0], e.new_block_ids[0]
+    if bid == dst and bid != src:
+        return f"made for {who} as a copy of block {src} (copy on write)"
+    return f"{who} wrote into it while shared: copied to block {dst}, which {who} holds instead"
+
+
+def _stored(e: BlockEvent) -> str:
+    owner = f" of {_conv(e.conversation_id)}" if e.conversation_id >= 0 else ""
+    return f"{blocks_phrase(e.block_ids)}{owner} full and hashed"
+
+
+def _stored_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    k = e.block_ids.index(bid)
+    digest = f" (hash {e.block_hashes[k]:016x})" if k < len(e.block_hashes) else ""
+    owner = f" for {_conv(e.conversation_id)}" if e.conversation_id >= 0 else ""
+    return f"full and hashed{owner}{digest}: a prompt with this prefix can reuse it"
+
+
+def _evicted(e: BlockEvent) -> str:
+    cached = f"cached {blocks_phrase(e.block_ids)}"
+    return f"{cached} evicted for {_conv(e.conversation_id)}" if e.conversation_id >= 0 else f"{cached} evicted"
+
+
+def _evicted_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    if e.conversation_id >= 0:
+        return f"evicted: its cached KV dropped so {_conv(e.conversation_id)} could have it"
+    return "evicted: its cached KV dropped"
+
+
+def _relocated(e: BlockEvent) -> str:
+    if not e.block_ids:
+        return "every block moved: nothing to move"
+    return f"every block moved: {count_phrase(len(e.block_ids), 'block')} to new ids"
+
+
+def _relocated_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    if bid in e.new_block_ids:
+        old = e.block_ids[e.new_block_ids.index(bid)]
+        return f"moved from {old} to {bid} (every block moved)" if old != bid else \
+            f"stayed at {bid} when every block moved"
+    if bid in e.block_ids:
+        new = e.new_block_ids[e.block_ids.index(bid)]
+        return f"every block moved: what block {bid} held went to block {new}; nothing moved in"
+    return f"every block moved; block {bid} was free and stayed free"
+
+
+def _cleared_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    if hashed is False:
+        return ""  # nothing to drop
+    return "prefix cache cleared: its hash dropped" if hashed else "prefix cache cleared: any hash it had was dropped"
+
+
+def _no_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    return ""  # conversation events name no blocks
+
+
+def _for(words: str):
+    """A per-block phrase that only names the event's conversation: ``words`` with {who} filled in."""
+    return lambda e, bid, hashed: words.format(who=_conv(e.conversation_id))
+
+
+@dataclass(frozen=True)
+class Phrase:
+    """How one kind of block event reads: as a whole (the event log) and for one block it names (block history)."""
+
+    event: Callable[[BlockEvent], str]  # the event in words, without "step N: "
+    block: Callable[[BlockEvent, int, bool | None], str]  # (event, block id then, hashed before) -> words; "": none
+
+
+PHRASES: dict[EventKind, Phrase] = {
+    EventKind.CONVERSATION_ADDED: Phrase(_added, _no_block),
+    EventKind.CONVERSATION_CONTINUED: Phrase(
+        lambda e: f"{_conv(e.conversation_id)} got a reply and waits to run again", _no_block),
+    EventKind.CONVERSATION_FINISHED: Phrase(_finished, _no_block),
+    EventKind.CONVERSATION_ENDED: Phrase(lambda e: f"{_conv(e.conversation_id)} ended by the user", _no_block),
+    EventKind.ALLOCATED: Phrase(lambda e: f"{_conv(e.conversation_id)} took new {blocks_phrase(e.block_ids)}",
+                                _for("allocated to {who}")),
+    EventKind.SHARED: Phrase(_shared, _shared_block),
+    EventKind.COPIED_ON_WRITE: Phrase(_copied, _copied_block),
+    EventKind.STORED: Phrase(_stored, _stored_block),
+    EventKind.RELEASED: Phrase(
+        lambda e: f"{_conv(e.conversation_id)} let go of {blocks_phrase(e.block_ids)}, still held by others",
+        _for("{who} let go of it; others still hold it")),
+    EventKind.CACHED: Phrase(
+        lambda e: f"{_conv(e.conversation_id)} let go of {blocks_phrase(e.block_ids)}: free, KV kept cached for reuse",
+        _for("{who} let go of it: free, KV kept cached for reuse")),
+    EventKind.FREED: Phrase(lambda e: f"{_conv(e.conversation_id)} let go of {blocks_phrase(e.block_ids)}: free",
+                            _for("{who} let go of it: free")),
+    EventKind.EVICTED: Phrase(_evicted, _evicted_block),
+    EventKind.PREEMPTED: Phrase(
+        lambda e: f"{_conv(e.conversation_id)} preempted: lost {blocks_phrase(e.block_ids)}; it will be recomputed",
+        _for("{who} preempted: lost it (to be recomputed)")),
+    EventKind.RELOCATED: Phrase(_relocated, _relocated_block),
+    EventKind.CLEARED: Phrase(lambda e: "prefix cache cleared: every hash dropped, cached blocks freed",
+                              _cleared_block),
+}
+
+
 def _event_text(e: BlockEvent) -> str:
-    kind, cid, ids = e.kind, e.conversation_id, e.block_ids
-    who = _conv(cid)
-    if kind == EventKind.CONVERSATION_ADDED:
-        if e.reason == "fork":
-            return f"{who} forked from {e.other_id}" if e.other_id >= 0 else f"{who} added as a fork"
-        if e.reason == "sample":
-            return (f"{who} added, another sample of the request of conversation {e.other_id}"
-                    if e.other_id >= 0 else f"{who} added, one more sample of the same request")
-        return f"{who} added"
-    if kind == EventKind.CONVERSATION_CONTINUED:
-        return f"{who} got a reply and waits to run again"
-    if kind == EventKind.CONVERSATION_FINISHED:
-        return f"{who} finished ({finish_words(e.reason)})" if e.reason else f"{who} finished"
-    if kind == EventKind.CONVERSATION_ENDED:
-        return f"{who} ended by the user"
-    if kind == EventKind.ALLOCATED:
-        return f"{who} took new {blocks_phrase(ids)}"
-    if kind == EventKind.SHARED:
-        if e.reason == "prefix_hit":
-            if len(ids) == 1:
-                return f"{who} reused cached block {ids[0]} of its prompt"
-            return f"{who} reused {len(ids):,} cached blocks ({id_list(ids)}) of its prompt"
-        if e.reason == "fork" and e.other_id >= 0:
-            return f"{who} shares {blocks_phrase(ids)} with conversation {e.other_id} (fork)"
-        return f"{who} took one more reference to {blocks_phrase(ids)}"
-    if kind == EventKind.COPIED_ON_WRITE:
-        src = ids[0] if ids else "?"
-        dst = e.new_block_ids[0] if e.new_block_ids else "?"
-        return f"block {src} copied on write to {dst} for {who}"
-    if kind == EventKind.STORED:
-        owner = f" of {who}" if cid >= 0 else ""
-        return f"{blocks_phrase(ids)}{owner} full and hashed"
-    if kind == EventKind.RELEASED:
-        return f"{who} let go of {blocks_phrase(ids)}, still held by others"
-    if kind == EventKind.CACHED:
-        return f"{who} let go of {blocks_phrase(ids)}: free, KV kept cached for reuse"
-    if kind == EventKind.FREED:
-        return f"{who} let go of {blocks_phrase(ids)}: free"
-    if kind == EventKind.EVICTED:
-        cached = f"cached {blocks_phrase(ids)}"
-        return f"{cached} evicted for {who}" if cid >= 0 else f"{cached} evicted"
-    if kind == EventKind.PREEMPTED:
-        return f"{who} preempted: lost {blocks_phrase(ids)}; it will be recomputed"
-    if kind == EventKind.RELOCATED:
-        if not ids:
-            return "every block moved: nothing to move"
-        return f"every block moved: {count_phrase(len(ids), 'block')} to new ids"
-    if kind == EventKind.CLEARED:
-        return "prefix cache cleared: every hash dropped, cached blocks freed"
-    return f"{kind.value} ({blocks_phrase(ids)})"  # a kind added to EventKind after this file
+    phrase = PHRASES.get(e.kind)
+    if phrase is None:  # a kind added to EventKind after this file
+        return f"{e.kind.value} ({blocks_phrase(e.block_ids)})"
+    return phrase.event(e)
+
+
+def block_phrase(event: BlockEvent, block_id: int, hashed: bool | None = None) -> str:
+    """What ``event`` did to the one block that had id ``block_id`` at that event, in words ("" when there is
+    nothing to say for a block: a conversation event, or a reset of a block that held no hash). ``hashed``: whether
+    that block held a prefix hash just before (None: not known)."""
+    if not isinstance(event, BlockEvent):
+        raise TypeError(f"block_phrase() takes a kvstream.events.BlockEvent, not {type(event).__name__}")
+    phrase = PHRASES.get(event.kind)
+    return "" if phrase is None else phrase.block(event, int(block_id), hashed)
 
 
 @dataclass(frozen=True)

@@ -359,8 +359,9 @@ class _LogView(QtWidgets.QTableView):
 
 
 def _block_after(line: EventLine, block: int) -> int:
-    """Where ``block`` is once the line's frame is applied (a relocation renames it)."""
+    """Where ``block`` is once the line's frame is applied: a relocation renames it (old id -> new id). A block's
+    old id is often another block's new id (3 -> 7 while 5 -> 3): the old id decides, whatever moved into it."""
     for e in line.events:
-        if e.kind == EventKind.RELOCATED and block in e.block_ids and block not in e.new_block_ids:
-            return e.new_block_ids[e.block_ids.index(block)]
+        if e.kind == EventKind.RELOCATED and block in e.block_ids:
+            block = e.new_block_ids[e.block_ids.index(block)]
     return block

@@ -78,6 +78,13 @@ class Feed:
             future.set_result(block_info_from_snapshot(snapshot, block_id, self.history, None, self.token_text))
         return future
 
+    def tokenize(self, text: str, continuation: bool = False) -> Future:
+        """Token ids of ``text`` as a prompt of this source takes them (a finished Future, or its refusal)."""
+        future: Future = Future()
+        future.set_exception(PermissionError(self.capabilities.read_only_reason
+                                             or f"a {self.kind} source takes no prompts"))
+        return future
+
     def token_text(self, token_id: int) -> str | None:
         """Printable text of one token, or None when the source has no tokenizer."""
         return None

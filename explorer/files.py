@@ -116,13 +116,23 @@ def start_recording(window, path: str) -> bool:
 
 
 def stop_recording(window) -> str | None:
-    """Stop the recording File > Record started; returns its path."""
+    """Stop the recording File > Record started; returns its path. "Recording saved" is said once the engine
+    thread has let go of the file and it is closed (its frame count is then final)."""
     feed = window.source.feed
-    recorder = feed.stop_recording() if hasattr(feed, "stop_recording") else None
+    stopped = feed.stop_recording() if hasattr(feed, "stop_recording") else None
     window.stop_record_action.setEnabled(False)
-    if recorder is None:
+    if stopped is None:
         return None
-    window.statusBar().showMessage(f"Recording saved: {recorder.path} ({recorder.frames_written} frames)", 8000)
+    recorder, closed = stopped
+    window.statusBar().showMessage(f"Stopping the recording to {recorder.path}…", 3000)
+
+    def saved(rec) -> None:
+        window.statusBar().showMessage(f"Recording saved: {rec.path} ({rec.frames_written} frames)", 8000)
+
+    def failed(exc: BaseException) -> None:
+        window.show_error("Recording not saved", f"Closing {recorder.path} failed: {exc}")
+
+    window.source.futures.watch(closed, saved, failed)
     return recorder.path
 
 
@@ -141,9 +151,19 @@ def open_recording(window, path: str) -> bool:
     except (ValueError, OSError) as exc:
         window.show_error("Cannot open recording", str(exc))
         return False
+    stopped = _outputs_of(window.source.feed)
     window.set_feed(feed)
-    window.statusBar().showMessage(f"Opened {path}: read-only; Engine > Restart starts a local engine again.", 8000)
+    window.statusBar().showMessage(f"Opened {path}: read-only; Engine > Restart starts a local engine again."
+                                   + (f" {stopped} stopped with the local engine." if stopped else ""), 8000)
     return True
+
+
+def _outputs_of(feed) -> str:
+    """The recordings and publishers of a local engine feed, in words ("" for none or another kind of feed)."""
+    sinks = list(getattr(feed, "outputs", ())) + [r for r, _ in getattr(feed, "recorders", ())]
+    names = [f"recording {s.path}" if hasattr(s, "path") else f"publishing on {s.endpoint}" for s in sinks
+             if hasattr(s, "path") or hasattr(s, "endpoint")]
+    return ", ".join(names)[:1].upper() + ", ".join(names)[1:] if names else ""
 
 
 # ---- demos and help ---------------------------------------------------------------------------------------------------

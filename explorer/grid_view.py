@@ -18,7 +18,6 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import BlockState, PoolSnapshot
 
-from kvstream import rules
 
 from . import palette
 from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
@@ -27,11 +26,6 @@ MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many c
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
 MIN_LABEL_PIXELS = 44  # ... and each cell is at least this wide on screen (the label covers its top-left corner)
 FIT_PAD = 1.04  # a fitted pool leaves 2% of its size free on each side
-
-
-def block_owners(snapshot: PoolSnapshot, block_id: int) -> list[tuple[int, int]]:
-    """(conversation id, logical index) of every block-table entry naming ``block_id``."""
-    return rules.block_owners(snapshot.block_tables, block_id)
 
 
 def cell_label(block_id: int, ref_count: int) -> str:
@@ -44,7 +38,7 @@ def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
     state = BlockState(int(snapshot.state[block_id])).name.lower()
     ref = int(snapshot.ref_count[block_id])
     filled = int(snapshot.num_filled[block_id])
-    owners = block_owners(snapshot, block_id)
+    owners = snapshot.owners_of(block_id)
     text = f"block {block_id}: {state}, ref count {ref}, {filled}/{snapshot.block_size} slots filled"
     if owners:
         text += ", owners " + ", ".join(f"conv {c} (logical {i})" for c, i in owners)

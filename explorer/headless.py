@@ -107,7 +107,7 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
-    feeds = []
+    feeds, engine = [], None
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
             from .stream_feed import open_feeds
@@ -126,17 +126,21 @@ def run_headless_cli(opts, cfg) -> int:
             speed = DEMO_SPEED if opts.publish and opts.demo in DEMOS else None  # watchers see it unfold
             feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0,
                                       max_steps_per_second=speed)]
+            engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
             if opts.publish:  # others are watching: keep publishing until --quit-after or Ctrl+C
                 done = None
                 print(f"publishing the pool stream on {opts.publish}; stop with Ctrl+C"
                       + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
                       file=sys.stderr, flush=True)
-    except (ValueError, OSError) as exc:  # EngineError, RecordingError, PublishError are ValueErrors
+    except (ValueError, OSError, ImportError) as exc:  # EngineError, RecordingError, PublishError are ValueErrors
         for feed in feeds:
             feed.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if engine is not None:  # built, but a demo's setup or an output failed before a feed took it over
+            engine.close()  # its KV-event sockets
     started = time.perf_counter()
     try:
         status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done)

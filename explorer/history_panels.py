@@ -1,20 +1,19 @@
 """The window's history panels: the event log and the selected block's own history, fed from the active source.
 
-Both read the source's kvstream History and nothing else: the event log gets each new frame's events (and starts
-over when the source, or the stream behind it, changes); the block history is recomputed from the events kept up
-to the frame on view, when the selection or the frame changes and at most once a second while live. A click on a
-line of either becomes a jump: the source shows that frame (the timeline follows) and what the line is about is
-selected.
+Both read what the source's kvstream History keeps, and the new frames' events the source reads once per poll
+(``PoolSource.eventsArrived``): the event log appends them (and starts over when the source, or the stream behind
+it, changes); the block history is computed from the kept events when the selection or the frame on view changes,
+and while live it is extended with the new events that concern the block (never recomputed from every kept event).
+A click on a line of either becomes a jump: the source shows that frame (the timeline follows) and what the line
+is about is selected.
 """
 from __future__ import annotations
 
 from PySide6 import QtCore
 
-from .block_history import BlockHistoryView
+from .block_history import BlockHistoryView, BlockStory
 from .eventlog import EventLog
 from .source import PoolSource
-
-BLOCK_HISTORY_INTERVAL_S = 1.0  # the selected block's history is recomputed at most once a second while live
 
 
 class HistoryPanels(QtCore.QObject):
@@ -27,13 +26,9 @@ class HistoryPanels(QtCore.QObject):
         self.event_log = EventLog(window)
         self.block_history = BlockHistoryView()
         self.source: PoolSource | None = None
-        self._logged_seq: int | None = None  # newest history frame whose events are in the log
-        self._logged_stream: int | None = None  # stream id of those frames
-        self._stale = False  # the block history needs recomputing
-        self._timer = QtCore.QTimer(self)
-        self._timer.setInterval(int(BLOCK_HISTORY_INTERVAL_S * 1000))
-        self._timer.timeout.connect(self._refresh_if_stale)
-        self._timer.start()
+        self.story: BlockStory | None = None  # the selected block's story while live (extended frame by frame)
+        self._story_seq: int | None = None  # newest frame whose events the story has seen
+        self.recomputed = 0  # times the block's story was computed from every kept event (tests read it)
         self.event_log.eventActivated.connect(self.jump_to_event)
         self.block_history.lineActivated.connect(lambda seq, _step: self.jump_to(seq))
         block_watch.selectionChanged.connect(lambda _block: self.refresh_block_history())
@@ -41,58 +36,58 @@ class HistoryPanels(QtCore.QObject):
     def set_source(self, source: PoolSource) -> None:
         """Follow ``source`` (the window's active one) from now on."""
         if self.source is not None:
-            self.source.frameArrived.disconnect(self._on_frame)
+            self.source.eventsArrived.disconnect(self._on_events)
             self.source.sourceChanged.disconnect(self._on_source_changed)
             self.source.viewingChanged.disconnect(self._on_viewing)
         self.source = source
-        source.frameArrived.connect(self._on_frame)
+        source.eventsArrived.connect(self._on_events)
         source.sourceChanged.connect(self._on_source_changed)
         source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
 
-    def stop(self) -> None:
-        self._timer.stop()
-
     # ---- following the source -----------------------------------------------------------------------------------
     def _on_source_changed(self, _feed) -> None:
         self.event_log.clear()
-        self._logged_seq = self._logged_stream = None
-        self._log_new_events()
+        self.event_log.append_events(self.source.kept_events())  # none for a new feed: its frames come as events
+        self.story = None
         self.block_history.set_block(None)
 
-    def _on_frame(self, _snapshot) -> None:
-        self._log_new_events()
+    def _on_events(self, pairs, restarted: bool) -> None:
+        if restarted:  # a new stream (the attached source restarted): the log starts over
+            self.event_log.clear()
+        if pairs:
+            self.event_log.append_events(pairs)
+        if self.block_watch.block_id is None or self.source.viewing is not None:
+            return
+        story, seen = self.story, self._story_seq
+        if seen is not None:
+            pairs = [pair for pair in pairs if pair[0] > seen]  # a recompute during this signal saw them already
+        added = None if (restarted or story is None or story.block_id != self.block_watch.block_id) \
+            else story.extend(pairs)
+        self._story_seq = self.source.events_seq
+        if added is None:  # a relocation moved the block (or the stream restarted): tell its story again
+            self.refresh_block_history()
+        elif added:
+            self.block_history.add_lines(added, story.total)
 
     def _on_viewing(self, _seq) -> None:
         self.refresh_block_history()
 
-    def _log_new_events(self) -> None:
-        history = self.source.history
-        if history is None or len(history) == 0:
-            return
-        first, last = history.first_seq, history.last_seq
-        if history.stream_id != self._logged_stream:  # a new stream (the attached source restarted)
-            self.event_log.clear()
-            self._logged_seq, self._logged_stream = None, history.stream_id
-        start = first if self._logged_seq is None else max(first, self._logged_seq + 1)
-        if start <= last:
-            self.event_log.append_events(history.events(start, last))
-            self._stale = self.block_watch.block_id is not None and self.source.viewing is None
-        self._logged_seq = last
-
-    def _refresh_if_stale(self) -> None:
-        if self._stale:
-            self.refresh_block_history()
-
     def refresh_block_history(self) -> None:
         """The selected block's own story, from the events history keeps up to the frame on view."""
-        self._stale = False
         history, block = self.source.history, self.block_watch.block_id
+        self.story = None
         if history is None or len(history) == 0 or block is None:
             self.block_history.set_block(block, ())
             return
-        upto = self.source.viewing if self.source.viewing is not None else history.last_seq
-        self.block_history.set_block(block, history.events(None, upto))
+        live = self.source.viewing is None
+        # live: up to the frames the source handed out, so that the next eventsArrived continues the story exactly
+        pairs = self.source.kept_events() if live else history.events(None, self.source.viewing)
+        story = BlockStory(block, pairs)
+        self.recomputed += 1
+        if live:
+            self.story, self._story_seq = story, self.source.events_seq
+        self.block_history.show_story(block, story)
 
     # ---- jumps ----------------------------------------------------------------------------------------------------
     def jump_to(self, seq: int) -> bool:

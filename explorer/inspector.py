@@ -17,7 +17,6 @@ from PySide6 import QtCore, QtWidgets
 
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 
-from .grid_view import block_owners
 from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
@@ -295,7 +294,7 @@ class Inspector(QtWidgets.QWidget):
         """Fields the snapshot already has; used for instant feedback between engine answers.
 
         ``owners``: the block's (conversation, logical block) pairs when the caller already has them from
-        ``block_owners``; computed here otherwise."""
+        ``snapshot.owners_of``; looked up here otherwise."""
         self._snapshot = snapshot
         b = self.block_id
         if b is None or b >= snapshot.num_blocks:
@@ -308,7 +307,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["ref count"].setText(str(int(snapshot.ref_count[b])))
         self.fields["filled"].setText(f"{int(snapshot.num_filled[b])} of {snapshot.block_size} slots")
         if owners is None:
-            owners = block_owners(snapshot, b)
+            owners = snapshot.owners_of(b)
         self.fields["owners"].setText(_owners_text(owners))
         if self.info is None:
             if state == BlockState.FREE:

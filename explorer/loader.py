@@ -12,11 +12,14 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+from concurrent.futures import Future
 from typing import Callable
 
 from PySide6 import QtCore, QtWidgets
 
 from engine import Engine, EngineConfig, EngineError
+
+AFTER_TIMEOUT_S = 10.0  # the longest a load waits for the running engine to release what it needs
 
 
 class EngineLoader(QtCore.QObject):
@@ -44,11 +47,19 @@ class EngineLoader(QtCore.QObject):
         self.setup_result = setup_result
         self.loaded.emit(engine)
 
-    def start(self, cfg: EngineConfig, setup: Callable[[object], None] | None = None) -> None:
-        _jobs.put((self._work, cfg, setup))
+    def start(self, cfg: EngineConfig, setup: Callable[[object], None] | None = None,
+              after: Future | None = None) -> None:
+        """Build the engine on the loader thread. ``after``: a Future to wait for first (the running engine
+        letting go of a KV-event endpoint the new one binds); however it ends, the load goes on."""
+        _jobs.put((self._work, cfg, setup, after))
         _ensure_worker()
 
-    def _work(self, cfg: EngineConfig, setup) -> None:
+    def _work(self, cfg: EngineConfig, setup, after: Future | None = None) -> None:
+        if after is not None:
+            try:
+                after.result(timeout=AFTER_TIMEOUT_S)
+            except Exception:  # not released (or not in time): the new engine's own error says why, if any
+                pass
         try:
             engine = Engine(cfg, progress=lambda message, fraction: self._worker_progress.emit(str(message),
                                                                                                float(fraction)))
@@ -75,8 +86,8 @@ def _ensure_worker() -> None:
 
 def _serve() -> None:
     while True:
-        work, cfg, setup = _jobs.get()
-        work(cfg, setup)
+        work, cfg, setup, after = _jobs.get()
+        work(cfg, setup, after)
 
 
 def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: EngineLoader) -> QtWidgets.QProgressDialog:

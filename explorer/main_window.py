@@ -65,6 +65,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.restart_progress: QtWidgets.QProgressDialog | None = None
         self.restart_dialog: RestartDialog | None = None  # the newest restart dialog opened
         self.demo_notes: tuple[str, ...] = ()  # what the running demo lowered to fit the pool, one note each
+        self.outputs_note = ""  # what the last restart did to the outputs (publishing on, a recording ended)
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
@@ -272,6 +273,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._last_panels = 0.0
         self.back_to_live_action.setEnabled(seq is not None)
         self.inspector.set_kv_reason(self._kv_reason())
+        self._enable_commands()
 
     def _kv_reason(self) -> str:
         """Why the inspector has no K/V values now ("" when it has them)."""
@@ -291,7 +293,6 @@ class MainWindow(QtWidgets.QMainWindow):
             self.conversations.select_conversation(self._select_when_present)
             self._select_when_present = None
         self.relocation.update_memory(snap.memory)
-        self._enable_commands()
 
     def _on_source_changed(self, feed: Feed) -> None:
         """A new feed took over the active source: every panel starts over, commands follow its capabilities."""
@@ -308,23 +309,22 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self.inspector.set_kv_reason(self._kv_reason())
+        self.stop_record_action.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
         self._enable_commands()
 
     def _enable_commands(self) -> None:
-        """Commands are enabled only where the active source takes them; disabled ones say why."""
+        """Commands are enabled only where the active source takes them; disabled ones say why. Called when the
+        source, the frame on view or the selection changes (not per frame): every control's state and tooltip are
+        set here, in both directions, so none keeps an "Unavailable" tooltip once it is usable again."""
         reason = self.source.command_blocked_reason
         tip = f"Unavailable: {reason}" if reason else ""
-        for action in self.command_actions:
-            action.setEnabled(not reason)
-            base = action.property("base_tip") or action.toolTip()
-            action.setProperty("base_tip", base)
-            action.setToolTip(tip or base)
-        self.controls.speed.setEnabled(not reason)
+        busy = self.relocation.busy  # a relocation in flight keeps its buttons disabled until it answers
+        controls = [(action, True) for action in self.command_actions] + [
+            (self.controls.speed, True), (self.relocation.scramble, not busy), (self.relocation.compact, not busy)]
+        for widget, usable in controls:
+            widget.setEnabled(usable and not reason)
+            _explain(widget, tip)
         self.conversations.set_read_only(reason)
-        for button in (self.relocation.scramble, self.relocation.compact):
-            if reason:
-                button.setEnabled(False)
-                button.setToolTip(tip)
         self.restart_action.setEnabled(True)
         self.restart_action.setToolTip("Start a local engine (the current source is closed)" if reason else
                                        "Restart the engine with another configuration")
@@ -361,8 +361,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_conversation_selected(self, cid: int | None) -> None:
         self.grid.set_selected_conversation(cid)
-        if self.source.command_blocked_reason:
-            self._enable_commands()
+        self._enable_commands()
 
     def selected_conversation(self) -> int | None:
         return self.conversations.selected_conversation()
@@ -427,6 +426,7 @@ class MainWindow(QtWidgets.QMainWindow):
             return
         loader = self._loader = EngineLoader(self)
         progress = self.restart_progress = progress_dialog(self, f"Loading {cfg.model}…", loader)
+        released = self._release_kv_events_for(cfg)
 
         def loaded(engine) -> None:
             progress.close()
@@ -445,33 +445,56 @@ class MainWindow(QtWidgets.QMainWindow):
                 dialog.restart_failed(message)
                 return
             previous = "engine" if self.source.feed.kind == "engine" else "source"
-            self.show_error("Engine restart failed", f"{message}\n\nThe previous {previous} keeps running.", details)
+            note = (f" It no longer publishes KV events on {released[0]}: they were released for the new engine."
+                    if released is not None else "")
+            self.show_error("Engine restart failed", f"{message}\n\nThe previous {previous} keeps running.{note}",
+                            details)
 
         loader.loaded.connect(loaded)
         loader.failed.connect(failed)
         progress.show()
-        loader.start(cfg, setup)
+        loader.start(cfg, setup, after=released[1] if released is not None else None)
+
+    def _release_kv_events_for(self, cfg: EngineConfig):
+        """When the new engine would bind the KV-event endpoint the running one holds (a restart with the same
+        --kv-events), ask the running one to let go of it first, so the new one does not fail with "address in
+        use"; returns (endpoint, the Future of the release) or None. The status bar says so."""
+        feed = self.source.feed
+        clash = feed.kv_events_clash(cfg) if isinstance(feed, EngineFeed) and cfg.kv_events_endpoint else None
+        if clash is None:
+            return None
+        self.status.showMessage(f"Releasing the KV-event endpoint {clash} for the new engine (the running engine "
+                                "stops publishing KV events there).", 8000)
+        return clash, feed.release_kv_events()
 
     def show_demo_notes(self, seeded) -> None:
         """Say in the status bar what a demo lowered to fit the pool (``seeded``: a demo's Seeded, or None); the
-        full list is kept in ``demo_notes`` and in the status bar's tooltip."""
+        full list is kept in ``demo_notes`` and in the status bar's tooltip. What the restart said about the
+        outputs (publishing goes on, a recording ended) stays in the message."""
         notes = tuple(getattr(seeded, "notes", ()) or ())
         self.demo_notes = notes
         summary = seeded.summary() if notes else ""
         if summary:
-            self.status.showMessage(summary, 20000)
+            self.status.showMessage(f"{summary} {self.outputs_note}".strip(), 20000)
         self.status.setToolTip("\n".join(notes))
 
     def swap_engine(self, engine, cfg: EngineConfig, demo: str | None = None) -> None:
-        """Run ``engine`` instead of the active feed, keeping pause and speed; answers in flight are dropped."""
+        """Run ``engine`` instead of the active feed, keeping pause and speed; answers in flight are dropped.
+
+        The old engine is stopped first. Its --publish publishers go on with the new engine (subscribers see the
+        source restart); its recordings (--record, File > Record) end with it, since a recording holds one
+        engine's run. The status bar says both, and Stop recording is disabled."""
         from .demo import DEMO_SPEED
         old = self.source.feed
         speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else None)
         paused = old.paused if (old.capabilities.can_command and not demo) else False
-        feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused)
+        carried, ended = old.hand_over() if isinstance(old, EngineFeed) else ([], [])
+        feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried)
         self.engine_config = cfg
         self.source.set_feed(feed)
-        self.status.showMessage(f"Engine restarted: {cfg.model}, {cfg.num_blocks} blocks of {cfg.block_size}.", 5000)
+        self.outputs_note = outputs_note(carried, ended)
+        self.status.showMessage(f"Engine restarted: {cfg.model}, {cfg.num_blocks} blocks of {cfg.block_size}. "
+                                f"{self.outputs_note}".strip(), 15000 if self.outputs_note else 5000)
 
     def set_contiguous(self, on: bool) -> None:
         """View > Contiguous side by side, for every pane."""
@@ -517,7 +540,6 @@ class MainWindow(QtWidgets.QMainWindow):
         self.timer.stop()
         self.metrics_backfill.stop()
         self.block_watch.stop()
-        self.history_panels.stop()
         for source in self.sources:
             source.close()
         if self.restart_progress is not None:
@@ -526,6 +548,25 @@ class MainWindow(QtWidgets.QMainWindow):
             if window is not None:
                 window.close()
         event.accept()
+
+
+def outputs_note(carried, ended) -> str:
+    """What a restart did to the old engine's outputs, in words ("" when it had none)."""
+    parts = [f"Still publishing the pool stream on {getattr(p, 'endpoint', p)} (subscribers see the source restart)."
+             for p in carried]
+    parts += [f"Recording {path} ended with the old engine ({frames:,} frames): a recording holds one engine's run; "
+              "File > Record starts a new one." for path, frames in ended]
+    return " ".join(parts)
+
+
+def _explain(widget, tip: str) -> None:
+    """``tip`` as the tooltip of a disabled control, its own tooltip again when ``tip`` is ""."""
+    base = widget.property("base_tip")
+    if base is None:  # the control's own tooltip, kept the first time it is explained
+        base = widget.toolTip()
+        widget.setProperty("base_tip", base)
+    if widget.toolTip() != (tip or base):
+        widget.setToolTip(tip or base)
 
 
 def _empty_view(feed: Feed):

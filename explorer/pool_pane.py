@@ -3,8 +3,8 @@ timeline under it.
 
 The pane is given its :class:`~explorer.source.PoolSource` and follows it alone: the grid shows whatever view the
 source says is current; the timeline (when the source keeps history) is fed the kept range, the event marks and
-the memory kept at every frame, and its moves become the source's seeks (its banner says "viewing step N of M"
-and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
+the memory kept as the history grows (the source's ``eventsArrived``), and its moves become the source's seeks
+(its banner says "viewing step N of M" and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
 sources, each with its own header.
 """
 from __future__ import annotations
@@ -52,8 +52,6 @@ class PoolPane(QtWidgets.QWidget):
         self.timeline.seekRequested.connect(self._seek)
         self.timeline.liveRequested.connect(source.go_live)
         self.timeline.budgetChanged.connect(self._set_budget)
-        self._marked_seq: int | None = None  # newest frame whose events are on the timeline
-        self._marked_stream: int | None = None  # stream id of those events (a restarted source starts over)
         self._header_text: str | None = None
         self._contiguous_restart = False  # the contiguous view last placed a history frame: start over when live
         layout = QtWidgets.QVBoxLayout(self)
@@ -71,7 +69,7 @@ class PoolPane(QtWidgets.QWidget):
         self.grid.blockClicked.connect(lambda _block: self.activated.emit(self))
         source.sourceChanged.connect(self._on_source_changed)
         source.viewChanged.connect(self._on_view)
-        source.frameArrived.connect(lambda _snapshot: self.sync_timeline())
+        source.eventsArrived.connect(self._on_events)
         source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
 
@@ -98,20 +96,20 @@ class PoolPane(QtWidgets.QWidget):
 
     # ---- the timeline ------------------------------------------------------------------------------------------
     def sync_timeline(self) -> None:
-        """Give the timeline what history keeps now: range, marks of the new frames' events, bytes kept."""
+        """Give the timeline what history keeps now: the range of frames and the bytes kept."""
         history = self.source.history
         if history is None or len(history) == 0:
             return
-        first, last = history.first_seq, history.last_seq
-        if history.stream_id != self._marked_stream:  # a new stream (the attached source restarted)
-            self.timeline.clear()
-            self._marked_seq, self._marked_stream = None, history.stream_id
-        start = first if self._marked_seq is None else max(first, self._marked_seq + 1)
-        self.timeline.set_range(first, last, history.step_of)
-        if start <= last:
-            self.timeline.add_markers((seq, event.kind) for seq, event in history.events(start, last))
-        self._marked_seq = last
+        self.timeline.set_range(history.first_seq, history.last_seq, history.step_of)
         self.timeline.set_kept(history.nbytes, history.budget_bytes)
+
+    def _on_events(self, pairs, restarted: bool) -> None:
+        """New frames in history (the source read their events once for every panel): range, marks, bytes."""
+        if restarted:  # a new stream (a new feed, or the attached source restarted): its marks start over
+            self.timeline.clear()
+        self.sync_timeline()
+        if pairs:
+            self.timeline.add_markers((seq, event.kind) for seq, event in pairs)
 
     def _seek(self, seq: int) -> None:
         try:
@@ -149,10 +147,9 @@ class PoolPane(QtWidgets.QWidget):
         self._show_content_view(feed)
         self.pool_label.setText("")
         self.timeline.clear()
-        self._marked_seq = self._marked_stream = None
         self.timeline.setVisible(caps.has_history)
         self.timeline.set_live_source(feed.kind != "recording")
-        self.sync_timeline()
+        self._on_events(self.source.kept_events(), True)  # frames the source already read (none for a new feed)
 
     # ---- paged against contiguous -------------------------------------------------------------------------------
     def set_contiguous(self, on: bool) -> None:

@@ -87,9 +87,11 @@ class RelocationPanel(QtWidgets.QWidget):
         layout.addLayout(self.memory)
         layout.addStretch(1)
         self.reports: list = []
+        self.busy = False  # a relocation was sent and has not answered yet (its buttons wait)
         self._last_memory = None
 
     def set_busy(self, busy: bool) -> None:
+        self.busy = busy
         self.scramble.setEnabled(not busy)
         self.compact.setEnabled(not busy)
         if busy:

@@ -10,26 +10,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kvstream.rules import hash_note
 from kvstream.views import NO_HASH, BlockInfo, BlockState, PoolSnapshot
 
 NO_KV_NOTE = "K/V values are not kept in history or sent over the stream"
-
-
-def block_owners(snapshot: PoolSnapshot, block_id: int) -> tuple[tuple[int, int], ...]:
-    """(conversation id, logical index) of every block-table entry naming ``block_id``."""
-    return tuple((cid, index) for cid, table in sorted(snapshot.block_tables.items())
-                 for index, physical in enumerate(table) if physical == block_id)
-
-
-def _hash_note(state: BlockState, hashed: bool, filled: int, block_size: int) -> str:
-    if state == BlockState.FREE:
-        return "free: holds no reusable KV"
-    if hashed:
-        return ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
-                + (" (cached: free, evicted least-recently-used first)" if state == BlockState.CACHED else ""))
-    if filled < block_size:
-        return f"partially filled ({filled}/{block_size}): only full blocks are hashed and shared"
-    return "full, but not hashed (prefix caching off, or the same prefix is cached in another block)"
 
 
 def _positions_in(token_ids: tuple[int, ...], block: tuple[int, ...], block_size: int) -> tuple[int, ...] | None:
@@ -52,7 +36,7 @@ def block_info_from_snapshot(snapshot: PoolSnapshot, block_id: int, history=None
     b, bs = int(block_id), snapshot.block_size
     state = BlockState(int(snapshot.state[b]))
     filled = int(snapshot.num_filled[b])
-    owners = block_owners(snapshot, b)
+    owners = snapshot.owners_of(b)
     last_owner = int(snapshot.owner[b])
     tokens: tuple[int, ...] = ()
     positions: tuple[int, ...] = ()
@@ -78,4 +62,4 @@ def block_info_from_snapshot(snapshot: PoolSnapshot, block_id: int, history=None
     return BlockInfo(block_id=b, state=state, ref_count=int(snapshot.ref_count[b]), num_filled=filled, block_size=bs,
                      token_ids=tokens, token_texts=texts, positions=positions, owners=owners,
                      block_hash=block_hash if hashed else None,
-                     hash_note=_hash_note(state, hashed, filled, bs), last_owner=last_owner, keys=None, values=None)
+                     hash_note=hash_note(state, hashed, filled, bs), last_owner=last_owner, keys=None, values=None)

@@ -44,6 +44,10 @@ class PoolSource(QtCore.QObject):
     - ``frameArrived(snapshot)``: a new live frame, whether or not it is being shown (metrics, rates).
     - ``viewChanged(snapshot)``: what every view should show now (live frame, or the frame scrubbed to).
     - ``viewingChanged(seq)``: ``None`` when live, else the history sequence number being viewed.
+    - ``eventsArrived(pairs, restarted)``: the history grew; ``pairs`` are the (seq, BlockEvent) of the new frames,
+      oldest first, read once per poll for every panel (timeline marks, event log, block history, the
+      inspector's relocation check). ``restarted``: the history is a new stream (a new feed, an attached source
+      that restarted) and ``pairs`` are everything it keeps: start over. Emitted before ``frameArrived``.
     - ``problem(Problem)``: something to tell the user once (failures of the feed, refused commands).
     """
 
@@ -51,6 +55,7 @@ class PoolSource(QtCore.QObject):
     frameArrived = QtCore.Signal(object)
     viewChanged = QtCore.Signal(object)
     viewingChanged = QtCore.Signal(object)
+    eventsArrived = QtCore.Signal(object, bool)
     problem = QtCore.Signal(object)
 
     def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
@@ -60,6 +65,8 @@ class PoolSource(QtCore.QObject):
         self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
         self.viewing: int | None = None  # history seq being viewed; None while live
+        self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
+        self._events_stream: int | None = None  # the history's stream id then
 
     # ---- what the source can do ----------------------------------------------------------------------
     @property
@@ -93,6 +100,7 @@ class PoolSource(QtCore.QObject):
         self.feed = feed
         self.futures.clear()
         self.live = self.view = None
+        self._events_seq = self._events_stream = None
         was_viewing = self.viewing is not None
         self.viewing = None
         if old is not feed:
@@ -112,6 +120,7 @@ class PoolSource(QtCore.QObject):
         self.futures.poll()
         for problem in self.feed.take_problems():
             self.problem.emit(problem)
+        self._read_events()
         latest = self.feed.latest()
         if latest is None or latest is self.live:
             return self._keep_viewed_frame()
@@ -122,6 +131,34 @@ class PoolSource(QtCore.QObject):
             self.viewChanged.emit(latest)
             return True
         return self._keep_viewed_frame()
+
+    def _read_events(self) -> None:
+        """Hand out the events of the frames history gained since the last poll (see ``eventsArrived``)."""
+        history = self.history
+        if history is None or len(history) == 0:
+            return
+        last, stream = history.last_seq, history.stream_id
+        restarted = stream != self._events_stream or self._events_seq is None
+        if not restarted and last == self._events_seq:
+            return
+        first = history.first_seq
+        start = first if restarted else max(first, self._events_seq + 1)
+        pairs = history.events(start, last) if start <= last else []
+        self._events_seq, self._events_stream = last, stream
+        self.eventsArrived.emit(pairs, restarted)
+
+    @property
+    def events_seq(self) -> int | None:
+        """The newest history frame whose events went out with ``eventsArrived`` (None: none yet)."""
+        return self._events_seq
+
+    def kept_events(self) -> list:
+        """(seq, event) of every kept frame already handed out by ``eventsArrived``: what a panel that starts
+        following this source now (another pane made active) reads once; later frames come with the signal."""
+        history = self.history
+        if history is None or self._events_seq is None or len(history) == 0:
+            return []
+        return history.events(history.first_seq, self._events_seq)
 
     def _keep_viewed_frame(self) -> bool:
         """While viewing history, follow the viewed frame if the history dropped it (memory budget)."""

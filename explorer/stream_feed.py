@@ -138,12 +138,25 @@ class AttachFeed(Feed):
         self.subscriber.close()
 
 
+def load_tokenizer(directory):
+    """The ``tokenizers`` tokenizer of ``directory``/tokenizer.json (``--tokenizer DIR``; a tokenizer.json itself
+    works too); a ValueError that says which file could not be read, and why, instead of the library's traceback."""
+    path = os.fspath(directory)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"cannot read tokenizer {file}: no tokenizer.json in {path} (--tokenizer wants a "
+                         "directory holding one)")
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(file)
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"cannot read tokenizer {file}: not a tokenizer file the tokenizers library can read "
+                         f"({exc})") from None
+
+
 def open_feeds(opts) -> list[Feed]:
     """The feeds of ``--open`` / ``--attach`` / ``--attach-kv-events``; ValueError/OSError with a clear message."""
-    tokenizer = None
-    if getattr(opts, "tokenizer", None):
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(os.path.join(opts.tokenizer, "tokenizer.json"))
+    tokenizer = load_tokenizer(opts.tokenizer) if getattr(opts, "tokenizer", None) else None
     feeds: list[Feed] = []
     try:
         if opts.open:

@@ -3,7 +3,7 @@ import pytest
 from PySide6 import QtCore
 
 from kvstream.events import BlockEvent, EventKind, PoolModel
-from explorer.block_history import MAX_LINES, BlockHistoryView, HistoryLine, block_history
+from explorer.block_history import MAX_LINES, BlockHistoryView, BlockStory, HistoryLine, block_history
 
 K = EventKind
 
@@ -135,6 +135,40 @@ def test_widget_lists_lines_and_emits_on_click(qtbot):
     assert view.list.count() == MAX_LINES and "the newest 500 listed" in view.title.text()
     assert view.list.item(MAX_LINES - 1).text().startswith(f"step {MAX_LINES + 99}:")
 
+
+
+def test_a_story_extended_frame_by_frame_reads_as_one_computed_at_once():
+    events = story()
+    relocation = next(i for i, (_, e) in enumerate(events) if e.kind == K.RELOCATED)
+    for block in (12, 3, 7):  # 12 and 3 are where content moved to; 7 was free all along
+        live = BlockStory(block, events[:relocation + 1])
+        for k in range(relocation + 1, len(events)):
+            assert live.extend(events[k:k + 1]) is not None
+        assert live.lines == block_history(events, block)
+    before = BlockStory(5, events[:relocation])  # what 5 held moves to 12: the story cannot go on as block 5
+    assert before.extend(events[relocation:]) is None and before.lines == block_history(events[:relocation], 5)
+    with pytest.raises(TypeError, match="BlockEvent"):
+        before.extend([(9, "freed")])
+    many = [(i, BlockEvent(i, K.ALLOCATED if i % 2 == 0 else K.FREED, 1, (0,))) for i in range(40)]
+    bounded = BlockStory(0, many[:30], limit=25)
+    assert bounded.extend(many[30:]) == block_history(many, 0)[30:]
+    assert bounded.lines == block_history(many, 0)[-25:] and bounded.dropped == 15 and bounded.total == 40
+
+
+def test_widget_appends_new_lines_without_rebuilding(qtbot):
+    view = BlockHistoryView()
+    qtbot.addWidget(view)
+    many = [(i, BlockEvent(i, K.ALLOCATED if i % 2 == 0 else K.FREED, 1, (0,))) for i in range(MAX_LINES + 10)]
+    live = BlockStory(0, many[:MAX_LINES - 5])
+    view.show_story(0, live)
+    first = view.list.item(0)
+    assert view.list.count() == MAX_LINES - 5 and f"Block 0: {MAX_LINES - 5} events" in view.title.text()
+    view.add_lines(live.extend(many[MAX_LINES - 5:MAX_LINES - 2]), live.total)
+    assert view.list.item(0) is first and view.list.count() == MAX_LINES - 2  # appended, nothing rebuilt
+    view.add_lines(live.extend(many[MAX_LINES - 2:]), live.total)
+    assert view.list.count() == MAX_LINES and "510 events; the newest 500 listed" in view.title.text()
+    assert view.list.item(MAX_LINES - 1).text().startswith(f"step {MAX_LINES + 9}:")
+    assert view.list.item(0).text().startswith("step 10:")
 
 
 @pytest.fixture(scope="module")

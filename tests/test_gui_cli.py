@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from kvstream.summary import fixed_part
 
@@ -118,3 +121,44 @@ def test_screenshot_is_saved_once_drawn_at_the_given_size(tmp_path):
     assert result.returncode == 0, result.stderr
     shot = QtGui.QImage(str(lesson))
     assert not shot.isNull() and (shot.width(), shot.height()) != (1024, 640)  # the lesson window, not the main one
+
+
+def test_a_bad_tokenizer_directory_is_one_clear_error(tmp_path):
+    """--tokenizer DIR whose tokenizer.json is not one: a ValueError naming the file (the CLI prints it as one
+    line and exits 2), not the tokenizers library's traceback."""
+    from explorer.stream_feed import open_feeds
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    opts = SimpleNamespace(tokenizer=str(tmp_path), open=None, attach=[], attach_kv_events=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match=r"cannot read tokenizer .*tokenizer\.json: not a tokenizer file"):
+        open_feeds(opts)
+
+
+def test_headless_closes_the_engine_when_an_output_cannot_start(tmp_path, monkeypatch, capsys):
+    """A --publish that cannot bind after the engine was built (its KV-event socket bound): exit 2 with the
+    reason, and the engine's sockets are closed (the endpoint can be bound again at once)."""
+    from engine import EngineConfig
+    from explorer import cli, headless
+    kv = f"ipc://{tmp_path / 'kv'}"
+    taken = f"tcp://127.0.0.1:{_free_port()}"
+    import zmq
+    blocker = zmq.Context.instance().socket(zmq.PUB)
+    blocker.bind(taken)
+    closed = []
+    import engine as engine_module
+    real_close = engine_module.Engine.close
+    monkeypatch.setattr(engine_module.Engine, "close", lambda self: (closed.append(self), real_close(self)))
+    try:
+        opts = cli.parse_args(["--headless", "--num-blocks", "16", "--kv-events", kv, "--publish", taken])
+        cfg = EngineConfig(model="builtin", num_blocks=16, block_size=16, kv_events_endpoint=kv)
+        assert headless.run_headless_cli(opts, cfg) == 2
+    finally:
+        blocker.close(0)
+    assert "error: cannot publish on" in capsys.readouterr().err
+    assert len(closed) == 1 and closed[0].kv_events_endpoints is None
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

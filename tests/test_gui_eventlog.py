@@ -172,3 +172,21 @@ def test_kinds_menu_stays_open_while_ticking(qtbot, log):
     qtbot.mouseClick(menu, LEFT, pos=menu.actionGeometry(menu.actions()[0]).center())  # "Notable kinds"
     assert menu.kinds() == NOTABLE_KINDS and len(texts(log)) == 5
     menu.close()
+
+
+def test_a_filtered_block_is_followed_through_a_relocation_cycle(qtbot):
+    """3 -> 7, 5 -> 3, 7 -> 5: block 3's content went to 7, though 3 is also where 5's content went."""
+    dock = EventLog()
+    qtbot.addWidget(dock)
+    dock.resize(320, 400)
+    dock.show()
+    qtbot.waitExposed(dock)
+    dock.append_events([(1, BlockEvent(4, K.ALLOCATED, 1, (3, 5, 7))),
+                        (2, BlockEvent(4, K.RELOCATED, -1, (3, 5, 7), (7, 3, 5)))])
+    for wanted, after in ((3, 7), (5, 3), (7, 5)):
+        dock.set_filter(blocks=str(wanted))
+        row = texts(dock).index("every block moved: 3 blocks to new ids")
+        rect = dock.view.visualRect(dock.model.index(row, 1))
+        with qtbot.waitSignal(dock.eventActivated) as blocker:
+            qtbot.mouseClick(dock.view.viewport(), LEFT, pos=rect.center())
+        assert blocker.args == [2, 4, -1, after]

@@ -1,8 +1,9 @@
 """The snapshot-to-image function on synthetic snapshots, and the grid widget's hover/click mapping."""
+import dataclasses
+
 import numpy as np
 import pytest
 from PySide6 import QtGui
-
 from kvstream.views import BlockState, PoolSnapshot
 from explorer import palette
 from explorer.grid import COLOR_BY, grid_geometry, snapshot_to_rgba
@@ -110,7 +111,7 @@ def test_age_colours_recent_brighter_than_old():
     snap = make_snapshot(used=[(0, 0, 4, 1), (1, 0, 4, 1)], step_id=300)
     last = np.array(snap.last_access)
     last[0], last[1] = 300, 10
-    snap = PoolSnapshot(**{**snap.__dict__, "last_access": last})
+    snap = dataclasses.replace(snap, last_access=last)
     geo = grid_geometry(snap.num_blocks, snap.block_size)
     image = snapshot_to_rgba(snap, "age", geometry=geo)
     mid = geo.tile // 2
@@ -182,14 +183,14 @@ def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
     qtbot.addWidget(view)
     view.set_snapshot(snap)
     assert view.render()
-    republished = PoolSnapshot(**{**snap.__dict__, "ref_count": np.array(snap.ref_count)})  # after a command
+    republished = dataclasses.replace(snap, ref_count=np.array(snap.ref_count))  # after a command
     view.set_snapshot(republished)
     assert not view.render() and view.snapshot is republished
     state = np.array(snap.state)
     state[4] = BlockState.CACHED  # same step, changed pool (e.g. a conversation ended while paused)
-    view.set_snapshot(PoolSnapshot(**{**snap.__dict__, "state": state}))
+    view.set_snapshot(dataclasses.replace(snap, state=state))
     assert view.render()
-    view.set_snapshot(PoolSnapshot(**{**snap.__dict__, "step_id": snap.step_id + 1}))  # a new step
+    view.set_snapshot(dataclasses.replace(snap, step_id=snap.step_id + 1))  # a new step
     assert view.render()
     view.set_color_by("fill")
     assert view.render() and not view.render()
@@ -211,8 +212,8 @@ def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, small):
     assert view.hover_label.text().startswith("block 5: used")
     state, ref, owner = np.array(snap.state), np.array(snap.ref_count), np.array(snap.owner)
     state[5], ref[5], owner[5] = BlockState.FREE, 0, -1  # conversation 3's tail moved elsewhere
-    moved = PoolSnapshot(**{**snap.__dict__, "state": state, "ref_count": ref, "owner": owner,
-                            "block_tables": {1: (0, 1), 2: (2,), 3: (2, 6)}, "step_id": snap.step_id + 1})
+    moved = dataclasses.replace(snap, state=state, ref_count=ref, owner=owner,
+                                block_tables={1: (0, 1), 2: (2,), 3: (2, 6)}, step_id=snap.step_id + 1)
     view.set_snapshot(moved)
     view.render()
     assert view.hover_label.text().startswith("block 5: free") and "conv 3" not in view.hover_label.text()
@@ -224,7 +225,7 @@ def test_metrics_keep_one_sample_per_step():
     history = MetricsHistory()
     for _ in range(3):  # published again after commands, same step
         history.record(snap)
-    history.record(PoolSnapshot(**{**snap.__dict__, "step_id": 6}))
+    history.record(dataclasses.replace(snap, step_id=6))
     assert list(history.series("step")) == [5, 6]
 
 
@@ -268,7 +269,7 @@ def test_owner_colour_follows_owner_after_fork_and_end():
     snap = make_snapshot(num_blocks=16, used=used, tables={10: (0, 1, 2, 3, 4), 11: (5,), 12: (5,)})
     convs = (conversation(9, "ended"), conversation(10, arrival=1), conversation(11, arrival=2),
              conversation(12, arrival=3))
-    snap = PoolSnapshot(**{**snap.__dict__, "conversations": convs})
+    snap = dataclasses.replace(snap, conversations=convs)
     geo = grid_geometry(snap.num_blocks, snap.block_size)
     image = snapshot_to_rgba(snap, "owner", geometry=geo)
     mid = geo.tile // 2
@@ -281,8 +282,8 @@ def test_live_conversations_get_clearly_different_colours_and_keep_them():
     palette.BOOK.clear()
     live = [3, 11, 19, 24, 32, 40, 45, 53, 58, 66, 71, 79]  # ids 8 or 13 apart looked alike under the old hue walk
     snap = make_snapshot()
-    snap = PoolSnapshot(**{**snap.__dict__, "conversations": tuple(conversation(c, arrival=i) for i, c in
-                                                                   enumerate(live))})
+    snap = dataclasses.replace(snap, conversations=tuple(conversation(c, arrival=i) for i, c in
+                                                                   enumerate(live)))
     palette.observe(snap)
     colours = palette.conversation_colours(np.array(live))
     assert min_distance(colours) > 40  # CIELAB distance; 2.3 is a just-noticeable difference
@@ -292,7 +293,7 @@ def test_live_conversations_get_clearly_different_colours_and_keep_them():
     # 3 finishes, 90 arrives: everyone keeps their colour, and the newcomer differs from every live one
     later = tuple(conversation(c, "finished" if c == 3 else "running", i) for i, c in enumerate(live)) + (
         conversation(90, arrival=20),)
-    palette.observe(PoolSnapshot(**{**snap.__dict__, "conversations": later}))
+    palette.observe(dataclasses.replace(snap, conversations=later))
     assert all(tuple(palette.conversation_colours(np.array([c]))[0]) == before[c] for c in live)
     now_live = live[1:] + [90]
     assert min_distance(palette.conversation_colours(np.array(now_live))) > 40
@@ -347,7 +348,7 @@ def test_a_conversation_first_seen_stopped_does_not_look_like_a_live_one():
     palette.BOOK.clear()
     snap = make_snapshot()
     convs = (conversation(0, "finished"), conversation(1, arrival=1), conversation(2, arrival=2))
-    palette.observe(PoolSnapshot(**{**snap.__dict__, "conversations": convs}))
+    palette.observe(dataclasses.replace(snap, conversations=convs))
     colours = {tuple(palette.conversation_colours(np.array([c]))[0]) for c in (0, 1, 2)}
     assert len(colours) == 3
 

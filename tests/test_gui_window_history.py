@@ -121,3 +121,35 @@ def test_selection_follows_a_relocation(qtbot, make_window):
     after = window.snapshot
     assert int(after.state[new]) == BlockState.USED and (cid, 0) in window.inspector.info.owners
     assert np.asarray(after.block_tables[cid])[0] == new
+
+
+def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recompute(qtbot, make_window):
+    """The source reads each new frame's events once for the timeline, the event log, the inspector and the block
+    history; the selected block's history is extended with them while live, not computed again from every event."""
+    from explorer.block_history import block_history
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    source, history = window.source, window.source.history
+    reads, emitted = [], []
+    events = history.events
+    history.events = lambda *a, **k: reads.append(a) or events(*a, **k)
+    source.eventsArrived.connect(lambda pairs, restarted: emitted.append((len(pairs), restarted)))
+    window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
+    tail = sorted(snap.block_tables.items())[0][1][-1]  # conversation 0's tail block: filled, then hashed
+    window.select_block(tail)
+    panels = window.history_panels
+    computed, shown = panels.recomputed, window.block_history.list.count()
+    assert computed >= 1 and shown > 0
+    reads.clear(), emitted.clear()
+    for _ in range(8):
+        window.runner.step_once()
+    qtbot.waitUntil(lambda: window.block_history.list.count() > shown, timeout=5000)
+    qtbot.waitUntil(lambda: source.events_seq == history.last_seq, timeout=2000)
+    assert panels.recomputed == computed  # extended frame by frame
+    assert len(reads) == len(emitted) > 0 and not any(restarted for _, restarted in emitted)
+    lines = block_history(events(), tail)
+    assert [window.block_history.list.item(i).text() for i in range(window.block_history.list.count())] == \
+        [f"step {line.step_id:,}: {line.text}" for line in lines]
+    assert any("full and hashed" in line.text for line in lines)
+    assert window.event_log.model.num_events == len(events())  # every kept event logged once
+    assert window.pane.timeline.markers.n == len(events())
