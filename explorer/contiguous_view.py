@@ -21,7 +21,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import PoolSnapshot
 
-from . import palette
+from . import grid, palette
 from .contiguous import GAP_SLOT, ContiguousAllocator, ContiguousLayout
 from .grid import GridGeometry, as_rgba, as_u32, grid_geometry, tile_masks
 
@@ -246,7 +246,7 @@ class ContiguousView(QtWidgets.QWidget):
         if new_layout:
             geo = self.geometry_ = grid_geometry(lay.num_slots // lay.block_size, lay.block_size)
         elif geo.tile != self.wanted_tile():  # drawn at another size on screen now (see grid.fitting_tile)
-            geo = self.geometry_ = grid_geometry(geo.num_blocks, geo.block_size, self._pixels_per_cell())
+            geo = self.geometry_ = grid_geometry(geo.num_blocks, geo.block_size, grid.pixels_per_cell(self.box))
         self.image = contiguous_rgba(lay, geo)
         self.item.setImage(self.image, autoLevels=False)
         self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
@@ -260,17 +260,12 @@ class ContiguousView(QtWidgets.QWidget):
         self._check_tile()
         return True
 
-    def _pixels_per_cell(self) -> float:
-        rect, width = self.box.viewRect(), self.box.width()
-        return width / rect.width() if rect.width() > 0 and width > 0 else float("inf")
-
     def wanted_tile(self) -> int | None:
         """The image tile for the cells' size on screen (None before the first layout)."""
-        geo = self.geometry_
-        return None if geo is None else grid_geometry(geo.num_blocks, geo.block_size, self._pixels_per_cell()).tile
+        return grid.wanted_tile(self.geometry_, self.box)
 
     def _check_tile(self, *_) -> None:
-        if self.geometry_ is not None and self.geometry_.tile != self.wanted_tile():
+        if grid.needs_new_tile(self.geometry_, self.box):
             self._dirty = True
 
     def slot_at_scene(self, scene_pos: QtCore.QPointF) -> int | None:

@@ -88,10 +88,24 @@ def turn_segments(info: ConversationInfo, detokenize=None, seen=None) -> list[tu
     return [("user", prompt), ("reply", output)]
 
 
+def _same_row_input(a: ConversationInfo, b: ConversationInfo) -> bool:
+    """Whether two infos of one conversation give the same row: the same object, or the same fields the row reads
+    (a stream rebuilds infos every frame; comparing lengths, not token lists, keeps this cheap)."""
+    return a is b or (a.status == b.status and a.finish_reason == b.finish_reason
+                      and len(a.prompt_token_ids) == len(b.prompt_token_ids)
+                      and len(a.output_token_ids) == len(b.output_token_ids))
+
+
 class ConversationsModel(RowsModel):
     """One row per conversation ever added, in id order."""
 
     COLUMNS = COLUMNS
+
+    def __init__(self, parent: QtCore.QObject | None = None):
+        super().__init__(parent)
+        self._row_cache: dict[int, tuple] = {}  # conversation id -> (info, block table, row) it was made from
+        self._made_from: PoolSnapshot | None = None  # the snapshot of the last refresh
+        self.rows_made = 0  # rows computed (not reused) so far (tests read it)
 
     def cell_data(self, row: tuple, column: int, role):
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
@@ -110,14 +124,37 @@ class ConversationsModel(RowsModel):
         return None
 
     def refresh(self, snapshot: PoolSnapshot) -> None:
-        """Bring the rows up to date with ``snapshot`` (conversations only ever get added, never removed)."""
+        """Bring the rows up to date with ``snapshot`` (conversations only ever get added, never removed).
+
+        A row is made again only when what it shows may have changed: its conversation's info (the engine hands
+        out the same object while a conversation is unchanged; a stream rebuilds them, so the fields the row reads
+        are compared), its block table, or the ref counts and fills of the pool (one array comparison a refresh)."""
         palette.observe(snapshot)  # the same colours as the grid, whichever draws first
-        new_rows = [conversation_row(info, snapshot) for info in snapshot.conversations]
+        last = self._made_from
+        pool_same = last is not None and (last is snapshot or (
+            np.array_equal(last.ref_count, snapshot.ref_count) and np.array_equal(last.num_filled, snapshot.num_filled)))
+        cache, tables = self._row_cache, snapshot.block_tables
+        new_rows = []
+        for info in snapshot.conversations:
+            cid = info.conversation_id
+            table = tables.get(cid, ())
+            kept = cache.get(cid)
+            if kept is not None and _same_row_input(kept[0], info) and kept[1] == table and (pool_same or not table):
+                new_rows.append(kept[2])
+                continue
+            row = conversation_row(info, snapshot)
+            self.rows_made += 1
+            cache[cid] = (info, table, row)
+            new_rows.append(row)
+        self._made_from = snapshot
+        if len(cache) > 2 * len(new_rows) + 64:  # conversations gone from the views: forget them
+            listed = {row[0] for row in new_rows}
+            self._row_cache = {cid: v for cid, v in cache.items() if cid in listed}
         if len(new_rows) < len(self._rows) or any(a[0] != b[0] for a, b in zip(self._rows, new_rows)):
             self.set_rows(new_rows)  # a different engine (restart): start over
             return
         old = len(self._rows)
-        changed = [i for i in range(old) if self._rows[i] != new_rows[i]]
+        changed = [i for i in range(old) if self._rows[i] is not new_rows[i] and self._rows[i] != new_rows[i]]
         if changed:  # one signal for the span of changed rows, not one per row
             self._rows[:old] = new_rows[:old]
             self.dataChanged.emit(self.index(changed[0], 0), self.index(changed[-1], len(COLUMNS) - 1))

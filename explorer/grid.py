@@ -105,6 +105,26 @@ def fitting_tile(pixels_per_cell: float, largest: int) -> int:
     return int(max(2, min(int(largest), int(pixels_per_cell))))
 
 
+def pixels_per_cell(box) -> float:
+    """Screen pixels across one cell of a view box now (a pyqtgraph ViewBox in cell units; inf before it has a
+    size). The grid and the contiguous view both ask it, to keep their image tiles no wider than their cells."""
+    rect, width = box.viewRect(), box.width()
+    return width / rect.width() if rect.width() > 0 and width > 0 else float("inf")
+
+
+def wanted_tile(geometry: GridGeometry | None, box) -> int | None:
+    """The image tile for ``geometry``'s cells at their size on screen in ``box`` (None before the first
+    layout)."""
+    if geometry is None:
+        return None
+    return grid_geometry(geometry.num_blocks, geometry.block_size, pixels_per_cell(box)).tile
+
+
+def needs_new_tile(geometry: GridGeometry | None, box) -> bool:
+    """After a zoom or a resize: whether the cells' screen size calls for another tile (draw again)."""
+    return geometry is not None and geometry.tile != wanted_tile(geometry, box)
+
+
 @lru_cache(maxsize=8)
 def tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-pixel roles inside one tile: gap [T, T], ring [T, T], slot index per column [T], stripe separator [T].

@@ -18,8 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import BlockState, PoolSnapshot
 
-
-from . import palette
+from . import grid, palette
 from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
@@ -48,12 +47,12 @@ def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
 
 
 def same_pool(a: PoolSnapshot | None, b: PoolSnapshot) -> bool:
-    """Whether two snapshots draw the same grid (a new step always counts as a change: ages move on)."""
-    if a is None or a.step_id != b.step_id or a.num_blocks != b.num_blocks or a.block_size != b.block_size:
-        return False
-    return (a.block_tables == b.block_tables and np.array_equal(a.state, b.state)
-            and np.array_equal(a.num_filled, b.num_filled) and np.array_equal(a.ref_count, b.ref_count)
-            and np.array_equal(a.owner, b.owner) and np.array_equal(a.last_access, b.last_access))
+    """Whether two snapshots draw the same grid. Every source bumps ``version`` with each change (the engine; a
+    pool stream or a recording carries the engine's version; the vLLM tap keeps its own), and the runner publishes
+    only on a new version, so equal (version, step, source, shape) means equal arrays: nothing is compared element
+    by element. A new step always counts as a change (ages move on)."""
+    return a is b or (a is not None and a.version == b.version and a.step_id == b.step_id and a.source == b.source
+                      and a.num_blocks == b.num_blocks and a.block_size == b.block_size)
 
 
 class GridView(QtWidgets.QWidget):
@@ -152,19 +151,15 @@ class GridView(QtWidgets.QWidget):
 
     def pixels_per_cell(self) -> float:
         """Screen pixels across one cell now (inf before the view has a size)."""
-        rect, width = self.box.viewRect(), self.box.width()
-        return width / rect.width() if rect.width() > 0 and width > 0 else float("inf")
+        return grid.pixels_per_cell(self.box)
 
     def wanted_tile(self) -> int | None:
         """The image tile for the cells' size on screen (None before the first layout)."""
-        geo = self.geometry_
-        if geo is None:
-            return None
-        return grid_geometry(geo.num_blocks, geo.block_size, self.pixels_per_cell()).tile
+        return grid.wanted_tile(self.geometry_, self.box)
 
     def _check_tile(self) -> None:
         """After a zoom or a resize: redraw when the cells' screen size calls for another tile."""
-        if self.geometry_ is not None and self.geometry_.tile != self.wanted_tile():
+        if grid.needs_new_tile(self.geometry_, self.box):
             self._dirty = True
 
     def fit_rect(self) -> QtCore.QRectF | None:

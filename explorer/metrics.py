@@ -8,12 +8,12 @@ thread light while the engine decodes.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
+from kvstream.rules import Rate
 from kvstream.views import PoolSnapshot
 
 HISTORY = 1200  # samples kept (about 40 s at 30 frames/s)
@@ -34,12 +34,26 @@ PLOTS = (  # title, [(series, label, colour)]
 
 
 class MetricsHistory:
-    """Ring of recent samples; decode speed comes from the generated-token counter and wall time.
+    """The recent samples, newest last; decode speed comes from the generated-token counter and wall time
+    (:class:`kvstream.rules.Rate`, the project's one sliding-window rate).
 
-    ``samples`` is float [len(SERIES), HISTORY], one row per series (read them through :meth:`series`)."""
+    Samples live in a float buffer [len(SERIES), 2 * HISTORY]; the newest HISTORY are columns ``start..end``.
+    When the buffer's end is reached the last HISTORY columns are moved to the front: one copy every HISTORY
+    samples instead of a shift of the whole matrix on every frame once full. Read through :meth:`series` (a
+    contiguous view, what the plots take)."""
 
     def __init__(self):
         self.clear()
+
+    @property
+    def count(self) -> int:
+        """Samples held (at most HISTORY), the newest last."""
+        return self._end - self._start
+
+    @property
+    def samples(self) -> np.ndarray:
+        """The samples held, [len(SERIES), count] (a view)."""
+        return self._buffer[:, self._start:self._end]
 
     def record(self, snap: PoolSnapshot, now: float | None = None, timed: bool = True) -> None:
         """One sample of ``snap``. ``timed`` False: a frame read back from a history or recording, whose wall-clock
@@ -47,11 +61,13 @@ class MetricsHistory:
         mem, met = snap.memory, snap.metrics
         if timed:
             now = time.perf_counter() if now is None else now
-            self._rate_window.append((now, met.num_generated_tokens))
-            while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 1.0:
-                self._rate_window.popleft()
-            (t0, n0), (t1, n1) = self._rate_window[0], self._rate_window[-1]
-            rate = max((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0, 0.0)
+            tokens = met.num_generated_tokens
+            if self._tokens is None or tokens < self._tokens:  # the first sample, or a new engine's counter
+                self._rate.clear()
+                self._tokens = tokens
+            self._rate.tick(tokens - self._tokens, now)
+            self._tokens = tokens
+            rate = self._rate.per_second(now)
         else:
             rate = float("nan")
         if mem:
@@ -61,23 +77,27 @@ class MetricsHistory:
             pool = (0,) * 7
         values = (snap.step_id, *pool, rate, met.num_preemptions,  # in SERIES order
                   100.0 * met.prefix_cache_hit_rate)
-        if self.count and self.samples[_ROW["step"], self.count - 1] == snap.step_id:
-            index = self.count - 1  # published again after a command, not a step: update the step's sample
-        elif self.count == HISTORY:
-            self.samples[:, :-1] = self.samples[:, 1:]
-            index = HISTORY - 1
+        if self.count and self._buffer[_ROW["step"], self._end - 1] == snap.step_id:
+            index = self._end - 1  # published again after a command, not a step: update the step's sample
         else:
-            index = self.count
-            self.count += 1
-        self.samples[:, index] = values
+            if self._end == self._buffer.shape[1]:  # the buffer is used up: the newest HISTORY - 1 to the front
+                keep = HISTORY - 1
+                self._buffer[:, :keep] = self._buffer[:, self._end - keep:self._end]
+                self._start, self._end = 0, keep
+            elif self.count == HISTORY:
+                self._start += 1  # the oldest sample goes
+            index = self._end
+            self._end += 1
+        self._buffer[:, index] = values
 
     def series(self, name: str) -> np.ndarray:
-        return self.samples[_ROW[name], :self.count]
+        return self._buffer[_ROW[name], self._start:self._end]
 
     def clear(self) -> None:
-        self.samples = np.zeros((len(SERIES), HISTORY))
-        self.count = 0  # samples held, the newest at index count - 1
-        self._rate_window: deque[tuple[float, int]] = deque()  # (time, tokens generated) over the last second
+        self._buffer = np.zeros((len(SERIES), 2 * HISTORY))
+        self._start = self._end = 0  # the samples held are columns start..end-1
+        self._rate = Rate(window=1.0)  # tokens generated per second over the last second
+        self._tokens: int | None = None  # the generated-token counter at the last timed sample
 
 
 def _top(values: np.ndarray) -> float:

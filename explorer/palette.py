@@ -51,10 +51,21 @@ class ColourBook:
 
     def clear(self) -> None:
         self._slot = np.full(0, -1, np.int64)  # conversation id -> palette index, -1: never seen live
+        self._seen: tuple[object, int] | None = None  # (snapshot, its version) observed last: asked again, a no-op
+        self.sorts = 0  # times conversations were sorted (tests read it)
 
     def observe(self, snapshot) -> None:
         """Give every live conversation of ``snapshot`` a palette entry no other live one holds, and a stopped one
-        never seen before an entry no live one holds (so a table row never looks like a live conversation's)."""
+        never seen before an entry no live one holds (so a table row never looks like a live conversation's).
+
+        The grid, the table, the detail and the contiguous view each observe the snapshot they draw, several times
+        a frame: the work is done once per snapshot (the same object at the same version; the object is held, so
+        its id cannot be reused by another)."""
+        seen = self._seen
+        if seen is not None and seen[0] is snapshot and seen[1] == getattr(snapshot, "version", None):
+            return
+        self._seen = (snapshot, getattr(snapshot, "version", None))
+        self.sorts += 1
         order = sorted((c.arrival_step, c.conversation_id, c.is_live) for c in snapshot.conversations
                        if 0 <= c.conversation_id < MAX_TRACKED_ID)
         if not order:

@@ -121,6 +121,8 @@ class _FitLabel(QtWidgets.QLabel):
         return QtCore.QSize(min(super().sizeHint().width(), 360), super().sizeHint().height())
 
     def set_variants(self, *variants: str) -> None:
+        if variants == self._variants:
+            return  # setText lays the label out again: only for new words
         self._variants = variants
         self.setText(variants[0])
         self.setToolTip(variants[0])
@@ -252,8 +254,8 @@ class _Track(QtWidgets.QWidget):
 class Timeline(QtWidgets.QWidget):
     """The history strip with its controls and banner; see the module docstring.
 
-    Feed it with :meth:`set_range` (every frame), :meth:`add_markers` (the new frame's events) and
-    :meth:`set_kept`; act on ``seekRequested`` (show that frame), ``liveRequested`` (follow the newest again)
+    Feed it with :meth:`set_range` (every new frame: cheap, only the words and the strip follow),
+    :meth:`add_markers` (the new frame's events) and :meth:`set_kept`; act on ``seekRequested`` (show that frame), ``liveRequested`` (follow the newest again)
     and ``budgetChanged`` (resize history). :meth:`seek` and :meth:`go_live` are the same moves made by code
     (an event clicked in the log), and emit the same signals.
     """
@@ -385,12 +387,16 @@ class Timeline(QtWidgets.QWidget):
                 raise ValueError(f"step_of has {len(steps) if steps.ndim == 1 else steps.shape} entries; frames "
                                  f"{first}-{last} need {last - first + 1}")
             lookup = lambda seq, steps=steps, first=first: int(steps[seq - first])  # noqa: E731
+        was_empty = self.empty
         self.first_seq, self.last_seq, self._step_of, self.empty = first, last, lookup, False
         self.markers.drop_before(first)
         moved = None
         if not self.is_live and not first <= self.viewed_seq <= last:
             moved = self.viewed_seq = min(max(self.viewed_seq, first), last)
-        self._refresh()
+        if was_empty:  # the first frames: the banner's colours and the buttons change too
+            self._refresh()
+        else:  # a new frame (30 a second): only the words that name the range, and the strip
+            self._refresh_text()
         if moved is not None:
             self.seekRequested.emit(moved)
 
@@ -428,10 +434,14 @@ class Timeline(QtWidgets.QWidget):
         for value, what in ((nbytes, "kept bytes"), (budget_bytes, "budget")):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{what} must be a non-negative number of bytes, not {value!r}")
+        if (int(nbytes), int(budget_bytes)) == (self.kept_bytes, self.budget_bytes):
+            return
         self.kept_bytes, self.budget_bytes = int(nbytes), int(budget_bytes)
-        self.budget_box.blockSignals(True)
-        self.budget_box.setValue(max(BUDGET_RANGE_MIB[0], min(BUDGET_RANGE_MIB[1], self.budget_bytes // MIB)))
-        self.budget_box.blockSignals(False)
+        mib = max(BUDGET_RANGE_MIB[0], min(BUDGET_RANGE_MIB[1], self.budget_bytes // MIB))
+        if self.budget_box.value() != mib:
+            self.budget_box.blockSignals(True)
+            self.budget_box.setValue(mib)
+            self.budget_box.blockSignals(False)
         self._refresh_kept()
 
     def set_live_source(self, live: bool) -> None:
@@ -689,8 +699,9 @@ class Timeline(QtWidgets.QWidget):
         return int(np.count_nonzero(inside & self.enabled_mask[codes]))
 
     def _refresh(self) -> None:
+        """Everything that follows the state (live, viewing, empty): the banner's colours and font, the buttons,
+        and the words. Called on state changes only; a new frame calls :meth:`_refresh_text`."""
         live = self.is_live or self.empty
-        self.banner.set_variants(*self.banner_variants())
         pal = self.palette()  # empty: the window's own colours
         if not live:  # viewing the past: dark text on amber, hard to miss
             pal.setColor(QtGui.QPalette.ColorRole.Window, VIEWING_COLOUR)
@@ -704,12 +715,19 @@ class Timeline(QtWidgets.QWidget):
         self.banner.setFont(font)
         self.live_button.setEnabled(not live)
         self.play_button.setEnabled(not self.empty)
+        self._refresh_text()
+
+    def _refresh_text(self) -> None:
+        """The banner's words, the kept-history line and the strip (what a new frame changes)."""
+        self.banner.set_variants(*self.banner_variants())
         self._refresh_kept()
         self.track.update()
 
     def _refresh_kept(self) -> None:
         self.kept_label.set_variants(*self._kept_variants())
-        self.kept_label.setToolTip(self.kept_text())
+        tip = self.kept_text()
+        if self.kept_label.toolTip() != tip:
+            self.kept_label.setToolTip(tip)
 
 
 def _html_swatch(rgb: tuple[int, int, int]) -> str:

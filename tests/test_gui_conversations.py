@@ -141,3 +141,29 @@ def test_long_ids_are_not_cut_beside_the_colour_swatch(qtbot):
         index = panel.model.index(row, 0)
         needed = panel.view.sizeHintForIndex(index).width()  # swatch, margins and the whole id
         assert panel.view.horizontalHeader().sectionSize(0) >= needed, (panel.model.data(index), needed)
+
+
+def test_rows_are_made_again_only_when_what_they_show_changed(panel):
+    """The engine hands out the same info while a conversation is unchanged; a stream rebuilds equal ones. Only
+    a changed conversation, or a changed pool under a conversation holding blocks, makes its row again."""
+    import dataclasses
+    finished = [conv(c, status=Status.FINISHED, reason=FinishReason.LENGTH, output="done") for c in range(50)]
+    first = view(finished + [conv(50, output="a")])
+    first = dataclasses.replace(first, block_tables={50: (3,)}, ref_count=np.eye(8, dtype=np.int32)[3],
+                                num_filled=np.eye(8, dtype=np.int32)[3])
+    model = panel.model
+    panel.refresh(first)
+    assert model.rows_made == 51
+    rebuilt = [dataclasses.replace(c) for c in first.conversations]  # what a stream decoder hands out
+    panel.refresh(dataclasses.replace(first, conversations=tuple(rebuilt), version=first.version + 1))
+    assert model.rows_made == 51
+    grown = dataclasses.replace(first, version=first.version + 2, conversations=tuple(rebuilt[:50]) + (
+        conv(50, output="ab"),), num_filled=2 * np.eye(8, dtype=np.int32)[3])
+    panel.refresh(grown)
+    assert model.rows_made == 52  # only the conversation that decoded a token
+    shared = dataclasses.replace(grown, version=first.version + 3, ref_count=2 * np.eye(8, dtype=np.int32)[3])
+    panel.refresh(shared)
+    assert model.rows_made == 53  # its block got shared: only the row that holds blocks is made again
+    row = model.row_of(50)
+    assert model.data(model.index(row, 3)) == "2" and model.data(model.index(row, 5)) == "1"
+    assert model.data(model.index(row, 6)) == "2/4"

@@ -187,10 +187,13 @@ def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
     view.set_snapshot(republished)
     assert not view.render() and view.snapshot is republished
     state = np.array(snap.state)
-    state[4] = BlockState.CACHED  # same step, changed pool (e.g. a conversation ended while paused)
-    view.set_snapshot(dataclasses.replace(snap, state=state))
+    state[4] = BlockState.CACHED  # same step, changed pool (e.g. a conversation ended while paused): a new version
+    changed = dataclasses.replace(snap, state=state, version=snap.version + 1)
+    view.set_snapshot(changed)
     assert view.render()
-    view.set_snapshot(dataclasses.replace(snap, step_id=snap.step_id + 1))  # a new step
+    view.set_snapshot(dataclasses.replace(changed, step_id=snap.step_id + 1))  # a new step
+    assert view.render()
+    view.set_snapshot(dataclasses.replace(changed, step_id=snap.step_id + 1, source="vllm"))  # another source
     assert view.render()
     view.set_color_by("fill")
     assert view.render() and not view.render()
@@ -395,3 +398,27 @@ def test_free_blocks_are_plain_cells_and_used_ones_show_their_slots():
     assert (free[:, :3] == palette.FREE[:3]).all()
     used = image[t // 2, 1:t, :3]
     assert len({tuple(px) for px in used}) == 2  # the owner's colour and the darker slot separators
+
+
+def test_colours_are_worked_out_once_per_snapshot(qtbot):
+    """The grid, the conversations table and the detail all observe the snapshot they draw; the book sorts its
+    conversations once per snapshot, not once per caller."""
+    from explorer.conversations import ConversationsPanel
+    from explorer.grid_view import GridView
+    palette.BOOK.clear()
+    snap = dataclasses.replace(make_snapshot(), conversations=tuple(conversation(c, arrival=c) for c in range(5)))
+    view, panel = GridView(), ConversationsPanel()
+    qtbot.addWidget(view), qtbot.addWidget(panel)
+    view.set_snapshot(snap)
+    view.render()
+    panel.refresh(snap)
+    panel.select_conversation(2)
+    panel.refresh(snap)
+    assert palette.BOOK.sorts == 1
+    later = dataclasses.replace(snap, version=snap.version + 1, conversations=snap.conversations + (
+        conversation(9, arrival=9),))
+    view.set_snapshot(later)
+    view.render()
+    panel.refresh(later)
+    assert palette.BOOK.sorts == 2 and len(set(map(tuple, palette.conversation_colours(np.arange(5).tolist() + [9]))))\
+        == 6

@@ -47,3 +47,27 @@ def test_backfill_samples_spread_evenly_with_both_ends():
     assert len(picked) == 1200 and picked[0] == 0 and picked[-1] == 9_999
     gaps = np.diff(picked)
     assert gaps.min() >= 8 and gaps.max() <= 9  # even strides of 9999 / 1199
+
+
+def test_samples_keep_the_newest_without_shifting_every_frame():
+    """Past HISTORY samples the oldest go; the buffer is compacted once per HISTORY samples, not on every one."""
+    import dataclasses
+
+    from explorer.metrics import HISTORY, MetricsHistory
+    from kvstream.views import EngineMetrics
+    history = MetricsHistory()
+    moved = []
+    total = 3 * HISTORY + 7
+    for step in range(total):
+        before = history._buffer[0, :1].copy() if history.count else None
+        snap = dataclasses.replace(blank(step), metrics=EngineMetrics(num_generated_tokens=10 * step))
+        history.record(snap, now=step * 0.1)
+        if before is not None and history._start == 0 and history.count == HISTORY and step >= HISTORY:
+            moved.append(step)
+    steps = history.series("step")
+    assert history.count == HISTORY and list(steps) == list(range(total - HISTORY, total))
+    assert steps.flags.c_contiguous and steps.base is not None  # a view, no copy per read
+    assert len(moved) <= 3  # compacted about once per HISTORY samples
+    assert np.allclose(history.series("tokens_per_s")[5:], 100.0)  # 10 tokens every 0.1 s
+    history.record(dataclasses.replace(blank(total), metrics=EngineMetrics(num_generated_tokens=0)), now=1e4)
+    assert history.series("tokens_per_s")[-1] == 0.0  # a new engine's counter starts again: no negative rate

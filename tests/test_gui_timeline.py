@@ -264,3 +264,27 @@ def test_frames_in_a_gap_are_skipped(qtbot, timeline):
     qtbot.mousePress(t.track, LEFT, pos=track_point(t, 700))
     assert seen[-1] == 500 and t.viewed_seq == 500
     assert "step 250" in t.tooltip_at(t.track.x_of(700))
+
+
+def test_a_new_frame_updates_words_and_strip_only(qtbot, timeline, monkeypatch):
+    """30 frames a second: set_range and set_kept change the range, the banner's words, the kept line and the
+    strip; the banner's colours, fonts, buttons and the budget box are left alone until the state changes."""
+    t = timeline
+    refreshed, box_sets, label_sets = [], [], []
+    monkeypatch.setattr(t, "_refresh", lambda real=t._refresh: (refreshed.append(1), real()))
+    box_set = t.budget_box.setValue
+    monkeypatch.setattr(t.budget_box, "setValue", lambda v: (box_sets.append(v), box_set(v)))
+    text_set = t.kept_label.setText
+    monkeypatch.setattr(t.kept_label, "setText", lambda v: (label_sets.append(v), text_set(v)))
+    for last in range(1101, 1131):
+        t.set_range(100, last, lambda seq: seq // 2)
+        t.set_kept(3 * MIB, 256 * MIB)
+    assert refreshed == [] and box_sets == []
+    assert t.banner_text() == "● live · step 565" and "3.0 MiB of" in t.kept_label.text()
+    assert len(label_sets) == 16  # the kept line names the steps: new words every other frame, never the same twice
+    t.set_kept(3 * MIB, 512 * MIB)  # the budget changed elsewhere: the box follows
+    assert box_sets == [512]
+    t.seek(300)  # a state change: the banner turns amber
+    assert refreshed == [1] and t.banner.autoFillBackground()
+    t.set_range(100, 1200, lambda seq: seq // 2)
+    assert refreshed == [1] and t.banner_text() == "viewing step 150 of 600"
