@@ -162,3 +162,19 @@ def test_a_status_message_gets_room_to_be_read(qtbot, make_window):
     window.status.clearMessage()
     QtWidgets.QApplication.processEvents()
     assert all(label.isVisible() for label in window.status.labels.values())  # the rates are back
+
+
+def test_commands_are_enabled_on_changes_not_on_every_frame(qtbot, make_window, monkeypatch):
+    """The panels refresh ten times a second while decoding; the command controls are set only when the source,
+    the frame on view or the selection changes."""
+    window = make_window(setup=lambda e: e.add_conversation("Enabled once, not per frame.", max_new_tokens=200,
+                                                            temperature=0.0, ignore_eos=True), speed=40)
+    calls = []
+    enable = window._enable_commands
+    monkeypatch.setattr(window, "_enable_commands", lambda: (calls.append(1), enable()))
+    start = window.snapshot.step_id
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= start + 10)
+    qtbot.wait(300)  # several panel refreshes
+    assert calls == []
+    window.conversations.select_conversation(0)
+    assert calls == [1]
