@@ -39,10 +39,32 @@ def fit_error(num_tokens: int, max_new_tokens: int, *, block_size: int, num_bloc
     return None
 
 
-def block_owners(block_tables: Mapping[int, Sequence[int]], block_id: int) -> list[tuple[int, int]]:
-    """(conversation id, logical index) of every block-table entry naming ``block_id``."""
-    return [(cid, index) for cid, table in block_tables.items()
-            for index, physical in enumerate(table) if physical == block_id]
+def owner_index(block_tables: Mapping[int, Sequence[int]]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """block id -> its (conversation id, logical index) entries, by conversation id: every table read once."""
+    index: dict[int, list[tuple[int, int]]] = {}
+    for cid in sorted(block_tables):
+        for logical, block in enumerate(block_tables[cid]):
+            index.setdefault(int(block), []).append((cid, logical))
+    return {block: tuple(entries) for block, entries in index.items()}
+
+
+def hash_note(state: int, hashed: bool, num_filled: int, block_size: int,
+              prefix_caching: bool | None = None) -> str:
+    """Why a block has or has not a prefix hash, in words (the inspector's line). ``state`` is a BlockState value;
+    ``prefix_caching`` None: the source does not say whether it is on."""
+    if state == 0:
+        return "free: holds no reusable KV"
+    if hashed:
+        return ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
+                + (" (cached: free, evicted least-recently-used first)" if state == 2 else ""))
+    if num_filled < block_size:
+        return (f"partially filled ({num_filled}/{block_size}): only full blocks are hashed and shared through the "
+                f"prefix cache")
+    if prefix_caching is False:
+        return "full, but prefix caching is off"
+    if prefix_caching:
+        return "full, but the same prefix is already cached in another block"
+    return "full, but not hashed (prefix caching off, or the same prefix is cached in another block)"
 
 
 class Rate:

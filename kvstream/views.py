@@ -210,6 +210,16 @@ class PoolSnapshot:
             object.__setattr__(self, "_index", cached)
         return cached
 
+    def owners_of(self, block_id: int) -> tuple[tuple[int, int], ...]:
+        """(conversation id, logical index) of every table entry naming ``block_id``, by conversation id. The
+        index behind it is built once per snapshot (hover, inspector and grid ask many times a frame)."""
+        index = self.__dict__.get("_owners")
+        if index is None:
+            from .rules import owner_index
+            index = owner_index(self.block_tables)
+            object.__setattr__(self, "_owners", index)
+        return index.get(int(block_id), ())
+
     def hashes(self) -> np.ndarray:
         """block_hash, or all NO_HASH when the source sent none."""
         if self.block_hash is None:

@@ -24,14 +24,13 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
 import numpy as np
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.rules import cdiv
 from kvstream.views import (BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
                             Status, frozen_array)
 from kvstream.vllm_hash import hash64, key_hash64
@@ -436,7 +435,7 @@ class VllmPoolTap:
             self._emit(kind, conversation_id=cid, block_ids=tuple(ids))
 
     def _on_stored(self, request, blocks, start: int, end: int, before: list) -> None:
-        bs, run = self.block_size, []  # run: logical indices of newly hashed blocks, consecutive
+        run = []  # logical indices of newly hashed blocks, consecutive
         for i in range(start, end):
             b = blocks[i]
             if not b.is_null and b.block_hash is not None and before[i - start] is None:
