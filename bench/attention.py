@@ -30,10 +30,17 @@ VARIANTS = ("contiguous", "default", "previous", "compiled")
 
 
 def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_lens):
-    """The earlier default path: every sequence's K/V gathered into one padded tensor, then one masked SDPA."""
+    """The earlier default path, as paged_attention ran it before cache-sized groups (the checks of its inputs in
+    tensor operations, one gather of the whole batch's K/V, one masked SDPA), kept here for comparison."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    lens = seq_lens.long().cpu()  # the input checks, as they were
+    assert int(lens.min()) >= 1 and int(lens.max()) <= block_tables.shape[1] * block_size
+    live = torch.arange(block_tables.shape[1])[None, :] * block_size < lens[:, None]
+    ids = block_tables.long().cpu()[live]
+    assert not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks)
     seqs, heads, dim = query.shape
-    _, block_size, kv_heads, _ = key_cache.shape
-    max_len = int(seq_lens.max())
+    kv_heads = key_cache.shape[2]
+    max_len = int(seq_lens.max())  # the plan, as it was
     max_blocks = -(-max_len // block_size)
     tables = block_tables[:, :max_blocks].long()
     live = torch.arange(max_blocks)[None, :] * block_size < seq_lens[:, None]

@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout of this project (e.g. `git archive OLD | tar -x -C DIR`): its engine "
                              "runs as one more system, for before/after figures in one run")
+    parser.add_argument("--engine-threads", type=int, default=0,
+                        help="intra-op threads of the engine's workers (0: torch's default)")
     parser.add_argument("--omp-wait-policy", choices=("default", "PASSIVE", "ACTIVE"), default="default",
                         help="OMP_WAIT_POLICY for every worker (default: OpenMP's own, unless already set)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -220,6 +222,8 @@ def main() -> None:
     if args.worker:
         return worker_main(args)
     env = dict(os.environ)
+    if args.engine_threads:
+        env["PEERS_ENGINE_THREADS"] = str(args.engine_threads)  # read by the engine workers only
     if args.omp_wait_policy != "default":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     vllm_python = args.vllm_python if "vllm" in args.systems else None
@@ -230,7 +234,8 @@ def main() -> None:
     import torch
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
-          f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}")
+          f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}, engine threads "
+          f"{args.engine_threads or 'torch default'}")
     bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or Path(tmp)
@@ -282,9 +287,12 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
         sys.path.insert(0, str(baseline.resolve() if system == "baseline" else ROOT))
         import torch
         from engine import Engine, EngineConfig
+        if os.environ.get("PEERS_ENGINE_THREADS"):
+            torch.set_num_threads(int(os.environ["PEERS_ENGINE_THREADS"]))
         num_blocks = batch * (-(-(PROMPT_LEN + 256) // 16)) + 16
         eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks))
-        return (lambda p, n: eng.generate(p, max_new_tokens=n)), f"torch {torch.__version__}", vocab
+        return (lambda p, n: eng.generate(p, max_new_tokens=n)), \
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads", vocab
     if system in ("hf", "hf-cb"):
         import torch
         import transformers

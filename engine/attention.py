@@ -6,11 +6,13 @@ hold which position. :func:`dense_attention` is the contiguous reference the tes
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,18 +44,28 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     if not query.shape[0]:
         return
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    lens = seq_lens.long().cpu()
-    if int(lens.min()) < 1:
-        raise EngineError(f"every seq_len must be at least 1, got {int(lens.min())}")
+    if block_tables.numel() <= 1024:  # a small batch: plain lists are several times cheaper than tensor operations
+        lens = seq_lens.tolist()
+        smallest, largest = min(lens), max(lens)
+    else:
+        lens_t = seq_lens.long().cpu()
+        smallest, largest = int(lens_t.min()), int(lens_t.max())
+    if smallest < 1:
+        raise EngineError(f"every seq_len must be at least 1, got {smallest}")
     capacity = block_tables.shape[1] * block_size
-    if int(lens.max()) > capacity:
-        raise EngineError(f"a seq_len of {int(lens.max())} needs more blocks than the table's {block_tables.shape[1]} "
+    if largest > capacity:
+        raise EngineError(f"a seq_len of {largest} needs more blocks than the table's {block_tables.shape[1]} "
                           f"({capacity} slots)")
-    live = torch.arange(block_tables.shape[1])[None, :] * block_size < lens[:, None]  # [seqs, max_blocks]
-    ids = block_tables.long().cpu()[live]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
-        raise EngineError(f"block table entry {int(bad)} is outside the cache (0..{num_blocks - 1}) within a "
+    if block_tables.numel() <= 1024:
+        ids = [b for row, n in zip(block_tables.tolist(), lens) for b in row[: -(-n // block_size)]]
+        bad = next((b for b in ids if b < 0 or b >= num_blocks), None)
+    else:
+        live = torch.arange(block_tables.shape[1])[None, :] * block_size < lens_t[:, None]  # [seqs, max_blocks]
+        ids_t = block_tables.long().cpu()[live]
+        out_of_range = (ids_t < 0) | (ids_t >= num_blocks)
+        bad = int(ids_t[out_of_range][0]) if bool(out_of_range.any()) else None
+    if bad is not None:
+        raise EngineError(f"block table entry {bad} is outside the cache (0..{num_blocks - 1}) within a "
                           f"sequence's live blocks")
 
 
@@ -78,53 +90,114 @@ class DecodeGroup:
 class DecodePlan:
     """Everything about a decode batch's block tables that every layer shares: computed once per step."""
 
-    tables: torch.Tensor  # int64 [seqs, max_blocks]: live entries as given, entries past the end replaced by 0
-    seq_lens: torch.Tensor  # [seqs]
+    lens: list[int]  # each sequence's context length, in batch order
     max_len: int  # longest context in the batch
     order: torch.Tensor | None  # int64 [seqs]: batch row at each sorted position (longest first); None: in order
     inverse: torch.Tensor | None  # int64 [seqs]: sorted position of each batch row; None with order
     groups: list[DecodeGroup]  # the sorted batch cut into cache-sized groups
+    block_size: int  # slots per block
+    device: torch.device  # where the tensors live
+    source: list[list[int]] | torch.Tensor  # the tables planned from: live blocks per sequence, or [seqs, >= width]
+
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:
+        """int64 [seqs, max_blocks]: the live blocks, 0 past each sequence's end (the fused kernel reads these)."""
+        width = -(-self.max_len // self.block_size)
+        if isinstance(self.source, torch.Tensor):
+            return _neutralised(self.source, self.seq_lens, width, self.block_size)
+        return torch.as_tensor(_padded(self.source, self.lens, width, self.block_size), device=self.device)
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:
+        """int64 [seqs]."""
+        return torch.as_tensor(self.lens, dtype=torch.long, device=self.device)
+
+
+def _neutralised(tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """int64 [seqs, width]: ``tables`` trimmed to ``width`` columns, entries past each sequence's end set to 0."""
+    tables = tables[:, :width].long()  # [seqs, width]
+    live = torch.arange(width, device=tables.device)[None, :] * block_size < seq_lens.to(tables.device)[:, None]
+    return torch.where(live, tables, 0)
+
+
+def _padded(block_lists: list[list[int]], lens: list[int], width: int, block_size: int) -> np.ndarray:
+    """int64 [seqs, width] numpy: each sequence's live blocks, then zeros."""
+    out = np.zeros((len(lens), width), dtype=np.int64)
+    for i, (blocks, n) in enumerate(zip(block_lists, lens)):
+        live = -(-n // block_size)
+        out[i, :live] = blocks[:live]
+    return out
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
-    """Trim the tables to the blocks in use, neutralise entries past each sequence's end (-1 or stale ids), sort
-    the sequences by length and cut them into groups whose gathered K+V (``bytes_per_token`` per position) stay
-    under ``group_bytes`` (None: one group, as on GPUs). Padding inside a group is bounded: a sequence shorter than
-    half the group's longest starts a new group."""
-    seq_lens = seq_lens.to(block_tables.device)
+    """The plan for tables given as a tensor [seqs, max_blocks] (entries past a sequence's last block may hold
+    anything: -1, stale ids): sorted by length, cut into groups whose gathered K+V (``bytes_per_token`` per
+    position) stay under ``group_bytes`` (None: one group, as on GPUs)."""
     lens = seq_lens.tolist()
-    max_len = max(lens)
-    max_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :max_blocks].long()  # [seqs, max_blocks]
-    live = torch.arange(max_blocks, device=tables.device)[None, :] * block_size < seq_lens[:, None]
-    tables = torch.where(live, tables, 0)
-    ranked = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: equal lengths keep their order
-    order = inverse = None
-    sorted_tables = tables
-    if ranked != list(range(len(lens))):
-        order = torch.as_tensor(ranked, dtype=torch.long, device=tables.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(ranked), device=tables.device)
-        sorted_tables = tables.index_select(0, order)  # [seqs, max_blocks], longest first
-    sorted_lens = [lens[i] for i in ranked]
+    ranked, bounds = _groups(lens, block_size, group_bytes, bytes_per_token)
+    tables = _neutralised(block_tables, seq_lens, -(-max(lens) // block_size), block_size)  # [seqs, width]
+    order = None if ranked is None else torch.as_tensor(ranked, dtype=torch.long, device=tables.device)
+    if order is not None:
+        tables = tables.index_select(0, order)  # longest first
+    rows = [tables[s:e, :n].reshape(-1) for s, e, n in bounds]  # [n_seqs * n_blocks] each
+    return _plan(lens, ranked, bounds, rows, block_size, tables.device, block_tables)
+
+
+def plan_lists(block_lists: list[list[int]], lens: list[int], block_size: int, device: torch.device,
+               group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
+    """:func:`plan_decode` for tables held as Python lists (``block_lists[i]`` holds at least sequence i's live
+    blocks), as the engine's conversations hold them: no tensor is made but the blocks each group gathers."""
+    ranked, bounds = _groups(lens, block_size, group_bytes, bytes_per_token)
+    order = range(len(lens)) if ranked is None else ranked
+    width = -(-max(lens) // block_size)
+    table = _padded([block_lists[i] for i in order], [lens[i] for i in order], width, block_size)  # sorted
+    flat = torch.from_numpy(np.concatenate([table[s:e, :n].reshape(-1) for s, e, n in bounds])).to(device)
+    rows = list(flat.split([(e - s) * n for s, e, n in bounds]))  # views, [n_seqs * n_blocks] each
+    return _plan(lens, ranked, bounds, rows, block_size, device, block_lists)
+
+
+def _groups(lens: list[int], block_size: int, group_bytes: int | None,
+            bytes_per_token: int) -> tuple[list[int] | None, list[tuple[int, int, int]]]:
+    """(sorted order, or None when already longest first; (start, end, blocks per sequence) of each group in that
+    order). Padding inside a group is bounded: a sequence shorter than half the group's longest starts a new one."""
+    count = len(lens)
+    ranked = sorted(range(count), key=lambda i: -lens[i])  # stable: equal lengths keep their order
+    in_order = all(r == i for i, r in enumerate(ranked))
+    sorted_lens = lens if in_order else [lens[i] for i in ranked]
     limit = None if group_bytes is None else max(1, group_bytes // max(1, bytes_per_token))  # positions per group
-    groups, start = [], 0
-    while start < len(ranked):
+    bounds, start = [], 0
+    while start < count:
         longest = sorted_lens[start]
         end = start + 1
-        while (end < len(ranked) and (limit is None or (end + 1 - start) * longest <= limit)
-               and (limit is None or 2 * sorted_lens[end] >= longest)):
+        while end < count and (limit is None or ((end + 1 - start) * longest <= limit
+                                                 and 2 * sorted_lens[end] >= longest)):
             end += 1
-        num_blocks = -(-longest // block_size)
+        bounds.append((start, end, -(-longest // block_size)))
+        start = end
+    return (None if in_order else ranked), bounds
+
+
+def _plan(lens, ranked, bounds, rows, block_size, device, source) -> DecodePlan:
+    order = inverse = None
+    sorted_lens = lens
+    if ranked is not None:
+        order = torch.as_tensor(ranked, dtype=torch.long, device=device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(ranked), device=device)
+        sorted_lens = [lens[i] for i in ranked]
+    lens_t = positions = None
+    groups = []
+    for (start, end, num_blocks), group_rows in zip(bounds, rows):
+        longest = sorted_lens[start]
         mask = None
         if sorted_lens[end - 1] != longest:
-            group_lens = torch.as_tensor(sorted_lens[start:end], device=tables.device)
-            mask = (torch.arange(longest, device=tables.device)[None, :] < group_lens[:, None])[:, None, None, :]
-        rows = sorted_tables[start:end, :num_blocks].reshape(-1)  # [n, num_blocks] -> [n * num_blocks]
-        groups.append(DecodeGroup(start, end, rows, num_blocks, longest, mask))
-        start = end
-    return DecodePlan(tables, seq_lens, max_len, order, inverse, groups)
+            if lens_t is None:
+                lens_t = torch.as_tensor(sorted_lens, device=device)
+                positions = torch.arange(sorted_lens[0], device=device)
+            mask = (positions[None, :longest] < lens_t[start:end, None])[:, None, None, :]  # [n, 1, 1, longest]
+        groups.append(DecodeGroup(start, end, group_rows, num_blocks, longest, mask))
+    return DecodePlan(list(lens), max(lens), order, inverse, groups, block_size, device, source)
 
 
 def gather_kv(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
@@ -287,13 +360,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     values (the engine's cache is zero-initialised); they get zero weight.
     """
     _check(query, key_cache, value_cache, block_tables, seq_lens)
+    if not query.shape[0]:
+        return query.new_empty(query.shape)  # no sequences: nothing to attend
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
-    block_tables = block_tables.to(query.device)
-    seq_lens = seq_lens.to(query.device)
-    out = _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) if _compiled.enabled else None
-    if out is not None:
-        return out
-    plan = plan_decode(block_tables, seq_lens, key_cache.shape[1], group_bytes_for(key_cache),
+    if _compiled.enabled:
+        out = _try_compiled(query, key_cache, value_cache, block_tables.to(query.device), seq_lens.to(query.device),
+                            scale)
+        if out is not None:
+            return out
+    plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1], group_bytes_for(key_cache),
                        bytes_per_token(key_cache))
     return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .attention import DecodePlan, bytes_per_token, group_bytes_for, plan_decode
+from .attention import DecodePlan, bytes_per_token, group_bytes_for, plan_lists
 from .kv_cache import KVCache
 from .model import BatchMetadata, CausalLM
 from .scheduler import ScheduledBatch
@@ -83,14 +83,9 @@ class ModelRunner:
 
     def plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
         """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold."""
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
         cache = self.kv.layers[0][0]
-        return plan_decode(torch.as_tensor(tables, device=self.device),
-                           torch.as_tensor(lens, dtype=torch.int64, device=self.device), self.block_size,
-                           group_bytes_for(cache), bytes_per_token(cache))
+        return plan_lists([s.block_table for s in seqs], lens, self.block_size, self.device, group_bytes_for(cache),
+                          bytes_per_token(cache))
 
     def forward(self, prepared: PreparedBatch) -> torch.Tensor:
         """K/V of every scheduled token written to the pool; logits [sampled, vocab] float32."""

@@ -80,6 +80,12 @@ def test_default_scale_and_gqa_mapping():
     assert torch.allclose(out[0], expected.expand(2, 4), atol=1e-6)
 
 
+def test_an_empty_batch_gives_an_empty_result():
+    out = paged_attention(torch.zeros(0, 2, 4), torch.zeros(3, 4, 1, 4), torch.zeros(3, 4, 1, 4),
+                          torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0, 2, 4)
+
+
 def test_bad_shapes_raise_engine_error():
     with pytest.raises(EngineError):
         paged_attention(torch.randn(1, 3, 4), torch.zeros(2, 2, 2, 4), torch.zeros(2, 2, 2, 4),
