@@ -112,6 +112,12 @@ class Feed:
         """A short state for the status bar ("live", "replaying 40%", "disconnected")."""
         return "live"
 
+    def stream_counts(self) -> dict[str, int] | None:
+        """For a source that delivers no pool views (KV events), what it has received, for the status bar:
+        ``instances``, ``batches``, ``cached`` (blocks held now), ``stored`` and ``removed`` (totals); None for a
+        source whose views say it themselves."""
+        return None
+
     def summary(self, final: bool = False) -> dict:
         """DESIGN.md's ``--json`` object for this feed's newest (or final) view (null where it cannot know)."""
         from kvstream.summary import json_summary

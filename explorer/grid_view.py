@@ -19,6 +19,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.views import BlockState, PoolSnapshot
 
 from . import grid, palette
+from .elided_label import ElidedLabel
 from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
@@ -32,18 +33,32 @@ def cell_label(block_id: int, ref_count: int) -> str:
     return f"{block_id} ×{ref_count}" if ref_count > 1 else str(block_id)
 
 
-def describe_block(snapshot: PoolSnapshot, block_id: int) -> str:
-    """One line about a block, from the snapshot alone (for tooltips and the status line)."""
+HOVER_OWNERS = 2  # owners the hover line names before "and N more" (a prefix block may have hundreds)
+TOOLTIP_OWNERS = 8  # owners the tooltip lists, one a line
+
+
+def block_facts(snapshot: PoolSnapshot, block_id: int, max_owners: int = HOVER_OWNERS) -> list[str]:
+    """What the snapshot says about a block, one fact per item; at most ``max_owners`` owners are named, the rest
+    counted ("conv 4 (logical 0) and 14 more")."""
     state = BlockState(int(snapshot.state[block_id])).name.lower()
     ref = int(snapshot.ref_count[block_id])
     filled = int(snapshot.num_filled[block_id])
     owners = snapshot.owners_of(block_id)
-    text = f"block {block_id}: {state}, ref count {ref}, {filled}/{snapshot.block_size} slots filled"
+    facts = [f"block {block_id}: {state}", f"ref count {ref}", f"{filled}/{snapshot.block_size} slots filled"]
     if owners:
-        text += ", owners " + ", ".join(f"conv {c} (logical {i})" for c, i in owners)
+        named = [f"conv {c} (logical {i})" for c, i in owners[:max_owners]]
+        named[0] = "owners " + named[0]
+        if len(owners) > max_owners:
+            named[-1] += f" and {len(owners) - max_owners} more"
+        facts += named
     elif state == "cached" and int(snapshot.owner[block_id]) >= 0:
-        text += f", last filled by conv {int(snapshot.owner[block_id])}"
-    return text
+        facts.append(f"last filled by conv {int(snapshot.owner[block_id])}")
+    return facts
+
+
+def describe_block(snapshot: PoolSnapshot, block_id: int, max_owners: int = HOVER_OWNERS) -> str:
+    """One short line about a block, from the snapshot alone (the hover line under the grid)."""
+    return ", ".join(block_facts(snapshot, block_id, max_owners))
 
 
 def same_pool(a: PoolSnapshot | None, b: PoolSnapshot) -> bool:
@@ -88,8 +103,7 @@ class GridView(QtWidgets.QWidget):
         self.box.addItem(self.highlight)
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
-        self.hover_label = QtWidgets.QLabel("Hover a cell for details; click to inspect it.")
-        self.hover_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.hover_label = ElidedLabel("Hover a cell for details; click to inspect it.")  # never widens the window
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -234,7 +248,7 @@ class GridView(QtWidgets.QWidget):
         block = self.block_at_scene(self.view.mapToScene(viewport_pos))
         if block is None or self.snapshot is None:
             return ""
-        return describe_block(self.snapshot, block).replace(", ", "\n")
+        return "\n".join(block_facts(self.snapshot, block, TOOLTIP_OWNERS))
 
     def eventFilter(self, watched: QtCore.QObject, event: QtCore.QEvent) -> bool:
         if watched is self.view.viewport() and event.type() == QtCore.QEvent.Type.ToolTip:

@@ -90,13 +90,23 @@ def change_note(previous: BlockInfo | None, info: BlockInfo, *, moved_from: int 
         who = f" (last filled by conversation {info.last_owner})" if info.last_owner >= 0 else ""
         lead = f"{here} has been released but stays cached" if before else f"{here} is cached"
         return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
-    if previous is not None and before and not set(before) & set(cids):
-        return (f"{here} has been reused: it now belongs to {_conversations(cids)} "
-                f"(before: {', '.join(map(str, before))}).")
-    if previous is not None and previous.state != BlockState.USED:
-        return f"{here} is in use again, now by {_conversations(cids)}."
     shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
+    if previous is not None and before and not set(before) & set(cids):
+        return (f"{here} has been reused: it now belongs to {_conversations(cids)}{shared} "
+                f"(before: {_first_few([str(c) for c in before])}).")
+    if previous is not None and previous.state != BlockState.USED:
+        return f"{here} is in use again, now by {_conversations(cids)}{shared}."
     return f"{here} is in use by {_conversations(cids)}{shared}."
+
+
+def summary_info(snapshot: PoolSnapshot, block_id: int, owners) -> BlockInfo:
+    """The facts a frame gives about a block at once (state, ref count, fill, owners, last owner) as a BlockInfo
+    without tokens or K/V: what the note is written from between detail answers."""
+    b = block_id
+    return BlockInfo(block_id=b, state=BlockState(int(snapshot.state[b])), ref_count=int(snapshot.ref_count[b]),
+                     num_filled=int(snapshot.num_filled[b]), block_size=snapshot.block_size, token_ids=(),
+                     token_texts=(), positions=(), owners=tuple(owners), block_hash=None, hash_note="",
+                     last_owner=int(snapshot.owner[b]), keys=None, values=None)
 
 
 def content_elsewhere(previous: BlockInfo | None, snapshot: PoolSnapshot | None,
@@ -142,6 +152,8 @@ class Inspector(QtWidgets.QWidget):
         self.info: BlockInfo | None = None
         self.moved_from: int | None = None  # the id the selected content had before the last relocation
         self._snapshot: PoolSnapshot | None = None  # the last view seen, to tell "moved" from "released"
+        self._note_facts: BlockInfo | None = None  # the facts the note describes (a frame's or an answer's)
+        self._note_key: tuple | None = None  # (block, state, ref count, owners) of those facts
         self.note = QtWidgets.QLabel("Click a cell in the grid to inspect its block.")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("font-weight: bold;")
@@ -262,6 +274,7 @@ class Inspector(QtWidgets.QWidget):
         ``moved_from``: the block is the selected content's new id after a relocation (its old id)."""
         if block_id != self.block_id and moved_from is None:
             self.info = None
+            self._note_facts = self._note_key = None  # another block: its note starts afresh
             self.slots.set_block(None)
             self.heat.clear()
             self.heat_title.setText("")
@@ -309,13 +322,20 @@ class Inspector(QtWidgets.QWidget):
         if owners is None:
             owners = snapshot.owners_of(b)
         self.fields["owners"].setText(_owners_text(owners))
-        if self.info is None:
-            if state == BlockState.FREE:
-                self.note.setText(f"Block {b} is free: no conversation refers to it.")
-            elif state == BlockState.CACHED:
-                self.note.setText(f"Block {b} is cached: no owner, but it keeps reusable prefix KV.")
-            else:
-                self.note.setText(f"Block {b} is in use by {_conversations({c for c, _ in owners})}.")
+        self._describe(summary_info(snapshot, b, owners), snapshot)
+
+    def _describe(self, facts: BlockInfo, snapshot: PoolSnapshot | None) -> None:
+        """Write the note from the same facts the fields were just given (a frame's, or an answer's), whenever they
+        differ from those it describes: the note and the fields never disagree. Written only from the fields'
+        own facts, it once kept an older answer's 'shared by 17 references' under a frame's 'ref count: 12'."""
+        key = (facts.block_id, facts.state, facts.ref_count, tuple(tuple(o) for o in facts.owners))
+        if key == self._note_key:
+            return
+        previous = self._note_facts
+        elsewhere = content_elsewhere(previous, snapshot, facts.block_id) \
+            if facts.state == BlockState.FREE else {}
+        self.note.setText(change_note(previous, facts, moved_from=self.moved_from, elsewhere=elsewhere))
+        self._note_facts, self._note_key = facts, key
 
     def show_block(self, info: BlockInfo) -> None:
         """The engine's answer to inspect_block for the selected block."""
@@ -324,10 +344,7 @@ class Inspector(QtWidgets.QWidget):
         previous = self.info
         self.info = info
         moved = previous is not None and previous.block_id != info.block_id
-        if moved or previous is None or (previous.state, previous.owners) != (info.state, info.owners):
-            elsewhere = content_elsewhere(previous, self._snapshot, info.block_id) \
-                if info.state == BlockState.FREE else {}
-            self.note.setText(change_note(previous, info, moved_from=self.moved_from, elsewhere=elsewhere))
+        self._describe(info, self._snapshot)
         if info.block_size != self._block_size:
             self.set_block_size(info.block_size)
         self.fields["block"].setText(self._block_text(info.block_id))

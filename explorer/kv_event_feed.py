@@ -60,6 +60,16 @@ class KVEventFeed(Feed):
     def status_text(self) -> str:
         return " · ".join(f"{s.label}: {s.text}" for s in self.subscriber.status())
 
+    def stream_counts(self) -> dict[str, int]:
+        totals = {"instances": 0, "batches": 0, "cached": 0, "stored": 0, "removed": 0}
+        for data in self.summaries():
+            totals["instances"] += 1
+            totals["batches"] += data["batches"]
+            totals["cached"] += data["stored_hashes"]
+            totals["stored"] += data["stored_total"]
+            totals["removed"] += data["removed_total"]
+        return totals
+
     def summaries(self, final: bool = False) -> list[dict]:
         from kvstream.kv_events import json_summary
         return [json_summary(index) for index in self.subscriber.indexes]

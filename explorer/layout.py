@@ -5,10 +5,14 @@ that at 1024 x 640 the grid keeps most of the window and no panel is squeezed be
 content sits in a scroll area, so a small dock scrolls instead of overlapping its text or widening the window).
 Later launches restore what the user left (``QMainWindow.saveState``/``saveGeometry`` in QSettings). When the
 window is resized, docks keep their share of it, so shrinking and then maximizing gives the old proportions back.
+A window larger than the desktop is never saved, and a saved one is never restored: a label that once widened the
+window to 3470 px got that layout saved, and the next launch squeezed the Legend and Inspector to 130 and 60 px.
 """
 from __future__ import annotations
 
-from PySide6 import QtCore, QtWidgets
+import struct
+
+from PySide6 import QtCore, QtGui, QtWidgets
 
 LAYOUT_VERSION = 2  # bump when docks are added or renamed: an older saved state is then ignored, not half-applied
 ORGANISATION = "paged-kv-explorer"
@@ -129,30 +133,73 @@ class LayoutMemory:
 
     def __init__(self, settings: QtCore.QSettings | None):
         self.settings = settings  # where the layout lives, or None
+        self.asked_size: tuple[int, int] | None = None  # the size the window was given at launch (--geometry)
 
     @staticmethod
     def user_settings() -> QtCore.QSettings:
         return QtCore.QSettings(ORGANISATION, APPLICATION)
 
-    def restore(self, window: QtWidgets.QMainWindow, geometry: bool = True) -> bool:
-        """Restore the saved dock state (and geometry unless told not to); False when nothing usable was saved."""
+    def restore(self, window: QtWidgets.QMainWindow, geometry: bool = True,
+                size: tuple[int, int] | None = None) -> bool:
+        """Restore the saved dock state (and geometry unless told not to); False when nothing usable was saved.
+
+        ``size``: the size the window is given now (--geometry), None for the screen's. A layout saved from a window
+        wider or taller than both that and the desktop is not restored (the first-launch arrangement stays)."""
+        self.asked_size = size
         if self.settings is None:
             return False
-        if geometry:
-            saved_geometry = self.settings.value("layout/geometry")
-            if isinstance(saved_geometry, QtCore.QByteArray) and not saved_geometry.isEmpty():
+        saved_geometry = self.settings.value("layout/geometry")
+        has_geometry = isinstance(saved_geometry, QtCore.QByteArray) and not saved_geometry.isEmpty()
+        if has_geometry:
+            saved = saved_size(saved_geometry)
+            room = largest_window(size)
+            if saved is not None and (saved[0] > room[0] or saved[1] > room[1]):
+                return False
+            if geometry:
                 window.restoreGeometry(saved_geometry)
         state = self.settings.value("layout/state")
         if isinstance(state, QtCore.QByteArray) and not state.isEmpty():
             return bool(window.restoreState(state, LAYOUT_VERSION))
         return False
 
-    def save(self, window: QtWidgets.QMainWindow) -> None:
+    def save(self, window: QtWidgets.QMainWindow) -> bool:
+        """Keep the window's layout; a window larger than the desktop (and than the size it was launched at) is not
+        kept: what was saved before stays. Returns whether it saved."""
         if self.settings is None:
-            return
+            return False
+        room = largest_window(self.asked_size)
+        if window.width() > room[0] or window.height() > room[1]:  # the window's own size, its frame left out
+            return False
         self.settings.setValue("layout/state", window.saveState(LAYOUT_VERSION))
         self.settings.setValue("layout/geometry", window.saveGeometry())
         self.settings.sync()
+        return True
 
     def has_saved_layout(self) -> bool:
         return self.settings is not None and self.settings.contains("layout/state")
+
+
+GEOMETRY_MAGIC = 0x1D9D0CB  # QWidget.saveGeometry's first four bytes
+
+
+def saved_size(blob: QtCore.QByteArray) -> tuple[int, int] | None:
+    """(width, height) of the window (its frame left out) a ``saveGeometry`` blob holds; None if it is not one.
+    Qt's format: magic, major and minor version, the frame rectangle, then the window's own ("normal") rectangle,
+    each as left, top, right, bottom."""
+    data = bytes(blob.data())
+    if len(data) < 40:
+        return None
+    magic, _major, _minor = struct.unpack_from(">IHH", data)
+    if magic != GEOMETRY_MAGIC:
+        return None
+    left, top, right, bottom = struct.unpack_from(">iiii", data, 24)
+    return right - left + 1, bottom - top + 1
+
+
+def largest_window(size: tuple[int, int] | None) -> tuple[int, int]:
+    """The largest window size a layout may have been saved at and still be restored: the desktop's available
+    area (all screens), and never less than the smallest supported window or the size asked for now."""
+    screen = QtGui.QGuiApplication.primaryScreen()
+    room = screen.availableVirtualGeometry().size() if screen is not None else QtCore.QSize(MIN_WIDTH, MIN_HEIGHT)
+    asked = size or (0, 0)
+    return max(room.width(), MIN_WIDTH, asked[0]), max(room.height(), MIN_HEIGHT, asked[1])

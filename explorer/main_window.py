@@ -38,6 +38,8 @@ from .source import Feed, PoolSource, Problem
 from .status_bar import StatusBar
 
 FRAME_MS = 33
+POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "events", "block-history")  # docks that
+# show a physical pool's blocks, conversations or history: empty for a source without one
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 
@@ -72,6 +74,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._last_panels = self._last_slow = 0.0
         self._closed = False
         self._shown_once = False
+        self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
         self.layout_memory = LayoutMemory(settings)
         self.commands = Commands(self)
         self._build_panels()
@@ -169,7 +172,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.resize(width, height)
         self.layout_kind = arrange(self, [self.docks[k] for k in self.right_docks],
                                    [self.docks[k] for k in self.bottom_docks], width, height)
-        self.layout_restored = self.layout_memory.restore(self, geometry=size is None)
+        self.layout_restored = self.layout_memory.restore(self, geometry=size is None, size=size)
         if size is not None:
             self.resize(*size)
 
@@ -266,6 +269,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_view(self, snapshot) -> None:
         self._panels_stale = True
+        self.status.show_pool(snapshot)  # with the grid's header, from the same frame
         self.metrics.show_until(snapshot.step_id if self.source.viewing is not None else None)
 
     def _on_viewing(self, seq) -> None:
@@ -310,7 +314,27 @@ class MainWindow(QtWidgets.QMainWindow):
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self.inspector.set_kv_reason(self._kv_reason())
         self.stop_record_action.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
+        self._fit_docks_to(feed)
         self._enable_commands()
+
+    def _fit_docks_to(self, feed: Feed) -> None:
+        """Docks that have nothing to show for the source are hidden, so its view gets the room: every pool panel
+        (inspector, legend, memory, conversations, metrics, event log, block history) for a source without a
+        physical pool (KV events). They come back, as they were, for a source with one; View shows them at any
+        time, and they are saved as shown (:meth:`closeEvent`), so the next launch has them."""
+        if not feed.capabilities.has_physical_pool:
+            for key in POOL_DOCKS:
+                dock = self.docks.get(key)
+                if dock is not None and not dock.isHidden() and key not in self.docks_hidden_for_source:
+                    self.docks_hidden_for_source.append(key)
+                    dock.hide()
+        else:
+            self._show_docks_hidden_for_source()
+
+    def _show_docks_hidden_for_source(self) -> None:
+        hidden, self.docks_hidden_for_source = self.docks_hidden_for_source, []
+        for key in hidden:
+            self.docks[key].show()
 
     def _enable_commands(self) -> None:
         """Commands are enabled only where the active source takes them; disabled ones say why. Called when the
@@ -535,6 +559,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def closeEvent(self, event: QtGui.QCloseEvent) -> None:
         if not self._closed:
+            self._show_docks_hidden_for_source()  # saved as the user left them, not as this source needed them
             self.layout_memory.save(self)
         self._closed = True
         self.timer.stop()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from PySide6 import QtCore, QtWidgets
 
+from .elided_label import ElidedLabel
 from .grid import COLOR_BY, COLOR_BY_LABELS
 from .grid_view import GridView
+from .pool_counts import pool_counts
 from .source import PoolSource
 from .timeline import Timeline
 
@@ -25,9 +27,12 @@ class PoolPane(QtWidgets.QWidget):
     def __init__(self, source: PoolSource, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.source = source
-        self.header = QtWidgets.QLabel()
+        self.header = QtWidgets.QLabel()  # the banner: wraps rather than cut its read-only reason or widen the pane
         self.header.setTextFormat(QtCore.Qt.TextFormat.RichText)
-        self.header.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        policy = QtWidgets.QSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Minimum)
+        policy.setHeightForWidth(True)  # as many lines as its width needs
+        self.header.setSizePolicy(policy)
+        self.header.setWordWrap(True)
         self.grid = GridView()
         self.color_by = QtWidgets.QComboBox()
         for mode in COLOR_BY:
@@ -39,8 +44,7 @@ class PoolPane(QtWidgets.QWidget):
         self.follow_fit = True  # refit the whole pool on every resize until the user pans or zooms
         self._fitted_size = None  # view box size the pool was last fitted to
         self.grid.box.sigRangeChangedManually.connect(self._user_moved_view)
-        self.pool_label = QtWidgets.QLabel()
-        self.pool_label.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        self.pool_label = ElidedLabel()
         options = QtWidgets.QHBoxLayout()
         self.color_label = QtWidgets.QLabel("Colour by:")
         options.addWidget(self.color_label)
@@ -142,7 +146,8 @@ class PoolPane(QtWidgets.QWidget):
             self.contiguous.reset()
             self.contiguous.setVisible(caps.has_physical_pool)
         self.grid.setVisible(caps.has_physical_pool)
-        for widget in (self.color_label, self.color_by, self.fit):
+        self.split.setVisible(caps.has_physical_pool)  # hidden whole: an empty splitter kept half the height
+        for widget in (self.color_label, self.color_by, self.fit, self.pool_label):
             widget.setVisible(caps.has_physical_pool)
         self._show_content_view(feed)
         self.pool_label.setText("")
@@ -203,11 +208,7 @@ class PoolPane(QtWidgets.QWidget):
                 self.contiguous.reset()  # a frame out of order (history): placed afresh, not from the last one
             self._contiguous_restart = self.source.viewing is not None
             self.contiguous.set_snapshot(snapshot)
-        mem = snapshot.memory
-        if mem is not None:
-            text = (f"step {snapshot.step_id} · {mem.num_used_blocks} used, {mem.num_cached_blocks} cached, "
-                    f"{mem.num_free_blocks} free of {snapshot.num_blocks} blocks")
-        else:
-            text = f"step {snapshot.step_id} · {snapshot.num_blocks} blocks"
-        self.pool_label.setText(text)
-        self.pool_label.setToolTip(text)
+        text = pool_counts(snapshot).header_text(snapshot.step_id)  # the same counts as the status bar's
+        if text != self.pool_label.text():
+            self.pool_label.setText(text)
+            self.pool_label.setToolTip(text)

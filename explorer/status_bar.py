@@ -13,6 +13,9 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.rules import Rate
 
+from .elided_label import ElidedLabel
+from .pool_counts import pool_counts
+
 KEYS = ("live", "engine", "gui", "pool", "model")
 STRETCH = {"live": 2, "engine": 4, "gui": 3, "pool": 6, "model": 0}  # about the length of each label's text
 PERMANENT = ("model",)  # always shown; the others give way to a transient message while it shows
@@ -48,23 +51,6 @@ class CounterRate:
         self._last = None
 
 
-class ElidedLabel(QtWidgets.QLabel):
-    """A one-line label that takes the width it is given and ends in '…' when its text does not fit."""
-
-    def __init__(self, parent: QtWidgets.QWidget | None = None):
-        super().__init__(parent)
-        self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
-        self.setMinimumWidth(40)
-        self.setContentsMargins(4, 0, 8, 0)
-
-    def paintEvent(self, event: QtGui.QPaintEvent) -> None:
-        painter = QtGui.QPainter(self)
-        rect = self.contentsRect()
-        text = self.fontMetrics().elidedText(self.text(), QtCore.Qt.TextElideMode.ElideRight, rect.width())
-        painter.drawText(rect, int(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignVCenter), text)
-        painter.end()
-
-
 class StatusBar(QtWidgets.QStatusBar):
     """Labels (live, engine rate, GUI rate, pool, model) plus Qt's transient messages.
 
@@ -89,6 +75,8 @@ class StatusBar(QtWidgets.QStatusBar):
         self.redraws = Rate()  # grid redraws: how often it did
         self.steps = CounterRate(window_s=2.0)  # step ids of arriving frames
         self.tokens = CounterRate(window_s=2.0)  # generated-token counter of arriving frames
+        self.batches = CounterRate(window_s=2.0)  # event batches a stream without pool views has applied
+        self.stored = CounterRate(window_s=2.0)  # blocks such a stream reported stored
 
     def showMessage(self, text: str, timeout: int = 0) -> None:
         self._message = (text, int(timeout), time.perf_counter())
@@ -126,6 +114,8 @@ class StatusBar(QtWidgets.QStatusBar):
         """A new source: its counters start again."""
         self.steps.reset()
         self.tokens.reset()
+        self.batches.reset()
+        self.stored.reset()
 
     # ---- what is shown ----------------------------------------------------------------------------------------
     def show_state(self, source, now: float | None = None) -> None:
@@ -135,22 +125,37 @@ class StatusBar(QtWidgets.QStatusBar):
         if source.viewing is not None and source.view is not None:
             live = f"◀ viewing step {source.view.step_id} · {live}"
         self._set("live", live)
-        self._set("engine", f"engine {self.steps.per_second(now):.1f} steps/s · {self.tokens.per_second(now):.0f} tokens/s")
+        counts = None if source.capabilities.has_physical_pool else feed.stream_counts()
+        if counts is not None:  # a KV-event source: no pool views, so its own counts instead of "waiting"
+            self._show_stream_counts(counts, now)
+        else:
+            self._set("engine", f"engine {self.steps.per_second(now):.1f} steps/s · "
+                                f"{self.tokens.per_second(now):.0f} tokens/s")
         self._set("gui", f"GUI {self.frames.per_second(now):.0f} fps · {self.redraws.per_second(now):.0f} redraws/s")
         snap = source.view
-        if snap is not None and snap.memory is not None:
-            mem = snap.memory
-            self._set("pool", f"pool {mem.num_used_blocks}/{snap.num_blocks} used "
-                              f"({100 * mem.num_used_blocks / max(snap.num_blocks, 1):.0f}%) · "
-                              f"{mem.num_cached_blocks} cached · {mem.num_filled_slots}/{mem.num_allocated_slots} "
-                              "slots filled")
-        elif snap is not None:
-            self._set("pool", f"pool of {snap.num_blocks} blocks × {snap.block_size} slots")
-        else:
+        if snap is not None:
+            self.show_pool(snap)
+        elif counts is None:
             self._set("pool", "waiting for the first frame…")
         self._set("model", f"{snap.model_name} on {snap.device}" if snap is not None and snap.model_name else "")
         reason = source.command_blocked_reason
         self.labels["live"].setToolTip(f"read-only: {reason}" if reason else "commands go to this engine")
+
+    def show_pool(self, snapshot) -> None:
+        """The pool figures of the view on show, counted as the grid's header counts them (the window calls this
+        with every new view, so the two always name the same frame)."""
+        self._set("pool", pool_counts(snapshot).status_text())
+
+    def _show_stream_counts(self, counts: dict, now: float) -> None:
+        """What a KV-event source is doing: batches and stored blocks per second, and what its caches hold."""
+        self.batches.add(counts["batches"], now)
+        self.stored.add(counts["stored"], now)
+        self._set("engine", f"KV events {self.batches.per_second(now):.1f} batches/s · "
+                            f"{self.stored.per_second(now):.0f} blocks stored/s")
+        instances, batches = counts["instances"], counts["batches"]
+        self._set("pool", f"{counts['cached']} blocks cached on {instances} instance{'s' if instances != 1 else ''}"
+                          f" · {batches} batch{'es' if batches != 1 else ''} · {counts['stored']} stored, "
+                          f"{counts['removed']} removed")
 
     def _set(self, key: str, text: str) -> None:
         label = self.labels[key]
