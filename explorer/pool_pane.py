@@ -44,7 +44,7 @@ class PoolPane(QtWidgets.QWidget):
         self.follow_fit = True  # refit the whole pool on every resize until the user pans or zooms
         self._fitted_size = None  # view box size the pool was last fitted to
         self.grid.box.sigRangeChangedManually.connect(self._user_moved_view)
-        self.pool_label = ElidedLabel()
+        self.pool_label = ElidedLabel(min_width=0)  # the options row asks no more width than before
         options = QtWidgets.QHBoxLayout()
         self.color_label = QtWidgets.QLabel("Colour by:")
         options.addWidget(self.color_label)
