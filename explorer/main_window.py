@@ -40,6 +40,7 @@ from .status_bar import StatusBar
 FRAME_MS = 33
 POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "events", "block-history")  # docks that
 # show a physical pool's blocks, conversations or history: empty for a source without one
+FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 
@@ -87,6 +88,7 @@ class MainWindow(QtWidgets.QMainWindow):
         build_menus(self)
         self._wire()
         self.block_watch.selectionChanged.connect(self._on_block_selected)
+        self._fit_frame = size is None  # fit the frame to the screen once shown (--geometry is taken as given)
         self._place_window(size)
         self._on_source_changed(self.source.feed)
         self.timer = QtCore.QTimer(self)
@@ -315,6 +317,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.inspector.set_kv_reason(self._kv_reason())
         self.stop_record_action.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
         self._fit_docks_to(feed)
+        self.status.fit_to(feed.capabilities)
         self._enable_commands()
 
     def _fit_docks_to(self, feed: Feed) -> None:
@@ -550,7 +553,27 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def showEvent(self, event: QtGui.QShowEvent) -> None:
         super().showEvent(event)
+        if not self._shown_once and self._fit_frame:
+            QtCore.QTimer.singleShot(FRAME_FIT_MS, self.fit_frame_to_screen)
         self._shown_once = True
+
+    def fit_frame_to_screen(self) -> bool:
+        """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
+        the window manager's frame pushed the status bar below the screen's edge (1600 x 1000 on a 1000 px high
+        screen). Never below the smallest supported size. Returns whether it resized."""
+        screen = self.screen()
+        if screen is None or self.isMaximized() or self.isFullScreen():
+            return False
+        room, frame = screen.availableGeometry(), self.frameGeometry()
+        extra_w, extra_h = frame.width() - self.width(), frame.height() - self.height()  # the frame's own size
+        width = max(min(self.width(), room.width() - extra_w), MIN_WIDTH)
+        height = max(min(self.height(), room.height() - extra_h), MIN_HEIGHT)
+        if (width, height) == (self.width(), self.height()):
+            return False
+        self.resize(width, height)
+        self.move(max(room.left(), min(frame.left(), room.right() - width - extra_w)),
+                  max(room.top(), min(frame.top(), room.bottom() - height - extra_h)))
+        return True
 
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
         super().resizeEvent(event)

@@ -18,6 +18,8 @@ from .pool_counts import pool_counts
 
 KEYS = ("live", "engine", "gui", "pool", "model")
 STRETCH = {"live": 2, "engine": 4, "gui": 3, "pool": 6, "model": 0}  # about the length of each label's text
+STREAM_STRETCH = {"live": 6, "engine": 4, "gui": 2, "pool": 5, "model": 0}  # a KV-event source: its status line
+# ("tcp://host:5557: live · seq 41 · lost 3 batches", one per instance) is the longest
 PERMANENT = ("model",)  # always shown; the others give way to a transient message while it shows
 MODEL_WIDTH = 320  # pixels the model label may take (a long checkpoint path is elided)
 
@@ -70,6 +72,7 @@ class StatusBar(QtWidgets.QStatusBar):
             else:
                 self.addWidget(label, STRETCH[key])
             self.labels[key] = label
+        self.stretch = STRETCH  # the labels' shares of the bar now
         self._message: tuple[str, int, float] | None = None  # (text, timeout ms, when shown) of the last message
         self.frames = Rate()  # frame-timer ticks: how often the GUI can show a new state
         self.redraws = Rate()  # grid redraws: how often it did
@@ -77,6 +80,19 @@ class StatusBar(QtWidgets.QStatusBar):
         self.tokens = CounterRate(window_s=2.0)  # generated-token counter of arriving frames
         self.batches = CounterRate(window_s=2.0)  # event batches a stream without pool views has applied
         self.stored = CounterRate(window_s=2.0)  # blocks such a stream reported stored
+
+    def fit_to(self, capabilities) -> None:
+        """Share the bar out for the source: a KV-event source's status line gets the most room."""
+        stretch = STRETCH if capabilities.has_physical_pool else STREAM_STRETCH
+        if stretch is self.stretch:
+            return
+        self.stretch = stretch
+        keys = [k for k in KEYS if k not in PERMANENT]
+        for key in keys:
+            self.removeWidget(self.labels[key])  # a status bar widget's stretch is fixed when it is added
+        for index, key in enumerate(keys):
+            self.insertWidget(index, self.labels[key], stretch[key])
+            self.labels[key].setVisible(not self.currentMessage())  # a message showing keeps them hidden
 
     def showMessage(self, text: str, timeout: int = 0) -> None:
         self._message = (text, int(timeout), time.perf_counter())
