@@ -290,7 +290,7 @@ def worker(args) -> None:
         reply(**app_rate(n, blocks, seconds, args.threads))
     elif args.worker == "publish":  # the engine alone, its frames published for a window in another process
         from engine import EngineRunner
-        from explorer.frames import FrameFanout
+        from kvstream.fanout import FrameFanout
         from kvstream.publish import PoolStreamPublisher
         engine, _ = make_engine(n, blocks)
         publisher = PoolStreamPublisher(args.endpoint)

@@ -97,7 +97,8 @@ class DecodePlan:
     groups: list[DecodeGroup]  # the sorted batch cut into cache-sized groups
     block_size: int  # slots per block
     device: torch.device  # where the tensors live
-    source: list[list[int]] | torch.Tensor  # the tables planned from: live blocks per sequence, or [seqs, >= width]
+    source: list[list[int]] | torch.Tensor  # the tables planned from (live blocks per sequence, or [seqs, >= width]);
+    #                                         read only during the step the plan was made for
 
     @functools.cached_property
     def tables(self) -> torch.Tensor:
@@ -113,9 +114,12 @@ class DecodePlan:
         return torch.as_tensor(self.lens, dtype=torch.long, device=self.device)
 
 
-def _neutralised(tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+def _neutralised(tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int,
+                 lens: list[int] | None = None) -> torch.Tensor:
     """int64 [seqs, width]: ``tables`` trimmed to ``width`` columns, entries past each sequence's end set to 0."""
     tables = tables[:, :width].long()  # [seqs, width]
+    if lens is not None and min(lens) > (width - 1) * block_size:
+        return tables  # every sequence reaches into the last column: every entry is live
     live = torch.arange(width, device=tables.device)[None, :] * block_size < seq_lens.to(tables.device)[:, None]
     return torch.where(live, tables, 0)
 
@@ -136,7 +140,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     position) stay under ``group_bytes`` (None: one group, as on GPUs)."""
     lens = seq_lens.tolist()
     ranked, bounds = _groups(lens, block_size, group_bytes, bytes_per_token)
-    tables = _neutralised(block_tables, seq_lens, -(-max(lens) // block_size), block_size)  # [seqs, width]
+    tables = _neutralised(block_tables, seq_lens, -(-max(lens) // block_size), block_size, lens)  # [seqs, width]
     order = None if ranked is None else torch.as_tensor(ranked, dtype=torch.long, device=tables.device)
     if order is not None:
         tables = tables.index_select(0, order)  # longest first
