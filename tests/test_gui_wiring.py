@@ -1,4 +1,4 @@
-"""How the window wires its panels (docs/notes/gui-integration.md): dialogs that send their own requests (token
+"""How the window wires its panels (docs/gui.md): dialogs that send their own requests (token
 ids go out as ids), the restart dialog that asks, stays open and reports at its field, the detokenizer for earlier
 turns, demo notes in the status bar, read-only conversation buttons, metrics up to the scrubbed step, and pan
 limits that never crop a fit (pytest-qt, offscreen, real engine, small pools)."""
