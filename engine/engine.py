@@ -428,7 +428,7 @@ class Engine:
         """One step inside the caller's transaction."""
         start = time.perf_counter()
         self.step_id += 1
-        self.pool.clock = self.step_id
+        self.manager.start_step(self.step_id)
         batch = self.scheduler.schedule()
         prepared = None if batch.empty else self.runner.prepare(batch)
         self._save_kv(batch.copies, prepared)
@@ -442,7 +442,7 @@ class Engine:
             tokens = self.runner.sample(logits, prepared.sampled)
             self._postprocess(batch, prepared.sampled, tokens, logits)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
-        self.pool.touch_used(self.step_id)
+        self.manager.touch_used(self.step_id)
         self.num_steps += 1
         self.num_generated += num_sampled
         self.num_prefill += num_prefill

@@ -65,6 +65,16 @@ class KVCacheManager:
         self._published = len(self.events)
         return out
 
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def start_step(self, step_id: int) -> None:
+        """A new engine step begins: events and access stamps from now on carry ``step_id`` (rolled back with the
+        pool's checkpoint)."""
+        self.pool.clock = step_id
+
+    def touch_used(self, step_id: int) -> None:
+        """Every used block was read by attention in step ``step_id`` (LRU order of what becomes cached)."""
+        self.pool.touch_used(step_id)
+
     # ---- queries --------------------------------------------------------------------------------------------
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Blocks that already hold this prompt's leading full blocks. The last token is always computed, so a

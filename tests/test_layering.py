@@ -38,3 +38,159 @@ def test_explorer_uses_only_the_engines_public_names():
             elif isinstance(node, ast.Import) and any(a.name.startswith("engine.") for a in node.names):
                 bad.append(f"{path.name}:{node.lineno} import {', '.join(a.name for a in node.names)}")
     assert not bad, "explorer reaches into engine internals:\n" + "\n".join(bad)
+
+
+# ---- one writer of the block pool ---------------------------------------------------------------------------------
+POOL_WRITERS = {"block_pool.py", "kv_cache_manager.py"}  # the pool itself and its one manager
+INPLACE = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
+           "discard", "move_to_end", "sort", "reverse", "fill", "put", "itemset", "resize", "__setitem__",
+           "__delitem__"}  # methods that change a container (list, dict, set, OrderedDict, numpy array) in place
+NUMPY_INPLACE = {"at", "copyto", "put", "place", "putmask", "put_along_axis", "fill_diagonal"}  # np.add.at(a, ...)
+
+
+def _rooted_in(node, is_root):
+    """Whether ``node`` is an attribute/subscript chain (x.a[b].c) whose base satisfies ``is_root``."""
+    while True:
+        if is_root(node):
+            return True
+        if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+            node = node.value
+        else:
+            return False
+
+
+def _targets(node):
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = node.targets
+    elif isinstance(node, (ast.For, ast.AsyncFor)):
+        targets = [node.target]
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        targets = [node.optional_vars]
+    else:
+        return []
+    out = []
+    for t in targets:  # a, b.c = ... unpacks
+        out.extend(t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+    return out
+
+
+def block_pool_mutators():
+    """BlockPool's methods that change it, read from its source: a method is a mutator if it assigns or deletes
+    through ``self`` (``self.x = ``, ``self.x[i] += ``), changes one of its containers in place (``self._free.pop()``,
+    ``np.add.at(self.x, ...)``, ``setattr(self, ...)``), or calls another mutator. New mutators are found without
+    editing this test."""
+    tree = ast.parse((ROOT / "engine" / "block_pool.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BlockPool")
+    is_self = lambda n: isinstance(n, ast.Name) and n.id == "self"  # noqa: E731
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    direct, calls = set(), {name: set() for name in methods}
+    for name, fn in methods.items():
+        for node in ast.walk(fn):
+            if any(not is_self(t) and _rooted_in(t, is_self) for t in _targets(node)):
+                direct.add(name)
+            if isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Attribute) and is_self(f.value):
+                    calls[name].add(f.attr)
+                elif isinstance(f, ast.Attribute) and f.attr in INPLACE and _rooted_in(f.value, is_self):
+                    direct.add(name)
+                elif (isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and node.args
+                      and is_self(node.args[0])):
+                    direct.add(name)
+                elif (isinstance(f, ast.Attribute) and f.attr in NUMPY_INPLACE and node.args
+                      and _rooted_in(node.args[0], is_self) and not is_self(node.args[0])):
+                    direct.add(name)
+    mutators = set(direct)
+    while True:  # a method that calls a mutator mutates
+        more = {name for name, called in calls.items() if called & mutators} - mutators
+        if not more:
+            return mutators - {"__init__"}
+        mutators |= more
+
+
+def pool_writes(source, filename, mutators):
+    """Lines of ``source`` that change a block pool: an assignment, augmented assignment or ``del`` through a pool
+    (``self.pool.clock = 3``, ``pool.ref_count[b] -= 1``, ``eng.pool.owner[:] = -1``), a call of one of its
+    mutators (``self.pool.touch_used(7)``, ``self.engine.pool.take(0)``), an in-place change of one of its
+    containers (``pool._free.pop(b)``, ``pool.state.fill(0)``, ``np.add.at(pool.ref_count, ...)``, ``out=pool.x``)
+    or ``setattr(pool, ...)``. A pool is any expression ending in ``.pool`` or named ``pool``, and any local name
+    bound to one (``p = self.pool``). Creating the pool (``self.pool = BlockPool(...)``) is not a write to it.
+
+    A static scan cannot see everything (a pool passed to a helper under another name, ``getattr`` tricks), but
+    every way the engine's own code has written the pool so far is covered, and the scan is checked below on
+    snippets of each form."""
+    tree = ast.parse(source, filename)
+    aliases = {"pool"}
+
+    def is_pool(node):
+        return ((isinstance(node, ast.Name) and node.id in aliases)
+                or (isinstance(node, ast.Attribute) and node.attr == "pool"))
+
+    for node in ast.walk(tree):  # p = self.pool (and p = pool) make p a pool too
+        if isinstance(node, ast.Assign) and is_pool(node.value):
+            aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+    def through_pool(node):  # an attribute or item of a pool, not the pool binding itself
+        return not is_pool(node) and _rooted_in(node, is_pool)
+
+    bad = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if any(through_pool(t) for t in _targets(node)):
+            bad.append(f"{filename}:{line} assigns to the pool: {ast.unparse(node).splitlines()[0]}")
+        if not isinstance(node, ast.Call):
+            continue
+        f, why = node.func, None
+        if isinstance(f, ast.Attribute) and is_pool(f.value) and f.attr in mutators:
+            why = f"calls BlockPool.{f.attr}"
+        elif isinstance(f, ast.Attribute) and f.attr in INPLACE and through_pool(f.value):
+            why = "changes a pool container in place"
+        elif isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and node.args and is_pool(node.args[0]):
+            why = f"{f.id} on the pool"
+        elif isinstance(f, ast.Attribute) and f.attr in NUMPY_INPLACE and node.args and through_pool(node.args[0]):
+            why = f"numpy {f.attr} into a pool array"
+        elif any(k.arg == "out" and through_pool(k.value) for k in node.keywords):
+            why = "writes a pool array through out="
+        if why:
+            bad.append(f"{filename}:{line} {why}: {ast.unparse(node)}")
+    return bad
+
+
+def test_pool_mutators_are_found():
+    mutators = block_pool_mutators()
+    assert {"take", "add_ref", "drop_ref", "set_owner", "set_filled", "register_hash", "clear_hashes",
+            "touch_used", "permute", "restore"} <= mutators
+    assert not mutators & {"lookup", "can_allocate", "next_free", "check_invariants", "num_free_blocks",
+                           "free_queue"}
+
+
+@pytest.mark.parametrize("line", [
+    "self.pool.clock = self.step_id", "self.pool.touch_used(3)", "pool.ref_count[b] -= 1", "eng.pool.owner[:] = -1",
+    "self.engine.pool.take(0)", "pool._free.pop(b)", "p = self.pool\np.clock = 1", "np.add.at(pool.ref_count, i, 1)",
+    "setattr(self.pool, 'clock', 2)", "del pool.hashed[h]", "np.copyto(pool.state, x)", "np.add(a, b, out=pool.x)",
+    "self.pool.state.fill(0)", "self.pool.clock, n = 1, 2"])
+def test_pool_write_scan_catches(line):
+    assert pool_writes(line, "snippet.py", block_pool_mutators())
+
+
+@pytest.mark.parametrize("line", [
+    "self.pool = BlockPool(4, 4)", "used = self.pool.state == 1", "n = pool.num_free_blocks",
+    "b = self.pool.lookup(h)", "x = np.add(pool.ref_count, 1)", "self.manager.touch_used(3)"])
+def test_pool_write_scan_allows(line):
+    assert not pool_writes(line, "snippet.py", block_pool_mutators())
+
+
+def test_only_the_manager_writes_the_pool():
+    """DESIGN.md: the engine's pool state has one writer. Every engine module other than block_pool.py (the pool)
+    and kv_cache_manager.py (its manager) may read the pool but must change it through KVCacheManager, so every
+    change is an event and is rolled back with the manager's checkpoint."""
+    mutators = block_pool_mutators()
+    bad = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        if path.name not in POOL_WRITERS:
+            bad += pool_writes(path.read_text(), str(path.relative_to(ROOT)), mutators)
+    assert not bad, "engine code outside the KV-cache manager changes the block pool:\n" + "\n".join(bad)
