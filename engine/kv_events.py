@@ -3,7 +3,9 @@
 Only the changes a content index can use cross the wire, as vLLM sends them: a STORED event (full blocks got their
 prefix hash) becomes ``BlockStored`` with the parent hash, the tokens and the block size; an EVICTED one (cached
 blocks lost their KV) becomes ``BlockRemoved``; a reset of the prefix cache becomes ``AllBlocksCleared``. One batch
-per committed operation that produced any of them. The medium is "GPU", vLLM's name for an engine's own block pool
+per engine step that produced any of them, as vLLM sends one per scheduler step: a committed operation that ran
+several steps (``generate``) is split by step id, in order. Nothing is sent before the operation commits, so a
+rolled-back one sends nothing. The medium is "GPU", vLLM's name for an engine's own block pool
 (on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default.
 """
 from __future__ import annotations
@@ -32,6 +34,17 @@ def to_kv_events(events: Sequence[BlockEvent], block_size: int) -> list[KVEvent]
     return out
 
 
+def split_by_step(events: Sequence[BlockEvent]) -> list[list[BlockEvent]]:
+    """``events`` in runs of equal step id, in order (one run per step: step ids only grow inside an operation)."""
+    runs: list[list[BlockEvent]] = []
+    for e in events:
+        if runs and runs[-1][-1].step_id == e.step_id:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
+
+
 class KVEventsOut:
     """Owns the ZMQ publisher of one engine (EngineConfig.kv_events_endpoint and friends)."""
 
@@ -45,10 +58,21 @@ class KVEventsOut:
         self.endpoint = self.publisher.endpoint  # as bound (a port of 0 resolved)
         self.replay_endpoint = self.publisher.replay_endpoint
 
-    def publish(self, events: Sequence[BlockEvent]) -> int | None:
-        """One batch of the KV events among ``events``; returns its sequence number (None: nothing to send)."""
-        kv_events = to_kv_events(events, self.block_size)
-        return self.publisher.publish(kv_events) if kv_events else None
+    def publish(self, events: Sequence[BlockEvent]) -> list[int]:
+        """One batch per step among ``events`` (oldest first) that has KV events; returns their sequence numbers.
+
+        Raises :class:`KVEventError` on the first batch that cannot be sent, saying how many of the steps' batches
+        were sent before it (later ones are not tried: a subscriber must not see a step's changes without an
+        earlier step's)."""
+        seqs: list[int] = []
+        batches = [b for b in (to_kv_events(step, self.block_size) for step in split_by_step(events)) if b]
+        for i, kv_events in enumerate(batches):
+            try:
+                seqs.append(self.publisher.publish(kv_events))
+            except Exception as exc:
+                raise KVEventError(f"{type(exc).__name__}: {exc} (batch {i + 1} of {len(batches)}; "
+                                   f"{len(batches) - i} not sent)") from exc
+        return seqs
 
     def close(self) -> None:
         self.publisher.close()

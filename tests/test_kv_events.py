@@ -838,3 +838,106 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
             assert held <= seen
     finally:
         eng.close()
+
+
+def replay_batches(replay_endpoint, start=0):
+    """Every buffered batch from ``start`` on, as (seq, payload), read over the ROUTER replay socket with a DEALER."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(replay_endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert dealer.poll(5000), "the replay socket did not answer"
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""
+            if frames[2] == END_SEQ:
+                assert frames[1:] == [b"", END_SEQ, b""]
+                return out
+            out.append((int.from_bytes(frames[2], "big"), frames[3]))
+    finally:
+        dealer.close(linger=0)
+
+
+def _publishing_engine(tmp_path, sockdir, **kw):
+    from engine import Engine, EngineConfig
+    from helpers import write_tiny_checkpoint
+    ckpt = tmp_path / "ckpt"
+    if not ckpt.exists():
+        write_tiny_checkpoint(ckpt)
+    kw.setdefault("num_blocks", 24)
+    name = kw.pop("name", "e")
+    return Engine(EngineConfig(model=str(ckpt), block_size=4, device="cpu", dtype="float32",
+                               enable_prefix_caching=True, seed=0, kv_events_endpoint=f"ipc://{sockdir}/{name}",
+                               kv_events_replay_endpoint=f"ipc://{sockdir}/{name}r", **kw))
+
+
+def _hash_changes_by_step(events):
+    """step id -> (stored hashes, removed hashes, cleared) of the engine's block events, for steps that had any."""
+    from kvstream.events import EventKind
+    out: dict[int, tuple[list, list, bool]] = {}
+    for e in events:
+        if e.kind in (EventKind.STORED, EventKind.EVICTED, EventKind.CLEARED):
+            stored_, removed_, cleared = out.setdefault(e.step_id, ([], [], False))
+            if e.kind == EventKind.STORED:
+                stored_.extend(e.block_hashes)
+            elif e.kind == EventKind.EVICTED:
+                removed_.extend(e.block_hashes)
+            else:
+                out[e.step_id] = (stored_, removed_, True)
+    return out
+
+
+def _batch_changes(payload):
+    stored_, removed_, cleared = [], [], False
+    for event in msgspec.msgpack.decode(payload)[1]:
+        if event["type"] == "BlockStored":
+            stored_.extend(event["block_hashes"])
+        elif event["type"] == "BlockRemoved":
+            removed_.extend(event["block_hashes"])
+        else:
+            cleared = True
+    return stored_, removed_, cleared
+
+
+def test_engine_publishes_one_batch_per_step_that_changed_a_hash(tmp_path, sockdir, monkeypatch):
+    """generate() runs many steps in one transaction and step() one: either way each step that stored, evicted or
+    cleared a hash gets its own batch, in step order, holding exactly that step's changes; a rolled-back generate()
+    publishes nothing."""
+    if importlib.util.find_spec("engine.kv_events") is None:
+        pytest.skip("the engine does not publish KV events yet")
+    eng = _publishing_engine(tmp_path, sockdir, num_blocks=16)
+    try:
+        replay = eng.kv_events_endpoints[1]
+        # generate: prompts of 5, 7 and 10 tokens at block size 4 fill blocks at different steps (and not every step)
+        eng.generate([list(range(1, 6)), list(range(20, 27)), list(range(40, 50))], max_new_tokens=9)
+        changes = _hash_changes_by_step(eng.take_events())
+        batches = replay_batches(replay)
+        assert len(changes) > 2 and max(changes) - min(changes) + 1 > len(changes)  # several steps, some without
+        assert [s for s, _ in batches] == list(range(len(changes)))
+        assert [_batch_changes(p) for _, p in batches] == [changes[s] for s in sorted(changes)]
+        # step(): the same rule, one step per transaction, with evictions on a 16-block pool
+        for i in range(4):
+            eng.add_conversation(prompt_token_ids=[(13 * i + j) % 90 + 1 for j in range(9 + i)], max_new_tokens=6)
+        while eng.has_work():
+            eng.step()
+        changes = _hash_changes_by_step(eng.take_events())
+        more = replay_batches(replay, start=len(batches))
+        assert any(removed_ for _, removed_, _ in changes.values()), "the workload was meant to evict"
+        assert [_batch_changes(p) for _, p in more] == [changes[s] for s in sorted(changes)]
+        # rolled back: the third step fails, nothing goes out
+        sent = eng._kv_events.publisher.next_seq
+        real, calls = eng.runner.forward, []
+
+        def fail_third(prepared):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault on the third step")
+            return real(prepared)
+
+        monkeypatch.setattr(eng.runner, "forward", fail_third)
+        with pytest.raises(RuntimeError, match="third"):
+            eng.generate([list(range(60, 71))], max_new_tokens=6)
+        assert eng._kv_events.publisher.next_seq == sent
+    finally:
+        eng.close()
