@@ -840,8 +840,11 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
         eng.close()
 
 
+WIRE_END = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker, from the wire description
+
+
 def replay_batches(replay_endpoint, start=0):
-    """Every buffered batch from ``start`` on, as (seq, payload), read over the ROUTER replay socket with a DEALER."""
+    """(Wire only: zmq and nothing of the project.) Every buffered batch from ``start`` on, as (seq, payload), read over the ROUTER replay socket with a DEALER."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(replay_endpoint)
     try:
@@ -851,8 +854,8 @@ def replay_batches(replay_endpoint, start=0):
             assert dealer.poll(5000), "the replay socket did not answer"
             frames = dealer.recv_multipart()
             assert frames[0] == b""
-            if frames[2] == END_SEQ:
-                assert frames[1:] == [b"", END_SEQ, b""]
+            if frames[2] == WIRE_END:
+                assert frames[1:] == [b"", WIRE_END, b""]
                 return out
             out.append((int.from_bytes(frames[2], "big"), frames[3]))
     finally:
@@ -940,4 +943,67 @@ def test_engine_publishes_one_batch_per_step_that_changed_a_hash(tmp_path, sockd
             eng.generate([list(range(60, 71))], max_new_tokens=6)
         assert eng._kv_events.publisher.next_seq == sent
     finally:
+        eng.close()
+
+
+def test_wire_only_subscriber_follows_the_engine(tmp_path, sockdir):
+    """A subscriber that knows only the wire format (a raw zmq SUB socket and msgspec.msgpack.decode, no project
+    code) reads the engine's stream through a workload with prefix hits, evictions and a prefix-cache reset: the
+    live set it rebuilds equals the hashes the engine holds (used and cached), every parent was stored before its
+    child, sequence numbers run from 0 without a gap, and replay from 0 over the ROUTER socket (with a DEALER) gives
+    the very batches it received live."""
+    if importlib.util.find_spec("engine.kv_events") is None:
+        pytest.skip("the engine does not publish KV events yet")
+    from kvstream.views import BlockState
+    eng = _publishing_engine(tmp_path, sockdir, num_blocks=24, kv_events_topic="kv")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(eng.kv_events_endpoints[0])
+        time.sleep(0.3)  # slow joiner: the subscription must reach the PUB socket before the first batch
+        rng = random.Random(1)
+        shared = [rng.randrange(1, 90) for _ in range(8)]
+        for round_ in range(8):  # more distinct prefixes than 24 blocks can cache: evictions
+            for _ in range(2):
+                tail = [rng.randrange(1, 90) for _ in range(rng.randint(2, 9))]
+                eng.add_conversation(prompt_token_ids=shared + tail if round_ % 2 else tail + shared,
+                                     max_new_tokens=4)
+            eng.run_until_idle()
+            if round_ == 3:
+                eng.reset_prefix_cache()  # AllBlocksCleared
+        eng.generate([shared + [5, 6, 7]], max_new_tokens=5)  # several steps in one transaction
+        sent = eng._kv_events.publisher.next_seq
+
+        live, hashes, ever, kinds = [], set(), set(), set()
+        while len(live) < sent:
+            assert sub.poll(5000), f"received {len(live)} of {sent} batches"
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv" and len(seq) == 8
+            live.append((int.from_bytes(seq, "big"), payload))
+            ts, events, rank = msgspec.msgpack.decode(payload)
+            assert isinstance(ts, float) and rank == 0 and events
+            for event in events:
+                kinds.add(event["type"])
+                if event["type"] == "BlockStored":
+                    parent = event["parent_block_hash"]
+                    assert parent is None or parent in ever, "a block was stored before its parent"
+                    assert len(event["token_ids"]) == event["block_size"] * len(event["block_hashes"])
+                    hashes.update(event["block_hashes"])
+                    ever.update(event["block_hashes"])
+                elif event["type"] == "BlockRemoved":
+                    assert set(event["block_hashes"]) <= hashes, "removed a hash that was not live"
+                    hashes.difference_update(event["block_hashes"])
+                else:
+                    assert event["type"] == "AllBlocksCleared"
+                    hashes.clear()
+        assert not sub.poll(100), "more batches than the publisher counted"
+        assert [s for s, _ in live] == list(range(sent))
+        assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+        snap = eng.snapshot()
+        held = {int(h) for h, st in zip(snap.block_hash, snap.state)
+                if h != 0 and st in (BlockState.USED, BlockState.CACHED)}
+        assert held and hashes == held
+        assert replay_batches(eng.kv_events_endpoints[1]) == live
+    finally:
+        sub.close(linger=0)
         eng.close()
