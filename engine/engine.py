@@ -203,10 +203,12 @@ class Engine:
         for undo in reversed(txn["kv"]):  # newest first: the oldest copy of a slot is what stays
             undo()
         self.seqs = txn["stored"]
-        for seq_id, checkpoint in txn["seqs"].items():
-            self.seqs[seq_id].restore(checkpoint)
+        for seq_id, checkpoint in txn["seqs"].items():  # one created inside the transaction is dropped whole
+            if seq_id in self.seqs:  # (add_samples touches its first sample when the others fork it)
+                self.seqs[seq_id].restore(checkpoint)
         for seq_id, state in txn["generators"].items():
-            self.seqs[seq_id].generator.set_state(state)
+            if seq_id in self.seqs:
+                self.seqs[seq_id].generator.set_state(state)
         self.scheduler.restore(txn["scheduler"])
         self.manager.rollback(txn["manager"], self.seqs.values())
         (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated, self.num_prefill,

@@ -263,6 +263,114 @@ def test_generate_is_atomic(ckpt, monkeypatch):
     assert eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=6) == make(ckpt).generate([[1, 2, 3], [4, 5]], 6)
 
 
+def _decoding(eng):
+    """A running conversation that is decoding (its prompt computed): a fork of it shares its blocks at once."""
+    return next(s.seq_id for s in eng.scheduler.running if s.num_uncomputed_tokens == 1)
+
+
+def _with_finished(ckpt):
+    """busy_engine stepped until one conversation has finished (a reply can go to it) while others still run."""
+    eng = busy_engine(ckpt)
+    while not [s for s in eng.seqs.values() if s.status == Status.FINISHED]:
+        eng.step()
+    return eng
+
+
+def _with_waiting(ckpt):
+    """busy_engine with a new conversation queued: a fork of it waits for its prompt (a pending fork)."""
+    eng = busy_engine(ckpt)
+    eng.add_conversation(prompt_token_ids=SHARED + prompt(6, 40), max_new_tokens=5)
+    return eng
+
+
+def _finished_id(eng):
+    return min(s.seq_id for s in eng.seqs.values() if s.status == Status.FINISHED)
+
+
+def _emit_failing(kind, nth=1):
+    """A KVCacheManager.emit that raises at the nth event of ``kind`` (after everything before it happened)."""
+    def patch(eng):
+        real, seen = eng.manager.emit, []
+
+        def emit(k, *args, **kwargs):
+            if k == kind:
+                seen.append(k)
+                if len(seen) == nth:
+                    raise RuntimeError(f"injected fault in emit({kind.value})")
+            return real(k, *args, **kwargs)
+        return eng.manager, "emit", emit
+    return patch
+
+
+def _raising(attr_path):
+    def patch(eng):
+        obj = eng
+        *parents, name = attr_path.split(".")
+        for part in parents:
+            obj = getattr(obj, part)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError(f"injected fault in {name}")
+        return obj, name, boom
+    return patch
+
+
+def _run_now_after_fork(eng):
+    """Scheduler.run_now raising after the manager already shared the parent's blocks with the child."""
+    def boom(seq):
+        assert eng.pool.ref_count[seq.block_table].min() > 1  # the blocks are shared by now
+        raise RuntimeError("injected fault in run_now")
+    return eng.scheduler, "run_now", boom
+
+
+FAULTY_OPS = {  # name: (setup, operation, where the fault is injected)
+    "add/scheduler.add": (busy_engine, lambda e: e.add_conversation(prompt_token_ids=prompt(9, 4), max_new_tokens=4),
+                          _raising("scheduler.add")),
+    "add/after queueing": (busy_engine,
+                           lambda e: e.add_conversation(prompt_token_ids=prompt(9, 4), max_new_tokens=4),
+                           _emit_failing(EventKind.CONVERSATION_ADDED)),
+    "fork/manager.fork": (busy_engine, lambda e: e.fork_conversation(_decoding(e), seed=4),
+                          _raising("manager.fork")),
+    "fork/after sharing": (busy_engine, lambda e: e.fork_conversation(_decoding(e), seed=4), _run_now_after_fork),
+    "fork/pending": (_with_waiting, lambda e: e.fork_conversation(max(e.seqs), seed=4), _raising("changed")),
+    "continue/scheduler.add": (_with_finished, lambda e: e.continue_conversation(
+        _finished_id(e), prompt_token_ids=prompt(3, 8), max_new_tokens=4), _raising("scheduler.add")),
+    "continue/after queueing": (_with_finished, lambda e: e.continue_conversation(
+        _finished_id(e), prompt_token_ids=prompt(3, 8), max_new_tokens=4),
+        _emit_failing(EventKind.CONVERSATION_CONTINUED)),
+    "add_samples/third sample": (busy_engine, lambda e: e.add_samples(
+        prompt_token_ids=SHARED + prompt(4, 6), n=3, max_new_tokens=5, temperature=0.9, seed=8),
+        _emit_failing(EventKind.CONVERSATION_ADDED, nth=3)),
+    "add_samples/queueing the first": (busy_engine, lambda e: e.add_samples(
+        prompt_token_ids=prompt(5, 6), n=2, max_new_tokens=5, seed=8), _raising("scheduler.add")),
+}
+
+
+@pytest.mark.parametrize("case", list(FAULTY_OPS))
+def test_failed_add_fork_continue_and_samples_change_nothing(ckpt, case, monkeypatch):
+    """add / fork / continue (reply) / add_samples with an inner call raising halfway (the scheduler queueing, the
+    manager sharing blocks, an event after the conversation is queued, the third of three samples): the injected
+    error reaches the caller unchanged, the engine is exactly as before (pool, K/V, tables, queues, events, ids),
+    and the same operation done afterwards, and everything after it, gives what a run without the fault gives."""
+    setup, op, inject = FAULTY_OPS[case]
+    clean = setup(ckpt)
+    clean_result = op(clean)
+    expected = finish(clean)
+    eng = setup(ckpt)
+    before = state_of(eng)
+    monkeypatch.setattr(*inject(eng))
+    with pytest.raises(RuntimeError, match="injected fault"):
+        op(eng)
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+    eng.check_invariants()
+    assert op(eng) == clean_result  # the same ids again: nothing of the failed attempt was kept
+    assert finish(eng) == expected
+    a, b = eng.snapshot(), clean.snapshot()
+    assert a.block_tables == b.block_tables and np.array_equal(a.state, b.state)
+    assert np.array_equal(a.block_hash, b.block_hash) and torch.equal(eng.kv.data, clean.kv.data)
+
+
 def test_dry_run_leaves_cache_bytes_alone(ckpt):
     eng = _stepped(busy_engine(ckpt))
     before = state_of(eng)
