@@ -1,4 +1,6 @@
 """The engine thread: commands through a queue, snapshots published, failures surfaced, prompt stop."""
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -139,3 +141,40 @@ def test_commands_queued_at_stop_fail_clearly(tmp_path):
     assert all("stopped" in str(f.exception(1)) for f in futures)
     assert "stopped" in str(r.submit("pause").exception(1))
     assert not eng.has_work()
+
+
+def test_a_failing_kv_event_publish_is_reported_and_stepping_goes_on(tmp_path):
+    """Publishing KV events happens after an operation commits, on the engine thread: when the publisher raises,
+    the step still counts, the failure reaches take_failures() with the publisher's message (not fatal, the runner
+    not paused), the engine thread keeps stepping to the end, and publishing works again once the fault is gone."""
+    sockdir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # ipc paths must stay short
+    eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "m")), num_blocks=64, block_size=4,
+                              kv_events_endpoint=f"ipc://{sockdir}/p"))
+    publisher = eng._kv_events.publisher
+    real, calls = publisher.publish, []
+
+    def broken(events, ts=None):
+        calls.append(len(events))
+        raise OSError("the socket went away")
+
+    publisher.publish = broken
+    r = EngineRunner(eng).start()
+    try:
+        cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=12).result(5)
+        assert wait_for(lambda: r.latest.conversation(cid).status == "finished")
+        failures = []
+        assert wait_for(lambda: failures.extend(r.take_failures()) or len(failures) >= len(calls) > 1)
+        assert all("publishing KV events failed" in f.message and "the socket went away" in f.message
+                   and not f.fatal for f in failures)
+        assert len(failures) == len(calls)  # one report per step whose batch was lost, none dropped
+        assert r.alive and not r.paused and r.latest.step_id == 12
+        assert len(r.latest.conversation(cid).output_token_ids) == 12
+        publisher.publish = real
+        sent = publisher.next_seq
+        r.submit("add_conversation", prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=4).result(5)
+        assert wait_for(lambda: not eng.has_work() and publisher.next_seq > sent)
+        assert r.take_failures() == []
+    finally:
+        assert r.stop()
+        eng.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
