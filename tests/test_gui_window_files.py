@@ -2,8 +2,11 @@
 (commands disabled, with the reason), a bad file changes nothing, attached pools side by side (pytest-qt, offscreen,
 real engine, real pool stream over ipc)."""
 import json
+import threading
+from concurrent.futures import Future
 
 import numpy as np
+import pytest
 
 from PySide6 import QtGui
 
@@ -12,6 +15,7 @@ from explorer.engine_feed import EngineFeed
 from explorer.main_window import MainWindow
 from explorer.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
 from kvstream.publish import PoolStreamPublisher
+from kvstream.recording import read_frames
 from kvstream.summary import fixed_part, json_summary
 from engine import Engine
 from test_gui_support import make_config, make_window, wait_for_snapshot  # noqa: F401  (fixture)
@@ -43,12 +47,33 @@ def test_export_window_grid_and_view_json(qtbot, make_window, tmp_path):
             raise AssertionError(f"exporting to {bad} must be refused")
 
 
-def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path):
+def _join_late(runner, seconds):
+    """Make ``runner.add_observer`` take effect ``seconds`` later (a loaded machine's queued command): steps land
+    between File > Record and the recorder's first frame, as they did when this test failed under load."""
+    real = runner.add_observer
+
+    def add_observer(observer):
+        joined = Future()
+        threading.Timer(seconds, lambda: real(observer).add_done_callback(
+            lambda done: joined.set_result(done.result()))).start()  # resolved on the engine thread, as the real one
+        return joined
+
+    runner.add_observer = add_observer
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["prompt-join", "late-join"])
+def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, late):
     window = make_window(setup=two_conversations, speed=40, history=True)
-    path = str(tmp_path / "run.kvrec")
+    if late:
+        _join_late(window.runner, 0.25)
+    path = str(tmp_path / "run.kvpool")
     assert files.start_recording(window, path)
     assert window.stop_record_action.isEnabled()
-    start = window.runner.latest.step_id
+    # The recorder joins on the engine thread once its queued command runs, so steps may land between the request
+    # and its first frame: the recording starts where the file says, not at the step the GUI saw at the request.
+    recorder, joining = window.source.feed.recorders[-1]
+    qtbot.waitUntil(lambda: joining.primed and recorder.frames_written >= 1, timeout=3000)
+    start = next(read_frames(path)).step_id  # the first step it actually recorded, read from the file
     wait_for_snapshot(qtbot, window, lambda s: s.step_id >= start + 6)
     assert files.stop_recording(window) == path
     engine_feed = window.source.feed
@@ -66,7 +91,7 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path):
     assert RECORDING_READ_ONLY in window.pane.header.text()
     wait_for_snapshot(qtbot, window, lambda s: s is source.live)
     history = source.history
-    assert len(history) >= 6 and history.step_of(history.first_seq) <= start
+    assert len(history) >= 6 and history.step_of(history.first_seq) == start
     assert start + 6 <= source.live.step_id <= recorded_to
     assert window.pane.timeline.isVisible() and not window.pane.timeline.live_source
     window.pane.timeline.seek(history.first_seq)  # scrub back to where the recording started
