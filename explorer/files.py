@@ -82,11 +82,22 @@ def export_dialog(window, kind: str) -> None:
 
 
 # ---- recording and opening ------------------------------------------------------------------------------------------
+RECORDING_SUFFIX = ".kvpool"  # what a new recording is called (the README's run.kvpool)
+RECORDING_SUFFIXES = (".kvpool", ".kvrec")  # what recordings are called (.kvrec: files of earlier versions)
+RECORDING_FILTER = ("Pool-stream recordings (" + " ".join(f"*{s}" for s in RECORDING_SUFFIXES) + ");;"
+                    "All files (*)")  # the Record and Open dialogs' filter
+
+
+def recording_path(path: str) -> str:
+    """``path`` as a recording's name: a name without a suffix gets .kvpool; any other is taken as typed."""
+    return path + RECORDING_SUFFIX if path and not os.path.splitext(os.path.basename(path))[1] else path
+
+
 def start_recording_dialog(window) -> None:
-    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, "Record the pool stream", "explorer.kvrec",
-                                                    "Pool-stream recordings (*.kvrec);;All files (*)")
+    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, "Record the pool stream", "explorer" + RECORDING_SUFFIX,
+                                                    RECORDING_FILTER)
     if path:
-        start_recording(window, path)
+        start_recording(window, recording_path(path))
 
 
 def start_recording(window, path: str) -> bool:
@@ -137,8 +148,7 @@ def stop_recording(window) -> str | None:
 
 
 def open_dialog(window) -> None:
-    path, _ = QtWidgets.QFileDialog.getOpenFileName(window, "Open a recording", "",
-                                                    "Pool-stream recordings (*.kvrec);;All files (*)")
+    path, _ = QtWidgets.QFileDialog.getOpenFileName(window, "Open a recording", "", RECORDING_FILTER)
     if path:
         open_recording(window, path)
 

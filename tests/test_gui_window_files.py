@@ -1,6 +1,7 @@
 """File menu and read-only sources in the window: export PNG/JSON, record at runtime and open the recording
 (commands disabled, with the reason), a bad file changes nothing, attached pools side by side (pytest-qt, offscreen,
 real engine, real pool stream over ipc)."""
+import fnmatch
 import json
 import threading
 from concurrent.futures import Future
@@ -8,7 +9,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from PySide6 import QtGui
+from PySide6 import QtGui, QtWidgets
 
 from explorer import files
 from explorer.engine_feed import EngineFeed
@@ -110,6 +111,40 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, 
     window.metrics.redraw()
     x, _ = window.metrics.curves[0][1].getData()
     assert x.max() == window.snapshot.step_id  # scrubbed to the first frame: metrics up to that step
+
+
+def test_record_and_open_dialogs_offer_kvpool_and_kvrec(qtbot, make_window, tmp_path, monkeypatch):
+    """The README's recordings are run.kvpool: File > Record proposes explorer.kvpool (a name typed without a
+    suffix gets .kvpool), and both dialogs list *.kvpool and the earlier *.kvrec files."""
+    window = make_window(setup=two_conversations, speed=40, history=True)
+    asked = []
+
+    def save(parent, title, name, pattern):
+        asked.append(("save", name, pattern))
+        return str(tmp_path / "run"), pattern.split(";;")[0]
+
+    def open_(parent, title, folder, pattern):
+        asked.append(("open", folder, pattern))
+        return str(tmp_path / "run.kvpool"), pattern.split(";;")[0]
+
+    monkeypatch.setattr(QtWidgets.QFileDialog, "getSaveFileName", staticmethod(save))
+    monkeypatch.setattr(QtWidgets.QFileDialog, "getOpenFileName", staticmethod(open_))
+    files.start_recording_dialog(window)
+    recorder, joining = window.source.feed.recorders[-1]
+    assert recorder.path == str(tmp_path / "run.kvpool")
+    qtbot.waitUntil(lambda: joining.primed and recorder.frames_written >= 2, timeout=3000)
+    assert files.stop_recording(window) == str(tmp_path / "run.kvpool")
+    qtbot.waitUntil(lambda: recorder.closed, timeout=3000)
+    files.open_dialog(window)
+    qtbot.waitUntil(lambda: window.source.feed.kind == "recording", timeout=3000)
+    assert window.errors == []
+    assert [a[0] for a in asked] == ["save", "open"] and asked[0][1] == "explorer.kvpool"
+    for _, _, pattern in asked:
+        globs = pattern.split(";;")[0].split("(")[1].rstrip(")").split()
+        for name in ("run.kvpool", "old.kvrec"):
+            assert any(fnmatch.fnmatch(name, g) for g in globs), (name, pattern)
+    assert files.recording_path(str(tmp_path / "a.kvrec")) == str(tmp_path / "a.kvrec")  # taken as typed
+    assert files.recording_path(str(tmp_path / "b.bin")) == str(tmp_path / "b.bin")
 
 
 def test_a_bad_recording_is_refused_and_the_engine_keeps_running(qtbot, make_window, tmp_path):
