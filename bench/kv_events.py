@@ -8,6 +8,11 @@
 2. Reading: the typed fast path (vLLM 0.32's current map form) against the lenient path (old array form) for the
    same batches.
 3. Following: batches per second a subscriber applies into its index while a publisher sends flat out.
+4. End to end: two built-in engines in this process decoding the same 16 conversations (prompt lengths 32..47 at
+   block size 16, so some conversation fills a block nearly every step), one with ``kv_events_endpoint`` (and a
+   replay socket, a raw SUB socket connected) and one without, timed in alternating rounds; prints the step-time
+   ratio on / off and the timed share of ``Engine._publish_kv_events`` in the publishing engine's steps.
+   ``--e2e-only`` runs just this part.
 
 Rounds alternate and medians are printed; nothing here is asserted (tests never time).
 """
@@ -66,12 +71,96 @@ class EngineSteps:
         return (time.perf_counter() - t) / steps * 1e6
 
 
+class DecodeEngine:
+    """One built-in engine decoding 16 conversations (ignore_eos, so the load stays steady), optionally publishing
+    KV events; ``time(n)`` returns the mean of n steps in microseconds and adds the time spent publishing to
+    ``publish_s``."""
+
+    def __init__(self, steps_needed: int, endpoint: str | None = None, replay: str | None = None) -> None:
+        from engine import Engine, EngineConfig
+        self.eng = Engine(EngineConfig(model="builtin", block_size=BLOCK, num_blocks=1024, device="cpu", seed=0,
+                                       kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay))
+        for i in range(16):
+            self.eng.add_conversation(prompt_token_ids=[(7 * i + j) % 200 + 1 for j in range(32 + i)],
+                                      max_new_tokens=steps_needed + 8, ignore_eos=True)
+        self.publish_s = 0.0
+        self.step_s = 0.0
+        if endpoint is not None:
+            real = self.eng._publish_kv_events
+
+            def timed() -> None:
+                t = time.perf_counter()
+                real()
+                self.publish_s += time.perf_counter() - t
+            self.eng._publish_kv_events = timed  # the instance's own: the transaction calls self._publish_kv_events
+        for _ in range(3):
+            self.eng.step()  # prefill and warm-up
+        self.publish_s = 0.0
+
+    def time(self, steps: int) -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.eng.step()
+        took = time.perf_counter() - t
+        self.step_s += took
+        return took / steps * 1e6
+
+    @property
+    def batches(self) -> int:
+        out = self.eng._kv_events
+        return 0 if out is None else out.publisher.next_seq
+
+
+def end_to_end(rounds: int, steps: int, d: str) -> None:
+    import zmq
+    on = DecodeEngine(rounds * steps + 3, f"ipc://{d}/e2e", f"ipc://{d}/e2er")
+    off = DecodeEngine(rounds * steps + 3)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(on.eng.kv_events_endpoints[0])
+    time.sleep(0.3)
+    first_batch = on.batches
+    t_on, t_off, paired, received = [], [], [], 0
+    for r in range(rounds):
+        # Within a round the two engines take turns step by step (which goes first alternates by round), so a
+        # change in machine load falls on both; each round's figure is the sum of its steps.
+        on_us = off_us = 0.0
+        for _ in range(steps):
+            a, b = ((on.time(1), off.time(1)) if r % 2 == 0 else tuple(reversed((off.time(1), on.time(1)))))
+            on_us, off_us = on_us + a, off_us + b
+            paired.append(a / b)
+        t_on.append(on_us / steps)
+        t_off.append(off_us / steps)
+        while sub.poll(0):  # drain between rounds (never inside a timed part)
+            sub.recv_multipart()
+            received += 1
+    sub.close(linger=0)
+    sent = on.batches - first_batch
+    ratios = [a / b for a, b in zip(t_on, t_off)]
+    print(f"end to end, built-in engine decode step, 16 conversations, {rounds} rounds x {steps} steps each: "
+          f"publishing {statistics.median(t_on) / 1e3:.1f} ms, not publishing {statistics.median(t_off) / 1e3:.1f} ms "
+          f"(medians of rounds); on / off = {statistics.median(ratios):.4f} median of rounds "
+          f"({', '.join(f'{x:.3f}' for x in ratios)}), {statistics.median(paired):.4f} median of paired steps, "
+          f"{sum(t_on) / sum(t_off):.4f} of totals")
+    print(f"  _publish_kv_events: {on.publish_s * 1e3:.1f} ms of {on.step_s * 1e3:.0f} ms timed steps = "
+          f"{on.publish_s / on.step_s:.3%} of the publishing engine's step time; {sent} batches in "
+          f"{rounds * steps} steps ({on.publish_s / max(sent, 1) * 1e6:.0f} us each), subscriber got {received}")
+    on.eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--e2e-rounds", type=int, default=6, help="alternating rounds of the end-to-end part")
+    ap.add_argument("--e2e-steps", type=int, default=20, help="decode steps per engine per round")
+    ap.add_argument("--e2e-only", action="store_true", help="run only the end-to-end part")
     args = ap.parse_args()
+    if args.e2e_only:
+        with tempfile.TemporaryDirectory(prefix="kvb", dir="/tmp") as d:
+            end_to_end(args.e2e_rounds, args.e2e_steps, d)
+        return
     batches = step_batches(args.batches)
     with tempfile.TemporaryDirectory(prefix="kvb", dir="/tmp") as d:
         pub = KVEventPublisher(f"ipc://{d}/p", f"ipc://{d}/r", buffer_size=args.batches)
@@ -127,6 +216,8 @@ def main() -> None:
         pub.close()
         print(f"follow: {sub.indexes[0].num_batches} batches in {took * 1e3:.0f} ms = "
               f"{sub.indexes[0].num_batches / took:,.0f} batches/s (lost {st.num_lost}, replayed {st.num_replayed})")
+
+        end_to_end(args.e2e_rounds, args.e2e_steps, d)
 
 
 if __name__ == "__main__":
