@@ -11,6 +11,8 @@ elsewhere.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
@@ -63,12 +65,14 @@ def token_label(text: str) -> str:
 
 
 def change_note(previous: BlockInfo | None, info: BlockInfo, *, moved_from: int | None = None,
-                elsewhere: dict[tuple[int, int], int] | None = None) -> str:
+                elsewhere: dict[tuple[int, int], int] | None = None, names: Mapping[int, str] | None = None) -> str:
     """A sentence about what happened to the block since the previous answer (or what it is now).
 
     ``moved_from``: the id the block's content had before a relocation moved it here. ``elsewhere``: for the
     previous owners' (conversation, logical index) entries, the block that holds that entry now, where it is not
-    this one (a relocation or a recompute put the content elsewhere: the conversation did not release it)."""
+    this one (a relocation or a recompute put the content elsewhere: the conversation did not release it).
+    ``names``: the source's own name of a conversation (``ConversationInfo.label``: a vLLM request id), said as
+    "request <label>" instead of the explorer's number where there is one."""
     cids = sorted({c for c, _ in info.owners})
     before = sorted({c for c, _ in previous.owners}) if previous is not None else []
     here = f"Block {info.block_id}"
@@ -76,27 +80,27 @@ def change_note(previous: BlockInfo | None, info: BlockInfo, *, moved_from: int 
         here = f"Block {info.block_id} (moved from {moved_from} to {info.block_id} by a relocation)"
         if info.state == BlockState.USED:
             shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
-            return f"{here} is in use by {_conversations(cids)}{shared}."
+            return f"{here} is in use by {_conversations(cids, names=names)}{shared}."
     if info.state == BlockState.FREE:
         if elsewhere:
             (cid, index), block = next(iter(sorted(elsewhere.items())))
-            return (f"{here} is free now, but conversation {cid} did not release its content: its logical block "
-                    f"{index} is in block {block} now (moved there by a relocation, or recomputed).")
+            return (f"{here} is free now, but {_conversations([cid], names=names)} did not release its content: its "
+                    f"logical block {index} is in block {block} now (moved there by a relocation, or recomputed).")
         if before:
-            return (f"{here} has been freed: {_conversations(before)} released it "
+            return (f"{here} has been freed: {_conversations(before, names=names)} released it "
                     "and no one refers to it now.")
         return f"{here} is free: no conversation refers to it and it holds nothing reusable."
     if info.state == BlockState.CACHED:
-        who = f" (last filled by conversation {info.last_owner})" if info.last_owner >= 0 else ""
+        who = f" (last filled by {_conversations([info.last_owner], names=names)})" if info.last_owner >= 0 else ""
         lead = f"{here} has been released but stays cached" if before else f"{here} is cached"
         return f"{lead}: no owner now, but it keeps a full prefix block of KV{who} that a matching prompt can reuse."
     shared = f", shared by {info.ref_count} references" if info.ref_count > 1 else ""
     if previous is not None and before and not set(before) & set(cids):
-        return (f"{here} has been reused: it now belongs to {_conversations(cids)}{shared} "
-                f"(before: {_first_few([str(c) for c in before])}).")
+        return (f"{here} has been reused: it now belongs to {_conversations(cids, names=names)}{shared} "
+                f"(before: {_first_few([_short_name(c, names) for c in before])}).")
     if previous is not None and previous.state != BlockState.USED:
-        return f"{here} is in use again, now by {_conversations(cids)}{shared}."
-    return f"{here} is in use by {_conversations(cids)}{shared}."
+        return f"{here} is in use again, now by {_conversations(cids, names=names)}{shared}."
+    return f"{here} is in use by {_conversations(cids, names=names)}{shared}."
 
 
 def summary_info(snapshot: PoolSnapshot, block_id: int, owners) -> BlockInfo:
@@ -129,10 +133,40 @@ def _first_few(items: list[str], limit: int = 6) -> str:
     return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _conversations(ids, limit: int = 6) -> str:
-    """'conversation 3' or 'conversations 0, 1, ... and 4 more'."""
+def _conversations(ids, limit: int = 6, names: Mapping[int, str] | None = None) -> str:
+    """'conversation 3' or 'conversations 0, 1, ... and 4 more'; where ``names`` labels them all (a vLLM
+    source's request ids), 'request cmpl-a' or 'requests cmpl-a, cmpl-b'; a mix names each on its own."""
     ids = sorted(ids)
-    return f"conversation{'s' if len(ids) > 1 else ''} {_first_few([str(c) for c in ids], limit)}"
+    labelled = [c for c in ids if names and names.get(c)]
+    if not labelled:
+        return f"conversation{'s' if len(ids) > 1 else ''} {_first_few([str(c) for c in ids], limit)}"
+    if len(labelled) == len(ids):
+        return f"request{'s' if len(ids) > 1 else ''} {_first_few([names[c] for c in ids], limit)}"
+    return _first_few([_owner_name(c, names) for c in ids], limit)
+
+
+def _owner_name(cid: int, names: Mapping[int, str] | None) -> str:
+    """'request cmpl-a' for a conversation the source names, else 'conversation 3'."""
+    label = names.get(cid) if names else None
+    return f"request {label}" if label else f"conversation {cid}"
+
+
+def _short_name(cid: int, names: Mapping[int, str] | None) -> str:
+    """The label alone where there is one, else the number: for lists already introduced by a noun."""
+    label = names.get(cid) if names else None
+    return label or str(cid)
+
+
+def conversation_names(snapshot: PoolSnapshot | None, cids) -> dict[int, str]:
+    """{conversation id: its label} for those of ``cids`` the snapshot knows under a label of their source's."""
+    if snapshot is None:
+        return {}
+    out = {}
+    for cid in cids:
+        conv = snapshot.conversation(int(cid)) if cid >= 0 else None
+        if conv is not None and conv.label:
+            out[int(cid)] = conv.label
+    return out
 
 
 DEFAULT_KV_REASON = ("this source keeps its K/V values to itself (they never leave its device or process); tokens, "
@@ -154,6 +188,7 @@ class Inspector(QtWidgets.QWidget):
         self._snapshot: PoolSnapshot | None = None  # the last view seen, to tell "moved" from "released"
         self._note_facts: BlockInfo | None = None  # the facts the note describes (a frame's or an answer's)
         self._note_key: tuple | None = None  # (block, state, ref count, owners) of those facts
+        self._names: dict[int, str] = {}  # the source's names (vLLM request ids) of the block's owners, past ones too
         self.note = QtWidgets.QLabel("Click a cell in the grid to inspect its block.")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("font-weight: bold;")
@@ -275,6 +310,7 @@ class Inspector(QtWidgets.QWidget):
         if block_id != self.block_id and moved_from is None:
             self.info = None
             self._note_facts = self._note_key = None  # another block: its note starts afresh
+            self._names = {}
             self.slots.set_block(None)
             self.heat.clear()
             self.heat_title.setText("")
@@ -321,8 +357,15 @@ class Inspector(QtWidgets.QWidget):
         self.fields["filled"].setText(f"{int(snapshot.num_filled[b])} of {snapshot.block_size} slots")
         if owners is None:
             owners = snapshot.owners_of(b)
-        self.fields["owners"].setText(_owners_text(owners))
-        self._describe(summary_info(snapshot, b, owners), snapshot)
+        facts = summary_info(snapshot, b, owners)
+        self._learn_names(snapshot, facts)
+        self.fields["owners"].setText(_owners_text(owners, names=self._names))
+        self._describe(facts, snapshot)
+
+    def _learn_names(self, snapshot: PoolSnapshot | None, facts: BlockInfo) -> None:
+        """Remember the source's names of the block's owners and last owner (kept for the note's "before")."""
+        if snapshot is not None and snapshot.conversations:
+            self._names.update(conversation_names(snapshot, {c for c, _ in facts.owners} | {facts.last_owner}))
 
     def _describe(self, facts: BlockInfo, snapshot: PoolSnapshot | None) -> None:
         """Write the note from the same facts the fields were just given (a frame's, or an answer's), whenever they
@@ -334,7 +377,8 @@ class Inspector(QtWidgets.QWidget):
         previous = self._note_facts
         elsewhere = content_elsewhere(previous, snapshot, facts.block_id) \
             if facts.state == BlockState.FREE else {}
-        self.note.setText(change_note(previous, facts, moved_from=self.moved_from, elsewhere=elsewhere))
+        self.note.setText(change_note(previous, facts, moved_from=self.moved_from, elsewhere=elsewhere,
+                                      names=self._names))
         self._note_facts, self._note_key = facts, key
 
     def show_block(self, info: BlockInfo) -> None:
@@ -344,6 +388,7 @@ class Inspector(QtWidgets.QWidget):
         previous = self.info
         self.info = info
         moved = previous is not None and previous.block_id != info.block_id
+        self._learn_names(self._snapshot, info)
         self._describe(info, self._snapshot)
         if info.block_size != self._block_size:
             self.set_block_size(info.block_size)
@@ -352,7 +397,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["ref count"].setText(str(info.ref_count))
         self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
         self.fields["hash"].setText(_hash_text(info))
-        self.fields["owners"].setText(_owners_text(info.owners))
+        self.fields["owners"].setText(_owners_text(info.owners, names=self._names))
         self.slots.set_block(info)
         if previous is not None and not moved and previous.num_filled == info.num_filled \
                 and previous.token_ids == info.token_ids and _same_kv(previous, info):
@@ -453,7 +498,10 @@ def _hash_text(info: BlockInfo) -> str:
     return f"{digits} ({info.hash_note})" if info.hash_note else digits
 
 
-def _owners_text(owners, limit: int = 6) -> str:
+def _owners_text(owners, limit: int = 6, names: Mapping[int, str] | None = None) -> str:
+    """'conv 3 (logical block 0), ...'; a conversation its source names (a vLLM request id) by that name:
+    'request cmpl-a-0 (logical block 0)'."""
     if not owners:
         return "none"
-    return _first_few([f"conv {c} (logical block {i})" for c, i in owners], limit)
+    return _first_few([f"request {names[c]} (logical block {i})" if names and names.get(c)
+                       else f"conv {c} (logical block {i})" for c, i in owners], limit)

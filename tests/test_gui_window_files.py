@@ -189,6 +189,8 @@ def test_two_attached_pools_side_by_side_each_with_its_header(qtbot, tmp_path):
         qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.info.block_id == table[0],
                         timeout=3000)
         assert window.inspector.info.keys is None and window.inspector.info.owners
+        kv = window.inspector.kv_note  # an attached pool's K/V stay with the process that owns it, and it says so
+        assert kv.isVisible() and "K/V values stay in the process that owns the pool" in kv.text(), kv.text()
         step = second.source.live.step_id
         qtbot.waitUntil(lambda: second.source.live.step_id > step, timeout=5000)  # live, frame by frame
     finally:

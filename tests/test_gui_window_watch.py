@@ -266,6 +266,52 @@ def test_inspector_note_follows_the_frame_even_without_answers(qtbot):
     assert "1500" in inspector.note.text() and inspector.fields["owners"].text() == "none"
 
 
+def labelled(frame):
+    """``frame`` as a vLLM source sends it: every conversation carries its request id as its label."""
+    convs = tuple(dataclasses.replace(c, label=f"cmpl-{c.conversation_id}-0") for c in frame.conversations)
+    return dataclasses.replace(frame, conversations=convs)
+
+
+def test_inspector_names_a_vllm_sources_owners_by_request_id(qtbot, watch_window):
+    """README: the inspector of a vLLM pool shows owners as request ids; it said "conv 1219 (logical block 0)",
+    the explorer's own numbers. And its K/V values stay on the server: the inspector says so."""
+    feed = ViewsFeed(labelled(shared_prefix(3, first=1219)))
+    window = watch_window(feed, size=(1024, 640))
+    qtbot.waitUntil(lambda: window.snapshot is not None, timeout=3000)
+    window.select_block(0)
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    note, ref, owners = note_and_fields(window)
+    assert owners.startswith("request cmpl-1219-0 (logical block 0), request cmpl-1220-0 (logical block 0)"), owners
+    assert "conv " not in owners and "1219 (" not in owners.replace("cmpl-1219", "")
+    assert "in use by requests cmpl-1219-0, cmpl-1220-0, cmpl-1221-0, shared by 3 references" in note, note
+    kv = window.inspector.kv_note
+    assert kv.isVisible() and "K/V values stay in the process that owns the pool" in kv.text(), kv.text()
+    feed.current = dataclasses.replace(labelled(shared_prefix(2, first=1400)), step_id=2, version=2)
+    qtbot.waitUntil(lambda: window.inspector.fields["ref count"].text() == "2", timeout=3000)
+    note, _, owners = note_and_fields(window)
+    assert "now belongs to requests cmpl-1400-0, cmpl-1401-0" in note, note
+    assert "(before: cmpl-1219-0, cmpl-1220-0, cmpl-1221-0)" in note, note  # the old owners by name, gone or not
+    frame = labelled(pool({1401: (11,)}, cached=(0,)))
+    frame = dataclasses.replace(frame, step_id=3, version=3, owner=np.where(np.arange(512) == 0, 1401, -1)
+                                .astype(np.int32))
+    feed.current = frame
+    qtbot.waitUntil(lambda: window.inspector.fields["state"].text() == "cached", timeout=3000)
+    note, _, owners = note_and_fields(window)
+    assert "last filled by request cmpl-1401-0" in note and owners == "none", note
+
+
+def test_the_local_engines_owners_keep_their_numbers():
+    """Without labels (the project's engine) owners stay conversation numbers."""
+    from explorer.inspector import _conversations, _owners_text, change_note, conversation_names
+    from test_gui_inspector import info
+    frame = shared_prefix(2, first=7)
+    names = conversation_names(frame, (7, 8))
+    assert names == {} and _owners_text(((7, 0), (8, 0)), names=names) == "conv 7 (logical block 0), conv 8 " \
+                                                                             "(logical block 0)"
+    assert change_note(None, info(0, owners=((7, 0),)), names=names) == "Block 0 is in use by conversation 7."
+    assert _conversations([3, 4], names={4: "cmpl-x"}) == "conversation 3, request cmpl-x"  # a mix: each its own
+
+
 # ---- 3. header and status bar counted different frames -------------------------------------------------------------
 def pool_words(window):
     return window.pane.pool_label.text(), window.status.labels["pool"].text()
