@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -134,6 +135,8 @@ def bench_jump(path: Path) -> None:
     history = open_recording(path)
     print(f"open: {time.perf_counter() - t0:.2f} s for {len(history)} frames "
           f"({len(history.keyframe_seqs())} keyframes)")
+    gc.collect()
+    gc.freeze()  # as the app does once a recording is open (explorer/stream_feed.py): full collections skip it
     keys = history.keyframe_seqs() + [history.last_seq + 1]
     worst = [k - 1 for k in keys[1:]]  # the frame before each keyframe: the longest run of deltas to decode
     rng = random.Random(1)

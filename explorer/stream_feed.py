@@ -7,6 +7,7 @@ runs (``--open FILE --headless --json``) use the same feeds as the window.
 """
 from __future__ import annotations
 
+import gc
 import os
 
 from kvstream.tokens import piece_text
@@ -41,12 +42,19 @@ class RecordingFeed(Feed):
         info = getattr(history, "recording", None)
         self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
         self.complete = True  # everything there is has been read (headless stops at once)
+        self._closed = False
 
     @classmethod
     def open(cls, path: str, tokenizer=None) -> "RecordingFeed":
         """Open ``path``; a ValueError (RecordingError) with a message for the user if it is not a recording."""
         from kvstream.recording import open_recording
-        return cls(open_recording(path), os.fspath(path), tokenizer)
+        feed = cls(open_recording(path), os.fspath(path), tokenizer)
+        # A read-only recording's frames and events live until it is closed: move them out of the collector's
+        # generations, so that a full collection during scrubbing no longer walks them (bench/stream.py: full
+        # collections 115 ms -> 18 ms on a 10,000-step recording of 65,536 blocks).
+        gc.collect()
+        gc.freeze()
+        return feed
 
     @property
     def title(self) -> str:
@@ -70,6 +78,12 @@ class RecordingFeed(Feed):
 
     def status_text(self) -> str:
         return "■ recording (read-only)"
+
+    def close(self) -> None:
+        """Give the frozen objects back to the collector, so a closed recording's cycles can be freed."""
+        if not self._closed:
+            self._closed = True
+            gc.unfreeze()
 
 
 class AttachFeed(Feed):

@@ -197,3 +197,22 @@ def test_encoder_keyframe_matches_stream_encoder(recorded):
     snaps, frames, path, ends = recorded
     enc = StreamEncoder(keyframe_interval=24, stream_id=frames[0].stream_id)
     assert [enc.encode(s, e).payload for s, e in snaps[:30]] == [f.payload for f in frames[:30]]  # deterministic
+
+
+def test_an_open_recording_is_kept_out_of_full_collections_until_closed(recorded):
+    """The app's recording feed freezes what the recording holds (full collections skip it while the user scrubs)
+    and gives it back to the collector when closed."""
+    import gc
+
+    from explorer.stream_feed import RecordingFeed
+    path = recorded[2]
+    gc.unfreeze()
+    feed = RecordingFeed.open(str(path))
+    try:
+        assert gc.get_freeze_count() > 0
+        assert feed.history.snapshot_at(feed.history.last_seq).step_id == feed.latest().step_id
+    finally:
+        feed.close()
+    assert gc.get_freeze_count() == 0
+    feed.close()  # idempotent
+    assert gc.get_freeze_count() == 0
