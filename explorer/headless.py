@@ -123,14 +123,20 @@ def run_headless_cli(opts, cfg) -> int:
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            speed = DEMO_SPEED if opts.publish and opts.demo in DEMOS else None  # watchers see it unfold
+            # --publish and --kv-events are both for watchers in other processes (neither keeps what a late one
+            # missed: --kv-events has no replay endpoint here), so a demo is paced for them to see it unfold and the
+            # run keeps publishing until --quit-after or Ctrl+C instead of closing its sockets once idle
+            outputs = [f"the pool stream on {opts.publish}"] if opts.publish else []
+            if opts.kv_events:
+                outputs.append(f"KV events on {opts.kv_events}")
+            speed = DEMO_SPEED if outputs and opts.demo in DEMOS else None
             feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0,
                                       max_steps_per_second=speed)]
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
-            if opts.publish:  # others are watching: keep publishing until --quit-after or Ctrl+C
+            if outputs:  # others are watching: keep publishing until --quit-after or Ctrl+C
                 done = None
-                print(f"publishing the pool stream on {opts.publish}; stop with Ctrl+C"
+                print(f"publishing {' and '.join(outputs)}; stop with Ctrl+C"
                       + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
                       file=sys.stderr, flush=True)
     except (ValueError, OSError, ImportError) as exc:  # EngineError, RecordingError, PublishError are ValueErrors

@@ -33,6 +33,20 @@ def test_missing_checkpoint_is_one_line_and_exit_2(tmp_path):
         assert result.returncode == 2
         lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "Traceback" not in result.stderr
+        assert "does not exist" in lines[0]
+
+
+def test_a_file_given_as_model_is_called_a_file_not_a_missing_directory(tmp_path):
+    """Issue 13: a file passed as --model (a checkpoint's model.safetensors, say) was reported as a missing
+    directory."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a checkpoint directory")
+    for extra in (("--headless",), ()):
+        result = run_main("--model", str(weights), *extra, home=tmp_path, timeout=60)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), (extra, result.stderr)
+        assert "is a file" in result.stderr and str(weights) in result.stderr, (extra, result.stderr)
+        assert "does not exist" not in result.stderr and "no such" not in result.stderr.lower()
 
 
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
@@ -109,6 +123,45 @@ def test_publish_and_attach_between_two_processes(tmp_path):
     assert any(line["step"] is not None and line["step"] < final["step"] for line in seen)  # it watched it unfold
 
 
+def test_the_apps_own_kv_events_watched_headless_from_another_process(tmp_path):
+    """Issue 11: the engine publishing --kv-events (ipc:// binds, as in vLLM) is watched by a headless
+    --attach-kv-events --json in another process, whose last line has DESIGN.md's keys with null for what a KV-event
+    stream cannot know. The flag takes no replay endpoint, so the watcher starts once the publisher says it is
+    publishing; a demo that others watch is paced and keeps publishing until --quit-after or SIGTERM."""
+    import signal
+    import time
+    endpoint = f"ipc://{tmp_path}/kv"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
+    errors = tmp_path / "publisher.err"
+    with open(errors, "w") as err_file:
+        publisher = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--headless", "--demo", "busy",
+                                      "--kv-events", endpoint, "--quit-after", "40"], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=err_file, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "publishing" not in errors.read_text() and publisher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert publisher.poll() is None, (publisher.returncode, errors.read_text())  # still running for watchers
+        assert f"KV events on {endpoint}" in errors.read_text()
+        watched = run_main("--attach-kv-events", endpoint, "--headless", "--json", "--quit-after", "6",
+                           home=tmp_path, timeout=60)
+        assert publisher.poll() is None, errors.read_text()  # the demo (24 s at its pace) outlived the watcher
+        publisher.send_signal(signal.SIGTERM)  # headless stops cleanly on SIGTERM, exit 0
+        out, _ = publisher.communicate(timeout=60)
+    finally:
+        publisher.kill()
+    assert watched.returncode == 0 and publisher.returncode == 0, (watched.stderr, errors.read_text())
+    assert "Traceback" not in watched.stderr + errors.read_text()
+    last = json_lines(watched.stdout)[-1]
+    assert set(last) >= {"source", "step", "num_blocks", "block_size", "used", "cached", "free", "block_tables",
+                         "stored_hashes"}
+    assert last["source"] == "kv-events" and last["name"] == endpoint  # the stream it watched
+    assert last["num_blocks"] is None and last["block_tables"] is None
+    assert last["used"] is None and last["cached"] is None and last["free"] is None
+    assert last["block_size"] == 16 and last["stored_hashes"] > 0 and last["step"] is not None
+    assert "step " in out  # the publisher's own progress lines: it decoded while watched
+
+
 def test_screenshot_is_saved_once_drawn_at_the_given_size(tmp_path):
     from PySide6 import QtGui
     path = tmp_path / "shot.png"
@@ -116,11 +169,30 @@ def test_screenshot_is_saved_once_drawn_at_the_given_size(tmp_path):
     assert result.returncode == 0, result.stderr  # no --quit-after: it saved once drawn, then closed by itself
     image = QtGui.QImage(str(path))
     assert (image.width(), image.height()) == (1024, 640)
-    lesson = tmp_path / "lesson.png"
-    result = run_main("--demo", "lesson", "--geometry", "1024x640", "--screenshot", str(lesson), home=tmp_path)
+
+
+def test_screenshot_of_the_lesson_demo_is_the_lesson_window(tmp_path, qtbot):
+    """Issue 13: --screenshot with --demo lesson captured the main window. The PNG has the lesson window's size
+    (one built here, on the same offscreen platform) and is mostly what only the lesson draws: its pool's cells of
+    the other conversations, in the lesson's tenant colour."""
+    import numpy as np
+    from PySide6 import QtGui
+
+    from explorer.lesson import TENANT_COLOUR, LessonWindow
+    lesson = LessonWindow()
+    qtbot.addWidget(lesson)
+    lesson.show()
+    qtbot.waitExposed(lesson)
+    expected = (lesson.width(), lesson.height())
+    assert expected != (1024, 640)  # else the size could not tell the two windows apart
+    path = tmp_path / "lesson.png"
+    result = run_main("--demo", "lesson", "--geometry", "1024x640", "--screenshot", str(path), home=tmp_path)
     assert result.returncode == 0, result.stderr
-    shot = QtGui.QImage(str(lesson))
-    assert not shot.isNull() and (shot.width(), shot.height()) != (1024, 640)  # the lesson window, not the main one
+    shot = QtGui.QImage(str(path)).convertToFormat(QtGui.QImage.Format.Format_RGBA8888)
+    assert not shot.isNull() and (shot.width(), shot.height()) == expected
+    pixels = np.frombuffer(shot.constBits(), np.uint8).reshape(shot.height(), shot.bytesPerLine() // 4, 4)
+    tenant = (pixels[:, :shot.width(), :3] == np.asarray(TENANT_COLOUR[:3])).all(axis=-1)
+    assert tenant.mean() > 0.05, tenant.mean()  # the lesson's pool: blocks 2, 3, 5, 6, 7 held by B and D
 
 
 def test_a_bad_tokenizer_directory_is_one_clear_error(tmp_path):
