@@ -3,7 +3,8 @@ copied on write, cached, evicted, and where it came from when every block was re
 
 A relocation renames blocks, so a block's past is followed by its content, not by its number: the block that is
 12 now may have been 35 before step 500 ("moved from 35 to 12"), and block 35's events before that step are
-its story. ``block_history`` is Qt-free; :class:`BlockHistoryView` is the small list the inspector embeds.
+its story. ``block_history`` is Qt-free; :class:`BlockHistoryView` is the list of the Block history dock, and the
+inspector shows its newest few lines (``Inspector.follow_history``).
 """
 from __future__ import annotations
 
@@ -121,13 +122,14 @@ def _hashed_after(e: BlockEvent, bid: int, hashed: bool | None) -> bool | None:
 
 
 class BlockHistoryView(QtWidgets.QWidget):
-    """A short list of one block's history for the inspector; clicking a line asks to jump to its frame.
+    """One block's history, a line an event (the Block history dock); clicking a line asks to jump to its frame.
 
     It is given events (from ``History.events()`` up to the frame on view) or a :class:`BlockStory`, never a
     source, so it can sit in any panel and be tested on its own.
     """
 
     lineActivated = QtCore.Signal(int, int)  # seq, step_id of the clicked line
+    changed = QtCore.Signal()  # the block or its lines changed (the inspector's short form follows it)
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
@@ -167,6 +169,7 @@ class BlockHistoryView(QtWidgets.QWidget):
         self._retitle()
         if block_id is not None:
             self._add_items(self.lines)
+        self.changed.emit()
 
     def add_lines(self, lines: list[HistoryLine], total: int | None = None) -> None:
         """Append the newest lines of the block shown (a new frame's events) without rebuilding the list."""
@@ -183,6 +186,7 @@ class BlockHistoryView(QtWidgets.QWidget):
                 self.list.takeItem(0)  # the oldest go first (takeItem hands ownership back: it is deleted here)
         self._add_items(lines[-MAX_LINES:], scroll=at_end)
         self._retitle()
+        self.changed.emit()
 
     def _add_items(self, lines: list[HistoryLine], scroll: bool = True) -> None:
         for line in lines:

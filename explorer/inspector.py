@@ -8,9 +8,14 @@ A relocation gives every block a new physical id. The selection follows the cont
 (:meth:`Inspector.follow_relocation`, called with a RELOCATED event's old -> new ids), and the note says "moved
 from 35 to 12"; a block is never said to have been "freed" by a conversation that still holds its content
 elsewhere.
+
+Owners are named as their source names them: a vLLM request id ("request cmpl-abc-0") where the conversation has
+a label, the explorer's conversation number otherwise. Under the owners, the block's newest few events (from the
+Block history dock's view, :meth:`Inspector.follow_history`) say what happened to it, each a link to its frame.
 """
 from __future__ import annotations
 
+import html
 from typing import Mapping
 
 import numpy as np
@@ -25,6 +30,7 @@ SLOT_COLUMNS = ("slot", "position", "token id", "token text")
 PREFERRED_SLOT_ROWS = 16  # slot rows the inspector asks room for: a whole block at the default block size
 SLOTS_SHARE = 0.72  # of the height below the fields, what the slot table gets before the user drags the splitter
 MIN_TICK_PIXELS = {"left": 14, "bottom": 26}  # least screen distance between two labelled heatmap ticks
+HISTORY_LINES = 3  # newest lines of the block's own history the inspector lists (the Block history dock has all)
 
 
 class SlotsModel(RowsModel):
@@ -208,6 +214,21 @@ class Inspector(QtWidgets.QWidget):
             form.addWidget(name, row, column)
             form.addWidget(label, row, column + 1, 1, span)
             self.fields[key] = label
+        self.history_name = QtWidgets.QLabel("history:")
+        self.history_name.setAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignTop)
+        self.history = QtWidgets.QLabel()  # the block's newest events, each a link to its frame
+        self.history.setWordWrap(True)
+        self.history.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.history.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.history.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        self.history.linkActivated.connect(self._history_link)
+        self.history.installEventFilter(self)
+        form.addWidget(self.history_name, 4, 0)
+        form.addWidget(self.history, 4, 1, 1, 3)
+        self.history_view = None  # the BlockHistoryView whose newest lines the history field shows
+        self.history_lines: list = []  # the HistoryLines the history field lists now
+        self._history_earlier = 0  # lines of the block's story before those
+        self._show_history_row(False)
         form.setColumnStretch(1, 1)
         form.setColumnStretch(3, 1)
         self.slots = SlotsModel(self)
@@ -285,6 +306,11 @@ class Inspector(QtWidgets.QWidget):
         super().resizeEvent(event)
         self._place_splitter()
 
+    def eventFilter(self, watched, event) -> bool:
+        if watched is self.history and event.type() == QtCore.QEvent.Type.Resize:
+            self._draw_history()  # its lines are cut to its width
+        return super().eventFilter(watched, event)
+
     def _place_splitter(self) -> None:
         """The slot table gets most of the height (no more than a whole block needs), the heatmap the rest."""
         if self._split_by_user:
@@ -311,6 +337,8 @@ class Inspector(QtWidgets.QWidget):
             self.info = None
             self._note_facts = self._note_key = None  # another block: its note starts afresh
             self._names = {}
+            self.history_lines = []
+            self._show_history_row(False)  # until the history view tells this block's story
             self.slots.set_block(None)
             self.heat.clear()
             self.heat_title.setText("")
@@ -323,6 +351,61 @@ class Inspector(QtWidgets.QWidget):
             return
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot)
+
+    # ---- the block's own history, in short ------------------------------------------------------------------
+    def follow_history(self, view) -> None:
+        """List the newest few lines of ``view`` (the window's :class:`~explorer.block_history.BlockHistoryView`,
+        which the source's history feeds) under the owners while it shows the selected block; a click on one jumps
+        to its frame, as a click in the dock does. Calling it again with the same view changes nothing."""
+        if view is self.history_view:
+            return
+        if self.history_view is not None:
+            self.history_view.changed.disconnect(self._history_changed)
+        self.history_view = view
+        if view is not None:
+            view.changed.connect(self._history_changed)
+        self._history_changed()
+
+    def _history_changed(self) -> None:
+        view = self.history_view
+        if view is None or self.block_id is None or view.block_id != self.block_id or not view.lines:
+            self.history_lines = []
+            self._show_history_row(False)
+            return
+        self.history_lines = list(view.lines[-HISTORY_LINES:])
+        self._history_earlier = view.total - len(self.history_lines)
+        self._show_history_row(True)
+        self._draw_history()
+
+    def _draw_history(self) -> None:
+        """One line an event, cut to the field's width with '…' (the whole sentence in the tooltip and the dock):
+        three events take three lines, and the slot table keeps its room at 1024 x 640."""
+        lines = self.history_lines
+        if not lines:
+            return
+        metrics = self.history.fontMetrics()
+        width = max(self.history.width() - 6, 60)
+        items = []
+        for line in lines:
+            step = f"step {line.step_id:,}"
+            rest = metrics.elidedText(f": {line.text}", QtCore.Qt.TextElideMode.ElideRight,
+                                      width - metrics.horizontalAdvance(step))
+            items.append(f'<a href="{line.seq}:{line.step_id}">{step}</a>{html.escape(rest)}')
+        if self._history_earlier > 0:
+            items.insert(0, f"<i>{self._history_earlier:,} earlier in Block history</i>")
+        text = "<br>".join(items)
+        if text != self.history.text():
+            self.history.setText(text)
+            self.history.setToolTip("\n".join(f"step {line.step_id:,}: {line.text}" for line in lines))
+
+    def _show_history_row(self, shown: bool) -> None:
+        self.history_name.setVisible(shown)
+        self.history.setVisible(shown)
+
+    def _history_link(self, href: str) -> None:
+        seq, step = (int(part) for part in href.split(":"))
+        if self.history_view is not None:
+            self.history_view.lineActivated.emit(seq, step)  # the dock's own jump: the timeline follows
 
     def follow_relocation(self, mapping) -> int | None:
         """A relocation moved blocks (``mapping``: old id -> new id, as a RELOCATED event's block_ids ->

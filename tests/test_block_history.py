@@ -171,6 +171,19 @@ def test_widget_appends_new_lines_without_rebuilding(qtbot):
     assert view.list.item(0).text().startswith("step 10:")
 
 
+def test_widget_says_when_its_block_or_lines_change(qtbot):
+    """The inspector's short form follows the view through ``changed``: a new block, new lines, no block."""
+    view = BlockHistoryView()
+    qtbot.addWidget(view)
+    seen = []
+    view.changed.connect(lambda: seen.append((view.block_id, len(view.lines), view.total)))
+    view.set_block(12, story())
+    view.add_lines([HistoryLine(9, 8, "freed")], 9)
+    view.add_lines([])  # nothing new: nothing said
+    view.set_block(None)
+    assert seen == [(12, 8, 8), (12, 9, 9), (None, 0, 0)]
+
+
 @pytest.fixture(scope="module")
 def real():
     from tests.event_workload import engine_frames

@@ -4,6 +4,7 @@ import pytest
 
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 from explorer.inspector import Inspector
+from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
 
 
 def info(block_id, state=BlockState.USED, owners=((5, 2),), filled=4, block_size=4, texts=None, keys=True,
@@ -176,3 +177,76 @@ def test_select_with_moved_from_keeps_the_story(inspector):
     assert inspector.fields["block"].text() == "12 (moved from 35)"
     inspector.show_block(info(12))
     assert "moved from 35 to 12" in inspector.note.text() and "freed" not in inspector.note.text()
+
+
+# ---- the block's own history, in short, under the owners -------------------------------------------------------------
+def test_inspector_lists_the_newest_lines_of_the_blocks_history(qtbot, inspector):
+    """Issue 10: "the inspector of a block lists the block's own history"; it lived only in the Block history dock,
+    tabbed behind the inspector. The inspector now lists the dock view's newest lines, each a link to its frame."""
+    from explorer.block_history import BlockHistoryView
+    from explorer.inspector import HISTORY_LINES
+    from kvstream.events import BlockEvent, EventKind
+    from test_block_history import story
+    history = BlockHistoryView()
+    qtbot.addWidget(history)
+    inspector.follow_history(history)
+    inspector.follow_history(history)  # again (the window may wire it too): still one connection
+    inspector.select(12, view({4: (12,)}, num_blocks=16))
+    history.set_block(12, story())
+    assert inspector.history.isVisible() and len(inspector.history_lines) == HISTORY_LINES
+    assert inspector.history_lines == history.lines[-HISTORY_LINES:]
+    text = inspector.history.text()
+    assert "5 earlier in Block history" in text and "step 7</a>: " in text and "evicted" in text, text
+    inspector.resize(300, 560)  # a narrow dock: one line an event, cut with '…', the whole in the tooltip
+    qtbot.wait(20)
+    label = inspector.history
+    rows = (HISTORY_LINES + 1) * label.fontMetrics().lineSpacing()  # the events and "5 earlier ..."
+    assert label.heightForWidth(label.width()) <= rows + 4 and "…" in label.text()
+    assert all(f"step {line.step_id}: {line.text}" in label.toolTip() for line in inspector.history_lines)
+    with qtbot.waitSignal(history.lineActivated) as jumped:  # a click on a line's link: the dock's own jump
+        inspector.history.linkActivated.emit(f"{history.lines[-1].seq}:{history.lines[-1].step_id}")
+    assert jumped.args == [history.lines[-1].seq, history.lines[-1].step_id]
+    history.add_lines([history.lines[-1]._replace(seq=9, step_id=8, text="freed <again>")], history.total + 1)
+    assert inspector.history_lines[-1].step_id == 8 and "freed &lt;again&gt;" in inspector.history.text()
+    assert "6 earlier" in inspector.history.text()
+    inspector.select(3, view({4: (3,)}, num_blocks=16))  # another block: its lines are not block 12's
+    assert not inspector.history.isVisible() and inspector.history_lines == []
+    history.set_block(3, [(1, BlockEvent(1, EventKind.ALLOCATED, 4, (3,)))])
+    assert inspector.history.isVisible() and "earlier" not in inspector.history.text()
+    history.set_block(3, ())  # nothing kept: no row at all
+    assert not inspector.history.isVisible()
+    inspector.select(None, None)
+    assert not inspector.history.isVisible()
+
+
+def test_in_the_window_the_inspector_shows_the_docks_newest_lines_and_jumps(qtbot, make_window):
+    """With a real engine and history: select a block, the inspector lists the Block history dock's newest lines
+    as the engine decodes, and a click on one shows that frame."""
+    window = make_window(setup=lambda e: e.add_conversation("History in the inspector, please.", max_new_tokens=60,
+                                                           temperature=0.0), paused=True, history=True)
+    window.inspector.follow_history(window.block_history)  # what the window wires (a second call changes nothing)
+
+    def partial_tail(s):  # a tail block still filling: it will be full and hashed a few steps on
+        table = next(iter(s.block_tables.values()), ())
+        return bool(table) and int(s.num_filled[table[-1]]) < s.block_size
+
+    for _ in range(3):
+        window.runner.step_once()
+    wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 3)
+    while not partial_tail(window.snapshot):
+        step = window.snapshot.step_id
+        window.runner.step_once()
+        wait_for_snapshot(qtbot, window, lambda s: s.step_id > step)
+    tail = next(iter(window.snapshot.block_tables.values()))[-1]
+    window.select_block(tail)
+    inspector, dock = window.inspector, window.block_history
+    qtbot.waitUntil(lambda: dock.block_id == tail and bool(dock.lines and inspector.history_lines), timeout=3000)
+    shown = len(dock.lines)
+    for _ in range(window.snapshot.block_size):  # until the tail block fills and is hashed: a new line, live
+        window.runner.step_once()
+    qtbot.waitUntil(lambda: len(dock.lines) > shown, timeout=5000)
+    assert inspector.history.isVisible() and inspector.history_lines == dock.lines[-len(inspector.history_lines):]
+    first = inspector.history_lines[0]
+    inspector.history.linkActivated.emit(f"{first.seq}:{first.step_id}")
+    qtbot.waitUntil(lambda: window.source.viewing == first.seq, timeout=3000)
+    assert window.snapshot.step_id == first.step_id
