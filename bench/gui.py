@@ -11,8 +11,13 @@
    bounded spinning (GOMP_SPINCOUNT), one intra-op thread for the engine thread, and the engine in its own process
    publishing the pool stream to a window in another. Each reports decode inside the app against headless decode
    with OpenMP's default policy (measured in the same round), frames/s and event-loop lag.
+4. scrub: a 65,536-block recording opened in the window (--recording FILE, or one of --scrub-steps steps of 256
+   conversations recorded on the spot), the timeline moved as a user drags it: one frame back or forward every
+   10 ms timer tick, then jumps of 1-50 frames. GUI frames/s, frames shown per second and event-loop lag. Target
+   (issue 10): 30 frames/s.
 
-    QT_QPA_PLATFORM=offscreen python bench/gui.py [--sections grid scale arrangements] [--seconds 6] [--rounds 2]
+    QT_QPA_PLATFORM=offscreen python bench/gui.py [--sections grid scale arrangements scrub] [--seconds 6] [--rounds 2]
+                                                [--recording FILE]
 """
 from __future__ import annotations
 
@@ -279,6 +284,74 @@ def bench_arrangements(seconds: float, rounds: int, conversations: int, num_bloc
 
 
 # ---- workers ------------------------------------------------------------------------------------------------------
+
+# ---- 4. scrubbing a recording -------------------------------------------------------------------------------------
+def record_for_scrub(steps: int, conversations: int = 256, num_blocks: int = 65536) -> Path:
+    """A recording of ``steps`` steps of ``conversations`` decoding on ``num_blocks`` blocks (kept full: a finished
+    conversation is replaced), written as the app's --record writes it."""
+    import tempfile
+    from kvstream.poolstream import StreamEncoder
+    from kvstream.recording import Recorder
+    engine, _ = make_engine(conversations, num_blocks)
+    path = Path(tempfile.mkdtemp(prefix="bench-gui-")) / "scrub.kvpool"
+    encoder = StreamEncoder()
+    with Recorder(path) as recorder:
+        for _ in range(steps):
+            engine.step()
+            recorder.write(encoder.encode(engine.snapshot(), engine.take_events()))
+    return path
+
+
+def bench_scrub(path: Path, seconds: float) -> None:
+    import random
+    import explorer  # noqa: F401
+    from PySide6 import QtCore
+    from explorer.app import application
+    from explorer.main_window import MainWindow
+    from explorer.stream_feed import RecordingFeed
+    application()
+    feed = RecordingFeed.open(str(path))
+    window = MainWindow(feed=feed)
+    window.show()
+    pump_events(1.0)
+    timeline = window.pane.timeline
+    snap = feed.latest()
+    if snap.block_tables:
+        window.select_block(int(snap.block_tables[sorted(snap.block_tables)[0]][0]))
+    first, last = timeline.first_seq, timeline.last_seq
+    print(f"scrub: {path} ({path.stat().st_size / 2**20:.1f} MiB, frames {first:,}-{last:,}, "
+          f"{snap.num_blocks:,} blocks)")
+    rng = random.Random(0)
+    for name, move in (("one frame per tick", lambda: 1), ("jumps of 1-50 frames", lambda: rng.randint(1, 50))):
+        way = [-1]
+        timeline.seek(last)
+
+        def tick():
+            pos = timeline.position
+            step = move()
+            if not first <= pos + way[0] * step <= last:
+                way[0] = -way[0]
+            timeline.seek(max(first, min(last, pos + way[0] * step)))
+            shown[0] += 1
+
+        shown = [0]
+        timer = QtCore.QTimer()
+        timer.setInterval(10)
+        timer.timeout.connect(tick)
+        lag = LagMeter()
+        frames0, t0 = window.grid.frames_drawn, time.perf_counter()
+        timer.start()
+        pump_events(seconds)
+        timer.stop()
+        took = time.perf_counter() - t0
+        out = lag.stop()
+        print(f"  {name}: GUI {window.gui_fps():.1f} frames/s (target >= 30), {shown[0] / took:.1f} frames shown/s, "
+              f"grid redraws {(window.grid.frames_drawn - frames0) / took:.1f}/s, event-loop lag p95 "
+              f"{out['lag_p95_ms']:.0f} ms, max {out['lag_max_ms']:.0f} ms")
+    window.close()
+    pump_events(0.2)
+
+
 def worker(args) -> None:
     def reply(**fields) -> None:
         print(MARK + json.dumps(fields), flush=True)
@@ -311,8 +384,10 @@ def worker(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="+", default=["grid", "scale", "arrangements"],
-                        choices=["grid", "scale", "arrangements"])
+    parser.add_argument("--sections", nargs="+", default=["grid", "scale", "arrangements", "scrub"],
+                        choices=["grid", "scale", "arrangements", "scrub"])
+    parser.add_argument("--recording", type=Path, help="scrub this recording (default: record one on the spot)")
+    parser.add_argument("--scrub-steps", type=int, default=400, help="steps to record for the scrub section")
     parser.add_argument("--seconds", type=float, default=6.0, help="measuring time per side per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--conversations", type=int, default=64, help="for the arrangements (scale uses 256)")
@@ -332,6 +407,8 @@ def main() -> None:
         bench_scale(args.seconds, args.rounds)
     if "arrangements" in args.sections:
         bench_arrangements(args.seconds, args.rounds, args.conversations, args.num_blocks, args.arrangements)
+    if "scrub" in args.sections:
+        bench_scrub(args.recording or record_for_scrub(args.scrub_steps), args.seconds)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ The metric plots are fed by live frames as they arrive. A recording has none: al
 history, so its plots stayed empty and "metrics up to the step on view" showed nothing. This reads the history
 back, oldest first, into the metrics panel: at most as many frames as the panel keeps, spread evenly over the
 recording, a few milliseconds per timer tick so the window keeps drawing while it fills (a sequential read costs
-one delta per frame: the history continues from the frame it decoded last).
+one delta per frame, through ``History.walk`` and its own decoder, so that scrubbing meanwhile costs it nothing).
 """
 from __future__ import annotations
 
+import bisect
 import time
 
 from PySide6 import QtCore
@@ -48,22 +49,22 @@ class MetricsBackfill(QtCore.QObject):
             return
         self.history = history
         self.pending = sample_seqs(history.seqs())
-        self.pending.reverse()  # popped from the end: oldest first
+        self._walk = history.walk(list(self.pending))  # its own decoder: scrubbing meanwhile does not make it start over
         self.timer.start()
 
     def stop(self) -> None:
         self.timer.stop()
         self.history = None
         self.pending = []
+        self._walk = None
 
     def _tick(self) -> None:
         end = time.perf_counter() + TICK_BUDGET_S
-        while self.pending and time.perf_counter() < end:
-            seq = self.pending.pop()
-            try:
-                snapshot = self.history.snapshot_at(seq)
-            except LookupError:  # dropped from the history meanwhile (its budget)
-                continue
+        while time.perf_counter() < end:
+            item = next(self._walk, None)  # frames dropped from the history meanwhile (its budget) are skipped
+            if item is None:
+                self.stop()
+                return
+            seq, snapshot = item
+            del self.pending[:bisect.bisect_right(self.pending, seq)]
             self.panel.record(snapshot, timed=False)
-        if not self.pending:
-            self.stop()

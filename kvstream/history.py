@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -323,6 +323,30 @@ class History:
             return snap
 
     _snapshot_stream = None  # stream the cached snapshots belong to
+
+    def walk(self, seqs: Iterable[int]) -> Iterator[tuple[int, PoolSnapshot]]:
+        """(seq, snapshot) for each kept frame among ``seqs`` (ascending), read in order with a decoder of its own:
+        one delta per frame passed, however many are skipped between two wanted ones, and the decode cache that
+        :meth:`snapshot_at` keeps for scrubbing is left where it is. A frame no longer kept (the budget dropped it
+        meanwhile) is skipped. For reading a history through, e.g. a recording's metrics."""
+        decoder: StreamDecoder | None = None
+        for seq in seqs:
+            with self._lock:
+                try:
+                    i = self._index(seq)
+                except LookupError:
+                    continue
+                key_seq = self._keys[bisect.bisect_right(self._keys, seq) - 1]
+                stream = self._frames[i].stream_id
+                fresh = (decoder is None or decoder.stream_id != stream or decoder.seq is None
+                         or not key_seq - 1 <= decoder.seq < seq)
+                first = key_seq if fresh else decoder.seq + 1
+                run = self._frames[bisect.bisect_left(self._seqs, first, 0, i + 1):i + 1]
+            if fresh:
+                decoder = StreamDecoder()
+            for f in run:
+                decoder.apply(read_head(f.payload, events=False))
+            yield seq, decoder.snapshot()
 
     def _resume(self, run: list, key_seq: int) -> StreamDecoder | None:
         """A decoder at a frame of ``run`` (the keyframe and deltas up to the frame wanted) to continue from: the

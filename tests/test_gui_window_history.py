@@ -153,3 +153,32 @@ def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recomput
     assert any("full and hashed" in line.text for line in lines)
     assert window.event_log.model.num_events == len(events())  # every kept event logged once
     assert window.pane.timeline.markers.n == len(events())
+
+
+def test_scrubbing_tells_the_block_story_once_the_timeline_rests(qtbot, make_window):
+    """Dragging the timeline past many frames does not walk every kept event for each one (0.3 s a frame in a
+    10,000-step recording): the selected block's story is told once, up to the frame the timeline rests on."""
+    from explorer.block_history import block_history
+    from explorer.history_panels import SETTLE_MS
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    source, history, panels = window.source, window.source.history, window.history_panels
+    for _ in range(12):
+        window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 12)
+    qtbot.waitUntil(lambda: source.events_seq == history.last_seq, timeout=3000)
+    block = sorted(snap.block_tables.items())[0][1][0]
+    window.select_block(block)
+    computed = panels.recomputed
+    timeline = window.pane.timeline
+    first = history.first_seq + 1
+    for seq in range(history.last_seq - 1, first - 1, -1):  # one frame back per call, as a drag does
+        timeline.seek(seq)
+    assert panels.recomputed == computed  # nothing told while moving
+    qtbot.waitUntil(lambda: panels.recomputed == computed + 1, timeout=SETTLE_MS * 20)
+    qtbot.wait(SETTLE_MS * 2)
+    assert panels.recomputed == computed + 1  # once
+    lines = block_history(history.events(None, first), block)
+    assert [window.block_history.list.item(i).text() for i in range(window.block_history.list.count())] == \
+        [f"step {line.step_id:,}: {line.text}" for line in lines]
+    timeline.go_live()  # back to live: told at once
+    assert panels.recomputed == computed + 2

@@ -71,6 +71,25 @@ def test_history_random_access_equals_engine_at_every_frame():
     assert history.seq_of_step(10 ** 9) is None
 
 
+
+def test_history_walk_reads_through_in_order_without_moving_the_scrub_cache():
+    """walk(seqs) gives every kept frame asked for, exactly as the engine had it, skipping any number of frames
+    between two (across keyframes too) and frames not kept, and leaves snapshot_at's decode cache alone."""
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=16)
+    history = History()
+    for f in frames:
+        history.write(f)
+    history.snapshot_at(len(frames) // 2)
+    cache = history._decoder
+    wanted = sorted(set(random.Random(3).sample(range(len(frames)), 40)) | {0, len(frames) - 1})
+    got = list(history.walk(wanted + [len(frames) + 5]))  # the last one is not kept: skipped
+    assert [seq for seq, _ in got] == wanted
+    for seq, snap in got:
+        assert_same_snapshot(snaps[seq][0], snap, f"frame {seq}")
+    assert history._decoder is cache and cache.seq == len(frames) // 2
+    assert [seq for seq, _ in history.walk(range(3, len(frames), 7))] == list(range(3, len(frames), 7))
+
 def test_late_joiner_starts_from_encoder_keyframe():
     snaps = workload()
     enc = StreamEncoder(keyframe_interval=1000)
