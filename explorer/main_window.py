@@ -109,6 +109,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.history_panels.set_source(self.source)
         self.event_log = self.history_panels.event_log
         self.block_history = self.history_panels.block_history
+        self.inspector.follow_history(self.block_history)  # the inspector lists the block's newest events
         self.docks = {
             "inspector": make_dock(self, "inspector", "Inspector", self.inspector, min_width=300,
                                    min_height=420),
