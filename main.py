@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
                            device=opts.device, compile_attention=opts.compile_attention,
-                           kv_events_endpoint=opts.kv_events)
+                           kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
+                           kv_events_topic=opts.kv_events_topic)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

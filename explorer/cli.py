@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--open", metavar="FILE", help="replay a recording (GUI: scrub it; headless: to the end)")
     parser.add_argument("--kv-events", metavar="ENDPOINT",
                         help="the local engine publishes vLLM-format KV events on this ZMQ endpoint (as vLLM does: "
-                             "tcp://*:PORT and ipc:// bind, a host address connects)")
+                             "tcp://*:PORT and ipc:// bind, a host address connects); ENDPOINT,replay=ADDR adds the "
+                             "replay socket late watchers catch up through, ,topic=T a topic")
     parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ")
     parser.add_argument("--attach", metavar="ENDPOINT", action="append", default=[],
                         help="watch a pool stream (another --publish, or vLLM with the plugin); repeatable")
@@ -124,8 +125,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"--attach-kv-events: {exc}") from None
     if opts.publish:
         check_endpoint("--publish", opts.publish, bind=True)
-    if opts.kv_events:
-        check_endpoint("--kv-events", opts.kv_events, bind=True)
+    opts.kv_events_replay, opts.kv_events_topic = None, ""
+    if opts.kv_events:  # ENDPOINT[,replay=ADDR][,topic=T], as --attach-kv-events reads it
+        first, *rest = [part.strip() for part in opts.kv_events.split(",")]
+        for part in rest:
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("replay", "topic"):
+                raise UsageError(f"--kv-events: unknown option {part!r}; use ENDPOINT[,replay=ADDR][,topic=T]")
+            if key == "replay":
+                opts.kv_events_replay = check_endpoint("--kv-events replay", value, bind=True)
+            else:
+                opts.kv_events_topic = value
+        opts.kv_events = check_endpoint("--kv-events", first, bind=True)
     watching = [flag for flag, on in (("--open", opts.open), ("--attach", opts.attach),
                                       ("--attach-kv-events", opts.attach_kv_events)) if on]
     if opts.open and (opts.attach or opts.attach_kv_events):

@@ -123,12 +123,13 @@ def run_headless_cli(opts, cfg) -> int:
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            # --publish and --kv-events are both for watchers in other processes (neither keeps what a late one
-            # missed: --kv-events has no replay endpoint here), so a demo is paced for them to see it unfold and the
-            # run keeps publishing until --quit-after or Ctrl+C instead of closing its sockets once idle
+            # --publish and --kv-events are both for watchers in other processes, so a demo is paced for them to
+            # see it unfold and the run keeps publishing until --quit-after or Ctrl+C instead of closing its sockets
+            # once idle (a late watcher catches up through --kv-events' replay socket, if one was given)
             outputs = [f"the pool stream on {opts.publish}"] if opts.publish else []
             if opts.kv_events:
-                outputs.append(f"KV events on {opts.kv_events}")
+                replay = getattr(opts, "kv_events_replay", None)
+                outputs.append(f"KV events on {opts.kv_events}" + (f" (replay on {replay})" if replay else ""))
             speed = DEMO_SPEED if outputs and opts.demo in DEMOS else None
             feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0,
                                       max_steps_per_second=speed)]

@@ -162,6 +162,47 @@ def test_the_apps_own_kv_events_watched_headless_from_another_process(tmp_path):
     assert "step " in out  # the publisher's own progress lines: it decoded while watched
 
 
+
+def test_a_late_kv_event_watcher_catches_up_through_the_replay_socket(tmp_path):
+    """--kv-events ENDPOINT,replay=ADDR (as --attach-kv-events reads it): a watcher started once the engine has
+    decoded 10 steps and published their batches still gets every batch from sequence 0, through the replay
+    socket (without one it would miss them: its first batch would be a later one)."""
+    import re
+    import signal
+    import time
+    kv, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
+    out_path = tmp_path / "publisher.out"
+    with open(out_path, "w") as out_file:
+        publisher = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--headless", "--demo", "busy",
+                                      "--kv-events", f"{kv},replay={replay}", "--quit-after", "40"], cwd=ROOT,
+                                     env=env, stdout=out_file, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while publisher.poll() is None and time.monotonic() < deadline and \
+                max(map(int, re.findall(r"^step +(\d+):", out_path.read_text(), re.M)), default=0) < 10:
+            time.sleep(0.1)
+        assert publisher.poll() is None, out_path.read_text()
+        assert f"KV events on {kv} (replay on {replay})" in out_path.read_text()
+        watched = run_main("--attach-kv-events", f"{kv},replay={replay}", "--headless", "--json", "--quit-after",
+                           "4", home=tmp_path, timeout=60)
+        publisher.send_signal(signal.SIGTERM)
+        publisher.wait(timeout=60)
+    finally:
+        publisher.kill()
+    assert watched.returncode == 0 and publisher.returncode == 0, (watched.stderr, out_path.read_text())
+    last = json_lines(watched.stdout)[-1]
+    assert last["step"] is not None and last["step"] >= 1
+    assert last["batches"] == last["step"] + 1  # every batch from sequence 0: nothing the watcher came late for
+    assert last["stored_hashes"] > 0 and last["stored_total"] >= last["stored_hashes"]
+
+
+def test_kv_events_flag_options_are_checked(tmp_path):
+    result = run_main("--headless", "--kv-events", "tcp://*:5557,replays=tcp://*:5558", home=tmp_path, timeout=60)
+    assert result.returncode == 2 and "unknown option 'replays=tcp://*:5558'" in result.stderr
+    result = run_main("--headless", "--kv-events", "tcp://*:5557,replay=nowhere", home=tmp_path, timeout=60)
+    assert result.returncode == 2 and "--kv-events replay needs a ZMQ endpoint" in result.stderr
+
 def test_screenshot_is_saved_once_drawn_at_the_given_size(tmp_path):
     from PySide6 import QtGui
     path = tmp_path / "shot.png"
