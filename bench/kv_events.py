@@ -111,16 +111,42 @@ class DecodeEngine:
         return 0 if out is None else out.publisher.next_seq
 
 
+_WATCHER = """
+import sys, threading, zmq
+sub = zmq.Context.instance().socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(sys.argv[1])
+count, done = [0], threading.Event()
+def wait_for_eof():
+    sys.stdin.read()
+    done.set()
+threading.Thread(target=wait_for_eof, daemon=True).start()
+print("ready", flush=True)
+while not done.is_set():
+    if sub.poll(100):
+        sub.recv_multipart()
+        count[0] += 1
+while sub.poll(200):
+    sub.recv_multipart()
+    count[0] += 1
+print(count[0], flush=True)
+"""
+
+
 def end_to_end(rounds: int, steps: int, d: str) -> None:
     import zmq
     on = DecodeEngine(rounds * steps + 3, f"ipc://{d}/e2e", f"ipc://{d}/e2er")
     off = DecodeEngine(rounds * steps + 3)
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(on.eng.kv_events_endpoints[0])
+    # the watcher in a process of its own, as a router or the explorer is: an in-process SUB would share this
+    # process's ZMQ I/O thread and the GIL, which a real subscriber does not
+    import subprocess
+    import sys
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, on.eng.kv_events_endpoints[0]],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert watcher.stdout.readline().strip() == "ready"
     time.sleep(0.3)
     first_batch = on.batches
-    t_on, t_off, paired, received = [], [], [], 0
+    t_on, t_off, paired = [], [], []
     for r in range(rounds):
         # Within a round the two engines take turns step by step (which goes first alternates by round), so a
         # change in machine load falls on both; each round's figure is the sum of its steps.
@@ -131,10 +157,10 @@ def end_to_end(rounds: int, steps: int, d: str) -> None:
             paired.append(a / b)
         t_on.append(on_us / steps)
         t_off.append(off_us / steps)
-        while sub.poll(0):  # drain between rounds (never inside a timed part)
-            sub.recv_multipart()
-            received += 1
-    sub.close(linger=0)
+    time.sleep(0.3)
+    watcher.stdin.close()  # the watcher counts what it got and exits
+    received = int(watcher.stdout.readline())
+    watcher.wait(timeout=30)
     sent = on.batches - first_batch
     ratios = [a / b for a, b in zip(t_on, t_off)]
     print(f"end to end, built-in engine decode step, 16 conversations, {rounds} rounds x {steps} steps each: "
