@@ -127,15 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_endpoint("--publish", opts.publish, bind=True)
     opts.kv_events_replay, opts.kv_events_topic = None, ""
     if opts.kv_events:  # ENDPOINT[,replay=ADDR][,topic=T], as --attach-kv-events reads it
-        first, *rest = [part.strip() for part in opts.kv_events.split(",")]
-        for part in rest:
-            key, sep, value = part.partition("=")
-            if not sep or key not in ("replay", "topic"):
-                raise UsageError(f"--kv-events: unknown option {part!r}; use ENDPOINT[,replay=ADDR][,topic=T]")
-            if key == "replay":
-                opts.kv_events_replay = check_endpoint("--kv-events replay", value, bind=True)
-            else:
-                opts.kv_events_topic = value
+        from kvstream.kv_events_endpoint import split_spec
+        try:
+            first, options = split_spec(opts.kv_events, {"replay": None, "topic": ""}, "replay=ADDR or topic=T")
+        except ValueError as exc:
+            raise UsageError(f"--kv-events: {exc}") from None
+        if options["replay"] is not None:
+            opts.kv_events_replay = check_endpoint("--kv-events replay", options["replay"], bind=True)
+        opts.kv_events_topic = options["topic"]
         opts.kv_events = check_endpoint("--kv-events", first, bind=True)
     watching = [flag for flag, on in (("--open", opts.open), ("--attach", opts.attach),
                                       ("--attach-kv-events", opts.attach_kv_events)) if on]

@@ -176,10 +176,12 @@ class _MessageDialog(_FormDialog):
         send = QtGui.QShortcut(QtGui.QKeySequence("Ctrl+Return"), self)  # Return itself starts a new line
         send.activated.connect(self.try_accept)
         self._placeholder = placeholder
+        self._message_editor = editor
         return editor
 
     def message_editor(self) -> QtWidgets.QPlainTextEdit:
-        raise NotImplementedError
+        """The message field :meth:`add_message_rows` made."""
+        return self._message_editor
 
     def showEvent(self, event) -> None:
         """Typing goes into the message at once (the focus was on the mode box, and the space in "Record me"
@@ -310,9 +312,6 @@ class AddConversationDialog(_MessageDialog):
         self.samples = self.add_row("samples", "Parallel samples:", QtWidgets.QLineEdit("1"))
         self.samples.setToolTip("n > 1 starts n conversations from this prompt at once; they share its blocks")
 
-    def message_editor(self) -> QtWidgets.QPlainTextEdit:
-        return self.prompt
-
     def _on_mode(self, text: str) -> None:
         super()._on_mode(text)
         self.use_system.setEnabled(not self.ids_mode())  # the system prompt is text
@@ -364,9 +363,6 @@ class ReplyDialog(_MessageDialog):
         self.conversation_id, self.history_tokens = conversation_id, history_tokens
         self.message = self.add_message_rows("message", "Message:", "Type the follow-up message")
         self.max_new_tokens = self.add_max_new_tokens_row()
-
-    def message_editor(self) -> QtWidgets.QPlainTextEdit:
-        return self.message
 
     def try_accept(self) -> None:
         self.clear_errors()

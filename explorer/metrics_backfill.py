@@ -8,7 +8,6 @@ one delta per frame, through ``History.walk`` and its own decoder, so that scrub
 """
 from __future__ import annotations
 
-import bisect
 import time
 
 from PySide6 import QtCore
@@ -33,7 +32,7 @@ class MetricsBackfill(QtCore.QObject):
         super().__init__(parent)
         self.panel = panel  # the MetricsPanel to fill
         self.history = None  # the kvstream History being read, None when idle
-        self.pending: list[int] = []  # frames still to read, ascending
+        self._walk = None  # History.walk over the frames still to read
         self.timer = QtCore.QTimer(self)
         self.timer.setInterval(0)
         self.timer.timeout.connect(self._tick)
@@ -48,14 +47,12 @@ class MetricsBackfill(QtCore.QObject):
         if history is None or len(history) == 0:
             return
         self.history = history
-        self.pending = sample_seqs(history.seqs())
-        self._walk = history.walk(list(self.pending))  # its own decoder: scrubbing meanwhile does not make it start over
+        self._walk = history.walk(sample_seqs(history.seqs()))  # its own decoder: scrubbing does not restart it
         self.timer.start()
 
     def stop(self) -> None:
         self.timer.stop()
         self.history = None
-        self.pending = []
         self._walk = None
 
     def _tick(self) -> None:
@@ -65,6 +62,4 @@ class MetricsBackfill(QtCore.QObject):
             if item is None:
                 self.stop()
                 return
-            seq, snapshot = item
-            del self.pending[:bisect.bisect_right(self.pending, seq)]
-            self.panel.record(snapshot, timed=False)
+            self.panel.record(item[1], timed=False)

@@ -60,20 +60,29 @@ def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:
                            topic=endpoint.topic, name=endpoint.name)
 
 
+def split_spec(spec: str, defaults: dict[str, str | None], usage: str) -> tuple[str, dict[str, str | None]]:
+    """``ENDPOINT[,KEY=VALUE]...`` -> (ENDPOINT, ``defaults`` updated with the options given); a bare address
+    right after the endpoint is its replay address (``tcp://h:5557,tcp://h:5558``). KVEventError names an option
+    ``defaults`` does not have, saying ``usage``."""
+    first, *rest = [part.strip() for part in spec.split(",")]
+    options = dict(defaults)
+    for i, part in enumerate(rest):
+        key, sep, value = part.partition("=")
+        if not sep and i == 0 and "://" in part and "replay" in options:
+            key, value = "replay", part
+        elif not sep or key not in options:
+            raise KVEventError(f"unknown option {part!r} in {spec!r}: use {usage}")
+        options[key] = value
+    return first, options
+
+
 def parse_endpoint_spec(spec: str) -> tuple[KVEventEndpoint, ...]:
     """The endpoints one ``--attach-kv-events`` value names (several for ``dp=N``); a bad spec raises KVEventError."""
     if not isinstance(spec, str) or not spec.strip():
         raise KVEventError("a KV-event endpoint spec must be a non-empty string such as tcp://host:5557")
-    first, *rest = [part.strip() for part in spec.split(",")]
+    first, options = split_spec(spec, {"replay": None, "topic": "", "dp": "1", "name": ""},
+                                "replay=ADDR, topic=T, dp=N or name=X")
     endpoint = _connectable(first, "the KV-event endpoint")
-    options = {"replay": None, "topic": "", "dp": "1", "name": ""}
-    for i, part in enumerate(rest):
-        key, sep, value = part.partition("=")
-        if not sep and i == 0 and "://" in part:
-            key, value = "replay", part
-        elif not sep or key not in options:
-            raise KVEventError(f"unknown option {part!r} in {spec!r}: use replay=ADDR, topic=T, dp=N or name=X")
-        options[key] = value
     replay = _connectable(options["replay"], "the replay endpoint") if options["replay"] else None
     if not options["dp"].isdigit() or not 1 <= int(options["dp"]) <= 1024:
         raise KVEventError(f"dp must be a number of ranks from 1 to 1024, not {options['dp']!r}")
