@@ -9,9 +9,10 @@
    same batches.
 3. Following: batches per second a subscriber applies into its index while a publisher sends flat out.
 4. End to end: two built-in engines in this process decoding the same 16 conversations (prompt lengths 32..47 at
-   block size 16, so some conversation fills a block nearly every step), one with ``kv_events_endpoint`` (and a
-   replay socket, a raw SUB socket connected) and one without, timed in alternating rounds; prints the step-time
-   ratio on / off and the timed share of ``Engine._publish_kv_events`` in the publishing engine's steps.
+   block size 16, so some conversation fills a block nearly every step), taking turns step by step, one of them
+   publishing in each round (``kv_events_endpoint`` and a replay socket; a watcher in its own process follows);
+   prints the step-time ratio on / off, the timed share of ``Engine._publish_kv_events`` in the publishing
+   engine's steps, the ZMQ I/O thread's CPU time, and how late the watcher got the batches (see ``end_to_end``).
    ``--e2e-only`` runs just this part.
 
 Rounds alternate and medians are printed; nothing here is asserted (tests never time).
@@ -112,66 +113,107 @@ class DecodeEngine:
 
 
 _WATCHER = """
-import sys, threading, zmq
+import statistics, sys, threading, time, msgspec, zmq
 sub = zmq.Context.instance().socket(zmq.SUB)
 sub.setsockopt(zmq.SUBSCRIBE, b"")
-sub.connect(sys.argv[1])
-count, done = [0], threading.Event()
+for endpoint in sys.argv[1:]:
+    sub.connect(endpoint)
+late, done = [], threading.Event()
 def wait_for_eof():
     sys.stdin.read()
     done.set()
+def take():
+    frames = sub.recv_multipart()
+    late.append(time.time() - msgspec.msgpack.decode(frames[2])[0])  # the batch's ts is when it was published
 threading.Thread(target=wait_for_eof, daemon=True).start()
 print("ready", flush=True)
 while not done.is_set():
     if sub.poll(100):
-        sub.recv_multipart()
-        count[0] += 1
+        take()
 while sub.poll(200):
-    sub.recv_multipart()
-    count[0] += 1
-print(count[0], flush=True)
+    take()
+print(len(late), statistics.median(late or [0]) * 1e3, max(late or [0]) * 1e3, flush=True)
 """
 
 
+def zmq_io_cpu_s() -> float:
+    """CPU seconds used so far by this process's ZMQ I/O threads (Linux: /proc's schedstat, in ns; 0.0 elsewhere)."""
+    import os
+    total = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                total += int((task / "schedstat").read_text().split()[0]) / 1e9
+        except OSError:
+            pass
+    return total
+
+
 def end_to_end(rounds: int, steps: int, d: str) -> None:
-    import zmq
-    on = DecodeEngine(rounds * steps + 3, f"ipc://{d}/e2e", f"ipc://{d}/e2er")
-    off = DecodeEngine(rounds * steps + 3)
-    # the watcher in a process of its own, as a router or the explorer is: an in-process SUB would share this
-    # process's ZMQ I/O thread and the GIL, which a real subscriber does not
+    """Two engines decoding the same 16 conversations, taking turns step by step; in each round one of them publishes
+    (a watcher in another process follows both) and the other's publisher is set aside.
+
+    Which engine publishes alternates by round, and which steps first every two rounds: two engines built one after
+    the other differ by 1-4% on their own (measured with neither publishing), which a fixed "on" engine would be
+    charged. A pair of rounds (A on, B on) gives one on / off figure, the geometric mean of its two ratios, in which
+    that difference cancels. Step by step pairing is what makes the figure steady on a shared machine: rounds of
+    blocks varied by +-30% here. Work that a send leaves to ZMQ's I/O thread may land in the other engine's step, so
+    the I/O thread's CPU time is measured too (from /proc) and printed as a share of the publishing steps' time; the
+    sum of the two excesses bounds the cost from above."""
     import subprocess
-    import sys
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, on.eng.kv_events_endpoints[0]],
+    rounds += rounds % 2  # whole pairs
+    engines = [DecodeEngine(rounds * steps + 3, f"ipc://{d}/e2e{i}", f"ipc://{d}/e2er{i}") for i in range(2)]
+    outs = [e.eng._kv_events for e in engines]
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER] + [e.eng.kv_events_endpoints[0] for e in engines],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert watcher.stdout.readline().strip() == "ready"
     time.sleep(0.3)
-    first_batch = on.batches
-    t_on, t_off, paired = [], [], []
+    first = sum(e.batches for e in engines)
+    ratios, a_over_b, on_ms, off_ms = [], [], [], []
+    publish_s = on_s = 0.0
+    io0 = zmq_io_cpu_s()
     for r in range(rounds):
-        # Within a round the two engines take turns step by step (which goes first alternates by round), so a
-        # change in machine load falls on both; each round's figure is the sum of its steps.
-        on_us = off_us = 0.0
+        on_i = r % 2  # the engine publishing this round
+        for i, e in enumerate(engines):
+            if i == on_i:
+                e.eng.manager.events_since_publish()  # what it changed while quiet is not this round's to send
+            e.eng._kv_events = outs[i] if i == on_i else None
+        p0 = engines[on_i].publish_s
+        t = [0.0, 0.0]
+        order = (0, 1) if (r // 2) % 2 == 0 else (1, 0)
         for _ in range(steps):
-            a, b = ((on.time(1), off.time(1)) if r % 2 == 0 else tuple(reversed((off.time(1), on.time(1)))))
-            on_us, off_us = on_us + a, off_us + b
-            paired.append(a / b)
-        t_on.append(on_us / steps)
-        t_off.append(off_us / steps)
+            for i in order:
+                t[i] += engines[i].time(1)
+        publish_s += engines[on_i].publish_s - p0
+        on_s += t[on_i] / 1e6
+        ratios.append(t[on_i] / t[1 - on_i])
+        a_over_b.append(t[0] / t[1])
+        on_ms.append(t[on_i] / steps / 1e3)
+        off_ms.append(t[1 - on_i] / steps / 1e3)
+    io_s = zmq_io_cpu_s() - io0
+    for e, out in zip(engines, outs):
+        e.eng._kv_events = out
     time.sleep(0.3)
     watcher.stdin.close()  # the watcher counts what it got and exits
-    received = int(watcher.stdout.readline())
+    received, late_med, late_max = watcher.stdout.readline().split()
     watcher.wait(timeout=30)
-    sent = on.batches - first_batch
-    ratios = [a / b for a, b in zip(t_on, t_off)]
-    print(f"end to end, built-in engine decode step, 16 conversations, {rounds} rounds x {steps} steps each: "
-          f"publishing {statistics.median(t_on) / 1e3:.1f} ms, not publishing {statistics.median(t_off) / 1e3:.1f} ms "
-          f"(medians of rounds); on / off = {statistics.median(ratios):.4f} median of rounds "
-          f"({', '.join(f'{x:.3f}' for x in ratios)}), {statistics.median(paired):.4f} median of paired steps, "
-          f"{sum(t_on) / sum(t_off):.4f} of totals")
-    print(f"  _publish_kv_events: {on.publish_s * 1e3:.1f} ms of {on.step_s * 1e3:.0f} ms timed steps = "
-          f"{on.publish_s / on.step_s:.3%} of the publishing engine's step time; {sent} batches in "
-          f"{rounds * steps} steps ({on.publish_s / max(sent, 1) * 1e6:.0f} us each), subscriber got {received}")
-    on.eng.close()
+    sent = sum(e.batches for e in engines) - first
+    paired = [(ratios[i] * ratios[i + 1]) ** 0.5 for i in range(0, rounds, 2)]
+    on_off = statistics.median(paired)
+    print(f"end to end, built-in engine decode step, 16 conversations, {rounds} rounds x {steps} steps per engine: "
+          f"publishing {statistics.median(on_ms):.2f} ms, not publishing {statistics.median(off_ms):.2f} ms "
+          f"(medians of rounds); on / off = {on_off:.4f} median of {len(paired)} round pairs "
+          f"({', '.join(f'{x:.3f}' for x in paired)}); engine A / engine B regardless of publishing = "
+          f"{statistics.median(a_over_b):.4f}")
+    print(f"  _publish_kv_events: {publish_s * 1e3:.1f} ms of {on_s * 1e3:.0f} ms publishing steps = "
+          f"{publish_s / on_s:.3%}; ZMQ I/O threads' CPU {io_s * 1e3:.0f} ms = {io_s / on_s:.2%} of those steps; "
+          f"CPU publishing takes, engine thread + I/O thread: {(publish_s + io_s) / on_s:.2%}; on / off - 1 + I/O share "
+          f"= {on_off - 1 + io_s / on_s:+.2%}")
+    print(f"  {sent} batches in {rounds * steps} publishing steps ({publish_s / max(sent, 1) * 1e6:.0f} us each), "
+          f"subscriber got {received}, {float(late_med):.2f} ms after publishing (median; at most "
+          f"{float(late_max):.1f} ms)")
+    for e in engines:
+        e.eng.close()
 
 
 def main() -> None:
