@@ -708,6 +708,31 @@ def test_two_publishers_on_one_address_is_a_clear_error(sockdir):
             KVEventPublisher(f"ipc://{sockdir}/q", port)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not Path("/proc/self/task").exists(),
+                    reason="scheduling policies as Linux has them")
+def test_publishers_io_thread_does_not_preempt_decode(sockdir):
+    """A send wakes ZMQ's I/O thread; at normal policy that preempted the decoding thread (bench/kv_events.py), so
+    the publishers' context runs it as SCHED_BATCH, and the stream still arrives."""
+    with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        try:
+            time.sleep(0.2)
+            policies = {}
+            for task in Path("/proc/self/task").iterdir():
+                name = (task / "comm").read_text().strip()
+                if name.startswith("ZMQbg/IO"):
+                    policies.setdefault(name, set()).add(os.sched_getscheduler(int(task.name)))
+            assert os.SCHED_BATCH in policies["ZMQbg/IO/0"]  # the publishers' context's I/O thread
+            pub.publish([BlockRemoved(block_hashes=(7,), medium="GPU")])
+            assert sub.poll(5000)
+            topic, seq, payload = sub.recv_multipart()
+            assert int.from_bytes(seq, "big") == 0 and decode_batch(payload).events[0].block_hashes == (7,)
+        finally:
+            sub.close(linger=0)
+
+
 @pytest.mark.parametrize("spec, words", [
     ("", "non-empty"), ("host:5557", "ZMQ address"), ("tcp://h:1,bogus", "unknown option"),
     ("tcp://h:1,dp=0", "dp must be"), ("ipc:///x,dp=2", "tcp://host:port"), ("tcp://h:1,replay=nope", "replay"),
