@@ -288,17 +288,28 @@ def bench_arrangements(seconds: float, rounds: int, conversations: int, num_bloc
 # ---- 4. scrubbing a recording -------------------------------------------------------------------------------------
 def record_for_scrub(steps: int, conversations: int = 256, num_blocks: int = 65536) -> Path:
     """A recording of ``steps`` steps of ``conversations`` decoding on ``num_blocks`` blocks (kept full: a finished
-    conversation is replaced), written as the app's --record writes it."""
+    conversation is replaced, so every frame differs from the one before), written as the app's --record writes
+    it."""
+    import random
     import tempfile
     from kvstream.poolstream import StreamEncoder
     from kvstream.recording import Recorder
     engine, _ = make_engine(conversations, num_blocks)
+    rng = random.Random(0)
     path = Path(tempfile.mkdtemp(prefix="bench-gui-")) / "scrub.kvpool"
     encoder = StreamEncoder()
+    added = conversations
     with Recorder(path) as recorder:
-        for _ in range(steps):
+        for step in range(steps):
             engine.step()
             recorder.write(encoder.encode(engine.snapshot(), engine.take_events()))
+            if step % 8 == 0:
+                live = sum(c.is_live for c in engine.conversations())
+                for _ in range(conversations - live):
+                    engine.add_conversation(f"Conversation {added}: tell me about page number {added * 7}.",
+                                            max_new_tokens=rng.randrange(100, 900), temperature=0.8, seed=added,
+                                            ignore_eos=True)
+                    added += 1
     return path
 
 

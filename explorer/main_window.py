@@ -274,6 +274,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = True
         self.status.show_pool(snapshot)  # with the grid's header, from the same frame
         self.metrics.show_until(snapshot.step_id if self.source.viewing is not None else None)
+        if self.source.viewing is not None:
+            self.metrics_backfill.hold()  # a frame of history on view: the user scrubs (or plays); they go first
 
     def _on_viewing(self, seq) -> None:
         self._panels_stale = True

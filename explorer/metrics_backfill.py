@@ -15,6 +15,7 @@ from PySide6 import QtCore
 from .metrics import HISTORY
 
 TICK_BUDGET_S = 0.008  # GUI-thread time one tick may spend reading frames
+HOLD_MS = 400  # after the user moves through history, wait this long before reading on (scrubbing comes first)
 
 
 def sample_seqs(seqs: list[int], most: int = HISTORY) -> list[int]:
@@ -36,6 +37,10 @@ class MetricsBackfill(QtCore.QObject):
         self.timer = QtCore.QTimer(self)
         self.timer.setInterval(0)
         self.timer.timeout.connect(self._tick)
+        self._resume = QtCore.QTimer(self)  # restarts the reading after a hold
+        self._resume.setSingleShot(True)
+        self._resume.setInterval(HOLD_MS)
+        self._resume.timeout.connect(self._go_on)
 
     @property
     def active(self) -> bool:
@@ -52,8 +57,21 @@ class MetricsBackfill(QtCore.QObject):
 
     def stop(self) -> None:
         self.timer.stop()
+        self._resume.stop()
         self.history = None
         self._walk = None
+
+    def hold(self) -> None:
+        """The user is scrubbing: read nothing until HOLD_MS after the last call. While a recording's metrics were
+        filled, its 8 ms slices took a quarter of the GUI thread from the scrubbing they ran beside
+        (bench/gui.py --sections scrub)."""
+        if self.history is not None:
+            self.timer.stop()
+            self._resume.start()  # (re)starts the wait
+
+    def _go_on(self) -> None:
+        if self.history is not None:
+            self.timer.start()
 
     def _tick(self) -> None:
         end = time.perf_counter() + TICK_BUDGET_S

@@ -71,3 +71,32 @@ def test_samples_keep_the_newest_without_shifting_every_frame():
     assert np.allclose(history.series("tokens_per_s")[5:], 100.0)  # 10 tokens every 0.1 s
     history.record(dataclasses.replace(blank(total), metrics=EngineMetrics(num_generated_tokens=0)), now=1e4)
     assert history.series("tokens_per_s")[-1] == 0.0  # a new engine's counter starts again: no negative rate
+
+
+def test_backfill_waits_while_the_user_scrubs_then_reads_everything(qtbot):
+    """Reading a recording's metrics is 8 ms slices on the GUI thread; while the timeline moves it holds off
+    (HOLD_MS after the last move), then reads every frame."""
+    from explorer.metrics import MetricsPanel
+    from explorer.metrics_backfill import HOLD_MS, MetricsBackfill
+    from kvstream.history import History
+    from kvstream.poolstream import StreamEncoder
+    import dataclasses
+    from kvstream.views import EngineMetrics
+    history, encoder = History(), StreamEncoder()
+    for step in range(60):
+        history.write(encoder.encode(dataclasses.replace(blank(step), version=step,
+                                                         metrics=EngineMetrics(num_generated_tokens=step))))
+    panel = MetricsPanel()
+    qtbot.addWidget(panel)
+    backfill = MetricsBackfill(panel)
+    backfill.start(history)
+    backfill.hold()  # a seek came in before the first slice
+    for _ in range(3):
+        qtbot.wait(HOLD_MS // 3)
+        backfill.hold()  # the user goes on scrubbing: still nothing read
+        assert backfill.active and panel.history.count == 0
+    qtbot.waitUntil(lambda: not backfill.active, timeout=HOLD_MS * 10)
+    assert list(panel.history.series("step")) == list(range(60))
+    backfill.hold()  # finished: holding does nothing, nothing restarts
+    qtbot.wait(HOLD_MS + 100)
+    assert not backfill.active and panel.history.count == 60
