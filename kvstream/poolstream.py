@@ -891,14 +891,18 @@ class StreamDecoder:
             new.work = {name: a.copy() for name, a in state.work.items()}
             new.frozen = dict(state.frozen)
             new.tables, new.tables_view = dict(state.tables), state.tables_view
-            # Token fields patched since the last build are lists; make them tuples (as a build would) so that both
-            # decoders can share them, and copy only each conversation's row of field values: a deep copy of the
-            # lists took 10 ms at 256 conversations, paid on every step back through a checkpoint.
-            for vals in state.convs.values():
-                for i in _SEQ_AT:
-                    if type(vals[i]) is list:
-                        vals[i] = tuple(vals[i])
-            new.convs = {cid: list(vals) for cid, vals in state.convs.items()}
+            # Conversation rows become immutable (tuples, their token fields tuples too) and both decoders share
+            # them; the next patch of a row in either makes it a list again (_row). Finished conversations never
+            # change, so a copy touches only the rows patched since the last one: a deep copy of every row took
+            # 10 ms at 256 conversations, and checkpoints are made every 8 frames of a scrub back.
+            convs = state.convs
+            for cid, vals in convs.items():
+                if type(vals) is list:
+                    for i in _SEQ_AT:
+                        if type(vals[i]) is list:
+                            vals[i] = tuple(vals[i])
+                    convs[cid] = tuple(vals)
+            new.convs = dict(convs)
             new.conv_objs, new.conv_tuple = dict(state.conv_objs), state.conv_tuple
             new.metrics, new.memory, new.snap = state.metrics, state.memory, state.snap
             out._state = new
@@ -951,7 +955,9 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
         vals = list(_BLANK_CONV)
         _apply_conv(_check_conv(p, None, n), vals)
         vals[0] = p.conversation_id
-        state.convs[p.conversation_id] = vals
+        for i in _SEQ_AT:
+            vals[i] = tuple(vals[i])
+        state.convs[p.conversation_id] = tuple(vals)  # shared by copies until patched (see copy)
     _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", True)
     state.metrics = _make_numbers(EngineMetrics, _METRIC_FIELDS, body.metrics)
     if body.memory is not None:
@@ -1053,9 +1059,17 @@ def _append_runs(rows: list, at: int, counts: list[int] | int, flat: list) -> No
             cur.extend(items)
 
 
+def _row(convs: dict, cid: int) -> list:
+    """Conversation ``cid``'s row of field values, made a list of its own if it is shared (a tuple: see copy)."""
+    vals = convs[cid]
+    if type(vals) is not list:
+        vals = convs[cid] = list(vals)
+    return vals
+
+
 def _apply_grown(grown: tuple, convs: dict, objs: dict) -> None:
     ids, token_counts, tokens, texts, computed, block_counts, blocks = grown
-    rows = [convs[cid] for cid in ids]
+    rows = [_row(convs, cid) for cid in ids]
     _append_runs(rows, _OUT_AT, token_counts, tokens)
     _append_runs(rows, _TABLE_AT, block_counts, blocks)
     for vals, text in zip(rows, texts):
@@ -1101,8 +1115,9 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
             del convs[cid]
             objs.pop(cid, None)
         for cid, values in patches:
-            vals = convs.get(cid)
-            if vals is None:
+            if cid in convs:
+                vals = _row(convs, cid)
+            else:
                 vals = convs[cid] = list(_BLANK_CONV)
                 vals[0] = cid
             _apply_conv(values, vals)
