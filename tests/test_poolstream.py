@@ -63,6 +63,13 @@ def test_history_random_access_equals_engine_at_every_frame():
     random.Random(1).shuffle(order)
     for seq in order + list(range(len(frames) - 1, -1, -1)):  # random jumps, then scrubbing backwards
         assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
+    # back and forth, as a hand on the timeline goes: decoders resumed from checkpoints share conversation rows
+    # with them, and both must go on as if alone (a checkpoint used again after a copy of it moved on)
+    history.drop_cache()
+    seq, rng = len(frames) - 1, random.Random(2)
+    for _ in range(300):
+        seq = min(max(seq + rng.choice((-9, -5, -3, -1, -1, 1, 2, 4, 7)), 0), len(frames) - 1)
+        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq} (back and forth)")
     assert history.events() == [(f.seq, e) for f in frames for e in f.events]
     assert history.frame_info(5) == (frames[5].step_id, frames[5].events)
     for step in {s.step_id for s, _ in snaps}:
