@@ -4,6 +4,8 @@ Decode shapes (one query token per sequence): 8 query heads, 2 KV heads, head di
 sequence's blocks scattered over the pool. Variants, timed in alternating blocks of calls:
 - contiguous: SDPA on [batch, kv_heads, ctx, dim] K/V (the floor paging is measured against);
 - default: ``paged_attention`` as the engine runs it (cache-sized groups: gather a few sequences, attend, repeat);
+- sdpa: the default's groups, each attended by SDPA (the default before short contexts on several threads took
+  two batched matmuls instead, engine.attention._cross_head_attention): today's default against it;
 - previous: the earlier default (one gather of the whole batch's K/V, then one SDPA), kept here for comparison;
 - compiled: the opt-in torch.compile'd fused kernel (``EngineConfig(compile_attention=True)``), compiled first.
 Cold: a 64 MiB buffer is read before every call, so K/V come from memory as in a real decode step (each layer's
@@ -26,7 +28,7 @@ from engine import attention  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
-VARIANTS = ("contiguous", "default", "previous", "compiled")
+VARIANTS = ("contiguous", "default", "sdpa", "previous", "compiled")
 
 
 def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_lens):
@@ -55,6 +57,15 @@ def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_le
     return out.reshape(seqs, heads, dim)
 
 
+_CHOOSE_CROSS_HEAD = attention._use_cross_head
+
+
+def choose(variant: str) -> None:
+    """Set engine.attention up for a variant: the compiled kernel on or off, and for "sdpa" SDPA in every group."""
+    attention.use_compiled_attention(variant == "compiled")
+    attention._use_cross_head = (lambda *args: False) if variant == "sdpa" else _CHOOSE_CROSS_HEAD
+
+
 def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(batch, KV_HEADS, ctx, DIM, generator=g)  # contiguous layout for SDPA
@@ -73,6 +84,7 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
     fns = {
         "contiguous": lambda: F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2),
         "default": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
+        "sdpa": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
         "previous": lambda: previous_paged_attention(query, key_cache, value_cache, tables, seq_lens.long()),
         "compiled": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
     }
@@ -85,7 +97,7 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
         samples = {name: [] for name in VARIANTS}
         for _ in range(rounds):
             for name in VARIANTS:
-                attention.use_compiled_attention(name == "compiled")
+                choose(name)
                 fns[name]()
                 for _ in range(repeat):
                     if cold:
@@ -93,16 +105,16 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
                     start = time.perf_counter()
                     fns[name]()
                     samples[name].append(time.perf_counter() - start)
-        attention.use_compiled_attention(False)
+        choose("default")
         return {name: statistics.median(v) for name, v in samples.items()}
 
     with torch.inference_mode():
         ref = fns["contiguous"]()
         err = 0.0
-        for name in ("default", "previous", "compiled"):  # the last also compiles the fused kernel
-            attention.use_compiled_attention(name == "compiled")
+        for name in ("default", "sdpa", "previous", "compiled"):  # the last also compiles the fused kernel
+            choose(name)
             err = max(err, (fns[name]() - ref).abs().max().item())
-        attention.use_compiled_attention(False)
+        choose("default")
         return {"cold": timed(True), "hot": timed(False), "err": err}
 
 
@@ -118,9 +130,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.repeat} calls")
     print("ratio = time / contiguous SDPA time (medians); cold: K/V out of cache before every call; hot: back to back")
-    print(f"{'batch':>5} {'ctx':>5} {'cache':>5} {'contig ms':>10} {'default':>8} {'ratio':>6} {'previous':>9} "
-          f"{'ratio':>6} {'compiled':>9} {'ratio':>6} {'default/previous':>17}")
-    worst = 0.0
+    print(f"{'batch':>5} {'ctx':>5} {'cache':>5} {'contig ms':>10} {'default':>8} {'ratio':>6} {'sdpa':>7} {'ratio':>6} "
+          f"{'previous':>9} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'default/previous':>17} {'default/sdpa':>13}")
+    worst = worst_sdpa = 0.0
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         result = case(batch, ctx, args.repeat, args.rounds)
@@ -128,11 +140,14 @@ def main() -> None:
             t = result[cache]
             c = t["contiguous"]
             worst = max(worst, t["default"] / t["previous"])
+            worst_sdpa = max(worst_sdpa, t["default"] / t["sdpa"])
             print(f"{batch:>5} {ctx:>5} {cache:>5} {c * 1e3:>10.3f} {t['default'] * 1e3:>8.3f} {t['default'] / c:>6.2f} "
+                  f"{t['sdpa'] * 1e3:>7.3f} {t['sdpa'] / c:>6.2f} "
                   f"{t['previous'] * 1e3:>9.3f} {t['previous'] / c:>6.2f} {t['compiled'] * 1e3:>9.3f} "
-                  f"{t['compiled'] / c:>6.2f} {t['default'] / t['previous']:>17.2f}")
+                  f"{t['compiled'] / c:>6.2f} {t['default'] / t['previous']:>17.2f} {t['default'] / t['sdpa']:>13.2f}")
         print(f"{'':>17} max abs error against contiguous: {result['err']:.1e}")
     print(f"largest default/previous ratio over all shapes: {worst:.2f} (target <= 1.00)")
+    print(f"largest default/sdpa ratio over all shapes: {worst_sdpa:.2f}")
     if attention._compiled.failed:
         print("note: torch.compile failed on this machine; the compiled column is the eager fallback")
 

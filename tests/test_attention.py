@@ -33,8 +33,9 @@ def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_valu
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=5),
     pad=st.sampled_from(["minus_one", "stale"]),
     seed=st.integers(0, 2**16),
+    cross_head=st.booleans(),
 )
-def test_paged_equals_dense(group, block_size, lens, pad, seed):
+def test_paged_equals_dense(group, block_size, lens, pad, seed, cross_head):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     kv_heads, dim = 2, 8
@@ -50,7 +51,11 @@ def test_paged_equals_dense(group, block_size, lens, pad, seed):
             used = -(-n // block_size)
             tables[s, used:] = torch.as_tensor(rng.integers(0, num_blocks, tables.shape[1] - used), dtype=torch.int32)
     query = torch.randn(len(lens), heads, dim)
-    out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
+    chosen, attention._use_cross_head = attention._use_cross_head, lambda *args: cross_head  # either decode path
+    try:
+        out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
+    finally:
+        attention._use_cross_head = chosen
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
     assert out.shape == (len(lens), heads, dim)
     assert torch.allclose(out, ref, atol=1e-5)

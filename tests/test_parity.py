@@ -41,8 +41,13 @@ def _hf_greedy(model, prompt):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa", "cross_head"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_greedy_matches_transformers(checkpoint, block_size):
+def test_greedy_matches_transformers(checkpoint, block_size, decode_path, monkeypatch):
+    """Both decode attention paths (engine.attention picks one per group: by context length and thread count), so
+    a one-thread machine still checks the one it would not pick."""
+    from engine import attention
+    monkeypatch.setattr(attention, "_use_cross_head", lambda *args: decode_path == "cross_head")
     model, path = checkpoint
     expected = [_hf_greedy(model, p) for p in PROMPTS]
     eng = Engine(EngineConfig(model=str(path), block_size=block_size, num_blocks=256))
