@@ -224,23 +224,26 @@ def gather_kv(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
     return out.view(group.end - group.start, group.num_blocks * block_size, kv_heads, dim)[:, : group.length]
 
 
-CROSS_HEAD_MIN_SEQS = 32  # decode groups of at least this many sequences, with at most
-CROSS_HEAD_MAX_COLUMNS = 1024  # this many context positions x kv_heads and at most
-CROSS_HEAD_MAX_WORK = 8192  # this many positions x head_dim per (sequence, KV head), attend by two batched matmuls
-#                              over all heads (_cross_head_attention); the others by SDPA. Alone, on 2 threads, 2-64
-#                              sequences (2026-12-01, SDPA time / matmuls time, a loaded machine): head dim 32 with 4
-#                              KV heads 1.1-3x up to 1,024 columns; head dim 64: 1.2-1.5x at context 128, 0.9-1.0x at
-#                              256 (2 KV heads), 1.0-1.3x at 128-192 (3 KV heads); 0.5-0.8x at 2,048 columns. Inside
-#                              the engine (bench/peers.py against the tree before, 5-6 rounds) only large groups
-#                              gained: 3M model batch 64 1.09x, but batch 16 0.90x and the 135M shape at batch 16
-#                              0.95x, hence the minimum group. On one thread SDPA was 10-45% faster everywhere.
+CROSS_HEAD_MIN_SEQS = 32  # decode groups of at least this many sequences,
+CROSS_HEAD_MAX_HEAD_DIM = 32  # heads of at most this dim,
+CROSS_HEAD_MAX_COLUMNS = 1024  # at most this many context positions x kv_heads and
+CROSS_HEAD_MAX_WORK = 8192  # at most this many positions x head_dim per (sequence, KV head) attend by two batched
+#                              matmuls over all heads (_cross_head_attention); the others by SDPA. Alone, on 2
+#                              threads, 2-64 sequences (2026-12-01, SDPA time / matmuls time, a loaded machine): head
+#                              dim 32, 4 KV heads, context 96-256: 1.1-3x; head dim 64: 1.2x at context 64 but 0.8-0.9x
+#                              at 128 through paged_attention (bench/attention.py 32 x 128: 0.79-0.84x); 0.5-0.8x at
+#                              2,048 columns. Inside the engine (bench/peers.py against the tree before, 5-6 rounds; an
+#                              A/A run of that bench favours the --baseline worker by about 4%): the 3M model (head dim
+#                              32) at batch 64 1.06-1.09x, but 0.90x at batch 16, hence the minimum group. On one
+#                              thread SDPA was 10-45% faster everywhere.
 
 
 def _use_cross_head(num_seqs: int, length: int, kv_heads: int, head_dim: int, device: torch.device) -> bool:
     """Whether a decode group of ``num_seqs`` sequences and ``length`` positions attends by
     :func:`_cross_head_attention` (True) or SDPA (always on GPUs, whose SDPA kernels have no such overhead)."""
-    return (device.type == "cpu" and num_seqs >= CROSS_HEAD_MIN_SEQS and length * kv_heads <= CROSS_HEAD_MAX_COLUMNS
-            and length * head_dim <= CROSS_HEAD_MAX_WORK and torch.get_num_threads() > 1)
+    return (device.type == "cpu" and num_seqs >= CROSS_HEAD_MIN_SEQS and head_dim <= CROSS_HEAD_MAX_HEAD_DIM
+            and length * kv_heads <= CROSS_HEAD_MAX_COLUMNS and length * head_dim <= CROSS_HEAD_MAX_WORK
+            and torch.get_num_threads() > 1)
 
 
 @functools.lru_cache(maxsize=16)
