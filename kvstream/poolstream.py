@@ -356,9 +356,15 @@ def _narrow(values: np.ndarray, lo: int | None = None, hi: int | None = None) ->
         return Packed("|u1", b"")
     if lo is None:
         lo, hi = int(values.min()), int(values.max())
+    dt = _narrow_dtype(lo, hi)
+    return Packed(dt.str, (values if values.dtype == dt else values.astype(dt)).tobytes())
+
+
+def _narrow_dtype(lo: int, hi: int) -> np.dtype:
+    """The narrowest integer dtype holding lo..hi."""
     for dt, dt_min, dt_max in _NARROW_RANGES:
         if dt_min <= lo and hi <= dt_max:
-            return Packed(dt.str, (values if values.dtype == dt else values.astype(dt)).tobytes())
+            return dt
     raise StreamError(f"values {lo}..{hi} do not fit 64 bits")  # unreachable for numpy integer arrays
 
 
@@ -396,10 +402,8 @@ def _small_patch(values: list[int], index: list[int]) -> ArrayPatch:
 
 def _narrow_list(values: list[int], lo: int, hi: int) -> Packed:
     """:func:`_narrow` of a list of ints whose min and max are ``lo`` and ``hi``."""
-    for dt, dt_min, dt_max in _NARROW_RANGES:
-        if dt_min <= lo and hi <= dt_max:
-            return Packed(dt.str, np.array(values, dt).tobytes())
-    raise StreamError(f"values {lo}..{hi} do not fit 64 bits")
+    dt = _narrow_dtype(lo, hi)
+    return Packed(dt.str, np.array(values, dt).tobytes())
 
 
 def _column(values: list[int]) -> Packed | int:
@@ -577,7 +581,6 @@ class StreamEncoder:
         self._prev_arrays: dict[str, np.ndarray] = {}
         self._prev_convs: dict[int, ConversationInfo] = {}
         self._prev_stable: dict[int, tuple] = {}  # conversation id -> _stable() of the last frame's (each made once)
-        self._next_stable: dict[int, tuple] = {}  # the same for the frame being made
         self._header: Header | None = None
 
     @property
@@ -597,15 +600,18 @@ class StreamEncoder:
         header = _header(snapshot)
         key = (self._prev is None or header != self._header or self._since_key + 1 >= self.keyframe_interval
                or self._bytes_since_key >= self.keyframe_after_bytes)
-        body = self._keyframe_body(snapshot, header, arrays) if key else self._delta_body(snapshot, arrays)
+        if key:
+            body = self._keyframe_body(snapshot, header, arrays)
+            stable = {c.conversation_id: _stable(c) for c in snapshot.conversations}
+        else:
+            body, stable = self._delta_body(snapshot, arrays)
         frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body)
         self._seq += 1
         self._since_key = 0 if key else self._since_key + 1
         self._bytes_since_key = 0 if key else self._bytes_since_key + len(frame.payload)
         self._prev, self._prev_arrays, self._header = snapshot, arrays, header
         self._prev_convs = {c.conversation_id: c for c in snapshot.conversations}
-        self._prev_stable = ({cid: _stable(c) for cid, c in self._prev_convs.items()} if key
-                             else self._next_stable)
+        self._prev_stable = stable
         return frame
 
     def keyframe(self) -> Frame:
@@ -653,7 +659,8 @@ class StreamEncoder:
                         [_full_patch(c) for c in snapshot.conversations],
                         _numbers(snapshot.metrics, _METRIC_FIELDS), memory)
 
-    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray]) -> Delta:
+    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray]) -> tuple[Delta, dict[int, tuple]]:
+        """The delta from the last frame to ``snapshot``, and ``_stable()`` of each of its conversations."""
         prev = self._prev
         patches = {}
         for name, a in arrays.items():
@@ -681,7 +688,7 @@ class StreamEncoder:
             order = _order_patch(old_tables.keys(), table_ids, set(removed))
         # conversations: the ones that only grew go in columns, the others as patches
         old_convs, old_stable = self._prev_convs, self._prev_stable
-        new_stable = self._next_stable = {}  # becomes _prev_stable once the frame is made
+        new_stable = {}  # this frame's _stable() per conversation: the next frame's old ones
         convs, new_ids = [], []
         g_ids, g_counts, g_tokens, g_texts, g_computed, g_bcounts, g_blocks = [], [], [], [], [], [], []
         for c in snapshot.conversations:
@@ -734,7 +741,7 @@ class StreamEncoder:
         elif snapshot.memory is not prev.memory and snapshot.memory != prev.memory:
             memory = _numbers(snapshot.memory, _MEMORY_FIELDS, prev.memory)
         return Delta(int(snapshot.version), patches, tables, removed, order, convs, grown, dropped, conv_order,
-                     metrics, memory)
+                     metrics, memory), new_stable
 
 
 def encode_keyframe(snapshot: PoolSnapshot, seq: int, stream_id: int, events: Sequence[BlockEvent] = ()) -> Frame:

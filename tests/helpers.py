@@ -25,3 +25,36 @@ def write_tiny_checkpoint(path: Path, *, vocab_size: int = 97, seed: int = 0, st
     (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return path
+
+
+_ORDINALS = {1: "first", 2: "second", 3: "third"}
+
+
+def fail_forward_on_call(monkeypatch, engine, n: int) -> None:
+    """Make ``engine``'s model forward raise ``RuntimeError("injected fault on the third forward call")`` (for n = 3)
+    on its ``n``-th call from now (the calls before it run for real): a fault in the middle of a multi-step
+    operation such as generate()."""
+    real, calls = engine.runner.forward, []
+
+    def forward(prepared):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError(f"injected fault on the {_ORDINALS.get(n, f'{n}th')} forward call")
+        return real(prepared)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+
+
+def used_blocks(tables: dict, num_blocks: int):
+    """(state, ref_count) arrays of a pool whose only used blocks are those ``tables`` name, each block's ref count
+    the number of table entries naming it (the pool's own invariant)."""
+    import numpy as np
+
+    from kvstream.views import BlockState
+    state = np.zeros(num_blocks, np.int8)
+    ref = np.zeros(num_blocks, np.int32)
+    for table in tables.values():
+        for b in table:
+            state[b] = BlockState.USED
+            ref[b] += 1
+    return state, ref

@@ -8,7 +8,7 @@ import torch
 
 from engine import BlockState, Engine, EngineConfig, EngineError, FinishReason, Status
 from kvstream.events import EventKind, PoolModel
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import fail_forward_on_call, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +247,7 @@ def test_generate_is_atomic(ckpt, monkeypatch):
     with pytest.raises(EngineError, match="vocabulary"):
         eng.generate([[1, 2, 3], [999]])
     assert_same(state_of(eng), before)
-    real, calls = eng.runner.forward, []
-
-    def fail_third(prepared):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected fault on the third step")
-        return real(prepared)
-
-    monkeypatch.setattr(eng.runner, "forward", fail_third)
+    fail_forward_on_call(monkeypatch, eng, 3)
     with pytest.raises(RuntimeError, match="third"):
         eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=6)
     monkeypatch.undo()

@@ -5,6 +5,7 @@ import pytest
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 from explorer.inspector import Inspector
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from tests.helpers import used_blocks
 
 
 def info(block_id, state=BlockState.USED, owners=((5, 2),), filled=4, block_size=4, texts=None, keys=True,
@@ -20,12 +21,7 @@ def info(block_id, state=BlockState.USED, owners=((5, 2),), filled=4, block_size
 
 def view(tables, num_blocks=64, block_size=4, used=()):
     n = num_blocks
-    state = np.zeros(n, np.int8)
-    ref = np.zeros(n, np.int32)
-    for table in tables.values():
-        for b in table:
-            state[b] = BlockState.USED
-            ref[b] += 1
+    state, ref = used_blocks(tables, n)
     return PoolSnapshot(step_id=3, block_size=block_size, num_blocks=n, ref_count=ref,
                         num_filled=np.where(state > 0, block_size, 0).astype(np.int32), state=state,
                         owner=np.full(n, -1, np.int32), last_access=np.zeros(n, np.int64), block_tables=tables,

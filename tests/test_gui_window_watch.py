@@ -16,6 +16,7 @@ from PySide6 import QtCore, QtWidgets
 from explorer.feed import Capabilities, Feed
 from explorer.main_window import MainWindow
 from kvstream.views import BlockState, ConversationInfo, PoolSnapshot, Status
+from tests.helpers import used_blocks
 
 
 class ViewsFeed(Feed):
@@ -48,12 +49,7 @@ def conversation(cid, num_tokens):
 
 def pool(tables, num_blocks=512, block_size=16, cached=(), step=1, version=None, memory=None):
     """A pool view: every table's blocks used and full (ref count = references), ``cached`` blocks cached."""
-    state = np.zeros(num_blocks, np.int8)
-    ref = np.zeros(num_blocks, np.int32)
-    for table in tables.values():
-        for b in table:
-            state[b] = BlockState.USED
-            ref[b] += 1
+    state, ref = used_blocks(tables, num_blocks)
     for b in cached:
         state[b] = BlockState.CACHED
     filled = np.where(state > 0, block_size, 0).astype(np.int32)

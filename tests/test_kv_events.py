@@ -29,6 +29,8 @@ from kvstream.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockSt
                                 KVEventSubscriber, decode_batch, decode_batch_counted, encode_batch,
                                 json_summary, make_batch, parse_endpoint_spec, prefix_overlap, where_cached)
 
+from tests.helpers import fail_forward_on_call  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -955,15 +957,7 @@ def test_engine_publishes_one_batch_per_step_that_changed_a_hash(tmp_path, sockd
         assert [_batch_changes(p) for _, p in more] == [changes[s] for s in sorted(changes)]
         # rolled back: the third step fails, nothing goes out
         sent = eng._kv_events.publisher.next_seq
-        real, calls = eng.runner.forward, []
-
-        def fail_third(prepared):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("injected fault on the third step")
-            return real(prepared)
-
-        monkeypatch.setattr(eng.runner, "forward", fail_third)
+        fail_forward_on_call(monkeypatch, eng, 3)
         with pytest.raises(RuntimeError, match="third"):
             eng.generate([list(range(60, 71))], max_new_tokens=6)
         assert eng._kv_events.publisher.next_seq == sent
