@@ -29,6 +29,8 @@ EVENT_OVERHEAD = 250  # bytes a decoded BlockEvent costs in memory beyond the pa
 _TRIM_TO = 7 / 8  # a trim brings the history down to this share of the budget (a trim re-keys, so not per frame)
 _SNAPSHOT_CACHE = 4  # rebuilt snapshots kept (the view and the frames next to it)
 _CHECKPOINT_EVERY = 8  # scrubbing back through a run of deltas, keep the decoder state every this many frames
+_BRIDGE_REACH = 64  # a decoder this many frames before a bridged keyframe goes on through it (decoding the keyframe
+# of 65,536 blocks costs about as much as 64 deltas)
 _SCRUB_BACK = 64  # a move back of at most this many frames counts as scrubbing (checkpoints are kept on the way)
 _CHECKPOINTS = 16  # decoder states kept for jumps back (each holds one copy of the per-block arrays: 2 MB at 65,536
 # blocks); a step back decodes 4 deltas on average (0.7 ms each with 256 conversations) after a 0.8 ms copy
@@ -50,6 +52,7 @@ class History:
         self._seqs: list[int] = []  # seq of each frame, ascending
         self._steps: list[int] = []  # step_id of each frame, non-decreasing
         self._keys: list[int] = []  # seqs of the keyframes among them, ascending
+        self._bridged: set[int] = set()  # seqs of the keyframes that carry a bridge from the frame before
         self._nbytes = 0  # cost of the kept frames (payloads + FRAME_OVERHEAD + EVENT_OVERHEAD per event)
         # (block id, seq) of every block a kept frame's events name, in seq order: two flat lists of ints, not one
         # list per block, so that the garbage collector has two objects to walk, not 65,536
@@ -153,13 +156,21 @@ class History:
             if self._nbytes > self._budget:
                 self._trim()
 
-    def _append(self, frame) -> None:
+    def _append(self, frame, bridged: bool | None = None) -> None:
+        """Add a checked frame (``bridged``: whether a keyframe carries a bridge, if the caller read its head)."""
+        if frame.keyframe and bridged is None:
+            try:
+                bridged = bool(read_head(frame.payload, events=False).bridge)
+            except StreamError:
+                bridged = False
         with self._lock:
             self._frames.append(frame)
             self._seqs.append(frame.seq)
             self._steps.append(frame.step_id)
             if frame.keyframe:
                 self._keys.append(frame.seq)
+                if bridged:
+                    self._bridged.add(frame.seq)
             self._nbytes += _cost(frame)
             self._index_events(frame.seq, frame.events)
 
@@ -184,6 +195,7 @@ class History:
         """Forget every frame (a subscriber whose source restarted starts again)."""
         with self._write_lock, self._lock:
             self._frames, self._seqs, self._steps, self._keys = [], [], [], []
+            self._bridged = set()
             self._nbytes = 0
             self._touch_blocks, self._touch_seqs, self._touch_np, self._cleared = [], [], None, []
         with self._read_lock:
@@ -240,6 +252,7 @@ class History:
             del self._keys[:bisect.bisect_left(self._keys, first)]
             if not self._keys or self._keys[0] != first:
                 self._keys.insert(0, first)
+            self._bridged = {k for k in self._bridged if k > first}  # the kept head is a keyframe of its own
             del self._cleared[:bisect.bisect_left(self._cleared, first)]
             stale = bisect.bisect_left(self._touch_seqs, first)  # the dropped frames' part of the block index
             del self._touch_blocks[:stale], self._touch_seqs[:stale]
@@ -293,34 +306,32 @@ class History:
         """The snapshot the source had at frame ``seq`` (LookupError if it is not kept)."""
         with self._lock:
             i = self._index(seq)
-            k = bisect.bisect_right(self._keys, seq) - 1
-            key_seq = self._keys[k]
-            start = bisect.bisect_left(self._seqs, key_seq, 0, i + 1)
-            run = self._frames[start:i + 1]
+            key_seq, floor = self._floor(seq)
+            lo = bisect.bisect_left(self._seqs, floor, 0, i + 1)
+            run, seqs = self._frames[lo:i + 1], self._seqs[lo:i + 1]
+            stream = run[-1].stream_id
         with self._read_lock:
             snap = self._snapshots.get(seq)
-            if snap is not None and run[-1].stream_id == self._snapshot_stream:
+            if snap is not None and stream == self._snapshot_stream:
                 self._snapshots.move_to_end(seq)
                 return snap
             cached = self._decoder
-            # a step or a short jump back within the run the cache is in: the user scrubs backwards, so checkpoints
-            # will pay off (a long jump is random access: copies on the way would only slow it, 8 of them 12 ms)
-            backward = (cached is not None and cached.stream_id == run[-1].stream_id and key_seq <= seq < cached.seq
+            # a step or a short jump back from the cache: the user scrubs backwards, so checkpoints will pay off (a
+            # long jump is random access: copies on the way would only slow it, 8 of them 12 ms)
+            backward = (cached is not None and cached.stream_id == stream and floor <= seq < cached.seq
                         and cached.seq - seq <= _SCRUB_BACK)
-            decoder = self._resume(run, key_seq)
-            done = decoder.seq if decoder is not None else key_seq - 1
+            decoder = self._resume(seq, stream, floor)
+            start = decoder.seq + 1 if decoder is not None else key_seq
             if decoder is None:
                 decoder = StreamDecoder()
-            last = len(run) - 1
-            for f in run[done - key_seq + 1:]:
+            for f in run[bisect.bisect_left(seqs, start):]:
                 decoder.apply(read_head(f.payload, events=False))
-                offset = f.seq - key_seq
-                if backward and offset % _CHECKPOINT_EVERY == 0 and 0 < offset < last and \
+                if backward and f.seq % _CHECKPOINT_EVERY == 0 and start < f.seq < seq and \
                         f.seq not in self._checkpoints:
                     self._keep_checkpoint(decoder)  # the next step back starts here, not at the keyframe
             snap = decoder.snapshot()
             self._decoder = decoder
-            self._snapshot_stream = run[-1].stream_id
+            self._snapshot_stream = stream
             self._snapshots[seq] = snap
             while len(self._snapshots) > _SNAPSHOT_CACHE:
                 self._snapshots.popitem(last=False)
@@ -340,10 +351,10 @@ class History:
                     i = self._index(seq)
                 except LookupError:
                     continue
-                key_seq = self._keys[bisect.bisect_right(self._keys, seq) - 1]
+                key_seq, floor = self._floor(seq)
                 stream = self._frames[i].stream_id
                 fresh = (decoder is None or decoder.stream_id != stream or decoder.seq is None
-                         or not key_seq - 1 <= decoder.seq < seq)
+                         or not min(floor, key_seq - 1) <= decoder.seq < seq)
                 first = key_seq if fresh else decoder.seq + 1
                 run = self._frames[bisect.bisect_left(self._seqs, first, 0, i + 1):i + 1]
             if fresh:
@@ -352,16 +363,28 @@ class History:
                 decoder.apply(read_head(f.payload, events=False))
             yield seq, decoder.snapshot()
 
-    def _resume(self, run: list, key_seq: int) -> StreamDecoder | None:
-        """A decoder at a frame of ``run`` (the keyframe and deltas up to the frame wanted) to continue from: the
-        cache or the nearest checkpoint at or before the wanted frame; None: start at the keyframe."""
-        seq, stream = run[-1].seq, run[-1].stream_id
+    def _floor(self, seq: int) -> tuple[int, int]:
+        """(the keyframe at or before ``seq``, the earliest frame a decoder may be at to go on to ``seq`` from):
+        that keyframe, or earlier through keyframes that bridge (carry the delta from the frame before) while that
+        costs fewer frames than decoding the keyframe would; never before what is kept. Under ``_lock``."""
+        keys = self._keys
+        k = bisect.bisect_right(keys, seq) - 1
+        key_seq = floor = keys[k]
+        reach = max(self._seqs[0], key_seq - _BRIDGE_REACH)
+        while keys[k] > reach and keys[k] in self._bridged:
+            k -= 1
+            floor = max(reach, keys[k])
+        return key_seq, floor
+
+    def _resume(self, seq: int, stream: int, floor: int) -> StreamDecoder | None:
+        """A decoder of ``stream`` at a frame from ``floor`` to ``seq`` to continue from: the cache or the nearest
+        checkpoint at or before the wanted frame; None: start at the keyframe."""
         best = None
         cached = self._decoder
-        if cached is not None and cached.stream_id == stream and key_seq <= cached.seq <= seq:
+        if cached is not None and cached.stream_id == stream and floor <= cached.seq <= seq:
             best = cached
         for s, d in self._checkpoints.items():
-            if d.stream_id == stream and key_seq <= s <= seq and (best is None or s > best.seq):
+            if d.stream_id == stream and floor <= s <= seq and (best is None or s > best.seq):
                 best = d
         if best is not None and best is not cached:
             best = best.copy()  # checkpoints stay where they are

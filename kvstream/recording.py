@@ -293,7 +293,7 @@ def open_recording(path: str | os.PathLike) -> History:
                 raise RecordingError(f"{path}: frame {frames} at byte {at} does not follow the frame before it "
                                      "(corrupt recording)")
             frame = _DiskFrame(head, reader, at, length, crc)
-            history._append(frame)
+            history._append(frame, bool(head.bridge))
             last, frames, end = frame, frames + 1, at + length
         if frames == 0:
             raise RecordingError(f"{path} holds no complete frame ({note or 'it has only a header'}): nothing was "

@@ -97,6 +97,74 @@ def test_history_walk_reads_through_in_order_without_moving_the_scrub_cache():
     assert history._decoder is cache and cache.seq == len(frames) // 2
     assert [seq for seq, _ in history.walk(range(3, len(frames), 7))] == list(range(3, len(frames), 7))
 
+def _strip_bridge(payload: bytes) -> bytes:
+    """The message as an encoder without bridges wrote it (the envelope's first 8 elements)."""
+    items = msgspec.msgpack.decode(payload)
+    return msgspec.msgpack.encode(items[:8])
+
+
+def test_periodic_keyframes_bridge_from_the_frame_before_and_a_decoder_going_on_takes_the_bridge(monkeypatch):
+    """A keyframe the encoder sends because of its interval also carries the delta from the frame before; a
+    decoder at that frame applies the delta instead of rebuilding the whole state, and ends up with exactly the
+    keyframe's state. The first keyframe has nothing to bridge from."""
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=7)
+    heads = [read_head(f.payload) for f in frames]
+    assert not heads[0].bridge
+    assert all(bool(h.bridge) == h.keyframe for h in heads[1:])
+    rebuilt = []
+    real = ps._keyframe_state
+    monkeypatch.setattr(ps, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    dec = StreamDecoder()
+    for (want, _), f in zip(snaps, frames):
+        assert_same_snapshot(want, dec.feed(f.payload)[0], f"frame {f.seq}")
+    assert rebuilt == [0]  # 1 of the keyframes decoded as such, every later one through its bridge
+    for f in frames[7::7]:  # on its own (a jump there), the keyframe is decoded whole, to the same state
+        assert_same_snapshot(snaps[f.seq][0], StreamDecoder().feed(f.payload)[0], f"keyframe {f.seq}")
+    assert rebuilt[1:] == [f.seq for f in frames[7::7]]
+
+
+def test_readers_without_bridges_and_broken_bridges_still_read_the_keyframe():
+    """Bridges are a trailing envelope element: a message without one (an older writer) reads the same, and a
+    bridge that does not apply (damaged, or from another stream) is passed over for the keyframe itself."""
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=9)
+    plain, broken = StreamDecoder(), StreamDecoder()
+    bad_bridge = ps._ENCODER.encode(ps.Delta(0, tables_removed=[10 ** 9]))  # removes a table that is not there
+    for (want, _), f in zip(snaps, frames):
+        assert_same_snapshot(want, plain.feed(_strip_bridge(f.payload))[0], f"frame {f.seq}, no bridge")
+        payload = f.payload
+        if f.keyframe and f.seq:
+            items = msgspec.msgpack.decode(payload)
+            payload = msgspec.msgpack.encode(items[:8]) if f.seq % 2 else \
+                msgspec.msgpack.encode(items[:8] + [msgspec.msgpack.decode(bad_bridge)])
+        assert_same_snapshot(want, broken.feed(payload)[0], f"frame {f.seq}, broken bridge")
+    assert not read_head(_strip_bridge(frames[9].payload)).bridge
+
+
+def test_history_scrubs_forward_through_bridged_keyframes_without_decoding_them(monkeypatch):
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=8)
+    history = History()
+    for f in frames:
+        history.write(f)
+    rebuilt = []
+    real = ps._keyframe_state
+    monkeypatch.setattr(ps, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    for seq in range(3, len(frames), 5):  # forward in strides that cross a keyframe every other step
+        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
+    assert rebuilt == [0]
+    # a jump far ahead decodes the keyframe before it (cheaper than 64+ deltas); walk goes through bridges too
+    history.snapshot_at(3)
+    history.snapshot_at(len(frames) - 1)
+    assert rebuilt[-1] == frames[-1].seq - frames[-1].seq % 8
+    rebuilt.clear()
+    got = list(history.walk(range(0, len(frames), 3)))
+    assert rebuilt == [0] and [s for s, _ in got] == list(range(0, len(frames), 3))
+    for seq, snap in got:
+        assert_same_snapshot(snaps[seq][0], snap, f"walk, frame {seq}")
+
+
 def test_late_joiner_starts_from_encoder_keyframe():
     snaps = workload()
     enc = StreamEncoder(keyframe_interval=1000)
