@@ -800,7 +800,7 @@ class _State:
     """Mutable decoded state of one stream, with the immutable pieces of the last snapshot built from it."""
 
     __slots__ = ("header", "stream_id", "seq", "step_id", "version", "dtypes", "work", "frozen", "tables",
-                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap")
+                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending")
 
     def __init__(self, header: Header, stream_id: int):
         self.header = header  # the pool's header
@@ -819,6 +819,10 @@ class _State:
         self.metrics = EngineMetrics()
         self.memory: MemoryStats | None = None
         self.snap: PoolSnapshot | None = None  # the last snapshot built; None: stale
+        # Decode steps not yet applied to the rows: (ids, one token each [ids], texts, computed) per frame, all with
+        # the same ids. Applied in one go when anything reads the rows (a build, a copy's owner, a patch), so that
+        # a run of 60 deltas costs one append per conversation, not 60 (see _flush).
+        self.pending: list[tuple[list[int], np.ndarray, list[str], Any]] = []
 
 
 def _check_table(cid: int, old: tuple | None, drop: int, tail: tuple, n: int) -> None:
@@ -973,6 +977,7 @@ class StreamDecoder:
                     convs[cid] = tuple(vals)
             new.convs = dict(convs)
             new.conv_objs, new.conv_tuple = dict(state.conv_objs), state.conv_tuple
+            new.pending = list(state.pending)  # its entries are never changed: both decoders apply them
             new.metrics, new.memory, new.snap = state.metrics, state.memory, state.snap
             out._state = new
         return out
@@ -1058,6 +1063,11 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
     if body.tables_order is not None:
         keys = [k for k in tables if k not in removed] + [k for k in seen if k not in tables]
         _check_order(body.tables_order, keys, "block table")
+    if (body.conversations or body.conversations_dropped) and state.pending:
+        waiting = set().union(*[p[0] for p in state.pending])
+        if any(p.conversation_id in waiting for p in body.conversations) or \
+                not waiting.isdisjoint(body.conversations_dropped):
+            _flush(state)  # patches read those rows, drops remove them: the decode steps before come first
     convs = state.convs
     seen = {p.conversation_id for p in body.conversations}
     if len(seen) != len(body.conversations):
@@ -1088,7 +1098,9 @@ def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
         raise StreamError(f"malformed pool-stream message: grown conversations {unknown[:5] or ids[:5]} are not "
                           "there, repeated or also patched")
     token_counts = _read_column(g.token_counts, count, "grown token counts")
-    tokens = _unpack(g.tokens, "grown tokens").tolist()
+    tokens = _unpack(g.tokens, "grown tokens")
+    if token_counts != 1:  # one token each stays an array (see _State.pending)
+        tokens = tokens.tolist()
     block_counts = _read_column(g.block_counts, count, "grown block counts")
     blocks = _unpack(g.blocks, "grown blocks").tolist()
     computed = _read_column(g.computed, count, "grown num_computed_tokens")
@@ -1136,24 +1148,82 @@ def _row(convs: dict, cid: int) -> list:
     return vals
 
 
-def _apply_grown(grown: tuple, convs: dict, objs: dict) -> None:
+def _apply_grown(grown: tuple, state: _State) -> None:
     ids, token_counts, tokens, texts, computed, block_counts, blocks = grown
+    convs = state.convs
+    if token_counts == 1:  # a decode step: its tokens, texts and counts wait in pending (blocks go in now)
+        state.pending.append((ids, tokens, texts, computed))
+        if isinstance(block_counts, int):
+            if block_counts:
+                _append_runs([_row(convs, cid) for cid in ids], _TABLE_AT, block_counts, blocks)
+        else:
+            got = [(cid, k) for cid, k in zip(ids, block_counts) if k]
+            _append_runs([_row(convs, cid) for cid, _ in got], _TABLE_AT, [k for _, k in got], blocks)
+        return
+    _flush(state)
     rows = [_row(convs, cid) for cid in ids]
     _append_runs(rows, _OUT_AT, token_counts, tokens)
     _append_runs(rows, _TABLE_AT, block_counts, blocks)
     for vals, text in zip(rows, texts):
         if text:
             vals[_TEXT_OUT_AT] += text
+    _set_computed(rows, computed)
+    _forget_objs(state, ids)
+
+
+def _set_computed(rows: list, computed: list[int] | int) -> None:
     if isinstance(computed, int):
         for vals in rows:
             vals[_COMPUTED_AT] = computed
     else:
         for vals, value in zip(rows, computed):
             vals[_COMPUTED_AT] = value
+
+
+def _forget_objs(state: _State, ids: list[int]) -> None:
+    objs = state.conv_objs
     if objs:
         pop = objs.pop
         for cid in ids:
             pop(cid, None)
+
+
+def _flush(state: _State) -> None:
+    """Apply the pending decode steps to the rows: per run of frames with the same conversations, each one's tokens
+    in one extend and its texts in one join."""
+    pending = state.pending
+    if not pending:
+        return
+    state.pending = []
+    convs = state.convs
+    start = 0
+    while start < len(pending):
+        ids = pending[start][0]
+        end = start + 1
+        while end < len(pending) and pending[end][0] == ids:
+            end += 1
+        run = pending[start:end]
+        start = end
+        rows = [_row(convs, cid) for cid in ids]
+        if len(run) == 1:
+            for vals, token in zip(rows, run[0][1].tolist()):
+                cur = vals[_OUT_AT]
+                if type(cur) is not list:
+                    cur = vals[_OUT_AT] = list(cur)  # mutable while patches arrive (see _apply_conv)
+                cur.append(token)
+            texts = run[0][2]
+        else:
+            for vals, tokens in zip(rows, np.stack([p[1] for p in run], axis=1).tolist()):  # [ids, frames]
+                cur = vals[_OUT_AT]
+                if type(cur) is not list:
+                    cur = vals[_OUT_AT] = list(cur)
+                cur.extend(tokens)
+            texts = map("".join, zip(*[p[2] for p in run]))
+        for vals, text in zip(rows, texts):
+            if text:
+                vals[_TEXT_OUT_AT] += text
+        _set_computed(rows, run[-1][3])
+        _forget_objs(state, ids)
 
 
 def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patches: list, grown) -> None:
@@ -1192,7 +1262,7 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
             _apply_conv(values, vals)
             objs.pop(cid, None)
         if grown is not None:
-            _apply_grown(grown, convs, objs)
+            _apply_grown(grown, state)
         if body.conversations_order is not None:
             state.convs = {cid: convs[cid] for cid in body.conversations_order}
         state.conv_tuple = None
@@ -1210,6 +1280,7 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
 
 
 def _build(state: _State) -> PoolSnapshot:
+    _flush(state)
     arrays = {}
     for name, a in state.work.items():
         f = state.frozen[name]

@@ -165,6 +165,41 @@ def test_history_scrubs_forward_through_bridged_keyframes_without_decoding_them(
         assert_same_snapshot(snaps[seq][0], snap, f"walk, frame {seq}")
 
 
+def test_decode_steps_applied_together_equal_one_at_a_time():
+    """A decoder fast-forwarding (no snapshot between frames) keeps decode steps pending and applies them to the
+    conversations in one go; whatever comes between (patches of those conversations, drops, copies taken midway
+    and then moved on separately) the snapshot it builds equals the engine's."""
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=10 ** 6, keyframe_after_bytes=10 ** 9)  # one keyframe
+    heads = [read_head(f.payload, events=False) for f in frames]
+    rng = random.Random(5)
+    dec = StreamDecoder()
+    dec.apply(heads[0])
+    seq, copies = 0, []
+    while seq < len(frames) - 1:
+        for _ in range(rng.randint(1, 12)):  # a run of frames without a snapshot
+            if seq == len(frames) - 1:
+                break
+            seq += 1
+            dec.apply(heads[seq])
+            if rng.random() < 0.1:
+                copies.append((seq, dec.copy()))
+        assert_same_snapshot(snaps[seq][0], dec.snapshot(), f"frame {seq}")
+    assert len(copies) > 3
+    for at, copy in copies[::3]:  # each copy goes on alone from where it was taken
+        stop = min(len(frames) - 1, at + 9)
+        for s in range(at + 1, stop + 1):
+            copy.apply(heads[s])
+        assert_same_snapshot(snaps[stop][0], copy.snapshot(), f"copy from {at}, frame {stop}")
+    assert_same_snapshot(snaps[-1][0], dec.snapshot())
+    for every in (50, len(frames)):  # long runs: patches, preemptions and drops of conversations with steps pending
+        dec = StreamDecoder()
+        for seq, head in enumerate(heads):
+            dec.apply(head)
+            if seq % every == every - 1 or seq == len(frames) - 1:
+                assert_same_snapshot(snaps[seq][0], dec.snapshot(), f"frame {seq}, built every {every}")
+
+
 def test_late_joiner_starts_from_encoder_keyframe():
     snaps = workload()
     enc = StreamEncoder(keyframe_interval=1000)
