@@ -1026,11 +1026,11 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
     for p in body.conversations:
         if p.conversation_id in state.convs:
             raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id} appears twice")
-        vals = list(_BLANK_CONV)
-        _apply_conv(_check_conv(p, None, n), vals)
-        vals[0] = p.conversation_id
+        vals = list(_check_conv(p, None, n))  # every field present, nothing dropped: take the values as they are
         for i in _SEQ_AT:
-            vals[i] = tuple(vals[i])
+            vals[i] = tuple(vals[i][1])
+        for i in _TEXT_AT:
+            vals[i] = vals[i][1]
         state.convs[p.conversation_id] = tuple(vals)  # shared by copies until patched (see copy)
     _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", True)
     state.metrics = _make_numbers(EngineMetrics, _METRIC_FIELDS, body.metrics)
