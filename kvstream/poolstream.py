@@ -288,6 +288,27 @@ def read_head(payload: bytes, events: bool = True) -> FrameHead:
     """Decode a message's envelope (not its body); StreamError if it is not a pool-stream message of a known version.
 
     ``events=False`` leaves the events out (``()``), for a reader that has them already."""
+    if payload[:1] in _FIXARRAYS and payload[1:8] == _MAGIC_BYTES and payload[8:9] == _VERSION_BYTE:
+        pass  # this version's envelope: the one-byte header, the magic and the version read in place (a full peek
+        # parses the whole message to skip what follows: 0.7 ms for a keyframe of 65,536 blocks)
+    else:
+        _check_version(payload)
+    try:
+        env = (_ENVELOPE_DECODER if events else _ENVELOPE_NO_EVENTS_DECODER).decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise StreamError(f"malformed pool-stream message: {_why(exc)}") from None
+    if env.seq < 0:
+        raise StreamError(f"malformed pool-stream message: negative frame number {env.seq}")
+    return FrameHead(env.stream_id, env.seq, env.step_id, env.keyframe, env.events if events else (), env.body,
+                     env.bridge)
+
+
+_FIXARRAYS = (b"\x98", b"\x99")  # msgpack headers of the 8- and 9-element envelopes
+_VERSION_BYTE = bytes([FORMAT_VERSION])  # a positive fixint
+
+
+def _check_version(payload: bytes) -> None:
+    """StreamError unless ``payload`` starts like a pool-stream message of a version this program reads."""
     try:
         peek = _VERSION_DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
@@ -302,14 +323,6 @@ def read_head(payload: bytes, events: bool = True) -> FrameHead:
     if version > FORMAT_VERSION:
         raise StreamError(f"this pool stream uses format version {version}, newer than this program reads "
                           f"(up to {FORMAT_VERSION}); update the explorer to read it")
-    try:
-        env = (_ENVELOPE_DECODER if events else _ENVELOPE_NO_EVENTS_DECODER).decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise StreamError(f"malformed pool-stream message: {_why(exc)}") from None
-    if env.seq < 0:
-        raise StreamError(f"malformed pool-stream message: negative frame number {env.seq}")
-    return FrameHead(env.stream_id, env.seq, env.step_id, env.keyframe, env.events if events else (), env.body,
-                     env.bridge)
 
 
 def frame_from_payload(payload: bytes) -> Frame:
