@@ -739,12 +739,14 @@ class StreamEncoder:
             removed = [cid for cid in old_tables if cid not in new_tables]
             order = _order_patch(old_tables.keys(), table_ids, set(removed))
         # conversations: the ones that only grew go in columns, the others as patches. This loop runs for every
-        # conversation of every frame: plain attribute loads (faster than attrgetters here) and one tuple per grown one
+        # conversation of every frame: plain attribute loads (faster than attrgetters here), and ints appended to
+        # a few lists rather than a tuple per conversation (750 new tuples a frame set off the collector)
         old_convs, old_stable = self._prev_convs, self._prev_stable
         get_old = old_convs.get
         new_stable = {}  # this frame's _stable() per conversation: the next frame's old ones
         new_convs = {}  # conversation id -> info: the next frame's old ones
-        convs, grew = [], []
+        convs = []
+        g_ids, g_counts, g_tokens, g_texts, g_computed, g_bcounts, g_blocks = [], [], [], [], [], [], []
         for c in snapshot.conversations:
             cid = c.conversation_id
             new_convs[cid] = c
@@ -763,21 +765,25 @@ class StreamEncoder:
                 n = len(oo)
                 m = len(ob)
                 if no[:n] == oo and nt.startswith(ot) and (nb is ob or nb[:m] == ob):
-                    if len(no) != n or len(nt) != len(ot) or len(nb) != m or \
-                            o.num_computed_tokens != c.num_computed_tokens:
-                        grew.append((cid, no[n:], nt[len(ot):], c.num_computed_tokens, nb[m:]))
-                    continue  # else equal, though not the same object
+                    if len(no) == n and len(nt) == len(ot) and len(nb) == m and \
+                            o.num_computed_tokens == c.num_computed_tokens:
+                        continue  # equal, though not the same object
+                    g_ids.append(cid)
+                    g_counts.append(len(no) - n)
+                    g_tokens.extend(no[n:])
+                    g_texts.append(nt[len(ot):])
+                    g_computed.append(c.num_computed_tokens)
+                    g_bcounts.append(len(nb) - m)
+                    if len(nb) != m:
+                        g_blocks.extend(nb[m:])
+                    continue
             p = _full_patch(c) if o is None else _diff_patch(o, c)
             if p is not None:
                 convs.append(p)
         grown = None
-        if grew:
-            g_ids, g_tokens, g_texts, g_computed, g_blocks = zip(*grew)
-            tokens = [t for ts in g_tokens for t in ts]
-            blocks = [b for bs in g_blocks for b in bs]
-            grown = Grown(_narrow(np.array(g_ids)), _column(list(map(len, g_tokens))), _narrow(np.array(tokens, np.int64)),
-                          list(g_texts), _column(list(g_computed)), _column(list(map(len, g_blocks))),
-                          _narrow(np.array(blocks, np.int64)))
+        if g_ids:
+            grown = Grown(_narrow(np.array(g_ids)), _column(g_counts), _narrow(np.array(g_tokens, np.int64)),
+                          g_texts, _column(g_computed), _column(g_bcounts), _narrow(np.array(g_blocks, np.int64)))
         new_ids = list(new_convs)
         if new_ids == list(old_convs):
             dropped, conv_order = [], None
