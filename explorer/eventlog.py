@@ -11,7 +11,7 @@ attached stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import groupby
+from operator import itemgetter
 from typing import Iterable
 
 from PySide6 import QtCore, QtGui, QtWidgets
@@ -75,6 +75,7 @@ class EventLogModel(QtCore.QAbstractTableModel):
         self.visible: list[int] = []  # absolute numbers of the entries shown, ascending
         self.filter = LogFilter()
         self.num_events = 0  # block events received since the last clear (merged lines count each)
+        self.unlisted = 0  # of them, events of frames too old to make a kept line (never worded)
 
     # --- Qt model ---
     def rowCount(self, parent=QtCore.QModelIndex()) -> int:
@@ -109,14 +110,31 @@ class EventLogModel(QtCore.QAbstractTableModel):
         return self.entries[self.visible[row] - self.base]
 
     def append(self, pairs: Iterable[tuple[int, BlockEvent]]) -> int:
-        """Add (seq, event) pairs, oldest first (events of one frame are merged into lines); returns lines added."""
-        new: list[tuple[int, EventLine]] = []
-        count = 0
-        for seq, frame in groupby(pairs, key=lambda pair: pair[0]):
-            events = [e for _, e in frame]
-            count += len(events)
-            new.extend((seq, line) for line in group(events))  # raises TypeError before anything changes
+        """Add (seq, event) pairs, oldest first (events of one frame are merged into lines); returns lines added.
+
+        Only the newest frames that fill ``max_rows`` lines are turned into lines: a recording's whole history (a
+        million events for 10,000 frames of 65,536 blocks) would be worded only to be dropped at once, which held
+        the window for 4 s."""
+        pairs = pairs if isinstance(pairs, list) else list(pairs)
+        frames: list[tuple[int, list[EventLine]]] = []  # (seq, lines) of the newest frames, newest first
+        end, made = len(pairs), 0
+        while end and made < self.max_rows:
+            seq = pairs[end - 1][0]
+            start = end - 1
+            while start and pairs[start - 1][0] == seq:
+                start -= 1
+            lines = group([e for _, e in pairs[start:end]])  # raises TypeError before anything changes
+            frames.append((seq, lines))
+            made += len(lines)
+            end = start
+        for kind in set(map(type, map(itemgetter(1), pairs[:end]))):  # the older ones would make lines dropped
+            if not issubclass(kind, BlockEvent):  # at once; they are still checked
+                raise TypeError(f"the event log takes kvstream.events.BlockEvent items, not {kind.__name__}")
+        new = [(seq, line) for seq, lines in reversed(frames) for line in lines]
+        count = len(pairs)
+        self.unlisted += end
         if not new:
+            self.num_events += count
             return 0
         self.num_events += count
         start = self.base + len(self.entries)
@@ -145,7 +163,7 @@ class EventLogModel(QtCore.QAbstractTableModel):
 
     def clear(self) -> None:
         self.beginResetModel()
-        self.entries, self.visible, self.base, self.num_events = [], [], 0, 0
+        self.entries, self.visible, self.base, self.num_events, self.unlisted = [], [], 0, 0, 0
         self.endResetModel()
 
     def set_filter(self, log_filter: LogFilter) -> None:
@@ -322,7 +340,10 @@ class EventLog(QtWidgets.QDockWidget):
             text = f"{total:,} lines"
         else:
             text = f"showing {shown:,} of {total:,} lines" + ("" if shown else ": none match the filter")
-        if m.base:
+        if m.unlisted:
+            text += (f" · {m.unlisted:,} older events" + (f" and {m.base:,} lines" if m.base else "") +
+                     f" dropped (keeps the newest {m.max_rows:,})")
+        elif m.base:
             text += f" · oldest {m.base:,} dropped (keeps the newest {m.max_rows:,})"
         if self._error:
             text = f"<span style='color:#e0524a'>{self._error}</span><br>{text}"

@@ -113,7 +113,7 @@ class PoolPane(QtWidgets.QWidget):
             self.timeline.clear()
         self.sync_timeline()
         if pairs:
-            self.timeline.add_markers((seq, event.kind) for seq, event in pairs)
+            self.timeline.add_event_markers(pairs)
 
     def _seek(self, seq: int) -> None:
         try:

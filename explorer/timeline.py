@@ -15,12 +15,13 @@ updates a second cost well under a millisecond of painting.
 """
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from kvstream.events import NOTABLE_KINDS, EventKind
+from kvstream.events import NOTABLE_KINDS, BlockEvent, EventKind
 
 from .event_colours import ALL_KINDS, KIND_CODE, KIND_COLOURS, KIND_NAMES, KIND_PRIORITY
 from .kind_menu import KindMenu, as_kind
@@ -52,6 +53,9 @@ def size_text(nbytes: int) -> str:
     if nbytes < 10 * MIB:
         return f"{nbytes / MIB:.1f} MiB"
     return f"{nbytes / MIB:,.0f} MiB"
+
+
+_pair_seq, _pair_event, _event_kind = itemgetter(0), itemgetter(1), attrgetter("kind")  # of (seq, event) pairs
 
 
 def _check_seq(value, what: str) -> int:
@@ -421,6 +425,22 @@ class Timeline(QtWidgets.QWidget):
         self.markers.extend(seqs, codes)
         if len(seqs):
             self.track.update()
+
+    def add_event_markers(self, pairs: list[tuple[int, BlockEvent]]) -> None:
+        """Marks for (seq, event) pairs as a history hands them out, read in C-level passes: a recording's whole
+        history (450,000 events for 10,000 frames) took 0.5 s through :meth:`add_markers`."""
+        n = len(pairs)
+        if not n:
+            return
+        try:
+            seqs = np.fromiter(map(_pair_seq, pairs), np.int64, n)
+            codes = np.fromiter(map(KIND_CODE.__getitem__, map(_event_kind, map(_pair_event, pairs))), np.int8, n)
+        except (TypeError, KeyError, AttributeError, OverflowError, ValueError):
+            return self.add_markers((seq, event.kind) for seq, event in pairs)  # says what is wrong
+        if int(seqs.min()) < 0:
+            return self.add_markers((seq, event.kind) for seq, event in pairs)
+        self.markers.extend(seqs, codes)
+        self.track.update()
 
     @staticmethod
     def _parse_marks(marks) -> tuple[np.ndarray, np.ndarray]:

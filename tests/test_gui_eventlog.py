@@ -140,6 +140,32 @@ def test_row_cap_drops_the_oldest_and_says_so(qtbot, qtmodeltester):
     assert m.rowCount() == 0 and dock.status.text() == "No events yet."
 
 
+def test_a_long_history_at_once_words_only_the_lines_it_keeps(qtbot, monkeypatch):
+    """Opening a long recording hands the log every event at once: it words only the newest frames that fill its
+    cap, and ends up with the same lines as when the frames came one by one."""
+    import explorer.eventlog as eventlog_module
+    pairs = []
+    for seq in range(1, 301):
+        pairs += [(seq, BlockEvent(seq, K.ALLOCATED, c, (seq * 10 + c,))) for c in range(8)]
+        pairs.append((seq, BlockEvent(seq, K.EVICTED, 1, (seq,), block_hashes=(seq,))))
+    one_by_one = EventLogModel(max_rows=50)
+    for seq in range(1, 301):
+        one_by_one.append([p for p in pairs if p[0] == seq])
+    worded = []
+    real_group = eventlog_module.group
+    monkeypatch.setattr(eventlog_module, "group", lambda events: worded.append(len(events)) or real_group(events))
+    dock = EventLog(max_rows=50)
+    qtbot.addWidget(dock)
+    dock.append_events(pairs)
+    m = dock.model
+    assert [(s, line.text) for s, line in m.entries] == [(s, line.text) for s, line in one_by_one.entries]
+    assert m.num_events == 2700 and sum(worded) == 6 * 9  # 6 frames of 9 lines fill 50; the other 294 unworded
+    assert dock.status.text() == "showing 6 of 50 lines · 2,646 older events and 4 lines dropped (keeps the newest 50)"
+    with pytest.raises(TypeError, match="BlockEvent"):  # an old bad item is still refused, and changes nothing
+        dock.append_events([(1, "evicted")] + pairs)
+    assert m.num_events == 2700
+
+
 def test_bad_input_changes_nothing(log):
     before = (texts(log), len(log.model.entries), log.model.num_events)
     with pytest.raises(TypeError, match="BlockEvent"):

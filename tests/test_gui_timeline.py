@@ -213,6 +213,29 @@ def test_bad_input_changes_nothing(timeline):
     assert (t.first_seq, t.last_seq, t.viewed_seq, t.markers.n, t.banner_text()) == before
 
 
+def test_event_markers_in_bulk_equal_markers_one_by_one(qtbot):
+    """add_event_markers (a history's (seq, event) pairs, in C-level passes) marks exactly what add_markers marks,
+    and refuses what it refuses."""
+    from kvstream.events import BlockEvent
+    kinds = list(EventKind)
+    pairs = [(seq, BlockEvent(seq, kinds[(seq * 7) % len(kinds)], 1, (seq,))) for seq in range(100, 1100, 3)]
+    bulk, single = Timeline(), Timeline()
+    for t in (bulk, single):
+        qtbot.addWidget(t)
+        t.set_range(100, 1100)
+    bulk.add_event_markers(pairs[:200])
+    bulk.add_event_markers(pairs[200:])
+    for seq, event in pairs:
+        single.add_markers([(seq, event.kind)])
+    got, want = bulk.markers.arrays(), single.markers.arrays()
+    assert bulk.markers.n == len(pairs) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="non-negative"):
+        bulk.add_event_markers([(-3, pairs[0][1])])
+    with pytest.raises(AttributeError):
+        bulk.add_event_markers([(5, "evicted")])
+    assert bulk.markers.n == len(pairs)
+
+
 def test_empty_and_narrow(qtbot):
     t = Timeline()
     qtbot.addWidget(t)
