@@ -59,7 +59,7 @@ _FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max 
                  FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One conversation as seen from outside the engine."""
 
