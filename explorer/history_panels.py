@@ -94,7 +94,8 @@ class HistoryPanels(QtCore.QObject):
             return
         live = self.source.viewing is None
         # live: up to the frames the source handed out, so that the next eventsArrived continues the story exactly
-        pairs = self.source.kept_events() if live else history.events(None, self.source.viewing)
+        upto = self.source.events_seq if live else self.source.viewing
+        pairs = [] if upto is None else history.block_events(block, upto)  # the frames that can concern it
         story = BlockStory(block, pairs)
         self.recomputed += 1
         if live:

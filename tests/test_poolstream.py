@@ -200,6 +200,34 @@ def test_decode_steps_applied_together_equal_one_at_a_time():
                 assert_same_snapshot(snaps[seq][0], dec.snapshot(), f"frame {seq}, built every {every}")
 
 
+def test_history_block_events_tell_each_blocks_story_as_all_events_do():
+    """History.block_events (frames found through the block index, relocations and resets) gives every block the
+    same story as the whole event list, at every frame asked, across relocations and a trimmed history."""
+    from explorer.block_history import block_events
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=32)
+    kinds = {e.kind for f in frames for e in f.events}
+    assert EventKind.RELOCATED in kinds and EventKind.COPIED_ON_WRITE in kinds
+    history = History()
+    for f in frames:
+        history.write(f)
+    rng = random.Random(7)
+    num_blocks = snaps[0][0].num_blocks
+    checks = [(rng.randrange(num_blocks), rng.randrange(len(frames))) for _ in range(150)]
+    checks += [(b, len(frames) - 1) for b in range(num_blocks)]
+    for block, seq in checks:
+        want = block_events(history.events(None, seq), block)
+        got = history.block_events(block, seq)
+        assert block_events(got, block) == want, (block, seq)
+        assert len(got) <= len(history.events(None, seq))
+    assert sum(len(history.block_events(b)) for b in range(num_blocks)) < num_blocks * len(history.events())
+    history.budget_bytes = history.nbytes // 2  # trimmed: only what is kept
+    first = history.first_seq
+    for block in range(num_blocks):
+        assert block_events(history.block_events(block), block) == block_events(history.events(), block)
+        assert all(seq >= first for seq, _ in history.block_events(block))
+
+
 def test_late_joiner_starts_from_encoder_keyframe():
     snaps = workload()
     enc = StreamEncoder(keyframe_interval=1000)
