@@ -467,10 +467,12 @@ class Timeline(QtWidgets.QWidget):
     def set_live_source(self, live: bool) -> None:
         """False for a recording: its end does not move, so the banner and button speak of 'the end'."""
         self.live_source = bool(live)
+        self.budget_box.setVisible(self.live_source)  # a recording's frames stay in its file: no budget to set
         self.resizeEvent(QtGui.QResizeEvent(self.size(), self.size()))  # the button's words
         self.live_button.setToolTip("Follow the newest frame again (End)" if self.live_source else
                                     "Go to the last frame (End)")
         self._refresh()
+        self._refresh_kept()
 
     def set_marked_kinds(self, kinds: Iterable[EventKind | str]) -> None:
         """Mark exactly these kinds on the strip (the Marks menu follows)."""
@@ -678,6 +680,8 @@ class Timeline(QtWidgets.QWidget):
         if self.empty:
             return f"history: nothing kept yet, budget {size_text(self.budget_bytes)}"
         first, last = self.step_of(self.first_seq), self.step_of(self.last_seq)
+        if not self.live_source:
+            return f"recording: steps {first:,}-{last:,}, {size_text(self.kept_bytes)} read from the file as needed"
         return f"history: steps {first:,}-{last:,} kept, {size_text(self.kept_bytes)} of {size_text(self.budget_bytes)}"
 
     def _kept_variants(self) -> tuple[str, ...]:
@@ -685,6 +689,9 @@ class Timeline(QtWidgets.QWidget):
         if self.empty:
             return "history: nothing kept yet · budget", "budget"
         first, last = self.step_of(self.first_seq), self.step_of(self.last_seq)
+        if not self.live_source:  # a recording keeps every frame on disk: no budget applies (the box is hidden)
+            size = size_text(self.kept_bytes)
+            return (f"recording: steps {first:,}-{last:,} · {size} on disk", f"steps {first:,}-{last:,} · {size}", size)
         used = f"{size_text(self.kept_bytes)} of"
         return f"history: steps {first:,}-{last:,} kept · {used}", f"steps {first:,}-{last:,} · {used}", used
 

@@ -187,10 +187,16 @@ def test_budget_box_and_kept_display(qtbot, timeline):
 
 def test_recording_speaks_of_the_end(timeline):
     t = timeline
+    t.set_kept(300 * MIB, 256 * MIB)
     t.set_live_source(False)
     assert t.banner_text() == "at the end · step 550"
     t.seek(200)
     assert t.banner_text() == "viewing step 100 of 550"
+    # its frames stay in the file: no budget to speak of or to set (it would read "300 MiB of 256 MiB")
+    assert t.kept_text() == "recording: steps 50-550, 300 MiB read from the file as needed"
+    assert t.budget_box.isHidden() and "256" not in t.kept_label.text()
+    t.set_live_source(True)
+    assert not t.budget_box.isHidden() and t.kept_text().endswith("300 MiB of 256 MiB")
 
 
 def test_bad_input_changes_nothing(timeline):
