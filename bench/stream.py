@@ -156,6 +156,8 @@ def bench_jump(path: Path) -> None:
           f"({len(history.keyframe_seqs())} keyframes)")
     gc.collect()
     gc.freeze()  # as the app does once a recording is open (explorer/stream_feed.py): full collections skip it
+    from explorer.app import GC_GEN0
+    gc.set_threshold(max(gc.get_threshold()[0], GC_GEN0), *gc.get_threshold()[1:])  # as the window sets it
     keys = history.keyframe_seqs() + [history.last_seq + 1]
     worst = [k - 1 for k in keys[1:]]  # the frame before each keyframe: the longest run of deltas to decode
     rng = random.Random(1)
