@@ -320,26 +320,27 @@ class History:
             last = self._seqs[-1] if last_seq is None else min(last_seq, self._seqs[-1])
             moves = self._relocated[:bisect.bisect_right(self._relocated, last)]
             ids, cur = {int(block_id)}, int(block_id)
-            for seq in reversed(moves):  # the ids the block's content had, following relocations back
-                for e in reversed(self._frames[self._index(seq)].events):
-                    if e.kind != EventKind.RELOCATED:
-                        continue
-                    if cur in e.new_block_ids:
-                        cur = e.block_ids[e.new_block_ids.index(cur)]
-                        ids.add(cur)
-                    elif cur in e.block_ids:
-                        break  # moved away with nothing moved in: its story starts after this
-                else:
-                    continue
-                break
-            if self._touch_np is None:
-                self._touch_np = (np.array(self._touch_blocks, np.int64), np.array(self._touch_seqs, np.int64))
-            blocks, frames = self._touch_np
+            moved = (e for seq in reversed(moves) for e in reversed(self._frames[self._index(seq)].events)
+                     if e.kind == EventKind.RELOCATED)
+            for e in moved:  # the ids the block's content had, following relocations back
+                if cur in e.new_block_ids:
+                    cur = e.block_ids[e.new_block_ids.index(cur)]
+                    ids.add(cur)
+                elif cur in e.block_ids:
+                    break  # moved away with nothing moved in: its story starts after this
+            blocks, frames = self._block_index()
             named = frames[np.isin(blocks, np.fromiter(ids, np.int64, len(ids)))]
             wanted = np.union1d(named[named <= last], np.array(moves + self._cleared, np.int64))
             wanted = wanted[wanted <= last].tolist()
             picked = [self._frames[self._index(seq)] for seq in wanted]
         return [(f.seq, e) for f in picked for e in f.events]
+
+    def _block_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids, frame seqs) of the block index as arrays, built when first asked after a change (under
+        ``_lock``)."""
+        if self._touch_np is None:
+            self._touch_np = (np.array(self._touch_blocks, np.int64), np.array(self._touch_seqs, np.int64))
+        return self._touch_np
 
     def snapshot_at(self, seq: int) -> PoolSnapshot:
         """The snapshot the source had at frame ``seq`` (LookupError if it is not kept)."""
@@ -449,9 +450,7 @@ class History:
             self._index(seq)
             first = self._seqs[0]
             b, at = int(block_id), seq
-            if self._touch_np is None:
-                self._touch_np = (np.array(self._touch_blocks, np.int64), np.array(self._touch_seqs, np.int64))
-            blocks, frames = self._touch_np
+            blocks, frames = self._block_index()
             while True:
                 seqs = frames[blocks == b]  # [frames naming b], ascending
                 j = int(np.searchsorted(seqs, at, side="right")) - 1

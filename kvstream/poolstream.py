@@ -280,10 +280,9 @@ def read_head(payload: bytes, events: bool = True) -> FrameHead:
     """Decode a message's envelope (not its body); StreamError if it is not a pool-stream message of a known version.
 
     ``events=False`` leaves the events out (``()``), for a reader that has them already."""
-    if payload[:1] in _FIXARRAYS and payload[1:8] == _MAGIC_BYTES and payload[8:9] == _VERSION_BYTE:
-        pass  # this version's envelope: the one-byte header, the magic and the version read in place (a full peek
-        # parses the whole message to skip what follows: 0.7 ms for a keyframe of 65,536 blocks)
-    else:
+    # this version's envelope is told by its first 9 bytes (array header, magic, version); the full peek parses the
+    # whole message to skip what follows (0.7 ms for a keyframe of 65,536 blocks), so it runs only for anything else
+    if not (payload[:1] in _FIXARRAYS and payload[1:8] == _MAGIC_BYTES and payload[8:9] == _VERSION_BYTE):
         _check_version(payload)
     try:
         env = (_ENVELOPE_DECODER if events else _ENVELOPE_NO_EVENTS_DECODER).decode(payload)
@@ -1175,23 +1174,20 @@ def _apply_grown(grown: tuple, state: _State) -> None:
     rows = [_row(convs, cid) for cid in ids]
     _append_runs(rows, _OUT_AT, token_counts, tokens)
     _append_runs(rows, _TABLE_AT, block_counts, blocks)
+    _grew(state, ids, rows, texts, computed)
+
+
+def _grew(state: _State, ids: list[int], rows: list, texts, computed: list[int] | int) -> None:
+    """The rest of a growth, after its tokens: texts appended, num_computed_tokens set, their infos rebuilt."""
     for vals, text in zip(rows, texts):
         if text:
             vals[_TEXT_OUT_AT] += text
-    _set_computed(rows, computed)
-    _forget_objs(state, ids)
-
-
-def _set_computed(rows: list, computed: list[int] | int) -> None:
     if isinstance(computed, int):
         for vals in rows:
             vals[_COMPUTED_AT] = computed
     else:
         for vals, value in zip(rows, computed):
             vals[_COMPUTED_AT] = value
-
-
-def _forget_objs(state: _State, ids: list[int]) -> None:
     objs = state.conv_objs
     if objs:
         pop = objs.pop
@@ -1216,25 +1212,9 @@ def _flush(state: _State) -> None:
         run = pending[start:end]
         start = end
         rows = [_row(convs, cid) for cid in ids]
-        if len(run) == 1:
-            for vals, token in zip(rows, run[0][1].tolist()):
-                cur = vals[_OUT_AT]
-                if type(cur) is not list:
-                    cur = vals[_OUT_AT] = list(cur)  # mutable while patches arrive (see _apply_conv)
-                cur.append(token)
-            texts = run[0][2]
-        else:
-            for vals, tokens in zip(rows, np.stack([p[1] for p in run], axis=1).tolist()):  # [ids, frames]
-                cur = vals[_OUT_AT]
-                if type(cur) is not list:
-                    cur = vals[_OUT_AT] = list(cur)
-                cur.extend(tokens)
-            texts = map("".join, zip(*[p[2] for p in run]))
-        for vals, text in zip(rows, texts):
-            if text:
-                vals[_TEXT_OUT_AT] += text
-        _set_computed(rows, run[-1][3])
-        _forget_objs(state, ids)
+        tokens = np.stack([p[1] for p in run], axis=1).ravel().tolist()  # [ids, frames]: each one's run in a row
+        _append_runs(rows, _OUT_AT, len(run), tokens)
+        _grew(state, ids, rows, run[0][2] if len(run) == 1 else map("".join, zip(*[p[2] for p in run])), run[-1][3])
 
 
 def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patches: list, grown) -> None:
