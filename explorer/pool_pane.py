@@ -117,7 +117,10 @@ class PoolPane(QtWidgets.QWidget):
 
     def _seek(self, seq: int) -> None:
         try:
-            self.source.seek(seq)
+            if self.timeline.scrubbing:  # a drag or play: far frames decode on a worker, the window keeps its pace
+                self.source.seek_soon(seq)
+            else:
+                self.source.seek(seq)
         except LookupError:  # dropped from history between the click and now: the timeline catches up next frame
             self.sync_timeline()
 
@@ -128,10 +131,12 @@ class PoolPane(QtWidgets.QWidget):
             self.sync_timeline()
 
     def _on_viewing(self, seq) -> None:
-        """Keep the timeline's cursor where the source is (a seek from the event log, Back to live from a menu)."""
+        """Keep the timeline's cursor where the source is (a seek from the event log, Back to live from a menu);
+        not while a scrub's frames are still coming (the cursor is ahead of them, where the user has it)."""
         if seq is None and not self.timeline.is_live:
             self.timeline.go_live()
-        elif seq is not None and (self.timeline.is_live or self.timeline.position != seq):
+        elif seq is not None and not self.source.scrubbing and (self.timeline.is_live or
+                                                                 self.timeline.position != seq):
             self.sync_timeline()
             self.timeline.seek(seq)
 

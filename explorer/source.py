@@ -12,7 +12,7 @@ A *feed* (:class:`~explorer.feed.Feed`, Qt-free so headless runs use the same on
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from PySide6 import QtCore
@@ -33,6 +33,10 @@ def _done(value=None, error: BaseException | None = None) -> Future:
     else:
         future.set_result(value)
     return future
+
+
+SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
+# worker (a frame far from the one decoded last: 30-50 ms at 65,536 blocks, longer than a frame of the window)
 
 
 class PoolSource(QtCore.QObject):
@@ -57,6 +61,7 @@ class PoolSource(QtCore.QObject):
     viewingChanged = QtCore.Signal(object)
     eventsArrived = QtCore.Signal(object, bool)
     problem = QtCore.Signal(object)
+    _decoded = QtCore.Signal()  # the scrub worker finished a frame (emitted on its thread, handled on the GUI's)
 
     def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
         super().__init__(parent)
@@ -67,6 +72,13 @@ class PoolSource(QtCore.QObject):
         self.viewing: int | None = None  # history seq being viewed; None while live
         self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
         self._events_stream: int | None = None  # the history's stream id then
+        # scrubbing (seek_soon): the frame wanted next, the decode under way (future, seq, history, generation),
+        # and a generation that every other move (seek, go_live, a new feed) bumps so that a late decode is dropped
+        self._scrub_wanted: int | None = None
+        self._scrub_decoding: tuple | None = None
+        self._moves = 0
+        self._worker: ThreadPoolExecutor | None = None
+        self._decoded.connect(self._land_scrub, QtCore.Qt.ConnectionType.QueuedConnection)
 
     # ---- what the source can do ----------------------------------------------------------------------
     @property
@@ -98,6 +110,7 @@ class PoolSource(QtCore.QObject):
         """Replace the feed (the old one is closed, its pending answers dropped) and tell every panel."""
         old = self.feed
         self.feed = feed
+        self._drop_scrub()
         self.futures.clear()
         self.live = self.view = None
         self._events_seq = self._events_stream = None
@@ -111,6 +124,10 @@ class PoolSource(QtCore.QObject):
         self.poll()
 
     def close(self) -> None:
+        self._drop_scrub()
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
         self.futures.clear()
         self.feed.close()
 
@@ -175,17 +192,85 @@ class PoolSource(QtCore.QObject):
         if history is None or len(history) == 0:
             raise LookupError(f"this source keeps no history ({self.feed.kind})")
         seq = min(max(int(seq), history.first_seq), history.last_seq)
+        self._drop_scrub()
         snapshot = history.snapshot_at(seq)
+        self._show(seq, snapshot)
+        return snapshot
+
+    def _show(self, seq: int, snapshot: PoolSnapshot) -> None:
         changed = self.viewing != seq
         self.viewing = seq
         self.view = snapshot
         if changed:
             self.viewingChanged.emit(seq)
         self.viewChanged.emit(snapshot)
-        return snapshot
+
+    def seek_soon(self, seq: int) -> None:
+        """Show history frame ``seq`` as soon as it is decoded: at once if that is cheap (next to a frame decoded
+        before), else on a worker thread while the views keep the frame they have, so that a drag or play keeps
+        the window's frame rate; a newer call replaces a wanted frame whose decoding has not begun. ``scrubbing``
+        is true until the last one is on view. Raises LookupError without history."""
+        history = self.history
+        if history is None or len(history) == 0:
+            raise LookupError(f"this source keeps no history ({self.feed.kind})")
+        seq = min(max(int(seq), history.first_seq), history.last_seq)
+        if self._scrub_decoding is None:
+            try:
+                cheap = history.decode_cost(seq) <= SCRUB_ON_GUI_THREAD
+            except LookupError:  # dropped meanwhile: seek says so
+                cheap = True
+            if cheap:
+                self.seek(seq)
+                return
+        self._scrub_wanted = seq
+        self._decode_next()
+
+    @property
+    def scrubbing(self) -> bool:
+        """A frame asked for with :meth:`seek_soon` is not on view yet."""
+        return self._scrub_wanted is not None or self._scrub_decoding is not None
+
+    def _decode_next(self) -> None:
+        if self._scrub_decoding is not None or self._scrub_wanted is None:
+            return
+        seq, self._scrub_wanted = self._scrub_wanted, None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
+        history = self.history
+        future = self._worker.submit(history.snapshot_at, seq)
+        self._scrub_decoding = (future, seq, history, self._moves)
+        future.add_done_callback(self._decode_done)
+
+    def _decode_done(self, _future: Future) -> None:  # on the worker thread
+        try:
+            self._decoded.emit()
+        except RuntimeError:  # the source is gone (the window closed meanwhile)
+            pass
+
+    def _land_scrub(self) -> None:
+        decoding = self._scrub_decoding
+        if decoding is None or not decoding[0].done():
+            return
+        future, seq, history, moves = decoding
+        self._scrub_decoding = None
+        if moves == self._moves and history is self.history:
+            try:
+                snapshot = future.result()
+            except LookupError:  # dropped from history meanwhile (its budget): the next poll follows it
+                snapshot = None
+            if snapshot is not None:
+                self._show(seq, snapshot)
+        self._decode_next()
+
+    def _drop_scrub(self) -> None:
+        """Another move: the frames wanted by seek_soon are no longer, a decode under way is dropped when done."""
+        self._moves += 1
+        self._scrub_wanted = None
+        self._scrub_decoding = None
 
     def go_live(self) -> None:
         """Back to the newest frame."""
+        self._drop_scrub()
         if self.viewing is None:
             return
         self.viewing = None

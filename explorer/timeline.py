@@ -164,6 +164,7 @@ class _Track(QtWidgets.QWidget):
         self._image_key = None  # what the cached marker image was drawn for
         self._image: QtGui.QImage | None = None
         self._image_rgba = None  # keeps the image's pixel buffer alive
+        self.dragging = False  # the left button is down on the strip
 
     def sizeHint(self) -> QtCore.QSize:
         return QtCore.QSize(400, 26)
@@ -242,7 +243,12 @@ class _Track(QtWidgets.QWidget):
     def mousePressEvent(self, event: QtGui.QMouseEvent) -> None:
         if event.button() == QtCore.Qt.MouseButton.LeftButton and not self.timeline.empty:
             self.setFocus()
+            self.dragging = True
             self.picked.emit(self.seq_at(event.position().x()))
+
+    def mouseReleaseEvent(self, event: QtGui.QMouseEvent) -> None:
+        if event.button() == QtCore.Qt.MouseButton.LeftButton:
+            self.dragging = False
 
     def mouseMoveEvent(self, event: QtGui.QMouseEvent) -> None:
         if event.buttons() & QtCore.Qt.MouseButton.LeftButton and not self.timeline.empty:
@@ -586,6 +592,12 @@ class Timeline(QtWidgets.QWidget):
 
     def pause(self) -> None:
         self.play_button.setChecked(False)
+
+    @property
+    def scrubbing(self) -> bool:
+        """The cursor is being dragged or plays: many moves in a row, of which the latest is what matters (the
+        pane shows them as soon as they are decoded rather than each one in turn)."""
+        return self.track.dragging or self._play_timer.isActive()
 
     def _view(self, seq: int, direction: int = -1) -> None:
         seq = self._snap(seq, direction)  # never onto a frame history does not have

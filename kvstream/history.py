@@ -34,6 +34,9 @@ _BRIDGE_REACH = 64  # a decoder this many frames before a bridged keyframe goes 
 _SCRUB_BACK = 64  # a move back of at most this many frames counts as scrubbing (checkpoints are kept on the way)
 _CHECKPOINTS = 16  # decoder states kept for jumps back (each holds one copy of the per-block arrays: 2 MB at 65,536
 # blocks); a step back decodes 4 deltas on average (0.7 ms each with 256 conversations) after a 0.8 ms copy
+KEYFRAME_COST = 30  # decode_cost of starting at a keyframe, in frames (65,536 blocks, 510 conversations: 7.4 ms for
+# the keyframe against 0.2-0.3 ms a delta)
+BUSY_COST = 10 ** 9  # decode_cost while another thread decodes
 _ENDS_CONTENT = frozenset({EventKind.ALLOCATED, EventKind.FREED, EventKind.EVICTED})  # the block's KV is gone
 
 
@@ -378,6 +381,32 @@ class History:
             return snap
 
     _snapshot_stream = None  # stream the cached snapshots belong to
+
+    def decode_cost(self, seq: int) -> int:
+        """About how many frames :meth:`snapshot_at` would decode for ``seq`` now: 0 when its snapshot is cached,
+        else the deltas from the decode cache or the nearest checkpoint, or from the keyframe (which counts as
+        ``KEYFRAME_COST`` frames more). While another thread is decoding, ``BUSY_COST``: the caller would wait for
+        it. LookupError if ``seq`` is not kept. For a caller that decides where to decode (the window's scrubbing:
+        cheap frames on the GUI thread, the others on a worker)."""
+        with self._lock:
+            i = self._index(seq)
+            key_seq, floor = self._floor(seq)
+            stream = self._frames[i].stream_id
+        if not self._read_lock.acquire(blocking=False):
+            return BUSY_COST
+        try:
+            if seq in self._snapshots and stream == self._snapshot_stream:
+                return 0
+            best = None
+            cached = self._decoder
+            if cached is not None and cached.stream_id == stream and floor <= cached.seq <= seq:
+                best = cached.seq
+            for s, d in self._checkpoints.items():
+                if d.stream_id == stream and floor <= s <= seq and (best is None or s > best):
+                    best = s
+            return seq - best if best is not None else KEYFRAME_COST + seq - key_seq
+        finally:
+            self._read_lock.release()
 
     def walk(self, seqs: Iterable[int]) -> Iterator[tuple[int, PoolSnapshot]]:
         """(seq, snapshot) for each kept frame among ``seqs`` (ascending), read in order with a decoder of its own:

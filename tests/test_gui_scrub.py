@@ -1,0 +1,122 @@
+"""Scrubbing far: a drag's frames that are costly to decode are decoded on a worker thread while the window keeps
+its pace, the latest one wanted wins, and any other move overrides them (pytest-qt, offscreen, a real recording of
+the engine)."""
+import threading
+
+import pytest
+from PySide6 import QtCore, QtGui
+
+from explorer.main_window import MainWindow
+from explorer.source import SCRUB_ON_GUI_THREAD
+from explorer.stream_feed import RecordingFeed
+from kvstream.history import KEYFRAME_COST
+from kvstream.poolstream import StreamEncoder
+from kvstream.recording import Recorder
+from tests.poolstream_helpers import assert_same_snapshot, workload
+
+LEFT = QtCore.Qt.MouseButton.LeftButton
+INTERVAL = 100  # frames from one keyframe to the next in the recording (long runs: far frames are costly)
+
+
+@pytest.fixture
+def scrub_window(qtbot, tmp_path):
+    snaps = workload()
+    path = tmp_path / "scrub.kvpool"
+    encoder = StreamEncoder(keyframe_interval=INTERVAL, keyframe_after_bytes=10 ** 9)
+    with Recorder(path) as recorder:
+        for snap, events in snaps:
+            recorder.write(encoder.encode(snap, events))
+    window = MainWindow(feed=RecordingFeed.open(str(path)))
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.source.view is not None, timeout=5000)
+    history = window.source.history
+    decoded = []  # (seq, thread name) of every snapshot_at
+    real = history.snapshot_at
+
+    def snapshot_at(seq):
+        decoded.append((seq, threading.current_thread().name))
+        return real(seq)
+
+    history.snapshot_at = snapshot_at
+    yield window, snaps, decoded
+    window.close()
+
+
+def mouse(track, kind, x):
+    point = QtCore.QPointF(x, track.height() / 2)
+    buttons = LEFT if kind != QtCore.QEvent.Type.MouseButtonRelease else QtCore.Qt.MouseButton.NoButton
+    event = QtGui.QMouseEvent(kind, point, track.mapToGlobal(point),
+                              QtCore.Qt.MouseButton.NoButton if kind == QtCore.QEvent.Type.MouseMove else LEFT,
+                              buttons, QtCore.Qt.KeyboardModifier.NoModifier)
+    QtCore.QCoreApplication.sendEvent(track, event)
+
+
+def test_decode_cost_counts_the_frames_from_what_is_at_hand(scrub_window):
+    window, snaps, _ = scrub_window
+    history = window.source.history
+    last = history.last_seq
+    assert history.decode_cost(last) == 0  # on view: its snapshot is cached
+    history.snapshot_at(INTERVAL + 10)
+    assert history.decode_cost(INTERVAL + 10) == 0
+    assert history.decode_cost(INTERVAL + 14) == 4  # on from the decoder left at INTERVAL + 10
+    assert history.decode_cost(INTERVAL + 5) == KEYFRAME_COST + 5  # before it: from the keyframe at INTERVAL
+    assert KEYFRAME_COST > SCRUB_ON_GUI_THREAD  # so a frame that starts at a keyframe goes to the worker
+
+
+def test_a_far_frame_decodes_on_the_worker_and_the_latest_wanted_lands(qtbot, scrub_window):
+    window, snaps, decoded = scrub_window
+    source = window.source
+    before = source.view
+    source.seek_soon(INTERVAL + 60)  # nothing decoded in that run yet: costly
+    assert source.scrubbing and source.view is before and source.viewing is None  # the window keeps its frame
+    source.seek_soon(INTERVAL + 30)  # while the first decodes: wanted, then replaced
+    source.seek_soon(INTERVAL + 40)
+    qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
+    assert source.viewing == INTERVAL + 40 and window.grid.snapshot is source.view
+    assert_same_snapshot(snaps[INTERVAL + 40][0], source.view, "landed")
+    on_worker = [seq for seq, name in decoded if name.startswith("history-decode")]
+    assert on_worker == [INTERVAL + 60, INTERVAL + 40]  # the replaced one was never decoded
+    decoded.clear()
+    source.seek_soon(INTERVAL + 41)  # one frame on: cheap, on the GUI thread at once
+    assert not source.scrubbing and source.viewing == INTERVAL + 41
+    assert decoded[0] == (INTERVAL + 41, threading.current_thread().name)
+    assert not [name for _, name in decoded if name.startswith("history-decode")]
+
+
+def test_any_other_move_overrides_a_scrub_under_way(qtbot, scrub_window):
+    window, snaps, _ = scrub_window
+    source = window.source
+    source.seek_soon(2 * INTERVAL + 50)
+    assert source.scrubbing
+    source.seek(10)  # a click on an event, a key: shown at once, the scrub's frame is dropped when it comes
+    assert not source.scrubbing and source.viewing == 10
+    qtbot.wait(300)
+    assert source.viewing == 10 and window.pane.timeline.position == 10
+    assert_same_snapshot(snaps[10][0], window.grid.snapshot, "after the override")
+    source.seek_soon(2 * INTERVAL + 50)
+    source.go_live()
+    qtbot.wait(300)
+    assert source.viewing is None and source.view is source.live
+
+
+def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot, scrub_window):
+    window, snaps, decoded = scrub_window
+    timeline, source = window.pane.timeline, window.source
+    track = timeline.track
+    r = track.strip()
+    xs = [r.left() + r.width() * f for f in (0.9, 0.7, 0.5, 0.3, 0.45)]
+    mouse(track, QtCore.QEvent.Type.MouseButtonPress, xs[0])
+    assert timeline.scrubbing
+    for x in xs[1:]:
+        mouse(track, QtCore.QEvent.Type.MouseMove, x)
+        wanted = track.seq_at(x)
+        assert timeline.position == wanted  # never pulled back to a frame that lands meanwhile
+        qtbot.wait(5)
+    mouse(track, QtCore.QEvent.Type.MouseButtonRelease, xs[-1])
+    assert not timeline.scrubbing
+    qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
+    wanted = track.seq_at(xs[-1])
+    assert source.viewing == wanted == timeline.position and window.grid.snapshot is source.view
+    assert_same_snapshot(snaps[wanted][0], source.view, "end of the drag")
+    assert any(name.startswith("history-decode") for _, name in decoded)
