@@ -279,7 +279,8 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_viewing(self, seq) -> None:
         self._panels_stale = True
-        self._last_panels = 0.0
+        if not (self.source.scrubbing or self.pane.timeline.scrubbing):
+            self._last_panels = 0.0  # a move: its tables at the next frame (a drag's at PANEL_INTERVAL)
         self.back_to_live_action.setEnabled(seq is not None)
         self.inspector.set_kv_reason(self._kv_reason())
         self._enable_commands()

@@ -12,6 +12,7 @@ A *feed* (:class:`~explorer.feed.Feed`, Qt-free so headless runs use the same on
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -35,8 +36,17 @@ def _done(value=None, error: BaseException | None = None) -> Future:
     return future
 
 
+def _timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
 SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
 # worker (a frame far from the one decoded last: 30-50 ms at 65,536 blocks, longer than a frame of the window)
+SCRUB_PACE_S = 0.033  # the worker begins at most one decode per frame of the window (it shows no more than that),
+# and rests as long as its last decode took before the next: decoding back to back, it held the GIL the GUI thread
+# needs for drawing so much that a drag over a 10,000-step recording of 65,536 blocks ran at 18-20 frames/s
 
 
 class PoolSource(QtCore.QObject):
@@ -79,6 +89,10 @@ class PoolSource(QtCore.QObject):
         self._moves = 0
         self._worker: ThreadPoolExecutor | None = None
         self._decoded.connect(self._land_scrub, QtCore.Qt.ConnectionType.QueuedConnection)
+        self._next_decode_at = 0.0  # the worker's next decode begins no sooner (perf_counter; see SCRUB_PACE_S)
+        self._pace_timer = QtCore.QTimer(self)
+        self._pace_timer.setSingleShot(True)
+        self._pace_timer.timeout.connect(self._decode_next)
 
     # ---- what the source can do ----------------------------------------------------------------------
     @property
@@ -231,13 +245,17 @@ class PoolSource(QtCore.QObject):
         return self._scrub_wanted is not None or self._scrub_decoding is not None
 
     def _decode_next(self) -> None:
-        if self._scrub_decoding is not None or self._scrub_wanted is None:
+        if self._scrub_decoding is not None or self._scrub_wanted is None or self._pace_timer.isActive():
+            return
+        wait = self._next_decode_at - time.perf_counter()
+        if wait > 0:
+            self._pace_timer.start(max(1, int(wait * 1000)))
             return
         seq, self._scrub_wanted = self._scrub_wanted, None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
         history = self.history
-        future = self._worker.submit(history.snapshot_at, seq)
+        future = self._worker.submit(_timed, history.snapshot_at, seq)
         self._scrub_decoding = (future, seq, history, self._moves)
         future.add_done_callback(self._decode_done)
 
@@ -255,7 +273,9 @@ class PoolSource(QtCore.QObject):
         self._scrub_decoding = None
         if moves == self._moves and history is self.history:
             try:
-                snapshot = future.result()
+                snapshot, took = future.result()
+                # rest as long as it took, and until a frame after it began (see SCRUB_PACE_S)
+                self._next_decode_at = time.perf_counter() + max(took, SCRUB_PACE_S - took)
             except LookupError:  # dropped from history meanwhile (its budget): the next poll follows it
                 snapshot = None
             if snapshot is not None:
@@ -267,6 +287,7 @@ class PoolSource(QtCore.QObject):
         self._moves += 1
         self._scrub_wanted = None
         self._scrub_decoding = None
+        self._pace_timer.stop()
 
     def go_live(self) -> None:
         """Back to the newest frame."""
