@@ -810,7 +810,7 @@ class _State:
     """Mutable decoded state of one stream, with the immutable pieces of the last snapshot built from it."""
 
     __slots__ = ("header", "stream_id", "seq", "step_id", "version", "dtypes", "work", "frozen", "tables",
-                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending", "early")
+                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending")
 
     def __init__(self, header: Header, stream_id: int):
         self.header = header  # the pool's header
@@ -829,14 +829,10 @@ class _State:
         self.metrics = EngineMetrics()
         self.memory: MemoryStats | None = None
         self.snap: PoolSnapshot | None = None  # the last snapshot built; None: stale
-        # Decode steps not yet applied to the rows: (ids, ids as an array, one token each [ids], texts, computed)
-        # per frame, oldest first. Applied in one go when anything reads the rows (a build; a patch or drop of one
-        # of them applies that one's: _flush_some), so that a run of 60 deltas costs one extend per conversation,
-        # not 60 (see _flush).
-        self.pending: list[tuple[list[int], np.ndarray, np.ndarray, list[str], Any]] = []
-        # conversation id -> how many of the pending steps (from the first) are in its row already: a patch or a
-        # drop of it flushed them early (_flush_some), and the full flush passes over them
-        self.early: dict[int, int] = {}
+        # Decode steps not yet applied to the rows: (ids, one token each [ids], texts, computed) per frame, oldest
+        # first. Applied in one go when anything reads the rows (a build, a patch or drop of one of those
+        # conversations), so that a run of 60 deltas costs one extend per conversation, not 60 (see _flush).
+        self.pending: list[tuple[list[int], np.ndarray, list[str], Any]] = []
 
 
 def _check_table(cid: int, old: tuple | None, drop: int, tail: tuple, n: int) -> None:
@@ -992,7 +988,6 @@ class StreamDecoder:
             new.convs = dict(convs)
             new.conv_objs, new.conv_tuple = dict(state.conv_objs), state.conv_tuple
             new.pending = list(state.pending)  # its entries are never changed: both decoders apply them
-            new.early = dict(state.early)
             new.metrics, new.memory, new.snap = state.metrics, state.memory, state.snap
             out._state = new
         return out
@@ -1079,8 +1074,10 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
         keys = [k for k in tables if k not in removed] + [k for k in seen if k not in tables]
         _check_order(body.tables_order, keys, "block table")
     if (body.conversations or body.conversations_dropped) and state.pending:
-        # patches read those rows, drops remove them: their decode steps before come first (theirs only)
-        _flush_some(state, {p.conversation_id for p in body.conversations}.union(body.conversations_dropped))
+        waiting = set().union(*[p[0] for p in state.pending])
+        if any(p.conversation_id in waiting for p in body.conversations) or \
+                not waiting.isdisjoint(body.conversations_dropped):
+            _flush(state)  # patches read those rows, drops remove them: the decode steps before come first
     convs = state.convs
     seen = {p.conversation_id for p in body.conversations}
     if len(seen) != len(body.conversations):
@@ -1104,12 +1101,10 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
 
 
 def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
-    id_array = _unpack(g.ids, "grown ids")
-    ids = id_array.tolist()
+    ids = _unpack(g.ids, "grown ids").tolist()
     count = len(ids)
-    unique = set(ids)
-    if len(unique) != count or not unique <= convs.keys() or not unique.isdisjoint(patched):
-        unknown = [cid for cid in ids if cid not in convs or cid in patched]
+    unknown = [cid for cid in ids if cid not in convs or cid in patched]
+    if unknown or len(set(ids)) != count:
         raise StreamError(f"malformed pool-stream message: grown conversations {unknown[:5] or ids[:5]} are not "
                           "there, repeated or also patched")
     token_counts = _read_column(g.token_counts, count, "grown token counts")
@@ -1131,7 +1126,7 @@ def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
         raise StreamError("malformed pool-stream message: the grown columns do not line up")
     if blocks and (min(blocks) < 0 or max(blocks) >= n):
         raise StreamError(f"malformed pool-stream message: a grown block table names a block outside 0..{n - 1}")
-    return ids, token_counts, tokens, g.texts, computed, block_counts, blocks, id_array
+    return ids, token_counts, tokens, g.texts, computed, block_counts, blocks
 
 
 def _append_runs(rows: list, at: int, counts: list[int] | int, flat: list) -> None:
@@ -1164,10 +1159,10 @@ def _row(convs: dict, cid: int) -> list:
 
 
 def _apply_grown(grown: tuple, state: _State) -> None:
-    ids, token_counts, tokens, texts, computed, block_counts, blocks, id_array = grown
+    ids, token_counts, tokens, texts, computed, block_counts, blocks = grown
     convs = state.convs
     if token_counts == 1:  # a decode step: its tokens, texts and counts wait in pending (blocks go in now)
-        state.pending.append((ids, id_array, tokens, texts, computed))
+        state.pending.append((ids, tokens, texts, computed))
         if isinstance(block_counts, int):
             if block_counts:
                 _append_runs([_row(convs, cid) for cid in ids], _TABLE_AT, block_counts, blocks)
@@ -1201,85 +1196,25 @@ def _grew(state: _State, ids: list[int], rows: list, texts, computed: list[int] 
 
 
 def _flush(state: _State) -> None:
-    """Apply the pending decode steps to the rows, by conversation: each one's tokens of all the steps in one
-    extend, its texts in one join (the conversations stepping change every few frames as they finish and start, so
-    grouping by frame would pass over every row again and again)."""
-    pending, early = state.pending, state.early
+    """Apply the pending decode steps to the rows: per run of frames with the same conversations, each one's tokens
+    in one extend and its texts in one join."""
+    pending = state.pending
     if not pending:
         return
-    state.pending, state.early = [], {}
+    state.pending = []
     convs = state.convs
-    if len(pending) == 1 and not early:  # one step (a live source builds every frame)
-        ids, _, tokens, texts, computed = pending[0]
+    start = 0
+    while start < len(pending):
+        ids = pending[start][0]
+        end = start + 1
+        while end < len(pending) and pending[end][0] == ids:
+            end += 1
+        run = pending[start:end]
+        start = end
         rows = [_row(convs, cid) for cid in ids]
-        _append_runs(rows, _OUT_AT, 1, tokens.tolist())
-        _grew(state, ids, rows, texts, computed)
-        return
-    # every step's (conversation, token) in frame order, then sorted by conversation (stable: frame order kept)
-    id_all = np.concatenate([p[1] for p in pending])
-    order = np.argsort(id_all, kind="stable")
-    cids, starts = np.unique(id_all[order], return_index=True)
-    ends = np.append(starts[1:], id_all.size)
-    tokens = np.concatenate([p[2] for p in pending])[order].tolist()
-    texts = np.array(list(itertools.chain.from_iterable(p[3] for p in pending)), dtype=object)[order]
-    computed = np.concatenate([np.full(len(p[0]), p[4]) if isinstance(p[4], int) else np.asarray(p[4])
-                               for p in pending])[order].tolist()
-    frame_of = np.repeat(np.arange(len(pending)), [len(p[0]) for p in pending])[order] if early else None
-    objs = state.conv_objs
-    for cid, a, b in zip(cids.tolist(), starts.tolist(), ends.tolist()):
-        if early and cid in early:  # its steps before early[cid] are in its row already
-            a += int(np.searchsorted(frame_of[a:b], early[cid]))
-            if a == b:
-                continue
-        vals = _row(convs, cid)
-        cur = vals[_OUT_AT]
-        if type(cur) is not list:
-            cur = vals[_OUT_AT] = list(cur)
-        cur.extend(tokens[a:b])
-        text = "".join(texts[a:b])
-        if text:
-            vals[_TEXT_OUT_AT] += text
-        vals[_COMPUTED_AT] = computed[b - 1]
-        objs.pop(cid, None)
-
-
-def _flush_some(state: _State, named: set) -> None:
-    """Apply the pending decode steps of the conversations in ``named`` alone (a patch reads their rows, a drop
-    removes them); the others wait on. Each one's steps applied are counted in ``state.early``, and the full flush
-    passes over them."""
-    pending, early = state.pending, state.early
-    n = len(pending)
-    todo = [cid for cid in named if early.get(cid, 0) < n]
-    if not todo:
-        return
-    sizes = np.fromiter((len(p[0]) for p in pending), np.int64, n)
-    starts = np.cumsum(sizes) - sizes  # where each step's conversations begin in id_all
-    id_all = np.concatenate([p[1] for p in pending])
-    convs, objs = state.convs, state.conv_objs
-    for cid in todo:
-        done = early.get(cid, 0)
-        early[cid] = n
-        hits = np.flatnonzero(id_all == cid)
-        steps = np.searchsorted(starts, hits, side="right") - 1  # the step of each
-        keep = steps >= done
-        if not keep.any():
-            continue
-        toks, texts, computed = [], [], None
-        for step, at in zip(steps[keep].tolist(), (hits - starts[steps])[keep].tolist()):
-            _, _, tokens, txts, comp = pending[step]
-            toks.append(int(tokens[at]))
-            texts.append(txts[at])
-            computed = comp if isinstance(comp, int) else comp[at]
-        vals = _row(convs, cid)
-        cur = vals[_OUT_AT]
-        if type(cur) is not list:
-            cur = vals[_OUT_AT] = list(cur)
-        cur.extend(toks)
-        text = "".join(texts)
-        if text:
-            vals[_TEXT_OUT_AT] += text
-        vals[_COMPUTED_AT] = computed
-        objs.pop(cid, None)
+        tokens = np.stack([p[1] for p in run], axis=1).ravel().tolist()  # [ids, frames]: each one's run in a row
+        _append_runs(rows, _OUT_AT, len(run), tokens)
+        _grew(state, ids, rows, run[0][2] if len(run) == 1 else map("".join, zip(*[p[2] for p in run])), run[-1][3])
 
 
 def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patches: list, grown) -> None:
