@@ -43,8 +43,9 @@ class SlotsModel(RowsModel):
             self.set_rows([])
             return
         texts = tuple(info.token_texts) + ("",) * (len(info.token_ids) - len(info.token_texts))
-        self.set_rows([(i, p, t, token_label(s) if s else f"<{t}>") for i, (p, t, s) in
-                       enumerate(zip(info.positions, info.token_ids, texts))])  # no text (no tokenizer): the id
+        # no text (no tokenizer): the id; no position (a cached block whose last holder no longer lists it): "?"
+        self.set_rows([(i, p if p >= 0 else "?", t, token_label(s) if s else f"<{t}>") for i, (p, t, s) in
+                       enumerate(zip(info.positions, info.token_ids, texts))])
 
 
 class _SlotsView(QtWidgets.QTableView):

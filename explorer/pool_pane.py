@@ -105,7 +105,8 @@ class PoolPane(QtWidgets.QWidget):
         if history is None or len(history) == 0:
             return
         self.timeline.set_range(history.first_seq, history.last_seq, history.step_of)
-        self.timeline.set_kept(history.nbytes, history.budget_bytes)
+        recording = getattr(history, "recording", None)  # a recording's size is its file's, not the memory estimate
+        self.timeline.set_kept(recording.num_bytes if recording is not None else history.nbytes, history.budget_bytes)
 
     def _on_events(self, pairs, restarted: bool) -> None:
         """New frames in history (the source read their events once for every panel): range, marks, bytes."""

@@ -1,4 +1,6 @@
 """The block inspector on hand-built views and on a real engine: relocation, ids without text, heatmap, size."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -246,3 +248,13 @@ def test_in_the_window_the_inspector_shows_the_docks_newest_lines_and_jumps(qtbo
     inspector.history.linkActivated.emit(f"{first.seq}:{first.step_id}")
     qtbot.waitUntil(lambda: window.source.viewing == first.seq, timeout=3000)
     assert window.snapshot.step_id == first.step_id
+
+
+def test_a_cached_block_whose_positions_are_unknown_says_so(inspector):
+    """A recording's cached block whose last holder no longer lists it: its tokens are known from the block's STORED
+    event, its positions are not; the slot table shows "?" there, not -1 (seen in the X window)."""
+    cached = dataclasses.replace(info(6, state=BlockState.CACHED, owners=(), keys=False), positions=(-1,) * 4)
+    inspector.select(6, view({}))
+    inspector.show_block(cached)
+    assert [row[1] for row in inspector.slot_rows()] == ["?"] * 4
+    assert [row[2] for row in inspector.slot_rows()] == [10, 11, 12, 13]

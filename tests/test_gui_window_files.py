@@ -3,6 +3,7 @@
 real engine, real pool stream over ipc)."""
 import fnmatch
 import json
+import os
 import threading
 from concurrent.futures import Future
 
@@ -95,6 +96,8 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, 
     assert len(history) >= 6 and history.step_of(history.first_seq) == start
     assert start + 6 <= source.live.step_id <= recorded_to
     assert window.pane.timeline.isVisible() and not window.pane.timeline.live_source
+    # its size is the file's (the timeline had said the memory estimate of its frames: 513 MiB for 403 MiB)
+    assert window.pane.timeline.kept_bytes == history.recording.num_bytes == os.path.getsize(path)
     window.pane.timeline.seek(history.first_seq)  # scrub back to where the recording started
     assert window.snapshot.step_id == history.step_of(history.first_seq)
     window.add_action.trigger()  # disabled: nothing happens, no dialog
