@@ -29,13 +29,12 @@ EVENT_OVERHEAD = 250  # bytes a decoded BlockEvent costs in memory beyond the pa
 _TRIM_TO = 7 / 8  # a trim brings the history down to this share of the budget (a trim re-keys, so not per frame)
 _SNAPSHOT_CACHE = 4  # rebuilt snapshots kept (the view and the frames next to it)
 _CHECKPOINT_EVERY = 8  # scrubbing back through a run of deltas, keep the decoder state every this many frames
-_BRIDGE_REACH = 64  # a decoder this many frames before a bridged keyframe goes on through it (decoding the keyframe
-# of 65,536 blocks costs about as much as 64 deltas)
+KEYFRAME_COST = 40  # decoding a keyframe costs about as much as this many deltas (65,536 blocks, 511 conversations:
+# 8.1 ms, against 0.2 ms a delta fast-forwarding). So a decoder up to this many frames before a bridged keyframe goes
+# on through the bridge rather than decoding the keyframe, and decode_cost counts a keyframe as this many frames
 _SCRUB_BACK = 64  # a move back of at most this many frames counts as scrubbing (checkpoints are kept on the way)
 _CHECKPOINTS = 16  # decoder states kept for jumps back (each holds one copy of the per-block arrays: 2 MB at 65,536
 # blocks); a step back decodes 4 deltas on average (0.7 ms each with 256 conversations) after a 0.8 ms copy
-KEYFRAME_COST = 30  # decode_cost of starting at a keyframe, in frames (65,536 blocks, 510 conversations: 7.4 ms for
-# the keyframe against 0.2-0.3 ms a delta)
 BUSY_COST = 10 ** 9  # decode_cost while another thread decodes
 _ENDS_CONTENT = frozenset({EventKind.ALLOCATED, EventKind.FREED, EventKind.EVICTED})  # the block's KV is gone
 
@@ -439,7 +438,7 @@ class History:
         keys = self._keys
         k = bisect.bisect_right(keys, seq) - 1
         key_seq = floor = keys[k]
-        reach = max(self._seqs[0], key_seq - _BRIDGE_REACH)
+        reach = max(self._seqs[0], key_seq - KEYFRAME_COST)
         while keys[k] > reach and keys[k] in self._bridged:
             k -= 1
             floor = max(reach, keys[k])

@@ -87,14 +87,14 @@ def test_a_far_frame_decodes_on_the_worker_and_the_latest_wanted_lands(qtbot, sc
 def test_any_other_move_overrides_a_scrub_under_way(qtbot, scrub_window):
     window, snaps, _ = scrub_window
     source = window.source
-    source.seek_soon(2 * INTERVAL + 50)
+    source.seek_soon(INTERVAL + 50)
     assert source.scrubbing
     source.seek(10)  # a click on an event, a key: shown at once, the scrub's frame is dropped when it comes
     assert not source.scrubbing and source.viewing == 10
     qtbot.wait(300)
     assert source.viewing == 10 and window.pane.timeline.position == 10
     assert_same_snapshot(snaps[10][0], window.grid.snapshot, "after the override")
-    source.seek_soon(2 * INTERVAL + 50)
+    source.seek_soon(INTERVAL + 50)
     source.go_live()
     qtbot.wait(300)
     assert source.viewing is None and source.view is source.live
