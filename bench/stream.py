@@ -2,7 +2,9 @@
 
 1. record: cost of encoding a frame and writing it to a recording at 65,536 blocks with 256 conversations decoding
    (target: at most 1 ms per frame on top of the step), and decode speed with recording against without it: two
-   engines taking turns step by step, one of them recording in each round (target: at least 0.95x).
+   engines taking turns step by step, one of them recording in each round (target: at least 0.95x). Then as the
+   app records, on the fanout's own thread: the engine thread's cost per step, and decode with recording against
+   without in alternating blocks of steps of one engine.
 2. jump: a recording of --jump-steps steps (default 10,000) of the same workload, kept at 256 conversations by
    adding one whenever one finishes; then opening it and jumping to random frames, to the frames furthest from a
    keyframe (the worst case) and scrubbing one frame back and forth (target: at most 50 ms per jump).
@@ -109,6 +111,49 @@ def bench_record(rounds: int, steps: int) -> None:
           f"median {statistics.median(write_ms):.3f} ms; encode+write median {statistics.median(cost):.3f} ms, "
           f"p90 {pct(cost, 0.9):.3f} ms, max {max(cost):.3f} ms ({len(cost)} frames)")
     print(f"bytes per frame: median {statistics.median(sizes):.0f}")
+    del engines
+    bench_record_threaded(rounds, steps)
+
+
+def bench_record_threaded(rounds: int, steps: int) -> None:
+    """As the app records: a threaded FrameFanout (kvstream/fanout.py) encodes and writes on its own thread, and
+    the engine thread only hands the snapshot over. One engine, blocks of ``steps`` steps with the fanout fed and
+    without, alternating (two engines taking turns would put the fanout's work into the other engine's steps):
+    the engine thread's cost per step, and decode with recording against without, per adjacent pair of blocks."""
+    from kvstream.fanout import FrameFanout
+    blocks = 2 * rounds + 1  # starts and ends without recording
+    engine = heavy_engine(max_new_tokens=blocks * steps + 16)  # decoding all along
+    print(f"== record, threaded (as the app): one engine, {blocks} blocks of {steps} steps, recording in every "
+          "other one")
+    path = Path(tempfile.mkdtemp(prefix="bench-stream-")) / "threaded.kvpool"
+    recorder = Recorder(path)
+    fanout = FrameFanout([recorder], threaded=True)
+    fanout(engine.snapshot(), take_events(engine))
+    fanout.flush()
+    handed, times, pending = [], [], []
+    for b in range(blocks):
+        on = b % 2 == 1
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            snap, events = engine.snapshot(), take_events(engine)
+            if on:
+                t0 = time.perf_counter()
+                fanout(snap, pending + events)
+                handed.append((time.perf_counter() - t0) * 1e3)
+                pending = []
+            else:
+                pending += events
+        if on:
+            fanout.flush()  # inside the block: the frames it encodes are paid for by the steps they came from
+        times.append(time.perf_counter() - start)
+    fanout.close()
+    # each recording block against the mean of the blocks on either side of it (steps slow down as the contexts
+    # grow: a neighbour on one side only would count that drift); the first two blocks warm up
+    ratios = [(times[i - 1] + times[i + 1]) / 2 / times[i] for i in range(3, blocks - 1, 2)]  # without / with
+    print(f"engine-thread cost per frame: median {statistics.median(handed):.3f} ms, max {max(handed):.3f} ms; "
+          f"decode with recording / without: {statistics.median(ratios):.3f}x median of {len(ratios)} blocks "
+          f"({', '.join(f'{x:.3f}' for x in ratios)}); {fanout.frames} frames, {path.stat().st_size / 2**20:.1f} MiB")
 
 
 def record_jump_workload(num_steps: int) -> Path:

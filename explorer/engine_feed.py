@@ -71,7 +71,7 @@ class EngineFeed(Feed):
         ``extra_sinks`` (recorder, publisher: the feed's ``outputs``)."""
         history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
-        fanout = FrameFanout(sinks) if sinks else None
+        fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
         runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
                               observers=[fanout] if fanout is not None else None).start()
         return cls(runner, config, history, fanout, outputs=extra_sinks)
@@ -211,6 +211,8 @@ class EngineFeed(Feed):
         self._closed = True
         stopped = self.runner.stop(timeout=STOP_TIMEOUT_S)
         fanouts = [f for f in [self.fanout] + [f for _, f in self.recorders] if f is not None]
+        if stopped:  # their threads write what the engine handed over before the outputs are counted and closed
+            stopped = all([f.stop(timeout=STOP_TIMEOUT_S) for f in fanouts])
         sinks = list(dict.fromkeys([s for f in fanouts for s in f.sinks] + self.outputs
                                    + [r for r, _ in self.recorders]))
         kept = [s for s in self.outputs if stopped and keep_publishers and not _is_recorder(s) and s in sinks]
@@ -219,8 +221,8 @@ class EngineFeed(Feed):
         closing = [s for s in sinks if s not in kept]
         if stopped:
             _close_all(closing)
-        else:  # the engine thread is still in a step and may write once more: close its outputs once it ended
-            threading.Thread(target=_close_when_stopped, args=(self.runner, closing), name="close outputs",
+        else:  # the engine thread is still in a step, or a fanout in a write: close the outputs once they ended
+            threading.Thread(target=_close_when_stopped, args=(self.runner, fanouts, closing), name="close outputs",
                              daemon=True).start()
         return kept, ended
 
@@ -232,6 +234,8 @@ def _close_all(sinks) -> None:
             close()
 
 
-def _close_when_stopped(runner: EngineRunner, sinks) -> None:
+def _close_when_stopped(runner: EngineRunner, fanouts, sinks) -> None:
     runner.stop(timeout=None)  # joins the engine thread, then closes the engine's sockets
+    for f in fanouts:
+        f.stop(timeout=None)
     _close_all(sinks)

@@ -22,7 +22,8 @@ class JoiningFanout:
     opens)."""
 
     def __init__(self, sinks: Sequence[object]):
-        self.fanout = FrameFanout(sinks)  # encodes once, writes to every sink, drops a failing one
+        self.fanout = FrameFanout(sinks, threaded=True)  # encodes once (off the engine thread), writes to every
+        # sink, drops a failing one
         self._lock = threading.Lock()  # prime() may come from another thread than the frames
         self._first = None  # the snapshot the first frame was made of (None: nothing encoded yet)
 
@@ -51,6 +52,9 @@ class JoiningFanout:
 
     def take_failures(self) -> list[str]:
         return self.fanout.take_failures()
+
+    def stop(self, timeout: float | None = 10.0) -> bool:
+        return self.fanout.stop(timeout)
 
     def close(self) -> None:
         self.fanout.close()

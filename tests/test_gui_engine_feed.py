@@ -18,38 +18,45 @@ def small_engine(prompt="Outputs close once the engine thread has ended.", token
 
 
 class Gate:
-    """A sink that holds the engine thread inside one frame's write until released (a step that runs late)."""
+    """A sink that holds the frame's write until released (a slow disk, a stuck socket)."""
 
     def __init__(self):
         self.armed = False
         self.entered, self.release = threading.Event(), threading.Event()
+        self.thread = None  # the thread that wrote
 
     def write(self, frame) -> None:
+        self.thread = threading.current_thread()
         if self.armed:
             self.entered.set()
             self.release.wait(10)
 
 
-def test_outputs_are_closed_only_after_the_engine_thread_ended(tmp_path, monkeypatch):
-    """A close that times out while the engine thread is still writing a frame closes the recorder later: the
-    frame being written when the window closed is in the file (it used to go to a closed recorder and be lost)."""
+def test_outputs_are_closed_only_after_the_frames_handed_over_are_written(tmp_path, monkeypatch):
+    """Frames are encoded and written on the fanout's own thread, not the engine's: a sink stuck in a write holds
+    neither the engine thread nor the close (0.2 s here), and the recorder is closed later, once the frame being
+    written when the window closed is in the file (it used to go to a closed recorder and be lost)."""
     monkeypatch.setattr(engine_feed, "STOP_TIMEOUT_S", 0.2)
     engine, cfg = small_engine()
     gate, recorder = Gate(), Recorder(tmp_path / "late.kvrec")
     feed = EngineFeed.start(engine, cfg, start_paused=True, extra_sinks=[gate, recorder], history_bytes=None)
     gate.armed = True
     feed.runner.step_once()
-    assert gate.entered.wait(10)  # the engine thread is inside the step's frame, before the recorder's write
+    assert gate.entered.wait(10)  # the fanout's thread is inside the step's frame, before the recorder's write
+    assert gate.thread is not feed.runner._thread and gate.thread.name == "pool-stream encoder"
+    for _ in range(100):  # the runner publishes the step's snapshot as its frame goes to the fanout
+        if feed.runner.latest.step_id == 1:
+            break
+        threading.Event().wait(0.02)
     step = feed.runner.latest.step_id
     feed.close()  # gives up waiting after 0.2 s; the recorder must stay open for that frame
-    assert feed.runner.alive and not recorder.closed
+    assert not feed.runner.alive and not recorder.closed  # the engine thread was not held by the stuck sink
     gate.release.set()
-    feed.runner._thread.join(10)
     for _ in range(100):
         if recorder.closed:
             break
         threading.Event().wait(0.05)
-    assert recorder.closed and not feed.runner.alive
+    assert recorder.closed
     frames = list(read_frames(recorder.path))
     assert frames[-1].step_id == step == 1 and len(frames) == recorder.frames_written == 2
     assert open_recording(recorder.path).latest().step_id == step
