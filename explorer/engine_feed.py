@@ -11,6 +11,7 @@ subscribers see the source restart and follow), while recordings end with the en
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -184,15 +185,17 @@ class EngineFeed(Feed):
         recorder, joining = self.recorders.pop()
         closed: Future = Future()
 
-        def close(_removed) -> None:
+        def close() -> None:
             try:
-                joining.close()
+                joining.close()  # waits for the frames handed over: not on the engine thread
             except Exception as exc:  # said by whoever waits on it
                 closed.set_exception(exc)
             else:
                 closed.set_result(recorder)
 
-        self.runner.remove_observer(joining).add_done_callback(close)
+        # the done callback runs on the engine thread once the runner let go of the observer
+        self.runner.remove_observer(joining).add_done_callback(
+            lambda _removed: threading.Thread(target=close, name="close recording", daemon=True).start())
         return recorder, closed
 
     # ---- closing -------------------------------------------------------------------------------------------
@@ -209,13 +212,18 @@ class EngineFeed(Feed):
         if self._closed:
             return [], []
         self._closed = True
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         stopped = self.runner.stop(timeout=STOP_TIMEOUT_S)
         fanouts = [f for f in [self.fanout] + [f for _, f in self.recorders] if f is not None]
-        if stopped:  # their threads write what the engine handed over before the outputs are counted and closed
-            stopped = all([f.stop(timeout=STOP_TIMEOUT_S) for f in fanouts])
+        # the fanouts' threads write what the engine handed over before the outputs are counted and closed; the
+        # command line's publishers go on with the next engine once the main fanout let go of them, whatever a
+        # File > Record recorder is stuck in
+        ended_fanouts = [stopped and f.stop(timeout=max(0.0, deadline - time.monotonic())) for f in fanouts]
+        main_done = stopped and (self.fanout is None or ended_fanouts[0])
+        stopped = all(ended_fanouts)
         sinks = list(dict.fromkeys([s for f in fanouts for s in f.sinks] + self.outputs
                                    + [r for r, _ in self.recorders]))
-        kept = [s for s in self.outputs if stopped and keep_publishers and not _is_recorder(s) and s in sinks]
+        kept = [s for s in self.outputs if main_done and keep_publishers and not _is_recorder(s) and s in sinks]
         ended = [(r.path, r.frames_written) for r in sinks if _is_recorder(r)]
         self.recorders.clear()
         closing = [s for s in sinks if s not in kept]

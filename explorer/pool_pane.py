@@ -139,7 +139,7 @@ class PoolPane(QtWidgets.QWidget):
         elif seq is not None and not self.source.scrubbing and (self.timeline.is_live or
                                                                  self.timeline.position != seq):
             self.sync_timeline()
-            self.timeline.seek(seq)
+            self.timeline.set_viewed(seq)  # the source is there already: no second seek
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()

@@ -139,8 +139,8 @@ class PoolSource(QtCore.QObject):
 
     def close(self) -> None:
         self._drop_scrub()
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:  # a decode under way ends first (tens of ms): it signals this object when done
+            self._worker.shutdown(wait=True, cancel_futures=True)
             self._worker = None
         self.futures.clear()
         self.feed.close()
@@ -271,16 +271,22 @@ class PoolSource(QtCore.QObject):
             return
         future, seq, history, moves = decoding
         self._scrub_decoding = None
-        if moves == self._moves and history is self.history:
-            try:
-                snapshot, took = future.result()
+        try:
+            if moves == self._moves and history is self.history:
+                try:
+                    snapshot, took = future.result()
+                except LookupError:  # dropped from history meanwhile (its budget): the next poll follows it
+                    return
+                except Exception as exc:  # a frame that does not decode: said, and the scrub goes on
+                    self._scrub_wanted = None if self._scrub_wanted == seq else self._scrub_wanted
+                    self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be decoded: "
+                                              f"{type(exc).__name__}: {exc}"))
+                    return
                 # rest as long as it took, and until a frame after it began (see SCRUB_PACE_S)
                 self._next_decode_at = time.perf_counter() + max(took, SCRUB_PACE_S - took)
-            except LookupError:  # dropped from history meanwhile (its budget): the next poll follows it
-                snapshot = None
-            if snapshot is not None:
                 self._show(seq, snapshot)
-        self._decode_next()
+        finally:
+            self._decode_next()
 
     def _drop_scrub(self) -> None:
         """Another move: the frames wanted by seek_soon are no longer, a decode under way is dropped when done."""

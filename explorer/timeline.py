@@ -250,6 +250,10 @@ class _Track(QtWidgets.QWidget):
         if event.button() == QtCore.Qt.MouseButton.LeftButton:
             self.dragging = False
 
+    def hideEvent(self, event) -> None:  # hidden mid-drag: no release will come
+        self.dragging = False
+        super().hideEvent(event)
+
     def mouseMoveEvent(self, event: QtGui.QMouseEvent) -> None:
         if event.buttons() & QtCore.Qt.MouseButton.LeftButton and not self.timeline.empty:
             self.picked.emit(self.seq_at(event.position().x()))

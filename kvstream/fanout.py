@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Sequence
 
 from kvstream.poolstream import StreamEncoder
@@ -43,6 +44,7 @@ class FrameFanout:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop() was called: no more frames are taken
+        self._stop_queued = False  # the thread's stop is in its queue
         if threaded:
             self._queue = queue.Queue(QUEUE_FRAMES)
             self._thread = threading.Thread(target=self._run, name="pool-stream encoder", daemon=True)
@@ -95,12 +97,21 @@ class FrameFanout:
                 self._queue.task_done()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every frame handed over so far is written (at once when not threaded); False on timeout."""
-        if self._thread is None:
+        """Wait until every frame handed over so far is written (at once when not threaded); False on timeout (a
+        sink holding the thread with the queue full counts against the timeout too)."""
+        thread = self._thread
+        if thread is None:
             return True
+        if self._stopping:  # what was handed over is written once the thread ends
+            thread.join(timeout)
+            return not thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = threading.Event()
-        self._queue.put(done)
-        return done.wait(timeout)
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def stop(self, timeout: float | None = 10.0) -> bool:
         """Write what was handed over and end the fanout's thread (the sinks stay open); True once it ended (at
@@ -108,10 +119,15 @@ class FrameFanout:
         thread = self._thread
         if thread is None:
             return True
-        if not self._stopping:
-            self._stopping = True
-            self._queue.put(_STOP)
-        thread.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._stopping = True  # no more frames are taken
+        if not self._stop_queued:
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:  # a sink holds the thread and the queue is full
+                return False
+            self._stop_queued = True
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             return False
         self._thread = None

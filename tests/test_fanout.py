@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from kvstream.fanout import FrameFanout
+from kvstream.fanout import QUEUE_FRAMES, FrameFanout
 from kvstream.poolstream import StreamDecoder, read_head
 from tests.poolstream_helpers import assert_same_snapshot, workload
 
@@ -52,14 +52,23 @@ def test_threaded_fanout_writes_the_same_frames_in_order_off_the_callers_thread(
 
 
 def test_close_waits_for_the_frames_handed_over_and_stop_can_give_up_and_wait_again():
-    snaps = workload()[:12]
+    """A sink that holds the fanout's thread with its queue full (a stalled disk): flush and stop give up at their
+    timeout instead of waiting to hand over their own marker, then close writes everything, in order."""
+    snaps = workload()[:QUEUE_FRAMES + 1]  # one in the sink's write, the others fill the queue
     hold = threading.Event()
     sink = Sink(hold=hold)
     fanout = FrameFanout([sink], threaded=True)
-    for snap, events in snaps:
-        fanout(snap, events)
-    assert not fanout.flush(0.1) and not fanout.stop(0.1)  # the sink holds the thread
+    feeder = threading.Thread(target=lambda: [fanout(snap, events) for snap, events in snaps])
+    feeder.start()
+    feeder.join(5)
+    assert not feeder.is_alive() and fanout._queue.full()
+    answers = []
+    asker = threading.Thread(target=lambda: answers.extend([fanout.flush(0.1), fanout.stop(0.1)]))
+    asker.start()
+    asker.join(5)
+    assert not asker.is_alive() and answers == [False, False]  # gave up: the queue had no room for them
     assert sink.frames == [] and not sink.closed
     hold.set()
     fanout.close()
     assert sink.closed and [f.seq for f in sink.frames] == list(range(len(snaps)))
+    assert fanout.stop(0) and fanout.flush(0)  # ended: nothing left to wait for

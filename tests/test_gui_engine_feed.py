@@ -99,6 +99,51 @@ def test_recording_joins_a_running_engine_without_missing_a_frame(tmp_path):
     assert [e for _, e in recorded[1:]] == [e for _, e in kept[first + 1:first + len(recorded)]]
 
 
+class StallingRecorder(Recorder):
+    """A recorder whose writes wait, once armed, until released (a stalled disk)."""
+
+    armed = False
+    release = None
+
+    def write(self, frame) -> None:
+        if self.armed:
+            self.release.wait(10)
+        super().write(frame)
+
+
+def test_stopping_a_recording_on_a_stalled_disk_does_not_hold_the_engine(tmp_path):
+    """File > Stop recording while the recorder's writes are stuck: the recorder is closed once its frames are
+    written, and meanwhile the engine thread steps on (its close had waited on the engine thread)."""
+    engine, cfg = small_engine(tokens=60)
+    feed = EngineFeed.start(engine, cfg, start_paused=True, history_bytes=None)
+    try:
+        recorder = StallingRecorder(tmp_path / "stalled.kvrec")
+        recorder.release = threading.Event()
+        feed.start_recording(recorder)
+        feed.runner.step_once()
+        while recorder.frames_written < 2:
+            threading.Event().wait(0.02)
+        recorder.armed = True
+        for _ in range(3):
+            feed.runner.step_once()  # frames wait in the recorder's write
+        while feed.runner.latest.step_id < 4:
+            threading.Event().wait(0.02)
+        _, closed = feed.stop_recording()
+        before = feed.runner.latest.step_id
+        feed.runner.step_once()  # the engine thread is free: it steps while the recording is still closing
+        for _ in range(250):
+            if feed.runner.latest.step_id > before:
+                break
+            threading.Event().wait(0.02)
+        assert feed.runner.latest.step_id == before + 1 and not closed.done()
+        recorder.release.set()
+        assert closed.result(timeout=10) is recorder and recorder.closed
+        assert [f.step_id for f in read_frames(recorder.path)] == list(range(recorder.frames_written))
+        assert recorder.frames_written == before + 1  # every frame up to the stop, none after it
+    finally:
+        feed.close()
+
+
 def test_the_tokenizer_is_called_directly_through_one_object():
     engine, cfg = small_engine()
     feed = EngineFeed.start(engine, cfg, start_paused=True, history_bytes=None)

@@ -94,10 +94,13 @@ def test_any_other_move_overrides_a_scrub_under_way(qtbot, scrub_window):
     qtbot.wait(300)
     assert source.viewing == 10 and window.pane.timeline.position == 10
     assert_same_snapshot(snaps[10][0], window.grid.snapshot, "after the override")
+    window.source.history.drop_cache()  # nothing at hand: the next far frame goes to the worker
     source.seek_soon(INTERVAL + 50)
+    assert source.scrubbing
     source.go_live()
+    assert not source.scrubbing
     qtbot.wait(300)
-    assert source.viewing is None and source.view is source.live
+    assert source.viewing is None and source.view is source.live and window.pane.timeline.is_live
 
 
 def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot, scrub_window):
@@ -108,11 +111,15 @@ def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot,
     xs = [r.left() + r.width() * f for f in (0.9, 0.7, 0.5, 0.3, 0.45)]
     mouse(track, QtCore.QEvent.Type.MouseButtonPress, xs[0])
     assert timeline.scrubbing
+    landed = []
+    source.viewChanged.connect(lambda snap: landed.append(source.viewing))
     for x in xs[1:]:
         mouse(track, QtCore.QEvent.Type.MouseMove, x)
         wanted = track.seq_at(x)
-        assert timeline.position == wanted  # never pulled back to a frame that lands meanwhile
-        qtbot.wait(5)
+        before = len(landed)
+        qtbot.waitUntil(lambda: len(landed) > before or not source.scrubbing, timeout=5000)  # a frame lands
+        assert timeline.position == wanted  # ... and the cursor stays where the mouse is
+    assert any(seq != track.seq_at(x) for seq, x in zip(landed, xs[1:]))  # some landed behind the cursor
     mouse(track, QtCore.QEvent.Type.MouseButtonRelease, xs[-1])
     assert not timeline.scrubbing
     qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
@@ -120,3 +127,26 @@ def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot,
     assert source.viewing == wanted == timeline.position and window.grid.snapshot is source.view
     assert_same_snapshot(snaps[wanted][0], source.view, "end of the drag")
     assert any(name.startswith("history-decode") for _, name in decoded)
+
+
+def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub_window, monkeypatch):
+    window, snaps, _ = scrub_window
+    source, history = window.source, window.source.history
+    problems = []
+    source.problem.connect(problems.append)
+    inner = history.snapshot_at
+
+    def broken(seq):
+        if seq == INTERVAL + 70:
+            raise ValueError("a broken frame")
+        return inner(seq)
+
+    monkeypatch.setattr(history, "snapshot_at", broken)
+    source.seek_soon(INTERVAL + 70)
+    assert source.scrubbing
+    qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
+    assert [p.title for p in problems] == ["Frame not shown"] and "a broken frame" in problems[0].text
+    assert source.viewing is None  # the view it had
+    source.seek_soon(INTERVAL + 75)  # the next one decodes and lands
+    qtbot.waitUntil(lambda: source.viewing == INTERVAL + 75, timeout=5000)
+    assert_same_snapshot(snaps[INTERVAL + 75][0], source.view, "after the broken frame")
