@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from PySide6 import QtCore
 
+from kvstream.history import Cancelled
 from kvstream.views import PoolSnapshot
 
 from .feed import Capabilities, Feed, Problem
@@ -254,9 +255,10 @@ class PoolSource(QtCore.QObject):
         seq, self._scrub_wanted = self._scrub_wanted, None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
-        history = self.history
-        future = self._worker.submit(_timed, history.snapshot_at, seq)
-        self._scrub_decoding = (future, seq, history, self._moves)
+        history, moves = self.history, self._moves
+        # a decode dropped by another move stops at the next frame: the move's own decode does not wait for it
+        future = self._worker.submit(_timed, history.snapshot_at, seq, lambda: self._moves != moves)
+        self._scrub_decoding = (future, seq, history, moves)
         future.add_done_callback(self._decode_done)
 
     def _decode_done(self, _future: Future) -> None:  # on the worker thread
@@ -275,8 +277,8 @@ class PoolSource(QtCore.QObject):
             if moves == self._moves and history is self.history:
                 try:
                     snapshot, took = future.result()
-                except LookupError:  # dropped from history meanwhile (its budget): the next poll follows it
-                    return
+                except (LookupError, Cancelled):  # dropped from history meanwhile (its budget): the next poll
+                    return  # follows it
                 except Exception as exc:  # a frame that does not decode: said, and the scrub goes on
                     self._scrub_wanted = None if self._scrub_wanted == seq else self._scrub_wanted
                     self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be decoded: "
@@ -289,7 +291,8 @@ class PoolSource(QtCore.QObject):
             self._decode_next()
 
     def _drop_scrub(self) -> None:
-        """Another move: the frames wanted by seek_soon are no longer, a decode under way is dropped when done."""
+        """Another move: the frames wanted by seek_soon are no longer; a decode under way stops at its next frame
+        (its ``stop`` sees the move) and is dropped."""
         self._moves += 1
         self._scrub_wanted = None
         self._scrub_decoding = None

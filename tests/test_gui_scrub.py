@@ -9,7 +9,7 @@ from PySide6 import QtCore, QtGui
 from explorer.main_window import MainWindow
 from explorer.source import SCRUB_ON_GUI_THREAD
 from explorer.stream_feed import RecordingFeed
-from kvstream.history import KEYFRAME_COST
+from kvstream.history import KEYFRAME_COST, Cancelled
 from kvstream.poolstream import StreamEncoder
 from kvstream.recording import Recorder
 from tests.poolstream_helpers import assert_same_snapshot, workload
@@ -34,9 +34,9 @@ def scrub_window(qtbot, tmp_path):
     decoded = []  # (seq, thread name) of every snapshot_at
     real = history.snapshot_at
 
-    def snapshot_at(seq):
+    def snapshot_at(seq, stop=None):
         decoded.append((seq, threading.current_thread().name))
-        return real(seq)
+        return real(seq, stop)
 
     history.snapshot_at = snapshot_at
     yield window, snaps, decoded
@@ -136,10 +136,10 @@ def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub
     source.problem.connect(problems.append)
     inner = history.snapshot_at
 
-    def broken(seq):
+    def broken(seq, stop=None):
         if seq == INTERVAL + 70:
             raise ValueError("a broken frame")
-        return inner(seq)
+        return inner(seq, stop)
 
     monkeypatch.setattr(history, "snapshot_at", broken)
     source.seek_soon(INTERVAL + 70)
@@ -150,3 +150,29 @@ def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub
     source.seek_soon(INTERVAL + 75)  # the next one decodes and lands
     qtbot.waitUntil(lambda: source.viewing == INTERVAL + 75, timeout=5000)
     assert_same_snapshot(snaps[INTERVAL + 75][0], source.view, "after the broken frame")
+
+
+def test_a_decode_dropped_by_another_move_stops_and_leaves_a_valid_cache(qtbot, scrub_window, monkeypatch):
+    """History.snapshot_at(seq, stop): once stop says so the decode ends (Cancelled) at the next frame, its cache at
+    the frame it reached, and the frames decoded from there are still exact. The source's worker decodes with a
+    stop that turns true at any other move, so a click or a key after a drag does not wait for a stale decode."""
+    window, snaps, _ = scrub_window
+    source, history = window.source, window.source.history
+    history.drop_cache()
+    applied = []
+    with pytest.raises(Cancelled, match="stopped"):
+        history.snapshot_at(INTERVAL + 80, stop=lambda: applied.append(1) or len(applied) > 20)
+    assert history._decoder is not None and history._decoder.seq == INTERVAL + 19  # keyframe + 19 deltas
+    assert history.decode_cost(INTERVAL + 80) == 61  # goes on from there
+    assert_same_snapshot(snaps[INTERVAL + 80][0], history.snapshot_at(INTERVAL + 80), "after a stopped decode")
+    stops = []
+    inner = history.snapshot_at
+    monkeypatch.setattr(history, "snapshot_at", lambda seq, stop=None: stops.append(stop) or inner(seq, stop))
+    history.drop_cache()
+    source.seek_soon(INTERVAL + 30)
+    qtbot.waitUntil(lambda: len(stops) > 0, timeout=5000)
+    assert stops[0] is not None and not stops[0]()  # the frame is still wanted
+    source.seek(10)
+    assert stops[0]()  # another move: the worker's decode would stop at its next frame
+    qtbot.wait(200)
+    assert source.viewing == 10
