@@ -219,7 +219,7 @@ class EngineFeed(Feed):
         # command line's publishers go on with the next engine once the main fanout let go of them, whatever a
         # File > Record recorder is stuck in
         ended_fanouts = [stopped and f.stop(timeout=max(0.0, deadline - time.monotonic())) for f in fanouts]
-        main_done = stopped and (self.fanout is None or ended_fanouts[0])
+        main_done = stopped if self.fanout is None else ended_fanouts[0]
         stopped = all(ended_fanouts)
         sinks = list(dict.fromkeys([s for f in fanouts for s in f.sinks] + self.outputs
                                    + [r for r, _ in self.recorders]))

@@ -131,12 +131,10 @@ class EventLogModel(QtCore.QAbstractTableModel):
             if not issubclass(kind, BlockEvent):  # at once; they are still checked
                 raise TypeError(f"the event log takes kvstream.events.BlockEvent items, not {kind.__name__}")
         new = [(seq, line) for seq, lines in reversed(frames) for line in lines]
-        count = len(pairs)
         self.unlisted += end
+        self.num_events += len(pairs)
         if not new:
-            self.num_events += count
             return 0
-        self.num_events += count
         start = self.base + len(self.entries)
         shown = [start + i for i, (_, line) in enumerate(new) if self.filter.matches(line)]
         self.entries.extend(new)

@@ -25,10 +25,12 @@ class FutureWatcher:
         """Call back every finished future (in submission order) and forget it."""
         if not self._pending:
             return
-        done = [entry for entry in self._pending if entry[0].done()]
+        done, waiting = [], []
+        for entry in self._pending:  # one look at each: one that finishes meanwhile waits for the next poll
+            (done if entry[0].done() else waiting).append(entry)
         if not done:
             return
-        self._pending = [entry for entry in self._pending if not entry[0].done()]
+        self._pending = waiting
         for future, on_result, on_error in done:
             if future.cancelled():
                 continue

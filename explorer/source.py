@@ -38,9 +38,10 @@ def _done(value=None, error: BaseException | None = None) -> Future:
 
 
 def _timed(fn, *args):
+    """(fn(*args), when it began, when it ended): perf_counter seconds."""
     start = time.perf_counter()
     out = fn(*args)
-    return out, time.perf_counter() - start
+    return out, start, time.perf_counter()
 
 
 SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
@@ -72,7 +73,6 @@ class PoolSource(QtCore.QObject):
     viewingChanged = QtCore.Signal(object)
     eventsArrived = QtCore.Signal(object, bool)
     problem = QtCore.Signal(object)
-    _decoded = QtCore.Signal()  # the scrub worker finished a frame (emitted on its thread, handled on the GUI's)
 
     def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
         super().__init__(parent)
@@ -83,13 +83,12 @@ class PoolSource(QtCore.QObject):
         self.viewing: int | None = None  # history seq being viewed; None while live
         self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
         self._events_stream: int | None = None  # the history's stream id then
-        # scrubbing (seek_soon): the frame wanted next, the decode under way (future, seq, history, generation),
-        # and a generation that every other move (seek, go_live, a new feed) bumps so that a late decode is dropped
+        # scrubbing (seek_soon): the frame wanted next, the decode under way (its Future), and a generation that
+        # every other move (seek, go_live, a new feed) bumps so that a late decode is dropped
         self._scrub_wanted: int | None = None
-        self._scrub_decoding: tuple | None = None
+        self._scrub_decoding: Future | None = None
         self._moves = 0
         self._worker: ThreadPoolExecutor | None = None
-        self._decoded.connect(self._land_scrub, QtCore.Qt.ConnectionType.QueuedConnection)
         self._next_decode_at = 0.0  # the worker's next decode begins no sooner (perf_counter; see SCRUB_PACE_S)
         self._pace_timer = QtCore.QTimer(self)
         self._pace_timer.setSingleShot(True)
@@ -140,8 +139,8 @@ class PoolSource(QtCore.QObject):
 
     def close(self) -> None:
         self._drop_scrub()
-        if self._worker is not None:  # a decode under way ends first (tens of ms): it signals this object when done
-            self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._worker is not None:  # a decode under way stops at its next frame (_drop_scrub)
+            self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None
         self.futures.clear()
         self.feed.close()
@@ -203,14 +202,18 @@ class PoolSource(QtCore.QObject):
     # ---- history ----------------------------------------------------------------------------------------------
     def seek(self, seq: int) -> PoolSnapshot:
         """Show history frame ``seq`` (clamped to what is kept); the feed keeps running. Raises without history."""
-        history = self.history
-        if history is None or len(history) == 0:
-            raise LookupError(f"this source keeps no history ({self.feed.kind})")
-        seq = min(max(int(seq), history.first_seq), history.last_seq)
+        history, seq = self._kept(seq)
         self._drop_scrub()
         snapshot = history.snapshot_at(seq)
         self._show(seq, snapshot)
         return snapshot
+
+    def _kept(self, seq: int):
+        """(the history, ``seq`` clamped to what it keeps); LookupError without history."""
+        history = self.history
+        if history is None or len(history) == 0:
+            raise LookupError(f"this source keeps no history ({self.feed.kind})")
+        return history, min(max(int(seq), history.first_seq), history.last_seq)
 
     def _show(self, seq: int, snapshot: PoolSnapshot) -> None:
         changed = self.viewing != seq
@@ -225,10 +228,7 @@ class PoolSource(QtCore.QObject):
         before), else on a worker thread while the views keep the frame they have, so that a drag or play keeps
         the window's frame rate; a newer call replaces a wanted frame whose decoding has not begun. ``scrubbing``
         is true until the last one is on view. Raises LookupError without history."""
-        history = self.history
-        if history is None or len(history) == 0:
-            raise LookupError(f"this source keeps no history ({self.feed.kind})")
-        seq = min(max(int(seq), history.first_seq), history.last_seq)
+        history, seq = self._kept(seq)
         if self._scrub_decoding is None:
             try:
                 cheap = history.decode_cost(seq) <= SCRUB_ON_GUI_THREAD
@@ -255,38 +255,31 @@ class PoolSource(QtCore.QObject):
         seq, self._scrub_wanted = self._scrub_wanted, None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
-        history, moves = self.history, self._moves
+        moves = self._moves
         # a decode dropped by another move stops at the next frame: the move's own decode does not wait for it
-        future = self._worker.submit(_timed, history.snapshot_at, seq, lambda: self._moves != moves)
-        self._scrub_decoding = (future, seq, history, moves)
-        future.add_done_callback(self._decode_done)
+        future = self._worker.submit(_timed, self.history.snapshot_at, seq, lambda: self._moves != moves)
+        self._scrub_decoding = future
+        # it lands through the watcher the frame timer polls (poll), on the GUI thread
+        self.futures.watch(future, lambda out: self._land_scrub(future, seq, out),
+                           lambda exc: self._land_scrub(future, seq, error=exc))
 
-    def _decode_done(self, _future: Future) -> None:  # on the worker thread
-        try:
-            self._decoded.emit()
-        except RuntimeError:  # the source is gone (the window closed meanwhile)
-            pass
-
-    def _land_scrub(self) -> None:
-        decoding = self._scrub_decoding
-        if decoding is None or not decoding[0].done():
-            return
-        future, seq, history, moves = decoding
+    def _land_scrub(self, future: Future, seq: int, out=None, error: BaseException | None = None) -> None:
+        if self._scrub_decoding is not future:
+            return  # dropped by another move (or a new feed) meanwhile
         self._scrub_decoding = None
         try:
-            if moves == self._moves and history is self.history:
-                try:
-                    snapshot, took = future.result()
-                except (LookupError, Cancelled):  # dropped from history meanwhile (its budget): the next poll
-                    return  # follows it
-                except Exception as exc:  # a frame that does not decode: said, and the scrub goes on
-                    self._scrub_wanted = None if self._scrub_wanted == seq else self._scrub_wanted
-                    self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be decoded: "
-                                              f"{type(exc).__name__}: {exc}"))
-                    return
-                # rest as long as it took, and until a frame after it began (see SCRUB_PACE_S)
-                self._next_decode_at = time.perf_counter() + max(took, SCRUB_PACE_S - took)
-                self._show(seq, snapshot)
+            if isinstance(error, (LookupError, Cancelled)):
+                return  # no longer kept (its budget): the next poll follows it
+            if error is not None:  # a frame that does not decode: said, and the scrub goes on
+                self._scrub_wanted = None if self._scrub_wanted == seq else self._scrub_wanted
+                self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be decoded: "
+                                          f"{type(error).__name__}: {error}"))
+                return
+            snapshot, began, ended = out
+            # rest as long as it took, and until a frame after it began (see SCRUB_PACE_S), from when it ended: it
+            # lands at the next frame of the window, which may be most of that rest later
+            self._next_decode_at = max(ended + (ended - began), began + SCRUB_PACE_S)
+            self._show(seq, snapshot)
         finally:
             self._decode_next()
 

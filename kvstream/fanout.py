@@ -105,13 +105,13 @@ class FrameFanout:
         if self._stopping:  # what was handed over is written once the thread ends
             thread.join(timeout)
             return not thread.is_alive()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         done = threading.Event()
         try:
             self._queue.put(done, timeout=timeout)
         except queue.Full:
             return False
-        return done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return done.wait(_left(deadline))
 
     def stop(self, timeout: float | None = 10.0) -> bool:
         """Write what was handed over and end the fanout's thread (the sinks stay open); True once it ended (at
@@ -119,7 +119,7 @@ class FrameFanout:
         thread = self._thread
         if thread is None:
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         self._stopping = True  # no more frames are taken
         if not self._stop_queued:
             try:
@@ -127,7 +127,7 @@ class FrameFanout:
             except queue.Full:  # a sink holds the thread and the queue is full
                 return False
             self._stop_queued = True
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        thread.join(_left(deadline))
         if thread.is_alive():
             return False
         self._thread = None
@@ -145,6 +145,15 @@ class FrameFanout:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (None: no limit)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _name(sink) -> str:

@@ -163,20 +163,15 @@ class History:
             if self._nbytes > self._budget:
                 self._trim()
 
-    def _append(self, frame, bridged: bool | None = None) -> None:
-        """Add a checked frame (``bridged``: whether a keyframe carries a bridge, if the caller read its head)."""
-        if frame.keyframe and bridged is None:
-            try:
-                bridged = bool(read_head(frame.payload, events=False).bridge)
-            except StreamError:
-                bridged = False
+    def _append(self, frame) -> None:
+        """Add a checked frame."""
         with self._lock:
             self._frames.append(frame)
             self._seqs.append(frame.seq)
             self._steps.append(frame.step_id)
             if frame.keyframe:
                 self._keys.append(frame.seq)
-                if bridged:
+                if frame.bridged:
                     self._bridged.add(frame.seq)
             self._nbytes += _cost(frame)
             self._index_events(frame.seq, frame.events)
@@ -252,7 +247,6 @@ class History:
             snap = decoder.snapshot()
             keyframe = encode_keyframe(snap, keep.seq, keep.stream_id, keep.events)
         with self._lock:
-            gone = self._frames[:cut]
             del self._frames[:cut], self._seqs[:cut], self._steps[:cut]
             self._nbytes -= dropped
             if run is not None:
@@ -359,8 +353,8 @@ class History:
             run, seqs = self._frames[lo:i + 1], self._seqs[lo:i + 1]
             stream = run[-1].stream_id
         with self._read_lock:
-            snap = self._snapshots.get(seq)
-            if snap is not None and stream == self._snapshot_stream:
+            snap = self._cached_snapshot(seq, stream)
+            if snap is not None:
                 self._snapshots.move_to_end(seq)
                 return snap
             cached = self._decoder
@@ -404,18 +398,29 @@ class History:
         if not self._read_lock.acquire(blocking=False):
             return BUSY_COST
         try:
-            if seq in self._snapshots and stream == self._snapshot_stream:
+            if self._cached_snapshot(seq, stream) is not None:
                 return 0
-            best = None
-            cached = self._decoder
-            if cached is not None and cached.stream_id == stream and floor <= cached.seq <= seq:
-                best = cached.seq
-            for s, d in self._checkpoints.items():
-                if d.stream_id == stream and floor <= s <= seq and (best is None or s > best):
-                    best = s
-            return seq - best if best is not None else KEYFRAME_COST + seq - key_seq
+            best = self._nearest(seq, stream, floor)
+            return seq - best.seq if best is not None else KEYFRAME_COST + seq - key_seq
         finally:
             self._read_lock.release()
+
+    def _cached_snapshot(self, seq: int, stream: int) -> PoolSnapshot | None:
+        """The rebuilt snapshot of ``seq`` if it is cached (under ``_read_lock``)."""
+        snap = self._snapshots.get(seq)
+        return snap if snap is not None and stream == self._snapshot_stream else None
+
+    def _nearest(self, seq: int, stream: int, floor: int) -> StreamDecoder | None:
+        """The decoder at hand nearest before ``seq``: the cache or a checkpoint of ``stream`` at a frame from
+        ``floor`` to ``seq``; None: none (start at the keyframe). Under ``_read_lock``."""
+        best = None
+        cached = self._decoder
+        if cached is not None and cached.stream_id == stream and floor <= cached.seq <= seq:
+            best = cached
+        for s, d in self._checkpoints.items():
+            if d.stream_id == stream and floor <= s <= seq and (best is None or s > best.seq):
+                best = d
+        return best
 
     def walk(self, seqs: Iterable[int]) -> Iterator[tuple[int, PoolSnapshot]]:
         """(seq, snapshot) for each kept frame among ``seqs`` (ascending), read in order with a decoder of its own:
@@ -455,18 +460,10 @@ class History:
         return key_seq, floor
 
     def _resume(self, seq: int, stream: int, floor: int) -> StreamDecoder | None:
-        """A decoder of ``stream`` at a frame from ``floor`` to ``seq`` to continue from: the cache or the nearest
-        checkpoint at or before the wanted frame; None: start at the keyframe."""
-        best = None
-        cached = self._decoder
-        if cached is not None and cached.stream_id == stream and floor <= cached.seq <= seq:
-            best = cached
-        for s, d in self._checkpoints.items():
-            if d.stream_id == stream and floor <= s <= seq and (best is None or s > best.seq):
-                best = d
-        if best is not None and best is not cached:
-            best = best.copy()  # checkpoints stay where they are
-        return best
+        """A decoder to continue from (:meth:`_nearest`; a checkpoint's copy, checkpoints stay where they are);
+        None: start at the keyframe."""
+        best = self._nearest(seq, stream, floor)
+        return best.copy() if best is not None and best is not self._decoder else best
 
     def _keep_checkpoint(self, decoder: StreamDecoder) -> None:
         self._checkpoints[decoder.seq] = decoder.copy()

@@ -258,6 +258,7 @@ class Frame(msgspec.Struct, frozen=True, gc=False):  # gc=False: bytes and event
     payload: bytes  # the encoded message
     events: tuple[BlockEvent, ...] = ()  # block events since the previous frame, oldest first
     stream_id: int = 0  # random id of the encoder that made it (a restarted source starts a new stream)
+    bridged: bool = False  # a keyframe whose payload carries a bridge from frame seq - 1 (History resumes through it)
 
     @property
     def nbytes(self) -> int:
@@ -318,8 +319,12 @@ def _check_version(payload: bytes) -> None:
 
 def frame_from_payload(payload: bytes) -> Frame:
     """A Frame for an encoded message (envelope decoded and checked; the body is checked when it is applied)."""
-    head = read_head(payload)
-    return Frame(head.seq, head.step_id, head.keyframe, bytes(payload), head.events, head.stream_id)
+    return frame_of(read_head(payload), bytes(payload))
+
+
+def frame_of(head: FrameHead, payload: bytes) -> Frame:
+    """The Frame of a message whose head was read (``read_head``) from ``payload``."""
+    return Frame(head.seq, head.step_id, head.keyframe, payload, head.events, head.stream_id, bool(head.bridge))
 
 
 def _why(exc: Exception) -> str:
@@ -665,7 +670,7 @@ class StreamEncoder:
             payload = _ENCODER.encode(envelope)
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise StreamError(f"cannot encode this snapshot: {_why(exc)}") from None
-        return Frame(seq, int(step_id), key, payload, events, self.stream_id)
+        return Frame(seq, int(step_id), key, payload, events, self.stream_id, bridge is not None)
 
     def _arrays(self, snapshot: PoolSnapshot) -> dict[str, np.ndarray]:
         out = {}
@@ -1312,4 +1317,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "StreamError", "Frame", "FrameHead", "Header", "Keyframe", "Delta",
-           "StreamEncoder", "StreamDecoder", "History", "read_head", "frame_from_payload", "encode_keyframe"]
+           "StreamEncoder", "StreamDecoder", "History", "read_head", "frame_from_payload", "frame_of",
+           "encode_keyframe"]

@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .history import History
-from .poolstream import FORMAT_VERSION, MAGIC, Frame, StreamDecoder, StreamError, read_head
+from .poolstream import FORMAT_VERSION, MAGIC, Frame, StreamDecoder, StreamError, frame_of, read_head
 from .views import PoolSnapshot
 
 FRAME_TOPIC = b"kvpool.frame"  # first part of a frame message
@@ -411,7 +411,7 @@ class PoolStreamSubscriber:
         except StreamError as exc:
             self._bad(str(exc))
             return
-        frame = Frame(head.seq, head.step_id, head.keyframe, payload, head.events, head.stream_id)
+        frame = frame_of(head, payload)
         try:
             if restarted:
                 self.history.clear()

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import msgspec
 
 from .history import History
-from .poolstream import FORMAT_VERSION, Frame, Header, StreamDecoder, StreamError, read_head
+from .poolstream import FORMAT_VERSION, Frame, Header, StreamDecoder, StreamError, frame_of, read_head
 from .views import PoolSnapshot
 
 MAGIC = b"\x89KVPOOL\n"  # first bytes of every recording (non-ASCII first byte and a newline catch text-mode damage)
@@ -184,11 +184,12 @@ class _Reader:
 class _DiskFrame:
     """A frame of an opened recording: envelope in memory, payload read from the file when it is decoded."""
 
-    __slots__ = ("seq", "step_id", "keyframe", "events", "stream_id", "_reader", "_offset", "_length", "_crc")
+    __slots__ = ("seq", "step_id", "keyframe", "events", "stream_id", "bridged", "_reader", "_offset", "_length",
+                 "_crc")
 
     def __init__(self, head, reader: _Reader, offset: int, length: int, crc: int):
         self.seq, self.step_id, self.keyframe = head.seq, head.step_id, head.keyframe
-        self.events, self.stream_id = head.events, head.stream_id
+        self.events, self.stream_id, self.bridged = head.events, head.stream_id, bool(head.bridge)
         self._reader, self._offset, self._length, self._crc = reader, offset, length, crc
 
     @property
@@ -293,7 +294,7 @@ def open_recording(path: str | os.PathLike) -> History:
                 raise RecordingError(f"{path}: frame {frames} at byte {at} does not follow the frame before it "
                                      "(corrupt recording)")
             frame = _DiskFrame(head, reader, at, length, crc)
-            history._append(frame, bool(head.bridge))
+            history._append(frame)
             last, frames, end = frame, frames + 1, at + length
         if frames == 0:
             raise RecordingError(f"{path} holds no complete frame ({note or 'it has only a header'}): nothing was "
@@ -326,7 +327,7 @@ def read_frames(path: str | os.PathLike) -> Iterator[Frame]:
                 head = read_head(payload)
             except StreamError as exc:
                 raise RecordingError(f"{path}: the frame at byte {at} is corrupt: {exc}") from None
-            yield Frame(head.seq, head.step_id, head.keyframe, payload, head.events, head.stream_id)
+            yield frame_of(head, payload)
 
 
 def read_snapshots(path: str | os.PathLike) -> Iterator[tuple[int, PoolSnapshot, tuple]]:
