@@ -216,3 +216,26 @@ def test_an_open_recording_is_kept_out_of_full_collections_until_closed(recorded
     assert gc.get_freeze_count() == 0
     feed.close()  # idempotent
     assert gc.get_freeze_count() == 0
+
+
+def test_a_recording_and_its_frames_read_back_keep_their_bridges(tmp_path, monkeypatch):
+    """Periodic keyframes carry a bridge; the frames read back from a file (and frame_from_payload) say so, and the
+    opened recording's history goes on through them instead of decoding each keyframe."""
+    from kvstream import poolstream as ps
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=8)
+    path = tmp_path / "bridged.kvpool"
+    with Recorder(path) as recorder:
+        for f in frames:
+            recorder.write(f)
+    bridged = [f.seq for f in frames if f.bridged]
+    assert bridged and bridged == [f.seq for f in frames if f.keyframe and f.seq > 0]
+    assert [f.seq for f in read_frames(path) if f.bridged] == bridged
+    assert [f.seq for f in map(ps.frame_from_payload, (f.payload for f in frames)) if f.bridged] == bridged
+    history = open_recording(path)
+    rebuilt = []
+    real = ps._keyframe_state
+    monkeypatch.setattr(ps, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    for seq in range(3, len(frames), 5):  # forward in strides that cross a keyframe every other step
+        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
+    assert rebuilt == [0]
