@@ -223,6 +223,13 @@ def bench_jump(path: Path) -> None:
     show("jump, cold, frame before a keyframe (worst)", [timed(s, True) for s in rng.sample(worst, min(15, len(worst)))])
     show("jump, warm (decode cache, checkpoints), random frame",
          [timed(s, False) for s in rng.sample(range(len(history)), 30)])
+
+    def jump_then_back(seq):  # a cold jump to the end of a run, then the first step back (the costliest step back)
+        timed(seq, True)
+        return timed(seq - 1, False)
+
+    show("one frame back right after a cold jump to a run's end (worst step back)",
+         [jump_then_back(s) for s in rng.sample(worst, min(15, len(worst)))])
     mid = worst[len(worst) // 2]
     show("scrub one frame back, then forward",
          [timed(s, False) for s in list(range(mid, mid - 40, -1)) + list(range(mid - 40, mid))])

@@ -165,6 +165,29 @@ def test_history_scrubs_forward_through_bridged_keyframes_without_decoding_them(
         assert_same_snapshot(snaps[seq][0], snap, f"walk, frame {seq}")
 
 
+def test_a_step_back_after_a_long_jump_decodes_a_few_frames_not_the_whole_run(monkeypatch):
+    """A long decode keeps checkpoints on its way (every _FORWARD_EVERY frames), so stepping back after a jump to the
+    end of a long run of deltas decodes from the checkpoint just before, not from the keyframe again; every frame
+    still equals the engine's."""
+    from kvstream import history as history_module
+    snaps = workload()
+    _, frames = encode_all(snaps, keyframe_interval=10 ** 6)  # one run of deltas after a single keyframe
+    assert len(frames) > 4 * history_module._FORWARD_EVERY
+    history = History()
+    for f in frames:
+        history.write(f)
+    applied = []
+    real = StreamDecoder.apply
+    monkeypatch.setattr(StreamDecoder, "apply", lambda self, head: applied.append(head.seq) or real(self, head))
+    last = len(frames) - 1
+    assert_same_snapshot(snaps[last][0], history.snapshot_at(last), "the jump")
+    assert len(applied) == len(frames)
+    for seq in range(last - 1, last - 2 * history_module._FORWARD_EVERY - 2, -1):  # scrubbing back from there
+        applied.clear()
+        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}, stepping back")
+        assert len(applied) <= history_module._FORWARD_EVERY, (seq, applied)
+
+
 def test_decode_steps_applied_together_equal_one_at_a_time():
     """A decoder fast-forwarding (no snapshot between frames) keeps decode steps pending and applies them to the
     conversations in one go; whatever comes between (patches of those conversations, drops, copies taken midway
