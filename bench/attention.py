@@ -3,14 +3,18 @@
 Decode shapes (one query token per sequence): 8 query heads, 2 KV heads, head dim 64, block size 16, float32, every
 sequence's blocks scattered over the pool. Variants, timed in alternating blocks of calls:
 - contiguous: SDPA on [batch, kv_heads, ctx, dim] K/V (the floor paging is measured against);
-- default: ``paged_attention`` as the engine runs it (cache-sized groups: gather a few sequences, attend, repeat);
+- default: ``paged_attention`` as the engine runs it: for long contexts the fused kernel where the background
+  compile measured it faster on that shape (engine.attention._AutoKernels; the bench waits for that decision and
+  prints it), the eager path everywhere else;
+- eager: the eager path alone (cache-sized groups: gather a few sequences, attend, repeat);
 - sdpa: the default's groups, each attended by SDPA (the default before short contexts on several threads took
   two batched matmuls instead, engine.attention._cross_head_attention): today's default against it;
 - previous: the earlier default (one gather of the whole batch's K/V, then one SDPA), kept here for comparison;
 - compiled: the opt-in torch.compile'd fused kernel (``EngineConfig(compile_attention=True)``), compiled first.
 Cold: a 64 MiB buffer is read before every call, so K/V come from memory as in a real decode step (each layer's
 K/V were last touched a whole step ago). Hot: calls back to back. Ratios are time / contiguous time (medians).
-Targets (issue 12): default <= 1.15x contiguous at batch 32, context 1024; never slower than the previous path.
+Targets (issue 12): default <= 1.15x contiguous at batch 32, context 1024; never slower than the eager path (nor
+than the previous one) at any shape.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from engine import attention  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
-VARIANTS = ("contiguous", "default", "sdpa", "previous", "compiled")
+VARIANTS = ("contiguous", "default", "eager", "sdpa", "previous", "compiled")
 
 
 def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_lens):
@@ -63,6 +67,7 @@ _CHOOSE_CROSS_HEAD = attention._use_cross_head
 def choose(variant: str) -> None:
     """Set engine.attention up for a variant: the compiled kernel on or off, and for "sdpa" SDPA in every group."""
     attention.use_compiled_attention(variant == "compiled")
+    attention.use_auto_kernels(variant == "default")
     attention._use_cross_head = (lambda *args: False) if variant == "sdpa" else _CHOOSE_CROSS_HEAD
 
 
@@ -84,6 +89,7 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
     fns = {
         "contiguous": lambda: F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2),
         "default": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
+        "eager": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
         "sdpa": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
         "previous": lambda: previous_paged_attention(query, key_cache, value_cache, tables, seq_lens.long()),
         "compiled": lambda: paged_attention(query, key_cache, value_cache, tables, seq_lens),
@@ -110,12 +116,23 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
 
     with torch.inference_mode():
         ref = fns["contiguous"]()
+        choose("default")  # the default path in steady use: its shape queued, compiled and decided in the background
+        for _ in range(attention.AUTO_MIN_CALLS):
+            fns["default"]()
+        started = time.perf_counter()
+        attention.wait_for_kernels()
+        waited = time.perf_counter() - started
+        for _ in range(2 * (attention.AUTO_WARMUP_CALLS + attention.AUTO_TIMING_CALLS)):  # its calls time both paths
+            fns["default"]()
         err = 0.0
-        for name in ("default", "sdpa", "previous", "compiled"):  # the last also compiles the fused kernel
+        for name in ("default", "eager", "sdpa", "previous", "compiled"):  # the last also compiles the fused kernel
             choose(name)
             err = max(err, (fns[name]() - ref).abs().max().item())
         choose("default")
-        return {"cold": timed(True), "hot": timed(False), "err": err}
+        decided = [v for k, v in attention._auto.decisions.items() if k[0] == attention._bucket(batch)
+                   and k[1] == attention._bucket(blocks_per_seq)]
+        return {"cold": timed(True), "hot": timed(False), "err": err, "waited": waited,
+                "decision": decided[0] if decided else None}
 
 
 def main() -> None:
@@ -130,9 +147,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.repeat} calls")
     print("ratio = time / contiguous SDPA time (medians); cold: K/V out of cache before every call; hot: back to back")
-    print(f"{'batch':>5} {'ctx':>5} {'cache':>5} {'contig ms':>10} {'default':>8} {'ratio':>6} {'sdpa':>7} {'ratio':>6} "
-          f"{'previous':>9} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'default/previous':>17} {'default/sdpa':>13}")
-    worst = worst_sdpa = 0.0
+    print(f"{'batch':>5} {'ctx':>5} {'cache':>5} {'contig ms':>10} {'default':>8} {'ratio':>6} {'eager':>7} {'ratio':>6} "
+          f"{'sdpa':>7} {'ratio':>6} {'previous':>9} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'default/eager':>14} "
+          f"{'default/previous':>17}")
+    worst = worst_eager = 0.0
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         result = case(batch, ctx, args.repeat, args.rounds)
@@ -140,14 +158,19 @@ def main() -> None:
             t = result[cache]
             c = t["contiguous"]
             worst = max(worst, t["default"] / t["previous"])
-            worst_sdpa = max(worst_sdpa, t["default"] / t["sdpa"])
+            worst_eager = max(worst_eager, t["default"] / t["eager"])
             print(f"{batch:>5} {ctx:>5} {cache:>5} {c * 1e3:>10.3f} {t['default'] * 1e3:>8.3f} {t['default'] / c:>6.2f} "
-                  f"{t['sdpa'] * 1e3:>7.3f} {t['sdpa'] / c:>6.2f} "
+                  f"{t['eager'] * 1e3:>7.3f} {t['eager'] / c:>6.2f} {t['sdpa'] * 1e3:>7.3f} {t['sdpa'] / c:>6.2f} "
                   f"{t['previous'] * 1e3:>9.3f} {t['previous'] / c:>6.2f} {t['compiled'] * 1e3:>9.3f} "
-                  f"{t['compiled'] / c:>6.2f} {t['default'] / t['previous']:>17.2f} {t['default'] / t['sdpa']:>13.2f}")
-        print(f"{'':>17} max abs error against contiguous: {result['err']:.1e}")
+                  f"{t['compiled'] / c:>6.2f} {t['default'] / t['eager']:>14.2f} {t['default'] / t['previous']:>17.2f}")
+        decision = result["decision"]
+        chose = "eager (context below attention.AUTO_MIN_POSITIONS)" if decision is None else \
+            f"{'fused' if decision[1] <= attention.AUTO_MARGIN * decision[0] else 'eager'} (compiled in the background, then " \
+            f"timed by its calls: eager {decision[0] * 1e3:.3f} ms, fused {decision[1] * 1e3:.3f} ms; waited " \
+            f"{result['waited']:.1f} s for the compile)"
+        print(f"{'':>17} max abs error against contiguous: {result['err']:.1e}; the default path chose {chose}")
+    print(f"largest default/eager ratio over all shapes: {worst_eager:.2f} (target <= 1.00)")
     print(f"largest default/previous ratio over all shapes: {worst:.2f} (target <= 1.00)")
-    print(f"largest default/sdpa ratio over all shapes: {worst_sdpa:.2f}")
     if attention._compiled.failed:
         print("note: torch.compile failed on this machine; the compiled column is the eager fallback")
 

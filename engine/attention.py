@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,8 +23,9 @@ from .errors import EngineError
 log = logging.getLogger(__name__)
 
 
-def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
-    """Refuse inputs paged_attention cannot answer correctly, with a message (never an index error or garbage)."""
+def _check(query, key_cache, value_cache, block_tables, seq_lens) -> int:
+    """Refuse inputs paged_attention cannot answer correctly, with a message (never an index error or garbage);
+    returns the longest seq_len (0 for no sequences)."""
     for name, value in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                         ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if not isinstance(value, torch.Tensor):
@@ -42,7 +45,7 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise EngineError(f"paged_attention: {name} must hold integers, got {value.dtype}")
     if not query.shape[0]:
-        return
+        return 0
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     if block_tables.numel() <= 1024:  # a small batch: plain lists are several times cheaper than tensor operations
         lens = seq_lens.tolist()
@@ -67,6 +70,7 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     if bad is not None:
         raise EngineError(f"block table entry {bad} is outside the cache (0..{num_blocks - 1}) within a "
                           f"sequence's live blocks")
+    return largest
 
 
 GROUP_BYTES = 4 << 20  # K+V bytes one decode group gathers at most (CPU): 4 MiB stays in this machine's 32 MiB L3,
@@ -111,6 +115,7 @@ class DecodePlan:
     device: torch.device  # where the tensors live
     source: list[list[int]] | torch.Tensor  # the tables planned from (live blocks per sequence, or [seqs, >= width]);
     #                                         read only during the step the plan was made for
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # what the first layer worked out for all
 
     @functools.cached_property
     def tables(self) -> torch.Tensor:
@@ -403,16 +408,18 @@ class _Compiled:
 
     def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
         """The attention output, or None for a shape with no kernel left to compile (the caller goes eager)."""
+        if not getattr(_thread_state, "limit_raised", False):  # dynamo's settings may be per thread: in each one
+            config = torch._dynamo.config
+            config.cache_size_limit = max(config.cache_size_limit, self.MAX_KERNELS + 8)
+            _thread_state.limit_raised = True
         if self._fn is None:
             with self._lock:
                 if self._fn is None:
-                    config = torch._dynamo.config
-                    config.cache_size_limit = max(config.cache_size_limit, self.MAX_KERNELS + 8)
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
         seqs, width = block_tables.shape
         padded_seqs, padded_width = _bucket(seqs), _bucket(width)
-        key = (padded_seqs, padded_width, tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
-               key_cache.dtype, block_tables.dtype, seq_lens.dtype, query.device, float(scale))
+        key = kernel_key(query, key_cache, block_tables, seq_lens, scale)
+        query = query.contiguous()  # the guards of a kernel compiled on one thread then hold for calls from another
         if key not in self._kernels:
             with self._lock:
                 if len(self._kernels) >= self.MAX_KERNELS:
@@ -426,7 +433,183 @@ class _Compiled:
         return out[:seqs]
 
 
+def kernel_key(query, key_cache, block_tables, seq_lens, scale) -> tuple:
+    """The shape bucket a fused kernel is compiled for (one static specialisation each), with what else its guards
+    check: grad and inference mode, and whether the inputs are inference tensors."""
+    seqs, width = block_tables.shape
+    return (_bucket(seqs), _bucket(width), tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
+            key_cache.dtype, block_tables.dtype, seq_lens.dtype, query.device, float(scale),
+            torch.is_inference_mode_enabled(), torch.is_grad_enabled(), query.is_inference(),
+            key_cache.is_inference(), block_tables.is_inference())
+
+
+_thread_state = threading.local()
+
+
 _compiled = _Compiled()
+
+AUTO_MIN_POSITIONS = 512  # longest context in a batch below which decode always takes the eager path (the fused
+#                           kernel lost to it inside the engine at short contexts)
+AUTO_MIN_CALLS = 32  # calls of one shape bucket before it is compiled (a bucket seen once is not worth seconds)
+AUTO_MARGIN = 0.95  # the compiled kernel takes over a bucket only when its median is at most this times the eager one
+AUTO_WARMUP_CALLS = 3  # untimed calls of each path first (the first calls after a compile are slow)
+AUTO_TIMING_CALLS = 7  # then timed calls of each path, alternating, whose medians decide a bucket
+_TRIAL = "trial"  # a bucket's kernel is compiled and the caller's calls are timing both paths
+
+
+class _AutoKernels:
+    """The default decode path: eager everywhere, and for each long-context shape bucket in steady use, the fused
+    kernel once it has been compiled in the background and then measured faster than the eager path on that shape.
+
+    Nothing waits for a compile: the caller goes on eagerly while the "attention-compile" thread compiles (inductor
+    keeps what it built in its on-disk cache, so a later run compiles again in a fraction of the time). The timing
+    is done by the caller's own calls, which then take the two paths in turn (both give the same attention, to
+    rounding): a thread of its own runs torch's kernels at another speed (its own OpenMP team; 2x slower here while
+    the other team spins) and with another load, so only the caller measures what the caller gets. A compile that
+    fails turns the fused kernel off for good (the eager path computes the same thing)."""
+
+    def __init__(self):
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._calls: dict[tuple, int] = {}  # bucket -> calls seen before it was queued
+        self._choice: dict[tuple, bool | str | None] = {}  # bucket -> True: fused, False: eager, None: compiling,
+        #                                                     _TRIAL: compiled, being timed
+        self._trials: dict[tuple, tuple[list, list]] = {}  # bucket -> (eager, fused) seconds of the timed calls
+        self._jobs: list = []  # buckets waiting for the thread, with their inputs
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Condition(self._lock)
+        self.decisions: dict[tuple, tuple[float, float]] = {}  # bucket -> (eager, fused) median seconds
+        self.timer = time.perf_counter
+
+    def kernel(self, query, key_cache, value_cache, plan: DecodePlan, scale: float) -> torch.Tensor | None:
+        """The attention output where this shape's bucket takes the fused kernel or is being timed, else None (go
+        eager); notes the shape, and queues its compile once it is in steady use."""
+        if not self.enabled or _compiled.failed:
+            return None
+        key = plan.cache.get("auto")  # the first layer works it out for the step; the others reuse it
+        if key is None:
+            key = plan.cache["auto"] = self.key(query, key_cache, len(plan.lens), plan.max_len, scale)
+        if not key:
+            return None
+        choice = self._choice.get(key, False)
+        if choice is True:
+            return _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+        if choice == _TRIAL:
+            return self._trial(key, query, key_cache, value_cache, plan, scale)
+        if choice is False and key not in self._choice:
+            self._note(key, query, key_cache, value_cache, plan.tables, plan.seq_lens, scale, plan)
+        return None
+
+    @staticmethod
+    def key(query, key_cache, num_seqs: int, max_len: int, scale: float) -> tuple:
+        """kernel_key of a plan's tables (int64 [num_seqs, blocks of max_len], made in the caller's mode) without
+        making them; () for a context too short to consider."""
+        if max_len < AUTO_MIN_POSITIONS:
+            return ()
+        width = _bucket(-(-max_len // key_cache.shape[1]))
+        inference = torch.is_inference_mode_enabled()
+        return (_bucket(num_seqs), width, tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
+                key_cache.dtype, torch.int64, torch.int64, query.device, float(scale), inference,
+                torch.is_grad_enabled(), query.is_inference(), key_cache.is_inference(), inference)
+
+    def _trial(self, key, query, key_cache, value_cache, plan: DecodePlan, scale: float) -> torch.Tensor:
+        """One call of a bucket being timed: the eager path and the fused kernel in turn."""
+        eager, fused = self._trials[key]
+        use_fused = len(fused) < len(eager)
+        start = self.timer()
+        out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale) if use_fused else None
+        if out is None and use_fused:  # the kernel went away (a failure elsewhere): eager from now on
+            with self._lock:
+                self._choice[key] = False
+            return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+        if out is None:
+            out = _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+        (fused if use_fused else eager).append(self.timer() - start)
+        if len(fused) == len(eager) == AUTO_WARMUP_CALLS + AUTO_TIMING_CALLS:
+            e, f = statistics.median(eager[AUTO_WARMUP_CALLS:]), statistics.median(fused[AUTO_WARMUP_CALLS:])
+            with self._lock:
+                self.decisions[key] = (e, f)
+                self._choice[key] = f <= AUTO_MARGIN * e
+                del self._trials[key]
+                self._idle.notify_all()
+        return out
+
+    def _note(self, key, query, key_cache, value_cache, tables, seq_lens, scale, plan) -> None:
+        with self._lock:
+            if key in self._choice:
+                return
+            calls = self._calls[key] = self._calls.get(key, 0) + 1
+            if calls < AUTO_MIN_CALLS or len(self._choice) >= _Compiled.MAX_KERNELS:
+                return
+            del self._calls[key]
+            self._choice[key] = None
+            # copies of what changes from step to step, made as the originals were (so the kernel's guards match the
+            # caller's calls); the caches themselves are only read
+            copies = []
+            for t in (query, tables, seq_lens):
+                with torch.inference_mode(t.is_inference()):
+                    copies.append(t.detach().contiguous().clone())
+            modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+            self._jobs.append((key, modes, copies[0], key_cache, value_cache, copies[1], copies[2], scale))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="attention-compile", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    self._idle.notify_all()
+                    return
+                job = self._jobs.pop(0)
+            key, modes, *inputs = job
+            try:
+                with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                    compiled = _compiled(*inputs) is not None  # None: no kernel left to compile for it
+            except Exception as exc:  # no C++ compiler, an unsupported backend: eager for good
+                _compiled.failed, _compiled.enabled = True, False
+                log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+                compiled = False
+            del job, inputs
+            with self._lock:
+                if compiled:
+                    self._trials[key] = ([], [])
+                self._choice[key] = _TRIAL if compiled else False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued bucket is compiled (its timing is then up to the caller's next calls); False if
+        ``timeout`` passed first (for benches and tests)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._jobs and self._thread is None, timeout)
+
+    def choice(self, key: tuple) -> bool | str | None:
+        """What a bucket takes: True (fused), False (eager, or not seen), None (compiling), "trial" (being timed)."""
+        return self._choice.get(key, False)
+
+    def reset(self) -> None:
+        """Forget every shape seen and decided (kernels compiled stay compiled)."""
+        self.wait()
+        with self._lock:
+            self._calls.clear()
+            self._choice.clear()
+            self._trials.clear()
+            self.decisions.clear()
+
+
+_auto = _AutoKernels()
+
+
+def use_auto_kernels(enabled: bool = True) -> bool:
+    """Let the default decode path switch long-context shapes to the fused kernel where a background compile found it
+    faster (True, the default), or keep it eager everywhere (False). Returns the previous setting."""
+    previous, _auto.enabled = _auto.enabled, bool(enabled)
+    return previous
+
+
+def wait_for_kernels(timeout: float | None = None) -> bool:
+    """Wait until the background compiles queued so far have been built and timed; False on timeout."""
+    return _auto.wait(timeout)
 
 
 def use_compiled_attention(enabled: bool = True) -> bool:
@@ -447,7 +630,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     sequence's last block are ignored (-1 and stale ids alike). Slots past a sequence's length must hold finite
     values (the engine's cache is zero-initialised); they get zero weight.
     """
-    _check(query, key_cache, value_cache, block_tables, seq_lens)
+    max_len = _check(query, key_cache, value_cache, block_tables, seq_lens)
     if not query.shape[0]:
         return query.new_empty(query.shape)  # no sequences: nothing to attend
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
@@ -456,16 +639,29 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                             scale)
         if out is not None:
             return out
+    if _auto.enabled and not _compiled.failed and max_len >= AUTO_MIN_POSITIONS:
+        key = _auto.key(query, key_cache, query.shape[0], max_len, scale)  # a shape on the fused kernel: no plan
+        if _auto.choice(key) is True:
+            width = -(-max_len // key_cache.shape[1])
+            out = _try_compiled(query, key_cache, value_cache, block_tables[:, :width].to(query.device, torch.long),
+                                seq_lens.to(query.device, torch.long), scale)
+            if out is not None:
+                return out
     plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1], group_bytes_for(key_cache),
                        bytes_per_token(key_cache))
-    return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+    out = _auto.kernel(query, key_cache, value_cache, plan, scale)
+    return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
                  scale: float, compiled: bool = False) -> torch.Tensor:
     """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer).
-    ``compiled``: try the fused kernel (an engine built with compile_attention asks for it)."""
-    out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale) if compiled else None
+    ``compiled``: try the fused kernel for every shape (an engine built with compile_attention asks for it);
+    otherwise it is used where the background compile measured it faster (:class:`_AutoKernels`)."""
+    if compiled:
+        out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+    else:
+        out = _auto.kernel(query, key_cache, value_cache, plan, scale)
     return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 

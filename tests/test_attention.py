@@ -1,4 +1,6 @@
 """paged_attention against a dense reference, and the source text's worked example."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -207,3 +209,104 @@ def test_decode_groups_cover_the_batch_and_equal_dense(lens, group_tokens, block
         attention.GROUP_BYTES = old
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+# ---- the default path's per-shape choice of the fused kernel (engine.attention._AutoKernels) --------------------
+@pytest.fixture
+def auto(monkeypatch):
+    """A fresh chooser as the one the default path uses, with a clock the test moves: the eager path costs 10 units
+    a call and the fused kernel ``fused_cost[0]``."""
+    from engine import attention
+    chooser = attention._AutoKernels()
+    monkeypatch.setattr(attention, "_auto", chooser)
+    clock, fused_cost = [0.0], [1.0]
+    chooser.timer = lambda: clock[0]
+    eager, fused = attention._paged_attention_eager, attention._try_compiled
+    calls = {"eager": 0, "fused": 0}
+
+    def timed_eager(*args):
+        clock[0] += 10.0
+        calls["eager"] += 1
+        return eager(*args)
+
+    def timed_fused(*args):
+        out = fused(*args)
+        if out is not None and threading.current_thread() is threading.main_thread():
+            clock[0] += fused_cost[0]
+            calls["fused"] += 1
+        return out
+    monkeypatch.setattr(attention, "_paged_attention_eager", timed_eager)
+    monkeypatch.setattr(attention, "_try_compiled", timed_fused)
+    chooser.fused_cost, chooser.calls = fused_cost, calls
+    yield chooser
+    chooser.wait(60)
+
+
+def _long_case(seed: int):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    lens = [530, 517]  # contexts past AUTO_MIN_POSITIONS
+    keys = [torch.randn(n, 2, 8) for n in lens]
+    values = [torch.randn(n, 2, 8) for n in lens]
+    key_cache, value_cache, tables = _scatter(keys, values, 16, sum(-(-n // 16) for n in lens) + 3, rng, -1)
+    query = torch.randn(len(lens), 4, 8)
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    return (query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)), ref
+
+
+@pytest.mark.parametrize("fused_cost, takes_fused", [(1.0, True), (9.9, False)])
+def test_default_path_compiles_a_long_shape_in_the_background_then_times_both_and_keeps_the_faster(
+        auto, fused_cost, takes_fused):
+    from engine import attention
+    auto.fused_cost[0] = fused_cost
+    inputs, ref = _long_case(7)
+    with torch.inference_mode():
+        for _ in range(attention.AUTO_MIN_CALLS):  # steady use queues the shape's compile; until then: eager
+            assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
+        assert auto.calls == {"eager": attention.AUTO_MIN_CALLS, "fused": 0}
+        assert auto.wait(300)
+        if attention._compiled.failed:
+            pytest.skip("torch.compile cannot build kernels on this machine (no C++ compiler?)")
+        (key,) = auto._choice
+        assert auto.choice(key) == "trial"
+        trial = 2 * (attention.AUTO_WARMUP_CALLS + attention.AUTO_TIMING_CALLS)
+        for _ in range(trial):  # the caller's own calls time the two paths in turn; each answer is right
+            assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
+        assert auto.calls == {"eager": attention.AUTO_MIN_CALLS + trial // 2, "fused": trial // 2}
+        assert auto.choice(key) is takes_fused and auto.decisions[key] == pytest.approx((10.0, fused_cost))
+        for _ in range(5):
+            assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
+        assert auto.calls["fused"] == trial // 2 + (5 if takes_fused else 0)
+        short = (inputs[0], inputs[1], inputs[2], inputs[3], torch.tensor([100, 3], dtype=torch.int32))
+        for _ in range(attention.AUTO_MIN_CALLS + 1):  # a short context never queues a compile
+            paged_attention(*short)
+        assert list(auto._choice) == [key]
+
+
+def test_nothing_waits_for_a_compile_and_a_failed_one_leaves_the_eager_path(auto, monkeypatch):
+    """While the background compile runs (here: held until the test lets it go) every call is answered eagerly and
+    right; a compile that raises turns the fused kernel off for good, and the calls go on unharmed."""
+    from engine import attention
+    monkeypatch.setattr(attention._compiled, "failed", False)
+    monkeypatch.setattr(attention._compiled, "enabled", False)
+    started, release = threading.Event(), threading.Event()
+
+    def stuck_compile(self, *args):
+        started.set()
+        release.wait(60)
+        raise RuntimeError("no C++ compiler here")
+    monkeypatch.setattr(attention._Compiled, "__call__", stuck_compile)
+    inputs, ref = _long_case(8)
+    with torch.inference_mode():
+        for _ in range(attention.AUTO_MIN_CALLS):
+            paged_attention(*inputs)
+        assert started.wait(60)
+        for _ in range(10):  # the compile is stuck: the caller is not
+            assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
+        assert not auto.wait(0.05)
+        release.set()
+        assert auto.wait(60)
+        assert attention._compiled.failed and auto.choice(next(iter(auto._choice))) is False
+        for _ in range(3):
+            assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
+    assert auto.calls["fused"] == 0
