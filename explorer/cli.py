@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="watch a vLLM/SGLang KV-event stream; repeatable")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (tokenizer.json) for token text")
     parser.add_argument("--compile-attention", action="store_true",
-                        help="decode attention through the torch.compile'd kernel: faster for long contexts and big "
-                             "batches; each new batch/context size bucket compiles once (seconds)")
+                        help="decode attention through the torch.compile'd kernel for every shape, compiled on the "
+                             "engine thread (seconds per batch/context size bucket). Without it, contexts of 512+ "
+                             "tokens in steady use are compiled in the background and take the kernel where it "
+                             "measures faster")
     return parser
 
 

@@ -109,6 +109,7 @@ def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot,
     track = timeline.track
     r = track.strip()
     xs = [r.left() + r.width() * f for f in (0.9, 0.7, 0.5, 0.3, 0.45)]
+    source.history.drop_cache()  # no checkpoint at hand (opening left some near the end): the press goes to the worker
     mouse(track, QtCore.QEvent.Type.MouseButtonPress, xs[0])
     assert timeline.scrubbing
     landed = []
