@@ -20,7 +20,7 @@ from kvstream.views import BlockState, PoolSnapshot
 
 from . import grid, palette
 from .elided_label import ElidedLabel
-from .grid import GridGeometry, grid_geometry, snapshot_to_rgba
+from .grid import GridGeometry, changed_blocks, grid_geometry, redraw_blocks, snapshot_to_rgba
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
@@ -83,6 +83,8 @@ class GridView(QtWidgets.QWidget):
         self.selected_block: int | None = None
         self.selected_conversation: int | None = None
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
+        self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, owner colours) of the image
+        self.partial_draws = 0  # redraws that drew only the blocks that changed (the others: the whole image)
         self.frames_drawn = 0
         self.hovered_block: int | None = None  # the block under the mouse (the hover line describes it)
         self._dirty = False
@@ -150,7 +152,7 @@ class GridView(QtWidgets.QWidget):
             geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size)
         elif geo.tile != self.wanted_tile():  # cells drawn smaller or larger on screen now
             geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size, self.pixels_per_cell())
-        self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+        self._draw(snap, geo)
         self.item.setImage(self.image, autoLevels=False)
         self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))  # cell units, whatever the tile (after setImage)
         if new_layout:
@@ -162,6 +164,31 @@ class GridView(QtWidgets.QWidget):
         self._check_tile()  # a fit just now may have changed the cells' screen size: draw again next frame
         self.frames_drawn += 1
         return True
+
+    def _draw(self, snap: PoolSnapshot, geo: GridGeometry) -> None:
+        """self.image for ``snap``: only the blocks that changed since the image drawn last, when nothing else that
+        colours it did (layout, mode, selections, an owner's colour); else the whole image."""
+        owners = None
+        if self.color_by == "owner":
+            palette.observe(snap)
+            owners = palette.BOOK.slots(np.maximum(np.asarray(snap.owner), 0))  # each block's owner colour
+        settings = (geo, self.color_by, self.selected_conversation, self.selected_block)
+        drawn, ids = self._drawn, None
+        if drawn is not None and drawn[1:5] == settings and self.image is not None:
+            ids = changed_blocks(drawn[0], snap, self.color_by)
+            if ids is not None and owners is not None:
+                ids = np.union1d(ids, np.nonzero(owners != drawn[5])[0])  # a colour handed to another owner
+            if ids is not None and self.selected_conversation is not None and \
+                    drawn[0].block_tables.get(self.selected_conversation) != \
+                    snap.block_tables.get(self.selected_conversation):
+                ids = None  # its blocks are drawn bright and the others dim
+        if ids is None:
+            self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+        else:
+            self.image = self.image.copy()  # the ImageItem keeps the array it was given: a new one for the new frame
+            redraw_blocks(self.image, snap, ids, self.color_by, self.selected_conversation, self.selected_block, geo)
+            self.partial_draws += 1
+        self._drawn = (snap, *settings, owners)
 
     def pixels_per_cell(self) -> float:
         """Screen pixels across one cell now (inf before the view has a size)."""

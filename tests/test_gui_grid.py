@@ -422,3 +422,69 @@ def test_colours_are_worked_out_once_per_snapshot(qtbot):
     panel.refresh(later)
     assert palette.BOOK.sorts == 2 and len(set(map(tuple, palette.conversation_colours(np.arange(5).tolist() + [9]))))\
         == 6
+
+
+@pytest.mark.parametrize("block_size, num_blocks", [(16, 4096), (4, 64), (16, 256)])  # shaded, striped, outlined
+def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(block_size, num_blocks):
+    """The grid redraws only the blocks that changed since its last image (explorer.grid.redraw_blocks); at every
+    step of a real workload (forks, shared prefixes, copy-on-write, eviction) and in every colour mode, with a block
+    and a conversation selected or not, the image equals the one drawn whole."""
+    from engine import Engine, EngineConfig
+    from explorer.grid import changed_blocks, redraw_blocks
+    engine = Engine(EngineConfig(model="builtin", num_blocks=num_blocks, block_size=block_size))
+    rng = np.random.default_rng(4)
+    prefix = [int(t) for t in rng.integers(3, 200, 40)]
+    for i in range(6):
+        engine.add_conversation(prompt_token_ids=prefix + [int(t) for t in rng.integers(3, 200, 5 + 7 * i)],
+                                max_new_tokens=12 + 9 * i, ignore_eos=True)
+    snaps = [engine.snapshot()]
+    for step in range(60):
+        if step == 8:
+            engine.fork_conversation(engine.conversations()[0].conversation_id)
+        if not engine.has_work():
+            break
+        engine.step()
+        snaps.append(engine.snapshot())
+    geo = grid_geometry(num_blocks, block_size)
+    partial = 0
+    for mode in ("owner", "ref_count", "fill", "state"):
+        for selected_block, selected_conversation in ((None, None), (3, 1)):
+            image = snapshot_to_rgba(snaps[0], mode, selected_conversation, selected_block, geo)
+            for before, after in zip(snaps, snaps[1:]):
+                ids = changed_blocks(before, after, mode)
+                whole = snapshot_to_rgba(after, mode, selected_conversation, selected_block, geo)
+                if ids is None:
+                    image = whole
+                    continue
+                if selected_conversation is not None and \
+                        before.block_tables.get(selected_conversation) != after.block_tables.get(selected_conversation):
+                    image = whole  # the window draws the whole image then (GridView._draw)
+                    continue
+                redraw_blocks(image, after, ids, mode, selected_conversation, selected_block, geo)
+                partial += 1
+                assert np.array_equal(image, whole), (mode, selected_block, after.step_id)
+    assert partial > 100  # most steps were drawn in part
+    assert changed_blocks(snaps[0], snaps[1], "age") is None  # age colours move with every step: whole images
+
+
+def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_would(qtbot):
+    from engine import Engine, EngineConfig
+    from explorer.grid_view import GridView
+    engine = Engine(EngineConfig(model="builtin", num_blocks=1024, block_size=16))
+    for i in range(4):
+        engine.add_conversation(prompt_token_ids=list(range(3, 40 + 9 * i)), max_new_tokens=40, ignore_eos=True)
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 500)
+    view.show()
+    for step in range(30):
+        engine.step()
+        snap = engine.snapshot()
+        view.set_snapshot(snap)
+        if step == 20:
+            view.set_selected_block(int(snap.block_tables[0][0]))
+        assert view.render()
+        whole = snapshot_to_rgba(snap, view.color_by, view.selected_conversation, view.selected_block,
+                                 view.geometry_)
+        assert np.array_equal(view.image, whole), step
+    assert view.partial_draws >= 20
