@@ -42,6 +42,11 @@ POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "even
 # show a physical pool's blocks, conversations or history: empty for a source without one
 FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
+PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI thread's time (their painting then
+# costs about as much again, and more): with 256 conversations on 65,536 blocks a refresh takes 3 ms, and at 10 a
+# second the panels cost 4 points more of a core, which the engine's second torch thread waits for (bench/gui.py);
+# at this share they follow about 4 times a second there, and 10 times a second where a refresh takes under
+# 1.25 ms (64 conversations on 4,096 blocks: 1.0 ms)
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 
 
@@ -73,6 +78,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._select_when_present: int | None = None
         self._panels_stale = False
         self._last_panels = self._last_slow = 0.0
+        self._panel_interval = PANEL_INTERVAL  # from the last refresh's cost (PANEL_SHARE)
         self._closed = False
         self._shown_once = False
         self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
@@ -250,9 +256,11 @@ class MainWindow(QtWidgets.QMainWindow):
             if pane.render():
                 self.status.redrawn(now)
         view = self.source.view
-        if self._panels_stale and view is not None and now - self._last_panels >= PANEL_INTERVAL:
+        if self._panels_stale and view is not None and now - self._last_panels >= self._panel_interval:
+            started = time.perf_counter()
             self._refresh_panels(view)
             self._last_panels = now
+            self._panel_interval = max(PANEL_INTERVAL, (time.perf_counter() - started) / PANEL_SHARE)
         if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now
             self.metrics.redraw()

@@ -2,6 +2,7 @@
 ids go out as ids), the restart dialog that asks, stays open and reports at its field, the detokenizer for earlier
 turns, demo notes in the status bar, read-only conversation buttons, metrics up to the scrubbed step, and pan
 limits that never crop a fit (pytest-qt, offscreen, real engine, small pools)."""
+import time
 import numpy as np
 from PySide6 import QtCore, QtWidgets
 
@@ -219,3 +220,29 @@ def test_a_history_frame_says_why_the_inspector_has_no_heatmap(qtbot, make_windo
     window.source.go_live()
     qtbot.waitUntil(lambda: window.inspector.info.keys is not None, timeout=3000)
     assert not window.inspector.kv_note.isVisible()
+
+
+def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_window, monkeypatch):
+    """Tables and readouts refresh at most every PANEL_INTERVAL, and when a refresh takes long (a large pool), less
+    often: its cost is at most PANEL_SHARE of the GUI thread's time. The grid still follows every frame."""
+    import explorer.main_window as main_window
+
+    def setup(engine):
+        for i in range(3):
+            engine.add_conversation(prompt_token_ids=list(range(3, 20 + i)), max_new_tokens=200, ignore_eos=True)
+    window = make_window(setup=setup, speed=30)
+    refreshes = []
+    real = main_window.MainWindow._refresh_panels
+
+    def slow_refresh(self, snap):  # as a refresh of 256 conversations on a loaded machine might take
+        refreshes.append(time.perf_counter())
+        real(self, snap)
+        time.sleep(0.01)
+    monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", slow_refresh)
+    qtbot.waitUntil(lambda: len(refreshes) >= 4, timeout=15000)
+    gaps = [b - a for a, b in zip(refreshes, refreshes[1:])]
+    assert min(gaps) >= 0.01 / main_window.PANEL_SHARE * 0.9  # 0.8 s apart, not 0.1 s
+    assert window._panel_interval >= 0.01 / main_window.PANEL_SHARE
+    monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", real)
+    drawn = window.grid.frames_drawn
+    qtbot.waitUntil(lambda: window.grid.frames_drawn >= drawn + 5, timeout=5000)  # the grid did not wait
