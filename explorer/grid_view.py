@@ -83,7 +83,8 @@ class GridView(QtWidgets.QWidget):
         self.selected_block: int | None = None
         self.selected_conversation: int | None = None
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
-        self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, owner colours) of the image
+        self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, colour book version) drawn
+        self._owner_slots: np.ndarray | None = None  # the palette entry each block's owner had in the image
         self.partial_draws = 0  # redraws that drew only the blocks that changed (the others: the whole image)
         self.frames_drawn = 0
         self.hovered_block: int | None = None  # the block under the mouse (the hover line describes it)
@@ -168,27 +169,35 @@ class GridView(QtWidgets.QWidget):
     def _draw(self, snap: PoolSnapshot, geo: GridGeometry) -> None:
         """self.image for ``snap``: only the blocks that changed since the image drawn last, when nothing else that
         colours it did (layout, mode, selections, an owner's colour); else the whole image."""
-        owners = None
+        book = None
         if self.color_by == "owner":
             palette.observe(snap)
-            owners = palette.BOOK.slots(np.maximum(np.asarray(snap.owner), 0))  # each block's owner colour
+            book = palette.BOOK.version  # which entries the colour book had handed out for this image
         settings = (geo, self.color_by, self.selected_conversation, self.selected_block)
         drawn, ids = self._drawn, None
         if drawn is not None and drawn[1:5] == settings and self.image is not None:
             ids = changed_blocks(drawn[0], snap, self.color_by)
-            if ids is not None and owners is not None:
-                ids = np.union1d(ids, np.nonzero(owners != drawn[5])[0])  # a colour handed to another owner
             if ids is not None and self.selected_conversation is not None and \
                     drawn[0].block_tables.get(self.selected_conversation) != \
                     snap.block_tables.get(self.selected_conversation):
                 ids = None  # its blocks are drawn bright and the others dim
+        owner = np.asarray(snap.owner)
+        if ids is not None and book is not None:
+            if book != drawn[5]:  # entries handed out since: a block whose owner now has another colour is redrawn
+                slots = palette.BOOK.slots(np.maximum(owner, 0))
+                ids = np.union1d(ids, np.nonzero(slots != self._owner_slots)[0])
+                self._owner_slots = slots
+            else:
+                self._owner_slots[ids] = palette.BOOK.slots(np.maximum(owner[ids], 0))
         if ids is None:
             self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+            if book is not None:
+                self._owner_slots = palette.BOOK.slots(np.maximum(owner, 0))  # each block's colour in the image
         else:
             self.image = self.image.copy()  # the ImageItem keeps the array it was given: a new one for the new frame
             redraw_blocks(self.image, snap, ids, self.color_by, self.selected_conversation, self.selected_block, geo)
             self.partial_draws += 1
-        self._drawn = (snap, *settings, owners)
+        self._drawn = (snap, *settings, book)
 
     def pixels_per_cell(self) -> float:
         """Screen pixels across one cell now (inf before the view has a size)."""

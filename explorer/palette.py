@@ -53,6 +53,7 @@ class ColourBook:
         self._slot = np.full(0, -1, np.int64)  # conversation id -> palette index, -1: never seen live
         self._seen: tuple[object, int] | None = None  # (snapshot, its version) observed last: asked again, a no-op
         self.sorts = 0  # times conversations were sorted (tests read it)
+        self.version = getattr(self, "version", 0) + 1  # changes whenever an entry is handed out (drawers compare it)
 
     def observe(self, snapshot) -> None:
         """Give every live conversation of ``snapshot`` a palette entry no other live one holds, and a stopped one
@@ -83,6 +84,8 @@ class ColourBook:
         free = (s for s in range(len(order) + len(taken) + 1) if s not in taken)
         for cid in newcomers:
             self._slot[cid] = next(free)
+        if newcomers:
+            self.version += 1
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
         """Palette index of each id (int64)."""

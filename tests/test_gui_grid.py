@@ -471,18 +471,23 @@ def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_
     from engine import Engine, EngineConfig
     from explorer.grid_view import GridView
     engine = Engine(EngineConfig(model="builtin", num_blocks=1024, block_size=16))
-    for i in range(4):
-        engine.add_conversation(prompt_token_ids=list(range(3, 40 + 9 * i)), max_new_tokens=40, ignore_eos=True)
+    for i in range(4):  # the first finishes early: when the book starts over, the others' entries move up
+        engine.add_conversation(prompt_token_ids=list(range(3, 40 + 9 * i)), max_new_tokens=6 if i == 0 else 40,
+                                ignore_eos=True)
     view = GridView()
     qtbot.addWidget(view)
     view.resize(500, 500)
     view.show()
     for step in range(30):
+        if step in (10, 15):  # newcomers: the colour book hands out entries while the image is drawn in part
+            engine.add_conversation(prompt_token_ids=list(range(5, 30 + step)), max_new_tokens=8, ignore_eos=True)
+        if step == 25:  # the book starts over (the newcomers have finished): live ones get other entries
+            palette.BOOK.clear()
         engine.step()
         snap = engine.snapshot()
         view.set_snapshot(snap)
         if step == 20:
-            view.set_selected_block(int(snap.block_tables[0][0]))
+            view.set_selected_block(int(next(iter(snap.block_tables.values()))[0]))
         assert view.render()
         whole = snapshot_to_rgba(snap, view.color_by, view.selected_conversation, view.selected_block,
                                  view.geometry_)
