@@ -504,8 +504,8 @@ class _AutoKernels:
     def key(query, key_cache, num_seqs: int, max_len: int, scale: float) -> tuple:
         """kernel_key of a plan's tables (int64 [num_seqs, blocks of max_len], made in the caller's mode) without
         making them; () for a context too short to consider."""
-        if max_len < AUTO_MIN_POSITIONS:
-            return ()
+        if max_len < AUTO_MIN_POSITIONS or query.device.type != "cpu":  # a GPU's kernels run asynchronously: the
+            return ()  # caller's clock would time their launch, not their work (there, use compile_attention)
         width = _bucket(-(-max_len // key_cache.shape[1]))
         inference = torch.is_inference_mode_enabled()
         return (_bucket(num_seqs), width, tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
