@@ -47,6 +47,7 @@ PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI th
 # second the panels cost 4 points more of a core, which the engine's second torch thread waits for (bench/gui.py);
 # at this share they follow about 4 times a second there, and 10 times a second where a refresh takes under
 # 1.25 ms (64 conversations on 4,096 blocks: 1.0 ms)
+PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 
 
@@ -78,7 +79,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self._select_when_present: int | None = None
         self._panels_stale = False
         self._last_panels = self._last_slow = 0.0
-        self._panel_interval = PANEL_INTERVAL  # from the last refresh's cost (PANEL_SHARE)
+        self._panel_interval = PANEL_INTERVAL  # from the refreshes' cost (PANEL_SHARE)
+        self._panel_cost: float | None = None  # seconds a refresh takes, smoothed
         self._closed = False
         self._shown_once = False
         self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
@@ -260,7 +262,9 @@ class MainWindow(QtWidgets.QMainWindow):
             started = time.perf_counter()
             self._refresh_panels(view)
             self._last_panels = now
-            self._panel_interval = max(PANEL_INTERVAL, (time.perf_counter() - started) / PANEL_SHARE)
+            cost = time.perf_counter() - started  # smoothed: one slow refresh (a collection) must not stall them
+            self._panel_cost = cost if self._panel_cost is None else 0.7 * self._panel_cost + 0.3 * cost
+            self._panel_interval = min(PANEL_MAX_INTERVAL, max(PANEL_INTERVAL, self._panel_cost / PANEL_SHARE))
         if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now
             self.metrics.redraw()

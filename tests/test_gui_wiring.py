@@ -224,7 +224,8 @@ def test_a_history_frame_says_why_the_inspector_has_no_heatmap(qtbot, make_windo
 
 def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_window, monkeypatch):
     """Tables and readouts refresh at most every PANEL_INTERVAL, and when a refresh takes long (a large pool), less
-    often: its cost is at most PANEL_SHARE of the GUI thread's time. The grid still follows every frame."""
+    often: its smoothed cost is at most PANEL_SHARE of the GUI thread's time, but they follow at least every
+    PANEL_MAX_INTERVAL. The grid still follows every frame."""
     import explorer.main_window as main_window
 
     def setup(engine):
@@ -241,8 +242,8 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
     monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", slow_refresh)
     qtbot.waitUntil(lambda: len(refreshes) >= 4, timeout=15000)
     gaps = [b - a for a, b in zip(refreshes, refreshes[1:])]
-    assert min(gaps) >= 0.01 / main_window.PANEL_SHARE * 0.9  # 0.8 s apart, not 0.1 s
-    assert window._panel_interval >= 0.01 / main_window.PANEL_SHARE
+    assert min(gaps[1:]) >= 0.45  # after the first slow one: 0.5 s apart (at most), not 0.1 s
+    assert window._panel_interval == main_window.PANEL_MAX_INTERVAL  # 0.8 s wanted, capped
     monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", real)
     drawn = window.grid.frames_drawn
     qtbot.waitUntil(lambda: window.grid.frames_drawn >= drawn + 5, timeout=5000)  # the grid did not wait
