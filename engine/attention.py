@@ -419,7 +419,12 @@ class _Compiled:
         seqs, width = block_tables.shape
         padded_seqs, padded_width = _bucket(seqs), _bucket(width)
         key = kernel_key(query, key_cache, block_tables, seq_lens, scale)
-        query = query.contiguous()  # the guards of a kernel compiled on one thread then hold for calls from another
+        # fresh contiguous copies made in the caller's mode (small: a step's queries and tables), so that what the
+        # kernel's guards check (strides, inference-ness, requires_grad) is the same for every call in that mode,
+        # from any thread: a view of a caller's tensor would be compiled again on the caller's thread (seconds)
+        query = query.detach().clone(memory_format=torch.contiguous_format)
+        block_tables = block_tables.to(torch.long, copy=True).contiguous()
+        seq_lens = seq_lens.to(torch.long, copy=True).contiguous()
         if key not in self._kernels:
             with self._lock:
                 if len(self._kernels) >= self.MAX_KERNELS:
@@ -514,24 +519,30 @@ class _AutoKernels:
 
     def _trial(self, key, query, key_cache, value_cache, plan: DecodePlan, scale: float) -> torch.Tensor:
         """One call of a bucket being timed: the eager path and the fused kernel in turn."""
-        eager, fused = self._trials[key]
+        trial = self._trials.get(key)
+        if trial is None:  # decided (or reset) meanwhile by another caller
+            return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
+        eager, fused = trial
         use_fused = len(fused) < len(eager)
         start = self.timer()
         out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale) if use_fused else None
         if out is None and use_fused:  # the kernel went away (a failure elsewhere): eager from now on
             with self._lock:
                 self._choice[key] = False
+                self._trials.pop(key, None)
             return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
         if out is None:
             out = _paged_attention_eager(query, key_cache, value_cache, plan, scale)
         (fused if use_fused else eager).append(self.timer() - start)
-        if len(fused) == len(eager) == AUTO_WARMUP_CALLS + AUTO_TIMING_CALLS:
-            e, f = statistics.median(eager[AUTO_WARMUP_CALLS:]), statistics.median(fused[AUTO_WARMUP_CALLS:])
+        needed = AUTO_WARMUP_CALLS + AUTO_TIMING_CALLS
+        if len(fused) >= needed and len(eager) >= needed:
             with self._lock:
-                self.decisions[key] = (e, f)
-                self._choice[key] = f <= AUTO_MARGIN * e
-                del self._trials[key]
-                self._idle.notify_all()
+                if self._trials.pop(key, None) is not None:  # once, whichever caller gets here first
+                    e = statistics.median(eager[AUTO_WARMUP_CALLS:needed])
+                    f = statistics.median(fused[AUTO_WARMUP_CALLS:needed])
+                    self.decisions[key] = (e, f)
+                    self._choice[key] = f <= AUTO_MARGIN * e
+                    self._idle.notify_all()
         return out
 
     def _note(self, key, query, key_cache, value_cache, tables, seq_lens, scale, plan) -> None:
@@ -556,26 +567,33 @@ class _AutoKernels:
                 self._thread.start()
 
     def _work(self) -> None:
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    self._thread = None
-                    self._idle.notify_all()
-                    return
-                job = self._jobs.pop(0)
-            key, modes, *inputs = job
-            try:
-                with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                    compiled = _compiled(*inputs) is not None  # None: no kernel left to compile for it
-            except Exception as exc:  # no C++ compiler, an unsupported backend: eager for good
-                _compiled.failed, _compiled.enabled = True, False
-                log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+        try:
+            while True:
+                with self._lock:
+                    if not self._jobs:
+                        return
+                    job = self._jobs.pop(0)
+                    if _compiled.failed:  # one compile failed: the others would too, each taking seconds
+                        self._choice[job[0]] = False
+                        continue
+                key, modes, *inputs = job
                 compiled = False
-            del job, inputs
+                try:
+                    with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                        compiled = _compiled(*inputs) is not None  # None: no kernel left to compile for it
+                except Exception as exc:  # no C++ compiler, an unsupported backend: eager for good
+                    _compiled.failed, _compiled.enabled = True, False
+                    log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
+                finally:
+                    with self._lock:
+                        if compiled:
+                            self._trials[key] = ([], [])
+                        self._choice[key] = _TRIAL if compiled else False
+                del job, inputs
+        finally:
             with self._lock:
-                if compiled:
-                    self._trials[key] = ([], [])
-                self._choice[key] = _TRIAL if compiled else False
+                self._thread = None
+                self._idle.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every queued bucket is compiled (its timing is then up to the caller's next calls); False if
@@ -587,9 +605,10 @@ class _AutoKernels:
         """What a bucket takes: True (fused), False (eager, or not seen), None (compiling), "trial" (being timed)."""
         return self._choice.get(key, False)
 
-    def reset(self) -> None:
-        """Forget every shape seen and decided (kernels compiled stay compiled)."""
-        self.wait()
+    def reset(self, timeout: float | None = 60.0) -> None:
+        """Forget every shape seen and decided (kernels compiled stay compiled), after waiting up to ``timeout``
+        for a compile under way."""
+        self.wait(timeout)
         with self._lock:
             self._calls.clear()
             self._choice.clear()
@@ -608,7 +627,8 @@ def use_auto_kernels(enabled: bool = True) -> bool:
 
 
 def wait_for_kernels(timeout: float | None = None) -> bool:
-    """Wait until the background compiles queued so far have been built and timed; False on timeout."""
+    """Wait until the background compiles queued so far have been built (the timing is then done by the next calls
+    of each shape); False on timeout."""
     return _auto.wait(timeout)
 
 

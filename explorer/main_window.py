@@ -80,7 +80,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = False
         self._last_panels = self._last_slow = 0.0
         self._panel_interval = PANEL_INTERVAL  # from the refreshes' cost (PANEL_SHARE)
-        self._panel_cost: float | None = None  # seconds a refresh takes, smoothed
+        self._panel_cost = 0.0  # seconds a refresh takes, smoothed
         self._closed = False
         self._shown_once = False
         self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
@@ -262,8 +262,10 @@ class MainWindow(QtWidgets.QMainWindow):
             started = time.perf_counter()
             self._refresh_panels(view)
             self._last_panels = now
-            cost = time.perf_counter() - started  # smoothed: one slow refresh (a collection) must not stall them
-            self._panel_cost = cost if self._panel_cost is None else 0.7 * self._panel_cost + 0.3 * cost
+            cost = time.perf_counter() - started  # smoothed, each sample at most 4x the average so far: one slow
+            # refresh (a garbage collection) must not hold them back for seconds
+            cost = min(cost, 4 * max(self._panel_cost, PANEL_INTERVAL * PANEL_SHARE))
+            self._panel_cost = 0.7 * self._panel_cost + 0.3 * cost
             self._panel_interval = min(PANEL_MAX_INTERVAL, max(PANEL_INTERVAL, self._panel_cost / PANEL_SHARE))
         if now - self._last_slow >= PLOT_INTERVAL:
             self._last_slow = now

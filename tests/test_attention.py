@@ -245,7 +245,7 @@ def auto(monkeypatch):
 def _long_case(seed: int):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    lens = [530, 517]  # contexts past AUTO_MIN_POSITIONS
+    lens = [512, 509]  # contexts from AUTO_MIN_POSITIONS on; 32 blocks: a bucket the kernel takes without padding
     keys = [torch.randn(n, 2, 8) for n in lens]
     values = [torch.randn(n, 2, 8) for n in lens]
     key_cache, value_cache, tables = _scatter(keys, values, 16, sum(-(-n // 16) for n in lens) + 3, rng, -1)
@@ -277,6 +277,18 @@ def test_default_path_compiles_a_long_shape_in_the_background_then_times_both_an
         for _ in range(5):
             assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
         assert auto.calls["fused"] == trial // 2 + (5 if takes_fused else 0)
+        # the same shape given as views (int64 tables with spare columns, a strided query, a plain tensor inside
+        # inference mode) takes the kernel as it is: nothing is compiled again on the caller's thread
+        from torch._dynamo.utils import counters
+        compiled = counters["frames"]["ok"]
+        query, key_cache, value_cache, tables, lens = inputs
+        with torch.inference_mode(False):  # a caller's own tensors, made outside inference mode
+            wide = torch.cat([tables.long(), torch.full((2, 5), -1, dtype=torch.long)], dim=1)
+            strided = torch.cat([query, query], dim=2)[:, :, :8]
+            lens64 = lens.long()
+        assert not strided.is_contiguous() and not wide.is_inference()
+        assert torch.allclose(paged_attention(strided, key_cache, value_cache, wide, lens64), ref, atol=1e-5)
+        assert counters["frames"]["ok"] == compiled
         short = (inputs[0], inputs[1], inputs[2], inputs[3], torch.tensor([100, 3], dtype=torch.int32))
         for _ in range(attention.AUTO_MIN_CALLS + 1):  # a short context never queues a compile
             paged_attention(*short)

@@ -240,10 +240,12 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
         real(self, snap)
         time.sleep(0.01)
     monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", slow_refresh)
-    qtbot.waitUntil(lambda: len(refreshes) >= 4, timeout=15000)
-    gaps = [b - a for a, b in zip(refreshes, refreshes[1:])]
-    assert min(gaps[1:]) >= 0.45  # after the first slow one: 0.5 s apart (at most), not 0.1 s
-    assert window._panel_interval == main_window.PANEL_MAX_INTERVAL  # 0.8 s wanted, capped
+    qtbot.waitUntil(lambda: window._panel_interval == main_window.PANEL_MAX_INTERVAL, timeout=15000)  # 0.8 s
+    # wanted (the average cost climbs over a few refreshes: one slow refresh alone moves it little), capped
+    count = len(refreshes)
+    qtbot.waitUntil(lambda: len(refreshes) >= count + 3, timeout=15000)
+    gaps = [b - a for a, b in zip(refreshes[count - 1:], refreshes[count:])]
+    assert min(gaps) >= 0.45  # 0.5 s apart, not 0.1 s
     monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", real)
     drawn = window.grid.frames_drawn
     qtbot.waitUntil(lambda: window.grid.frames_drawn >= drawn + 5, timeout=5000)  # the grid did not wait
