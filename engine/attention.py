@@ -418,7 +418,7 @@ class _Compiled:
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
         seqs, width = block_tables.shape
         padded_seqs, padded_width = _bucket(seqs), _bucket(width)
-        key = kernel_key(query, key_cache, block_tables, seq_lens, scale)
+        key = kernel_key(query, key_cache, seqs, width, scale)
         # fresh contiguous copies made in the caller's mode (small: a step's queries and tables), so that what the
         # kernel's guards check (strides, inference-ness, requires_grad) is the same for every call in that mode,
         # from any thread: a view of a caller's tensor would be compiled again on the caller's thread (seconds)
@@ -438,14 +438,13 @@ class _Compiled:
         return out[:seqs]
 
 
-def kernel_key(query, key_cache, block_tables, seq_lens, scale) -> tuple:
-    """The shape bucket a fused kernel is compiled for (one static specialisation each), with what else its guards
-    check: grad and inference mode, and whether the inputs are inference tensors."""
-    seqs, width = block_tables.shape
-    return (_bucket(seqs), _bucket(width), tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
-            key_cache.dtype, block_tables.dtype, seq_lens.dtype, query.device, float(scale),
-            torch.is_inference_mode_enabled(), torch.is_grad_enabled(), query.is_inference(),
-            key_cache.is_inference(), block_tables.is_inference())
+def kernel_key(query, key_cache, num_seqs: int, width: int, scale) -> tuple:
+    """The shape bucket a fused kernel is compiled for (one static specialisation each) for ``num_seqs`` sequences
+    and tables ``width`` blocks wide, with what else its guards check: grad and inference mode, and whether the
+    caches are inference tensors (queries, tables and lengths are copied in the caller's mode: see _Compiled)."""
+    return (_bucket(num_seqs), _bucket(width), tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
+            key_cache.dtype, query.device, float(scale), torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
+            key_cache.is_inference())
 
 
 _thread_state = threading.local()
@@ -502,20 +501,16 @@ class _AutoKernels:
         if choice == _TRIAL:
             return self._trial(key, query, key_cache, value_cache, plan, scale)
         if choice is False and key not in self._choice:
-            self._note(key, query, key_cache, value_cache, plan.tables, plan.seq_lens, scale, plan)
+            self._note(key, query, key_cache, value_cache, plan, scale)
         return None
 
     @staticmethod
     def key(query, key_cache, num_seqs: int, max_len: int, scale: float) -> tuple:
-        """kernel_key of a plan's tables (int64 [num_seqs, blocks of max_len], made in the caller's mode) without
-        making them; () for a context too short to consider."""
+        """kernel_key of tables for ``num_seqs`` sequences of at most ``max_len`` tokens, without making them; ()
+        for a context too short to consider."""
         if max_len < AUTO_MIN_POSITIONS or query.device.type != "cpu":  # a GPU's kernels run asynchronously: the
             return ()  # caller's clock would time their launch, not their work (there, use compile_attention)
-        width = _bucket(-(-max_len // key_cache.shape[1]))
-        inference = torch.is_inference_mode_enabled()
-        return (_bucket(num_seqs), width, tuple(query.shape[1:]), tuple(key_cache.shape), query.dtype,
-                key_cache.dtype, torch.int64, torch.int64, query.device, float(scale), inference,
-                torch.is_grad_enabled(), query.is_inference(), key_cache.is_inference(), inference)
+        return kernel_key(query, key_cache, num_seqs, -(-max_len // key_cache.shape[1]), scale)
 
     def _trial(self, key, query, key_cache, value_cache, plan: DecodePlan, scale: float) -> torch.Tensor:
         """One call of a bucket being timed: the eager path and the fused kernel in turn."""
@@ -545,7 +540,7 @@ class _AutoKernels:
                     self._idle.notify_all()
         return out
 
-    def _note(self, key, query, key_cache, value_cache, tables, seq_lens, scale, plan) -> None:
+    def _note(self, key, query, key_cache, value_cache, plan: DecodePlan, scale: float) -> None:
         with self._lock:
             if key in self._choice:
                 return
@@ -554,14 +549,11 @@ class _AutoKernels:
                 return
             del self._calls[key]
             self._choice[key] = None
-            # copies of what changes from step to step, made as the originals were (so the kernel's guards match the
-            # caller's calls); the caches themselves are only read
-            copies = []
-            for t in (query, tables, seq_lens):
-                with torch.inference_mode(t.is_inference()):
-                    copies.append(t.detach().contiguous().clone())
+            # copies of what changes from step to step (the caches themselves are only read); the compile runs in
+            # the caller's modes, which the kernel's guards check
+            query, tables, seq_lens = (t.detach().clone() for t in (query, plan.tables, plan.seq_lens))
             modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-            self._jobs.append((key, modes, copies[0], key_cache, value_cache, copies[1], copies[2], scale))
+            self._jobs.append((key, modes, query, key_cache, value_cache, tables, seq_lens, scale))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="attention-compile", daemon=True)
                 self._thread.start()
@@ -663,8 +655,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key = _auto.key(query, key_cache, query.shape[0], max_len, scale)  # a shape on the fused kernel: no plan
         if _auto.choice(key) is True:
             width = -(-max_len // key_cache.shape[1])
-            out = _try_compiled(query, key_cache, value_cache, block_tables[:, :width].to(query.device, torch.long),
-                                seq_lens.to(query.device, torch.long), scale)
+            out = _try_compiled(query, key_cache, value_cache, block_tables[:, :width].to(query.device),
+                                seq_lens.to(query.device), scale)
             if out is not None:
                 return out
     plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1], group_bytes_for(key_cache),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstream.events import BlockEvent, EventKind
+from kvstream import poolstream
 from kvstream.poolstream import ARRAYS, StreamEncoder
 from kvstream.views import PoolSnapshot
 
@@ -106,3 +107,19 @@ def workload(frames: int = WORKLOAD_FRAMES, seed: int = 0) -> tuple[tuple[PoolSn
 def encode_all(snapshots, keyframe_interval: int = 16, **kwargs):
     enc = StreamEncoder(keyframe_interval=keyframe_interval, **kwargs)
     return enc, [enc.encode(snap, events) for snap, events in snapshots]
+
+
+def count_keyframe_decodes(monkeypatch) -> list[int]:
+    """The seqs of the keyframes decoded whole from now on (a decoder going on through a bridge decodes none)."""
+    rebuilt: list[int] = []
+    real = poolstream._keyframe_state
+    monkeypatch.setattr(poolstream, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    return rebuilt
+
+
+def assert_scrubs_forward_through_bridges(history, snaps, rebuilt: list[int]) -> None:
+    """Forward through ``history`` in strides that cross a keyframe every other step: every frame equals the
+    engine's, and only the first keyframe was decoded whole (``rebuilt``: from count_keyframe_decodes)."""
+    for seq in range(3, len(snaps), 5):
+        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
+    assert rebuilt == [0]

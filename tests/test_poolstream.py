@@ -19,7 +19,8 @@ from kvstream.history import History
 from kvstream.poolstream import (FORMAT_VERSION, Frame, StreamDecoder, StreamEncoder, StreamError, encode_keyframe,
                                  read_head)
 from kvstream.views import ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
-from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
+from tests.poolstream_helpers import (assert_same_snapshot, assert_scrubs_forward_through_bridges,
+                                      count_keyframe_decodes, encode_all, workload)
 
 
 # ---- round trips against the real engine -------------------------------------------------------------------------
@@ -146,14 +147,9 @@ def test_history_scrubs_forward_through_bridged_keyframes_without_decoding_them(
     snaps = workload()
     _, frames = encode_all(snaps, keyframe_interval=8)
     history = History()
-    for f in frames:
-        history.write(f)
-    rebuilt = []
-    real = ps._keyframe_state
-    monkeypatch.setattr(ps, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
-    for seq in range(3, len(frames), 5):  # forward in strides that cross a keyframe every other step
-        assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
-    assert rebuilt == [0]
+    history.write_many(frames)
+    rebuilt = count_keyframe_decodes(monkeypatch)
+    assert_scrubs_forward_through_bridges(history, snaps, rebuilt)
     # a jump far ahead decodes the keyframe before it (cheaper than 64+ deltas); walk goes through bridges too
     history.snapshot_at(3)
     history.snapshot_at(len(frames) - 1)
@@ -174,8 +170,7 @@ def test_a_step_back_after_a_long_jump_decodes_a_few_frames_not_the_whole_run(mo
     _, frames = encode_all(snaps, keyframe_interval=10 ** 6)  # one run of deltas after a single keyframe
     assert len(frames) > 4 * history_module._FORWARD_EVERY
     history = History()
-    for f in frames:
-        history.write(f)
+    history.write_many(frames)
     applied = []
     real = StreamDecoder.apply
     monkeypatch.setattr(StreamDecoder, "apply", lambda self, head: applied.append(head.seq) or real(self, head))
