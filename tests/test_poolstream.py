@@ -194,19 +194,17 @@ def test_rebuilt_token_and_block_id_tuples_stay_out_of_the_young_collection():
     history = History()
     history.write_many(frames)
     seqs = [len(frames) - 1, len(frames) // 2, len(frames) - 3, 5]  # a long jump with checkpoints, then back
-    tracked, total = [], 0
+    long_ids = []  # the tuples of at least _UNTRACK_FROM ids (shorter ones are left to the collector)
     for seq in seqs:
         snap = history.snapshot_at(seq)
         assert_same_snapshot(snaps[seq][0], snap, f"frame {seq}")
         ids = [t for c in snap.conversations for t in (c.prompt_token_ids, c.output_token_ids, c.block_table)]
-        ids += list(snap.block_tables.values())
-        total += sum(map(len, ids))
-        tracked += [t for t in ids if gc.is_tracked(t)]
+        long_ids += [t for t in ids + list(snap.block_tables.values()) if len(t) >= ps._UNTRACK_FROM]
     for checkpoint in history._checkpoints.values():
-        rows = checkpoint._state.convs.values()
-        tracked += [v for vals in rows for v in vals if type(v) is tuple and v and type(v[0]) is int
-                    and gc.is_tracked(v)]
-    assert total > 1000 and not tracked, f"{len(tracked)} id tuples still tracked"
+        long_ids += [v for vals in checkpoint._state.convs.values() for v in vals
+                     if type(v) is tuple and len(v) >= ps._UNTRACK_FROM and type(v[0]) is int]
+    tracked = [t for t in long_ids if gc.is_tracked(t)]
+    assert len(long_ids) > 50 and not tracked, f"{len(tracked)} of {len(long_ids)} id tuples still tracked"
     gc.collect()
     for seq in seqs:  # nothing held by the checkpoints was lost to the collector
         if seq == 5:
