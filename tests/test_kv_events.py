@@ -54,6 +54,15 @@ def wait_until(predicate, timeout=5.0, serve=None):
     raise AssertionError("timed out waiting")
 
 
+def settled_status(sub, serve=None):
+    """The endpoint's status once it reflects every batch its index holds: status() is a copy made by the
+    subscriber's loop, up to POLL_MS old, so read at once after the index changed it can predate the change."""
+    index = sub.indexes[0]
+    wait_until(lambda: (sub.status()[0].num_batches, sub.status()[0].last_seq) == (index.num_batches, index.last_seq),
+               serve=serve)
+    return sub.status()[0]
+
+
 def stored(hashes, parent=None, size=2, medium="GPU", tokens=None, lora_name=None):
     hashes = tuple(hashes)
     tokens = tuple(range(len(hashes) * size)) if tokens is None else tuple(tokens)
@@ -370,7 +379,7 @@ def test_sglang_publisher_batches(sockdir):
             pub.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.AllBlocksCleared()]))
             index = sub.indexes[0]
             wait_until(lambda: index.num_batches == 3 or index.num_cleared == 1)
-            st = sub.status()[0]
+            st = settled_status(sub)
         assert index.num_stored_total == 3 and index.num_removed_total == 3 and len(index) == 0
         assert st.num_lost == 0 and st.num_malformed == 0 and st.num_replayed == 2
     finally:
@@ -401,7 +410,7 @@ def test_round_trip_rebuilds_live_hashes_and_late_join_catches_up(sockdir):
             for events in batches[40:]:
                 pub.publish(events)
             wait_until(lambda: index.num_batches == len(batches))
-            st = sub.status()[0]
+            st = settled_status(sub)
     assert index.live_hashes() == expected
     assert st.num_lost == 0 and st.num_malformed == 0 and st.num_replayed >= 40 and st.last_seq == len(batches) - 1
     assert index.last_seq == len(batches) - 1 and index.num_cleared == 1
@@ -473,7 +482,7 @@ def test_loss_beyond_replay_buffer_is_reported(sockdir):
             pub.publish(events)
         with KVEventSubscriber([KVEventEndpoint(pub.endpoint, pub.replay_endpoint)]) as sub:
             wait_until(lambda: sub.indexes[0].num_batches == 8)
-            st = sub.status()[0]
+            st = settled_status(sub)
     assert st.num_lost == 22 and "lost 22 batches" in st.text and st.last_seq == 29
     assert "older than the replay buffer" in st.last_error
 
@@ -504,7 +513,7 @@ def test_publisher_restart_starts_the_index_over(sockdir):
         pub = KVEventPublisher(ep.endpoint, ep.replay_endpoint)  # a new server: seq from 0, other hashes
         pub.publish([stored([9])])
         wait_until(lambda: index.live_hashes() == {9})
-        st = sub.status()[0]
+        st = settled_status(sub)
         pub.close()
     assert st.num_restarts == 1 and index.num_resets == 1 and st.num_disconnects >= 1 and st.num_lost == 0
 
@@ -609,7 +618,7 @@ def test_gap_is_filled_by_replay(peer):
         wait_until(lambda: peer.router.poll(0))
         time.sleep(0.2)
         wait_until(lambda: index.num_batches == 10, serve=peer.serve)
-        st = sub.status()[0]
+        st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
     assert peer.requests == [0, 5]  # exactly the gap was asked for
@@ -624,7 +633,7 @@ def test_gap_older_than_buffer_is_lost_and_said(peer):
         peer.live(6, 7)
         index = sub.indexes[0]
         wait_until(lambda: index.num_batches == 6, serve=peer.serve)
-        st = sub.status()[0]
+        st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
     assert st.num_lost == 2 and "lost 2 batches" in st.text and index.last_seq == 7
@@ -642,7 +651,7 @@ def test_restarted_peer_detected_from_a_changed_batch(peer):
         peer.buffer = {0: fresh}
         peer.live(0, payload=fresh)
         wait_until(lambda: index.live_hashes() == {77}, serve=peer.serve)
-        st = sub.status()[0]
+        st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
     assert st.num_restarts == 1 and peer.requests == [0, 0] and "restarted" in st.text and index.last_seq == 0
@@ -657,7 +666,7 @@ def test_replay_socket_that_never_answers(sockdir):
         time.sleep(0.1)
         peer.live(3, 4)
         wait_until(lambda: sub.indexes[0].num_batches == 2, serve=peer.serve)
-        st = sub.status()[0]
+        st = settled_status(sub, serve=peer.serve)
         sub.stop()
     finally:
         peer.close()
@@ -675,7 +684,7 @@ def test_malformed_messages_are_counted_and_skipped(peer):
         peer.live(3)
         index = sub.indexes[0]
         wait_until(lambda: index.last_seq == 3, serve=peer.serve)
-        st = sub.status()[0]
+        st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
     assert st.num_malformed == 4 and "4 malformed messages skipped" in st.text and st.num_lost == 0
@@ -847,7 +856,7 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
                     if h != 0 and s in (BlockState.USED, BlockState.CACHED)}
             index = sub.indexes[0]
             wait_until(lambda: index.live_hashes() == held, timeout=10)
-            st = sub.status()[0]
+            st = settled_status(sub)
             assert st.num_lost == 0 and st.num_malformed == 0
             assert index.num_removed_total > 0, "the workload was meant to evict"
             # every parent stored before its child: walk the batches in sequence order, through the replay socket
