@@ -156,6 +156,12 @@ def tile_masks(geometry: GridGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return gap, ring, slot, separator
 
 
+def _column(values, ids: np.ndarray | None, dtype=None) -> np.ndarray:
+    """A per-block array of a snapshot as numpy, whole or at blocks ``ids``."""
+    a = np.asarray(values, dtype)
+    return a if ids is None else a[ids]
+
+
 def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
                   ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Colour of a filled slot and of an empty slot for every block (or for blocks ``ids``), RGBA uint8
@@ -163,30 +169,26 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
     if color_by not in COLOR_BY:
         raise ValueError(f"color_by must be one of {COLOR_BY}, got {color_by!r}")
 
-    def column(values, dtype=None):
-        a = np.asarray(values, dtype)
-        return a if ids is None else a[ids]
-
-    state = column(snapshot.state)
+    state = _column(snapshot.state, ids)
     n = len(state)
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
     if color_by == "owner":
         palette.observe(snapshot)  # live conversations get distinct colours before any is looked up
-        owner = column(snapshot.owner)
+        owner = _column(snapshot.owner, ids)
         has_owner = owner >= 0
         live32, muted32 = palette.owner_colours32(np.maximum(owner, 0))
         owners = np.where(has_owner, live32, _UNOWNED32)
         muted = np.where(has_owner, muted32, _UNOWNED32)
         fill32 = np.where(used, owners, np.where(cached, muted, _FREE32))
     elif color_by == "ref_count":
-        ref = np.clip(column(snapshot.ref_count), 0, len(palette.REF_COLOURS) - 1)
+        ref = np.clip(_column(snapshot.ref_count, ids), 0, len(palette.REF_COLOURS) - 1)
         fill32 = np.where(used, _REF32[ref], np.where(cached, _REF_CACHED32, _FREE32))
     elif color_by in ("fill", "age"):
         if color_by == "fill":
-            level = column(snapshot.num_filled, np.float32) / snapshot.block_size
+            level = _column(snapshot.num_filled, ids, np.float32) / snapshot.block_size
         else:
-            age = np.maximum(snapshot.step_id - column(snapshot.last_access, np.int64), 0)
+            age = np.maximum(snapshot.step_id - _column(snapshot.last_access, ids, np.int64), 0)
             level = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
         index = np.clip(np.round(level * 255), 0, 255).astype(np.intp)
         fill32 = np.where(used | cached, _SHADES32[index], _FREE32)
@@ -194,7 +196,7 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
         fill32 = np.where(used, _STATE_USED32, np.where(cached, _STATE_CACHED32, _FREE32))
     fill = np.ascontiguousarray(fill32, np.uint32).view(np.uint8).reshape(n, 4)
     if selected_conversation is not None:
-        member = cached & (column(snapshot.owner) == selected_conversation)  # what it left in the cache
+        member = cached & (_column(snapshot.owner, ids) == selected_conversation)  # what it left in the cache
         table = snapshot.block_tables.get(selected_conversation, ())
         if table:
             if ids is None:
@@ -214,16 +216,13 @@ def _tile_rows(snapshot: PoolSnapshot, color_by: str, selected_conversation: int
     """The pixel row every tile repeats (before outlines and gaps), uint32 [blocks, tile], for every block or for
     blocks ``ids``; may be a read-only broadcast."""
     fill, empty = block_colours(snapshot, color_by, selected_conversation, ids)
-    num_filled = np.asarray(snapshot.num_filled, np.int32)
-    if ids is not None:
-        num_filled = num_filled[ids]
+    num_filled = _column(snapshot.num_filled, ids, np.int32)
     _, _, slot, separator = tile_masks(geo)
     fill32, empty32 = as_u32(fill), as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
     if geo.striped:
         profile = np.where(slot[None, :] < num_filled[:, None], fill32[:, None], empty32[:, None])  # [n, T]
         if separator.any():  # slot boundaries in blocks that hold tokens; a free block is one plain cell (its
-            state = np.asarray(snapshot.state)  # stripes read as cell gaps at block size 8)
-            holding = (state if ids is None else state[ids]) != BlockState.FREE
+            holding = _column(snapshot.state, ids) != BlockState.FREE  # stripes read as cell gaps at block size 8)
             lines = profile[holding][:, separator]  # [holding blocks, separator columns]
             profile[np.ix_(holding, separator)] = as_u32(palette.scale(as_rgba(lines), 0.7))
         return profile
@@ -238,8 +237,7 @@ def _tile_rows(snapshot: PoolSnapshot, color_by: str, selected_conversation: int
 def _rings(snapshot: PoolSnapshot, selected_block: int | None, ids: np.ndarray | None
            ) -> tuple[np.ndarray, np.ndarray]:
     """(whether each block, or each of ``ids``, has an outline: shared or selected; the outline's RGBA)."""
-    ref = np.asarray(snapshot.ref_count)
-    ring_on = (ref if ids is None else ref[ids]) > 1
+    ring_on = _column(snapshot.ref_count, ids) > 1
     ring_colour = np.zeros((len(ring_on), 4), np.uint8)
     ring_colour[ring_on] = palette.SHARED_RING
     if selected_block is not None and 0 <= selected_block < snapshot.num_blocks:
@@ -313,11 +311,16 @@ def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, co
 PARTIAL_LIMIT = 1 / 8  # redraw only the changed blocks while they are at most this share of the pool
 
 
-def changed_blocks(before: PoolSnapshot, after: PoolSnapshot, color_by: str) -> np.ndarray | None:
+def changed_blocks(before: PoolSnapshot, after: PoolSnapshot, color_by: str,
+                   selected_conversation: int | None = None) -> np.ndarray | None:
     """Ids of the blocks whose tile may be drawn differently in ``after`` than in ``before`` (same pool size), under
-    ``color_by`` and the colour book as it is now; None when every block may (age colours move with every step),
-    or when that is too many to be worth drawing one by one."""
+    ``color_by``, ``selected_conversation`` and the colour book as it is now; None when every block may (age colours
+    move with every step; the selected conversation's table changed, and its blocks are drawn bright, the others
+    dim), or when that is too many to be worth drawing one by one."""
     if color_by == "age" or before.num_blocks != after.num_blocks or before.block_size != after.block_size:
+        return None
+    if selected_conversation is not None and \
+            before.block_tables.get(selected_conversation) != after.block_tables.get(selected_conversation):
         return None
     changed = np.zeros(after.num_blocks, bool)
     for name in ("state", "num_filled", "ref_count", "owner"):

@@ -176,11 +176,7 @@ class GridView(QtWidgets.QWidget):
         settings = (geo, self.color_by, self.selected_conversation, self.selected_block)
         drawn, ids = self._drawn, None
         if drawn is not None and drawn[1:5] == settings and self.image is not None:
-            ids = changed_blocks(drawn[0], snap, self.color_by)
-            if ids is not None and self.selected_conversation is not None and \
-                    drawn[0].block_tables.get(self.selected_conversation) != \
-                    snap.block_tables.get(self.selected_conversation):
-                ids = None  # its blocks are drawn bright and the others dim
+            ids = changed_blocks(drawn[0], snap, self.color_by, self.selected_conversation)
         owner = np.asarray(snap.owner)
         if ids is not None and book is not None:
             if book != drawn[5]:  # entries handed out since: a block whose owner now has another colour is redrawn

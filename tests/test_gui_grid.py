@@ -451,14 +451,10 @@ def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(blo
         for selected_block, selected_conversation in ((None, None), (3, 1)):
             image = snapshot_to_rgba(snaps[0], mode, selected_conversation, selected_block, geo)
             for before, after in zip(snaps, snaps[1:]):
-                ids = changed_blocks(before, after, mode)
+                ids = changed_blocks(before, after, mode, selected_conversation)
                 whole = snapshot_to_rgba(after, mode, selected_conversation, selected_block, geo)
                 if ids is None:
                     image = whole
-                    continue
-                if selected_conversation is not None and \
-                        before.block_tables.get(selected_conversation) != after.block_tables.get(selected_conversation):
-                    image = whole  # the window draws the whole image then (GridView._draw)
                     continue
                 redraw_blocks(image, after, ids, mode, selected_conversation, selected_block, geo)
                 partial += 1
