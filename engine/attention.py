@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -651,6 +652,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                             scale)
         if out is not None:
             return out
+    out = _native_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    if out is not None:
+        return out
     if _auto.enabled and not _compiled.failed and max_len >= AUTO_MIN_POSITIONS:
         key = _auto.key(query, key_cache, query.shape[0], max_len, scale)  # a shape on the fused kernel: no plan
         if _auto.choice(key) is True:
@@ -665,6 +669,25 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
+_native_enabled = True
+
+
+def use_native_kernel(enabled: bool = True) -> bool:
+    """Let decode attention on the CPU (float32) take the native kernel (:mod:`engine.native`: reads K/V in place
+    through the block tables, no gather) where it could be built (True, the default), or keep it off (False).
+    Returns the previous setting."""
+    global _native_enabled
+    previous, _native_enabled = _native_enabled, bool(enabled)
+    return previous
+
+
+def _native_decode(query, key_cache, value_cache, tables, seq_lens, scale) -> torch.Tensor | None:
+    """The native kernel's answer, or None where it is off, unavailable or does not handle these tensors."""
+    if not _native_enabled or not native.supports(query, key_cache):
+        return None
+    return native.decode(query, key_cache, value_cache, tables, seq_lens, scale)
+
+
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
                  scale: float, compiled: bool = False) -> torch.Tensor:
     """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer).
@@ -673,7 +696,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if compiled:
         out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
     else:
-        out = _auto.kernel(query, key_cache, value_cache, plan, scale)
+        out = _native_decode(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+        if out is None:
+            out = _auto.kernel(query, key_cache, value_cache, plan, scale)
     return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 

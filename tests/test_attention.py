@@ -1,4 +1,5 @@
 """paged_attention against a dense reference, and the source text's worked example."""
+import contextlib
 import threading
 
 import numpy as np
@@ -28,6 +29,20 @@ def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_valu
     return key_cache, value_cache, tables
 
 
+@contextlib.contextmanager
+def decode_path(path: str):
+    """Decode attention through one path: "native" (engine.native's kernel, the CPU default), or with the native
+    kernel off, "sdpa" or "cross_head" (the eager path's two ways to attend a group)."""
+    chosen = attention._use_cross_head
+    previous = attention.use_native_kernel(path == "native")
+    attention._use_cross_head = lambda *args: path == "cross_head"
+    try:
+        yield
+    finally:
+        attention._use_cross_head = chosen
+        attention.use_native_kernel(previous)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     group=st.sampled_from([1, 2, 4]),
@@ -35,9 +50,9 @@ def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_valu
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=5),
     pad=st.sampled_from(["minus_one", "stale"]),
     seed=st.integers(0, 2**16),
-    cross_head=st.booleans(),
+    path=st.sampled_from(["native", "sdpa", "cross_head"]),
 )
-def test_paged_equals_dense(group, block_size, lens, pad, seed, cross_head):
+def test_paged_equals_dense(group, block_size, lens, pad, seed, path):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     kv_heads, dim = 2, 8
@@ -53,11 +68,8 @@ def test_paged_equals_dense(group, block_size, lens, pad, seed, cross_head):
             used = -(-n // block_size)
             tables[s, used:] = torch.as_tensor(rng.integers(0, num_blocks, tables.shape[1] - used), dtype=torch.int32)
     query = torch.randn(len(lens), heads, dim)
-    chosen, attention._use_cross_head = attention._use_cross_head, lambda *args: cross_head  # either decode path
-    try:
+    with decode_path(path):
         out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
-    finally:
-        attention._use_cross_head = chosen
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
     assert out.shape == (len(lens), heads, dim)
     assert torch.allclose(out, ref, atol=1e-5)
@@ -204,7 +216,8 @@ def test_decode_groups_cover_the_batch_and_equal_dense(lens, group_tokens, block
     query = torch.randn(len(lens), 4, 8)
     old, attention.GROUP_BYTES = attention.GROUP_BYTES, group_tokens * per_token
     try:
-        out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
+        with decode_path("sdpa"):  # the groups are the eager path's
+            out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
     finally:
         attention.GROUP_BYTES = old
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
@@ -219,6 +232,7 @@ def auto(monkeypatch):
     from engine import attention
     chooser = attention._AutoKernels()
     monkeypatch.setattr(attention, "_auto", chooser)
+    monkeypatch.setattr(attention, "_native_enabled", False)  # the chooser serves where the native kernel does not
     clock, fused_cost = [0.0], [1.0]
     chooser.timer = lambda: clock[0]
     eager, fused = attention._paged_attention_eager, attention._try_compiled

@@ -1,0 +1,184 @@
+/* Paged decode attention on the CPU, reading K/V straight from the block pool through the block tables.
+ *
+ * Built and loaded at run time by engine/native.py (the C compiler on the machine, -O3 -march=native -fopenmp),
+ * called through ctypes with raw pointers. No copy of the context's K/V is made: each (sequence, KV head) item
+ * walks its sequence's blocks in logical order, wherever they lie in the pool.
+ *
+ * Layouts (float32, contiguous):
+ *   query      [seqs, heads, dim]
+ *   key/value  [num_blocks, block_size, kv_heads, dim]
+ *   tables     int64 [seqs, table_stride]: logical block i of sequence s is physical block tables[s * stride + i]
+ *   lens       int64 [seqs]: context length, the query's own position included
+ *   out        [seqs, heads, dim]
+ * Query head h reads KV head h / (heads / kv_heads).
+ *
+ * Per item, two passes: scores of the group's query heads against every key (each K row read once, for all the
+ * heads that share it), a softmax over them, then the weighted sum of V (each V row read once). Items are spread
+ * over the OpenMP team (torch's own libgomp, already loaded: the same threads torch's kernels use).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEADS 256  /* query heads of one sequence the kernel handles (more: the caller goes eager) */
+
+/* GCC/clang vector types: one AVX-512 register where the machine has it, pairs or quads of narrower ones elsewhere
+ * (the compiler splits them); unaligned, since rows start anywhere a float may. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* a . b over dim floats: sixteen partial sums in one vector, added up as a tree of shuffles (`omp simd reduction`
+ * made GCC add the sixteen lanes one after another through the stack, most of what a score cost). */
+static inline float dot(const float *restrict a, const float *restrict b, int dim) {
+    v16 part = {0};
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) part += *(const v16 *)(a + d) * *(const v16 *)(b + d);
+    v8 p8 = __builtin_shufflevector(part, part, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(part, part, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 p4 = __builtin_shufflevector(p8, p8, 0, 1, 2, 3) + __builtin_shufflevector(p8, p8, 4, 5, 6, 7);
+    float acc = (p4[0] + p4[2]) + (p4[1] + p4[3]);
+    for (; d < dim; d++) acc += a[d] * b[d];
+    return acc;
+}
+
+/* Asks for the cache lines of one slot's [floats] values ahead of their use. */
+static inline void prefetch_slot(const float *slot, int floats) {
+    for (int f = 0; f < floats; f += 16) __builtin_prefetch(slot + f);
+}
+
+/* One item: KV heads [first, first + count) of one sequence. Scratch: scores of at least len * count * group
+ * floats, q and acc of count * group * dim each. A block's slots are read in memory order, all the item's KV heads
+ * of a slot together, so a whole block of a sequence is one sequential read when the item covers every KV head
+ * (reading one head's 128-byte slice of each slot instead, four items over the same blocks, ran 3x slower: every
+ * scattered block cost a TLB and cache miss per head). */
+static void attend_item(const float *restrict query, const float *restrict key_cache,
+                        const float *restrict value_cache, const int64_t *restrict table, int64_t len,
+                        float *restrict out, float *restrict scores, float *restrict q, float *restrict acc,
+                        int group, int kv_heads, int first, int count, int dim, int block_size, float scale) {
+    const int heads = count * group;   /* query heads of this item: rows of q, acc and each slot's scores */
+    const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive slots of a block */
+    const float *query_item = query + (int64_t)first * group * dim;
+    float top[MAX_HEADS], total[MAX_HEADS];
+    for (int h = 0; h < heads; h++) {
+        for (int d = 0; d < dim; d++) q[h * dim + d] = query_item[h * dim + d] * scale;
+        top[h] = -INFINITY;
+        total[h] = 0.0f;
+    }
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    /* pass 1: scores [len, heads], block by block through the table */
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t start = b * block_size;
+        const int64_t slots = len - start < block_size ? len - start : block_size;
+        /* the next block's slots are fetched while this one's are used: blocks lie anywhere, so no hardware
+         * prefetcher can guess where the next one starts (for the last block: the first V block) */
+        const float *next = b + 1 < num_blocks ? key_cache + table[b + 1] * block_size * row + (int64_t)first * dim
+                                               : value_cache + table[0] * block_size * row + (int64_t)first * dim;
+        const float *k = key_cache + table[b] * block_size * row + (int64_t)first * dim;
+        float *s = scores + start * heads;
+        for (int64_t t = 0; t < slots; t++, k += row, s += heads, next += row) {
+            prefetch_slot(next, count * dim);
+            for (int c = 0; c < count; c++) {
+                for (int g = 0; g < group; g++) {
+                    const int h = c * group + g;
+                    const float v = dot(q + h * dim, k + c * dim, dim);
+                    s[h] = v;
+                    if (v > top[h]) top[h] = v;
+                }
+            }
+        }
+    }
+    for (int64_t t = 0; t < len; t++) {
+        float *s = scores + t * heads;
+#pragma omp simd
+        for (int h = 0; h < heads; h++) {
+            const float e = expf(s[h] - top[h]);
+            s[h] = e;
+            total[h] += e;
+        }
+    }
+    /* pass 2: the weighted sum of V, in the same order; each head's sum stays in a register across a block's slots
+     * (the block's V slice is read once from memory, then from L1 by the group's other heads) */
+    memset(acc, 0, sizeof(float) * heads * dim);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t start = b * block_size;
+        const int slots = (int)(len - start < block_size ? len - start : block_size);
+        const float *v = value_cache + table[b] * block_size * row + (int64_t)first * dim;
+        if (b + 1 < num_blocks) {
+            const float *next = value_cache + table[b + 1] * block_size * row + (int64_t)first * dim;
+            for (int t = 0; t < slots; t++) prefetch_slot(next + t * row, count * dim);
+        }
+        const float *s = scores + start * heads;
+        for (int c = 0; c < count; c++) {
+            for (int g = 0; g < group; g++) {
+                const int h = c * group + g;
+                float *a = acc + h * dim;
+                int d = 0;
+                for (; d + 16 <= dim; d += 16) {
+                    /* four independent sums over the slots: one chain of dependent FMAs waited on each other */
+                    v16 sum0 = *(v16 *)(a + d), sum1 = {0}, sum2 = {0}, sum3 = {0};
+                    const float *vd = v + c * dim + d;
+                    int t = 0;
+                    for (; t + 4 <= slots; t += 4) {
+                        sum0 += s[t * heads + h] * *(const v16 *)(vd + t * row);
+                        sum1 += s[(t + 1) * heads + h] * *(const v16 *)(vd + (t + 1) * row);
+                        sum2 += s[(t + 2) * heads + h] * *(const v16 *)(vd + (t + 2) * row);
+                        sum3 += s[(t + 3) * heads + h] * *(const v16 *)(vd + (t + 3) * row);
+                    }
+                    for (; t < slots; t++) sum0 += s[t * heads + h] * *(const v16 *)(vd + t * row);
+                    *(v16 *)(a + d) = (sum0 + sum1) + (sum2 + sum3);
+                }
+                for (; d < dim; d++) {
+                    float sum = a[d];
+                    for (int t = 0; t < slots; t++) sum += s[t * heads + h] * v[t * row + c * dim + d];
+                    a[d] = sum;
+                }
+            }
+        }
+    }
+    float *dst = out + (int64_t)first * group * dim;
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (int d = 0; d < dim; d++) dst[h * dim + d] = acc[h * dim + d] * inv;
+    }
+}
+
+/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out. */
+int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
+                     int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
+                     int dim, int block_size, float scale, int threads) {
+    if (kv_heads < 1 || heads % kv_heads || heads > MAX_HEADS || dim < 1 || block_size < 1) return 1;
+    const int group = heads / kv_heads;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++)
+        if (lens[s] > longest) longest = lens[s];
+    if (threads < 1) threads = 1;
+    /* an item is a whole sequence (every KV head: its blocks read once, in order) unless there are too few
+     * sequences to keep the threads busy, then one KV head of a sequence */
+    const int per_item = seqs >= 4 * (int64_t)threads ? kv_heads : 1;
+    const int64_t items = seqs * (kv_heads / per_item);
+    if (items < threads) threads = (int)(items > 0 ? items : 1);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const size_t score_floats = (size_t)(longest > 0 ? longest : 1) * per_item * group;
+        const size_t head_floats = (size_t)per_item * group * dim;
+        float *scores = malloc(sizeof(float) * (score_floats + 2 * head_floats));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scores) continue;
+            const int64_t s = item / (kv_heads / per_item);
+            const int first = (int)(item % (kv_heads / per_item)) * per_item;
+            attend_item(query + s * heads * dim, key_cache, value_cache, tables + s * table_stride, lens[s],
+                        out + s * heads * dim, scores, scores + score_floats, scores + score_floats + head_floats,
+                        group, kv_heads, first, per_item, dim, block_size, scale);
+        }
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,142 @@
+"""The native decode-attention kernel (engine/csrc/paged_decode.c through engine.native): it builds on this kind of
+machine, equals dense attention wherever it answers, and the engine gives the same tokens when it cannot be built."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine import Engine, EngineConfig, attention, dense_attention, native, paged_attention
+
+
+def _case(rng, lens, heads, kv_heads, dim, block_size, magnitude=1.0):
+    """Caches with every sequence's K/V in randomly chosen blocks (random values everywhere else), tables with
+    stale ids past each sequence's end, and the per-sequence K/V for the dense reference."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    key_cache = torch.from_numpy(rng.standard_normal((num_blocks, block_size, kv_heads, dim), dtype=np.float32))
+    value_cache = torch.from_numpy(rng.standard_normal((num_blocks, block_size, kv_heads, dim), dtype=np.float32))
+    width = max(-(-n // block_size) for n in lens) + 1
+    tables = torch.as_tensor(rng.integers(0, num_blocks, (len(lens), width)))  # stale ids past the end
+    free = list(rng.permutation(num_blocks))
+    keys, values = [], []
+    for s, n in enumerate(lens):
+        blocks = [int(free.pop()) for _ in range(-(-n // block_size))]
+        tables[s, : len(blocks)] = torch.tensor(blocks)
+        keys.append(key_cache[blocks].reshape(-1, kv_heads, dim)[:n])
+        values.append(value_cache[blocks].reshape(-1, kv_heads, dim)[:n])
+    query = torch.from_numpy(rng.standard_normal((len(lens), heads, dim), dtype=np.float32)) * magnitude
+    return query, key_cache, value_cache, tables, torch.tensor(lens), keys, values
+
+
+def test_the_kernel_builds_here():
+    """This kind of machine has a C compiler: the default decode path must be the native one, not a silent
+    fallback."""
+    assert native.kernel() is not None, native.error()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=20),
+    kv_heads=st.sampled_from([1, 2, 3, 4]),
+    group=st.sampled_from([1, 2, 3, 8]),
+    dim=st.sampled_from([8, 24, 32, 64, 80]),  # 8, 24 and 80: not whole 16-float vectors
+    block_size=st.sampled_from([1, 3, 4, 16, 32]),
+    threads=st.sampled_from([1, 2]),
+    magnitude=st.sampled_from([1.0, 300.0]),  # 300: near one-hot softmax, must not overflow to NaN
+    seed=st.integers(0, 2**16),
+)
+def test_native_equals_dense(lens, kv_heads, group, dim, block_size, threads, magnitude, seed):
+    """Few sequences (one KV head an item) and many (whole sequences an item), on one thread and on two."""
+    rng = np.random.default_rng(seed)
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _case(
+        rng, lens, kv_heads * group, kv_heads, dim, block_size, magnitude)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.decode(query, key_cache, value_cache, tables, seq_lens, dim ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, ref, atol=1e-5 if magnitude == 1.0 else 1e-3), (out - ref).abs().max()
+
+
+def test_paged_attention_takes_the_kernel_and_leaves_other_inputs_to_the_eager_path(monkeypatch):
+    """float32 on the CPU goes native; half precision and non-contiguous caches are answered by the eager path,
+    with the same result to rounding."""
+    calls = []
+    decode = native.decode
+    monkeypatch.setattr(native, "decode", lambda *a: calls.append(1) or decode(*a))
+    rng = np.random.default_rng(3)
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _case(rng, [5, 40, 17], 8, 2, 16, 4)
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(3)])
+    assert torch.allclose(paged_attention(query, key_cache, value_cache, tables, seq_lens), ref, atol=1e-5)
+    assert calls == [1]
+    half = paged_attention(query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), tables, seq_lens)
+    strided = paged_attention(query, key_cache.transpose(0, 1).contiguous().transpose(0, 1),
+                              value_cache, tables, seq_lens)
+    assert calls == [1]
+    assert torch.allclose(half.float(), ref, atol=5e-2) and torch.allclose(strided, ref, atol=1e-5)
+
+
+def _outputs(model: str, steps_relocated: bool = False):
+    eng = Engine(EngineConfig(model=model, block_size=4, num_blocks=256, seed=0))
+    a = eng.add_conversation(prompt="The block table maps logical blocks", max_new_tokens=24)
+    eng.add_conversation(prompt="Paging", max_new_tokens=30)
+    eng.fork_conversation(a)
+    for _ in range(6):
+        eng.step()
+    if steps_relocated:
+        eng.relocate_blocks(seed=4)
+    eng.run_until_idle()
+    return [eng.conversation(i).output_token_ids for i in range(3)]
+
+
+def test_a_failed_build_leaves_the_eager_path_with_the_same_tokens(monkeypatch, tmp_path, caplog):
+    """With no working compiler the kernel is unavailable, says why once, and the engine decodes the same tokens
+    through the eager path (greedy, the built-in model, a fork and blocks relocated mid-run)."""
+    with_kernel = _outputs("builtin", steps_relocated=True)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: "false")  # found on PATH, fails every build
+    assert native.kernel() is None
+    assert "failed" in native.error() and "native paged attention unavailable" in caplog.text
+    assert not list(tmp_path.glob("*.so"))
+    assert _outputs("builtin", steps_relocated=True) == with_kernel
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_NATIVE", "0")
+    assert native.kernel() is None and "PAGED_KV_NATIVE=0" in native.error()
+
+
+def test_built_once_and_reused(monkeypatch, tmp_path):
+    """A second process (here: a fresh state) loads the cached library instead of compiling again."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+    assert native.kernel() is not None
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_state", {})
+    runs, real_run = [], native.subprocess.run
+
+    def run(cmd, **kw):
+        runs.append(cmd)
+        return real_run(cmd, **kw)
+    monkeypatch.setattr(native.subprocess, "run", run)
+    assert native.kernel() is not None
+    assert runs and not [cmd for cmd in runs if "-o" in cmd] and built[0].stat().st_mtime_ns == stamp
+
+
+def test_engine_decode_uses_the_kernel(monkeypatch):
+    """The engine's decode steps go through the kernel (the eager path is not called for decodes)."""
+    calls = {"native": 0, "eager": 0}
+    decode, eager = native.decode, attention._paged_attention_eager
+    monkeypatch.setattr(native, "decode", lambda *a: calls.__setitem__("native", calls["native"] + 1) or decode(*a))
+    monkeypatch.setattr(attention, "_paged_attention_eager",
+                        lambda *a: calls.__setitem__("eager", calls["eager"] + 1) or eager(*a))
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
+    eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=5)
+    assert calls["native"] > 0 and calls["eager"] == 0
