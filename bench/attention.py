@@ -3,10 +3,11 @@
 Decode shapes (one query token per sequence): 8 query heads, 2 KV heads, head dim 64, block size 16, float32, every
 sequence's blocks scattered over the pool. Variants, timed in alternating blocks of calls:
 - contiguous: SDPA on [batch, kv_heads, ctx, dim] K/V (the floor paging is measured against);
-- default: ``paged_attention`` as the engine runs it: for long contexts the fused kernel where the background
-  compile measured it faster on that shape (engine.attention._AutoKernels; the bench waits for that decision and
-  prints it), the eager path everywhere else;
-- eager: the eager path alone (cache-sized groups: gather a few sequences, attend, repeat);
+- default: ``paged_attention`` as the engine runs it: on the CPU in float32, the native kernel (engine.native: K/V
+  read in place through the tables); where that cannot be built, for long contexts the fused kernel where the
+  background compile measured it faster on that shape (engine.attention._AutoKernels; the bench waits for that
+  decision and prints it), the eager path everywhere else;
+- eager: the eager path alone (cache-sized groups: gather a few sequences, attend, repeat), the native kernel off;
 - sdpa: the default's groups, each attended by SDPA (the default before short contexts on several threads took
   two batched matmuls instead, engine.attention._cross_head_attention): today's default against it;
 - previous: the earlier default (one gather of the whole batch's K/V, then one SDPA), kept here for comparison;
@@ -65,9 +66,11 @@ _CHOOSE_CROSS_HEAD = attention._use_cross_head
 
 
 def choose(variant: str) -> None:
-    """Set engine.attention up for a variant: the compiled kernel on or off, and for "sdpa" SDPA in every group."""
+    """Set engine.attention up for a variant: the native and compiled kernels on or off, and for "sdpa" SDPA in every
+    group."""
     attention.use_compiled_attention(variant == "compiled")
     attention.use_auto_kernels(variant == "default")
+    attention.use_native_kernel(variant == "default")
     attention._use_cross_head = (lambda *args: False) if variant == "sdpa" else _CHOOSE_CROSS_HEAD
 
 
@@ -164,7 +167,8 @@ def main() -> None:
                   f"{t['previous'] * 1e3:>9.3f} {t['previous'] / c:>6.2f} {t['compiled'] * 1e3:>9.3f} "
                   f"{t['compiled'] / c:>6.2f} {t['default'] / t['eager']:>14.2f} {t['default'] / t['previous']:>17.2f}")
         decision = result["decision"]
-        chose = "eager (context below attention.AUTO_MIN_POSITIONS)" if decision is None else \
+        chose = "the native kernel" if attention.native.kernel() is not None else \
+            "eager (context below attention.AUTO_MIN_POSITIONS)" if decision is None else \
             f"{'fused' if decision[1] <= attention.AUTO_MARGIN * decision[0] else 'eager'} (compiled in the background, then " \
             f"timed by its calls: eager {decision[0] * 1e3:.3f} ms, fused {decision[1] * 1e3:.3f} ms; waited " \
             f"{result['waited']:.1f} s for the compile)"
