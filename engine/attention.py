@@ -105,31 +105,64 @@ class DecodeGroup:
 
 @dataclass
 class DecodePlan:
-    """Everything about a decode batch's block tables that every layer shares: computed once per step."""
+    """Everything about a decode batch's block tables that every layer shares: made once per step. The native kernel
+    reads only ``tables`` and ``seq_lens``; the eager path's sorted, cache-sized groups are worked out the first
+    time a layer asks for them."""
 
     lens: list[int]  # each sequence's context length, in batch order
     max_len: int  # longest context in the batch
-    order: torch.Tensor | None  # int64 [seqs]: batch row at each sorted position (longest first); None: in order
-    inverse: torch.Tensor | None  # int64 [seqs]: sorted position of each batch row; None with order
-    groups: list[DecodeGroup]  # the sorted batch cut into cache-sized groups
     block_size: int  # slots per block
     device: torch.device  # where the tensors live
     source: list[list[int]] | torch.Tensor  # the tables planned from (live blocks per sequence, or [seqs, >= width]);
     #                                         read only during the step the plan was made for
+    group_bytes: int | None = None  # K+V bytes a group gathers at most (None: one group, as on GPUs)
+    bytes_per_token: int = 0  # K+V bytes of one position
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # what the first layer worked out for all
 
     @functools.cached_property
     def tables(self) -> torch.Tensor:
-        """int64 [seqs, max_blocks]: the live blocks, 0 past each sequence's end (the fused kernel reads these)."""
+        """int64 [seqs, max_blocks]: the live blocks, 0 past each sequence's end (the kernels read these)."""
         width = -(-self.max_len // self.block_size)
         if isinstance(self.source, torch.Tensor):
-            return _neutralised(self.source, self.seq_lens, width, self.block_size)
+            return _neutralised(self.source, self.seq_lens, width, self.block_size, self.lens)
         return torch.as_tensor(_padded(self.source, self.lens, width, self.block_size), device=self.device)
 
     @functools.cached_property
     def seq_lens(self) -> torch.Tensor:
         """int64 [seqs]."""
         return torch.as_tensor(self.lens, dtype=torch.long, device=self.device)
+
+    @property
+    def order(self) -> torch.Tensor | None:
+        """int64 [seqs]: batch row at each sorted position (longest first); None: already in that order."""
+        return self._layout[0]
+
+    @property
+    def inverse(self) -> torch.Tensor | None:
+        """int64 [seqs]: sorted position of each batch row; None with order."""
+        return self._layout[1]
+
+    @property
+    def groups(self) -> list[DecodeGroup]:
+        """The sorted batch cut into cache-sized groups."""
+        return self._layout[2]
+
+    @functools.cached_property
+    def _layout(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[DecodeGroup]]:
+        ranked, bounds = _groups(self.lens, self.block_size, self.group_bytes, self.bytes_per_token)
+        if isinstance(self.source, torch.Tensor):
+            tables = self.tables  # [seqs, width]
+            if ranked is not None:
+                tables = tables.index_select(0, torch.as_tensor(ranked, dtype=torch.long, device=tables.device))
+            rows = [tables[s:e, :n].reshape(-1) for s, e, n in bounds]  # [n_seqs * n_blocks] each
+        else:
+            order = range(len(self.lens)) if ranked is None else ranked
+            width = -(-self.max_len // self.block_size)
+            table = _padded([self.source[i] for i in order], [self.lens[i] for i in order], width,
+                            self.block_size)  # sorted
+            flat = torch.from_numpy(np.concatenate([table[s:e, :n].reshape(-1) for s, e, n in bounds]))
+            rows = list(flat.to(self.device).split([(e - s) * n for s, e, n in bounds]))  # views, one per group
+        return _layout(self.lens, ranked, bounds, rows, self.device)
 
 
 def _neutralised(tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int,
@@ -154,29 +187,17 @@ def _padded(block_lists: list[list[int]], lens: list[int], width: int, block_siz
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
     """The plan for tables given as a tensor [seqs, max_blocks] (entries past a sequence's last block may hold
-    anything: -1, stale ids): sorted by length, cut into groups whose gathered K+V (``bytes_per_token`` per
-    position) stay under ``group_bytes`` (None: one group, as on GPUs)."""
+    anything: -1, stale ids): for the eager path sorted by length and cut into groups whose gathered K+V
+    (``bytes_per_token`` per position) stay under ``group_bytes`` (None: one group, as on GPUs)."""
     lens = seq_lens.tolist()
-    ranked, bounds = _groups(lens, block_size, group_bytes, bytes_per_token)
-    tables = _neutralised(block_tables, seq_lens, -(-max(lens) // block_size), block_size, lens)  # [seqs, width]
-    order = None if ranked is None else torch.as_tensor(ranked, dtype=torch.long, device=tables.device)
-    if order is not None:
-        tables = tables.index_select(0, order)  # longest first
-    rows = [tables[s:e, :n].reshape(-1) for s, e, n in bounds]  # [n_seqs * n_blocks] each
-    return _plan(lens, ranked, bounds, rows, block_size, tables.device, block_tables)
+    return DecodePlan(lens, max(lens), block_size, block_tables.device, block_tables, group_bytes, bytes_per_token)
 
 
 def plan_lists(block_lists: list[list[int]], lens: list[int], block_size: int, device: torch.device,
                group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
     """:func:`plan_decode` for tables held as Python lists (``block_lists[i]`` holds at least sequence i's live
-    blocks), as the engine's conversations hold them: no tensor is made but the blocks each group gathers."""
-    ranked, bounds = _groups(lens, block_size, group_bytes, bytes_per_token)
-    order = range(len(lens)) if ranked is None else ranked
-    width = -(-max(lens) // block_size)
-    table = _padded([block_lists[i] for i in order], [lens[i] for i in order], width, block_size)  # sorted
-    flat = torch.from_numpy(np.concatenate([table[s:e, :n].reshape(-1) for s, e, n in bounds])).to(device)
-    rows = list(flat.split([(e - s) * n for s, e, n in bounds]))  # views, [n_seqs * n_blocks] each
-    return _plan(lens, ranked, bounds, rows, block_size, device, block_lists)
+    blocks), as the engine's conversations hold them: no tensor is made until a path asks for one."""
+    return DecodePlan(list(lens), max(lens), block_size, device, block_lists, group_bytes, bytes_per_token)
 
 
 def _groups(lens: list[int], block_size: int, group_bytes: int | None,
@@ -200,7 +221,9 @@ def _groups(lens: list[int], block_size: int, group_bytes: int | None,
     return (None if in_order else ranked), bounds
 
 
-def _plan(lens, ranked, bounds, rows, block_size, device, source) -> DecodePlan:
+def _layout(lens, ranked, bounds, rows, device) -> tuple[torch.Tensor | None, torch.Tensor | None, list[DecodeGroup]]:
+    """(order, inverse, groups) of DecodePlan from the sorted order, the groups' bounds and the blocks each
+    gathers."""
     order = inverse = None
     sorted_lens = lens
     if ranked is not None:
@@ -219,7 +242,7 @@ def _plan(lens, ranked, bounds, rows, block_size, device, source) -> DecodePlan:
                 positions = torch.arange(sorted_lens[0], device=device)
             mask = (positions[None, :longest] < lens_t[start:end, None])[:, None, None, :]  # [n, 1, 1, longest]
         groups.append(DecodeGroup(start, end, group_rows, num_blocks, longest, mask))
-    return DecodePlan(list(lens), max(lens), order, inverse, groups, block_size, device, source)
+    return order, inverse, groups
 
 
 def gather_kv(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
