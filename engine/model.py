@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .errors import EngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -262,11 +263,17 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
-        q, k, v = self._qkv(x, cos, sin)  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+        q = None
+        if self.qkv is not None and meta.slot_mapping is not None and x.dim() == 2:  # the native kernel: rotate q
+            # and k and write k and v to their slots in one pass, the same bits as below
+            q = native.rope_store(self.qkv(x), cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
+                                  self.num_kv_heads)
+        if q is None:
+            q, k, v = self._qkv(x, cos, sin)  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+            if meta.slot_mapping is not None:  # None: a read-only probe of K/V already in the pool
+                key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+                value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         block_size = key_cache.shape[1]
-        if meta.slot_mapping is not None:  # None: a read-only probe of K/V already in the pool
-            key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = attend(q, key_cache, value_cache, meta, self.scale, block_size)  # [tokens, heads, dim]
         out = out.reshape(x.shape[0], self.num_heads * self.head_dim)
         return self.out(out) if self.out is not None else self.o_proj(out)

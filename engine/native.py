@@ -1,5 +1,9 @@
-"""The native decode-attention kernel: ``csrc/paged_decode.c``, built on first use with the machine's C compiler
-and called through ctypes.
+"""Native kernels for the decode step: ``csrc/*.c``, built on first use with the machine's C compiler into one
+shared library and called through ctypes.
+
+- ``paged_decode.c``: decode attention reading K/V in place through the block tables (:func:`decode`).
+- ``rope_store.c``: the rotary embedding of queries and keys, and the step's K/V written to their slots
+  (:func:`rope_store`), bit for bit what the torch form computes.
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -29,12 +33,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
 MAX_HEADS = 256  # query heads of a sequence the kernel handles (MAX_HEADS in the source)
 
 _lock = threading.Lock()
-_state: dict = {}  # "fn": the loaded function, or None once a build or load failed; "error": why
+_state: dict = {}  # "lib": the loaded library, or None once a build or load failed; "error": why
 
 
 def cache_dir() -> Path:
@@ -68,17 +72,16 @@ def _build():
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), version.encode(), " ".join(FLAGS).encode(),
                                         _cpu().encode()])).hexdigest()[:16]
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"paged_decode-{digest}.so"
+    target = directory / f"kernels-{digest}.so"
     if not target.is_file():
         fd, temp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temp, "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", temp, "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -87,31 +90,31 @@ def _build():
             if os.path.exists(temp):
                 os.unlink(temp)
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + \
-        [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int]
-    return fn
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
+    lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
+    lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] + [i32] * 4
+    return lib
 
 
 def kernel():
-    """The loaded kernel function, building it first if needed; None where it cannot be had (the reason is logged
+    """The loaded library, building it first if needed; None where it cannot be had (the reason is logged
     once and kept in :func:`error`)."""
-    if "fn" in _state:
-        return _state["fn"]
+    if "lib" in _state:
+        return _state["lib"]
     with _lock:
-        if "fn" not in _state:
-            fn = None
+        if "lib" not in _state:
+            lib = None
             if os.environ.get("PAGED_KV_NATIVE", "1") == "0":
                 _state["error"] = "turned off by PAGED_KV_NATIVE=0"
             else:
                 try:
-                    fn = _build()
+                    lib = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
                     _state["error"] = str(exc)
                     log.warning("native paged attention unavailable (%s); using the eager path", exc)
-            _state["fn"] = fn
-    return _state["fn"]
+            _state["lib"] = lib
+    return _state["lib"]
 
 
 def error() -> str | None:
@@ -130,8 +133,8 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     """Decode attention through the kernel: query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
     seq_lens int [seqs] -> [seqs, heads, dim]. None where the kernel is unavailable or does not handle the shape."""
-    fn = kernel()
-    if fn is None or not supports(query, key_cache) or not value_cache.is_contiguous():
+    lib = kernel()
+    if lib is None or not supports(query, key_cache) or not value_cache.is_contiguous():
         return None
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -139,9 +142,29 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
-    status = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+    status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
                 tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size,
                 scale, torch.get_num_threads())
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
+    """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
+    caches [blocks, block_size, kv_heads, dim]: ``qkv`` [tokens, (heads + 2 kv_heads) * dim] from the fused
+    projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
+    not handle the tensors (the caller does it in torch, with the same bits)."""
+    lib = kernel()
+    tensors = (qkv, cos, sin, key_cache, value_cache)
+    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) \
+            or not all(t.is_contiguous() for t in tensors) or slots.dtype != torch.int64:
+        return None
+    tokens, dim = qkv.shape[0], key_cache.shape[-1]
+    q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
+    slots = slots.contiguous()
+    status = lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
+                                key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
+                                torch.get_num_threads())
+    return None if status else q

@@ -116,7 +116,7 @@ def test_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
     assert native.kernel() is not None
-    built = list(tmp_path.glob("paged_decode-*.so"))
+    built = list(tmp_path.glob("kernels-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_state", {})
@@ -140,3 +140,27 @@ def test_engine_decode_uses_the_kernel(monkeypatch):
     eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=5)
     assert calls["native"] > 0 and calls["eager"] == 0
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 8, 4, 32), (70, 9, 3, 64), (200, 4, 1, 16), (5, 2, 2, 6)])
+def test_rope_store_is_bit_identical_to_the_torch_form(tokens, heads, kv_heads, dim):
+    """The rotated queries, and the rotated keys and values in their slots, equal apply_rotary and index_copy_ to
+    the bit (so the native step changes no token and no K/V byte); slots not written keep their bytes."""
+    from engine.model import Rotary, apply_rotary
+    g = torch.Generator().manual_seed(tokens + dim)
+    rotary = Rotary(dim, 10000.0, 512)
+    positions = torch.randint(0, 500, (tokens,), generator=g)
+    cos, sin = rotary.cos_sin(positions, torch.float32)  # [tokens, 1, dim]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 5
+    num_blocks, block_size = tokens // 4 + 3, 4
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    caches = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=g) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    view = qkv.view(tokens, heads + 2 * kv_heads, dim)
+    qk = apply_rotary(view[:, : heads + kv_heads], cos, sin)
+    expected[0].view(-1, kv_heads, dim).index_copy_(0, slots, qk[:, heads:])
+    expected[1].view(-1, kv_heads, dim).index_copy_(0, slots, view[:, heads + kv_heads:])
+    q = native.rope_store(qkv, cos, sin, slots, caches[0], caches[1], heads, kv_heads)
+    assert q is not None
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
