@@ -22,7 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full blocks with identical prefixes through a hash map
     seed: int = 0  # base seed for weights of random models and per-conversation samplers
     max_num_seqs: int = 256  # most conversations decoding in one step
-    max_num_batched_tokens: int = 512  # tokens one step computes at most: decodes first, then prefill chunks
+    max_num_batched_tokens: int = 384  # tokens one step computes at most: decodes first, then prefill chunks
     enable_chunked_prefill: bool = True  # split long prompts into chunks under that budget (False: whole prompts)
     compile_attention: bool = False  # decode attention through the torch.compile'd fused kernel
     finished_window: int = 256  # finished or ended conversations kept in snapshots (newest first); older ones drop out
