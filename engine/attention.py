@@ -706,9 +706,7 @@ def use_native_kernel(enabled: bool = True) -> bool:
 
 def _native_decode(query, key_cache, value_cache, tables, seq_lens, scale) -> torch.Tensor | None:
     """The native kernel's answer, or None where it is off, unavailable or does not handle these tensors."""
-    if not _native_enabled or not native.supports(query, key_cache):
-        return None
-    return native.decode(query, key_cache, value_cache, tables, seq_lens, scale)
+    return native.decode(query, key_cache, value_cache, tables, seq_lens, scale) if _native_enabled else None
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,

@@ -250,10 +250,12 @@ class Attention(nn.Module):
         self.qkv = InferenceLinear(weight, bias, pack)
         self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
+        """q, k (rotated) and v of ``x``; ``projected``: the fused projection of ``x`` when already computed."""
         lead = x.shape[:-1]
         if self.qkv is not None:  # one matmul, and one rotary call for the q and k heads together
-            qkv = self.qkv(x).view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [..., tokens, h+2kv, dim]
+            qkv = (self.qkv(x) if projected is None else projected) \
+                .view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [..., tokens, h+2kv, dim]
             qk = apply_rotary(qkv[..., : self.num_heads + self.num_kv_heads, :], cos, sin)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=-2)
             return q, k, qkv[..., self.num_heads + self.num_kv_heads:, :]
@@ -263,13 +265,14 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
-        q = None
+        q = projected = None
         if self.qkv is not None and meta.slot_mapping is not None and x.dim() == 2:  # the native kernel: rotate q
             # and k and write k and v to their slots in one pass, the same bits as below
-            q = native.rope_store(self.qkv(x), cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
+            projected = self.qkv(x)  # [tokens, (heads + 2 kv_heads) * dim]
+            q = native.rope_store(projected, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
                                   self.num_kv_heads)
-        if q is None:
-            q, k, v = self._qkv(x, cos, sin)  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+        if q is None:  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
+            q, k, v = self._qkv(x, cos, sin, projected)
             if meta.slot_mapping is not None:  # None: a read-only probe of K/V already in the pool
                 key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
                 value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)

@@ -64,18 +64,23 @@ def test_native_equals_dense(lens, kv_heads, group, dim, block_size, threads, ma
 def test_paged_attention_takes_the_kernel_and_leaves_other_inputs_to_the_eager_path(monkeypatch):
     """float32 on the CPU goes native; half precision and non-contiguous caches are answered by the eager path,
     with the same result to rounding."""
-    calls = []
+    calls = []  # whether the kernel answered each call
     decode = native.decode
-    monkeypatch.setattr(native, "decode", lambda *a: calls.append(1) or decode(*a))
+
+    def counted(*args):
+        out = decode(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(native, "decode", counted)
     rng = np.random.default_rng(3)
     query, key_cache, value_cache, tables, seq_lens, keys, values = _case(rng, [5, 40, 17], 8, 2, 16, 4)
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(3)])
     assert torch.allclose(paged_attention(query, key_cache, value_cache, tables, seq_lens), ref, atol=1e-5)
-    assert calls == [1]
+    assert calls == [True]
     half = paged_attention(query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), tables, seq_lens)
     strided = paged_attention(query, key_cache.transpose(0, 1).contiguous().transpose(0, 1),
                               value_cache, tables, seq_lens)
-    assert calls == [1]
+    assert calls == [True, False, False]
     assert torch.allclose(half.float(), ref, atol=5e-2) and torch.allclose(strided, ref, atol=1e-5)
 
 
@@ -164,3 +169,18 @@ def test_rope_store_is_bit_identical_to_the_torch_form(tokens, heads, kv_heads, 
     assert q is not None
     assert torch.equal(q, qk[:, :heads])
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_without_the_kernel_each_layer_projects_once(monkeypatch):
+    """Where rope_store does not serve (here: unavailable), a layer's fused q/k/v projection still runs once."""
+    from engine import model
+    monkeypatch.setattr(native, "rope_store", lambda *a: None)
+    calls = []
+    call = model.InferenceLinear.__call__
+    monkeypatch.setattr(model.InferenceLinear, "__call__", lambda self, x: calls.append(self) or call(self, x))
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
+    eng.generate([[1, 2, 3]], max_new_tokens=2)
+    layers = eng.model.model.layers
+    qkv_calls = [c for c in calls if any(c is layer.self_attn.qkv for layer in layers)]
+    steps = eng.num_steps
+    assert len(qkv_calls) == steps * len(layers)
