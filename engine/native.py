@@ -67,6 +67,19 @@ def _cpu() -> str:
     return platform.machine() + platform.processor()
 
 
+def _writable(directory: Path) -> Path:
+    """``directory``, made if needed; where it cannot be written (a read-only home), a folder of this user's in the
+    temporary directory instead."""
+    for candidate in (directory, Path(tempfile.gettempdir()) / f"paged-kv-explorer-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable folder for the built kernels ({directory} cannot be written)")
+
+
 def _build():
     compiler = _compiler()
     if compiler is None:
@@ -74,8 +87,7 @@ def _build():
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), version.encode(), " ".join(FLAGS).encode(),
                                         _cpu().encode()])).hexdigest()[:16]
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _writable(cache_dir())
     target = directory / f"kernels-{digest}.so"
     if not target.is_file():
         fd, temp = tempfile.mkstemp(suffix=".so", dir=directory)

@@ -184,3 +184,15 @@ def test_without_the_kernel_each_layer_projects_once(monkeypatch):
     qkv_calls = [c for c in calls if any(c is layer.self_attn.qkv for layer in layers)]
     steps = eng.num_steps
     assert len(qkv_calls) == steps * len(layers)
+
+
+def test_a_read_only_cache_folder_builds_in_the_temporary_folder(monkeypatch, tmp_path):
+    """A cache folder that cannot be written (a read-only home) does not cost the kernel: it is built in a folder of
+    the user's under the temporary directory."""
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")  # a file where the folder should be: mkdir fails, as on a read-only home
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(blocked / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert native.kernel() is not None, native.error()
+    assert list((tmp_path / "tmp").glob("paged-kv-explorer-*/kernels-*.so"))
