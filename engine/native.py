@@ -12,8 +12,9 @@ block table, once. It runs on torch's own OpenMP threads (torch's libgomp is alr
 ``omp parallel`` joins the same runtime rather than starting a second team that would fight the first).
 
 The shared library is cached under ``$PAGED_KV_EXPLORER_CACHE`` (default ``$XDG_CACHE_HOME/paged-kv-explorer`` or
-``~/.cache/paged-kv-explorer``), named by a hash of the source, the compiler's version and the flags, so a build
-happens once per machine (about a second). Without a compiler, or when the build fails, :func:`kernel` answers
+``~/.cache/paged-kv-explorer``; a folder in the temporary directory where that cannot be written), named by a hash
+of the sources, the compiler's version, the flags and the CPU's features, so a build happens once per machine
+(about a second). Without a compiler, or when the build fails, :func:`kernel` answers
 None and the caller takes the eager path, which computes the same attention. ``PAGED_KV_NATIVE=0`` turns it off.
 """
 from __future__ import annotations
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
-MAX_HEADS = 256  # query heads of a sequence the kernel handles (MAX_HEADS in the source)
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library, or None once a build or load failed; "error": why
@@ -134,10 +134,10 @@ def error() -> str | None:
     return _state.get("error")
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (float32 on the CPU, caches contiguous, a GQA group it supports)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-            and key_cache.is_contiguous() and query.shape[1] <= MAX_HEADS)
+def _fits(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can read these tensors as raw memory: float32, on the CPU, contiguous. (Shapes the C code
+    does not handle, such as more than 256 query heads, it refuses itself: the caller then gets None.)"""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
@@ -146,11 +146,13 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
     seq_lens int [seqs] -> [seqs, heads, dim]. None where the kernel is unavailable or does not handle the shape."""
     lib = kernel()
-    if lib is None or not supports(query, key_cache) or not value_cache.is_contiguous():
+    if lib is None:
+        return None
+    query = query.contiguous()
+    if not _fits(query, key_cache, value_cache):
         return None
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
-    query = query.contiguous()
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
@@ -169,9 +171,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
     not handle the tensors (the caller does it in torch, with the same bits)."""
     lib = kernel()
-    tensors = (qkv, cos, sin, key_cache, value_cache)
-    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) \
-            or not all(t.is_contiguous() for t in tensors) or slots.dtype != torch.int64:
+    if lib is None or not _fits(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64:
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
     q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)

@@ -84,15 +84,14 @@ def test_paged_attention_takes_the_kernel_and_leaves_other_inputs_to_the_eager_p
     assert torch.allclose(half.float(), ref, atol=5e-2) and torch.allclose(strided, ref, atol=1e-5)
 
 
-def _outputs(model: str, steps_relocated: bool = False):
+def _outputs(model: str):
     eng = Engine(EngineConfig(model=model, block_size=4, num_blocks=256, seed=0))
     a = eng.add_conversation(prompt="The block table maps logical blocks", max_new_tokens=24)
     eng.add_conversation(prompt="Paging", max_new_tokens=30)
     eng.fork_conversation(a)
     for _ in range(6):
         eng.step()
-    if steps_relocated:
-        eng.relocate_blocks(seed=4)
+    eng.relocate_blocks(seed=4)
     eng.run_until_idle()
     return [eng.conversation(i).output_token_ids for i in range(3)]
 
@@ -100,14 +99,14 @@ def _outputs(model: str, steps_relocated: bool = False):
 def test_a_failed_build_leaves_the_eager_path_with_the_same_tokens(monkeypatch, tmp_path, caplog):
     """With no working compiler the kernel is unavailable, says why once, and the engine decodes the same tokens
     through the eager path (greedy, the built-in model, a fork and blocks relocated mid-run)."""
-    with_kernel = _outputs("builtin", steps_relocated=True)
+    with_kernel = _outputs("builtin")
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_compiler", lambda: "false")  # found on PATH, fails every build
     assert native.kernel() is None
     assert "failed" in native.error() and "native paged attention unavailable" in caplog.text
     assert not list(tmp_path.glob("*.so"))
-    assert _outputs("builtin", steps_relocated=True) == with_kernel
+    assert _outputs("builtin") == with_kernel
 
 
 def test_turned_off_by_the_environment(monkeypatch):

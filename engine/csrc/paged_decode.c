@@ -1,8 +1,8 @@
 /* Paged decode attention on the CPU, reading K/V straight from the block pool through the block tables.
  *
  * Built and loaded at run time by engine/native.py (the C compiler on the machine, -O3 -march=native -fopenmp),
- * called through ctypes with raw pointers. No copy of the context's K/V is made: each (sequence, KV head) item
- * walks its sequence's blocks in logical order, wherever they lie in the pool.
+ * called through ctypes with raw pointers. No copy of the context's K/V is made: each item (a sequence, or one KV
+ * head of a sequence when there are few) walks its sequence's blocks in logical order, wherever they lie in the pool.
  *
  * Layouts (float32, contiguous):
  *   query      [seqs, heads, dim]
