@@ -157,18 +157,25 @@ def finish(eng):
     return {c.conversation_id: c.output_token_ids for c in eng.conversations()}
 
 
-@pytest.mark.parametrize("where", ["prepare", "copy", "forward", "sample"])
+@pytest.mark.parametrize("where", ["prepare", "copy", "forward", "sample", "native decode"])
 def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
     """A step that raises after admission, after copy-on-write, in the forward or in sampling leaves the engine as
-    it was, and what follows is exactly what a run without the fault produces."""
+    it was, and what follows is exactly what a run without the fault produces. "native decode": the native attention
+    raises in the second (last) layer, after the native rotary pass wrote the step's K/V of both layers into the pool."""
+    from engine import native
     clean = busy_engine(ckpt)
     expected = finish(clean)
     eng = busy_engine(ckpt)
     before = state_of(eng)
     obj, name = {"prepare": (eng.runner, "prepare"), "copy": (eng.kv, "copy_blocks"),
-                 "forward": (eng.runner, "forward"), "sample": (eng.runner, "sample")}[where]
+                 "forward": (eng.runner, "forward"), "sample": (eng.runner, "sample"),
+                 "native decode": (native, "decode")}[where]
+    calls, original = [], getattr(obj, name)
 
     def boom(*args, **kwargs):
+        calls.append(1)
+        if where == "native decode" and len(calls) < 2:
+            return original(*args, **kwargs)
         raise RuntimeError(f"injected fault in {name}")
 
     monkeypatch.setattr(obj, name, boom)
