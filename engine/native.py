@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+STALE_DAYS = 30  # a library of another version of the sources, unused this long, is deleted when one is loaded
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
 
 _lock = threading.Lock()
@@ -102,11 +104,30 @@ def _build():
             if os.path.exists(temp):
                 os.unlink(temp)
     lib = ctypes.CDLL(str(target))
+    _prune(directory, target)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
     lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
     lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] + [i32] * 4
     return lib
+
+
+def _prune(directory: Path, loaded: Path) -> None:
+    """Mark ``loaded`` as used now (its modification time) and delete the libraries of other source versions that no
+    process has loaded for STALE_DAYS (each is about 30 KB, one per version an update brought), and temporary files
+    that a build killed midway left a day ago or more. A library another process has mapped stays mapped."""
+    now = time.time()
+    try:
+        os.utime(loaded)
+        for path in directory.iterdir():
+            if path == loaded or path.suffix != ".so":
+                continue
+            age = now - path.stat().st_mtime
+            if (path.name.startswith("kernels-") and age > STALE_DAYS * 86400) or \
+                    (path.name.startswith("tmp") and age > 86400):
+                path.unlink()
+    except OSError as exc:  # a folder shared read-only, a file another process deleted first: nothing to tidy
+        log.debug("kernel cache not tidied: %s", exc)
 
 
 def kernel():

@@ -1,5 +1,8 @@
 """The native decode-attention kernel (engine/csrc/paged_decode.c through engine.native): it builds on this kind of
 machine, equals dense attention wherever it answers, and the engine gives the same tokens when it cannot be built."""
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -122,7 +125,7 @@ def test_built_once_and_reused(monkeypatch, tmp_path):
     assert native.kernel() is not None
     built = list(tmp_path.glob("kernels-*.so"))
     assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    inode = built[0].stat().st_ino
     monkeypatch.setattr(native, "_state", {})
     runs, real_run = [], native.subprocess.run
 
@@ -131,7 +134,31 @@ def test_built_once_and_reused(monkeypatch, tmp_path):
         return real_run(cmd, **kw)
     monkeypatch.setattr(native.subprocess, "run", run)
     assert native.kernel() is not None
-    assert runs and not [cmd for cmd in runs if "-o" in cmd] and built[0].stat().st_mtime_ns == stamp
+    assert runs and not [cmd for cmd in runs if "-o" in cmd] and built[0].stat().st_ino == inode
+
+
+def test_loading_tidies_the_cache_of_stale_versions(monkeypatch, tmp_path):
+    """Each version of the sources builds its own library: loading one marks it used and deletes other versions
+    unused for STALE_DAYS and temporary files of builds killed a day ago or more; recent ones stay."""
+    day = 86400
+    files = {name: tmp_path / name for name in ("kernels-0ld.so", "kernels-recent.so", "tmpdead.so", "tmpbuilding.so",
+                                                "notes.txt")}
+    ages = {"kernels-0ld.so": 31 * day, "kernels-recent.so": 29 * day, "tmpdead.so": 2 * day, "tmpbuilding.so": 60,
+            "notes.txt": 400 * day}
+    now = time.time()
+    for name, path in files.items():
+        path.write_bytes(b"")
+        os.utime(path, (now - ages[name], now - ages[name]))
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+    assert native.kernel() is not None
+    (loaded,) = [p for p in tmp_path.glob("kernels-*.so") if p not in files.values()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [loaded.name, "kernels-recent.so", "tmpbuilding.so", "notes.txt"])
+    os.utime(loaded, (now - 40 * day, now - 40 * day))  # loading again marks the library used now
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is not None
+    assert loaded.is_file() and time.time() - loaded.stat().st_mtime < day
 
 
 def test_engine_decode_uses_the_kernel(monkeypatch):
