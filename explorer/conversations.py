@@ -336,6 +336,9 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)
         self.view.selectionModel().selectionChanged.connect(self._on_selection)
+        self._selected_before_reset: int | None = None
+        self.model.modelAboutToBeReset.connect(self._before_reset)
+        self.model.modelReset.connect(self._after_reset)
         self.buttons = {}
         bar = QtWidgets.QHBoxLayout()
         for key, text, tip in (("add", "Add…", "Ctrl+N"), ("fork", "Fork", "Ctrl+F"), ("reply", "Reply…", "Ctrl+R"),
@@ -418,6 +421,23 @@ class ConversationsPanel(QtWidgets.QWidget):
                                           self._snapshot)
         self._enable_buttons()
         self.selectionChanged.emit(cid)
+
+    def _before_reset(self) -> None:
+        self._selected_before_reset = self.selected_conversation()
+
+    def _after_reset(self) -> None:
+        """The rows were made again (a jump in history to a step with fewer conversations, a new source): Qt
+        drops the selection without a word, so the grid would go on dimming every block but a conversation the
+        table no longer shows. The selection comes back if its conversation is still listed; else everyone hears
+        that nothing is selected."""
+        cid, self._selected_before_reset = self._selected_before_reset, None
+        if cid is None:
+            return
+        row = self.model.row_of(cid)
+        if row is not None:
+            self.view.selectRow(row)  # emits through _on_selection
+        if self.selected_conversation() != cid:
+            self._on_selection()
 
     def _emit_for_selected(self, signal) -> None:
         cid = self.selected_conversation()

@@ -182,3 +182,44 @@ def test_scrubbing_tells_the_block_story_once_the_timeline_rests(qtbot, make_win
         [f"step {line.step_id:,}: {line.text}" for line in lines]
     timeline.go_live()  # back to live: told at once
     assert panels.recomputed == computed + 2
+
+
+def test_a_jump_to_before_the_selected_conversation_existed_drops_the_selection(qtbot, make_window):
+    """Selecting a conversation dims every other block. A jump to a step before it existed makes the table's rows
+    again without it: the grid must stop dimming (nothing selected), and a jump to where the selected conversation
+    is still listed keeps it selected."""
+    window = make_window(setup=lambda e: e.add_conversation("The first one.", max_new_tokens=80), paused=True,
+                         history=True)
+    history, timeline = window.source.history, window.pane.timeline
+    for _ in range(4):
+        window.runner.step_once().result(timeout=10)
+    later = window.runner.submit("add_conversation", "The second one arrives later.", max_new_tokens=80).result(
+        timeout=10)
+    for _ in range(4):
+        window.runner.step_once().result(timeout=10)
+    qtbot.waitUntil(lambda: timeline_caught_up(window, history), timeout=3000)
+    only_one = next(seq for seq in range(history.first_seq, history.last_seq + 1)
+                    if history.snapshot_at(seq).conversation(later) is None and history.snapshot_at(seq).block_tables)
+    qtbot.waitUntil(lambda: window.conversations.model.row_of(later) is not None, timeout=3000)
+    window.conversations.select_conversation(later)
+    qtbot.waitUntil(lambda: window.grid.selected_conversation == later, timeout=2000)
+    timeline.seek(only_one)
+    qtbot.waitUntil(lambda: window.grid.snapshot.step_id == history.snapshot_at(only_one).step_id, timeout=3000)
+    qtbot.waitUntil(lambda: window.conversations.model.row_of(later) is None, timeout=3000)
+    assert window.selected_conversation() is None
+    assert window.grid.selected_conversation is None  # before the fix: still ``later``, every block dimmed
+    # the first conversation, selected at the last step, stays selected at an earlier one that lists it
+    timeline.go_live()
+    qtbot.waitUntil(lambda: window.conversations.model.row_of(later) is not None, timeout=3000)
+    (older,) = [c for c in window.snapshot.block_tables if c != later]
+    window.conversations.select_conversation(older)
+    qtbot.waitUntil(lambda: window.grid.selected_conversation == older, timeout=2000)
+    timeline.seek(only_one)
+    qtbot.waitUntil(lambda: window.conversations.model.row_of(later) is None, timeout=3000)
+    assert window.selected_conversation() == older and window.grid.selected_conversation == older
+    assert window.errors == []
+
+
+def timeline_caught_up(window, history) -> bool:
+    """The window's timeline has every frame of the history."""
+    return len(history) > 0 and window.pane.timeline.last_seq == history.last_seq
