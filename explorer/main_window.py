@@ -32,6 +32,7 @@ from .loader import EngineLoader, progress_dialog
 from .menus import build_menus
 from .metrics import MetricsPanel
 from .metrics_backfill import MetricsBackfill
+from .pacer import LivePacer
 from .pool_pane import PoolPane
 from .relocation import RelocationPanel
 from .source import Feed, PoolSource, Problem
@@ -81,6 +82,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._last_panels = self._last_slow = 0.0
         self._panel_interval = PANEL_INTERVAL  # from the refreshes' cost (PANEL_SHARE)
         self._panel_cost = 0.0  # seconds a refresh takes, smoothed
+        self.pacer = LivePacer(tick_s=FRAME_MS / 1000)
         self._closed = False
         self._shown_once = False
         self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
@@ -252,8 +254,9 @@ class MainWindow(QtWidgets.QMainWindow):
     def _tick(self) -> None:
         now = time.perf_counter()
         self.status.frame_ticked(now)
+        gap = self.pacer.tick()  # live frames as often as the GUI thread's budget allows (explorer.pacer)
         for source in self.sources:
-            source.poll()
+            source.poll(gap)
         for pane in self.panes:
             if pane.render():
                 self.status.redrawn(now)
@@ -275,7 +278,7 @@ class MainWindow(QtWidgets.QMainWindow):
             feed = self.source.feed
             if self.source.capabilities.can_command:
                 self.controls.sync(feed.paused, feed.speed)
-            self.status.show_state(self.source, now)
+            self.status.show_state(self.source, now, self.pacer.interval)
 
     def _on_frame(self, snapshot) -> None:
         """A new live frame of the active source: metrics follow the present (history frames are not samples,
@@ -322,6 +325,7 @@ class MainWindow(QtWidgets.QMainWindow):
         """A new feed took over the active source: every panel starts over, commands follow its capabilities."""
         self.commands.close_dialogs()
         self._select_when_present = None
+        self.pacer.reset()
         self.relocation.reset()
         self.metrics.clear()
         if feed.kind == "recording":  # its frames are all in its history already: no live frame will bring them

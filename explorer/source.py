@@ -79,6 +79,7 @@ class PoolSource(QtCore.QObject):
         self.feed: Feed = feed or Feed()
         self.futures = FutureWatcher(on_error=self._command_refused)
         self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
+        self._live_at = 0.0  # when it was delivered (perf_counter)
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
         self.viewing: int | None = None  # history seq being viewed; None while live
         self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
@@ -146,16 +147,25 @@ class PoolSource(QtCore.QObject):
         self.feed.close()
 
     # ---- the frame loop -----------------------------------------------------------------------------------
-    def poll(self) -> bool:
-        """Deliver finished command answers, problems and the newest frame; returns whether the view changed."""
+    def poll(self, live_gap: float = 0.0) -> bool:
+        """Deliver finished command answers, problems and the newest frame; returns whether the view changed.
+
+        ``live_gap``: a new live frame, and the events of the frames up to it, wait until that many seconds after
+        the last live frame went out (the window's budget, :class:`~explorer.pacer.LivePacer`); the newest frame
+        then goes out, with every event of the frames passed over. 0: at every poll."""
         self.futures.poll()
         for problem in self.feed.take_problems():
             self.problem.emit(problem)
+        if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
+            latest = self.feed.latest()
+            if latest is not None and latest is not self.live:
+                return self._keep_viewed_frame()
         self._read_events()
         latest = self.feed.latest()
         if latest is None or latest is self.live:
             return self._keep_viewed_frame()
         self.live = latest
+        self._live_at = time.perf_counter()
         self.frameArrived.emit(latest)
         if self.viewing is None:
             self.view = latest

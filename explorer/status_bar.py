@@ -14,6 +14,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.rules import Rate
 
 from .elided_label import ElidedLabel
+from .pacer import MACHINE_SHARE
 from .pool_counts import pool_counts
 
 KEYS = ("live", "engine", "gui", "pool", "model")
@@ -134,7 +135,9 @@ class StatusBar(QtWidgets.QStatusBar):
         self.stored.reset()
 
     # ---- what is shown ----------------------------------------------------------------------------------------
-    def show_state(self, source, now: float | None = None) -> None:
+    def show_state(self, source, now: float | None = None, live_gap: float = 0.0) -> None:
+        """The status line for ``source`` now; ``live_gap``: the least time the window leaves between two live
+        frames (explorer.pacer; 0: it takes every one)."""
         now = time.perf_counter() if now is None else now
         feed = source.feed
         live = feed.status_text()
@@ -147,7 +150,15 @@ class StatusBar(QtWidgets.QStatusBar):
         else:
             self._set("engine", f"engine {self.steps.per_second(now):.1f} steps/s · "
                                 f"{self.tokens.per_second(now):.0f} tokens/s")
-        self._set("gui", f"GUI {self.frames.per_second(now):.0f} fps · {self.redraws.per_second(now):.0f} redraws/s")
+        paced = f" · live frames {1000 * live_gap:.0f} ms apart" if live_gap > 0 else ""
+        self._set("gui", f"GUI {self.frames.per_second(now):.0f} fps · {self.redraws.per_second(now):.0f} redraws/s"
+                         f"{paced}")
+        if paced:
+            self.labels["gui"].setToolTip(
+                f"The window shows a new live frame at most every {1000 * live_gap:.0f} ms, the newest each time, "
+                "with every event of the frames in between: drawing every one would take the GUI thread past "
+                f"{MACHINE_SHARE:.0%} of this machine's CPU time, which decoding needs. Scrubbing and clicks are not "
+                "slowed.")
         snap = source.view
         if snap is not None:
             self.show_pool(snap)

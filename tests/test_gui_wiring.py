@@ -249,3 +249,38 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
     monkeypatch.setattr(main_window.MainWindow, "_refresh_panels", real)
     drawn = window.grid.frames_drawn
     qtbot.waitUntil(lambda: window.grid.frames_drawn >= drawn + 5, timeout=5000)  # the grid did not wait
+
+
+def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, make_window):
+    """Where following every live frame costs the GUI thread more than its budget (explorer.pacer), the window takes
+    a new live frame only every ``pacer.interval`` (the newest each time), says so in the status line, and still hands
+    every frame's events to the panels; with the budget back, it follows every frame again."""
+    from explorer import pacer
+
+    def setup(engine):
+        for i in range(3):
+            engine.add_conversation(prompt_token_ids=list(range(3, 20 + i)), max_new_tokens=600, ignore_eos=True)
+    window = make_window(setup=setup, speed=40, history=True, num_blocks=512)
+    source, history = window.source, window.source.history
+    window.pacer.budget = 0.0  # any CPU use is over it
+    qtbot.waitUntil(lambda: window.pacer.interval == pacer.MAX_INTERVAL, timeout=15000)
+    seqs, views = [], []
+    source.eventsArrived.connect(lambda pairs, restarted: seqs.extend(seq for seq, _ in pairs))
+    source.viewChanged.connect(lambda snap: views.append(time.perf_counter()))
+    first = history.last_seq
+    qtbot.wait(2500)
+    last = history.last_seq
+    assert last - first >= 60  # the engine kept its 40 steps a second
+    gaps = [b - a for a, b in zip(views, views[1:])]
+    assert len(views) <= 2.5 / pacer.MAX_INTERVAL + 2 and min(gaps) >= pacer.MAX_INTERVAL - 0.04
+    said = f"live frames {pacer.MAX_INTERVAL * 1000:.0f} ms apart"
+    qtbot.waitUntil(lambda: said in window.status_labels["gui"].text(), timeout=3000)
+    # every frame's events went out, in order, though most frames were never shown
+    with_events = [seq for seq in range(first + 1, seqs[-1] + 1) if history.events(seq, seq)]
+    assert sorted(set(seqs) & set(with_events)) == with_events and seqs == sorted(seqs)
+    window.pacer.budget = 100.0  # no budget to speak of: every frame again
+    qtbot.waitUntil(lambda: window.pacer.interval == 0.0, timeout=15000)
+    drawn = window.grid.frames_drawn
+    qtbot.wait(1000)
+    assert window.grid.frames_drawn - drawn >= 20  # about every tick's new frame (40 steps/s, 30 ticks/s)
+    assert window.errors == []

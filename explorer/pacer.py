@@ -1,0 +1,71 @@
+"""How often the window takes a new live frame: at every tick of its timer, unless following the frames costs the GUI
+thread more than its share of the machine.
+
+With 256 conversations decoding on a 65,536-block pool the engine steps 14-16 times a second here, and every new frame
+costs the GUI thread about 11 ms (the grid's image, the event log and timeline marks, the readouts, Qt's painting).
+On a 2-core machine the window then took 14-16% of a core, which the engine thread and its second torch thread had to
+give up: decode ran at 0.85-0.87x what it ran with the window's timer stopped. Showing fewer of those frames (the
+newest one each time, with every event of the frames in between) keeps the GUI thread within its budget, and the
+window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
+
+:class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames while
+that is over the budget, narrowing it again (to every tick) once well under. Qt-free, with its clocks injectable,
+so the control loop is tested on its own.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+MACHINE_SHARE = 0.05  # the GUI thread's budget for following live frames: 5% of the machine's CPU time (10% of a
+# core on 2 cores, where it matters; 80% of a core on 16, where the window has cores of its own and never waits)
+MAX_INTERVAL = 0.25  # but a new live frame at least 4 times a second, however costly
+WINDOW_S = 0.5  # the GUI thread's CPU share is measured over this much wall time
+STEP = 1.4  # the gap widens or narrows by this factor per window
+LOW = 0.7  # and narrows only under this fraction of the budget (a band, so it settles instead of swinging)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class LivePacer:
+    """The least time between two live frames the window takes (``interval``; 0: every tick), from the GUI thread's
+    measured CPU share. Call :meth:`tick` from the GUI thread at every tick of its timer."""
+
+    def __init__(self, budget: float | None = None, tick_s: float = 0.033, max_interval: float = MAX_INTERVAL,
+                 clock: Callable[[], float] = time.perf_counter, cpu: Callable[[], float] = time.thread_time):
+        self.budget = MACHINE_SHARE * available_cpus() if budget is None else budget  # of one core
+        self.tick_s = tick_s  # the timer's period: the first step up from 0 starts there
+        self.max_interval = max_interval
+        self.interval = 0.0
+        self.share: float | None = None  # the GUI thread's CPU share over the last full window (of one core)
+        self._clock, self._cpu = clock, cpu
+        self._start: tuple[float, float] | None = None  # (wall, cpu) when the current window began
+
+    def tick(self) -> float:
+        """Measure; at the end of each window, widen or narrow the gap. Returns the gap now (seconds)."""
+        now, cpu = self._clock(), self._cpu()
+        if self._start is None:
+            self._start = (now, cpu)
+            return self.interval
+        elapsed = now - self._start[0]
+        if elapsed < WINDOW_S:
+            return self.interval
+        share = (cpu - self._start[1]) / elapsed
+        self.share, self._start = share, (now, cpu)
+        if share > self.budget:
+            self.interval = min(self.max_interval, max(self.interval, self.tick_s) * STEP)
+        elif share < LOW * self.budget and self.interval > 0:
+            narrower = self.interval / STEP
+            self.interval = narrower if narrower >= self.tick_s * STEP else 0.0
+        return self.interval
+
+    def reset(self) -> None:
+        """Every tick again (a new source: its cost is not the old one's)."""
+        self.interval, self.share, self._start = 0.0, None, None

@@ -1,0 +1,61 @@
+"""The window's live-frame pacer (explorer.pacer): the gap between live frames widens while the GUI thread's CPU
+share is over its budget, up to its cap, holds inside the band, and narrows back to every tick once well under."""
+import pytest
+
+from explorer import pacer
+from explorer.pacer import LivePacer
+
+
+class Clocks:
+    """Wall time and the GUI thread's CPU time, moved by the test: ``run(seconds, share)``."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def run(self, seconds: float, share: float, p: LivePacer, tick: float = 0.033) -> float:
+        steps = round(seconds / tick)
+        for _ in range(steps):
+            self.wall += tick
+            self.cpu += tick * share
+            p.tick()
+        return p.interval
+
+
+@pytest.fixture
+def clocks():
+    return Clocks()
+
+
+def make(clocks, budget=0.10) -> LivePacer:
+    p = LivePacer(budget=budget, tick_s=0.033, clock=lambda: clocks.wall, cpu=lambda: clocks.cpu)
+    p.tick()
+    return p
+
+
+def test_every_tick_while_under_budget(clocks):
+    p = make(clocks)
+    assert clocks.run(5, 0.09, p) == 0.0 and p.share == pytest.approx(0.09, abs=0.01)
+
+
+def test_over_budget_widens_to_the_cap_then_narrows_back_to_every_tick(clocks):
+    p = make(clocks)
+    clocks.run(pacer.WINDOW_S + 0.05, 0.20, p)
+    assert p.interval == pytest.approx(0.033 * pacer.STEP)  # one window over: one step
+    gaps = [clocks.run(pacer.WINDOW_S, 0.20, p) for _ in range(12)]
+    assert gaps == sorted(gaps) and gaps[-1] == pacer.MAX_INTERVAL  # wider each window, never past the cap
+    clocks.run(3, 0.09, p)  # inside the band (0.07-0.10): it holds
+    assert p.interval == pacer.MAX_INTERVAL
+    clocks.run(10, 0.03, p)  # well under: back to every tick
+    assert p.interval == 0.0
+
+
+def test_reset_and_the_default_budget(clocks, monkeypatch):
+    p = make(clocks)
+    clocks.run(3, 0.5, p)
+    assert p.interval > 0
+    p.reset()
+    assert p.interval == 0.0 and p.share is None
+    monkeypatch.setattr(pacer, "available_cpus", lambda: 2)
+    assert LivePacer().budget == pytest.approx(0.10)  # 5% of a 2-core machine: a tenth of a core
+    monkeypatch.setattr(pacer, "available_cpus", lambda: 16)
+    assert LivePacer().budget == pytest.approx(0.80)
