@@ -50,6 +50,7 @@ PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI th
 # 1.25 ms (64 conversations on 4,096 blocks: 1.0 ms)
 PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
+PLOTS_PER_GAP = 4  # while live frames are paced (explorer.pacer), the plots every 4 gaps: once a second at most
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -270,7 +271,7 @@ class MainWindow(QtWidgets.QMainWindow):
             cost = min(cost, 4 * max(self._panel_cost, PANEL_INTERVAL * PANEL_SHARE))
             self._panel_cost = 0.7 * self._panel_cost + 0.3 * cost
             self._panel_interval = min(PANEL_MAX_INTERVAL, max(PANEL_INTERVAL, self._panel_cost / PANEL_SHARE))
-        if now - self._last_slow >= PLOT_INTERVAL:
+        if now - self._last_slow >= max(PLOT_INTERVAL, PLOTS_PER_GAP * gap):  # paced frames: plots less often
             self._last_slow = now
             self.metrics.redraw()
             for pane in self.panes:
