@@ -51,6 +51,7 @@ PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI th
 PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 PLOTS_PER_GAP = 4  # while live frames are paced (explorer.pacer), the plots every 4 gaps: once a second at most
+PANELS_PER_GAP = 2  # and the tables every 2 gaps (twice a second at the cap: PANEL_MAX_INTERVAL)
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -262,7 +263,8 @@ class MainWindow(QtWidgets.QMainWindow):
             if pane.render():
                 self.status.redrawn(now)
         view = self.source.view
-        if self._panels_stale and view is not None and now - self._last_panels >= self._panel_interval:
+        panel_gap = min(PANEL_MAX_INTERVAL, max(self._panel_interval, PANELS_PER_GAP * gap))  # paced: less often
+        if self._panels_stale and view is not None and now - self._last_panels >= panel_gap:
             started = time.perf_counter()
             self._refresh_panels(view)
             self._last_panels = now

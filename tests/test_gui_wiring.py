@@ -253,9 +253,9 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
 
 def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, make_window):
     """Where following every live frame costs the GUI thread more than its budget (explorer.pacer), the window takes
-    a new live frame only every ``pacer.interval`` (the newest each time) and redraws its plots every 4 such gaps,
-    says so in the status line, and still hands every frame's events to the panels; with the budget back, it follows
-    every frame again."""
+    a new live frame only every ``pacer.interval`` (the newest each time), refreshes its tables every 2 such gaps
+    and its plots every 4, says so in the status line, and still hands every frame's events to the panels; with the
+    budget back, it follows every frame again."""
     from explorer import pacer
 
     def setup(engine):
@@ -270,9 +270,12 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     source.viewChanged.connect(lambda snap: views.append(time.perf_counter()))
     plots, redraw = [], window.metrics.redraw
     window.metrics.redraw = lambda: (plots.append(time.perf_counter()), redraw())
+    tables, refresh = [], window.conversations.refresh
+    window.conversations.refresh = lambda snap: (tables.append(time.perf_counter()), refresh(snap))
     first = history.last_seq
     qtbot.wait(2500)
     assert 1 <= len(plots) <= 4  # every 4 gaps (1 s), not every PLOT_INTERVAL (0.5 s): 5-6 in 2.5 s
+    assert 2 <= len(tables) <= 6  # every 2 gaps (0.5 s), not with every paced frame (0.25 s): 10 in 2.5 s
     last = history.last_seq
     assert last - first >= 60  # the engine kept its 40 steps a second
     gaps = [b - a for a, b in zip(views, views[1:])]
