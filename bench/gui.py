@@ -41,6 +41,7 @@ MARK = "@@GUI "  # prefix of a worker's result line
 ARRANGEMENTS = {
     "OpenMP default": ({}, None, False),
     "PASSIVE (main.py today)": ({"OMP_WAIT_POLICY": "PASSIVE"}, None, False),
+    "GOMP_SPINCOUNT=3000": ({"GOMP_SPINCOUNT": "3000"}, None, False),
     "GOMP_SPINCOUNT=10000": ({"GOMP_SPINCOUNT": "10000"}, None, False),
     "GOMP_SPINCOUNT=100000": ({"GOMP_SPINCOUNT": "100000"}, None, False),
     "PASSIVE, engine 1 thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1, False),

@@ -9,7 +9,7 @@ newest one each time, with every event of the frames in between) keeps the GUI t
 window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
 
 :class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames while
-that is over the budget, narrowing it again (to every tick) once well under. Qt-free, with its clocks injectable,
+that is over the budget (the further over, the faster), narrowing it again (to every tick) once well under. Qt-free, with its clocks injectable,
 so the control loop is tested on its own.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ MACHINE_SHARE = 0.05  # the GUI thread's budget for following live frames: 5% of
 # core on 2 cores, where it matters; 80% of a core on 16, where the window has cores of its own and never waits)
 MAX_INTERVAL = 0.25  # but a new live frame at least 4 times a second, however costly
 WINDOW_S = 0.5  # the GUI thread's CPU share is measured over this much wall time
-STEP = 1.4  # the gap widens or narrows by this factor per window
+STEP = 1.4  # the gap widens or narrows by this factor per window (widens by up to MAX_STEP, as far over budget as the
+MAX_STEP = 2.0  # share was: from every tick to the cap in 3 windows at twice the budget, instead of 7)
 LOW = 0.7  # and narrows only under this fraction of the budget (a band, so it settles instead of swinging)
 
 
@@ -60,7 +61,8 @@ class LivePacer:
         share = (cpu - self._start[1]) / elapsed
         self.share, self._start = share, (now, cpu)
         if share > self.budget:
-            self.interval = min(self.max_interval, max(self.interval, self.tick_s) * STEP)
+            factor = min(MAX_STEP, max(STEP, share / self.budget)) if self.budget > 0 else MAX_STEP
+            self.interval = min(self.max_interval, max(self.interval, self.tick_s) * factor)
         elif share < LOW * self.budget and self.interval > 0:
             narrower = self.interval / STEP
             self.interval = narrower if narrower >= self.tick_s * STEP else 0.0

@@ -39,8 +39,10 @@ def test_every_tick_while_under_budget(clocks):
 
 def test_over_budget_widens_to_the_cap_then_narrows_back_to_every_tick(clocks):
     p = make(clocks)
-    clocks.run(pacer.WINDOW_S + 0.05, 0.20, p)
-    assert p.interval == pytest.approx(0.033 * pacer.STEP)  # one window over: one step
+    clocks.run(pacer.WINDOW_S + 0.05, 0.12, p)
+    assert p.interval == pytest.approx(0.033 * pacer.STEP)  # one window a little over: one step
+    clocks.run(pacer.WINDOW_S, 0.50, p)
+    assert p.interval == pytest.approx(0.033 * pacer.STEP * pacer.MAX_STEP)  # far over: a longer step
     gaps = [clocks.run(pacer.WINDOW_S, 0.20, p) for _ in range(12)]
     assert gaps == sorted(gaps) and gaps[-1] == pacer.MAX_INTERVAL  # wider each window, never past the cap
     clocks.run(3, 0.09, p)  # inside the band (0.07-0.10): it holds
