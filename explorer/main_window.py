@@ -32,7 +32,7 @@ from .loader import EngineLoader, progress_dialog
 from .menus import build_menus
 from .metrics import MetricsPanel
 from .metrics_backfill import MetricsBackfill
-from .pacer import LivePacer
+from .pacer import LivePacer, engine_has_slack
 from .pool_pane import PoolPane
 from .relocation import RelocationPanel
 from .source import Feed, PoolSource, Problem
@@ -256,7 +256,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _tick(self) -> None:
         now = time.perf_counter()
         self.status.frame_ticked(now)
-        gap = self.pacer.tick()  # live frames as often as the GUI thread's budget allows (explorer.pacer)
+        feed = self.source.feed  # live frames as often as the GUI thread's budget allows (explorer.pacer)
+        gap = self.pacer.tick(engine_has_slack(feed.speed, self.status.steps.per_second(now)))
         for source in self.sources:
             source.poll(gap)
         for pane in self.panes:

@@ -8,9 +8,10 @@ give up: decode ran at 0.85-0.87x what it ran with the window's timer stopped. S
 newest one each time, with every event of the frames in between) keeps the GUI thread within its budget, and the
 window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
 
-:class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames while
-that is over the budget (the further over, the faster), narrowing it again (to every tick) once well under. Qt-free, with its clocks injectable,
-so the control loop is tested on its own.
+:class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames
+while that is over the budget (the further over, the faster). It narrows the gap again, down to every tick, once the
+GUI thread is well under its budget, or while the engine keeps up with a speed limit (the demos run at 10 steps a
+second): an engine that waits between steps has no use for what the window would give up. Qt-free, with its clocks injectable, so the control loop is tested on its own.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ WINDOW_S = 0.5  # the GUI thread's CPU share is measured over this much wall tim
 STEP = 1.4  # the gap widens or narrows by this factor per window (widens by up to MAX_STEP, as far over budget as the
 MAX_STEP = 2.0  # share was: from every tick to the cap in 3 windows at twice the budget, instead of 7)
 LOW = 0.7  # and narrows only under this fraction of the budget (a band, so it settles instead of swinging)
+SLACK = 0.9  # an engine held to a speed limit that makes at least this share of it has time to spare
 
 
 def available_cpus() -> int:
@@ -49,8 +51,10 @@ class LivePacer:
         self._clock, self._cpu = clock, cpu
         self._start: tuple[float, float] | None = None  # (wall, cpu) when the current window began
 
-    def tick(self) -> float:
-        """Measure; at the end of each window, widen or narrow the gap. Returns the gap now (seconds)."""
+    def tick(self, slack: bool = False) -> float:
+        """Measure; at the end of each window, widen or narrow the gap. ``slack``: the engine keeps up with a speed
+        limit (:func:`engine_has_slack`), so nothing the window gives up would make it faster: narrow. Returns the
+        gap now (seconds)."""
         now, cpu = self._clock(), self._cpu()
         if self._start is None:
             self._start = (now, cpu)
@@ -60,10 +64,10 @@ class LivePacer:
             return self.interval
         share = (cpu - self._start[1]) / elapsed
         self.share, self._start = share, (now, cpu)
-        if share > self.budget:
+        if share > self.budget and not slack:
             factor = min(MAX_STEP, max(STEP, share / self.budget)) if self.budget > 0 else MAX_STEP
             self.interval = min(self.max_interval, max(self.interval, self.tick_s) * factor)
-        elif share < LOW * self.budget and self.interval > 0:
+        elif (share < LOW * self.budget or slack) and self.interval > 0:
             narrower = self.interval / STEP
             self.interval = narrower if narrower >= self.tick_s * STEP else 0.0
         return self.interval
@@ -71,3 +75,9 @@ class LivePacer:
     def reset(self) -> None:
         """Every tick again (a new source: its cost is not the old one's)."""
         self.interval, self.share, self._start = 0.0, None, None
+
+
+def engine_has_slack(speed: float | None, steps_per_second: float) -> bool:
+    """Whether an engine held to ``speed`` steps a second (None: unlimited) makes nearly all of them
+    (SLACK): then it waits between steps anyway, and the window's cost slows nothing."""
+    return speed is not None and speed > 0 and steps_per_second >= SLACK * speed

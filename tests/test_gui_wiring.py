@@ -251,11 +251,11 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
     qtbot.waitUntil(lambda: window.grid.frames_drawn >= drawn + 5, timeout=5000)  # the grid did not wait
 
 
-def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, make_window):
+def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, make_window, monkeypatch):
     """Where following every live frame costs the GUI thread more than its budget (explorer.pacer), the window takes
     a new live frame only every ``pacer.interval`` (the newest each time), refreshes its tables every 2 such gaps
     and its plots every 4, says so in the status line, and still hands every frame's events to the panels; with the
-    budget back, it follows every frame again."""
+    budget back, it follows every frame again. Nothing is paced while the engine keeps up with a speed limit."""
     from explorer import pacer
 
     def setup(engine):
@@ -264,6 +264,10 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     window = make_window(setup=setup, speed=40, history=True, num_blocks=512)
     source, history = window.source, window.source.history
     window.pacer.budget = 0.0  # any CPU use is over it
+    qtbot.wait(2000)  # but an engine that keeps up with its speed limit has time to spare: nothing to pace
+    assert window.pacer.share is not None and window.pacer.interval == 0.0
+    import explorer.main_window as main_window  # an engine that falls behind its limit would take what the
+    monkeypatch.setattr(main_window, "engine_has_slack", lambda speed, rate: False)  # window gives up
     qtbot.waitUntil(lambda: window.pacer.interval == pacer.MAX_INTERVAL, timeout=15000)
     seqs, views = [], []
     source.eventsArrived.connect(lambda pairs, restarted: seqs.extend(seq for seq, _ in pairs))

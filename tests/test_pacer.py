@@ -1,5 +1,6 @@
 """The window's live-frame pacer (explorer.pacer): the gap between live frames widens while the GUI thread's CPU
-share is over its budget, up to its cap, holds inside the band, and narrows back to every tick once well under."""
+share is over its budget, up to its cap, holds inside the band, and narrows back to every tick once well under, or
+while the engine keeps up with a speed limit."""
 import pytest
 
 from explorer import pacer
@@ -12,12 +13,12 @@ class Clocks:
     def __init__(self):
         self.wall = self.cpu = 0.0
 
-    def run(self, seconds: float, share: float, p: LivePacer, tick: float = 0.033) -> float:
+    def run(self, seconds: float, share: float, p: LivePacer, slack: bool = False, tick: float = 0.033) -> float:
         steps = round(seconds / tick)
         for _ in range(steps):
             self.wall += tick
             self.cpu += tick * share
-            p.tick()
+            p.tick(slack)
         return p.interval
 
 
@@ -61,3 +62,14 @@ def test_reset_and_the_default_budget(clocks, monkeypatch):
     assert LivePacer().budget == pytest.approx(0.10)  # 5% of a 2-core machine: a tenth of a core
     monkeypatch.setattr(pacer, "available_cpus", lambda: 16)
     assert LivePacer().budget == pytest.approx(0.80)
+
+
+def test_not_paced_while_the_engine_keeps_up_with_a_speed_limit(clocks):
+    """A GUI thread over its budget beside an engine held to a speed it reaches (the demos' 10 steps a second) takes
+    nothing the engine could use: every frame stays, and a gap already there narrows back."""
+    p = make(clocks)
+    assert clocks.run(5, 0.30, p, slack=True) == 0.0
+    assert clocks.run(5, 0.30, p) == pacer.MAX_INTERVAL
+    assert clocks.run(10, 0.30, p, slack=True) == 0.0
+    assert pacer.engine_has_slack(10.0, 9.5) and not pacer.engine_has_slack(10.0, 8.0)
+    assert not pacer.engine_has_slack(None, 40.0) and not pacer.engine_has_slack(0.0, 40.0)  # unlimited: no
