@@ -433,9 +433,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         cid, self._selected_before_reset = self._selected_before_reset, None
         if cid is None:
             return
-        row = self.model.row_of(cid)
-        if row is not None:
-            self.view.selectRow(row)  # emits through _on_selection
+        self.select_conversation(cid)  # where still listed; emits through _on_selection
         if self.selected_conversation() != cid:
             self._on_selection()
 

@@ -256,8 +256,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _tick(self) -> None:
         now = time.perf_counter()
         self.status.frame_ticked(now)
-        feed = self.source.feed  # live frames as often as the GUI thread's budget allows (explorer.pacer)
-        gap = self.pacer.tick(engine_has_slack(feed.speed, self.status.steps.per_second(now)))
+        # live frames as often as the GUI thread's budget allows (explorer.pacer)
+        gap = self.pacer.tick(engine_has_slack(self.source.feed.speed, self.status.steps.per_second(now)))
         for source in self.sources:
             source.poll(gap)
         for pane in self.panes:
@@ -282,7 +282,7 @@ class MainWindow(QtWidgets.QMainWindow):
             feed = self.source.feed
             if self.source.capabilities.can_command:
                 self.controls.sync(feed.paused, feed.speed)
-            self.status.show_state(self.source, now, self.pacer.interval)
+            self.status.show_state(self.source, now, gap)
 
     def _on_frame(self, snapshot) -> None:
         """A new live frame of the active source: metrics follow the present (history frames are not samples,
