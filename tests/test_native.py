@@ -222,3 +222,26 @@ def test_a_read_only_cache_folder_builds_in_the_temporary_folder(monkeypatch, tm
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert native.kernel() is not None, native.error()
     assert list((tmp_path / "tmp").glob("paged-kv-explorer-*/kernels-*.so"))
+
+
+def test_a_cache_that_cannot_be_tidied_still_loads(monkeypatch, tmp_path):
+    """Tidying is best effort: where the library's time cannot be set or a stale file cannot be deleted (a folder
+    shared read-only, another process deleting first), the kernel still loads and the stale file stays."""
+    stale = tmp_path / "kernels-stale.so"
+    stale.write_bytes(b"")
+    old = time.time() - 40 * 86400
+    os.utime(stale, (old, old))
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only")
+    monkeypatch.setattr(native.os, "utime", refuse)
+    assert native.kernel() is not None, native.error()
+    assert stale.is_file()
+    monkeypatch.undo()  # and with deletion refused but the time settable
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+    monkeypatch.setattr(type(stale), "unlink", refuse)
+    assert native.kernel() is not None, native.error()
+    assert stale.is_file()
