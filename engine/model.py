@@ -305,8 +305,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
+            gate_up = self.gate_up(x)
+            act = native.silu_mul(gate_up)  # one pass; None: not float32 on the CPU, or no kernel
+            if act is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            return self.down(act)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -371,14 +375,15 @@ class CausalLM(nn.Module):
         that relocating blocks leaves attention unchanged)."""
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        delta = None  # what the last block adds to the residual stream x, added where the next norm reads x
         for i, layer in enumerate(self.model.layers):
             key_cache, value_cache = kv_caches[i]
             hook = None if layer_hook is None else (lambda out, i=i: layer_hook(i, out))
             attend_i = attend if hook is None else _hooked(attend, hook)
-            h = layer.input_layernorm(x)
-            x += layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)  # in place: inference only
-            x += layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+            h = _add_norm(x, delta, layer.input_layernorm)
+            delta = layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)
+            delta = layer.mlp(_add_norm(x, delta, layer.post_attention_layernorm))
+        return _add_norm(x, delta, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.head(hidden) if self.head is not None else self.lm_head(hidden)).float()  # [tokens, vocab]
@@ -392,6 +397,16 @@ class CausalLM(nn.Module):
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x))
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
+    """``x += delta`` in place (inference only), then ``norm(x)``: one pass of the native kernel where it applies."""
+    out = native.add_rms_norm(x, delta, norm.weight, norm.eps) if x.dim() == 2 else None
+    if out is None:
+        if delta is not None:
+            x += delta
+        out = norm(x)
+    return out
 
 
 def _hooked(attend: Callable, hook: Callable[[torch.Tensor], None]) -> Callable:

@@ -4,6 +4,9 @@ shared library and called through ctypes.
 - ``paged_decode.c``: decode attention reading K/V in place through the block tables (:func:`decode`).
 - ``rope_store.c``: the rotary embedding of queries and keys, and the step's K/V written to their slots
   (:func:`rope_store`), bit for bit what the torch form computes.
+- ``norm_act.c``: the residual add with the RMSNorm after it (:func:`add_rms_norm`), and the SwiGLU activation
+  (:func:`silu_mul`), one pass each instead of torch's composite operations (within a few units in the last place
+  of the torch form).
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -107,6 +110,9 @@ def _build():
     _prune(directory, target)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
+    lib.add_rms_norm_f32.restype = lib.silu_mul_f32.restype = i32
+    lib.add_rms_norm_f32.argtypes = [ptr] * 4 + [i64, i32, ctypes.c_float, i32]
+    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
     lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
     lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] + [i32] * 4
     return lib
@@ -201,3 +207,29 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
                                 key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
                                 torch.get_num_threads())
     return None if status else q
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``x += delta`` (in place, when given), then the RMSNorm of ``x`` [rows, n] with ``weight`` [n], as a new
+    tensor. None (and ``x`` untouched) where the kernel is unavailable or does not handle the tensors."""
+    lib = kernel()
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if lib is None or not _fits(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
+            (delta is not None and (delta.shape != x.shape or delta.requires_grad)):  # autograd: the torch form
+        return None
+    out = torch.empty_like(x)
+    status = lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                  out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return None if status else out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of the fused projection's output [rows, 2 n] (gate, then up) -> [rows, n]. None where
+    the kernel is unavailable or does not handle the tensor."""
+    lib = kernel()
+    if lib is None or not _fits(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    status = lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return None if status else out

@@ -245,3 +245,82 @@ def test_a_cache_that_cannot_be_tidied_still_loads(monkeypatch, tmp_path):
     monkeypatch.setattr(type(stale), "unlink", refuse)
     assert native.kernel() is not None, native.error()
     assert stale.is_file()
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference in units of the last place of the larger magnitude (float32: 2^-23 relative)."""
+    scale = torch.maximum(got.abs(), want.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+    return float(((got - want).abs() / (scale * 2.0 ** -23)).max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), n=st.sampled_from([1, 5, 16, 17, 256, 576, 1000]), with_delta=st.booleans(),
+       magnitude=st.sampled_from([1e-3, 1.0, 40.0]), seed=st.integers(0, 2**16))
+def test_add_rms_norm_is_the_torch_form_to_a_few_ulps(rows, n, with_delta, magnitude, seed):
+    """x += delta is exact (x is updated in place, as the engine's residual stream is); the norm is torch's RMSNorm
+    (HF's form) within 4 units in the last place; 300 rows also takes the threaded path."""
+    from engine.model import RMSNorm
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * magnitude
+    delta = torch.randn(rows, n, generator=g) * magnitude if with_delta else None
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data = torch.randn(n, generator=g)
+    with torch.inference_mode():
+        summed = x + delta if with_delta else x.clone()
+        want = norm(summed)
+        got = native.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert got is not None
+    assert torch.equal(x, summed)
+    assert _ulps(got, want) <= 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), n=st.sampled_from([1, 7, 16, 33, 688, 1536]), magnitude=st.sampled_from([0.1, 4.0, 60.0]),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_is_the_torch_form_to_a_few_ulps(rows, n, magnitude, seed):
+    """silu(gate) * up of the fused gate|up projection, within 4 units in the last place of torch's; large
+    negative gates (e^-g overflows in the naive form) give products under 1e-30 (torch's: 0), never NaN."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * magnitude
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_mul(gate_up)
+    assert got is not None and got.shape == (rows, n)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.isfinite(got).all()
+    normal = want.abs() > 1e-30
+    assert not normal.any() or _ulps(got[normal], want[normal]) <= 4
+    assert bool(((got - want).abs()[~normal] <= 1e-30).all())
+
+
+def test_norm_and_activation_kernels_leave_other_inputs_to_torch():
+    """Tensors the kernels cannot read as raw float32 rows, or that autograd follows, get None, and x is untouched."""
+    x = torch.randn(4, 8)
+    w = torch.ones(8)
+    before = x.clone()
+    assert native.add_rms_norm(x.double(), None, w.double(), 1e-6) is None
+    assert native.add_rms_norm(x.t(), None, w[:4], 1e-6) is None  # not contiguous
+    assert native.add_rms_norm(x, torch.randn(4, 7), w, 1e-6) is None  # delta of another shape
+    assert native.add_rms_norm(x, torch.randn(4, 8, requires_grad=True), w, 1e-6) is None
+    assert native.add_rms_norm(x[None], None, w, 1e-6) is None  # rows are 2-D
+    assert torch.equal(x, before)
+    assert native.silu_mul(torch.randn(4, 7)) is None  # odd width: no gate|up halves
+    assert native.silu_mul(torch.randn(4, 8, requires_grad=True)) is None
+
+
+def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(monkeypatch):
+    """The engine's layers take the kernels, and greedy tokens are the same as with torch's forms."""
+    from engine import model
+    calls = {"norm": 0, "silu": 0}
+    norm, silu = native.add_rms_norm, native.silu_mul
+    monkeypatch.setattr(native, "add_rms_norm", lambda *a: calls.__setitem__("norm", calls["norm"] + 1) or norm(*a))
+    monkeypatch.setattr(native, "silu_mul", lambda *a: calls.__setitem__("silu", calls["silu"] + 1) or silu(*a))
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [5] * 40]
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
+    with_kernels = eng.generate(prompts, max_new_tokens=12)
+    layers = len(eng.model.model.layers)
+    assert calls["norm"] == eng.num_steps * (2 * layers + 1) and calls["silu"] == eng.num_steps * layers
+    monkeypatch.setattr(native, "add_rms_norm", lambda *a: None)
+    monkeypatch.setattr(native, "silu_mul", lambda *a: None)
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
+    assert eng.generate(prompts, max_new_tokens=12) == with_kernels
+    assert model.RMSNorm  # the torch form served the second run

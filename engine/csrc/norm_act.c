@@ -1,0 +1,98 @@
+/* The residual add with the RMSNorm after it, and the SwiGLU activation: each one pass over the rows instead of
+ * torch's composite (RMSNorm in torch 2.13 on the CPU is six operations, an upcast, a square, a mean, an add, a
+ * reciprocal square root and two products, about 25 microseconds a call at 16 rows of 256; the activation is a
+ * silu, then a product, over a chunk view). Built with engine/native.py, with paged_decode.c.
+ *
+ * Not bit for bit torch's: the sum of squares is added up in a different order, and the exponential is the
+ * polynomial below, so results differ from the torch form in the last bits (tests/test_native.py bounds it). The
+ * same inputs always give the same bits (no thread count or timing changes an order of additions).
+ *
+ * Layouts (float32, contiguous):
+ *   add_rms_norm: x [rows, n] (updated in place when delta is given: x += delta), weight [n], out [rows, n]
+ *                 out = (x * 1 / sqrt(mean(x^2) + eps)) * weight, each product rounded on its own, as torch does
+ *   silu_mul:     gate_up [rows, 2 * n] (gate, then up, as the fused projection lays them), out [rows, n]
+ *                 out = silu(gate) * up, silu(g) = g * sigmoid(g)
+ */
+#include <math.h>
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define ROWS_PER_THREAD 64 /* fewer rows than this per thread: one thread (waking the other costs more) */
+
+/* e^x for x <= 0, sixteen at a time: the Cody-Waite reduction and Cephes polynomial of paged_decode.c. */
+static inline v16 exp16_neg(v16 x) {
+    const v16 floor_ = (v16){0} - 87.0f;
+    const v16i below = x < floor_;
+    x = (v16)(((v16i)x & ~below) | ((v16i)floor_ & below));
+    const v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v16)((n + 127) << 23);
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void norm_row(float *restrict x, const float *restrict delta, const float *restrict weight,
+                     float *restrict out, int n, float eps) {
+    v16 part = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v = *(v16 *)(x + i);
+        if (delta) {
+            v += *(const v16 *)(delta + i);
+            *(v16 *)(x + i) = v;
+        }
+        part += v * v;
+    }
+    float tail = 0.0f;
+    for (; i < n; i++) {
+        if (delta) x[i] += delta[i];
+        tail += x[i] * x[i];
+    }
+    float sum = tail;
+    for (int l = 0; l < 16; l++) sum += part[l];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    i = 0;
+    for (; i + 16 <= n; i += 16) *(v16 *)(out + i) = (*(v16 *)(x + i) * inv) * *(const v16 *)(weight + i);
+    for (; i < n; i++) out[i] = (x[i] * inv) * weight[i];
+}
+
+int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
+                     int threads) {
+    if (n < 1) return 1;
+    if (rows < (int64_t)ROWS_PER_THREAD * 2) threads = 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n, eps);
+    return 0;
+}
+
+static void silu_mul_row(const float *restrict gate, const float *restrict up, float *restrict out, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 g = *(const v16 *)(gate + i);
+        const v16i negative = g < 0.0f;
+        const v16 magnitude = (v16)((v16i)g & 0x7fffffff);
+        const v16 e = exp16_neg(-magnitude);            /* e^-|g|, in (0, 1] */
+        const v16 one = (v16){0} + 1.0f;
+        const v16 sig = (v16)(((v16i)(one / (one + e)) & ~negative) | ((v16i)(e / (one + e)) & negative));
+        *(v16 *)(out + i) = (g * sig) * *(const v16 *)(up + i);
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads) {
+    if (n < 1) return 1;
+    if (rows < (int64_t)ROWS_PER_THREAD * 2) threads = 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gate_up + r * 2 * (int64_t)n, gate_up + r * 2 * (int64_t)n + n, out + r * (int64_t)n, n);
+    return 0;
+}
