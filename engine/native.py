@@ -164,7 +164,10 @@ def error() -> str | None:
 def _fits(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can read these tensors as raw memory: float32, on the CPU, contiguous. (Shapes the C code
     does not handle, such as more than 256 query heads, it refuses itself: the caller then gets None.)"""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    for t in tensors:  # a loop of cheap attribute reads: this runs a dozen times a decode step
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return True
 
 
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
