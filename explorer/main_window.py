@@ -54,6 +54,14 @@ PLOTS_PER_GAP = 4  # while live frames are paced (explorer.pacer), the plots eve
 PANELS_PER_GAP = 2  # and the tables every 2 gaps (twice a second at the cap: PANEL_MAX_INTERVAL)
 
 
+def framed_length(length: int, room: int, frame: int, smallest: int, needed: int) -> int:
+    """The window's height (without its frame) that keeps the framed window inside ``room``: ``length``
+    where it fits; never below ``smallest`` (the smallest supported screen) while the screen has room for it framed;
+    on a screen smaller than that, whatever fits it, down to what the window's contents ``needed``."""
+    floor = min(smallest, max(room - frame, needed))
+    return max(min(length, room - frame), floor)
+
+
 class MainWindow(QtWidgets.QMainWindow):
     """Layout + wiring. ``MainWindow(runner, config)`` watches a running local engine; ``feed=`` any other feed.
 
@@ -586,14 +594,15 @@ class MainWindow(QtWidgets.QMainWindow):
     def fit_frame_to_screen(self) -> bool:
         """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
         the window manager's frame pushed the status bar below the screen's edge (1600 x 1000 on a 1000 px high
-        screen). Never below the smallest supported size. Returns whether it resized."""
+        screen). Never below the smallest supported size, except in height on a screen no taller than that: on a
+        1024 x 640 screen the title bar pushed the status bar below its edge. Returns whether it resized."""
         screen = self.screen()
         if screen is None or self.isMaximized() or self.isFullScreen():
             return False
         room, frame = screen.availableGeometry(), self.frameGeometry()
         extra_w, extra_h = frame.width() - self.width(), frame.height() - self.height()  # the frame's own size
-        width = max(min(self.width(), room.width() - extra_w), MIN_WIDTH)
-        height = max(min(self.height(), room.height() - extra_h), MIN_HEIGHT)
+        width = max(min(self.width(), room.width() - extra_w), MIN_WIDTH)  # narrower screens are not supported
+        height = framed_length(self.height(), room.height(), extra_h, MIN_HEIGHT, self.minimumSizeHint().height())
         if (width, height) == (self.width(), self.height()):
             return False
         self.resize(width, height)

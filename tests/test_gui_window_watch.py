@@ -413,3 +413,17 @@ def test_the_whole_window_fits_its_screen_title_bar_included(qtbot, watch_window
     asked = watch_window(ViewsFeed(shared_prefix(2)), size=(1024, room.height()))
     settle(qtbot, 450)
     assert asked.size() == QtCore.QSize(1024, room.height())
+
+
+def test_on_a_screen_as_small_as_the_smallest_supported_the_frame_still_fits():
+    """Found in the Xvfb window on a 1024 x 640 screen: the window kept its 640 px and openbox's title bar pushed
+    the status bar (where pacing and errors are reported) below the screen's edge. Where the screen is no taller
+    than that, the window gives up the height the frame needs, down to what its contents need; on taller screens
+    the smallest supported height stays the floor."""
+    from explorer.main_window import framed_length
+    assert framed_length(640, room=640, frame=26, smallest=640, needed=411) == 614  # the frame fits now
+    assert framed_length(640, room=500, frame=26, smallest=640, needed=411) == 474
+    assert framed_length(640, room=400, frame=26, smallest=640, needed=411) == 411  # never below the contents
+    assert framed_length(1000, room=1000, frame=26, smallest=640, needed=411) == 974  # as before
+    assert framed_length(700, room=1000, frame=26, smallest=640, needed=411) == 700  # fits: untouched
+    assert framed_length(600, room=1000, frame=26, smallest=640, needed=411) == 640  # the supported floor
