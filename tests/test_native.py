@@ -324,3 +324,74 @@ def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(mo
     eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
     assert eng.generate(prompts, max_new_tokens=12) == with_kernels
     assert model.RMSNorm  # the torch form served the second run
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), n=st.sampled_from([1, 47, 48, 258, 512, 1000]), k=st.sampled_from([1, 16, 33, 256, 688]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_panel_linear_is_x_w_t_plus_b(rows, n, k, with_bias, seed):
+    """The panel kernel computes F.linear (float64 reference) to float32 accuracy for any row count, outputs that
+    fill no whole panel of 48, odd input widths, with and without a bias; more than 8 rows takes the packed-rows
+    path."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    assert got is not None and got.shape == (rows, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs().t()  # the sum of |terms|: the scale of the rounding errors
+    if bias is not None:
+        scale += bias.double().abs()
+    assert float(((got.double() - want).abs() / scale.clamp_min(1e-30)).max()) <= (k + 1) * 2.0 ** -23
+
+
+def test_panel_linear_rows_do_not_depend_on_the_batch_or_the_threads():
+    """Every output is summed by one thread in k order: a row's result is the same bits alone, among 16 or 40 other
+    rows, and with one thread or two (so a conversation's tokens do not depend on who else is decoding)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1376, 256, generator=g)
+    panels = native.pack_panels(w)
+    x = torch.randn(40, 256, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        whole = native.panel_linear(x, panels, 1376, None)
+        torch.set_num_threads(1)
+        single = native.panel_linear(x, panels, 1376, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, single)
+    for lo, hi in ((0, 1), (5, 21), (7, 8), (24, 40)):
+        assert torch.equal(native.panel_linear(x[lo:hi].contiguous(), panels, 1376, None), whole[lo:hi])
+
+
+def test_panel_linear_leaves_other_inputs_to_torch():
+    w = torch.randn(50, 8)
+    panels = native.pack_panels(w)
+    assert panels is not None and panels.shape == (2, 8, 48) and torch.equal(panels[1, :, 2:], torch.zeros(8, 46))
+    assert native.panel_linear(torch.randn(3, 8).double(), panels, 50, None) is None
+    assert native.panel_linear(torch.randn(8, 3).t(), panels, 50, None) is None  # not contiguous
+    assert native.panel_linear(torch.randn(3, 9), panels, 50, None) is None  # another input width
+    assert native.panel_linear(torch.randn(3, 8, requires_grad=True), panels, 50, None) is None
+    assert native.pack_panels(w.double()) is None
+
+
+def test_small_models_take_the_panel_kernel_for_small_batches_with_the_same_tokens(monkeypatch):
+    """The built-in model (12 MB of weights) fits the last-level cache: its linears get panels, which serve 4-16
+    rows (2-3 rows: F.linear; 17 and more: oneDNN), and the greedy tokens equal those without panels. A model
+    larger than the cache gets none (one packed copy of its weights, as before)."""
+    from engine import model
+    served = []
+    panel_linear = native.panel_linear
+    monkeypatch.setattr(native, "panel_linear", lambda x, *a: served.append(x.shape[0]) or panel_linear(x, *a))
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)]
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    with_panels = eng.generate(prompts, max_new_tokens=10)
+    assert served and set(served) <= set(range(4, 17)) and 12 in served
+    assert eng.model.head.panels is not None and all(layer.mlp.down.panels is not None for layer in eng.model.model.layers)
+    monkeypatch.setattr(native, "last_level_cache_bytes", lambda: 1 << 20)
+    big = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    linears = [big.model.head] + [m for layer in big.model.model.layers
+                                  for m in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+    assert all(isinstance(m, model.InferenceLinear) and m.panels is None for m in linears)
+    served.clear()
+    assert big.generate(prompts, max_new_tokens=10) == with_panels and not served
