@@ -154,7 +154,7 @@ class InferenceLinear:
     With ``panels`` (the model's weights fit in the last-level cache: see :meth:`CausalLM.prepare_inference`), a
     second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 4 to 16 rows, a
     small decode batch: there oneDNN spends about 10 us a call before any arithmetic, and the panel kernel ran the
-    built-in model's linear shapes 1.2-1.9x faster at 16 rows (a 16-conversation decode step's: 1.2-2.2x). With more
+    built-in model's linears 1.3-1.7x faster (16 rows; 1.4x over a 16-conversation decode step's linears). With more
     rows oneDNN was as fast or faster (10-20% at a prefill's 384), and with weights streamed from memory (the
     135M shape) no faster, so larger models keep one copy."""
 
