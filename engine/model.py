@@ -145,37 +145,22 @@ class BatchMetadata:
 
 
 class InferenceLinear:
-    """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
+    """``y = x W^T + b`` for inference, with a oneDNN pre-packed copy of ``W`` for batches of several rows.
 
     Decode on CPU is matmul-bound; oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
     rows (and slower for a single row, which keeps the dense path). Packing is checked against ``F.linear`` once and
-    skipped wherever it is unavailable (no oneDNN, CUDA, half precision).
+    skipped wherever it is unavailable (no oneDNN, CUDA, half precision)."""
 
-    With ``panels`` (the model's weights fit in the last-level cache: see :meth:`CausalLM.prepare_inference`), a
-    second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 4 to 16 rows, a
-    small decode batch: there oneDNN spends about 10 us a call before any arithmetic, and the panel kernel ran the
-    built-in model's linears 1.3-1.7x faster (16 rows; 1.4x over a 16-conversation decode step's linears). With more
-    rows oneDNN was as fast or faster (10-20% at a prefill's 384), and with weights streamed from memory (the
-    135M shape) no faster, so larger models keep one copy."""
+    MIN_ROWS = 4
 
-    MIN_ROWS = 4  # fewest rows for the packed GEMMs (fewer: F.linear)
-    PANEL_MAX_ROWS = 16  # most rows for the panel kernel
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
-                 panels: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.packed = _pack_weight(self.weight) if pack else None
-        self.panels = native.pack_panels(self.weight) if pack and panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= self.MIN_ROWS:
-            if self.panels is not None and x.shape[0] <= self.PANEL_MAX_ROWS:
-                out = native.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
-                if out is not None:
-                    return out
-            if self.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and x.dim() == 2 and x.shape[0] >= self.MIN_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -257,13 +242,13 @@ class Attention(nn.Module):
         self.qkv: InferenceLinear | None = None  # q|k|v in one matmul, set by prepare_inference
         self.out: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
+    def prepare_inference(self, pack: bool) -> None:
         """One matmul for q, k and v (the separate projections stay for training and loading)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
-        self.qkv = InferenceLinear(weight, bias, pack, panels)
-        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panels)
+        self.qkv = InferenceLinear(weight, bias, pack)
+        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
         """q, k (rotated) and v of ``x``; ``projected``: the fused projection of ``x`` when already computed."""
@@ -313,10 +298,10 @@ class MLP(nn.Module):
         self.gate_up: InferenceLinear | None = None  # gate|up in one matmul, set by prepare_inference
         self.down: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
+    def prepare_inference(self, pack: bool) -> None:
         self.gate_up = InferenceLinear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]),
-                                       pack=pack, panels=panels)
-        self.down = InferenceLinear(self.down_proj.weight, pack=pack, panels=panels)
+                                       pack=pack)
+        self.down = InferenceLinear(self.down_proj.weight, pack=pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -374,15 +359,11 @@ class CausalLM(nn.Module):
 
     def prepare_inference(self, pack: bool = True) -> None:
         """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, pre-pack every
-        weight for oneDNN; where all the weights fit in the last-level cache (the built-in model's 12 MB), also
-        for the native panel kernel that serves small decode batches (:class:`InferenceLinear`). Call after the
-        weights are loaded and the model is on its device and dtype."""
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        panels = pack and weight_bytes <= native.last_level_cache_bytes()
+        weight for oneDNN. Call after the weights are loaded and the model is on its device and dtype."""
         for layer in self.model.layers:
-            layer.self_attn.prepare_inference(pack, panels)
-            layer.mlp.prepare_inference(pack, panels)
-        self.head = InferenceLinear(self.lm_head.weight, pack=pack, panels=panels)
+            layer.self_attn.prepare_inference(pack)
+            layer.mlp.prepare_inference(pack)
+        self.head = InferenceLinear(self.lm_head.weight, pack=pack)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,
