@@ -401,7 +401,7 @@ class CausalLM(nn.Module):
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
     """``x += delta`` in place (inference only), then ``norm(x)``: one pass of the native kernel where it applies."""
-    out = native.add_rms_norm(x, delta, norm.weight, norm.eps) if x.dim() == 2 else None
+    out = native.add_rms_norm(x, delta, norm.weight, norm.eps)  # None: not rows of float32 on the CPU, or no kernel
     if out is None:
         if delta is not None:
             x += delta

@@ -39,6 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.h")))  # included by the sources: hashed with them
 STALE_DAYS = 30  # a library of another version of the sources, unused this long, is deleted when one is loaded
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
 
@@ -90,8 +91,8 @@ def _build():
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), version.encode(), " ".join(FLAGS).encode(),
-                                        _cpu().encode()])).hexdigest()[:16]
+    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), version.encode(),
+                                        " ".join(FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
     directory = _writable(cache_dir())
     target = directory / f"kernels-{digest}.so"
     if not target.is_file():

@@ -4,7 +4,7 @@
  * silu, then a product, over a chunk view). Built with engine/native.py, with paged_decode.c.
  *
  * Not bit for bit torch's: the sum of squares is added up in a different order, and the exponential is the
- * polynomial below, so results differ from the torch form in the last bits (tests/test_native.py bounds it). The
+ * polynomial of simd.h, so results differ from the torch form in the last bits (tests/test_native.py bounds it). The
  * same inputs always give the same bits (no thread count or timing changes an order of additions).
  *
  * Layouts (float32, contiguous):
@@ -16,27 +16,9 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "simd.h"
 
 #define ROWS_PER_THREAD 64 /* fewer rows than this per thread: one thread (waking the other costs more) */
-
-/* e^x for x <= 0, sixteen at a time: the Cody-Waite reduction and Cephes polynomial of paged_decode.c. */
-static inline v16 exp16_neg(v16 x) {
-    const v16 floor_ = (v16){0} - 87.0f;
-    const v16i below = x < floor_;
-    x = (v16)(((v16i)x & ~below) | ((v16i)floor_ & below));
-    const v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v16)((n + 127) << 23);
-}
 
 __attribute__((optimize("fp-contract=off")))
 static void norm_row(float *restrict x, const float *restrict delta, const float *restrict weight,
@@ -80,7 +62,7 @@ static void silu_mul_row(const float *restrict gate, const float *restrict up, f
         const v16 g = *(const v16 *)(gate + i);
         const v16i negative = g < 0.0f;
         const v16 magnitude = (v16)((v16i)g & 0x7fffffff);
-        const v16 e = exp16_neg(-magnitude);            /* e^-|g|, in (0, 1] */
+        const v16 e = exp16(-magnitude);            /* e^-|g|, in (0, 1] */
         const v16 one = (v16){0} + 1.0f;
         const v16 sig = (v16)(((v16i)(one / (one + e)) & ~negative) | ((v16i)(e / (one + e)) & negative));
         *(v16 *)(out + i) = (g * sig) * *(const v16 *)(up + i);
