@@ -145,22 +145,35 @@ class BatchMetadata:
 
 
 class InferenceLinear:
-    """``y = x W^T + b`` for inference, with a oneDNN pre-packed copy of ``W`` for batches of several rows.
+    """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
-    Decode on CPU is matmul-bound; oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
-    rows (and slower for a single row, which keeps the dense path). Packing is checked against ``F.linear`` once and
-    skipped wherever it is unavailable (no oneDNN, CUDA, half precision)."""
+    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
+    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, half
+    precision). A second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 1 to
+    16 rows, a decode batch: there the step streams every weight once for a few multiply-adds each, and oneDNN
+    neither overlapped that stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s) nor
+    started quickly (about 10 us a call before any arithmetic, which dominates the built-in model's small matrices).
+    The panel kernel ran the 135M shape's 121 linears 1.2-1.35x faster at 1-16 rows, and was slower from 32 rows
+    (a prefill's hundreds: 1.3-1.5x slower), which keep oneDNN."""
 
-    MIN_ROWS = 4
+    MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
+    PANEL_MAX_ROWS = 16  # most rows for the panel kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.packed = _pack_weight(self.weight) if pack else None
+        self.panels = native.pack_panels(self.weight) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= self.MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if self.panels is not None and rows <= self.PANEL_MAX_ROWS:
+                out = native.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
+                if out is not None:
+                    return out
+            if self.packed is not None and rows >= self.MIN_ROWS:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -359,7 +372,7 @@ class CausalLM(nn.Module):
 
     def prepare_inference(self, pack: bool = True) -> None:
         """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, pre-pack every
-        weight for oneDNN. Call after the weights are loaded and the model is on its device and dtype."""
+        weight for oneDNN and for the native panel kernel (:class:`InferenceLinear`). Call after the weights are loaded and the model is on its device and dtype."""
         for layer in self.model.layers:
             layer.self_attn.prepare_inference(pack)
             layer.mlp.prepare_inference(pack)

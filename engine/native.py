@@ -7,6 +7,8 @@ shared library and called through ctypes.
 - ``norm_act.c``: the residual add with the RMSNorm after it (:func:`add_rms_norm`), and the SwiGLU activation
   (:func:`silu_mul`), one pass each instead of torch's composite operations (within a few units in the last place
   of the torch form).
+- ``small_gemm.c``: ``x W^T + b`` with W packed into panels of 48 outputs (:func:`pack_panels`,
+  :func:`panel_linear`), for decode batches of up to 16 rows (see engine.model.InferenceLinear).
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -111,7 +113,8 @@ def _build():
     _prune(directory, target)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
-    lib.add_rms_norm_f32.restype = lib.silu_mul_f32.restype = i32
+    lib.add_rms_norm_f32.restype = lib.silu_mul_f32.restype = lib.panel_gemm_f32.restype = i32
+    lib.panel_gemm_f32.argtypes = [ptr] * 4 + [i64] * 3 + [i32]
     lib.add_rms_norm_f32.argtypes = [ptr] * 4 + [i64, i32, ctypes.c_float, i32]
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
     lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
@@ -236,4 +239,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype)
     status = lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return None if status else out
+
+
+PANEL = 48  # outputs per panel of a packed weight (small_gemm.c's WIDTH)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """A Linear's weight [out, in] laid out for :func:`panel_linear`: [panels, in, 48], panel p holding outputs
+    48p .. 48p + 47 side by side for each input (zeros past ``out``). None where the kernel is unavailable or the
+    weight is not float32 on the CPU."""
+    if kernel() is None or weight.dim() != 2 or not _fits(weight.contiguous()):
+        return None
+    n, k = weight.shape
+    padded = torch.zeros((-(-n // PANEL) * PANEL, k), dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x W^T + b`` with W packed by :func:`pack_panels`: x [rows, in] -> [rows, out_features]. None where the
+    kernel is unavailable or does not handle the tensors (autograd, another dtype, a view that is not contiguous)."""
+    lib = kernel()
+    if lib is None or x.dim() != 2 or x.requires_grad or not _fits(x) or x.shape[1] != panels.shape[1] or \
+            (bias is not None and not _fits(bias)):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    status = lib.panel_gemm_f32(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return None if status else out

@@ -324,3 +324,74 @@ def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(mo
     eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
     assert eng.generate(prompts, max_new_tokens=12) == with_kernels
     assert model.RMSNorm  # the torch form served the second run
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), n=st.sampled_from([1, 47, 48, 258, 512, 1000]),
+       k=st.sampled_from([1, 16, 33, 63, 64, 65, 256, 688]), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_panel_linear_is_x_w_t_plus_b(rows, n, k, with_bias, seed):
+    """The panel kernel computes F.linear (float64 reference) to float32 accuracy for any row count (tiles of 8,
+    and a last partial one), outputs that fill no whole panel of 48, input widths around its blocks of 64, with and
+    without a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    assert got is not None and got.shape == (rows, n)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs().t()  # the sum of |terms|: the scale of the rounding errors
+    if bias is not None:
+        scale += bias.double().abs()
+    assert float(((got.double() - want).abs() / scale.clamp_min(1e-30)).max()) <= (k + 1) * 2.0 ** -23
+
+
+def test_panel_linear_rows_do_not_depend_on_the_batch_or_the_threads():
+    """Every output is summed by one thread in k order: a row's result is the same bits alone, among 16 or 40 other
+    rows, and with one thread or two (so a conversation's tokens do not depend on who else is decoding)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1376, 256, generator=g)
+    panels = native.pack_panels(w)
+    x = torch.randn(40, 256, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        whole = native.panel_linear(x, panels, 1376, None)
+        torch.set_num_threads(1)
+        single = native.panel_linear(x, panels, 1376, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, single)
+    for lo, hi in ((0, 1), (5, 21), (7, 8), (24, 40)):
+        assert torch.equal(native.panel_linear(x[lo:hi].contiguous(), panels, 1376, None), whole[lo:hi])
+
+
+def test_panel_linear_leaves_other_inputs_to_torch():
+    w = torch.randn(50, 8)
+    panels = native.pack_panels(w)
+    assert panels is not None and panels.shape == (2, 8, 48) and torch.equal(panels[1, :, 2:], torch.zeros(8, 46))
+    assert torch.equal(panels[0], w[:48].t()) and torch.equal(panels[1, :, :2], w[48:].t())
+    assert native.panel_linear(torch.randn(3, 8).double(), panels, 50, None) is None
+    assert native.panel_linear(torch.randn(8, 3).t(), panels, 50, None) is None  # not contiguous
+    assert native.panel_linear(torch.randn(3, 9), panels, 50, None) is None  # another input width
+    assert native.panel_linear(torch.randn(3, 8, requires_grad=True), panels, 50, None) is None
+    assert native.pack_panels(w.double()) is None
+
+
+def test_decode_batches_take_the_panel_kernel_with_the_same_tokens(monkeypatch):
+    """Every linear gets panels, which serve 1-16 rows (a decode batch, the last token's logits); more rows (a
+    prefill) take oneDNN. Greedy tokens equal those without panels."""
+    from engine import model
+    served = []
+    panel_linear = native.panel_linear
+    monkeypatch.setattr(native, "panel_linear", lambda x, *a: served.append(x.shape[0]) or panel_linear(x, *a))
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    with_panels = eng.generate(prompts, max_new_tokens=10), eng.generate([[7, 8, 9]], max_new_tokens=5)
+    linears = [eng.model.head] + [m for layer in eng.model.model.layers
+                                  for m in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+    assert all(isinstance(m, model.InferenceLinear) and m.panels is not None for m in linears)
+    assert served and set(served) <= set(range(1, 17)) and 13 in served and 1 in served
+    monkeypatch.setattr(native, "pack_panels", lambda w: None)
+    plain = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    served.clear()
+    assert (plain.generate(prompts, max_new_tokens=10), plain.generate([[7, 8, 9]], max_new_tokens=5)) == with_panels
+    assert not served

@@ -1,0 +1,135 @@
+/* y = x W^T (+ bias) with W pre-packed into panels: the engine's linear layers at a decode step's few rows, on the
+ * CPU in float32. Built with engine/native.py, with the other kernels in this folder.
+ *
+ * Layouts (float32, contiguous):
+ *   x       [M, K]
+ *   panels  [P, K, 48]: panel p holds W's rows 48p .. 48p + 47 (outputs), transposed so that for each k the 48
+ *           weights sit side by side (rows past N are zeros), made once by engine/native.py's pack_panels
+ *   bias    [N] or null
+ *   y       [M, N]
+ *
+ * How: for one panel and up to 8 rows of x, 24 accumulators of 16 lanes (8 rows x 48 outputs) stay in registers
+ * while a block of K passes; each step reads the panel's 48 weights for that k (three vectors) and broadcasts each
+ * row's x[k]. With more than 8 rows, the next 8 pass over the same block of the panel, now in L1. Threads split the
+ * panels, so every output is summed by one thread in one fixed order (k ascending): a row's result depends neither
+ * on the thread count nor on the other rows of the batch.
+ *
+ * Why: a decode step of a model larger than the last-level cache streams every weight from memory once, and at 16
+ * rows each weight feeds 16 multiply-adds: the step is as long as the stream or the arithmetic, whichever is
+ * longer, only if the two overlap. oneDNN's packed GEMM did not overlap them on the 135M shape (the two times
+ * added up: 20-23 GB/s, against 43 GB/s for a plain read). Here each tile of rows asks for its share of the panel
+ * block after next (prefetch), at an even rate through the arithmetic, so the stream never waits for a tile to
+ * finish. The prefetch distance and the block length were measured on the 135M shape's 121 linears (DIST 1-4
+ * blocks and K_BLOCK 32-128 all within noise of each other; no prefetch, or only the first tile's: as slow as
+ * oneDNN).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+#define WIDTH 48   /* outputs in a panel: three vectors */
+#define ROWS 8     /* rows of x in a tile */
+#define K_BLOCK 64 /* rows of a panel (12 KiB) kept in L1 while the tiles of x pass over them */
+#define DIST 2     /* blocks between the one summed and the one asked for (24 KiB ahead) */
+#define MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
+
+/* mt rows of x against k0..k1 of one panel; mt is a constant where it is inlined (see the switch below). Tile t of
+ * nt (the tiles of rows that pass over this block) asks for lines t/nt .. (t+1)/nt of the block at `ahead`, spread
+ * over its steps. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, const float *restrict panel,
+                                                       int64_t k_len, int64_t k0, int64_t k1, float *restrict out,
+                                                       int64_t stride, const float *restrict bias,
+                                                       const float *ahead, const int64_t t, const int64_t nt,
+                                                       const int mt) {
+    v16 acc[ROWS][3];
+    if (k0 == 0)
+        for (int m = 0; m < mt; m++) acc[m][0] = acc[m][1] = acc[m][2] = (v16){0};
+    else  /* the sums so far, from the previous block of K: the same additions in the same order */
+        for (int m = 0; m < mt; m++)
+            for (int v = 0; v < 3; v++) acc[m][v] = *(const v16 *)(out + m * stride + 16 * v);
+    const int64_t lines = 3 * (k1 - k0); /* 64-byte lines in this block of the panel */
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t j = k - k0;
+        for (int64_t l = (lines * t + 3 * j) / nt; l < (lines * t + 3 * j + 3) / nt; l++)
+            __builtin_prefetch(ahead + 16 * l, 0, 3);
+        const float *p = panel + k * WIDTH;
+        v16 w0 = *(const v16 *)p, w1 = *(const v16 *)(p + 16), w2 = *(const v16 *)(p + 32);
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2)); /* held in registers: GCC otherwise reloads them per product */
+        for (int m = 0; m < mt; m++) {
+            const float s = x[m * k_len + k];
+            acc[m][0] += s * w0;
+            acc[m][1] += s * w1;
+            acc[m][2] += s * w2;
+        }
+    }
+    if (k1 < k_len) {  /* more of K to come: the partial sums wait in the output */
+        for (int m = 0; m < mt; m++)
+            for (int v = 0; v < 3; v++) *(v16 *)(out + m * stride + 16 * v) = acc[m][v];
+        return;
+    }
+    v16 b0 = {0}, b1 = {0}, b2 = {0};
+    if (bias) b0 = *(const v16 *)bias, b1 = *(const v16 *)(bias + 16), b2 = *(const v16 *)(bias + 32);
+    for (int m = 0; m < mt; m++) {
+        *(v16 *)(out + m * stride) = acc[m][0] + b0;
+        *(v16 *)(out + m * stride + 16) = acc[m][1] + b1;
+        *(v16 *)(out + m * stride + 32) = acc[m][2] + b2;
+    }
+}
+
+static void panel_rows(const float *restrict x, const float *restrict panel, const float *restrict bias,
+                       float *restrict y, int64_t m_len, int64_t n_len, int64_t k_len, int64_t n0,
+                       float *restrict staged) {
+    const int cols = n_len - n0 < WIDTH ? (int)(n_len - n0) : WIDTH;
+    float padded_bias[WIDTH] = {0};
+    /* a whole panel of outputs goes straight to y; the last, partial one through a staging tile */
+    float *out = cols == WIDTH ? y + n0 : staged;
+    const int64_t stride = cols == WIDTH ? n_len : WIDTH;
+    const float *b = bias ? bias + n0 : 0;
+    if (bias && cols < WIDTH) {
+        for (int c = 0; c < cols; c++) padded_bias[c] = bias[n0 + c];
+        b = padded_bias;
+    }
+    const int64_t tiles = (m_len + ROWS - 1) / ROWS;
+    for (int64_t k0 = 0; k0 < k_len; k0 += K_BLOCK) {
+        const int64_t k1 = k_len - k0 < K_BLOCK ? k_len : k0 + K_BLOCK;
+        /* the panels of one thread lie one after another: past this panel's end, ahead is the next one's start */
+        const float *ahead = panel + (k0 + DIST * K_BLOCK) * WIDTH;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * ROWS;
+            const int mt = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
+            const float *xm = x + m0 * k_len;
+            float *dst = cols == WIDTH ? out + m0 * stride : staged + m0 * WIDTH;
+            switch (mt) {  /* each row count its own inlined copy, loops unrolled */
+                case 8: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 8); break;
+                case 7: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 7); break;
+                case 6: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 6); break;
+                case 5: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 5); break;
+                case 4: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 4); break;
+                case 3: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 3); break;
+                case 2: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 2); break;
+                default: tile(xm, panel, k_len, k0, k1, dst, stride, b, ahead, t, tiles, 1); break;
+            }
+        }
+    }
+    if (cols < WIDTH)
+        for (int64_t m = 0; m < m_len; m++)
+            for (int c = 0; c < cols; c++) y[m * n_len + n0 + c] = staged[m * WIDTH + c];
+}
+
+/* Returns 0 on success, 1 for shapes it does not take, 2 when scratch memory ran out. */
+int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
+                   int64_t k_len, int threads) {
+    if (m_len < 1 || n_len < 1 || k_len < 1) return 1;
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
+    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
+    if (threads > num_panels) threads = (int)num_panels;
+    /* the last panel, when partial, is summed in a scratch tile [m_len, WIDTH] */
+    float *scratch = n_len % WIDTH ? malloc(sizeof(float) * (size_t)m_len * WIDTH) : 0;
+    if (n_len % WIDTH && !scratch) return 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < num_panels; p++)
+        panel_rows(x, panels + p * k_len * WIDTH, bias, y, m_len, n_len, k_len, p * WIDTH, scratch);
+    free(scratch);
+    return 0;
+}
