@@ -149,21 +149,24 @@ class InferenceLinear:
 
     Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
     rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, half
-    precision). A second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 1 to
-    16 rows, a decode batch: there the step streams every weight once for a few multiply-adds each, and oneDNN
-    neither overlapped that stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s) nor
-    started quickly (about 10 us a call before any arithmetic, which dominates the built-in model's small matrices).
-    The panel kernel ran the 135M shape's 121 linears 1.2-1.35x faster at 1-16 rows, and was slower from 32 rows
-    (a prefill's hundreds: 1.3-1.5x slower), which keep oneDNN."""
+    precision).
+
+    With ``panels`` (the model's weights do not fit in the last-level cache: see :meth:`CausalLM.prepare_inference`),
+    a second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 1 to 16 rows, a
+    decode batch. There a step streams every weight from memory once for a few multiply-adds each, and oneDNN did not
+    overlap the stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two
+    added up); the panel kernel prefetches the stream through its arithmetic and ran those 121 linears 1.2-1.35x
+    faster at 1-16 rows, and slower from 32 rows (a prefill's hundreds: 1.3-1.5x slower), which keep oneDNN."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
     PANEL_MAX_ROWS = 16  # most rows for the panel kernel
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 panels: bool = False):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.packed = _pack_weight(self.weight) if pack else None
-        self.panels = native.pack_panels(self.weight) if pack else None
+        self.panels = native.pack_panels(self.weight) if pack and panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -255,13 +258,13 @@ class Attention(nn.Module):
         self.qkv: InferenceLinear | None = None  # q|k|v in one matmul, set by prepare_inference
         self.out: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool) -> None:
+    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
         """One matmul for q, k and v (the separate projections stay for training and loading)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
-        self.qkv = InferenceLinear(weight, bias, pack)
-        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack)
+        self.qkv = InferenceLinear(weight, bias, pack, panels)
+        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panels)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
         """q, k (rotated) and v of ``x``; ``projected``: the fused projection of ``x`` when already computed."""
@@ -311,10 +314,10 @@ class MLP(nn.Module):
         self.gate_up: InferenceLinear | None = None  # gate|up in one matmul, set by prepare_inference
         self.down: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool) -> None:
+    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
         self.gate_up = InferenceLinear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]),
-                                       pack=pack)
-        self.down = InferenceLinear(self.down_proj.weight, pack=pack)
+                                       pack=pack, panels=panels)
+        self.down = InferenceLinear(self.down_proj.weight, pack=pack, panels=panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -372,11 +375,17 @@ class CausalLM(nn.Module):
 
     def prepare_inference(self, pack: bool = True) -> None:
         """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, pre-pack every
-        weight for oneDNN and for the native panel kernel (:class:`InferenceLinear`). Call after the weights are loaded and the model is on its device and dtype."""
+        weight for oneDNN; where the weights do not fit in the last-level cache (a decode step streams them from
+        memory), also for the native panel kernel that serves decode batches (:class:`InferenceLinear`). The
+        built-in model (12 MB) keeps one packed copy: with panels, bench/memory.py's growth over 1,000 prefill
+        lengths measured higher in 6 of 7 alternating pairs (median +89 against +79 MiB). Call after the weights are
+        loaded and the model is on its device and dtype."""
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        panels = pack and weight_bytes > native.last_level_cache_bytes()
         for layer in self.model.layers:
-            layer.self_attn.prepare_inference(pack)
-            layer.mlp.prepare_inference(pack)
-        self.head = InferenceLinear(self.lm_head.weight, pack=pack)
+            layer.self_attn.prepare_inference(pack, panels)
+            layer.mlp.prepare_inference(pack, panels)
+        self.head = InferenceLinear(self.lm_head.weight, pack=pack, panels=panels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,

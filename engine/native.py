@@ -8,7 +8,8 @@ shared library and called through ctypes.
   (:func:`silu_mul`), one pass each instead of torch's composite operations (within a few units in the last place
   of the torch form).
 - ``small_gemm.c``: ``x W^T + b`` with W packed into panels of 48 outputs (:func:`pack_panels`,
-  :func:`panel_linear`), for decode batches of up to 16 rows (see engine.model.InferenceLinear).
+  :func:`panel_linear`), for decode batches of up to 16 rows of models larger than the last-level cache (see
+  engine.model.InferenceLinear).
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -269,3 +270,15 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     status = lib.panel_gemm_f32(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                                 out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return None if status else out
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache's size, as Linux lists it under ``root`` (32 MiB where it does not say)."""
+    best = 0
+    for index in root.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            best = max(best, int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1))
+        except (OSError, ValueError, IndexError):
+            continue
+    return best or 32 << 20

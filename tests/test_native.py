@@ -376,22 +376,38 @@ def test_panel_linear_leaves_other_inputs_to_torch():
     assert native.pack_panels(w.double()) is None
 
 
-def test_decode_batches_take_the_panel_kernel_with_the_same_tokens(monkeypatch):
-    """Every linear gets panels, which serve 1-16 rows (a decode batch, the last token's logits); more rows (a
-    prefill) take oneDNN. Greedy tokens equal those without panels."""
+def test_decode_batches_of_models_larger_than_the_cache_take_the_panel_kernel_with_the_same_tokens(monkeypatch):
+    """A model whose weights do not fit in the last-level cache (here the built-in model against a cache said to be
+    1 MiB) gets panels for every linear, which serve 1-16 rows (a decode batch, the last token's logits); more rows
+    (a prefill) take oneDNN. Greedy tokens equal those without panels: the built-in model against the real cache
+    (12 MB fits), which gets none."""
     from engine import model
     served = []
     panel_linear = native.panel_linear
     monkeypatch.setattr(native, "panel_linear", lambda x, *a: served.append(x.shape[0]) or panel_linear(x, *a))
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
-    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
-    with_panels = eng.generate(prompts, max_new_tokens=10), eng.generate([[7, 8, 9]], max_new_tokens=5)
-    linears = [eng.model.head] + [m for layer in eng.model.model.layers
-                                  for m in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
-    assert all(isinstance(m, model.InferenceLinear) and m.panels is not None for m in linears)
-    assert served and set(served) <= set(range(1, 17)) and 13 in served and 1 in served
-    monkeypatch.setattr(native, "pack_panels", lambda w: None)
+
+    def linears(eng):
+        return [eng.model.head] + [m for layer in eng.model.model.layers for m in
+                                   (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+
     plain = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
-    served.clear()
-    assert (plain.generate(prompts, max_new_tokens=10), plain.generate([[7, 8, 9]], max_new_tokens=5)) == with_panels
+    assert all(isinstance(m, model.InferenceLinear) and m.panels is None for m in linears(plain))
+    without = plain.generate(prompts, max_new_tokens=10), plain.generate([[7, 8, 9]], max_new_tokens=5)
     assert not served
+    monkeypatch.setattr(native, "last_level_cache_bytes", lambda: 1 << 20)
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    assert all(m.panels is not None for m in linears(eng))
+    assert (eng.generate(prompts, max_new_tokens=10), eng.generate([[7, 8, 9]], max_new_tokens=5)) == without
+    assert served and set(served) <= set(range(1, 17)) and 13 in served and 1 in served
+
+
+def test_last_level_cache_size_is_the_largest_linux_lists(tmp_path):
+    for name, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K"), ("index4", "odd")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert native.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert native.last_level_cache_bytes(tmp_path / "none") == 32 << 20  # not listed: 32 MiB
+    (tmp_path / "index5").mkdir()
+    (tmp_path / "index5" / "size").write_text("2M")
+    assert native.last_level_cache_bytes(tmp_path) == 32 << 20 and native.last_level_cache_bytes() >= 1 << 20
