@@ -790,6 +790,13 @@ def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     return out
 
 
+def decodes_natively(attend) -> bool:
+    """Whether ``attend`` gives a decode-only batch to the native kernel (:func:`engine.native.decode`) as things are
+    set now: the default :func:`attend_batch`, the kernel on and built. (engine.model's one-call decode step, which
+    takes that kernel itself, is used only then.)"""
+    return attend is attend_batch and _native_enabled and native.kernel() is not None
+
+
 def attend_batch_compiled(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float,
                           block_size: int) -> torch.Tensor:
     """:func:`attend_batch` with decode attention through the fused kernel (EngineConfig.compile_attention)."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
+from .attention import decodes_natively
 from .errors import EngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -360,6 +361,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
+        self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
 
     def init_weights(self, seed: int) -> None:
         """Seeded random init (std 0.02), used when a model has no trained weights."""
@@ -386,6 +388,31 @@ class CausalLM(nn.Module):
             layer.self_attn.prepare_inference(pack, panels)
             layer.mlp.prepare_inference(pack, panels)
         self.head = InferenceLinear(self.lm_head.weight, pack=pack, panels=panels)
+        self.stack = self._stack_addresses()
+
+    def _stack_addresses(self) -> torch.Tensor | None:
+        """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
+        where every linear has panels and every norm is float32 rows with one epsilon; else None. The addresses stay
+        valid while the layers hold their InferenceLinears (prepare_inference replaces both together)."""
+        layers = self.model.layers
+        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.model.norm)
+        if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
+            return None
+        rows = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv, attn.out, mlp.gate_up, mlp.down)
+            if any(m is None or m.panels is None for m in linears) or \
+                    any(m.bias is not None and not native._fits(m.bias) for m in linears):
+                return None
+            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv.panels.data_ptr(), _address(attn.qkv.bias),
+                         attn.out.panels.data_ptr(), _address(attn.out.bias),
+                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up.panels.data_ptr(),
+                         mlp.down.panels.data_ptr()])
+        if any(m.bias is not None for layer in layers for m in (layer.mlp.gate_up, layer.mlp.down)):
+            return None  # decode_stack.c's MLP takes no bias (nor does any model here)
+        return torch.tensor(rows, dtype=torch.int64)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Callable,
@@ -397,6 +424,19 @@ class CausalLM(nn.Module):
         that relocating blocks leaves attention unchanged)."""
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.stack is not None and layer_hook is None and meta.slot_mapping is not None and not meta.prefills \
+                and meta.num_decode == x.shape[0] <= InferenceLinear.PANEL_MAX_ROWS and decodes_natively(attend):
+            # a decode batch of a model with panels: every layer in one native call, the same kernels in the same
+            # order as the loop below takes them (the same bits), without the Python between them
+            attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+            plan = meta.decode_plan
+            out = native.decode_stack(x, self.stack, kv_caches, self.model.norm.weight, cos, sin, meta.slot_mapping,
+                                      plan.tables, plan.seq_lens,
+                                      (attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                       mlp.down.weight.shape[1], kv_caches[0][0].shape[1]),
+                                      self.model.norm.eps, attn.scale)
+            if out is not None:
+                return out
         delta = None  # what the last block adds to the residual stream x, added where the next norm reads x
         for i, layer in enumerate(self.model.layers):
             key_cache, value_cache = kv_caches[i]
@@ -419,6 +459,10 @@ class CausalLM(nn.Module):
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x))
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:

@@ -10,6 +10,8 @@ shared library and called through ctypes.
 - ``small_gemm.c``: ``x W^T + b`` with W packed into panels of 48 outputs (:func:`pack_panels`,
   :func:`panel_linear`), for decode batches of up to 16 rows of models larger than the last-level cache (see
   engine.model.InferenceLinear).
+- ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
+  the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -36,6 +38,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -116,6 +119,9 @@ def _build():
     lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
     lib.add_rms_norm_f32.restype = lib.silu_mul_f32.restype = lib.panel_gemm_f32.restype = i32
     lib.panel_gemm_f32.argtypes = [ptr] * 4 + [i64] * 3 + [i32]
+    lib.decode_stack_f32.restype = i32
+    lib.decode_stack_f32.argtypes = [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + \
+        [ctypes.c_float] * 2 + [i32]
     lib.add_rms_norm_f32.argtypes = [ptr] * 4 + [i64, i32, ctypes.c_float, i32]
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
     lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
@@ -282,3 +288,43 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
         except (OSError, ValueError, IndexError):
             continue
     return best or 32 << 20
+
+
+STACK_FIELDS = 8  # addresses per layer in decode_stack's weights table (decode_stack.c's FIELDS)
+
+
+def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, seq_lens: torch.Tensor, shape: tuple[int, int, int, int, int], eps: float,
+                 scale: float) -> torch.Tensor | None:
+    """A decode step through every layer (decode_stack.c): x [tokens, hidden], the embedded tokens, is the residual
+    stream (updated in place); returns the final norm of it [tokens, hidden]. ``weights`` int64 [layers, 8]: each
+    layer's addresses, made by engine.model.CausalLM (the tensors must outlive it); ``caches`` each layer's (key,
+    value) caches [blocks, block_size, kv_heads, dim]; ``shape`` (heads, kv_heads, dim, intermediate, block_size).
+    None, with nothing written, where the kernel is unavailable or does not take the tensors; MemoryError when a
+    kernel ran out of scratch memory midway (x and the caches partly updated)."""
+    lib = kernel()
+    if lib is None or not _fits(x, final_norm, cos, sin) or x.dim() != 2 or len(caches) != weights.shape[0] or \
+            slots.dtype != torch.int64 or weights.dtype != torch.int64 or not weights.is_contiguous():
+        return None
+    for key_cache, value_cache in caches:
+        if not _fits(key_cache, value_cache):
+            return None
+    heads, kv_heads, dim, inter, block_size = shape
+    tokens, hidden = x.shape
+    tables = tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    if tables.shape[0] != tokens or seq_lens.shape[0] != tokens or slots.shape[0] != tokens:
+        return None
+    addresses = torch.tensor([t.data_ptr() for pair in caches for t in pair], dtype=torch.int64)
+    scratch = torch.empty(tokens * (2 * hidden + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter))
+    out = torch.empty_like(x)
+    slots = slots.contiguous()
+    status = lib.decode_stack_f32(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
+                                  addresses.data_ptr(), weights.shape[0], final_norm.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                  seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps,
+                                  scale, torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("decode step: out of memory for a kernel's scratch")
+    return None if status else out

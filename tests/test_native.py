@@ -411,3 +411,91 @@ def test_last_level_cache_size_is_the_largest_linux_lists(tmp_path):
     (tmp_path / "index5").mkdir()
     (tmp_path / "index5" / "size").write_text("2M")
     assert native.last_level_cache_bytes(tmp_path) == 32 << 20 and native.last_level_cache_bytes() >= 1 << 20
+
+
+def _panelled_engine(monkeypatch, **kw):
+    """The built-in model treated as larger than the cache (1 MiB), so that its linears get panels and decode
+    batches go through native.decode_stack."""
+    monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1 << 20)
+    return Engine(EngineConfig(model="builtin", **{"block_size": 16, "num_blocks": 128, **kw}))
+
+
+def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch):
+    """native.decode_stack runs the kernels the Python loop runs, in the same order: the same tokens, and the same
+    K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix."""
+    calls = []
+    stack = native.decode_stack
+    monkeypatch.setattr(native, "decode_stack", lambda x, *a: calls.append(x.shape[0]) or stack(x, *a))
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
+    results = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(native, "decode_stack", lambda *a: None)
+        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512)
+        assert eng.model.stack is not None and eng.model.stack.shape == (len(eng.model.model.layers), 8)
+        tokens = eng.generate(prompts, max_new_tokens=10)
+        parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
+        eng.step()
+        eng.fork_conversation(parent)
+        eng.run_until_idle()
+        results.append((tokens, [c.output_token_ids for c in eng.snapshot().conversations], eng.kv.data.clone()))
+    assert calls and set(calls) <= set(range(1, 17)) and 13 in calls
+    assert results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
+
+
+def test_the_one_call_decode_step_is_taken_only_where_the_loop_would_take_the_same_kernels(monkeypatch):
+    """Not for prefill chunks, a layer hook (the relocation probe), attention other than the native kernel, or more
+    than 16 rows (oneDNN's, not the panels'); not for a model that fits the cache (no panels)."""
+    from engine import attention
+    calls = []
+    stack = native.decode_stack
+    monkeypatch.setattr(native, "decode_stack", lambda x, *a: calls.append(x.shape[0]) or stack(x, *a))
+    small = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    assert small.model.stack is None
+    small.generate([[1, 2, 3]], max_new_tokens=4)
+    assert not calls
+    eng = _panelled_engine(monkeypatch, num_blocks=512)
+    eng.generate([[1, 2, 3, 4, 5]] * 20, max_new_tokens=3)  # 20 rows: oneDNN, so the loop
+    assert not calls
+    eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=3)  # a prefill, then decodes of one row
+    assert calls == [1, 1]
+    calls.clear()
+    eng.add_conversation(prompt_token_ids=[4, 5, 6], max_new_tokens=3)
+    eng.step()
+    assert eng.probe_attention() and not calls  # the probe hooks every layer: the loop
+    previous = attention.use_native_kernel(False)
+    try:
+        eng.run_until_idle()
+        assert not calls
+    finally:
+        attention.use_native_kernel(previous)
+    assert not attention.decodes_natively(attention.attend_batch_compiled)
+
+
+def test_a_fault_inside_the_one_call_decode_step_changes_nothing(monkeypatch):
+    """decode_stack writing K/V in some layers and then failing (an exception after the real call, which has written
+    every layer's K/V): the step raises, the pool and the K/V are as before, and after running on, every
+    conversation's tokens equal a clean run's."""
+    from test_engine import _pool_state
+    stack = native.decode_stack
+
+    def run(fault: bool):
+        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=128)
+        for p in ([1, 2, 3, 4, 5, 6], [7, 8, 9]):
+            eng.add_conversation(prompt_token_ids=p, max_new_tokens=12)
+        for _ in range(3):
+            eng.step()
+        if fault:
+            def boom(*a):
+                stack(*a)
+                raise MemoryError("injected: decode step out of memory midway")
+            monkeypatch.setattr(native, "decode_stack", boom)
+            before = _pool_state(eng), eng.kv.data.clone(), eng.step_id
+            with pytest.raises(Exception, match="injected"):
+                eng.step()
+            assert _pool_state(eng) == before[0] and torch.equal(eng.kv.data, before[1]) and eng.step_id == before[2]
+            monkeypatch.setattr(native, "decode_stack", stack)
+        eng.run_until_idle()
+        return [c.output_token_ids for c in eng.snapshot().conversations]
+
+    assert run(fault=True) == run(fault=False)

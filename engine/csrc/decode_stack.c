@@ -1,0 +1,74 @@
+/* A decode step through every layer of the model in one call: the same kernels, in the same order, with the same
+ * arguments as engine/model.py's CausalLM.forward takes them one by one from Python (so the same bits), without
+ * the Python between them. Built with engine/native.py, with the other kernels in this folder.
+ *
+ * Why: at a decode step of a few rows, each of a layer's nine kernel calls from Python (argument checks, an output
+ * tensor, a ctypes call) cost 5-15 us, about 2.5 ms of the 135M shape's 24 ms step at 16 conversations.
+ *
+ * Per layer l (weights[l]: the addresses of its input norm's weight, the fused q|k|v panels and bias, the output
+ * projection's panels and bias, the post-attention norm's weight, the gate|up panels, the down panels; caches[l]:
+ * its key and value caches):
+ *   h = rmsnorm(x += delta)          (no delta before the first layer)
+ *   qkv = h W_qkv^T + b              (panel_gemm_f32)
+ *   q = rope(q); k, v -> their slots (rope_store_f32)
+ *   a = attention(q, the pool)       (paged_decode_f32)
+ *   delta = a W_o^T + b
+ *   h = rmsnorm(x += delta)
+ *   delta = (silu(gate) * up)(h W_gate_up^T) W_down^T
+ * and at the end out = rmsnorm(x += delta) with the final norm.
+ *
+ * Layouts (float32, contiguous): x [tokens, hidden] (the residual stream, updated in place); out [tokens, hidden];
+ * scratch: at least tokens * (2 hidden + (heads + 2 kv_heads) dim + 2 heads dim + 3 inter) floats; cos, sin
+ * [tokens, dim]; slots int64 [tokens]; tables int64 [tokens, table_stride]; lens int64 [tokens].
+ *
+ * Returns 0, 1 when a shape is outside what the kernels take (checked before anything is written), or 2 when
+ * scratch memory ran out in a kernel (x and the caches are then partly updated: the caller raises).
+ */
+#include <stdint.h>
+
+#define FIELDS 8 /* addresses per layer in weights */
+#define MAX_HEADS 256
+
+int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
+                     int threads);
+int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
+int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
+                   int64_t k_len, int threads);
+int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
+                   float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
+                   int threads);
+int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
+                     int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
+                     int dim, int block_size, float scale, int threads);
+
+#define F(p) ((float *)(intptr_t)(p))
+
+int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
+                     const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
+                     int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
+                     int threads) {
+    if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || dim < 2 || dim % 2 || kv_heads < 1 || heads < 1 ||
+        heads % kv_heads || heads > MAX_HEADS || block_size < 1)
+        return 1;
+    const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;
+    float *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;
+    float *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;
+    int status = 0;
+    for (int l = 0; l < layers && !status; l++) {
+        const int64_t *w = weights + (int64_t)l * FIELDS;
+        float *key_cache = F(caches[2 * l]), *value_cache = F(caches[2 * l + 1]);
+        status = add_rms_norm_f32(x, l ? delta : 0, F(w[0]), h, tokens, hidden, eps, threads);
+        status = status ? status : panel_gemm_f32(h, F(w[1]), F(w[2]), qkv, tokens, qkv_n, hidden, threads);
+        status = status ? status : rope_store_f32(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads,
+                                                  kv_heads, dim, threads);
+        status = status ? status : paged_decode_f32(q, key_cache, value_cache, tables, table_stride, lens, attn,
+                                                    tokens, heads, kv_heads, dim, block_size, scale, threads);
+        status = status ? status : panel_gemm_f32(attn, F(w[3]), F(w[4]), delta, tokens, hidden, attn_n, threads);
+        status = status ? status : add_rms_norm_f32(x, delta, F(w[5]), h, tokens, hidden, eps, threads);
+        status = status ? status : panel_gemm_f32(h, F(w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads);
+        status = status ? status : silu_mul_f32(gate_up, act, tokens, inter, threads);
+        status = status ? status : panel_gemm_f32(act, F(w[7]), 0, delta, tokens, hidden, inter, threads);
+    }
+    return status ? status : add_rms_norm_f32(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);
+}
