@@ -259,9 +259,13 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     if kernel() is None or weight.dim() != 2 or not _fits(weight.contiguous()):
         return None
     n, k = weight.shape
-    padded = torch.zeros((-(-n // PANEL) * PANEL, k), dtype=weight.dtype)
-    padded[:n] = weight.detach()
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    whole = n // PANEL
+    panels = torch.zeros((-(-n // PANEL), k, PANEL), dtype=weight.dtype)  # filled in place: no temporary copy
+    weight = weight.detach()
+    panels[:whole].copy_(weight[:whole * PANEL].view(whole, PANEL, k).transpose(1, 2))
+    if n % PANEL:
+        panels[whole, :, : n % PANEL].copy_(weight[whole * PANEL:].t())
+    return panels
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
