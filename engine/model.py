@@ -362,6 +362,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
+        self._stack_norms: list[torch.Tensor] = []  # the norms' weights those addresses point into
 
     def init_weights(self, seed: int) -> None:
         """Seeded random init (std 0.02), used when a model has no trained weights."""
@@ -393,12 +394,15 @@ class CausalLM(nn.Module):
     def _stack_addresses(self) -> torch.Tensor | None:
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
         where every linear has panels and every norm is float32 rows with one epsilon; else None. The addresses stay
-        valid while the layers hold their InferenceLinears (prepare_inference replaces both together)."""
+        valid: the InferenceLinears hold their panels, and ``_stack_norms`` the norms' weights as they are now (like
+        the packed copies, a snapshot of the storage: weights changed in place are seen, weights given new storage
+        need prepare_inference again)."""
         layers = self.model.layers
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(self.model.norm)
         if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
             return None
+        self._stack_norms = [n.weight.detach() for n in norms]
         rows = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -430,7 +434,7 @@ class CausalLM(nn.Module):
             # order as the loop below takes them (the same bits), without the Python between them
             attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
             plan = meta.decode_plan
-            out = native.decode_stack(x, self.stack, kv_caches, self.model.norm.weight, cos, sin, meta.slot_mapping,
+            out = native.decode_stack(x, self.stack, kv_caches, self._stack_norms[-1], cos, sin, meta.slot_mapping,
                                       plan.tables, plan.seq_lens,
                                       (attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                        mlp.down.weight.shape[1], kv_caches[0][0].shape[1]),
