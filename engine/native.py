@@ -273,8 +273,9 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """``x W^T + b`` with W packed by :func:`pack_panels`: x [rows, in] -> [rows, out_features]. None where the
     kernel is unavailable or does not handle the tensors (autograd, another dtype, a view that is not contiguous)."""
     lib = kernel()
-    if lib is None or x.dim() != 2 or x.requires_grad or not _fits(x) or x.shape[1] != panels.shape[1] or \
-            (bias is not None and not _fits(bias)):
+    if lib is None or x.dim() != 2 or x.requires_grad or not _fits(x) or panels.dim() != 3 or \
+            x.shape[1] != panels.shape[1] or not 0 < out_features <= panels.shape[0] * PANEL or \
+            (bias is not None and (not _fits(bias) or bias.numel() != out_features)):
         return None
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     status = lib.panel_gemm_f32(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -308,13 +309,15 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
     None, with nothing written, where the kernel is unavailable or does not take the tensors; MemoryError when a
     kernel ran out of scratch memory midway (x and the caches partly updated)."""
     lib = kernel()
-    if lib is None or not _fits(x, final_norm, cos, sin) or x.dim() != 2 or len(caches) != weights.shape[0] or \
-            slots.dtype != torch.int64 or weights.dtype != torch.int64 or not weights.is_contiguous():
-        return None
-    for key_cache, value_cache in caches:
-        if not _fits(key_cache, value_cache):
-            return None
     heads, kv_heads, dim, inter, block_size = shape
+    if lib is None or not _fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
+            weights.shape != (len(caches), STACK_FIELDS) or weights.dtype != torch.int64 or \
+            not weights.is_contiguous() or slots.dtype != torch.int64:
+        return None
+    for key_cache, value_cache in caches:  # the layout the kernels index: [blocks, block_size, kv_heads, dim]
+        if not _fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
+                key_cache.shape[1:] != (block_size, kv_heads, dim):
+            return None
     tokens, hidden = x.shape
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()

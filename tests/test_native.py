@@ -373,6 +373,8 @@ def test_panel_linear_leaves_other_inputs_to_torch():
     assert native.panel_linear(torch.randn(8, 3).t(), panels, 50, None) is None  # not contiguous
     assert native.panel_linear(torch.randn(3, 9), panels, 50, None) is None  # another input width
     assert native.panel_linear(torch.randn(3, 8, requires_grad=True), panels, 50, None) is None
+    assert native.panel_linear(torch.randn(3, 8), panels, 97, None) is None  # more outputs than the panels hold
+    assert native.panel_linear(torch.randn(3, 8), panels, 50, torch.randn(49)) is None  # a bias of another length
     assert native.pack_panels(w.double()) is None
 
 
@@ -499,3 +501,24 @@ def test_a_fault_inside_the_one_call_decode_step_changes_nothing(monkeypatch):
         return [c.output_token_ids for c in eng.snapshot().conversations]
 
     assert run(fault=True) == run(fault=False)
+
+
+def test_the_one_call_decode_step_refuses_tensors_it_cannot_index_before_writing_anything():
+    """Caches of another layout than the shape says, a weights table of another width or length, slots that are not
+    int64: None, and x (the residual stream it would update in place) untouched."""
+    x = torch.randn(2, 8)
+    before = x.clone()
+    cache = torch.zeros(4, 16, 2, 4)  # [blocks, block_size, kv_heads, dim]
+    args = dict(final_norm=torch.ones(8), cos=torch.ones(2, 4), sin=torch.zeros(2, 4),
+                slots=torch.tensor([0, 1]), tables=torch.zeros(2, 1, dtype=torch.int64),
+                seq_lens=torch.ones(2, dtype=torch.int64), eps=1e-6, scale=0.5)
+    shape = (2, 2, 4, 16, 16)  # heads, kv_heads, dim, intermediate, block_size
+    weights = torch.zeros(1, native.STACK_FIELDS, dtype=torch.int64)
+    assert native.decode_stack(x, weights, [(cache, cache)], shape=(2, 1, 4, 16, 16), **args) is None
+    assert native.decode_stack(x, weights, [(cache, cache)], shape=(2, 2, 4, 16, 8), **args) is None
+    assert native.decode_stack(x, weights, [(cache, cache[:2])], shape=shape, **args) is None
+    assert native.decode_stack(x, torch.zeros(1, 7, dtype=torch.int64), [(cache, cache)], shape=shape, **args) is None
+    assert native.decode_stack(x, weights, [(cache, cache)] * 2, shape=shape, **args) is None
+    assert native.decode_stack(x, weights, [(cache, cache)], shape=shape,
+                               **{**args, "slots": torch.tensor([0, 1], dtype=torch.int32)}) is None
+    assert torch.equal(x, before)
