@@ -381,8 +381,9 @@ class CausalLM(nn.Module):
         weight for oneDNN; where the weights do not fit in the last-level cache (a decode step streams them from
         memory), also for the native panel kernel that serves decode batches (:class:`InferenceLinear`). The
         built-in model (12 MB) keeps one packed copy: with panels, bench/memory.py's growth over 1,000 prefill
-        lengths measured higher in 6 of 7 alternating pairs (median +89 against +79 MiB). Call after the weights are
-        loaded and the model is on its device and dtype."""
+        lengths measured higher in 13 of 16 alternating pairs, because its warm-up's small prompts no longer fill
+        oneDNN's capped per-shape cache before the measured window (+24 MiB of live heap either way). Call after the
+        weights are loaded and the model is on its device and dtype."""
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         panels = pack and weight_bytes > native.last_level_cache_bytes()
         for layer in self.model.layers:
@@ -402,20 +403,17 @@ class CausalLM(nn.Module):
         norms.append(self.model.norm)
         if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
             return None
-        self._stack_norms = [n.weight.detach() for n in norms]
+        self._stack_norms = [n.weight.detach() for n in norms]  # per layer: input, post-attention; then the final
         rows = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp  # the MLP's linears have no bias (prepare_inference makes none)
             linears = (attn.qkv, attn.out, mlp.gate_up, mlp.down)
             if any(m is None or m.panels is None for m in linears) or \
                     any(m.bias is not None and not native._fits(m.bias) for m in linears):
                 return None
-            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv.panels.data_ptr(), _address(attn.qkv.bias),
-                         attn.out.panels.data_ptr(), _address(attn.out.bias),
-                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up.panels.data_ptr(),
-                         mlp.down.panels.data_ptr()])
-        if any(m.bias is not None for layer in layers for m in (layer.mlp.gate_up, layer.mlp.down)):
-            return None  # decode_stack.c's MLP takes no bias (nor does any model here)
+            rows.append([self._stack_norms[2 * i].data_ptr(), attn.qkv.panels.data_ptr(), _address(attn.qkv.bias),
+                         attn.out.panels.data_ptr(), _address(attn.out.bias), self._stack_norms[2 * i + 1].data_ptr(),
+                         mlp.gate_up.panels.data_ptr(), mlp.down.panels.data_ptr()])
         return torch.tensor(rows, dtype=torch.int64)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,

@@ -115,17 +115,18 @@ def _build():
                 os.unlink(temp)
     lib = ctypes.CDLL(str(target))
     _prune(directory, target)
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.paged_decode_f32.restype = lib.rope_store_f32.restype = i32
-    lib.add_rms_norm_f32.restype = lib.silu_mul_f32.restype = lib.panel_gemm_f32.restype = i32
-    lib.panel_gemm_f32.argtypes = [ptr] * 4 + [i64] * 3 + [i32]
-    lib.decode_stack_f32.restype = i32
-    lib.decode_stack_f32.argtypes = [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + \
-        [ctypes.c_float] * 2 + [i32]
-    lib.add_rms_norm_f32.argtypes = [ptr] * 4 + [i64, i32, ctypes.c_float, i32]
-    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
-    lib.paged_decode_f32.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [ctypes.c_float, i32]
-    lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] + [i32] * 4
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {  # csrc/kernels.h; every one returns an int status
+        "paged_decode_f32": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],
+        "rope_store_f32": [ptr] * 7 + [i64] + [i32] * 4,
+        "add_rms_norm_f32": [ptr] * 4 + [i64, i32, f32, i32],
+        "silu_mul_f32": [ptr, ptr, i64, i32, i32],
+        "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
+        "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = i32, argtypes
     return lib
 
 
@@ -256,12 +257,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """A Linear's weight [out, in] laid out for :func:`panel_linear`: [panels, in, 48], panel p holding outputs
     48p .. 48p + 47 side by side for each input (zeros past ``out``). None where the kernel is unavailable or the
     weight is not float32 on the CPU."""
-    if kernel() is None or weight.dim() != 2 or not _fits(weight.contiguous()):
+    weight = weight.detach().contiguous()
+    if kernel() is None or weight.dim() != 2 or not _fits(weight):
         return None
     n, k = weight.shape
     whole = n // PANEL
     panels = torch.zeros((-(-n // PANEL), k, PANEL), dtype=weight.dtype)  # filled in place: no temporary copy
-    weight = weight.detach()
     panels[:whole].copy_(weight[:whole * PANEL].view(whole, PANEL, k).transpose(1, 2))
     if n % PANEL:
         panels[whole, :, : n % PANEL].copy_(weight[whole * PANEL:].t())

@@ -378,15 +378,21 @@ def test_panel_linear_leaves_other_inputs_to_torch():
     assert native.pack_panels(w.double()) is None
 
 
+def _rows_through(monkeypatch, name: str) -> list[int]:
+    """Record the row count of every call to ``native.<name>`` (which still runs)."""
+    rows: list[int] = []
+    real = getattr(native, name)
+    monkeypatch.setattr(native, name, lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    return rows
+
+
 def test_decode_batches_of_models_larger_than_the_cache_take_the_panel_kernel_with_the_same_tokens(monkeypatch):
     """A model whose weights do not fit in the last-level cache (here the built-in model against a cache said to be
     1 MiB) gets panels for every linear, which serve 1-16 rows (a decode batch, the last token's logits); more rows
     (a prefill) take oneDNN. Greedy tokens equal those without panels: the built-in model against the real cache
     (12 MB fits), which gets none."""
     from engine import model
-    served = []
-    panel_linear = native.panel_linear
-    monkeypatch.setattr(native, "panel_linear", lambda x, *a: served.append(x.shape[0]) or panel_linear(x, *a))
+    served = _rows_through(monkeypatch, "panel_linear")
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
 
     def linears(eng):
@@ -397,8 +403,7 @@ def test_decode_batches_of_models_larger_than_the_cache_take_the_panel_kernel_wi
     assert all(isinstance(m, model.InferenceLinear) and m.panels is None for m in linears(plain))
     without = plain.generate(prompts, max_new_tokens=10), plain.generate([[7, 8, 9]], max_new_tokens=5)
     assert not served
-    monkeypatch.setattr(native, "last_level_cache_bytes", lambda: 1 << 20)
-    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    eng = _panelled_engine(monkeypatch)
     assert all(m.panels is not None for m in linears(eng))
     assert (eng.generate(prompts, max_new_tokens=10), eng.generate([[7, 8, 9]], max_new_tokens=5)) == without
     assert served and set(served) <= set(range(1, 17)) and 13 in served and 1 in served
@@ -425,9 +430,7 @@ def _panelled_engine(monkeypatch, **kw):
 def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch):
     """native.decode_stack runs the kernels the Python loop runs, in the same order: the same tokens, and the same
     K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix."""
-    calls = []
-    stack = native.decode_stack
-    monkeypatch.setattr(native, "decode_stack", lambda x, *a: calls.append(x.shape[0]) or stack(x, *a))
+    calls = _rows_through(monkeypatch, "decode_stack")
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
     results = []
     for one_call in (True, False):
@@ -449,9 +452,7 @@ def test_the_one_call_decode_step_is_taken_only_where_the_loop_would_take_the_sa
     """Not for prefill chunks, a layer hook (the relocation probe), attention other than the native kernel, or more
     than 16 rows (oneDNN's, not the panels'); not for a model that fits the cache (no panels)."""
     from engine import attention
-    calls = []
-    stack = native.decode_stack
-    monkeypatch.setattr(native, "decode_stack", lambda x, *a: calls.append(x.shape[0]) or stack(x, *a))
+    calls = _rows_through(monkeypatch, "decode_stack")
     small = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
     assert small.model.stack is None
     small.generate([[1, 2, 3]], max_new_tokens=4)

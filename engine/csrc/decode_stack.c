@@ -26,21 +26,9 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define FIELDS 8 /* addresses per layer in weights */
-#define MAX_HEADS 256
-
-int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
-                     int threads);
-int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
-int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
-                   int64_t k_len, int threads);
-int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
-                   float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
-                   int threads);
-int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
-                     int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
-                     int dim, int block_size, float scale, int threads);
-
 #define F(p) ((float *)(intptr_t)(p))
 
 int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
@@ -48,27 +36,28 @@ int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weight
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
                      int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
                      int threads) {
-    if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || dim < 2 || dim % 2 || kv_heads < 1 || heads < 1 ||
-        heads % kv_heads || heads > MAX_HEADS || block_size < 1)
+    if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||
+        !paged_decode_takes(heads, kv_heads, dim, block_size))
         return 1;
     const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;
     float *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;
     float *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;
-    int status = 0;
-    for (int l = 0; l < layers && !status; l++) {
+    int status;
+#define RUN(call) if ((status = (call))) return status
+    for (int l = 0; l < layers; l++) {
         const int64_t *w = weights + (int64_t)l * FIELDS;
         float *key_cache = F(caches[2 * l]), *value_cache = F(caches[2 * l + 1]);
-        status = add_rms_norm_f32(x, l ? delta : 0, F(w[0]), h, tokens, hidden, eps, threads);
-        status = status ? status : panel_gemm_f32(h, F(w[1]), F(w[2]), qkv, tokens, qkv_n, hidden, threads);
-        status = status ? status : rope_store_f32(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads,
-                                                  kv_heads, dim, threads);
-        status = status ? status : paged_decode_f32(q, key_cache, value_cache, tables, table_stride, lens, attn,
-                                                    tokens, heads, kv_heads, dim, block_size, scale, threads);
-        status = status ? status : panel_gemm_f32(attn, F(w[3]), F(w[4]), delta, tokens, hidden, attn_n, threads);
-        status = status ? status : add_rms_norm_f32(x, delta, F(w[5]), h, tokens, hidden, eps, threads);
-        status = status ? status : panel_gemm_f32(h, F(w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads);
-        status = status ? status : silu_mul_f32(gate_up, act, tokens, inter, threads);
-        status = status ? status : panel_gemm_f32(act, F(w[7]), 0, delta, tokens, hidden, inter, threads);
+        RUN(add_rms_norm_f32(x, l ? delta : 0, F(w[0]), h, tokens, hidden, eps, threads));
+        RUN(panel_gemm_f32(h, F(w[1]), F(w[2]), qkv, tokens, qkv_n, hidden, threads));
+        RUN(rope_store_f32(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads, dim, threads));
+        RUN(paged_decode_f32(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads, kv_heads, dim,
+                             block_size, scale, threads));
+        RUN(panel_gemm_f32(attn, F(w[3]), F(w[4]), delta, tokens, hidden, attn_n, threads));
+        RUN(add_rms_norm_f32(x, delta, F(w[5]), h, tokens, hidden, eps, threads));
+        RUN(panel_gemm_f32(h, F(w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads));
+        RUN(silu_mul_f32(gate_up, act, tokens, inter, threads));
+        RUN(panel_gemm_f32(act, F(w[7]), 0, delta, tokens, hidden, inter, threads));
     }
-    return status ? status : add_rms_norm_f32(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);
+#undef RUN
+    return add_rms_norm_f32(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);
 }

@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define ROWS_PER_THREAD 64 /* fewer rows than this per thread: one thread (waking the other costs more) */

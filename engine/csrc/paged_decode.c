@@ -21,9 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
-
-#define MAX_HEADS 256  /* query heads of one sequence the kernel handles (more: the caller goes eager) */
 
 /* a . b over dim floats: sixteen partial sums in one vector, added up as a tree of shuffles (`omp simd reduction`
  * made GCC add the sixteen lanes one after another through the stack, most of what a score cost). */
@@ -159,7 +158,7 @@ static void attend_item(const float *restrict query, const float *restrict key_c
 int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
                      int dim, int block_size, float scale, int threads) {
-    if (kv_heads < 1 || heads % kv_heads || heads > MAX_HEADS || dim < 1 || block_size < 1) return 1;
+    if (!paged_decode_takes(heads, kv_heads, dim, block_size)) return 1;
     const int group = heads / kv_heads;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++)

@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 __attribute__((optimize("fp-contract=off")))
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
                    int dim) {
@@ -33,7 +35,7 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
 int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
                    float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
                    int threads) {
-    if (dim < 2 || dim % 2 || heads < 1 || kv_heads < 1) return 1;
+    if (!rope_store_takes(heads, kv_heads, dim)) return 1;
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;
     if (tokens < 64) threads = 1;  /* waking a second thread costs more than a few tokens' work */
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)

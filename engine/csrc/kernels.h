@@ -1,0 +1,37 @@
+/* The functions the shared library exports (called from engine/native.py through ctypes, and from one another by
+ * decode_stack.c), declared once so that the compiler holds every definition and every caller to one signature,
+ * and the shape limits more than one of them checks. Each returns 0, 1 for shapes it does not take (before
+ * writing anything), or 2 when scratch memory ran out. */
+#ifndef PAGED_KV_KERNELS_H
+#define PAGED_KV_KERNELS_H
+
+#include <stdint.h>
+
+#define MAX_HEADS 256 /* query heads of one sequence paged_decode_f32 handles (more: the caller goes eager) */
+
+static inline int paged_decode_takes(int heads, int kv_heads, int dim, int block_size) {
+    return kv_heads >= 1 && heads % kv_heads == 0 && heads <= MAX_HEADS && dim >= 1 && block_size >= 1;
+}
+
+static inline int rope_store_takes(int heads, int kv_heads, int dim) {
+    return dim >= 2 && dim % 2 == 0 && heads >= 1 && kv_heads >= 1;
+}
+
+int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
+                     int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
+                     int dim, int block_size, float scale, int threads);
+int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
+                   float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
+                   int threads);
+int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
+                     int threads);
+int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
+int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
+                   int64_t k_len, int threads);
+int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
+                     const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
+                     int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
+                     int threads);
+
+#endif
