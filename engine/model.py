@@ -145,6 +145,10 @@ class BatchMetadata:
     prefills: Sequence[tuple[int, int, torch.Tensor, int]]  # (first token index, num tokens, block table int64, start position)
 
 
+PANEL_ROWS_STREAMED = 16  # most rows for the panel kernel where the weights do not fit in the last-level cache
+PANEL_ROWS_CACHED = 64  # and where they do
+
+
 class InferenceLinear:
     """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
@@ -160,19 +164,19 @@ class InferenceLinear:
     faster at 1-16 rows, and slower from 32 rows (a prefill's hundreds: 1.3-1.5x slower), which keep oneDNN."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
-    PANEL_MAX_ROWS = 16  # most rows for the panel kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
-                 panels: bool = False):
+                 panel_rows: int = 0):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.packed = _pack_weight(self.weight) if pack else None
-        self.panels = native.pack_panels(self.weight) if pack and panels else None
+        self.panels = native.pack_panels(self.weight) if pack and panel_rows else None
+        self.panel_rows = panel_rows if self.panels is not None else 0  # most rows the panel kernel serves
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
-            if self.panels is not None and rows <= self.PANEL_MAX_ROWS:
+            if 0 < rows <= self.panel_rows:  # (none: a prefill chunk that ends no prompt samples no logits)
                 out = native.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
                 if out is not None:
                     return out
@@ -259,13 +263,13 @@ class Attention(nn.Module):
         self.qkv: InferenceLinear | None = None  # q|k|v in one matmul, set by prepare_inference
         self.out: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
+    def prepare_inference(self, pack: bool, panel_rows: int = 0) -> None:
         """One matmul for q, k and v (the separate projections stay for training and loading)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
-        self.qkv = InferenceLinear(weight, bias, pack, panels)
-        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panels)
+        self.qkv = InferenceLinear(weight, bias, pack, panel_rows)
+        self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panel_rows)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
         """q, k (rotated) and v of ``x``; ``projected``: the fused projection of ``x`` when already computed."""
@@ -315,10 +319,10 @@ class MLP(nn.Module):
         self.gate_up: InferenceLinear | None = None  # gate|up in one matmul, set by prepare_inference
         self.down: InferenceLinear | None = None
 
-    def prepare_inference(self, pack: bool, panels: bool = False) -> None:
+    def prepare_inference(self, pack: bool, panel_rows: int = 0) -> None:
         self.gate_up = InferenceLinear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]),
-                                       pack=pack, panels=panels)
-        self.down = InferenceLinear(self.down_proj.weight, pack=pack, panels=panels)
+                                       pack=pack, panel_rows=panel_rows)
+        self.down = InferenceLinear(self.down_proj.weight, pack=pack, panel_rows=panel_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -362,6 +366,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
+        self.panel_rows = 0  # most rows of a batch the panel kernel serves (prepare_inference; 0: no panels)
         self._stack_norms: list[torch.Tensor] = []  # the norms' weights those addresses point into
 
     def init_weights(self, seed: int) -> None:
@@ -385,11 +390,13 @@ class CausalLM(nn.Module):
         oneDNN's capped per-shape cache before the measured window (+24 MiB of live heap either way). Call after the
         weights are loaded and the model is on its device and dtype."""
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        panels = pack and weight_bytes > native.last_level_cache_bytes()
+        panel_rows = (PANEL_ROWS_STREAMED if weight_bytes > native.last_level_cache_bytes() else PANEL_ROWS_CACHED) \
+            if pack else 0
         for layer in self.model.layers:
-            layer.self_attn.prepare_inference(pack, panels)
-            layer.mlp.prepare_inference(pack, panels)
-        self.head = InferenceLinear(self.lm_head.weight, pack=pack, panels=panels)
+            layer.self_attn.prepare_inference(pack, panel_rows)
+            layer.mlp.prepare_inference(pack, panel_rows)
+        self.head = InferenceLinear(self.lm_head.weight, pack=pack, panel_rows=panel_rows)
+        self.panel_rows = self.head.panel_rows
         self.stack = self._stack_addresses()
 
     def _stack_addresses(self) -> torch.Tensor | None:
@@ -427,7 +434,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.stack is not None and layer_hook is None and meta.slot_mapping is not None and not meta.prefills \
-                and meta.num_decode == x.shape[0] <= InferenceLinear.PANEL_MAX_ROWS and decodes_natively(attend):
+                and meta.num_decode == x.shape[0] <= self.panel_rows and decodes_natively(attend):
             # a decode batch of a model with panels: every layer in one native call, the same kernels in the same
             # order as the loop below takes them (the same bits), without the Python between them
             attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp

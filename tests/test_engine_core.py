@@ -157,11 +157,13 @@ def finish(eng):
     return {c.conversation_id: c.output_token_ids for c in eng.conversations()}
 
 
-@pytest.mark.parametrize("where", ["prepare", "copy", "forward", "sample", "native decode"])
+@pytest.mark.parametrize("where", ["prepare", "copy", "forward", "sample", "native decode", "one-call step"])
 def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
     """A step that raises after admission, after copy-on-write, in the forward or in sampling leaves the engine as
     it was, and what follows is exactly what a run without the fault produces. "native decode": the native attention
-    raises in the second (last) layer, after the native rotary pass wrote the step's K/V of both layers into the pool."""
+    raises in the second (last) layer, after the native rotary pass wrote the step's K/V of both layers into the pool
+    (the layer-by-layer loop). "one-call step": the decode step in one native call raises after it has written
+    every layer's K/V."""
     from engine import native
     clean = busy_engine(ckpt)
     expected = finish(clean)
@@ -169,15 +171,19 @@ def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
     before = state_of(eng)
     obj, name = {"prepare": (eng.runner, "prepare"), "copy": (eng.kv, "copy_blocks"),
                  "forward": (eng.runner, "forward"), "sample": (eng.runner, "sample"),
-                 "native decode": (native, "decode")}[where]
+                 "native decode": (native, "decode"), "one-call step": (native, "decode_stack")}[where]
     calls, original = [], getattr(obj, name)
 
     def boom(*args, **kwargs):
         calls.append(1)
         if where == "native decode" and len(calls) < 2:
             return original(*args, **kwargs)
+        if where == "one-call step":
+            assert original(*args, **kwargs) is not None
         raise RuntimeError(f"injected fault in {name}")
 
+    if where == "native decode":
+        monkeypatch.setattr(native, "decode_stack", lambda *a: None)
     monkeypatch.setattr(obj, name, boom)
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()

@@ -161,16 +161,21 @@ def test_loading_tidies_the_cache_of_stale_versions(monkeypatch, tmp_path):
     assert loaded.is_file() and time.time() - loaded.stat().st_mtime < day
 
 
-def test_engine_decode_uses_the_kernel(monkeypatch):
-    """The engine's decode steps go through the kernel (the eager path is not called for decodes)."""
-    calls = {"native": 0, "eager": 0}
-    decode, eager = native.decode, attention._paged_attention_eager
+@pytest.mark.parametrize("one_call", [True, False])
+def test_engine_decode_uses_the_kernel(monkeypatch, one_call):
+    """The engine's decode steps go through the kernel, from Python layer by layer or inside the one-call step (the
+    eager path is not called for decodes)."""
+    calls = {"native": 0, "stack": 0, "eager": 0}
+    decode, stack, eager = native.decode, native.decode_stack, attention._paged_attention_eager
     monkeypatch.setattr(native, "decode", lambda *a: calls.__setitem__("native", calls["native"] + 1) or decode(*a))
+    monkeypatch.setattr(native, "decode_stack",
+                        lambda *a: calls.__setitem__("stack", calls["stack"] + 1) or (stack(*a) if one_call else None))
     monkeypatch.setattr(attention, "_paged_attention_eager",
                         lambda *a: calls.__setitem__("eager", calls["eager"] + 1) or eager(*a))
     eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=5)
-    assert calls["native"] > 0 and calls["eager"] == 0
+    assert calls["stack"] == 4 and calls["eager"] == 0  # four decode steps after the prefill
+    assert calls["native"] == (0 if one_call else 4 * eng.model.config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 8, 4, 32), (70, 9, 3, 64), (200, 4, 1, 16), (5, 2, 2, 6)])
@@ -198,9 +203,11 @@ def test_rope_store_is_bit_identical_to_the_torch_form(tokens, heads, kv_heads, 
 
 
 def test_without_the_kernel_each_layer_projects_once(monkeypatch):
-    """Where rope_store does not serve (here: unavailable), a layer's fused q/k/v projection still runs once."""
+    """Where rope_store does not serve (here: unavailable), a layer's fused q/k/v projection still runs once (in the
+    layer-by-layer loop: the one-call decode step, which takes rope_store's C function itself, is off)."""
     from engine import model
     monkeypatch.setattr(native, "rope_store", lambda *a: None)
+    monkeypatch.setattr(native, "decode_stack", lambda *a: None)
     calls = []
     call = model.InferenceLinear.__call__
     monkeypatch.setattr(model.InferenceLinear, "__call__", lambda self, x: calls.append(self) or call(self, x))
@@ -308,8 +315,10 @@ def test_norm_and_activation_kernels_leave_other_inputs_to_torch():
 
 
 def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(monkeypatch):
-    """The engine's layers take the kernels, and greedy tokens are the same as with torch's forms."""
+    """The engine's layers take the kernels, and greedy tokens are the same as with torch's forms (the layer-by-layer
+    loop: the one-call decode step, which takes the kernels' C functions itself, is off)."""
     from engine import model
+    monkeypatch.setattr(native, "decode_stack", lambda *a: None)
     calls = {"norm": 0, "silu": 0}
     norm, silu = native.add_rms_norm, native.silu_mul
     monkeypatch.setattr(native, "add_rms_norm", lambda *a: calls.__setitem__("norm", calls["norm"] + 1) or norm(*a))
@@ -327,7 +336,7 @@ def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(mo
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 40), n=st.sampled_from([1, 47, 48, 258, 512, 1000]),
+@given(rows=st.integers(1, 70), n=st.sampled_from([1, 47, 48, 258, 512, 1000]),
        k=st.sampled_from([1, 16, 33, 63, 64, 65, 256, 688]), with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_panel_linear_is_x_w_t_plus_b(rows, n, k, with_bias, seed):
     """The panel kernel computes F.linear (float64 reference) to float32 accuracy for any row count (tiles of 8,
@@ -386,27 +395,56 @@ def _rows_through(monkeypatch, name: str) -> list[int]:
     return rows
 
 
-def test_decode_batches_of_models_larger_than_the_cache_take_the_panel_kernel_with_the_same_tokens(monkeypatch):
-    """A model whose weights do not fit in the last-level cache (here the built-in model against a cache said to be
-    1 MiB) gets panels for every linear, which serve 1-16 rows (a decode batch, the last token's logits); more rows
-    (a prefill) take oneDNN. Greedy tokens equal those without panels: the built-in model against the real cache
-    (12 MB fits), which gets none."""
+def test_decode_batches_take_the_panel_kernel_up_to_a_row_limit_that_depends_on_the_cache_with_the_same_tokens(
+        monkeypatch):
+    """Every linear gets panels. Where the weights fit in the last-level cache (the built-in model's 12 MB) they serve
+    1-64 rows; where they do not (here the built-in model against a cache said to be 1 MiB), 1-16 rows. More rows (a
+    prefill) take oneDNN. Greedy tokens equal those without panels (pack_panels unavailable)."""
     from engine import model
     served = _rows_through(monkeypatch, "panel_linear")
+    monkeypatch.setattr(native, "decode_stack", lambda *a: None)  # the loop, whose linears are counted here
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
+    crowd = [[7 + i % 200, 8, 9] for i in range(40)]
 
     def linears(eng):
         return [eng.model.head] + [m for layer in eng.model.model.layers for m in
                                    (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
 
+    def run(eng):
+        return eng.generate(prompts, max_new_tokens=10), eng.generate(crowd, max_new_tokens=5)
+
+    pack_panels = native.pack_panels
+    monkeypatch.setattr(native, "pack_panels", lambda w: None)
     plain = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
-    assert all(isinstance(m, model.InferenceLinear) and m.panels is None for m in linears(plain))
-    without = plain.generate(prompts, max_new_tokens=10), plain.generate([[7, 8, 9]], max_new_tokens=5)
+    assert all(isinstance(m, model.InferenceLinear) and m.panels is None and m.panel_rows == 0
+               for m in linears(plain))
+    without = run(plain)
     assert not served
-    eng = _panelled_engine(monkeypatch)
-    assert all(m.panels is not None for m in linears(eng))
-    assert (eng.generate(prompts, max_new_tokens=10), eng.generate([[7, 8, 9]], max_new_tokens=5)) == without
-    assert served and set(served) <= set(range(1, 17)) and 13 in served and 1 in served
+    monkeypatch.setattr(native, "pack_panels", pack_panels)
+    cached = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
+    assert all(m.panels is not None and m.panel_rows == 64 for m in linears(cached))
+    assert run(cached) == without
+    assert set(served) <= set(range(1, 65)) and {13, 40} <= set(served)  # 40: the crowd's decode batches
+    served.clear()
+    streamed = _panelled_engine(monkeypatch)
+    assert all(m.panels is not None and m.panel_rows == 16 for m in linears(streamed))
+    assert run(streamed) == without
+    assert set(served) <= set(range(1, 17)) and 13 in served
+
+
+@pytest.mark.parametrize("with_panels", [True, False])
+def test_a_linear_takes_no_rows_with_or_without_panels(monkeypatch, with_panels):
+    """No rows (the logits of a prefill chunk that ends no prompt): an empty result, also where panels were asked
+    for but could not be made (the panel kernel unavailable)."""
+    from engine import model
+    if not with_panels:
+        monkeypatch.setattr(native, "pack_panels", lambda w: None)
+    w = torch.randn(50, 16)
+    linear = model.InferenceLinear(w, pack=True, panel_rows=64)
+    assert (linear.panels is not None) == with_panels and linear.panel_rows == (64 if with_panels else 0)
+    assert linear(torch.empty(0, 16)).shape == (0, 50)
+    x = torch.randn(3, 16)
+    assert torch.allclose(linear(x), x @ w.T, atol=1e-5)
 
 
 def test_last_level_cache_size_is_the_largest_linux_lists(tmp_path):
@@ -421,22 +459,26 @@ def test_last_level_cache_size_is_the_largest_linux_lists(tmp_path):
 
 
 def _panelled_engine(monkeypatch, **kw):
-    """The built-in model treated as larger than the cache (1 MiB), so that its linears get panels and decode
-    batches go through native.decode_stack."""
+    """The built-in model treated as larger than the cache (1 MiB), so that its linears' panels serve 1-16 rows
+    (not 1-64)."""
     monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1 << 20)
     return Engine(EngineConfig(model="builtin", **{"block_size": 16, "num_blocks": 128, **kw}))
 
 
-def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch):
+@pytest.mark.parametrize("streamed,conversations", [(True, 12), (False, 50)])
+def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch, streamed,
+                                                                                   conversations):
     """native.decode_stack runs the kernels the Python loop runs, in the same order: the same tokens, and the same
-    K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix."""
+    K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix; for batches of up to
+    16 rows (weights larger than the cache) and up to 64 (weights in the cache)."""
     calls = _rows_through(monkeypatch, "decode_stack")
-    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(conversations)] + [[5] * 40]
     results = []
     for one_call in (True, False):
         if not one_call:
             monkeypatch.setattr(native, "decode_stack", lambda *a: None)
-        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512)
+        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512) if streamed else \
+            Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512))
         assert eng.model.stack is not None and eng.model.stack.shape == (len(eng.model.model.layers), 8)
         tokens = eng.generate(prompts, max_new_tokens=10)
         parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
@@ -444,19 +486,26 @@ def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop
         eng.fork_conversation(parent)
         eng.run_until_idle()
         results.append((tokens, [c.output_token_ids for c in eng.snapshot().conversations], eng.kv.data.clone()))
-    assert calls and set(calls) <= set(range(1, 17)) and 13 in calls
+    assert calls and set(calls) <= set(range(1, eng.model.panel_rows + 1)) and conversations + 1 in calls
     assert results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
 
 
 def test_the_one_call_decode_step_is_taken_only_where_the_loop_would_take_the_same_kernels(monkeypatch):
     """Not for prefill chunks, a layer hook (the relocation probe), attention other than the native kernel, or more
-    than 16 rows (oneDNN's, not the panels'); not for a model that fits the cache (no panels)."""
+    rows than the panels serve (then oneDNN's: 64 where the weights fit the cache, 16 where they do not); not for a
+    model without panels."""
     from engine import attention
     calls = _rows_through(monkeypatch, "decode_stack")
-    small = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128))
-    assert small.model.stack is None
-    small.generate([[1, 2, 3]], max_new_tokens=4)
+    small = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=512))
+    small.generate([[1, 2, 3, 4, 5]] * 70, max_new_tokens=3)  # 70 rows: oneDNN, so the loop
     assert not calls
+    small.generate([[1, 2, 3, 4, 5]] * 64, max_new_tokens=3)
+    assert calls == [64, 64]
+    calls.clear()
+    pack_panels = native.pack_panels
+    monkeypatch.setattr(native, "pack_panels", lambda w: None)
+    assert Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128)).model.stack is None
+    monkeypatch.setattr(native, "pack_panels", pack_panels)
     eng = _panelled_engine(monkeypatch, num_blocks=512)
     eng.generate([[1, 2, 3, 4, 5]] * 20, max_new_tokens=3)  # 20 rows: oneDNN, so the loop
     assert not calls

@@ -76,8 +76,9 @@ def test_prefill_logits_match(checkpoint):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_greedy_matches_transformers_through_panels_and_the_one_call_decode_step(checkpoint, block_size, monkeypatch):
-    """The same with every linear in panels and decode steps in one native call (what a model larger than the
-    last-level cache takes; here the cache is said to be 1 KiB): Qwen2's q/k/v biases go through the panel kernel."""
+    """The same where the weights do not fit in the last-level cache (here the cache is said to be 1 KiB): panels for
+    1-16 rows, and decode steps in one native call. Qwen2's q/k/v biases go through the panel kernel. (The tests
+    above take the path of a model that fits: panels and the one-call step for 1-64 rows.)"""
     from engine import native
     monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1 << 10)
     calls = []
