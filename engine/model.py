@@ -156,12 +156,14 @@ class InferenceLinear:
     rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, half
     precision).
 
-    With ``panels`` (the model's weights do not fit in the last-level cache: see :meth:`CausalLM.prepare_inference`),
-    a second copy laid out for the native panel kernel (:func:`engine.native.panel_linear`) serves 1 to 16 rows, a
-    decode batch. There a step streams every weight from memory once for a few multiply-adds each, and oneDNN did not
-    overlap the stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two
-    added up); the panel kernel prefetches the stream through its arithmetic and ran those 121 linears 1.2-1.35x
-    faster at 1-16 rows, and slower from 32 rows (a prefill's hundreds: 1.3-1.5x slower), which keep oneDNN."""
+    With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
+    (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows, a decode batch. Where the weights do not fit
+    in the last-level cache (16 rows), a step streams every weight from memory once for a few multiply-adds each, and
+    oneDNN did not overlap the stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time
+    of the two added up); the panel kernel prefetches the stream through its arithmetic and ran those 121 linears
+    1.2-1.35x faster at 1-16 rows, and slower from 32 rows (a prefill's hundreds: 1.3-1.5x slower). Where they fit
+    (64 rows), it ran the 3M config's linears 1.49x faster than oneDNN at 16 rows and 0.93x at 64, where the one-call
+    decode step it allows saves more (docs/engine.md). More rows keep oneDNN."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
 
@@ -383,12 +385,9 @@ class CausalLM(nn.Module):
 
     def prepare_inference(self, pack: bool = True) -> None:
         """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, pre-pack every
-        weight for oneDNN; where the weights do not fit in the last-level cache (a decode step streams them from
-        memory), also for the native panel kernel that serves decode batches (:class:`InferenceLinear`). The
-        built-in model (12 MB) keeps one packed copy: with panels, bench/memory.py's growth over 1,000 prefill
-        lengths measured higher in 13 of 16 alternating pairs, because its warm-up's small prompts no longer fill
-        oneDNN's capped per-shape cache before the measured window (+24 MiB of live heap either way). Call after the
-        weights are loaded and the model is on its device and dtype."""
+        weight for oneDNN, and for the native panel kernel that serves decode batches (:class:`InferenceLinear`): up
+        to 16 rows where the weights do not fit in the last-level cache (a decode step streams them from memory), up
+        to 64 where they do. Call after the weights are loaded and the model is on its device and dtype."""
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         panel_rows = (PANEL_ROWS_STREAMED if weight_bytes > native.last_level_cache_bytes() else PANEL_ROWS_CACHED) \
             if pack else 0

@@ -8,8 +8,8 @@ shared library and called through ctypes.
   (:func:`silu_mul`), one pass each instead of torch's composite operations (within a few units in the last place
   of the torch form).
 - ``small_gemm.c``: ``x W^T + b`` with W packed into panels of 48 outputs (:func:`pack_panels`,
-  :func:`panel_linear`), for decode batches of up to 16 rows of models larger than the last-level cache (see
-  engine.model.InferenceLinear).
+  :func:`panel_linear`), for decode batches: up to 16 rows of models larger than the last-level cache, up to 64 of
+  models that fit (see engine.model.InferenceLinear).
 - ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
   the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
 
