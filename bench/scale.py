@@ -95,7 +95,8 @@ def decode_reference(workload: str, steps: int = 16, costs: dict | None = None) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="runs per budget and workload, alternating")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[512], help="max_num_batched_tokens values")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[EngineConfig.max_num_batched_tokens],
+                        help="max_num_batched_tokens values (default: the engine's)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--check", action="store_true", help="compare tokens with whole-prompt prefill")
     args = parser.parse_args()
