@@ -12,6 +12,8 @@ Its parts, one concept each: :class:`KVCacheManager` (the only writer of the poo
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -52,15 +54,22 @@ def _freeze_startup_heap() -> None:
     core does at its start (``gc.freeze``). Without it, a full collection every so often walked them all while a step
     waited: 104 ms, once in six 64-conversation runs of bench/peers.py's 3M workload (172,849 objects tracked; 3,207
     after). Frozen objects are still freed when their last reference goes; only cycles among them would stay, so it
-    runs before the engine exists (an engine is full of cycles, and one frozen would never be collected)."""
+    runs before the engine exists (an engine is full of cycles, and one frozen would never be collected), and only
+    once: later engines are made while an earlier one may still be alive (the window's restart). A caller's own
+    cycles alive at that moment would never be collected either: ``PAGED_KV_FREEZE_HEAP=0`` turns it off. (A
+    recording opened in the window freezes the heap again and gives everything back when closed,
+    explorer/stream_feed.py; after that the heap stays unfrozen.)"""
     global _heap_frozen
-    if not _heap_frozen:
+    with _heap_lock:  # engines made on two threads at once: one freeze, before either exists
+        if _heap_frozen or os.environ.get("PAGED_KV_FREEZE_HEAP", "1") == "0":
+            return
         _heap_frozen = True
         gc.collect()
         gc.freeze()
 
 
 _heap_frozen = False
+_heap_lock = threading.Lock()
 
 
 class Engine:

@@ -157,13 +157,14 @@ class InferenceLinear:
     precision).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
-    (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows, a decode batch. Where the weights do not fit
-    in the last-level cache (16 rows), a step streams every weight from memory once for a few multiply-adds each, and
-    oneDNN did not overlap the stream with its arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time
-    of the two added up); the panel kernel prefetches the stream through its arithmetic and ran those 121 linears
-    1.2-1.35x faster at 1-16 rows, and slower from 32 rows (a prefill's hundreds: 1.3-1.5x slower). Where they fit
-    (64 rows), it ran the 3M config's linears 1.49x faster than oneDNN at 16 rows and 0.93x at 64, where the one-call
-    decode step it allows saves more (docs/engine.md). More rows keep oneDNN."""
+    (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows: a decode batch, or any step as small (a
+    short prefill, the logits of a few rows). Where the weights do not fit in the last-level cache (16 rows), a step
+    streams every weight from memory once for a few multiply-adds each, and oneDNN did not overlap the stream with its
+    arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two added up); the panel kernel
+    prefetches the stream through its arithmetic and ran those 121 linears 1.2-1.35x faster at 1-16 rows, and slower
+    from 32 rows (a prefill's hundreds: 1.3-1.5x slower). Where they fit (64 rows), it ran the 3M config's linears
+    1.49x faster than oneDNN at 16 rows and 0.93x at 64, where the one-call decode step it allows saves more
+    (docs/engine.md). More rows keep oneDNN."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
 
@@ -368,7 +369,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
-        self.panel_rows = 0  # most rows of a batch the panel kernel serves (prepare_inference; 0: no panels)
+        self.panel_rows = 0  # most rows of a one-call decode step: rows every layer's panels serve (0: no step)
         self._stack_norms: list[torch.Tensor] = []  # the norms' weights those addresses point into
 
     def init_weights(self, seed: int) -> None:
@@ -395,8 +396,10 @@ class CausalLM(nn.Module):
             layer.self_attn.prepare_inference(pack, panel_rows)
             layer.mlp.prepare_inference(pack, panel_rows)
         self.head = InferenceLinear(self.lm_head.weight, pack=pack, panel_rows=panel_rows)
-        self.panel_rows = self.head.panel_rows
         self.stack = self._stack_addresses()
+        self.panel_rows = 0 if self.stack is None else min(
+            m.panel_rows for layer in self.model.layers
+            for m in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down))
 
     def _stack_addresses(self) -> torch.Tensor | None:
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),

@@ -1,5 +1,6 @@
 """The engine core's promises: one writer whose events replay to the pool, operations that happen whole or not at
 all (faults injected), chunked prefill that changes nothing but the schedule, parallel samples, owners."""
+import os
 import random
 
 import numpy as np
@@ -515,7 +516,7 @@ def test_compile_attention_is_per_engine(ckpt):
 def test_the_first_engine_freezes_the_startup_heap_and_is_still_collected_when_dropped():
     """In a fresh process: the objects alive before the first engine (the imported libraries) are frozen, so a full
     garbage collection no longer walks them, and that first engine (full of reference cycles, made after the
-    freeze) is still collected when dropped, its K/V tensor with it."""
+    freeze) is still collected when dropped, its K/V tensor with it. PAGED_KV_FREEZE_HEAP=0 turns the freeze off."""
     import subprocess
     import sys
     from pathlib import Path
@@ -533,6 +534,13 @@ def test_the_first_engine_freezes_the_startup_heap_and_is_still_collected_when_d
         "gc.collect()\n"
         "assert all(r() is None for r in refs), [r() is None for r in refs]\n"
         "print('ok', frozen)\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
+    off = ("import gc\n"
+           "from engine import Engine, EngineConfig\n"
+           "Engine(EngineConfig(model='builtin', num_blocks=64, block_size=16))\n"
+           "print(gc.get_freeze_count())\n")
+    env = {**os.environ, "PAGED_KV_FREEZE_HEAP": "0"}  # the caller's opt-out
+    done = subprocess.run([sys.executable, "-c", off], cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]

@@ -439,10 +439,12 @@ def test_a_linear_takes_no_rows_with_or_without_panels(monkeypatch, with_panels)
     from engine import model
     if not with_panels:
         monkeypatch.setattr(native, "pack_panels", lambda w: None)
+    served = _rows_through(monkeypatch, "panel_linear")
     w = torch.randn(50, 16)
     linear = model.InferenceLinear(w, pack=True, panel_rows=64)
     assert (linear.panels is not None) == with_panels and linear.panel_rows == (64 if with_panels else 0)
     assert linear(torch.empty(0, 16)).shape == (0, 50)
+    assert not served  # no rows: not the panel kernel's (without panels it would be handed None for them)
     x = torch.randn(3, 16)
     assert torch.allclose(linear(x), x @ w.T, atol=1e-5)
 
