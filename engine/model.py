@@ -396,10 +396,8 @@ class CausalLM(nn.Module):
             layer.self_attn.prepare_inference(pack, panel_rows)
             layer.mlp.prepare_inference(pack, panel_rows)
         self.head = InferenceLinear(self.lm_head.weight, pack=pack, panel_rows=panel_rows)
-        self.stack = self._stack_addresses()
-        self.panel_rows = 0 if self.stack is None else min(
-            m.panel_rows for layer in self.model.layers
-            for m in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down))
+        self.stack = self._stack_addresses()  # only where every layer's linear has panels, all for ``panel_rows``
+        self.panel_rows = panel_rows if self.stack is not None else 0
 
     def _stack_addresses(self) -> torch.Tensor | None:
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
