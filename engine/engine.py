@@ -203,17 +203,13 @@ class Engine:
             "seqs": {s.seq_id: s.checkpoint() for s in live},
             "counters": (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated,
                          self.num_prefill, self.last_step_seconds, self.last_step_tokens, self.last_step_prefill),
-            "finished": list(self.views.finished), "generators": {}, "kv": [], "stored": dict(self.seqs),
+            "finished": list(self.views.finished), "kv": [], "stored": dict(self.seqs),
         }
 
     def _touch(self, seq: Sequence) -> None:
         """Remember ``seq`` as it is, if the open transaction has not already (for conversations not live)."""
         if self._txn is not None and seq.seq_id not in self._txn["seqs"]:
             self._txn["seqs"][seq.seq_id] = seq.checkpoint()
-
-    def _touch_generator(self, seq: Sequence) -> None:
-        if self._txn is not None and seq.temperature > 0 and seq.seq_id not in self._txn["generators"]:
-            self._txn["generators"][seq.seq_id] = seq.generator.get_state()
 
     def _save_kv(self, copies: list[tuple[int, int, int]], prepared) -> None:
         """Save the K/V of every slot this step is about to write (copy-on-write targets, the new tokens' slots),
@@ -237,9 +233,6 @@ class Engine:
         for seq_id, checkpoint in txn["seqs"].items():  # one created inside the transaction is dropped whole
             if seq_id in self.seqs:  # (add_samples touches its first sample when the others fork it)
                 self.seqs[seq_id].restore(checkpoint)
-        for seq_id, state in txn["generators"].items():
-            if seq_id in self.seqs:
-                self.seqs[seq_id].generator.set_state(state)
         self.scheduler.restore(txn["scheduler"])
         self.manager.rollback(txn["manager"], self.seqs.values())
         (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated, self.num_prefill,
@@ -278,7 +271,6 @@ class Engine:
         self._next_id += 1
         seed = (self.cfg.seed * 1_000_003 + seq_id) % _SEED_MODULUS if seed is None else seed
         seq = Sequence(seq_id, token_ids, max_new_tokens, temperature, seed, self.step_id, parent_id, ignore_eos)
-        seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.seqs[seq_id] = seq
         return seq
 
@@ -356,7 +348,7 @@ class Engine:
 
     def _fork_now(self, parent: Sequence, child: Sequence, logits: torch.Tensor) -> None:
         """A pending fork at the end of its parent's prefill: share every block, and sample the child's own first
-        token from the same logits (with its own generator)."""
+        token from the same logits (with its own random stream)."""
         self._touch(child)
         child.token_ids = list(parent.token_ids)  # it forks now: everything the parent has (it may have grown)
         child.num_prompt_tokens = parent.num_prompt_tokens
@@ -367,7 +359,6 @@ class Engine:
             return
         self.manager.fork(parent, child)
         self.scheduler.run_now(child)
-        self._touch_generator(child)
         self._append(child, self.runner.sample(logits[None], [child])[0])
 
     def end_conversation(self, conversation_id: int) -> None:
@@ -470,8 +461,6 @@ class Engine:
         num_sampled = num_prefill = 0
         if prepared is not None:
             logits = self.runner.forward(prepared)
-            for seq in prepared.sampled:
-                self._touch_generator(seq)
             tokens = self.runner.sample(logits, prepared.sampled)
             self._postprocess(batch, prepared.sampled, tokens, logits)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens

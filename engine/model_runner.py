@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import sampling
 from .attention import DecodePlan, bytes_per_token, group_bytes_for, plan_lists
 from .kv_cache import KVCache
 from .model import BatchMetadata, CausalLM
@@ -96,12 +97,15 @@ class ModelRunner:
     @staticmethod
     def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Greedy where temperature is 0, else a draw from softmax(logits / temperature) with the conversation's
-        own generator (so each conversation's stream depends only on its seed)."""
+        own random stream (engine.sampling: its seed and the position of the token drawn), all rows at once."""
         tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            if seq.temperature > 0:
-                probs = torch.softmax(logits[i] / seq.temperature, dim=-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+        rows = [i for i, seq in enumerate(seqs) if seq.temperature > 0]
+        if rows:
+            drawn = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
+            picked = logits if len(rows) == len(seqs) else logits[rows]
+            for i, token in zip(rows, sampling.sample(picked, [s.temperature for s in drawn],
+                                                      [s.seed for s in drawn], [s.num_tokens for s in drawn])):
+                tokens[i] = token
         return tokens
 
     def probe(self, seqs: list[Sequence]) -> np.ndarray:

@@ -15,7 +15,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
-        self.seed = seed  # seeds this conversation's own sampler
+        self.seed = seed  # with a token's position, its draw when sampled (engine.sampling)
         self.ignore_eos = ignore_eos  # keep going past end-of-sequence (benchmarks that need a steady load)
         self.arrival_step = arrival_step
         self.parent_id = parent_id
@@ -28,7 +28,6 @@ class Sequence:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hash of each full block of token ids, by logical index
         self.version = 0  # bumped on every change, so snapshots rebuild only what changed
-        self.generator = None  # torch.Generator for temperature sampling, created by the engine
         self.pending_forks: list[Sequence] = []  # forks (or extra samples) made before this one's prompt was
         #                                          computed: they share its blocks once it is (the engine forks them)
 
