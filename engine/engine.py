@@ -43,7 +43,7 @@ from .validation import (MAX_SEED, check_bool, check_int, check_max_new_tokens, 
                          check_text, check_token_ids, is_int)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay inside torch's range
+_SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay below it (engine.sampling mixes 64 bits)
 
 __all__ = ["Engine", "RelocationReport"]
 

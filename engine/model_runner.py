@@ -101,9 +101,8 @@ class ModelRunner:
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, seq in enumerate(seqs) if seq.temperature > 0]
         if rows:
-            drawn = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
-            picked = logits if len(rows) == len(seqs) else logits[rows]
-            for i, token in zip(rows, sampling.sample(picked, [s.temperature for s in drawn],
+            drawn = [seqs[i] for i in rows]
+            for i, token in zip(rows, sampling.sample(logits[rows], [s.temperature for s in drawn],
                                                       [s.seed for s in drawn], [s.num_tokens for s in drawn])):
                 tokens[i] = token
         return tokens

@@ -17,7 +17,6 @@ import torch
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-_MASK64 = (1 << 64) - 1
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -29,8 +28,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 def uniforms(seeds, positions) -> np.ndarray:
     """float64 [n] in [0, 1): the draw of each (seed, position) pair; 53 random bits each."""
-    s = np.array([int(x) & _MASK64 for x in seeds], dtype=np.uint64)
-    p = np.array([int(x) & _MASK64 for x in positions], dtype=np.uint64)
+    s = np.array(seeds, dtype=np.uint64)  # seeds and positions are non-negative, below 2**64
+    p = np.array(positions, dtype=np.uint64)
     with np.errstate(over="ignore"):
         h = _mix(s ^ _mix(p * _GOLDEN + _GOLDEN))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
@@ -39,8 +38,7 @@ def uniforms(seeds, positions) -> np.ndarray:
 def sample(logits: torch.Tensor, temperatures, seeds, positions) -> list[int]:
     """One token per row of ``logits`` [rows, vocab] from softmax(row / temperature) (every temperature > 0), drawn
     with that row's (seed, position)."""
-    rows = logits.shape[0]
-    if rows == 0:
+    if logits.shape[0] == 0:
         return []
     temps = torch.tensor(list(temperatures), dtype=torch.float32).unsqueeze(1)
     probs = torch.softmax(logits.float() / temps, dim=-1)
@@ -49,7 +47,6 @@ def sample(logits: torch.Tensor, temperatures, seeds, positions) -> list[int]:
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)  # first index whose cdf exceeds the target
     out = tokens.tolist()
     vocab = logits.shape[1]
-    for i, t in enumerate(out):
-        if t >= vocab:  # the target rounded up to the total: the last token that can be drawn
-            out[i] = int(torch.nonzero(probs[i] > 0).max())
+    if max(out) >= vocab:  # a target rounded up to the total (rare): the last token that can be drawn
+        out = [t if t < vocab else int(torch.nonzero(probs[i] > 0).max()) for i, t in enumerate(out)]
     return out

@@ -41,13 +41,12 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], *, final: bool = True) -> str:
         """Text of ``ids`` (special tokens skipped). With ``final=False`` an incomplete UTF-8 tail is held back."""
-        data = None
-        if isinstance(ids, (list, tuple)):  # not through bytes(): an array would be read as its raw memory
-            try:
-                data = bytes(ids)  # all plain bytes (C speed): a decoding conversation's text is rebuilt every step
-            except (ValueError, TypeError):
-                pass
-        if data is None:  # BOS, EOS (anything outside 0..255) is skipped
+        try:  # plain bytes at C speed (a decoding conversation's text is rebuilt every step); only lists and
+            # tuples: bytes() of an array would read its raw memory
+            data = bytes(ids) if isinstance(ids, (list, tuple)) else None
+        except (ValueError, TypeError):  # BOS, EOS (anything outside 0..255): skipped below
+            data = None
+        if data is None:
             data = bytes(int(i) for i in ids if 0 <= i < BYTE_VOCAB)
         if not final:
             cut = _incomplete_utf8_tail(data)

@@ -70,30 +70,27 @@ def ckpt(tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
-def _outputs(ckpt, others: int, **kw):
-    eng = Engine(EngineConfig(model=ckpt, num_blocks=128, block_size=4, **kw))
+def _run(ckpt, others: int, num_blocks: int = 128):
+    """(engine after the run, the sampled outputs of the first conversation among ``others``)."""
+    eng = Engine(EngineConfig(model=ckpt, num_blocks=num_blocks, block_size=4))
     cid = eng.add_conversation(prompt_token_ids=[5, 9, 13, 2, 7], max_new_tokens=20, temperature=1.0, seed=11)
     for i in range(others):
         eng.add_conversation(prompt_token_ids=[3 + i, 8, 1 + i], max_new_tokens=25, temperature=0.8, seed=i)
     eng.run_until_idle()
-    return eng.conversation(cid).output_token_ids
+    return eng, eng.conversation(cid).output_token_ids
 
 
 def test_a_conversations_tokens_do_not_depend_on_the_others(ckpt):
-    alone = _outputs(ckpt, 0)
+    _, alone = _run(ckpt, 0)
     assert len(set(alone)) >= 5  # really sampled, not one repeated token
-    assert _outputs(ckpt, 5) == alone
+    assert _run(ckpt, 5)[1] == alone
 
 
 def test_recomputed_after_preemption_draws_the_same(ckpt):
-    roomy = _outputs(ckpt, 5)
-    eng = Engine(EngineConfig(model=ckpt, num_blocks=14, block_size=4))
-    cid = eng.add_conversation(prompt_token_ids=[5, 9, 13, 2, 7], max_new_tokens=20, temperature=1.0, seed=11)
-    for i in range(5):
-        eng.add_conversation(prompt_token_ids=[3 + i, 8, 1 + i], max_new_tokens=25, temperature=0.8, seed=i)
-    eng.run_until_idle()
+    _, roomy = _run(ckpt, 5)
+    eng, tight = _run(ckpt, 5, num_blocks=14)
     assert eng.metrics().num_preemptions > 0
-    assert eng.conversation(cid).output_token_ids == roomy
+    assert tight == roomy
 
 
 def test_a_batch_is_drawn_in_one_search(monkeypatch):
