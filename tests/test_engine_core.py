@@ -193,6 +193,29 @@ def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
     assert finish(eng) == expected
 
 
+def test_failed_step_after_the_draw_draws_the_same_again(ckpt, monkeypatch):
+    """The sampler has drawn every sampled row's token, then the step fails: nothing of the draw is kept (there is
+    no sampler state to restore), and the retried step draws the same tokens as a run without the fault."""
+    from engine import sampling
+    clean = busy_engine(ckpt)
+    expected = finish(clean)
+    eng = busy_engine(ckpt)
+    before = state_of(eng)
+    drawn, real = [], sampling.sample
+
+    def draw_then_fail(*args, **kwargs):
+        drawn.append(real(*args, **kwargs))
+        raise RuntimeError("injected fault after the draw")
+
+    monkeypatch.setattr(sampling, "sample", draw_then_fail)
+    with pytest.raises(RuntimeError, match="after the draw"):
+        eng.step()
+    monkeypatch.undo()
+    assert drawn and drawn[0]  # the fault came after real draws
+    assert_same(state_of(eng), before)
+    assert finish(eng) == expected
+
+
 def test_failed_step_after_eviction_restores_the_cache(ckpt, monkeypatch):
     """A step that evicts cached blocks and writes into them, then fails: the cached blocks come back with their
     K/V, and a later prompt hits them as if nothing happened."""
