@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 
 from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
-                            PoolSnapshot, frozen_array)
+                            PoolSnapshot, frozen_array, promise_output_prefixes)
 
 from kvstream.rules import hash_note
 
@@ -28,7 +28,7 @@ class PoolViews:
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self._info_cache: dict[int, tuple[int, ConversationInfo]] = {}  # seq id -> (seq version, info)
+        self._info_cache: dict[int, tuple] = {}  # seq id -> (seq version, info, ...): see info()
         self._snapshot: PoolSnapshot | None = None
         self.finished: deque[int] = deque()  # ids of finished/ended conversations still in views, newest last
 
@@ -45,24 +45,32 @@ class PoolViews:
         if cached is not None and cached[0] == seq.version:
             return cached[1]
         tok = self.engine.tokenizer
-        out = seq.output_token_ids
+        ids, n_prompt = seq.token_ids, seq.num_prompt_tokens
         previous = cached[1] if cached is not None else None
-        if previous is not None and len(previous.prompt_token_ids) == seq.num_prompt_tokens:
+        prefix = None  # previous.output_token_ids when these outputs are known to start with them
+        if previous is not None and len(previous.prompt_token_ids) == n_prompt:
             prompt, prompt_text = previous.prompt_token_ids, previous.prompt_text  # a decode step: prompt unchanged
+            # The same token list, only ever appended to in place (a fork's child gets a new list; a rollback
+            # clears these views): its tokens up to its old length are the ones the previous info was built from,
+            # so the outputs are the previous ones plus the new tokens (the snapshot promises it: output_prefixes).
+            if cached[2] is ids and cached[3] <= len(ids):
+                prefix = previous.output_token_ids
         else:
-            prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
+            prompt = tuple(ids[:n_prompt])
             prompt_text = tok.decode(prompt)
+        out = tuple(ids[n_prompt:]) if prefix is None else prefix + tuple(ids[cached[3]:])
         table = tuple(seq.block_table)
         if previous is not None and previous.block_table == table:
             table = previous.block_table  # the same tuple while the table is unchanged (15 of 16 decode steps)
         info = ConversationInfo(
             conversation_id=seq.seq_id, status=seq.status, prompt_token_ids=prompt,
-            output_token_ids=tuple(out), output_text=tok.decode(out, final=seq.is_finished), prompt_text=prompt_text,
+            output_token_ids=out, output_text=tok.decode(out, final=seq.is_finished), prompt_text=prompt_text,
             block_table=table, num_computed_tokens=seq.num_computed_tokens,
             num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
             parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,
             finish_reason=seq.finish_reason, turns=tuple(seq.turns))
-        self._info_cache[seq.seq_id] = (seq.version, info)
+        # (version, info, the token list and its length then, the outputs it is known to extend or None)
+        self._info_cache[seq.seq_id] = (seq.version, info, ids, len(ids), prefix)
         return info
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
@@ -107,15 +115,20 @@ class PoolViews:
         if self._snapshot is not None and self._snapshot.version == eng.version:
             return self._snapshot
         pool = eng.pool
+        conversations = self.conversations()
         tables = MappingProxyType({s.seq_id: self.info(s).block_table for s in eng.scheduler.running})  # shared
         self._snapshot = PoolSnapshot(
             step_id=eng.step_id, block_size=eng.cfg.block_size, num_blocks=eng.cfg.num_blocks,
             ref_count=frozen_array(pool.ref_count), num_filled=frozen_array(pool.num_filled),
             state=frozen_array(pool.state), owner=frozen_array(pool.owner), last_access=frozen_array(pool.last_access),
-            block_tables=tables, conversations=self.conversations(), metrics=self.metrics(),
+            block_tables=tables, conversations=conversations, metrics=self.metrics(),
             memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
             source="engine")
+        cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
+        promise_output_prefixes(self._snapshot, {c.conversation_id: entry[4] for c in conversations
+                                                 if (entry := cache.get(c.conversation_id)) is not None
+                                                 and entry[1] is c and entry[4] is not None})
         return self._snapshot
 
     # ---- one block ------------------------------------------------------------------------------------------

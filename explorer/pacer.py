@@ -1,12 +1,16 @@
 """How often the window takes a new live frame: at every tick of its timer, unless following the frames costs the GUI
 thread more than its share of the machine.
 
-With 256 conversations decoding on a 65,536-block pool the engine steps 14-16 times a second here, and every new frame
-costs the GUI thread about 11 ms (the grid's image, the event log and timeline marks, the readouts, Qt's painting).
-On a 2-core machine the window then took 14-16% of a core, which the engine thread and its second torch thread had to
-give up: decode ran at 0.85-0.87x what it ran with the window's timer stopped. Showing fewer of those frames (the
-newest one each time, with every event of the frames in between) keeps the GUI thread within its budget, and the
-window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
+With 256 conversations decoding on a 65,536-block pool the engine steps 30-40 times a second here, and every new frame
+costs the GUI thread about 6 ms (the grid's image, the event log and timeline marks, the readouts, Qt's painting).
+On a 2-core machine the window then took 16-19% of a core, which the engine thread and its second torch thread had to
+give up. Showing fewer of those frames (the newest one each time, with every event of the frames in between) keeps
+the GUI thread within its budget, and the window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
+
+The budget is the window's whole cost to decoding less what pacing cannot lower: the History's encoder thread turns
+every step into a frame (3-5% of a core at 256 conversations), and decode with the window open keeps 0.9x its headless
+speed only while the two together stay under about 10% of a core (measured with bench/gui.py: a GUI budget of 10% of
+a core gave 0.85x, rounds 0.81-0.91; 4%, 0.91x, rounds 0.87-0.93; 3 alternating rounds each, 2026-12-03).
 
 :class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames
 while that is over the budget (the further over, the faster). It narrows the gap again, down to every tick, once the
@@ -19,8 +23,8 @@ import os
 import time
 from typing import Callable
 
-MACHINE_SHARE = 0.05  # the GUI thread's budget for following live frames: 5% of the machine's CPU time (10% of a
-# core on 2 cores, where it matters; 80% of a core on 16, where the window has cores of its own and never waits)
+MACHINE_SHARE = 0.025  # the GUI thread's budget for following live frames: 2.5% of the machine's CPU time (5% of a
+# core on 2 cores, where it matters; 40% of a core on 16, where the window has cores of its own and never waits)
 MAX_INTERVAL = 0.25  # but a new live frame at least 4 times a second, however costly
 WINDOW_S = 0.5  # the GUI thread's CPU share is measured over this much wall time
 STEP = 1.4  # the gap widens or narrows by this factor per window (widens by up to MAX_STEP, as far over budget as the

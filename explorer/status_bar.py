@@ -157,7 +157,7 @@ class StatusBar(QtWidgets.QStatusBar):
             self.labels["gui"].setToolTip(
                 f"The window shows a new live frame at most every {1000 * live_gap:.0f} ms, the newest each time, "
                 "with every event of the frames in between: drawing every one would take the GUI thread past "
-                f"{MACHINE_SHARE:.0%} of this machine's CPU time, which decoding needs. Scrubbing and clicks are not "
+                f"{MACHINE_SHARE:.1%} of this machine's CPU time, which decoding needs. Scrubbing and clicks are not "
                 "slowed.")
         snap = source.view
         if snap is not None:

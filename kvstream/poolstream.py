@@ -586,13 +586,17 @@ def _full_patch(info: ConversationInfo) -> ConvPatch:
     return ConvPatch(**kw)
 
 
-def _diff_patch(old: ConversationInfo, new: ConversationInfo) -> ConvPatch | None:
+def _diff_patch(old: ConversationInfo, new: ConversationInfo, grown: bool = False) -> ConvPatch | None:
+    """``grown``: the producer promised that new's outputs start with old's (PoolSnapshot.output_prefixes)."""
     ov, nv = _conv_values(old), _conv_values(new)
     if ov == nv:
         return None
     kw = {}
     for i in _SEQ_AT:
-        if ov[i] != nv[i]:
+        if grown and i == _OUT_AT:
+            if len(nv[i]) != len(ov[i]):
+                kw[_CONV_NAMES[i]] = (0, tuple(nv[i][len(ov[i]):]))
+        elif ov[i] != nv[i]:
             kw[_CONV_NAMES[i]] = _seq_patch(ov[i], nv[i])
     for i in _TEXT_AT:
         if ov[i] != nv[i]:
@@ -773,6 +777,7 @@ class StreamEncoder:
         # a few lists (a tuple per grown conversation, unpacked at the end, measured 10% slower per frame)
         old_convs, old_stable = self._prev_convs, self._prev_stable
         get_old = old_convs.get
+        prefixes = snapshot.output_prefixes  # the producer's promises: outputs that only grew, known by identity
         new_stable = {}  # this frame's _stable() per conversation: the next frame's old ones
         new_convs = {}  # conversation id -> info: the next frame's old ones
         convs = []
@@ -794,7 +799,7 @@ class StreamEncoder:
                 nb = c.block_table
                 n = len(oo)
                 m = len(ob)
-                if no[:n] == oo and nt.startswith(ot) and (nb is ob or nb[:m] == ob):
+                if (prefixes.get(cid) is oo or no[:n] == oo) and nt.startswith(ot) and (nb is ob or nb[:m] == ob):
                     if len(no) == n and len(nt) == len(ot) and len(nb) == m and \
                             o.num_computed_tokens == c.num_computed_tokens:
                         continue  # equal, though not the same object
@@ -807,7 +812,7 @@ class StreamEncoder:
                     if len(nb) != m:
                         g_blocks.extend(nb[m:])
                     continue
-            p = _full_patch(c) if o is None else _diff_patch(o, c)
+            p = _full_patch(c) if o is None else _diff_patch(o, c, prefixes.get(cid) is o.output_token_ids)
             if p is not None:
                 convs.append(p)
         grown = None

@@ -231,11 +231,32 @@ class PoolSnapshot:
             object.__setattr__(self, "_owners", index)
         return index.get(block_id, ())
 
+    @property
+    def output_prefixes(self) -> Mapping[int, tuple[int, ...]]:
+        """What the producer promises about growth: conversation id -> a tuple that conversation's
+        ``output_token_ids`` starts with, the very tuple of an earlier snapshot's info (empty: no promise). A
+        consumer holding that tuple knows by identity (``prefix is old.output_token_ids``) that the outputs only
+        grew, without comparing them token by token (the pool-stream encoder, every step, for every decoding
+        conversation). Not a field: not compared, not carried by the pool stream; see :func:`promise_output_prefixes`."""
+        return self.__dict__.get("_output_prefixes", _NO_PREFIXES)
+
     def hashes(self) -> np.ndarray:
         """block_hash, or all NO_HASH when the source sent none."""
         if self.block_hash is None:
             return np.zeros(self.num_blocks, np.uint64)
         return self.block_hash
+
+
+_NO_PREFIXES: Mapping[int, tuple[int, ...]] = MappingProxyType({})
+
+
+def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple[int, ...]]) -> PoolSnapshot:
+    """Attach :attr:`PoolSnapshot.output_prefixes` to a snapshot its producer just built (before anyone else sees
+    it). A wrong promise corrupts every frame encoded from it: make one only where the outputs are known to have
+    been appended to, never rewritten (the project's engine: the same token list, only ever appended to)."""
+    object.__setattr__(snapshot, "_output_prefixes",  # a dict is handed over, not copied
+                       MappingProxyType(prefixes if isinstance(prefixes, dict) else dict(prefixes)))
+    return snapshot
 
 
 def frozen_array(array: np.ndarray, dtype=None) -> np.ndarray:

@@ -59,9 +59,9 @@ def test_reset_and_the_default_budget(clocks, monkeypatch):
     p.reset()
     assert p.interval == 0.0 and p.share is None
     monkeypatch.setattr(pacer, "available_cpus", lambda: 2)
-    assert LivePacer().budget == pytest.approx(0.10)  # 5% of a 2-core machine: a tenth of a core
+    assert LivePacer().budget == pytest.approx(0.05)  # 2.5% of a 2-core machine: a twentieth of a core
     monkeypatch.setattr(pacer, "available_cpus", lambda: 16)
-    assert LivePacer().budget == pytest.approx(0.80)
+    assert LivePacer().budget == pytest.approx(0.40)
 
 
 def test_not_paced_while_the_engine_keeps_up_with_a_speed_limit(clocks):

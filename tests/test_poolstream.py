@@ -53,6 +53,113 @@ def test_decoder_rebuilds_every_engine_snapshot(interval):
         assert np.median(deltas) < np.median(keys) / 2
 
 
+def test_output_prefix_promises_hold_through_the_workload_and_cover_decode_steps():
+    """The engine's snapshots promise, for each conversation whose outputs only grew, the tuple they start with
+    (PoolSnapshot.output_prefixes): every promise is true across forks, replies, ends, preemption and relocation,
+    and nearly every conversation that grew in a frame has one, naming the previous frame's own tuple (so the
+    encoder's identity check hits)."""
+    snaps = workload()
+    grew = promised = named_previous = 0
+    for (prev, _), (snap, _) in zip(snaps, snaps[1:]):
+        for cid, prefix in snap.output_prefixes.items():
+            conv = snap.conversation(cid)
+            assert conv is not None and conv.output_token_ids[:len(prefix)] == prefix, f"step {snap.step_id}: {cid}"
+        for conv in snap.conversations:
+            old = prev.conversation(conv.conversation_id)
+            if old is None or old is conv or old.prompt_token_ids != conv.prompt_token_ids:
+                continue
+            if len(conv.output_token_ids) > len(old.output_token_ids):
+                grew += 1
+                prefix = snap.output_prefixes.get(conv.conversation_id)
+                promised += prefix is not None
+                named_previous += prefix is old.output_token_ids
+    assert grew > 300 and promised >= 0.9 * grew and named_previous >= 0.9 * grew, (grew, promised, named_previous)
+
+
+class _CountingTuple(tuple):
+    """A tuple that counts the leading slices taken of it (``t[:n]``: the encoder's token-by-token prefix check;
+    not ``t[n:]``, the new tokens it takes either way)."""
+    slices = 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and not i.start and i.stop is not None:
+            _CountingTuple.slices += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("promise", [True, False])
+def test_encoder_takes_a_promised_prefix_instead_of_comparing_tokens(promise):
+    """With the producer's promise the encoder takes a grown conversation's old outputs as they are, by identity,
+    without slicing the new ones to compare them; without it, it compares. The frame decodes to the same snapshot
+    either way."""
+    from kvstream.views import promise_output_prefixes
+    snaps = workload()
+    prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
+                      if sum(p.conversation(cid) is not None and ps._stable(p.conversation(cid)) ==
+                             ps._stable(s.conversation(cid)) for cid in s.output_prefixes) >= 2)
+    # the conversations that only grew (nothing else of theirs changed) and are promised: theirs count slices
+    promised = {cid for cid in snap.output_prefixes
+                if ps._stable(prev.conversation(cid)) == ps._stable(snap.conversation(cid))}
+    convs = tuple(dataclasses.replace(c, output_token_ids=_CountingTuple(c.output_token_ids))
+                  if c.conversation_id in promised else c for c in snap.conversations)
+    grown = dataclasses.replace(snap, conversations=convs)
+    if promise:
+        promise_output_prefixes(grown, dict(snap.output_prefixes))
+    assert bool(grown.output_prefixes) == promise
+    enc, dec = StreamEncoder(), StreamDecoder()
+    dec.feed(enc.encode(prev).payload)
+    _CountingTuple.slices = 0
+    got, _, _ = dec.feed(enc.encode(grown).payload)
+    sliced = _CountingTuple.slices
+    assert len(promised) >= 2 and ((sliced == 0) if promise else (sliced >= len(promised)))
+    assert_same_snapshot(snap, got)
+
+
+def test_a_rolled_back_step_leaves_no_stale_promise():
+    """A step that appends some conversations' tokens and then fails is rolled back (the token lists cut back);
+    what the engine promises afterwards is still true, and the encoded frames still rebuild every snapshot."""
+    from engine import Engine, EngineConfig
+    from tests.helpers import write_tiny_checkpoint
+    import tempfile
+    from pathlib import Path
+    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="promise-ckpt-")))
+    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, num_blocks=64))
+    for i in range(4):
+        eng.add_conversation(prompt_token_ids=[3 + i, 9, 27, 5 + i], max_new_tokens=30, temperature=0.9, seed=i)
+    enc, dec = StreamEncoder(), StreamDecoder()
+    frames = 0
+
+    def frame():
+        nonlocal frames
+        snap = eng.snapshot()
+        for cid, prefix in snap.output_prefixes.items():
+            assert snap.conversation(cid).output_token_ids[:len(prefix)] == prefix
+        got, _, _ = dec.feed(enc.encode(snap, eng.take_events()).payload)
+        assert_same_snapshot(snap, got, f"step {snap.step_id}")
+        frames += 1
+
+    frame()
+    for step in range(12):
+        eng.step()
+        frame()
+        if step in (3, 7):
+            calls, real = [], eng._append
+
+            def append_then_fail(seq, token):
+                real(seq, token)  # really appended to the token list
+                calls.append(seq.seq_id)
+                if len(calls) == 2:
+                    raise RuntimeError("injected fault after two appends")
+
+            eng._append = append_then_fail
+            with pytest.raises(RuntimeError, match="injected"):
+                eng.step()
+            del eng._append
+            assert len(calls) == 2
+            frame()
+    assert frames == 15 and any(eng.snapshot().output_prefixes.values())
+
+
 def test_history_random_access_equals_engine_at_every_frame():
     snaps = workload()
     _, frames = encode_all(snaps, keyframe_interval=32)
