@@ -47,6 +47,7 @@ class HashedBlock:
 
 
 _ARRAYS = ("ref_count", "num_filled", "state", "owner", "last_access", "block_hash", "queued_at")
+_MAX_TOUCHED = 16  # touch_used() calls kept between two take_changes() (steps without a snapshot): then "all"
 
 
 class BlockPool:
@@ -72,6 +73,12 @@ class BlockPool:
         self.hashed: dict[int, HashedBlock] = {}  # prefix hash -> what it names (kept while some block has it)
         self._dropped: dict[int, HashedBlock] = {}  # records dropped since the last checkpoint (for a restore)
         self.clock = 0  # current engine step, stamped into last_access
+        # What changed since the last take_changes() (a snapshot's promise to the pool-stream encoder, which then
+        # compares these blocks instead of every array in full): blocks changed one by one, the blocks each
+        # touch_used() stamped, or everything (a bulk change, or more than a snapshot's worth of changes).
+        self._changed: set[int] = set()
+        self._touched: list[np.ndarray] = []
+        self._all_changed = True
         self._rebuild_derived()
 
     # ---- derived structures ---------------------------------------------------------------------------------
@@ -132,6 +139,7 @@ class BlockPool:
         self.state[block] = BlockState.USED
         self.owner[block] = owner
         self.last_access[block] = self.clock
+        self._change(block)
         return block, evicted
 
     def add_ref(self, block: int, owner: int) -> None:
@@ -143,11 +151,13 @@ class BlockPool:
             self.owner[block] = owner
         self.ref_count[block] += 1
         self.last_access[block] = self.clock
+        self._change(block)
 
     def drop_ref(self, block: int) -> BlockState:
         """One reference less; returns the block's state after (USED while others hold it, then CACHED if it holds
         a hashed block, else FREE)."""
         self.ref_count[block] -= 1
+        self._change(block)
         if self.ref_count[block] > 0:
             return BlockState.USED
         self.queued_at[block] = self._stamp
@@ -164,10 +174,12 @@ class BlockPool:
 
     def set_owner(self, block: int, owner: int) -> None:
         self.owner[block] = owner
+        self._change(block)
 
     def set_filled(self, block: int, num_filled: int) -> None:
         self.num_filled[block] = num_filled
         self.last_access[block] = self.clock
+        self._change(block)
 
     def register_hash(self, block: int, block_hash: int, info: HashedBlock) -> bool:
         """Make a just-filled block findable by its prefix hash. False (and nothing changes) when prefix caching is
@@ -175,6 +187,7 @@ class BlockPool:
         if not self.enable_prefix_caching or self.block_hash[block] != NO_HASH or block_hash in self.hash_to_block:
             return False
         self.block_hash[block] = block_hash
+        self._change(block)
         self.hash_to_block[block_hash] = block
         self.hashed[block_hash] = info
         return True
@@ -185,6 +198,7 @@ class BlockPool:
             self.hash_to_block.pop(h, None)
             self._dropped.setdefault(h, self.hashed.pop(h))
         self.block_hash[block] = NO_HASH
+        self._change(block)
 
     def clear_hashes(self) -> list[int]:
         """Forget every prefix hash (a reset of the prefix cache): cached blocks become free. Returns the blocks
@@ -197,6 +211,7 @@ class BlockPool:
             self._free[block] = None
         self._cached.clear()
         self.block_hash[:] = NO_HASH
+        self._all_changed = True
         self.hash_to_block.clear()
         for h, record in self.hashed.items():
             self._dropped.setdefault(h, record)
@@ -205,7 +220,13 @@ class BlockPool:
 
     def touch_used(self, step: int) -> None:
         """Every used block was read by attention in this step."""
-        self.last_access[self.state == BlockState.USED] = step
+        used = np.flatnonzero(self.state == BlockState.USED)
+        self.last_access[used] = step
+        if not self._all_changed:
+            self._touched.append(used)
+            if len(self._touched) > _MAX_TOUCHED:  # no snapshot taken for many steps: stop keeping track
+                self._all_changed = True
+                self._touched, self._changed = [], set()
 
     def permute(self, new_id: np.ndarray) -> None:
         """Rename every block: old id b becomes ``new_id[b]`` (a permutation of range(num_blocks))."""
@@ -214,7 +235,33 @@ class BlockPool:
             moved = np.empty_like(old)
             moved[new_id] = old
             setattr(self, name, moved)
+        self._all_changed = True
         self._rebuild_derived()
+
+    # ---- what changed ---------------------------------------------------------------------------------------
+    def _change(self, block: int) -> None:
+        if not self._all_changed:
+            self._changed.add(block)
+            if len(self._changed) > self.num_blocks // 4:  # a quarter of the pool: comparing all is as cheap
+                self._all_changed = True
+                self._touched, self._changed = [], set()
+
+    def take_changes(self) -> np.ndarray | None:
+        """Which blocks' entries (ref_count, num_filled, state, owner, last_access, block_hash) may differ from
+        what they were at the previous call: a read-only bool mask over the pool (True: may have changed; False:
+        certainly unchanged), or None when any block may have (the first call, a restore, a relocation, a reset of
+        the prefix cache, or changes kept for too long). Starts the next interval."""
+        if self._all_changed:
+            mask = None
+        else:
+            mask = np.zeros(self.num_blocks, np.bool_)
+            if self._changed:
+                mask[np.fromiter(self._changed, np.int64, len(self._changed))] = True
+            for used in self._touched:
+                mask[used] = True
+            mask.setflags(write=False)
+        self._changed, self._touched, self._all_changed = set(), [], False
+        return mask
 
     # ---- rollback -------------------------------------------------------------------------------------------
     def checkpoint(self) -> tuple:
@@ -229,6 +276,7 @@ class BlockPool:
             setattr(self, name, array)
         self.hashed.update(self._dropped)  # records added since are dropped by the rebuild (no block has them)
         self._dropped = {}
+        self._all_changed = True
         self._rebuild_derived()
 
     # ---- invariants -----------------------------------------------------------------------------------------

@@ -75,6 +75,11 @@ class KVCacheManager:
         """Every used block was read by attention in step ``step_id`` (LRU order of what becomes cached)."""
         self.pool.touch_used(step_id)
 
+    def take_changed_blocks(self):
+        """The pool's record of the blocks written since the last call (a bool mask, or None: any block may have
+        changed); the views take it with each snapshot, to promise the pool-stream encoder what to compare."""
+        return self.pool.take_changes()
+
     # ---- queries --------------------------------------------------------------------------------------------
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Blocks that already hold this prompt's leading full blocks. The last token is always computed, so a

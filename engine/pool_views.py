@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 
 from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
-                            PoolSnapshot, frozen_array, promise_output_prefixes)
+                            PoolSnapshot, frozen_array, promise_changed_blocks,
+                            promise_output_prefixes)
 
 from kvstream.rules import hash_note
 
@@ -115,6 +116,7 @@ class PoolViews:
         if self._snapshot is not None and self._snapshot.version == eng.version:
             return self._snapshot
         pool = eng.pool
+        base, changed = self._snapshot, eng.manager.take_changed_blocks()  # what may differ from base's arrays
         conversations = self.conversations()
         tables = MappingProxyType({s.seq_id: self.info(s).block_table for s in eng.scheduler.running})  # shared
         self._snapshot = PoolSnapshot(
@@ -125,6 +127,8 @@ class PoolViews:
             memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
             source="engine")
+        if base is not None and changed is not None:
+            promise_changed_blocks(self._snapshot, base, changed)
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
         promise_output_prefixes(self._snapshot, {c.conversation_id: entry[4] for c in conversations
                                                  if (entry := cache.get(c.conversation_id)) is not None

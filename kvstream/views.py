@@ -10,6 +10,7 @@ numpy only: no torch, no Qt, so a recorder, a network publisher and a plugin ins
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -240,6 +241,18 @@ class PoolSnapshot:
         conversation). Not a field: not compared, not carried by the pool stream; see :func:`promise_output_prefixes`."""
         return self.__dict__.get("_output_prefixes", _NO_PREFIXES)
 
+    @property
+    def changed_blocks(self) -> "tuple[PoolSnapshot, np.ndarray] | None":
+        """What the producer promises about the per-block arrays: (an earlier snapshot, a bool mask over the pool)
+        such that every array here equals that snapshot's wherever the mask is False; None: no promise (the
+        earlier one is gone, or was never given). The pool-stream encoder, holding that snapshot, then compares
+        only the masked blocks instead of six arrays in full. Not a field; see :func:`promise_changed_blocks`."""
+        promise = self.__dict__.get("_changed_blocks")
+        if promise is None:
+            return None
+        base = promise[0]()
+        return None if base is None else (base, promise[1])
+
     def hashes(self) -> np.ndarray:
         """block_hash, or all NO_HASH when the source sent none."""
         if self.block_hash is None:
@@ -256,6 +269,17 @@ def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple
     been appended to, never rewritten (the project's engine: the same token list, only ever appended to)."""
     object.__setattr__(snapshot, "_output_prefixes",  # a dict is handed over, not copied
                        MappingProxyType(prefixes if isinstance(prefixes, dict) else dict(prefixes)))
+    return snapshot
+
+
+def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray) -> PoolSnapshot:
+    """Attach :attr:`PoolSnapshot.changed_blocks` to a snapshot its producer just built: its arrays equal
+    ``base``'s wherever ``mask`` (bool, num_blocks entries, read-only) is False. ``base`` is held weakly (a chain of
+    snapshots must not keep each other alive). A wrong promise corrupts the frames encoded from it: make one only
+    from a record of every change (the project's engine: its block pool notes each block it writes)."""
+    if mask.shape != (snapshot.num_blocks,) or mask.dtype != np.bool_ or base.num_blocks != snapshot.num_blocks:
+        raise ValueError("a changed-blocks promise needs a bool mask over the pool, against a pool of the same size")
+    object.__setattr__(snapshot, "_changed_blocks", (weakref.ref(base), mask))
     return snapshot
 
 

@@ -117,6 +117,74 @@ def test_events_replay_to_the_pool_at_every_step(ckpt):
         assert kind in seen, f"the workload never produced {kind.value}"
 
 
+def test_changed_blocks_promise_covers_every_change(ckpt):
+    """Each snapshot promises which blocks may differ from the snapshot before it (PoolSnapshot.changed_blocks,
+    from the block pool's record of what it wrote): through a long random workload (adds, forks, samples, replies,
+    ends, relocations, prefix-cache resets, preemption, eviction) with failed steps among them, every entry of
+    every array that differs lies inside the promise; the promise is made for most snapshots (the pool-stream
+    encoder's fast path is the common one), never across a rollback, and narrows to the blocks really written."""
+    from kvstream.poolstream import ARRAYS
+    eng = make(ckpt, num_blocks=24, block_size=3)
+    prev = eng.snapshot()
+    seen = {"snapshots": 0, "promised": 0, "narrow": 0, "after_fault": 0}
+    faults = random.Random(5)
+    failed = [False]
+
+    def replay(eng):
+        nonlocal prev
+        snap = eng.snapshot()
+        if snap is prev:
+            return
+        seen["snapshots"] += 1
+        promise = snap.changed_blocks
+        if promise is not None:
+            base, mask = promise
+            assert base is prev and not mask.flags.writeable and mask.shape == (24,)
+            for name in ARRAYS:
+                differ = np.asarray(getattr(snap, name) != getattr(base, name))
+                assert not (differ & ~mask).any(), f"{name} changed outside the promise at {np.flatnonzero(differ & ~mask)}"
+            seen["promised"] += 1
+            seen["narrow"] += int(mask.sum()) < 24
+            assert not failed[0], "a promise across a rolled-back step"
+        failed[0] = False
+        prev = snap
+        if faults.random() < 0.05 and eng.has_work():  # a failed step: rolled back, the pool restored
+            real, calls = eng.runner.forward, []
+
+            def forward(prepared):
+                calls.append(1)
+                raise RuntimeError("injected fault in the forward")
+            eng.runner.forward = forward
+            try:
+                eng.step()
+            except RuntimeError:
+                failed[0] = bool(calls)
+            finally:
+                del eng.runner.forward
+            seen["after_fault"] += failed[0]
+
+    random_workload(eng, random.Random(11), 600, replay)
+    assert seen["after_fault"] >= 5, seen
+    assert seen["promised"] >= 0.5 * seen["snapshots"] and seen["narrow"] >= 0.9 * seen["promised"], seen
+
+
+def test_a_pool_stepped_without_snapshots_keeps_a_bounded_record(ckpt):
+    """An engine stepped without snapshots (a benchmark, generate()) does not pile up its record of changes: past
+    a few steps it notes only that anything may have changed, and the next snapshot makes no promise."""
+    eng = make(ckpt, num_blocks=64, block_size=4)
+    eng.snapshot()
+    for i in range(6):
+        eng.add_conversation(prompt_token_ids=prompt(9, i + 1), max_new_tokens=40, ignore_eos=True)
+    for _ in range(30):
+        eng.step()
+    assert eng.pool._all_changed and not eng.pool._touched and not eng.pool._changed
+    held = eng.snapshot()  # held, as an encoder holds the frame before (a promise names its base weakly)
+    assert held.changed_blocks is None
+    eng.step()
+    promise = eng.snapshot().changed_blocks  # from there on, one step a snapshot: promises again
+    assert promise is not None and promise[0] is held and 0 < promise[1].sum() < 64
+
+
 def test_events_name_the_step_and_conversation(ckpt):
     eng = make(ckpt)
     a = eng.add_conversation(prompt_token_ids=SHARED, max_new_tokens=3)

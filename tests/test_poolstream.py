@@ -115,6 +115,37 @@ def test_encoder_takes_a_promised_prefix_instead_of_comparing_tokens(promise):
     assert_same_snapshot(snap, got)
 
 
+@pytest.mark.parametrize("promise", [True, False])
+def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise):
+    """Given the producer's record of the blocks that may have changed since the frame before
+    (PoolSnapshot.changed_blocks), the encoder compares those blocks only. To show that the record is what it
+    reads, the test changes a block outside it (which the engine never does: test_engine_core checks its record
+    covers every change): with the record, that change is not carried; without it, every block is compared and it
+    is. Every change inside the record is carried either way."""
+    from kvstream.views import frozen_array, promise_changed_blocks
+    snaps = workload()
+    prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
+                      if s.changed_blocks is not None and s.changed_blocks[0] is p
+                      and 0 < s.changed_blocks[1].sum() < s.num_blocks
+                      and (s.num_filled != p.num_filled).any())
+    mask = snap.changed_blocks[1]
+    outside = int(np.flatnonzero(~mask)[0])
+    filled = snap.num_filled.copy()
+    filled[outside] += 1
+    forged = dataclasses.replace(snap, num_filled=frozen_array(filled))
+    if promise:
+        promise_changed_blocks(forged, prev, mask)
+    assert (forged.changed_blocks is not None) == promise
+    enc, dec = StreamEncoder(), StreamDecoder()
+    dec.feed(enc.encode(prev).payload)
+    got, _, _ = dec.feed(enc.encode(forged).payload)
+    want = snap.num_filled if promise else filled
+    assert np.array_equal(got.num_filled, want)
+    assert np.array_equal(got.num_filled[mask], snap.num_filled[mask])  # the real changes, carried either way
+    with pytest.raises(ValueError, match="bool mask over the pool"):
+        promise_changed_blocks(forged, prev, mask[:-1])
+
+
 def test_a_rolled_back_step_leaves_no_stale_promise():
     """A step that appends some conversations' tokens and then fails is rolled back (the token lists cut back);
     what the engine promises afterwards is still true, and the encoded frames still rebuild every snapshot."""
