@@ -246,22 +246,28 @@ class BlockPool:
                 self._all_changed = True
                 self._touched, self._changed = [], set()
 
-    def take_changes(self) -> np.ndarray | None:
-        """Which blocks' entries (ref_count, num_filled, state, owner, last_access, block_hash) may differ from
-        what they were at the previous call: a read-only bool mask over the pool (True: may have changed; False:
-        certainly unchanged), or None when any block may have (the first call, a restore, a relocation, a reset of
-        the prefix cache, or changes kept for too long). Starts the next interval."""
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Which blocks' entries may differ from what they were at the previous call, as two read-only bool masks
+        over the pool (True: may have changed; False: certainly unchanged): one for ref_count, num_filled, state,
+        owner and block_hash, and a wider one for last_access (every used block, each step). None when any block
+        may have changed (the first call, a restore, a relocation, a reset of the prefix cache, or changes kept for
+        too long). Starts the next interval."""
         if self._all_changed:
-            mask = None
+            masks = None
         else:
             mask = np.zeros(self.num_blocks, np.bool_)
             if self._changed:
                 mask[np.fromiter(self._changed, np.int64, len(self._changed))] = True
-            for used in self._touched:
-                mask[used] = True
+            stamped = mask
+            if self._touched:
+                stamped = mask.copy()
+                for used in self._touched:
+                    stamped[used] = True
+                stamped.setflags(write=False)
             mask.setflags(write=False)
+            masks = (mask, stamped)
         self._changed, self._touched, self._all_changed = set(), [], False
-        return mask
+        return masks
 
     # ---- rollback -------------------------------------------------------------------------------------------
     def checkpoint(self) -> tuple:

@@ -76,8 +76,9 @@ class KVCacheManager:
         self.pool.touch_used(step_id)
 
     def take_changed_blocks(self):
-        """The pool's record of the blocks written since the last call (a bool mask, or None: any block may have
-        changed); the views take it with each snapshot, to promise the pool-stream encoder what to compare."""
+        """The pool's record of the blocks written since the last call (BlockPool.take_changes: two bool masks,
+        or None when any block may have changed); the views take it with each snapshot, to promise the pool-stream
+        encoder what to compare."""
         return self.pool.take_changes()
 
     # ---- queries --------------------------------------------------------------------------------------------

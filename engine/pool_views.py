@@ -128,7 +128,7 @@ class PoolViews:
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
             source="engine")
         if base is not None and changed is not None:
-            promise_changed_blocks(self._snapshot, base, changed)
+            promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
         promise_output_prefixes(self._snapshot, {c.conversation_id: entry[4] for c in conversations
                                                  if (entry := cache.get(c.conversation_id)) is not None

@@ -750,14 +750,19 @@ class StreamEncoder:
         prev = self._prev
         patches = {}
         promise = snapshot.changed_blocks  # the producer's record of the blocks that may have changed since prev
-        maybe = np.flatnonzero(promise[1]) if promise is not None and promise[0] is prev else None  # [maybe]
+        masks = promise[1] if promise is not None and promise[0] is prev else None
+        maybes: dict[int, np.ndarray] = {}  # id(mask) -> its blocks (arrays share masks)
         for name, a in arrays.items():
             b = self._prev_arrays[name]
             if a is b:
                 continue
-            if maybe is None:
+            if masks is None:
                 index = np.flatnonzero(a != b)  # [changed]
             else:  # only those: six arrays of 65,536 read in full, cold, were most of a frame's cost in the app
+                mask = masks[name]
+                maybe = maybes.get(id(mask))
+                if maybe is None:
+                    maybe = maybes[id(mask)] = np.flatnonzero(mask)  # [maybe]
                 index = maybe[a[maybe] != b[maybe]]
             if index.size:
                 patches[name] = _patch(a[index], index)

@@ -242,11 +242,12 @@ class PoolSnapshot:
         return self.__dict__.get("_output_prefixes", _NO_PREFIXES)
 
     @property
-    def changed_blocks(self) -> "tuple[PoolSnapshot, np.ndarray] | None":
-        """What the producer promises about the per-block arrays: (an earlier snapshot, a bool mask over the pool)
-        such that every array here equals that snapshot's wherever the mask is False; None: no promise (the
-        earlier one is gone, or was never given). The pool-stream encoder, holding that snapshot, then compares
-        only the masked blocks instead of six arrays in full. Not a field; see :func:`promise_changed_blocks`."""
+    def changed_blocks(self) -> "tuple[PoolSnapshot, Mapping[str, np.ndarray]] | None":
+        """What the producer promises about the per-block arrays: (an earlier snapshot, a bool mask over the pool
+        for each array by name) such that each array here equals that snapshot's wherever its mask is False; None:
+        no promise (the earlier one is gone, or was never given). The pool-stream encoder, holding that snapshot,
+        then compares only the masked blocks instead of six arrays in full. Not a field; see
+        :func:`promise_changed_blocks`."""
         promise = self.__dict__.get("_changed_blocks")
         if promise is None:
             return None
@@ -272,14 +273,25 @@ def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple
     return snapshot
 
 
-def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray) -> PoolSnapshot:
+BLOCK_ARRAYS = ("ref_count", "num_filled", "state", "owner", "last_access", "block_hash")  # the per-block arrays
+
+
+def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray,
+                           **wider: np.ndarray) -> PoolSnapshot:
     """Attach :attr:`PoolSnapshot.changed_blocks` to a snapshot its producer just built: its arrays equal
-    ``base``'s wherever ``mask`` (bool, num_blocks entries, read-only) is False. ``base`` is held weakly (a chain of
-    snapshots must not keep each other alive). A wrong promise corrupts the frames encoded from it: make one only
-    from a record of every change (the project's engine: its block pool notes each block it writes)."""
-    if mask.shape != (snapshot.num_blocks,) or mask.dtype != np.bool_ or base.num_blocks != snapshot.num_blocks:
-        raise ValueError("a changed-blocks promise needs a bool mask over the pool, against a pool of the same size")
-    object.__setattr__(snapshot, "_changed_blocks", (weakref.ref(base), mask))
+    ``base``'s wherever ``mask`` (bool, num_blocks entries, read-only) is False, or for an array named in ``wider``
+    (``last_access=``), wherever that array's own mask is. ``base`` is held weakly (a chain of snapshots must not
+    keep each other alive). A wrong promise corrupts the frames encoded from it: make one only from a record of
+    every change (the project's engine: its block pool notes each block it writes)."""
+    unknown = set(wider) - set(BLOCK_ARRAYS)
+    if unknown:
+        raise ValueError(f"no per-block array named {', '.join(sorted(unknown))}")
+    masks = {name: wider.get(name, mask) for name in BLOCK_ARRAYS}
+    for m in masks.values():
+        if m.shape != (snapshot.num_blocks,) or m.dtype != np.bool_ or base.num_blocks != snapshot.num_blocks:
+            raise ValueError("a changed-blocks promise needs bool masks over the pool, against a pool of the same "
+                             "size")
+    object.__setattr__(snapshot, "_changed_blocks", (weakref.ref(base), MappingProxyType(masks)))
     return snapshot
 
 

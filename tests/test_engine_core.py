@@ -126,7 +126,7 @@ def test_changed_blocks_promise_covers_every_change(ckpt):
     from kvstream.poolstream import ARRAYS
     eng = make(ckpt, num_blocks=24, block_size=3)
     prev = eng.snapshot()
-    seen = {"snapshots": 0, "promised": 0, "narrow": 0, "after_fault": 0}
+    seen = {"snapshots": 0, "promised": 0, "narrow": 0, "split": 0, "after_fault": 0}
     faults = random.Random(5)
     failed = [False]
 
@@ -138,13 +138,17 @@ def test_changed_blocks_promise_covers_every_change(ckpt):
         seen["snapshots"] += 1
         promise = snap.changed_blocks
         if promise is not None:
-            base, mask = promise
-            assert base is prev and not mask.flags.writeable and mask.shape == (24,)
+            base, masks = promise
+            assert base is prev and set(masks) == set(ARRAYS)
             for name in ARRAYS:
+                mask = masks[name]
+                assert not mask.flags.writeable and mask.shape == (24,)
                 differ = np.asarray(getattr(snap, name) != getattr(base, name))
                 assert not (differ & ~mask).any(), f"{name} changed outside the promise at {np.flatnonzero(differ & ~mask)}"
+            assert not (masks["ref_count"] & ~masks["last_access"]).any()  # last_access's is the wider one
             seen["promised"] += 1
-            seen["narrow"] += int(mask.sum()) < 24
+            seen["narrow"] += int(masks["last_access"].sum()) < 24
+            seen["split"] += int(masks["ref_count"].sum()) < int(masks["last_access"].sum())  # after a step
             assert not failed[0], "a promise across a rolled-back step"
         failed[0] = False
         prev = snap
@@ -166,6 +170,7 @@ def test_changed_blocks_promise_covers_every_change(ckpt):
     random_workload(eng, random.Random(11), 600, replay)
     assert seen["after_fault"] >= 5, seen
     assert seen["promised"] >= 0.5 * seen["snapshots"] and seen["narrow"] >= 0.9 * seen["promised"], seen
+    assert seen["split"] >= 50, seen
 
 
 def test_a_pool_stepped_without_snapshots_keeps_a_bounded_record(ckpt):
@@ -182,7 +187,7 @@ def test_a_pool_stepped_without_snapshots_keeps_a_bounded_record(ckpt):
     assert held.changed_blocks is None
     eng.step()
     promise = eng.snapshot().changed_blocks  # from there on, one step a snapshot: promises again
-    assert promise is not None and promise[0] is held and 0 < promise[1].sum() < 64
+    assert promise is not None and promise[0] is held and 0 < promise[1]["last_access"].sum() < 64
 
 
 def test_events_name_the_step_and_conversation(ckpt):

@@ -126,9 +126,9 @@ def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise)
     snaps = workload()
     prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
                       if s.changed_blocks is not None and s.changed_blocks[0] is p
-                      and 0 < s.changed_blocks[1].sum() < s.num_blocks
+                      and 0 < s.changed_blocks[1]["num_filled"].sum() < s.num_blocks
                       and (s.num_filled != p.num_filled).any())
-    mask = snap.changed_blocks[1]
+    mask = snap.changed_blocks[1]["num_filled"]
     outside = int(np.flatnonzero(~mask)[0])
     filled = snap.num_filled.copy()
     filled[outside] += 1
@@ -142,8 +142,10 @@ def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise)
     want = snap.num_filled if promise else filled
     assert np.array_equal(got.num_filled, want)
     assert np.array_equal(got.num_filled[mask], snap.num_filled[mask])  # the real changes, carried either way
-    with pytest.raises(ValueError, match="bool mask over the pool"):
+    with pytest.raises(ValueError, match="bool masks over the pool"):
         promise_changed_blocks(forged, prev, mask[:-1])
+    with pytest.raises(ValueError, match="no per-block array named filled"):
+        promise_changed_blocks(forged, prev, mask, filled=mask)
 
 
 def test_a_rolled_back_step_leaves_no_stale_promise():
