@@ -4,8 +4,11 @@
    with the ImageItem's conversion to a QImage, which Qt does at paint time). Target <= 10 ms.
 2. scale: the real window (offscreen) while 256 conversations decode on a 65,536-block pool: GUI frames/s, grid
    redraws/s, event-loop lag (how late a 33 ms timer fires: p95 and max), and engine decode tokens/s with the
-   window against headless (the same runner without a window), in alternating rounds. Targets (issue 12): 30
-   frames/s, decode with the window >= 0.9x headless.
+   window against headless (the same runner without a window), in alternating rounds, both timing the same steps
+   (WARMUP_STEPS to WARMUP_STEPS + seconds * STEPS_PER_SECOND after the start: same work, the window settled).
+   Then the same comparison interleaved on one engine (interleaved_rates): the window on and off every 0.5 s,
+   each "on" stretch against the "off" stretches either side, 14 times, in 2 fresh processes.
+   Targets (issue 12): 30 frames/s, decode with the window >= 0.9x headless.
 3. arrangements: how the engine thread waits and how many threads it computes with, each in its own process
    (OpenMP reads its settings once): OpenMP's default spin-then-sleep, OMP_WAIT_POLICY=PASSIVE (what main.py sets),
    bounded spinning (GOMP_SPINCOUNT), one intra-op thread for the engine thread, and the engine in its own process
@@ -124,13 +127,57 @@ def generated(runner) -> int:
     return runner.latest.metrics.num_generated_tokens
 
 
-def decode_rate(runner, seconds: float, pump=None) -> float:
-    """Tokens/s the runner generates over ``seconds`` (pumping the Qt event loop meanwhile if given)."""
-    (pump or time.sleep)(0.5)  # the first steps after a start or a thread change are not typical
-    start_tokens, start = generated(runner), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        (pump or time.sleep)(0.05)
-    return (generated(runner) - start_tokens) / (time.perf_counter() - start)
+WARMUP_STEPS = 120  # steps from the runner's start to the first one measured: the window is built and shown, and its
+# pacer has settled (it takes 2-3 s to widen the gap between live frames from every tick to its cap at 256
+# conversations on 65,536 blocks), about 3 s at that scale
+STEPS_PER_SECOND = 30  # steps measured per --seconds (so both sides time the very same steps)
+
+
+class StepClock:
+    """An observer of the runner (on the engine thread): the time and the tokens generated when the engine publishes
+    step ``first`` and step ``last``."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.start: tuple[float, int, int] | None = None  # (perf_counter, tokens generated, step id)
+        self.end: tuple[float, int, int] | None = None
+
+    def __call__(self, snapshot, events) -> None:
+        step = snapshot.step_id
+        if self.start is None and step >= self.first:
+            self.start = (time.perf_counter(), snapshot.metrics.num_generated_tokens, step)
+        elif self.start is not None and self.end is None and step >= self.last:
+            self.end = (time.perf_counter(), snapshot.metrics.num_generated_tokens, step)
+
+
+def decode_rate(runner, seconds: float, pump=None, base_step: int | None = None, started=None) -> float:
+    """Tokens/s the runner generates (pumping the Qt event loop meanwhile if given). With ``base_step`` (the
+    engine's step when its runner started) it times steps base_step + WARMUP_STEPS to that plus ``seconds`` *
+    STEPS_PER_SECOND, the same steps whichever side measures: headless and windowed engines that start alike do the
+    same work there (the steps slow down as the conversations grow, so a side that measured later steps would be
+    measured on heavier work). Without it, ``seconds`` of wall time from 0.5 s on. ``started()`` is called (on
+    this thread) when the timed steps begin."""
+    wait = pump or time.sleep
+    if base_step is None:
+        wait(0.5)  # the first steps after a start or a thread change are not typical
+        start_tokens, start = generated(runner), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            wait(0.05)
+        return (generated(runner) - start_tokens) / (time.perf_counter() - start)
+    first = base_step + WARMUP_STEPS
+    clock = StepClock(first, first + max(1, round(seconds * STEPS_PER_SECOND)))
+    runner.add_observer(clock).result(timeout=30)
+    deadline = time.perf_counter() + 600
+    while clock.end is None and time.perf_counter() < deadline:
+        wait(0.05)  # the clock is exact (stamped on the engine thread); this is only how often to look
+        if started is not None and clock.start is not None:
+            started()
+            started = None
+    runner.remove_observer(clock)
+    if clock.end is None or clock.start[2] != first:
+        raise RuntimeError(f"could not time steps {first}-{clock.last}: the engine was at step "
+                           f"{runner.latest.step_id} (the window took too long to start, or decode ended)")
+    return (clock.end[1] - clock.start[1]) / (clock.end[0] - clock.start[0])
 
 
 def pump_events(duration: float) -> None:
@@ -169,9 +216,10 @@ class LagMeter:
 def headless_rate(conversations: int, num_blocks: int, seconds: float, threads: int | None = None) -> float:
     from engine import EngineRunner
     engine, _ = make_engine(conversations, num_blocks)
+    base = engine.step_id
     runner = EngineRunner(engine, observers=[thread_setter(threads)]).start()
     try:
-        return decode_rate(runner, seconds)
+        return decode_rate(runner, seconds, base_step=base)
     finally:
         runner.stop(timeout=10)
         del engine, runner
@@ -186,9 +234,10 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
     from explorer.engine_feed import EngineFeed
     from explorer.main_window import FRAME_MS, MainWindow
     application()
-    cfg = None
+    cfg = base = None
     if feed is None:
         engine, cfg = make_engine(conversations, num_blocks)
+        base = engine.step_id
         feed = EngineFeed.start(engine, cfg)
         feed.runner.add_observer(thread_setter(threads))
     window = MainWindow(feed=feed, config=cfg)
@@ -199,8 +248,15 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
         cid = sorted(snap.block_tables)[0]
         window.select_block(int(snap.block_tables[cid][0]))
     lag = LagMeter(FRAME_MS)  # the window's own frame period
-    frames0, t0, cpu0 = window.grid.frames_drawn, time.perf_counter(), time.thread_time()
-    rate = decode_rate(feed.runner, seconds, pump_events) if cfg is not None else (pump_events(seconds) or 0.0)
+    marks = {}
+
+    def started() -> None:  # the GUI's figures over the timed steps too (the lag meter's from here)
+        marks.update(frames=window.grid.frames_drawn, t=time.perf_counter(), cpu=time.thread_time())
+        lag.lags.clear()
+    started()
+    rate = decode_rate(feed.runner, seconds, pump_events, base, started) if cfg is not None else \
+        (pump_events(seconds) or 0.0)
+    frames0, t0, cpu0 = marks["frames"], marks["t"], marks["cpu"]
     elapsed = time.perf_counter() - t0
     pacer = getattr(window, "pacer", None)  # None in a tree before the pacer
     result = {"app": rate, "redraws": (window.grid.frames_drawn - frames0) / elapsed, "fps": window.gui_fps(),
@@ -228,6 +284,84 @@ def bench_scale(seconds: float, rounds: int, conversations: int = 256, num_block
     print(f"engine decode: headless {statistics.median(headless):.0f} tokens/s, with the window "
           f"{statistics.median(a['app'] for a in app):.0f} tokens/s, ratio {statistics.median(ratios):.2f} "
           f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9)")
+
+
+def interleaved_rates(conversations: int, num_blocks: int, pairs: int = 14, window_s: float = 0.4) -> dict:
+    """One engine and its window, switched on and off every ``window_s``: "on" is the window as the app runs it
+    (its timer ticking, the History encoding every step), "off" is neither (the timer stopped, the History's
+    encoder detached: the runner alone, as headless). Each "on" stretch's decode rate over the mean of the "off"
+    stretches either side of it, ``pairs`` times. Machine load that drifts over seconds, and the steps slowing as
+    the conversations grow, hit both sides alike, which separate rounds of a few seconds each cannot promise on a
+    shared host. The rates come from the time and the tokens of the first and last step published in each stretch
+    (stamped on the engine thread). An "on" stretch is measured from the switch, so it carries the window's catch-up:
+    the encoder's first frame after an "off" stretch is a larger delta, and the window takes the newest frame and
+    the events it missed at once. The pacer starts measuring afresh at each "on" (a stopped stretch measured as idle
+    would make it take more frames) and keeps the gap it settled at before the first switch."""
+    import explorer  # noqa: F401
+    from explorer.app import application
+    from explorer.engine_feed import EngineFeed
+    from explorer.main_window import MainWindow
+    application()
+    engine, cfg = make_engine(conversations, num_blocks)
+    feed = EngineFeed.start(engine, cfg)
+    runner = feed.runner
+    stamps: list[tuple[float, int]] = []  # (time, tokens generated) of every published step, on the engine thread
+    runner.add_observer(lambda snap, events: stamps.append((time.perf_counter(), snap.metrics.num_generated_tokens)))
+    window = MainWindow(feed=feed, config=cfg)
+    window.show()
+    pump_events(1.0)
+    snap = feed.latest()
+    if snap is not None and snap.block_tables:
+        window.select_block(int(snap.block_tables[sorted(snap.block_tables)[0]][0]))
+    pump_events(2.5)  # the pacer settles (2-3 s at this scale)
+    on = [True]
+    cpu = []  # the GUI thread's share of a core over each "on" stretch
+
+    def stretch(want_on: bool) -> float:
+        if want_on != on[0]:
+            (runner.add_observer if want_on else runner.remove_observer)(feed.fanout).result(timeout=10)
+            if want_on:  # the pacer measures its thread's CPU share over wall time: a stopped stretch would look
+                window.pacer._start = None  # idle and make it take more frames; start its measuring afresh
+                window.timer.start()
+            else:
+                window.timer.stop()
+            on[0] = want_on
+        wait = pump_events if want_on else time.sleep
+        if not want_on:  # the engine's last steps with the window go by; an "on" stretch is measured from the
+            wait(0.1)    # switch, with the window's catch-up (the frame and events it missed, the encoder's delta)
+        first, c0, t0 = len(stamps), time.thread_time(), time.perf_counter()
+        wait(window_s + (0.1 if want_on else 0.0))
+        if want_on:
+            cpu.append((time.thread_time() - c0) / (time.perf_counter() - t0))
+        seg = stamps[first:]
+        if len(seg) < 3:
+            raise RuntimeError("decode ended, or the engine made fewer than 3 steps in a stretch")
+        return (seg[-1][1] - seg[0][1]) / (seg[-1][0] - seg[0][0])
+
+    ratios = []
+    try:
+        before = stretch(False)
+        for _ in range(pairs):
+            with_window = stretch(True)
+            after = stretch(False)
+            ratios.append(with_window / ((before + after) / 2))
+            before = after
+    finally:
+        window.close()
+        pump_events(0.2)
+    return {"ratios": ratios, "gui_cpu": statistics.mean(cpu)}
+
+
+def bench_interleaved(conversations: int = 256, num_blocks: int = 65536, runs: int = 2) -> None:
+    for run in range(runs):  # each in a fresh process (a window and its 4 GiB pool each)
+        out = run_worker(["--worker", "interleaved", "--conversations", str(conversations), "--num-blocks",
+                          str(num_blocks)], {})
+        r = sorted(out["ratios"])
+        q = lambda f: r[round(f * (len(r) - 1))]  # noqa: E731
+        print(f"interleaved, run {run + 1}: one engine, {len(r)} stretches of 0.5 s with the window on between "
+              f"stretches of 0.4 s with it off: decode on / off median {statistics.median(r):.2f} (quartiles "
+              f"{q(0.25):.2f}-{q(0.75):.2f}, range {r[0]:.2f}-{r[-1]:.2f}; target >= 0.9); GUI thread "
+              f"{100 * out['gui_cpu']:.1f}% of a core while on")
 
 
 # ---- 3. arrangements ----------------------------------------------------------------------------------------------
@@ -414,16 +548,18 @@ def worker(args) -> None:
         from kvstream.fanout import FrameFanout
         from kvstream.publish import PoolStreamPublisher
         engine, _ = make_engine(n, blocks)
+        base = engine.step_id
         publisher = PoolStreamPublisher(args.endpoint)
         runner = EngineRunner(engine, observers=[FrameFanout([publisher])]).start()
         deadline = time.perf_counter() + 120
         while publisher.subscriptions == 0 and time.perf_counter() < deadline:
             time.sleep(0.05)  # the window process is starting
-        time.sleep(0.5)  # it shows itself and selects a block (as app_rate does) before measuring
-        rate = decode_rate(runner, seconds)
+        rate = decode_rate(runner, seconds, base_step=base)  # the same steps as the headless reference
         runner.stop(timeout=10)
         publisher.close()
         reply(app=rate)
+    elif args.worker == "interleaved":
+        reply(**interleaved_rates(n, blocks))
     elif args.worker == "attach":
         from explorer.stream_feed import AttachFeed
         feed = AttachFeed.connect(args.endpoint, None)
@@ -441,7 +577,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=64, help="for the arrangements (scale uses 256)")
     parser.add_argument("--num-blocks", type=int, default=4096, help="for the arrangements (scale uses 65,536)")
     parser.add_argument("--arrangements", nargs="+", default=list(ARRANGEMENTS), choices=list(ARRANGEMENTS))
-    parser.add_argument("--worker", choices=["headless", "app", "publish", "attach"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["headless", "app", "publish", "attach", "interleaved"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -453,6 +590,7 @@ def main() -> None:
         bench_grid()
     if "scale" in args.sections:
         bench_scale(args.seconds, args.rounds)
+        bench_interleaved()
     if "arrangements" in args.sections:
         bench_arrangements(args.seconds, args.rounds, args.conversations, args.num_blocks, args.arrangements)
     if "scrub" in args.sections:
