@@ -9,8 +9,10 @@ the GUI thread within its budget, and the window's timer, so mouse, keys and scr
 
 The budget is the window's whole cost to decoding less what pacing cannot lower: the History's encoder thread turns
 every step into a frame (3-5% of a core at 256 conversations), and decode with the window open keeps 0.9x its headless
-speed only while the two together stay under about 10% of a core (measured with bench/gui.py: a GUI budget of 10% of
-a core gave 0.85x, rounds 0.81-0.91; 4%, 0.91x, rounds 0.87-0.93; 3 alternating rounds each, 2026-12-03).
+speed only while the two together stay under about 10% of a core. Measured with bench/gui.py on 2026-12-03, 3
+alternating rounds each: a GUI budget of 10% of a core gave 0.85x (rounds 0.81-0.91), 4% gave 0.91x (0.87-0.93).
+With today's 5% and the encoder's promises (docs/poolstream.md), the bench's interleaved comparison gave 0.92x and
+0.96x, against 0.89x and 0.86x for the code before.
 
 :class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames
 while that is over the budget (the further over, the faster). It narrows the gap again, down to every tick, once the
