@@ -213,6 +213,19 @@ class LagMeter:
         return {"lag_p95_ms": lags[int(0.95 * (len(lags) - 1))], "lag_max_ms": lags[-1]}
 
 
+def show_window(feed, cfg):
+    """The app's main window on ``feed``, shown, after a second of the event loop, with the first block of the
+    lowest conversation selected (so the inspector follows one block, as a user's would)."""
+    from explorer.main_window import MainWindow
+    window = MainWindow(feed=feed, config=cfg)
+    window.show()
+    pump_events(1.0)
+    snap = feed.latest()
+    if snap is not None and snap.block_tables:
+        window.select_block(int(snap.block_tables[sorted(snap.block_tables)[0]][0]))
+    return window
+
+
 def headless_rate(conversations: int, num_blocks: int, seconds: float, threads: int | None = None) -> float:
     from engine import EngineRunner
     engine, _ = make_engine(conversations, num_blocks)
@@ -232,7 +245,7 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
     import explorer  # noqa: F401
     from explorer.app import application
     from explorer.engine_feed import EngineFeed
-    from explorer.main_window import FRAME_MS, MainWindow
+    from explorer.main_window import FRAME_MS
     application()
     cfg = base = None
     if feed is None:
@@ -240,13 +253,7 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
         base = engine.step_id
         feed = EngineFeed.start(engine, cfg)
         feed.runner.add_observer(thread_setter(threads))
-    window = MainWindow(feed=feed, config=cfg)
-    window.show()
-    pump_events(1.0)
-    snap = window.source.feed.latest()
-    if snap is not None and snap.block_tables:
-        cid = sorted(snap.block_tables)[0]
-        window.select_block(int(snap.block_tables[cid][0]))
+    window = show_window(feed, cfg)
     lag = LagMeter(FRAME_MS)  # the window's own frame period
     marks = {}
 
@@ -300,19 +307,13 @@ def interleaved_rates(conversations: int, num_blocks: int, pairs: int = 14, wind
     import explorer  # noqa: F401
     from explorer.app import application
     from explorer.engine_feed import EngineFeed
-    from explorer.main_window import MainWindow
     application()
     engine, cfg = make_engine(conversations, num_blocks)
     feed = EngineFeed.start(engine, cfg)
     runner = feed.runner
     stamps: list[tuple[float, int]] = []  # (time, tokens generated) of every published step, on the engine thread
     runner.add_observer(lambda snap, events: stamps.append((time.perf_counter(), snap.metrics.num_generated_tokens)))
-    window = MainWindow(feed=feed, config=cfg)
-    window.show()
-    pump_events(1.0)
-    snap = feed.latest()
-    if snap is not None and snap.block_tables:
-        window.select_block(int(snap.block_tables[sorted(snap.block_tables)[0]][0]))
+    window = show_window(feed, cfg)
     pump_events(2.5)  # the pacer settles (2-3 s at this scale)
     on = [True]
     cpu = []  # the GUI thread's share of a core over each "on" stretch

@@ -211,7 +211,7 @@ class BlockPool:
             self._free[block] = None
         self._cached.clear()
         self.block_hash[:] = NO_HASH
-        self._all_changed = True
+        self._lose_track()
         self.hash_to_block.clear()
         for h, record in self.hashed.items():
             self._dropped.setdefault(h, record)
@@ -224,9 +224,8 @@ class BlockPool:
         self.last_access[used] = step
         if not self._all_changed:
             self._touched.append(used)
-            if len(self._touched) > _MAX_TOUCHED:  # no snapshot taken for many steps: stop keeping track
-                self._all_changed = True
-                self._touched, self._changed = [], set()
+            if len(self._touched) > _MAX_TOUCHED:  # no snapshot taken for many steps
+                self._lose_track()
 
     def permute(self, new_id: np.ndarray) -> None:
         """Rename every block: old id b becomes ``new_id[b]`` (a permutation of range(num_blocks))."""
@@ -235,7 +234,7 @@ class BlockPool:
             moved = np.empty_like(old)
             moved[new_id] = old
             setattr(self, name, moved)
-        self._all_changed = True
+        self._lose_track()
         self._rebuild_derived()
 
     # ---- what changed ---------------------------------------------------------------------------------------
@@ -243,8 +242,12 @@ class BlockPool:
         if not self._all_changed:
             self._changed.add(block)
             if len(self._changed) > self.num_blocks // 4:  # a quarter of the pool: comparing all is as cheap
-                self._all_changed = True
-                self._touched, self._changed = [], set()
+                self._lose_track()
+
+    def _lose_track(self) -> None:
+        """Any block may have changed (a bulk change, or too many to keep): no record until the next interval."""
+        self._all_changed = True
+        self._touched, self._changed = [], set()
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Which blocks' entries may differ from what they were at the previous call, as two read-only bool masks
@@ -282,7 +285,7 @@ class BlockPool:
             setattr(self, name, array)
         self.hashed.update(self._dropped)  # records added since are dropped by the rebuild (no block has them)
         self._dropped = {}
-        self._all_changed = True
+        self._lose_track()
         self._rebuild_derived()
 
     # ---- invariants -----------------------------------------------------------------------------------------

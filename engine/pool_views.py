@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 
 from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
@@ -24,12 +24,22 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+class _Built(NamedTuple):
+    """A conversation's info as last built, and what it was built from."""
+
+    version: int  # the sequence's version then
+    info: ConversationInfo
+    tokens: list  # the sequence's token list (the object: only ever appended to) and its length then
+    length: int
+    prefix: tuple | None  # the previous info's outputs, which this one's start with (None: not known)
+
+
 class PoolViews:
     """Builds the views of one engine."""
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self._info_cache: dict[int, tuple] = {}  # seq id -> (seq version, info, ...): see info()
+        self._info_cache: dict[int, _Built] = {}  # seq id -> its info as last built
         self._snapshot: PoolSnapshot | None = None
         self.finished: deque[int] = deque()  # ids of finished/ended conversations still in views, newest last
 
@@ -43,23 +53,23 @@ class PoolViews:
     # ---- conversations --------------------------------------------------------------------------------------
     def info(self, seq: Sequence) -> ConversationInfo:
         cached = self._info_cache.get(seq.seq_id)
-        if cached is not None and cached[0] == seq.version:
-            return cached[1]
+        if cached is not None and cached.version == seq.version:
+            return cached.info
         tok = self.engine.tokenizer
         ids, n_prompt = seq.token_ids, seq.num_prompt_tokens
-        previous = cached[1] if cached is not None else None
+        previous = cached.info if cached is not None else None
         prefix = None  # previous.output_token_ids when these outputs are known to start with them
         if previous is not None and len(previous.prompt_token_ids) == n_prompt:
             prompt, prompt_text = previous.prompt_token_ids, previous.prompt_text  # a decode step: prompt unchanged
             # The same token list, only ever appended to in place (a fork's child gets a new list; a rollback
             # clears these views): its tokens up to its old length are the ones the previous info was built from,
             # so the outputs are the previous ones plus the new tokens (the snapshot promises it: output_prefixes).
-            if cached[2] is ids and cached[3] <= len(ids):
+            if cached.tokens is ids and cached.length <= len(ids):
                 prefix = previous.output_token_ids
         else:
             prompt = tuple(ids[:n_prompt])
             prompt_text = tok.decode(prompt)
-        out = tuple(ids[n_prompt:]) if prefix is None else prefix + tuple(ids[cached[3]:])
+        out = tuple(ids[n_prompt:]) if prefix is None else prefix + tuple(ids[cached.length:])
         table = tuple(seq.block_table)
         if previous is not None and previous.block_table == table:
             table = previous.block_table  # the same tuple while the table is unchanged (15 of 16 decode steps)
@@ -70,8 +80,7 @@ class PoolViews:
             num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
             parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,
             finish_reason=seq.finish_reason, turns=tuple(seq.turns))
-        # (version, info, the token list and its length then, the outputs it is known to extend or None)
-        self._info_cache[seq.seq_id] = (seq.version, info, ids, len(ids), prefix)
+        self._info_cache[seq.seq_id] = _Built(seq.version, info, ids, len(ids), prefix)
         return info
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
@@ -130,9 +139,9 @@ class PoolViews:
         if base is not None and changed is not None:
             promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
-        promise_output_prefixes(self._snapshot, {c.conversation_id: entry[4] for c in conversations
-                                                 if (entry := cache.get(c.conversation_id)) is not None
-                                                 and entry[1] is c and entry[4] is not None})
+        promise_output_prefixes(self._snapshot, {c.conversation_id: built.prefix for c in conversations
+                                                 if (built := cache.get(c.conversation_id)) is not None
+                                                 and built.info is c and built.prefix is not None})
         return self._snapshot
 
     # ---- one block ------------------------------------------------------------------------------------------

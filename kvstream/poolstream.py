@@ -34,11 +34,11 @@ import numpy as np
 from msgspec import UNSET, Raw, UnsetType
 
 from .events import BlockEvent
-from .views import ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
+from .views import BLOCK_ARRAYS, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
 
 FORMAT_VERSION = 1  # bumped whenever a reader of the previous version could misread a message
 MAGIC = "kvpool"  # first element of every message: what tells a pool-stream message from any other msgpack
-ARRAYS = ("state", "ref_count", "num_filled", "owner", "last_access", "block_hash")  # per-block arrays, wire order
+ARRAYS = BLOCK_ARRAYS  # the per-block arrays, in wire order
 _BLANK = {"owner": -1}  # value of each per-block array in an empty pool (0 where not listed): keyframes send the rest
 # dtypes a per-block array, or its values on the wire, may have (little-endian; a foreign dtype is never built)
 _DTYPES = frozenset({"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8"})

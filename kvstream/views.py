@@ -273,7 +273,7 @@ def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple
     return snapshot
 
 
-BLOCK_ARRAYS = ("ref_count", "num_filled", "state", "owner", "last_access", "block_hash")  # the per-block arrays
+BLOCK_ARRAYS = ("state", "ref_count", "num_filled", "owner", "last_access", "block_hash")  # per-block, wire order
 
 
 def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray,

@@ -148,14 +148,12 @@ def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise)
         promise_changed_blocks(forged, prev, mask, filled=mask)
 
 
-def test_a_rolled_back_step_leaves_no_stale_promise():
+def test_a_rolled_back_step_leaves_no_stale_promise(tmp_path):
     """A step that appends some conversations' tokens and then fails is rolled back (the token lists cut back);
     what the engine promises afterwards is still true, and the encoded frames still rebuild every snapshot."""
     from engine import Engine, EngineConfig
     from tests.helpers import write_tiny_checkpoint
-    import tempfile
-    from pathlib import Path
-    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="promise-ckpt-")))
+    ckpt = write_tiny_checkpoint(tmp_path)
     eng = Engine(EngineConfig(model=str(ckpt), block_size=4, num_blocks=64))
     for i in range(4):
         eng.add_conversation(prompt_token_ids=[3 + i, 9, 27, 5 + i], max_new_tokens=30, temperature=0.9, seed=i)
