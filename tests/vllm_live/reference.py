@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstream.views import BlockState
-from kvstream.vllm_hash import key_hash64
+from kvstream.vllm.hash import key_hash64
 
 BLOCK_SIZE = 32  # the tests' vLLM engines: vLLM's CPU backend wants a multiple of 32
 NUM_BLOCKS = 40  # small, so that a few requests fill it (evictions, preemptions)

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstream import vllm_plugin
+from kvstream.vllm import plugin as vllm_plugin
 from kvstream.events import EventKind, PoolModel
-from kvstream.kv_events_subscriber import KVEventSubscriber
+from kvstream.kv_events.subscriber import KVEventSubscriber
 from kvstream.publish import PoolStreamSubscriber
 from kvstream.views import BlockState, Status
-from kvstream.vllm_hash import hash64
+from kvstream.vllm.hash import hash64
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +217,7 @@ def test_register_hooks_the_scheduler_when_vllm_imports_it():
     code = textwrap.dedent("""
         import os, sys
         os.environ["PAGED_KV_EXPLORER_PUBLISH"] = "ipc:///tmp/never-bound.sock"
-        from kvstream import vllm_plugin
+        from kvstream.vllm import plugin as vllm_plugin
         vllm_plugin.register()
         before = "vllm.v1.core.sched.scheduler" in sys.modules
         from vllm.v1.core.sched.scheduler import Scheduler

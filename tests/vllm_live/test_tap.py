@@ -1,4 +1,4 @@
-"""The plugin's reading of a real vLLM scheduler (kvstream.vllm_tap), step by step, against vLLM's own state."""
+"""The plugin's reading of a real vLLM scheduler (kvstream.vllm.tap), step by step, against vLLM's own state."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from kvstream.events import EventKind, PoolModel
 from kvstream.poolstream import StreamDecoder, StreamEncoder
 from kvstream.views import BlockState, FinishReason, Status
-from kvstream.vllm_tap import UnsupportedVllm, VllmPoolTap
+from kvstream.vllm.tap import UnsupportedVllm, VllmPoolTap
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
 
 PREFIX = "The block table maps each logical block of a sequence to a physical block. "  # 76 bytes: 2 full blocks

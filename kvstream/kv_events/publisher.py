@@ -24,7 +24,7 @@ from typing import Sequence
 
 import zmq
 
-from kvstream.kv_events_codec import END_SEQ, KVEvent, KVEventError, encode_batch, make_batch, seq_bytes
+from kvstream.kv_events.codec import END_SEQ, KVEvent, KVEventError, encode_batch, make_batch, seq_bytes
 
 
 _context: zmq.Context | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvstream.kv_events_codec import KVEventError
+from kvstream.kv_events.codec import KVEventError
 
 
 @dataclass(frozen=True)

@@ -2,26 +2,26 @@
 
 One import for everything a caller needs; each concept has its own file:
 
-- :mod:`kvstream.kv_events_codec`: the event structs (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
+- :mod:`kvstream.kv_events.codec`: the event structs (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
   the batch ``[ts, events, data_parallel_rank]``, a vLLM-exact encoder and a lenient decoder;
-- :mod:`kvstream.kv_events_publisher`: :class:`KVEventPublisher` (ZMQ PUB + ROUTER replay), used by the engine;
-- :mod:`kvstream.kv_events_endpoint`: :class:`KVEventEndpoint` and the ``--attach-kv-events`` spec;
-- :mod:`kvstream.kv_events_subscriber`: :class:`KVEventSubscriber` (SUB + DEALER replay, gaps, status);
-- :mod:`kvstream.kv_events_index`: :class:`KVCacheIndex`, the content model of one instance, the cross-instance
+- :mod:`kvstream.kv_events.publisher`: :class:`KVEventPublisher` (ZMQ PUB + ROUTER replay), used by the engine;
+- :mod:`kvstream.kv_events.endpoint`: :class:`KVEventEndpoint` and the ``--attach-kv-events`` spec;
+- :mod:`kvstream.kv_events.subscriber`: :class:`KVEventSubscriber` (SUB + DEALER replay, gaps, status);
+- :mod:`kvstream.kv_events.index`: :class:`KVCacheIndex`, the content model of one instance, the cross-instance
   queries and :func:`json_summary`.
 
 Wire format (fixed by DESIGN.md): multipart ``[topic, 8-byte big-endian seq, msgpack(batch)]``; replay request
 ``[8-byte start seq]``, answered by ``[topic, seq, payload]`` per buffered batch and ``[b"", -1, b""]``.
 """
-from kvstream.kv_events_codec import (END_SEQ, MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockHash, BlockRemoved,
+from kvstream.kv_events.codec import (END_SEQ, MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockHash, BlockRemoved,
                                       BlockStored, KVCacheEvent, KVEvent, KVEventBatch, KVEventDecodeError,
                                       KVEventError, decode_batch, decode_batch_counted, encode_batch, make_batch,
                                       parse_frames)
-from kvstream.kv_events_endpoint import KVEventEndpoint, endpoint_for_rank, parse_endpoint_spec
-from kvstream.kv_events_index import (KVCacheIndex, PrefixNode, StoredBlock, Timeline, hash_text, json_summary,
+from kvstream.kv_events.endpoint import KVEventEndpoint, endpoint_for_rank, parse_endpoint_spec
+from kvstream.kv_events.index import (KVCacheIndex, PrefixNode, StoredBlock, Timeline, hash_text, json_summary,
                                       prefix_overlap, where_cached)
-from kvstream.kv_events_publisher import KVEventPublisher
-from kvstream.kv_events_subscriber import (CATCHING_UP, CONNECTING, FAILED, LIVE, RECONNECTING, SILENT,
+from kvstream.kv_events.publisher import KVEventPublisher
+from kvstream.kv_events.subscriber import (CATCHING_UP, CONNECTING, FAILED, LIVE, RECONNECTING, SILENT,
                                            EndpointStatus, KVEventSubscriber)
 
 __all__ = [

@@ -5,7 +5,7 @@ process it starts: the API server, the engine core, the workers. It does nothing
 ``PAGED_KV_EXPLORER_PUBLISH`` names a ZMQ endpoint (``tcp://*:5561``, ``ipc:///tmp/pool.sock``). Then it hooks
 ``Scheduler.__init__`` (installed lazily, when vLLM imports its scheduler module, so processes that never build a
 scheduler never import it), and the one process that builds vLLM's scheduler, the engine core, attaches a
-:class:`~kvstream.vllm_tap.VllmPoolTap` to it and publishes a frame after scheduler steps:
+:class:`~kvstream.vllm.tap.VllmPoolTap` to it and publishes a frame after scheduler steps:
 ``python main.py --attach tcp://HOST:5561`` shows it.
 
 Frames are rate-limited: at most ``PAGED_KV_EXPLORER_MAX_HZ`` per second (default 20), and never more often than
@@ -110,7 +110,7 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
     try:
         import vllm
         version = getattr(vllm, "__version__", "unknown")
-        from kvstream.vllm_tap import UnsupportedVllm, VllmPoolTap
+        from kvstream.vllm.tap import UnsupportedVllm, VllmPoolTap
         rank = int(getattr(getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None),
                            "data_parallel_rank", 0) or 0)
         endpoint = rank_endpoint(endpoint, rank)

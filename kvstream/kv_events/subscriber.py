@@ -23,10 +23,10 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstream.kv_events_codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_counted, parse_frames, \
+from kvstream.kv_events.codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_counted, parse_frames, \
     seq_bytes
-from kvstream.kv_events_endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec
-from kvstream.kv_events_index import KVCacheIndex
+from kvstream.kv_events.endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec
+from kvstream.kv_events.index import KVCacheIndex
 
 CONNECTING = "connecting"  # never connected yet
 RECONNECTING = "reconnecting"  # was connected, lost the connection; ZMQ is retrying

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvstream.kv_events_codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from kvstream.kv_events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
 
 
 @dataclass(frozen=True)

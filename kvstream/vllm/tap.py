@@ -11,7 +11,7 @@ those blocks and the tables of the requests holding blocks (O(changed blocks + r
 keeps, and hands out a snapshot.
 
 What vLLM knows is what the views show: physical ids, ref counts, states (free; cached: no holder but a prefix
-hash; used), 64-bit digests of vLLM's hashes (:mod:`kvstream.vllm_hash`), block tables, how many slots of each block
+hash; used), 64-bit digests of vLLM's hashes (:mod:`kvstream.vllm.hash`), block tables, how many slots of each block
 hold K/V (from ``num_computed_tokens``), and request ids (``ConversationInfo.label``; the views' integer ids are
 handed out in order of arrival). Block 0 is vLLM's null block, a placeholder it never hands out; it is shown USED
 with no holder, as vLLM counts it. K/V values and text stay on the server: the engine core has no detokenizer.
@@ -33,7 +33,7 @@ import numpy as np
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import (BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
                             Status, frozen_array)
-from kvstream.vllm_hash import hash64, key_hash64
+from kvstream.vllm.hash import hash64, key_hash64
 
 SUPPORTED_VERSIONS = ("0.32.",)  # vLLM releases whose v1 internals this tap was tested against (prefixes)
 
