@@ -547,7 +547,7 @@ def worker(args) -> None:
     elif args.worker == "publish":  # the engine alone, its frames published for a window in another process
         from engine import EngineRunner
         from kvstream.fanout import FrameFanout
-        from kvstream.publish import PoolStreamPublisher
+        from kvstream.poolstream.publisher import PoolStreamPublisher
         engine, _ = make_engine(n, blocks)
         base = engine.step_id
         publisher = PoolStreamPublisher(args.endpoint)

@@ -12,7 +12,6 @@ import re
 import sys
 
 DEMO_NAMES = ("busy", "crowd", "lesson", "none")
-_ENDPOINT = re.compile(r"(tcp://(\*|[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)")
 
 USAGE = """python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
                [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
@@ -43,18 +42,14 @@ def parse_geometry(text: str) -> tuple[int, int]:
 
 
 def check_endpoint(flag: str, endpoint: str, bind: bool = False) -> str:
-    """A ZMQ endpoint ``tcp://host:port``, ``ipc://path`` or ``inproc://name``; ``*`` as host only to bind."""
-    match = _ENDPOINT.fullmatch(endpoint or "")
-    if not match:
-        raise UsageError(f"{flag} needs a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool, "
-                         f"got {endpoint!r}")
-    if match.group(3) is not None:
-        port = int(match.group(3))
-        if not 1 <= port <= 65535:
-            raise UsageError(f"{flag}: port {port} is out of range (1-65535)")
-        if match.group(2) == "*" and not bind:
-            raise UsageError(f"{flag} connects to a server: give its host (tcp://127.0.0.1:{port}), not '*'")
-    return endpoint
+    """A ZMQ endpoint ``tcp://host:port``, ``ipc://path`` or ``inproc://name``; ``*`` as host only to bind. The one
+    rule of kvstream.endpoints (ports 1-65535), said as a usage error naming ``flag``."""
+    from kvstream.endpoints import EndpointError
+    from kvstream.endpoints import check_endpoint as check
+    try:
+        return check(endpoint, bind=bind, what=flag)
+    except EndpointError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_output_file(flag: str, path: str) -> None:

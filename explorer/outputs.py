@@ -16,7 +16,7 @@ def engine_sinks(opts) -> list:
             from kvstream.recording import Recorder
             sinks.append(Recorder(opts.record))
         if opts.publish:
-            from kvstream.publish import PoolStreamPublisher
+            from kvstream.poolstream.publisher import PoolStreamPublisher
             sinks.append(PoolStreamPublisher(opts.publish))
     except Exception:
         for sink in sinks:

@@ -106,7 +106,7 @@ class AttachFeed(Feed):
     @classmethod
     def connect(cls, endpoint: str, tokenizer=None, history_bytes: int | None = None) -> "AttachFeed":
         from kvstream.history import History
-        from kvstream.publish import PoolStreamSubscriber
+        from kvstream.poolstream.subscriber import PoolStreamSubscriber
         history = History() if history_bytes is None else History(budget_bytes=history_bytes)
         return cls(PoolStreamSubscriber(endpoint, history), tokenizer)
 

@@ -4,7 +4,8 @@
 - :mod:`kvstream.events`: block events, the typed record of every change to a pool.
 - :mod:`kvstream.kv_events`: vLLM-format KV events (what vLLM and SGLang publish over ZMQ): codec, publisher,
   subscriber, index, endpoints, one file each.
-- :mod:`kvstream.poolstream`: the project's own pool stream (keyframes, per-step deltas, events), the in-memory
-  history built from it, recordings on disk and the ZMQ publisher / subscriber of ``--publish`` / ``--attach``.
+- :mod:`kvstream.poolstream`: the project's own pool stream (keyframes, per-step deltas, events): schema, encoder,
+  decoder, and the ZMQ publisher / subscriber of ``--publish`` / ``--attach``; :mod:`kvstream.history` keeps it in
+  memory, :mod:`kvstream.recording` on disk.
 - :mod:`kvstream.vllm.plugin`: the vLLM general plugin that publishes a vLLM server's pool as a pool stream.
 """

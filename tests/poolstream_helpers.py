@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream import poolstream
+from kvstream.poolstream import decode as poolstream_decode
 from kvstream.poolstream import ARRAYS, StreamEncoder
 from kvstream.views import PoolSnapshot
 
@@ -112,8 +112,8 @@ def encode_all(snapshots, keyframe_interval: int = 16, **kwargs):
 def count_keyframe_decodes(monkeypatch) -> list[int]:
     """The seqs of the keyframes decoded whole from now on (a decoder going on through a bridge decodes none)."""
     rebuilt: list[int] = []
-    real = poolstream._keyframe_state
-    monkeypatch.setattr(poolstream, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    real = poolstream_decode._keyframe_state
+    monkeypatch.setattr(poolstream_decode, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
     return rebuilt
 
 

@@ -13,7 +13,8 @@ from explorer import files
 from explorer.engine_feed import EngineFeed
 from explorer.main_window import MainWindow
 from kvstream.history import History
-from kvstream.publish import PoolStreamPublisher, PoolStreamSubscriber
+from kvstream.poolstream.publisher import PoolStreamPublisher
+from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.recording import Recorder, open_recording
 
 

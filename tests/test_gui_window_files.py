@@ -16,7 +16,7 @@ from explorer import files
 from explorer.engine_feed import EngineFeed
 from explorer.main_window import MainWindow
 from explorer.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
-from kvstream.publish import PoolStreamPublisher
+from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.recording import read_frames
 from kvstream.summary import fixed_part, json_summary
 from engine import Engine

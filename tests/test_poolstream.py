@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import poolstream as ps
+from kvstream.poolstream import decode as ps_decode
+from kvstream.poolstream import schema as ps_schema
 from kvstream.events import BlockEvent, EventKind
 from kvstream.history import History
 from kvstream.poolstream import (FORMAT_VERSION, Frame, StreamDecoder, StreamEncoder, StreamError, encode_keyframe,
@@ -95,11 +97,11 @@ def test_encoder_takes_a_promised_prefix_instead_of_comparing_tokens(promise):
     from kvstream.views import promise_output_prefixes
     snaps = workload()
     prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
-                      if sum(p.conversation(cid) is not None and ps._stable(p.conversation(cid)) ==
-                             ps._stable(s.conversation(cid)) for cid in s.output_prefixes) >= 2)
+                      if sum(p.conversation(cid) is not None and ps_schema._stable(p.conversation(cid)) ==
+                             ps_schema._stable(s.conversation(cid)) for cid in s.output_prefixes) >= 2)
     # the conversations that only grew (nothing else of theirs changed) and are promised: theirs count slices
     promised = {cid for cid in snap.output_prefixes
-                if ps._stable(prev.conversation(cid)) == ps._stable(snap.conversation(cid))}
+                if ps_schema._stable(prev.conversation(cid)) == ps_schema._stable(snap.conversation(cid))}
     convs = tuple(dataclasses.replace(c, output_token_ids=_CountingTuple(c.output_token_ids))
                   if c.conversation_id in promised else c for c in snap.conversations)
     grown = dataclasses.replace(snap, conversations=convs)
@@ -252,8 +254,8 @@ def test_periodic_keyframes_bridge_from_the_frame_before_and_a_decoder_going_on_
     assert not heads[0].bridge
     assert all(bool(h.bridge) == h.keyframe for h in heads[1:])
     rebuilt = []
-    real = ps._keyframe_state
-    monkeypatch.setattr(ps, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
+    real = ps_decode._keyframe_state
+    monkeypatch.setattr(ps_decode, "_keyframe_state", lambda head, body: rebuilt.append(head.seq) or real(head, body))
     dec = StreamDecoder()
     for (want, _), f in zip(snaps, frames):
         assert_same_snapshot(want, dec.feed(f.payload)[0], f"frame {f.seq}")
@@ -269,7 +271,7 @@ def test_readers_without_bridges_and_broken_bridges_still_read_the_keyframe():
     snaps = workload()
     _, frames = encode_all(snaps, keyframe_interval=9)
     plain, broken = StreamDecoder(), StreamDecoder()
-    bad_bridge = ps._ENCODER.encode(ps.Delta(0, tables_removed=[10 ** 9]))  # removes a table that is not there
+    bad_bridge = ps_schema._ENCODER.encode(ps.Delta(0, tables_removed=[10 ** 9]))  # removes a table that is not there
     for (want, _), f in zip(snaps, frames):
         assert_same_snapshot(want, plain.feed(_strip_bridge(f.payload))[0], f"frame {f.seq}, no bridge")
         payload = f.payload
@@ -321,7 +323,7 @@ def test_a_step_back_after_a_long_jump_decodes_a_few_frames_not_the_whole_run(mo
         assert len(applied) <= history_module._FORWARD_EVERY, (seq, applied)
 
 
-@pytest.mark.skipif(ps._UNTRACK is None, reason="CPython's collector only: another Python tracks tuples its own way")
+@pytest.mark.skipif(ps_decode._UNTRACK is None, reason="CPython's collector only: another Python tracks tuples its own way")
 def test_rebuilt_token_and_block_id_tuples_stay_out_of_the_young_collection():
     """The id tuples a history's snapshots and checkpoints hold are not tracked by the cycle collector (the young
     collection that walked 2.4 million of them took 50-60 ms inside a jump); the snapshots still equal the engine's,
@@ -337,10 +339,10 @@ def test_rebuilt_token_and_block_id_tuples_stay_out_of_the_young_collection():
         snap = history.snapshot_at(seq)
         assert_same_snapshot(snaps[seq][0], snap, f"frame {seq}")
         ids = [t for c in snap.conversations for t in (c.prompt_token_ids, c.output_token_ids, c.block_table)]
-        long_ids += [t for t in ids + list(snap.block_tables.values()) if len(t) >= ps._UNTRACK_FROM]
+        long_ids += [t for t in ids + list(snap.block_tables.values()) if len(t) >= ps_decode._UNTRACK_FROM]
     for checkpoint in history._checkpoints.values():
         long_ids += [v for vals in checkpoint._state.convs.values() for v in vals
-                     if type(v) is tuple and len(v) >= ps._UNTRACK_FROM and type(v[0]) is int]
+                     if type(v) is tuple and len(v) >= ps_decode._UNTRACK_FROM and type(v[0]) is int]
     tracked = [t for t in long_ids if gc.is_tracked(t)]
     assert len(long_ids) > 50 and not tracked, f"{len(tracked)} of {len(long_ids)} id tuples still tracked"
     gc.collect()
@@ -549,18 +551,18 @@ def test_header_change_forces_a_keyframe():
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------------
-def _envelope(frame: Frame) -> ps._Envelope:
+def _envelope(frame: Frame) -> ps_schema._Envelope:
     head = read_head(frame.payload)
     body = msgspec.msgpack.decode(head.body, type=ps.Body)
-    return ps._Envelope(ps.MAGIC, FORMAT_VERSION, head.stream_id, head.seq, head.step_id, head.keyframe, head.events,
+    return ps_schema._Envelope(ps.MAGIC, FORMAT_VERSION, head.stream_id, head.seq, head.step_id, head.keyframe, head.events,
                         body)
 
 
-def _payload(env: ps._Envelope, **changes) -> bytes:
+def _payload(env: ps_schema._Envelope, **changes) -> bytes:
     return msgspec.msgpack.encode(msgspec.structs.replace(env, **changes))
 
 
-def _body(env: ps._Envelope, **changes) -> bytes:
+def _body(env: ps_schema._Envelope, **changes) -> bytes:
     return _payload(env, body=msgspec.structs.replace(env.body, **changes))
 
 
@@ -808,3 +810,16 @@ def test_encode_keyframe_rebuilds_the_same_state():
     frame = encode_keyframe(snap, 100, 42, snaps[100][1])
     assert frame.keyframe and frame.seq == 100 and frame.stream_id == 42 and frame.events == snaps[100][1]
     assert_same_snapshot(snap, StreamDecoder().feed(frame.payload)[0])
+
+
+def test_the_pool_stream_package_does_not_import_the_history():
+    """Issue 29: kvstream.history imports the pool stream, never the other way round (no module __getattr__ handing
+    out History); the package keeps its public names."""
+    import subprocess
+    import sys
+    code = ("import sys, kvstream.poolstream as ps; from kvstream.poolstream import (StreamEncoder, StreamDecoder, "
+            "Frame, FrameHead, Header, Keyframe, Delta, read_head, frame_of, frame_from_payload, encode_keyframe, "
+            "StreamError, FORMAT_VERSION, MAGIC, ARRAYS); print('kvstream.history' in sys.modules, "
+            "hasattr(ps, 'History'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -13,7 +13,9 @@ import pytest
 import zmq
 
 from kvstream.history import History
-from kvstream.publish import (FRAME_TOPIC, PoolStreamPublisher, PoolStreamSubscriber, PublishError)
+from kvstream.poolstream.publisher import PoolStreamPublisher
+from kvstream.poolstream.subscriber import PoolStreamSubscriber
+from kvstream.poolstream.transport import FRAME_TOPIC, PublishError
 from kvstream.recording import Recorder
 from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
 
@@ -26,7 +28,7 @@ PUBLISHER = """
 import sys
 sys.path.insert(0, {root!r})
 from kvstream.poolstream import StreamEncoder
-from kvstream.publish import PoolStreamPublisher
+from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.recording import read_frames, read_snapshots
 frames = list(read_frames({path!r}))
 if {restart!r}:
@@ -217,15 +219,11 @@ def test_bad_endpoints_get_a_clear_error():
         with pytest.raises(PublishError, match="closed"):
             pub.close()
             pub.write(encode_all(workload()[:1])[1][0])
-    for bad in ("localhost:5560", 5560, None):
-        with pytest.raises(PublishError, match="endpoint looks like"):
+    for bad in ("localhost:5560", 5560, None, "bogus://x", "tcp://127.0.0.1"):
+        with pytest.raises(PublishError, match="ZMQ endpoint"):
             PoolStreamPublisher(bad)
-        with pytest.raises(PublishError, match="endpoint looks like"):
+        with pytest.raises(PublishError, match="ZMQ endpoint"):
             PoolStreamSubscriber(bad)
-    with pytest.raises(PublishError, match="cannot publish"):
-        PoolStreamPublisher("bogus://x")
-    with pytest.raises(PublishError, match="cannot attach"):
-        PoolStreamSubscriber("tcp://127.0.0.1")
     with PoolStreamPublisher("tcp://127.0.0.1:0") as pub:
         with pytest.raises(TypeError):
             pub.write(b"bytes")

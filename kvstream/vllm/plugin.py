@@ -93,13 +93,10 @@ def _hook(module) -> None:
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
-    """The endpoint data-parallel rank ``rank`` binds: tcp port + rank (port 0 stays 0), other paths + _dp<rank>."""
-    if rank <= 0:
-        return endpoint
-    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
-        base, port = endpoint.rsplit(":", 1)
-        return endpoint if port == "0" else f"{base}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
+    """The endpoint data-parallel rank ``rank`` binds: the one rule of :func:`kvstream.endpoints.endpoint_for_rank`
+    (tcp port + rank, port 0 stays 0; ipc and inproc paths + _dp<rank>), with the endpoint checked."""
+    from kvstream.endpoints import endpoint_for_rank
+    return endpoint_for_rank(endpoint, rank)
 
 
 def attach(scheduler: Any) -> "PoolPublisher | None":
@@ -120,14 +117,15 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
             logger.warning("paged-kv-explorer: not publishing the block pool: %s", exc)
             return None
         try:
-            publisher = PoolPublisher(tap, StreamSink(endpoint), max_hz=_env_float(ENV_MAX_HZ, 20.0),
+            sink = StreamSink(endpoint)
+            publisher = PoolPublisher(tap, sink, max_hz=_env_float(ENV_MAX_HZ, 20.0),
                                       budget=_env_float(ENV_BUDGET, 0.02))
         except Exception:
             tap.detach()  # e.g. the endpoint is taken: vLLM goes on exactly as without the plugin
             raise
         setattr(scheduler, ATTRIBUTE, publisher)
         logger.info("paged-kv-explorer: publishing vLLM %s's block pool (%d blocks of %d tokens) on %s",
-                    version, tap.num_blocks, tap.block_size, endpoint)
+                    version, tap.num_blocks, tap.block_size, sink.bound)
         return publisher
     except Exception as exc:
         logger.warning("paged-kv-explorer: not publishing the block pool (%s: %s)", type(exc).__name__, exc)
@@ -154,12 +152,17 @@ class StreamSink:
 
     def __init__(self, endpoint: str):
         from kvstream.poolstream import StreamEncoder
-        from kvstream.publish import PoolStreamPublisher
+        from kvstream.poolstream.publisher import PoolStreamPublisher
         self.encoder = StreamEncoder()  # keyframe, then deltas
         self.publisher = PoolStreamPublisher(endpoint)  # its own thread owns the socket: write() never blocks
 
     def __call__(self, snapshot, events) -> None:
         self.publisher.write(self.encoder.encode(snapshot, events))
+
+    @property
+    def bound(self) -> str:
+        """The endpoint the publisher bound (the port chosen, for port 0)."""
+        return self.publisher.bound
 
     def close(self) -> None:
         self.publisher.close()

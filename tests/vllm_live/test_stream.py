@@ -21,7 +21,7 @@ import pytest
 from kvstream.vllm import plugin as vllm_plugin
 from kvstream.events import EventKind, PoolModel
 from kvstream.kv_events.subscriber import KVEventSubscriber
-from kvstream.publish import PoolStreamSubscriber
+from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.views import BlockState, Status
 from kvstream.vllm.hash import hash64
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of

@@ -1,26 +1,14 @@
-"""The pool stream over the network: ``--publish ENDPOINT`` (PoolStreamPublisher) and ``--attach ENDPOINT``
-(PoolStreamSubscriber), over ZMQ.
+"""The pool stream over the network, the receiving side: ``--attach ENDPOINT`` (PoolStreamSubscriber), over ZMQ.
 
-Why this shape: the engine thread must never wait for the network, a subscriber may join at any time and must see
-the pool at once (not after the next keyframe, which may be minutes away at 10 steps/s), and a slow or restarted
-peer must recover by itself.
-
-- The publisher's XPUB socket sees every subscription (XPUB_VERBOSE). When one arrives it sends the last keyframe
-  and every delta since (its catch-up buffer, at most one keyframe interval) to all subscribers; those that have
-  them already skip them by seq. So a late subscriber gets a keyframe first, from the same single endpoint.
-- A subscriber that sees a gap (a dropped message, a heartbeat ahead of it) subscribes to a fresh ``resync`` topic,
-  which asks for the same catch-up; until it comes it keeps the last good state.
-- When no frame went out for a second, the publisher sends a heartbeat (stream id, last seq), so a subscriber tells
-  an idle source from a silent one. ZMQ reconnects by itself; the subscriber reports what it sees.
-
-Messages are two-part: ``[b"kvpool.frame", pool-stream message]`` or ``[b"kvpool.heartbeat", msgpack
-[magic, format version, stream id, last seq, unix time]]``. The engine thread hands frames to the publisher's own
-thread through an inproc socket without blocking; the publisher thread owns the network socket.
+Why this shape (see :mod:`.publisher` for the other side): a subscriber may join at any time and must see the pool
+at once, and a dropped message or a restarted source must be recovered by itself. One that sees a gap (a dropped
+message, a heartbeat ahead of it) subscribes to a fresh ``resync`` topic, which asks the publisher for its last
+keyframe and the deltas since; until they come it keeps the last good state. Heartbeats tell an idle source from a
+silent one; ZMQ reconnects by itself, and the subscriber reports what it sees.
 """
 from __future__ import annotations
 
 import itertools
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -29,179 +17,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .history import History
-from .poolstream import FORMAT_VERSION, MAGIC, Frame, StreamDecoder, StreamError, frame_of, read_head
-from .views import PoolSnapshot
-
-FRAME_TOPIC = b"kvpool.frame"  # first part of a frame message
-HEARTBEAT_TOPIC = b"kvpool.heartbeat"  # first part of a heartbeat
-RESYNC_TOPIC = b"kvpool.resync."  # a subscription to this prefix (plus a nonce) asks for a catch-up
-TOPIC_PREFIX = b"kvpool."  # what a subscriber subscribes to
-HEARTBEAT_SECONDS = 1.0  # a heartbeat goes out when no frame did for this long
-SILENT_SECONDS = 3.0  # a subscriber that heard nothing for this long says the source is silent
-_META = struct.Struct("<qB")  # seq, keyframe: what the publisher thread needs to keep its catch-up buffer
-_inproc_ids = itertools.count()
+from ..history import History
+from ..views import PoolSnapshot
+from .decode import StreamDecoder, frame_of, read_head
+from .schema import MAGIC, StreamError
+from .transport import (_HEARTBEAT_DECODER, FRAME_TOPIC, HEARTBEAT_TOPIC, RESYNC_TOPIC, SILENT_SECONDS, TOPIC_PREFIX,
+                        PublishError, _endpoint, _zmq_message)
 
 
-class PublishError(ValueError):
-    """An endpoint that cannot be bound or connected (malformed, in use, unsupported transport)."""
-
-
-class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
-    """What a publisher says when it has nothing new: which stream it is and how far it got."""
-
-    magic: str  # MAGIC
-    format_version: int
-    stream_id: int  # of the frames it publishes (0 before the first)
-    last_seq: int  # seq of the last frame it sent (-1 before the first)
-    time: float  # its Unix time
-
-
-_HEARTBEAT_DECODER = msgspec.msgpack.Decoder(Heartbeat)
-
-
-def _endpoint(endpoint) -> str:
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise PublishError(f"an endpoint looks like tcp://host:5560 or ipc:///tmp/pool.sock, not {endpoint!r}")
-    return endpoint
-
-
-def _zmq_message(exc: zmq.ZMQError, verb: str, endpoint: str) -> str:
-    hint = ""
-    if exc.errno == zmq.EADDRINUSE:
-        hint = ": the address is in use (another publisher?); pick another port"
-    elif exc.errno in (zmq.EINVAL, zmq.EPROTONOSUPPORT):
-        hint = ": expected tcp://host:port, tcp://*:port or ipc://path"
-    return f"cannot {verb} {endpoint} ({exc.strerror}){hint}"
-
-
-# ---- publisher ---------------------------------------------------------------------------------------------------
-class PoolStreamPublisher:
-    """A sink that publishes every frame on ``endpoint`` (bound), with catch-up for late subscribers.
-
-    ``write`` never blocks: if the publisher thread falls 10,000 messages behind, frames are dropped and counted
-    (subscribers see the gap and resync)."""
-
-    def __init__(self, endpoint: str, *, start: Frame | None = None, heartbeat_seconds: float = HEARTBEAT_SECONDS,
-                 context: zmq.Context | None = None):
-        self.endpoint = _endpoint(endpoint)  # as given ("tcp://*:5560")
-        self.heartbeat_seconds = heartbeat_seconds
-        self.frames_written = 0  # frames handed to the publisher thread
-        self.frames_dropped = 0  # frames dropped because the publisher thread was too far behind
-        self.catch_ups = 0  # catch-ups sent (one per subscription or resync request)
-        self.subscriptions = 0  # subscriptions seen
-        self._ctx = context or zmq.Context.instance()
-        self._xpub = self._ctx.socket(zmq.XPUB)
-        self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self._xpub.setsockopt(zmq.LINGER, 0)
-        self._xpub.setsockopt(zmq.SNDHWM, 10000)
-        try:
-            self._xpub.bind(self.endpoint)
-        except zmq.ZMQError as exc:
-            self._xpub.close(0)
-            raise PublishError(_zmq_message(exc, "publish on", self.endpoint)) from None
-        self.bound = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)  # the endpoint actually bound (port chosen)
-        name = f"inproc://kvpool-publisher-{next(_inproc_ids)}"
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(name)
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, 10000)
-        self._push.connect(name)
-        self._lock = threading.Lock()  # the push socket is used by whichever thread writes
-        self._stop = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"publish {self.endpoint}", daemon=True)
-        self._thread.start()
-        if start is not None:
-            self.write(start)
-
-    def write(self, frame: Frame) -> None:
-        if not isinstance(frame, Frame):
-            raise TypeError(f"a publisher sends Frames, not {type(frame).__name__}")
-        with self._lock:
-            if self._closed:
-                raise PublishError(f"the publisher on {self.endpoint} is closed")
-            try:
-                self._push.send_multipart([_META.pack(frame.seq, frame.keyframe), frame.payload],
-                                          flags=zmq.NOBLOCK, copy=False)
-                self.frames_written += 1
-            except zmq.Again:
-                self.frames_dropped += 1
-
-    def close(self, timeout: float = 1.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._stop.set()
-        self._thread.join(timeout)
-        self._push.close(0)
-
-    def __enter__(self) -> "PoolStreamPublisher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # ---- publisher thread -----------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        xpub, pull = self._xpub, self._pull
-        poller = zmq.Poller()
-        poller.register(xpub, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        buffer: list[bytes] = []  # the last keyframe and the deltas after it (empty: no usable keyframe yet)
-        last_seq, stream_id, last_sent = -1, 0, time.monotonic()
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(timeout=min(100, int(self.heartbeat_seconds * 1000))))
-                catch_up = False
-                if xpub in ready:
-                    while True:
-                        try:
-                            msg = xpub.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if msg[:1] == b"\x01":  # a subscription (new subscriber or resync request)
-                            self.subscriptions += 1
-                            catch_up = True
-                if pull in ready:
-                    while True:
-                        try:
-                            meta, payload = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        seq, key = _META.unpack(meta.bytes)
-                        data = payload.bytes
-                        if key:
-                            buffer = [data]
-                            try:
-                                stream_id = read_head(data).stream_id
-                            except StreamError:
-                                buffer = []
-                        elif buffer and seq == last_seq + 1:
-                            buffer.append(data)
-                        else:
-                            buffer = []  # a hole (dropped frame): no catch-up until the next keyframe
-                        last_seq = seq
-                        xpub.send_multipart([FRAME_TOPIC, data], copy=False)
-                        last_sent = time.monotonic()
-                if catch_up and buffer:
-                    for data in buffer:
-                        xpub.send_multipart([FRAME_TOPIC, data], copy=False)
-                    self.catch_ups += 1
-                    last_sent = time.monotonic()
-                if time.monotonic() - last_sent >= self.heartbeat_seconds:
-                    beat = msgspec.msgpack.encode(Heartbeat(MAGIC, FORMAT_VERSION, stream_id, last_seq, time.time()))
-                    xpub.send_multipart([HEARTBEAT_TOPIC, beat])
-                    last_sent = time.monotonic()
-        finally:
-            xpub.close(0)
-            pull.close(0)
-
-
-# ---- subscriber --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SubscriberStatus:
     """How an attached pool is doing, for the window's status line and ``--json``."""
@@ -228,7 +51,7 @@ class PoolStreamSubscriber:
 
     def __init__(self, endpoint: str, history: History | None = None, *, silent_seconds: float = SILENT_SECONDS,
                  context: zmq.Context | None = None):
-        self.endpoint = _endpoint(endpoint)
+        self.endpoint = _endpoint(endpoint, bind=False)
         self.history = History() if history is None else history  # every frame applied goes here
         self.silent_seconds = silent_seconds
         self._ctx = context or zmq.Context.instance()
