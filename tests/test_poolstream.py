@@ -129,11 +129,12 @@ def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise)
     prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
                       if s.changed_blocks is not None and s.changed_blocks[0] is p
                       and 0 < s.changed_blocks[1]["num_filled"].sum() < s.num_blocks
-                      and (s.num_filled != p.num_filled).any())
+                      and (s.num_filled != p.num_filled).any()
+                      and (~s.changed_blocks[1]["num_filled"] & (s.state == 1) & (s.num_filled > 0)).any())
     mask = snap.changed_blocks[1]["num_filled"]
-    outside = int(np.flatnonzero(~mask)[0])
+    outside = int(np.flatnonzero(~mask & (snap.state == 1) & (snap.num_filled > 0))[0])  # a possible change
     filled = snap.num_filled.copy()
-    filled[outside] += 1
+    filled[outside] -= 1
     forged = dataclasses.replace(snap, num_filled=frozen_array(filled))
     if promise:
         promise_changed_blocks(forged, prev, mask)
@@ -458,7 +459,7 @@ def _mutate_conv(c: ConversationInfo, rng: random.Random, n: int) -> Conversatio
         return dataclasses.replace(c, output_token_ids=c.output_token_ids + (rng.randrange(70000),),
                                    output_text=c.output_text + rng.choice(["", "é", "ab", "\U0001F600"]),
                                    num_computed_tokens=c.num_computed_tokens + 1,
-                                   block_table=c.block_table + ((rng.randrange(n),) if rng.random() < 0.3 else ()))
+                                   block_table=c.block_table + _new_block(c.block_table, rng, n))
     if choice == 1:  # text rewritten in the middle (a held-back UTF-8 sequence resolved)
         cut = rng.randrange(len(c.output_text) + 1)
         return dataclasses.replace(c, output_text=c.output_text[:cut] + "\ufffd" + "x" * rng.randrange(3))
@@ -474,13 +475,22 @@ def _mutate_conv(c: ConversationInfo, rng: random.Random, n: int) -> Conversatio
         return dataclasses.replace(c, parent_id=rng.randrange(5), temperature=rng.random(),
                                    num_preemptions=c.num_preemptions + 1)
     if choice == 6:  # relocated: the whole table changes
-        return dataclasses.replace(c, block_table=tuple(rng.randrange(n) for _ in c.block_table))
+        return dataclasses.replace(c, block_table=tuple(rng.sample(range(n), min(n, len(c.block_table)))))
     if choice == 7:  # equal but not the same object
         return dataclasses.replace(c)
     return c
 
 
+def _new_block(table: tuple, rng: random.Random, n: int) -> tuple:
+    """Sometimes a block the table does not name yet (a table never names a block twice)."""
+    b = rng.randrange(n)
+    return (b,) if rng.random() < 0.3 and b not in table else ()
+
+
 def _snapshot(step, n, rng, convs, *, hashes=True, memory=True, arrays=None) -> PoolSnapshot:
+    """A random pool that could exist (kvstream.poolstream.validate's rules): the arrays change at random places
+    between frames, then the tables decide which blocks are USED, with their ref counts and an owner among their
+    holders; the blocks no table names are FREE (empty, no owner, no hash) or CACHED (full, hashed)."""
     arrays = arrays or {}
 
     def arr(name, dtype, lo, hi):
@@ -498,15 +508,40 @@ def _snapshot(step, n, rng, convs, *, hashes=True, memory=True, arrays=None) -> 
     keys = list(tables)
     if rng.random() < 0.2:
         rng.shuffle(keys)
+    holders: dict[int, list[int]] = {}
+    for cid, table in tables.items():
+        for b in table:
+            holders.setdefault(b, []).append(cid)
+    ref = np.zeros(n, np.int32)
+    for b, cids in holders.items():
+        ref[b] = len(cids)
+    state = arr("state", np.int8, 0, 3).copy()
+    state[state == 1] = 0
+    state[ref > 0] = 1
+    filled = arr("num_filled", np.int32, 0, 5).copy()
+    filled[state == 0], filled[state == 2] = 0, 4
+    owner = arr("owner", np.int32, -1, 2 ** 31 - 1).copy()
+    owner[state == 0] = -1
+    for b, cids in holders.items():
+        if int(owner[b]) not in cids:
+            owner[b] = cids[rng.randrange(len(cids))]
+    block_hash = None
+    if hashes:
+        block_hash = arr("block_hash", np.uint64, 0, 2 ** 64).copy()
+        block_hash[state == 0] = 0
+        block_hash[(state == 2) & (block_hash == 0)] = 1
+        block_hash.setflags(write=False)
+    for a in (ref, state, filled, owner):
+        a.setflags(write=False)
+    counts = np.bincount(state, minlength=3)
     return PoolSnapshot(
-        step_id=step, block_size=4, num_blocks=n, ref_count=arr("ref_count", np.int32, 0, 5),
-        num_filled=arr("num_filled", np.int32, 0, 5), state=arr("state", np.int8, 0, 3),
-        owner=arr("owner", np.int32, -1, 2 ** 31 - 1), last_access=arr("last_access", np.int64, -2 ** 40, 2 ** 62),
+        step_id=step, block_size=4, num_blocks=n, ref_count=ref, num_filled=filled, state=state, owner=owner,
+        last_access=arr("last_access", np.int64, 0, 2 ** 62),
         block_tables=MappingProxyType({k: tables[k] for k in keys}), conversations=tuple(convs),
         metrics=EngineMetrics(num_steps=step, last_step_seconds=rng.random()),
-        memory=MemoryStats(64, 16, step, 0, 0, 1, 2, 3, 4, 5, 6, 7) if memory else None,
-        model_name="m", max_model_len=99, device="cpu",
-        block_hash=arr("block_hash", np.uint64, 0, 2 ** 64) if hashes else None, version=step, source="engine")
+        memory=MemoryStats(64, 16, int(counts[1]), int(counts[2]), int(counts[0]), 1, 2, 3, 4, 5, step, 7)
+        if memory else None,
+        model_name="m", max_model_len=99, device="cpu", block_hash=block_hash, version=step, source="engine")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,6 +17,8 @@ from msgspec import UNSET
 
 from ..events import BlockEvent
 from ..views import ConversationInfo, EngineMetrics, MemoryStats, PoolSnapshot
+from .validate import (MAX_TOKEN_ID, TableCounts, check_conversation_values, check_number, check_size,
+                       check_snapshot, check_token_ids)
 from .schema import (_BLANK, _BLANK_CONV, _BODY_DECODER, _COMPUTED_AT, _CONV_NAMES, _CONV_VALUES, _DROP_AT, _DTYPES,
                      _ENVELOPE_DECODER, _ENVELOPE_NO_EVENTS_DECODER, _MAGIC_BYTES, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _OUT_AT, _PLAIN_AT, _SEQ_AT, _TABLE_AT, _TEXT_AT, _TEXT_OUT_AT, _VERSION_DECODER, ARRAYS,
@@ -70,8 +72,8 @@ def read_head(payload: bytes, events: bool = True) -> FrameHead:
         env = (_ENVELOPE_DECODER if events else _ENVELOPE_NO_EVENTS_DECODER).decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise StreamError(f"malformed pool-stream message: {_why(exc)}") from None
-    if env.seq < 0:
-        raise StreamError(f"malformed pool-stream message: negative frame number {env.seq}")
+    if env.seq < 0 or env.step_id < 0:
+        raise StreamError(f"malformed pool-stream message: negative frame or step number ({env.seq}, {env.step_id})")
     return FrameHead(env.stream_id, env.seq, env.step_id, env.keyframe, env.events if events else (), env.body,
                      env.bridge)
 
@@ -115,6 +117,7 @@ def _check_numbers(values: Numbers, fields: dict[str, type], what: str, complete
             raise StreamError(f"malformed pool-stream message: {what} has no field {name!r}")
         if kind is int and type(value) is not int:
             raise StreamError(f"malformed pool-stream message: {what}.{name} must be an integer, got {value!r}")
+        check_number(what, name, value)
     if complete and len(values) != len(fields):
         missing = sorted(set(fields) - set(values))
         raise StreamError(f"malformed pool-stream message: {what} lacks {', '.join(missing)}")
@@ -163,8 +166,14 @@ def _read_patch(patch: ArrayPatch, name: str, n: int, dtype: np.dtype):
     index = None
     if patch.gaps is not None:
         gaps = _unpack(patch.gaps, f"{name} indices")
-        if gaps.dtype.kind == "i" and gaps.size and gaps.min() < 0:
-            raise StreamError(f"malformed pool-stream message: negative gap in the indices of {name}")
+        if gaps.size > n:
+            raise StreamError(f"malformed pool-stream message: {name} changes {gaps.size} entries of a pool of {n} "
+                              "blocks")
+        # every gap below n, before they are added up: an unsigned gap of 2**64 - 1 would wrap to -1 in int64 and
+        # write the block before the one meant; with size <= n and gaps < n the sum stays far inside int64
+        if gaps.size and (gaps.min() < 0 or gaps.max() >= n):
+            raise StreamError(f"malformed pool-stream message: a gap in the indices of {name} is negative or past "
+                              f"the pool's {n} blocks")
         index = np.cumsum(gaps.astype(np.int64) + 1) - 1  # [changed] ascending indices
         if index.size and index[-1] >= n:
             raise StreamError(f"malformed pool-stream message: {name} index {int(index[-1])} is past the pool's "
@@ -185,7 +194,7 @@ class _State:
     """Mutable decoded state of one stream, with the immutable pieces of the last snapshot built from it."""
 
     __slots__ = ("header", "stream_id", "seq", "step_id", "version", "dtypes", "work", "frozen", "tables",
-                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending")
+                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending", "counts")
 
     def __init__(self, header: Header, stream_id: int):
         self.header = header  # the pool's header
@@ -208,6 +217,7 @@ class _State:
         # first. Applied in one go when anything reads the rows (a build, a patch or drop of one of those
         # conversations), so that a run of 60 deltas costs one extend per conversation, not 60 (see _flush).
         self.pending: list[tuple[list[int], np.ndarray, list[str], Any]] = []
+        self.counts: TableCounts | None = None  # table references per block as of the last snapshot checked
 
 
 def _check_table(cid: int, old: tuple | None, drop: int, tail: tuple, n: int) -> None:
@@ -243,7 +253,15 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
     if table is not UNSET and table[1] and (min(table[1]) < 0 or max(table[1]) >= n):
         raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id} names a block outside "
                           f"0..{n - 1}")
+    for i in _TOKENS_AT:
+        if values[i] is not UNSET:
+            check_token_ids(values[i][1], p.conversation_id, _CONV_NAMES[i].split("_")[0])
+    check_conversation_values(p.conversation_id, {_CONV_NAMES[i]: values[i] for i in _PLAIN_AT
+                                                  if values[i] is not UNSET and values[i] is not None})
     return values
+
+
+_TOKENS_AT = tuple(i for i in _SEQ_AT if i != _TABLE_AT)  # positions of the token id tuples (prompt, output)
 
 
 def _apply_conv(values: tuple, vals: list) -> None:
@@ -373,14 +391,19 @@ class StreamDecoder:
         if state is None:
             raise StreamError("no keyframe decoded yet: there is no snapshot")
         if state.snap is None:
-            state.snap = _build(state)
+            snap = _build(state)
+            try:
+                state.counts = check_snapshot(snap, state.counts)
+            except StreamError as exc:
+                self._state = None  # what it followed cannot be trusted: wait for a keyframe
+                raise StreamError(f"frame {state.seq} refused: {exc}; waiting for a keyframe") from None
+            state.snap = snap
         return state.snap
 
 
 def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
     h = body.header
-    if h.num_blocks < 1 or h.block_size < 1 or h.max_model_len < 0:
-        raise StreamError(f"malformed pool-stream message: header says {h.num_blocks} blocks of {h.block_size} slots")
+    check_size(h.num_blocks, h.block_size, h.max_model_len)  # before the arrays are allocated
     missing = [name for name in ARRAYS[:-1] if name not in h.dtypes]
     unknown = [name for name in h.dtypes if name not in ARRAYS]
     bad = [d for d in h.dtypes.values() if d not in _DTYPES]
@@ -484,6 +507,9 @@ def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
                           "there, repeated or also patched")
     token_counts = _read_column(g.token_counts, count, "grown token counts")
     tokens = _unpack(g.tokens, "grown tokens")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise StreamError(f"impossible pool (token ids): a grown conversation has output token id {bad}")
     if token_counts != 1:  # one token each stays an array (see _State.pending)
         tokens = tokens.tolist()
     block_counts = _read_column(g.block_counts, count, "grown block counts")
@@ -501,6 +527,8 @@ def _check_grown(g: Grown, convs: dict, patched: set, n: int) -> tuple:
         raise StreamError("malformed pool-stream message: the grown columns do not line up")
     if blocks and (min(blocks) < 0 or max(blocks) >= n):
         raise StreamError(f"malformed pool-stream message: a grown block table names a block outside 0..{n - 1}")
+    if least(computed) < 0:
+        raise StreamError(f"impossible pool (num_computed_tokens): a grown conversation has {least(computed)}")
     return ids, token_counts, tokens, g.texts, computed, block_counts, blocks
 
 
