@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 from kvstream.tokens import piece_text
 
@@ -102,6 +103,8 @@ class AttachFeed(Feed):
         self._latest_seq: int | None = None
         self._last_state = ""
         self._problems: list[Problem] = []
+        self._reported_malformed = 0  # malformed count already reported as a problem
+        self._reported_at = -1e9  # monotonic time of that report
 
     @classmethod
     def connect(cls, endpoint: str, tokenizer=None, history_bytes: int | None = None) -> "AttachFeed":
@@ -133,6 +136,14 @@ class AttachFeed(Feed):
                 self._problems.append(Problem("Attached pool silent", f"{self.endpoint}: {status.text}. The view "
                                               "keeps the last state; it resumes by itself when frames come again."))
             self._last_state = status.state
+        if status.malformed > self._reported_malformed and time.monotonic() - self._reported_at >= 10.0:
+            # said at most every 10 s: the status line keeps the count
+            self._reported_at = time.monotonic()
+            self._problems.append(Problem("Attached pool: messages refused",
+                                          f"{self.endpoint}: {status.malformed - self._reported_malformed} "
+                                          f"message(s) refused; the last because {status.last_error}. The view "
+                                          "never shows a refused frame; it goes on with the next good one."))
+            self._reported_malformed = status.malformed
         out, self._problems = self._problems, []
         return out
 
@@ -144,8 +155,12 @@ class AttachFeed(Feed):
 
     def summary(self, final: bool = False) -> dict:
         data = super().summary(final)
+        status = self.subscriber.status
         data["endpoint"] = self.endpoint
-        data["stream"] = self.subscriber.status.state
+        data["stream"] = status.state
+        data["malformed"] = status.malformed  # messages refused (malformed, impossible pools, frames from the future)
+        data["lost"] = status.lost  # frames of the stream never applied
+        data["last_error"] = status.last_error
         return data
 
     def close(self) -> None:

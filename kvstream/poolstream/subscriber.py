@@ -21,8 +21,8 @@ from ..history import History
 from ..views import PoolSnapshot
 from .decode import StreamDecoder, frame_of, read_head
 from .schema import MAGIC, StreamError
-from .transport import (_HEARTBEAT_DECODER, FRAME_TOPIC, HEARTBEAT_TOPIC, RESYNC_TOPIC, SILENT_SECONDS, TOPIC_PREFIX,
-                        PublishError, _endpoint, _zmq_message)
+from .transport import (_HEARTBEAT_DECODER, FRAME_TOPIC, FUTURE_FRAMES, HEARTBEAT_TOPIC, MAX_FRAME_RATE, RESYNC_TOPIC,
+                        SILENT_SECONDS, TOPIC_PREFIX, PublishError, _endpoint, _zmq_message)
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,18 @@ class SubscriberStatus:
     last_seq: int | None  # seq of the newest frame applied
     silent_seconds: float | None  # seconds since the last message of any kind (None before the first)
     last_error: str  # the latest problem in words ("" if none)
+    lost: int = 0  # frames of the stream never applied (missed in gaps and not caught up)
 
 
 class PoolStreamSubscriber:
     """Reads a pool stream from ``endpoint`` on its own thread into ``history`` and keeps the newest snapshot.
 
-    Never raises from its thread: malformed messages are counted and skipped, gaps trigger a resync, a restarted
-    source (a new stream id) starts the history again, and ZMQ reconnects by itself."""
+    Never raises from its thread and never stops: a message that cannot be used for any reason (malformed, a pool
+    that cannot exist, an error while handling it) is counted as malformed, its reason kept as ``last_error``, and
+    skipped; gaps trigger a resync; a frame from the future (a keyframe of this stream further ahead than the source
+    can have got, or a state ahead of what the source's heartbeat says it sent) is refused or dropped, and the
+    subscriber resyncs from the next keyframe instead of waiting for frames that will never be newer; a restarted
+    source (a new stream id) starts the history again; ZMQ reconnects by itself."""
 
     def __init__(self, endpoint: str, history: History | None = None, *, silent_seconds: float = SILENT_SECONDS,
                  context: zmq.Context | None = None):
@@ -68,7 +73,8 @@ class PoolStreamSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
         self._decoder = StreamDecoder()
         self._lock = threading.Lock()  # guards the decoder and the counters against readers
-        self._frames = self._malformed = self._gaps = self._resyncs = self._restarts = 0
+        self._frames = self._malformed = self._gaps = self._resyncs = self._restarts = self._lost = 0
+        self._applied_at = 0.0  # monotonic time the last frame was applied
         self._connected = False
         self._last_message: float | None = None  # monotonic time of the last message
         self._last_resync = 0.0
@@ -106,9 +112,11 @@ class PoolStreamSubscriber:
             else:
                 state, text = "live", f"live at frame {seq}"
             if self._malformed:
-                text += f" ({self._malformed} malformed message{'s' if self._malformed != 1 else ''} skipped)"
+                text += f" ({self._malformed} malformed message{'s' if self._malformed != 1 else ''} skipped"
+                text += f"; last: {self._last_error[:80]})" if self._last_error else ")"
             return SubscriberStatus(state, text, self.endpoint, self._connected, self._frames, self._malformed,
-                                    self._gaps, self._resyncs, self._restarts, seq, silent, self._last_error)
+                                    self._gaps, self._resyncs, self._restarts, seq, silent, self._last_error,
+                                    self._lost)
 
     def close(self, timeout: float = 1.0) -> None:
         if self._closed:
@@ -140,7 +148,10 @@ class PoolStreamSubscriber:
                             parts = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(parts)
+                        try:
+                            self._on_message(parts)
+                        except Exception as exc:  # whatever a message does, the watcher goes on (and says so)
+                            self._bad(f"{type(exc).__name__} while reading a message: {exc}")
                 if self._waiting_resync and time.monotonic() - self._last_resync > 1.0:
                     self._resync()  # the catch-up did not come (or was lost): ask again
         finally:
@@ -199,6 +210,15 @@ class PoolStreamSubscriber:
             self._bad("a heartbeat of another protocol")
             return
         seq, stream = self._decoder.seq, self._decoder.stream_id
+        if seq is not None and stream == beat.stream_id and seq > beat.last_seq >= 0:
+            # the state is ahead of what the source says it sent: a frame from the future was applied (forged or
+            # damaged); drop it and start again from the source's next keyframe
+            with self._lock:
+                self._decoder = StreamDecoder()
+                self._last_error = (f"the view was at frame {seq}, ahead of the source's frame {beat.last_seq}: "
+                                    "dropped it, resyncing")
+                self._malformed += 1
+            seq = None
         behind = beat.last_seq >= 0 and (seq is None or stream != beat.stream_id or beat.last_seq > seq)
         if behind and not self._waiting_resync:
             if seq is not None and stream == beat.stream_id:
@@ -216,6 +236,10 @@ class PoolStreamSubscriber:
         same = decoder.stream_id == head.stream_id
         if same and head.seq <= decoder.seq:
             return  # a catch-up sent for another subscriber (or a repeat): already applied
+        if same and head.seq > decoder.seq + FUTURE_FRAMES + MAX_FRAME_RATE * (time.monotonic() - self._applied_at):
+            self._bad(f"frame {head.seq} of this stream is further ahead of frame {decoder.seq} than the source can "
+                      "have got: refused (a frame from the future)")
+            return
         if not head.keyframe and (not same or head.seq != decoder.seq + 1):
             if not self._waiting_resync:  # the first frame after the gap; the loop asks again every second
                 if decoder.seq is not None and same:
@@ -226,13 +250,20 @@ class PoolStreamSubscriber:
         restarted = head.keyframe and not same and decoder.stream_id is not None
         try:
             with self._lock:
+                before = decoder.seq if same else None
                 decoder.apply(head)
+                decoder.snapshot()  # checked here, on this thread: a pool that cannot exist is never shown
                 self._frames += 1
+                self._applied_at = time.monotonic()
+                if before is not None and head.seq > before + 1:
+                    self._lost += head.seq - before - 1
                 self._waiting_resync = False  # in step again (a keyframe, or the catch-up's missing deltas)
                 if restarted:
                     self._restarts += 1
         except StreamError as exc:
             self._bad(str(exc))
+            if decoder.seq is None:  # the frame broke the pool's rules: the decoder waits for a keyframe
+                self._resync()
             return
         frame = frame_of(head, payload)
         try:

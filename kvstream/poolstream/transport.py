@@ -19,6 +19,9 @@ HEARTBEAT_TOPIC = b"kvpool.heartbeat"  # first part of a heartbeat
 RESYNC_TOPIC = b"kvpool.resync."  # a subscription to this prefix (plus a nonce) asks for a catch-up
 TOPIC_PREFIX = b"kvpool."  # what a subscriber subscribes to
 HEARTBEAT_SECONDS = 1.0  # a heartbeat goes out when no frame did for this long
+FUTURE_FRAMES = 100_000  # a keyframe of the stream a subscriber follows may be this many frames ahead of it, plus
+MAX_FRAME_RATE = 10_000  # this many a second since it last applied one (no source publishes faster); further ahead
+# is a frame from the future: applied, it would make every genuine frame after it look "already applied"
 SILENT_SECONDS = 3.0  # a subscriber that heard nothing for this long says the source is silent
 _META = struct.Struct("<qB")  # seq, keyframe: what the publisher thread needs to keep its catch-up buffer
 _inproc_ids = itertools.count()
