@@ -58,7 +58,8 @@ class _Stop:
 def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=None) -> int:
     """Poll ``feeds`` until ``done()`` (all finished), ``quit_after`` seconds, or a signal; print as asked.
 
-    Returns the exit status (0). The last line(s) describe each feed's final view.
+    Returns the exit status: 0, or 1 when an output stopped (a full disk under ``--record``). The last line(s)
+    describe each feed's final view.
     """
     stop = _Stop()
     stop.install()
@@ -74,11 +75,13 @@ def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=
             printed_any = _print_views(feeds, json_mode, out) or printed_any
             last_print = now
         stop.event.wait(POLL_S)
+    failed = False
     for feed in feeds:
         for problem in feed.take_problems():
             print(f"{problem.title}: {problem.text}", file=sys.stderr)
+            failed = failed or problem.title == "Output stopped"  # --record's disk filled, --publish's socket died
     _print_views(feeds, json_mode, out, final=True)
-    return 0
+    return 1 if failed else 0
 
 
 def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
@@ -110,6 +113,9 @@ def run_headless_cli(opts, cfg) -> int:
     feeds, engine = [], None
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
+            if opts.open:  # every frame decoded and checked first: a corrupt file is one line and exit 2
+                from kvstream.recording import check_recording
+                check_recording(opts.open)
             from .stream_feed import open_feeds
             feeds = open_feeds(opts)
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None

@@ -29,14 +29,14 @@ def check_endpoint(endpoint, *, bind: bool, what: str = "endpoint") -> str:
     ``what`` otherwise. ``bind``: the host may be ``*`` and the port 0 or ``*`` (any free port); a connection needs
     a host and a port from 1 to 65535."""
     if not isinstance(endpoint, str):
-        raise EndpointError(f"{what} must be a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool.sock, "
-                            f"not {type(endpoint).__name__}")
+        raise EndpointError(f"{what} needs a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool.sock, "
+                            f"got {type(endpoint).__name__}")
     if _PATH.fullmatch(endpoint):
         return endpoint
     match = _TCP.fullmatch(endpoint)
     if match is None:
-        raise EndpointError(f"{what} must be a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool.sock, "
-                            f"not {endpoint!r}")
+        raise EndpointError(f"{what} needs a ZMQ endpoint such as tcp://127.0.0.1:5560 or ipc:///tmp/pool.sock, "
+                            f"got {endpoint!r}")
     port = match.group("port")
     if port in ANY_PORT:
         if not bind:

@@ -372,15 +372,21 @@ class History:
             if decoder is None:
                 decoder = StreamDecoder()
             every = _CHECKPOINT_EVERY if backward else _FORWARD_EVERY if seq - start > _FORWARD_EVERY else 0
-            for f in run[bisect.bisect_left(seqs, start):]:
-                if stop is not None and stop():
-                    if decoder.seq is not None and decoder.stream_id == stream:
-                        self._decoder = decoder  # where it got to: a valid state to go on from
-                    raise Cancelled(f"the decode of frame {seq:,} was stopped at frame {decoder.seq}")
-                decoder.apply(read_head(f.payload, events=False))
-                if every and f.seq % every == 0 and start < f.seq < seq and f.seq not in self._checkpoints:
-                    self._keep_checkpoint(decoder)  # the next step back starts here, not at the keyframe
-            snap = decoder.snapshot()
+            at = seq
+            try:
+                for f in run[bisect.bisect_left(seqs, start):]:
+                    if stop is not None and stop():
+                        if decoder.seq is not None and decoder.stream_id == stream:
+                            self._decoder = decoder  # where it got to: a valid state to go on from
+                        raise Cancelled(f"the decode of frame {seq:,} was stopped at frame {decoder.seq}")
+                    at = f.seq
+                    decoder.apply(read_head(f.payload, events=False))
+                    if every and f.seq % every == 0 and start < f.seq < seq and f.seq not in self._checkpoints:
+                        self._keep_checkpoint(decoder)  # the next step back starts here, not at the keyframe
+                at = seq
+                snap = decoder.snapshot()
+            except StreamError as exc:  # said with the frame (and the file): which frame, and why
+                raise self._unusable(seq, at, exc) from None
             self._decoder = decoder
             self._snapshot_stream = stream
             self._snapshots[seq] = snap
@@ -389,6 +395,14 @@ class History:
             return snap
 
     _snapshot_stream = None  # stream the cached snapshots belong to
+
+    def _unusable(self, seq: int, at: int, exc: StreamError) -> StreamError:
+        """The error for frame ``seq`` that cannot be shown because frame ``at`` (on the way to it) failed."""
+        where = f"frame {seq:,}" + (f" (through frame {at:,})" if at != seq else "")
+        if self.recording is not None:
+            from .recording import RecordingError  # recording.py imports this module: asked only here
+            return RecordingError(f"{self.recording.path}: {where} cannot be shown: {exc}")
+        return StreamError(f"{where} cannot be shown: {exc}")
 
     def decode_cost(self, seq: int) -> int:
         """About how many frames :meth:`snapshot_at` would decode for ``seq`` now: 0 when its snapshot is cached,

@@ -14,7 +14,9 @@ a recording may be far bigger than the history's memory budget.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 import threading
 import time
@@ -37,6 +39,20 @@ WRITER = "paged-kv-explorer"
 
 class RecordingError(StreamError):
     """A recording that cannot be written or read: foreign, corrupt, empty, from a newer format, or a bad path."""
+
+
+class RecordingTruncated(RecordingError):
+    """A recording that ends inside a frame (the writer was killed or the disk filled): raised by
+    :func:`read_frames` and :func:`read_snapshots` after the last complete frame, so a script cannot take a
+    cut-off file for a whole one (``truncated_ok=True`` stops quietly instead)."""
+
+    def __init__(self, message: str, frames: int):
+        super().__init__(message)
+        self.frames = frames  # complete frames read before the cut
+
+
+class RecordingFull(RecordingError):
+    """Writing a recording failed because the disk (or the user's quota) is full."""
 
 
 class RecordingHeader(msgspec.Struct, frozen=True):
@@ -112,7 +128,13 @@ class Recorder:
                 self._file.flush()
             except OSError as exc:
                 self._closed = True
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:  # the buffered rest cannot be written either
+                    pass
+                if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                    raise RecordingFull(f"the disk is full: the recording {self.path} stopped after "
+                                        f"{self.frames_written} frames") from None
                 raise RecordingError(f"writing the recording {self.path} failed: {exc.strerror or exc}") from None
             self._last = frame
             self.frames_written += 1
@@ -201,6 +223,25 @@ class _DiskFrame:
         return self._length
 
 
+def _open_regular(path: str):
+    """``path`` opened for reading, if it is a regular file; RecordingError otherwise. Opened without blocking, so
+    that a FIFO (or a device) is refused instead of waiting forever for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise RecordingError(f"cannot open {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RecordingError(f"cannot open {path}: not a regular file (a pipe, a device or a folder is not a "
+                                 "recording)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_exact(f, n: int) -> bytes:
     data = f.read(n)
     return data if data is not None else b""
@@ -253,6 +294,9 @@ def _scan(path: str, f, size: int, offset: int) -> Iterator[tuple[int, int, int,
             raise RecordingError(f"{path}: frame {index} at byte {offset} is corrupt (it claims {length} bytes)")
         payload = _read_exact(f, length)
         if len(payload) < length:
+            if _frame_follows(f, offset + _PREFIX.size, size):  # not a cut: the length field itself is damaged
+                raise RecordingError(f"{path}: frame {index} at byte {offset} is corrupt (its length field claims "
+                                     f"{length} bytes, past the end of the file, yet complete frames follow it)")
             yield offset, length, crc, None, (f"the file ends inside frame {index} (byte {offset + _PREFIX.size + len(payload)} "
                                               f"of {offset + _PREFIX.size + length})")
             return
@@ -263,16 +307,40 @@ def _scan(path: str, f, size: int, offset: int) -> Iterator[tuple[int, int, int,
         index += 1
 
 
+_FRAME_START = b"kvpool"  # a pool-stream message starts with an array header, then this string (after its 0xa6)
+
+
+def _frame_follows(f, start: int, size: int) -> bool:
+    """Whether a complete frame (length, CRC and payload that match, a pool-stream message) starts anywhere in the
+    file from ``start`` on: what tells a damaged length field from a file cut off inside its last frame (whose
+    remaining bytes hold no complete frame). Only asked once, where the file seems to end early."""
+    chunk, pos = 4 << 20, start
+    while pos < size:
+        f.seek(pos)
+        data = f.read(chunk + 16)
+        at = data.find(_FRAME_START)
+        while at != -1:
+            frame_at = pos + at - 2 - _PREFIX.size  # the message starts 2 bytes before the string; its prefix before
+            if frame_at >= start:
+                f.seek(frame_at)
+                prefix = f.read(_PREFIX.size)
+                if len(prefix) == _PREFIX.size:
+                    length, crc = _PREFIX.unpack(prefix)
+                    if frame_at + _PREFIX.size + length <= size and length <= MAX_FRAME_BYTES:
+                        if zlib.crc32(f.read(length)) == crc:
+                            return True
+            at = data.find(_FRAME_START, at + 1)
+        pos += chunk
+    return False
+
+
 def open_recording(path: str | os.PathLike) -> History:
     """A read-only History of the recording at ``path`` (its ``recording`` attribute says what was found).
 
     RecordingError, with a message for the user, for a missing, empty, foreign, corrupt or newer-format file; a
     file cut off inside a frame opens up to its last complete frame, with ``recording.truncated`` set."""
     path = os.fspath(path)
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise RecordingError(f"cannot open {path}: {exc.strerror or exc}") from None
+    f = _open_regular(path)
     try:
         size = os.fstat(f.fileno()).st_size
         header, offset = _open_header(path, f, size)
@@ -287,8 +355,8 @@ def open_recording(path: str | os.PathLike) -> History:
                 head = read_head(payload)
             except StreamError as exc:
                 raise RecordingError(f"{path}: frame {frames} at byte {at} is corrupt: {exc}") from None
-            if last is None and not head.keyframe:
-                raise RecordingError(f"{path}: the first frame is not a keyframe (corrupt recording)")
+            if last is None:
+                _check_first(path, header, head)
             if last is not None and (head.stream_id != last.stream_id or head.seq <= last.seq or head.step_id <
                                      last.step_id or (not head.keyframe and head.seq != last.seq + 1)):
                 raise RecordingError(f"{path}: frame {frames} at byte {at} does not follow the frame before it "
@@ -310,32 +378,73 @@ def open_recording(path: str | os.PathLike) -> History:
     return history
 
 
-def read_frames(path: str | os.PathLike) -> Iterator[Frame]:
-    """Every complete frame of a recording, in order (for scripts); stops quietly at a cut-off end."""
+def read_frames(path: str | os.PathLike, *, truncated_ok: bool = False) -> Iterator[Frame]:
+    """Every complete frame of a recording, in order (for scripts). A corrupt frame raises RecordingError naming
+    it; a file cut off inside a frame raises :class:`RecordingTruncated` after the last complete one, unless
+    ``truncated_ok`` (then it stops quietly)."""
     path = os.fspath(path)
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise RecordingError(f"cannot open {path}: {exc.strerror or exc}") from None
-    with f:
+    with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
-        _, offset = _open_header(path, f, size)
-        for at, _length, _crc, payload, _why in _scan(path, f, size, offset):
+        header, offset = _open_header(path, f, size)
+        index = 0
+        for at, _length, _crc, payload, why in _scan(path, f, size, offset):
             if payload is None:
-                return
+                if truncated_ok:
+                    return
+                raise RecordingTruncated(f"{path} was cut off ({why}) after {index} complete frames", index)
             try:
                 head = read_head(payload)
             except StreamError as exc:
-                raise RecordingError(f"{path}: the frame at byte {at} is corrupt: {exc}") from None
+                raise RecordingError(f"{path}: frame {index} at byte {at} is corrupt: {exc}") from None
+            if index == 0:
+                _check_first(path, header, head)
+            index += 1
             yield frame_of(head, payload)
 
 
-def read_snapshots(path: str | os.PathLike) -> Iterator[tuple[int, PoolSnapshot, tuple]]:
-    """(seq, snapshot, events) of every complete frame of a recording, decoded in order (for scripts)."""
+def read_snapshots(path: str | os.PathLike, *, truncated_ok: bool = False) \
+        -> Iterator[tuple[int, PoolSnapshot, tuple]]:
+    """(seq, snapshot, events) of every complete frame of a recording, decoded and checked in order (for
+    scripts). A frame that is corrupt or describes a pool that cannot exist raises RecordingError naming it; a
+    cut-off file raises :class:`RecordingTruncated` after the last complete frame, unless ``truncated_ok``."""
     decoder = StreamDecoder()
-    for frame in read_frames(path):
+    for index, frame in enumerate(read_frames(path, truncated_ok=truncated_ok)):
         try:
             snapshot, events, seq = decoder.feed(frame.payload)
         except StreamError as exc:
-            raise RecordingError(f"{os.fspath(path)}: frame {frame.seq} is corrupt: {exc}") from None
+            raise RecordingError(f"{os.fspath(path)}: frame {index} (seq {frame.seq}) is corrupt: {exc}") from None
         yield seq, snapshot, events
+
+
+def check_recording(path: str | os.PathLike) -> RecordingInfo:
+    """Decode and check every frame of the recording at ``path`` (headless ``--open``): RecordingError naming the
+    first corrupt frame or impossible pool; what was found otherwise (``truncated`` for a cut-off file)."""
+    path = os.fspath(path)
+    frames = 0
+    truncated, note = False, ""
+    try:
+        for frames, _ in enumerate(read_snapshots(path), 1):
+            pass
+    except RecordingTruncated as exc:
+        truncated, note, frames = True, str(exc), exc.frames
+        if frames == 0:
+            raise RecordingError(f"{path} holds no complete frame ({exc}): nothing was recorded before it was cut "
+                                 "off") from None
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        header, _ = _open_header(path, f, size)
+    return RecordingInfo(path, header, frames, size, size, truncated, note)
+
+
+def _check_first(path: str, header: RecordingHeader, head) -> None:
+    """The file header must agree with the first frame: a keyframe with the same pool header."""
+    if not head.keyframe:
+        raise RecordingError(f"{path}: the first frame is not a keyframe (corrupt recording)")
+    try:
+        pool = _KEY_HEADER_DECODER.decode(head.body).header
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RecordingError(f"{path}: frame 0 is corrupt: {exc}") from None
+    if pool != header.pool:
+        raise RecordingError(f"{path}: the file header describes another pool than its first frame ("
+                             f"{header.pool.num_blocks} blocks of {header.pool.block_size} slots against "
+                             f"{pool.num_blocks} of {pool.block_size}): corrupt recording")

@@ -16,8 +16,8 @@ import msgspec
 import pytest
 
 from kvstream.poolstream import FORMAT_VERSION, StreamEncoder, StreamError
-from kvstream.recording import (MAGIC, Recorder, RecordingError, RecordingHeader, open_recording, read_frames,
-                                read_snapshots)
+from kvstream.recording import (MAGIC, Recorder, RecordingError, RecordingHeader, RecordingTruncated, open_recording,
+                                read_frames, read_snapshots)
 from tests.poolstream_helpers import (assert_same_snapshot, assert_scrubs_forward_through_bridges,
                                       count_keyframe_decodes, encode_all, workload)
 
@@ -75,7 +75,11 @@ def test_cut_at_any_byte_opens_up_to_the_last_complete_frame(recorded, tmp_path)
             if info.truncated:
                 assert "cut off" in info.note and f"{complete} complete frames" in info.note
             assert_same_snapshot(snaps[complete - 1][0], history.snapshot_at(complete - 1), f"cut {cut}")
-        assert len(list(read_frames(cut_file))) == complete
+        assert len(list(read_frames(cut_file, truncated_ok=True))) == complete
+        if cut not in ends:  # issue 32: a script reading a cut-off file cannot miss that it is cut off
+            with pytest.raises(RecordingTruncated, match="cut off") as info:
+                list(read_snapshots(cut_file))
+            assert info.value.frames == complete
     for cut in (1, len(MAGIC), len(MAGIC) + 5, ends[0] - ends[0] // 2, ends[0] - 1):  # before the first frame ends
         cut_file.write_bytes(data[:cut])
         with pytest.raises(RecordingError, match="cut off before|no complete frame"):

@@ -15,7 +15,7 @@ from kvstream.endpoints import EndpointError, check_endpoint, endpoint_for_rank
 from kvstream.poolstream import Frame, StreamDecoder, StreamEncoder, StreamError, read_head
 from kvstream.poolstream.schema import _ENCODER, FORMAT_VERSION, MAGIC, ArrayPatch, Body, Delta, Packed, _Envelope
 from kvstream.poolstream.validate import check_snapshot, set_max_blocks
-from kvstream.views import BlockState, ConversationInfo, frozen_array
+from kvstream.views import BlockState, frozen_array
 from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
 
 
