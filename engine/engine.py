@@ -119,6 +119,8 @@ class Engine:
         self.last_step_seconds = 0.0
         self.last_step_tokens = self.last_step_prefill = 0
         self._txn: dict | None = None  # the open transaction's checkpoint and what it saved
+        self._caller = threading.Lock()  # held by the one thread inside a transaction (see transaction())
+        self._caller_thread: int | None = None  # that thread's id
         self._dirty = False  # something changed inside the open transaction
         self._kv_events = None
         if cfg.kv_events_endpoint:
@@ -171,26 +173,37 @@ class Engine:
     def transaction(self, rollback: bool = False):
         """Everything inside happens whole or not at all: on an exception (or always, with ``rollback``) the pool,
         the K/V a step overwrote, the conversations, the samplers, the counters and the events are put back.
-        Nested calls join the outer transaction."""
-        if self._txn is not None:
+        Nested calls join the outer transaction.
+
+        One caller at a time: a second thread that calls in while a transaction is open gets an EngineError, and
+        nothing changes (an Engine is not thread-safe; an EngineRunner gives it one thread, docs/engine.md)."""
+        if self._txn is not None and self._caller_thread == threading.get_ident():
             yield
             return
-        txn = self._txn = self._checkpoint()
+        if not self._caller.acquire(blocking=False):
+            raise EngineError("this engine is in use by another thread: an Engine takes one caller at a time "
+                              "(drive it from one thread, e.g. through an EngineRunner)")
+        self._caller_thread = threading.get_ident()
         try:
-            yield
-        except BaseException:
-            self._restore(txn)
-            raise
-        else:
-            if rollback:
+            txn = self._txn = self._checkpoint()
+            try:
+                yield
+            except BaseException:
                 self._restore(txn)
-            elif self._dirty:
-                self.version += 1
-                self._publish_kv_events()
+                raise
+            else:
+                if rollback:
+                    self._restore(txn)
+                elif self._dirty:
+                    self.version += 1
+                    self._publish_kv_events()
+            finally:
+                self._txn = None
+                self._dirty = False
+                self.manager.end()
         finally:
-            self._txn = None
-            self._dirty = False
-            self.manager.end()
+            self._caller_thread = None
+            self._caller.release()
 
     def changed(self) -> None:
         """Mark that the open transaction changed something (a new version when it commits)."""
