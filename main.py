@@ -4,6 +4,7 @@
                    [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH --quit-after SECONDS]
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
+                   [--make-keys DIR]
 
 Bad arguments print one clear line and exit with status 2.
 """
@@ -21,6 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def main(argv: list[str] | None = None) -> int:
     from explorer.cli import parse_or_exit
     opts = parse_or_exit(argv)
+    if opts.make_keys:
+        return make_keys(opts.make_keys)
     watching = bool(opts.open or opts.attach or opts.attach_kv_events)
     if opts.headless and watching:  # no local engine: torch need not load
         from explorer.headless import run_headless_cli
@@ -39,6 +42,22 @@ def main(argv: list[str] | None = None) -> int:
         return run_headless_cli(opts, cfg)
     from explorer.app import run_gui
     return run_gui(opts, cfg)
+
+
+def make_keys(directory: str) -> int:
+    """``--make-keys DIR``: a CURVE key directory for ``--publish/--attach ENDPOINT,curve=DIR``; 2 on failure."""
+    from kvstream.curve import make_keys as make
+    try:
+        keys = make(directory)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"made CURVE keys in {keys['directory']}:\n"
+          f"  publisher: --publish tcp://*:5560,curve={directory} (needs server.key_secret and authorized/)\n"
+          f"  watcher:   --attach tcp://HOST:5560,curve={directory} (needs client.key_secret and server.key)\n"
+          f"  vLLM:      PAGED_KV_EXPLORER_CURVE={directory}\n"
+          "Copy to each machine only what it needs; keep the *_secret files private.")
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ DEMO_NAMES = ("busy", "crowd", "lesson", "none")
 USAGE = """python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
                [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
-               [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]"""
+               [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
+               [--make-keys DIR]"""
 
 
 class UsageError(Exception):
@@ -52,6 +53,20 @@ def check_endpoint(flag: str, endpoint: str, bind: bool = False) -> str:
         raise UsageError(str(exc)) from None
 
 
+def check_stream_spec(flag: str, spec: str, bind: bool = False) -> str:
+    """``ENDPOINT[,curve=DIR]`` of ``--publish`` / ``--attach``: the endpoint checked as above, and the CURVE key
+    directory holding what a publisher (``bind``) or a watcher needs."""
+    from kvstream.curve import check_directory
+    from kvstream.endpoints import EndpointError, split_spec
+    try:
+        _, curve = split_spec(spec, bind=bind, what=flag)
+        if curve is not None:
+            check_directory(curve, server=bind)
+    except EndpointError as exc:
+        raise UsageError(str(exc)) from None
+    return spec
+
+
 def _check_output_file(flag: str, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -82,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the local engine publishes vLLM-format KV events on this ZMQ endpoint (as vLLM does: "
                              "tcp://*:PORT and ipc:// bind, a host address connects); ENDPOINT,replay=ADDR adds the "
                              "replay socket late watchers catch up through, ,topic=T a topic")
-    parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ")
+    parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ; "
+                        "ENDPOINT,curve=DIR lets in only watchers holding a key authorized in DIR (--make-keys)")
     parser.add_argument("--attach", metavar="ENDPOINT", action="append", default=[],
-                        help="watch a pool stream (another --publish, or vLLM with the plugin); repeatable")
+                        help="watch a pool stream (another --publish, or vLLM with the plugin); repeatable; "
+                             "ENDPOINT,curve=DIR to a publisher that asks for CURVE keys")
+    parser.add_argument("--make-keys", metavar="DIR", help="make a CURVE key directory for --publish/--attach "
+                        "ENDPOINT,curve=DIR (and the vLLM plugin's PAGED_KV_EXPLORER_CURVE), then exit")
     parser.add_argument("--attach-kv-events", metavar="ENDPOINT", action="append", default=[],
                         help="watch a vLLM/SGLang KV-event stream; repeatable")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (tokenizer.json) for token text")
@@ -113,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.screenshot:
         _check_output_file("--screenshot", opts.screenshot)
     for endpoint in opts.attach:
-        check_endpoint("--attach", endpoint)
+        check_stream_spec("--attach", endpoint)
     for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X]
         from kvstream.kv_events.endpoint import parse_endpoint_spec
         try:
@@ -121,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             raise UsageError(f"--attach-kv-events: {exc}") from None
     if opts.publish:
-        check_endpoint("--publish", opts.publish, bind=True)
+        check_stream_spec("--publish", opts.publish, bind=True)
     opts.kv_events_replay, opts.kv_events_topic = None, ""
     if opts.kv_events:  # ENDPOINT[,replay=ADDR][,topic=T], as --attach-kv-events reads it
         from kvstream.kv_events.endpoint import split_spec

@@ -81,3 +81,19 @@ def is_local(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # "*", an interface or a host name: reachable from elsewhere, as far as we can tell
+
+
+def split_spec(spec, *, bind: bool, what: str = "endpoint") -> tuple[str, str | None]:
+    """``ENDPOINT[,curve=DIR]`` (how ``--publish``, ``--attach`` and the plugin's variable spell a stream) ->
+    (the endpoint, checked; the CURVE key directory or None). EndpointError for anything else."""
+    if not isinstance(spec, str):
+        return check_endpoint(spec, bind=bind, what=what), None
+    endpoint, *options = [part.strip() for part in spec.split(",")]
+    curve = None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key != "curve" or not sep or not value:
+            raise EndpointError(f"unknown option {option!r} in {what} {spec!r}: the only option is curve=DIR "
+                                "(a key directory made by python main.py --make-keys DIR)")
+        curve = value
+    return check_endpoint(endpoint, bind=bind, what=what), curve

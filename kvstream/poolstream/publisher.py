@@ -25,6 +25,7 @@ import time
 import msgspec
 import zmq
 
+from ..curve import CurveError, CurveServer, warn_if_open
 from .decode import read_head
 from .schema import FORMAT_VERSION, MAGIC, Frame, StreamError
 from .transport import (_META, FRAME_TOPIC, HEARTBEAT_SECONDS, HEARTBEAT_TOPIC, Heartbeat, PublishError, _endpoint,
@@ -38,8 +39,16 @@ class PoolStreamPublisher:
     (subscribers see the gap and resync)."""
 
     def __init__(self, endpoint: str, *, start: Frame | None = None, heartbeat_seconds: float = HEARTBEAT_SECONDS,
-                 context: zmq.Context | None = None):
-        self.endpoint = _endpoint(endpoint, bind=True)  # as given ("tcp://*:5560")
+                 context: zmq.Context | None = None, curve: str | None = None):
+        self.endpoint, spec_curve = _endpoint(endpoint, bind=True)  # as given ("tcp://*:5560"), without options
+        self.curve = curve or spec_curve  # CURVE key directory (kvstream.curve): only authorized watchers get in
+        self._curve = None
+        if self.curve:
+            try:
+                self._curve = CurveServer(self.curve)
+            except CurveError as exc:
+                raise PublishError(str(exc)) from None
+            context = self._curve.context  # its authenticator is per context
         self.heartbeat_seconds = heartbeat_seconds
         self.frames_written = 0  # frames handed to the publisher thread
         self.frames_dropped = 0  # frames dropped because the publisher thread was too far behind
@@ -50,12 +59,17 @@ class PoolStreamPublisher:
         self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._xpub.setsockopt(zmq.LINGER, 0)
         self._xpub.setsockopt(zmq.SNDHWM, 10000)
+        if self._curve is not None:
+            self._curve.apply(self._xpub)
         try:
             self._xpub.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self._xpub.close(0)
+            if self._curve is not None:
+                self._curve.close()
             raise PublishError(_zmq_message(exc, "publish on", self.endpoint)) from None
         self.bound = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)  # the endpoint actually bound (port chosen)
+        warn_if_open(self.endpoint, self.bound, self.curve)
         name = f"inproc://kvpool-publisher-{next(_inproc_ids)}"
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -93,6 +107,8 @@ class PoolStreamPublisher:
         self._stop.set()
         self._thread.join(timeout)
         self._push.close(0)
+        if self._curve is not None and not self._thread.is_alive():  # its sockets are closed: the context may end
+            self._curve.close()
 
     def __enter__(self) -> "PoolStreamPublisher":
         return self

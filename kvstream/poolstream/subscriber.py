@@ -17,6 +17,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..curve import CurveError, apply_client
 from ..history import History
 from ..views import PoolSnapshot
 from .decode import StreamDecoder, frame_of, read_head
@@ -55,14 +56,21 @@ class PoolStreamSubscriber:
     source (a new stream id) starts the history again; ZMQ reconnects by itself."""
 
     def __init__(self, endpoint: str, history: History | None = None, *, silent_seconds: float = SILENT_SECONDS,
-                 context: zmq.Context | None = None):
-        self.endpoint = _endpoint(endpoint, bind=False)
+                 context: zmq.Context | None = None, curve: str | None = None):
+        self.endpoint, spec_curve = _endpoint(endpoint, bind=False)
+        self.curve = curve or spec_curve  # CURVE key directory (kvstream.curve): the watcher's key pair
         self.history = History() if history is None else history  # every frame applied goes here
         self.silent_seconds = silent_seconds
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 10000)
+        if self.curve:
+            try:
+                apply_client(self._sub, self.curve)
+            except CurveError as exc:
+                self._sub.close(0)
+                raise PublishError(str(exc)) from None
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
             self._sub.connect(self.endpoint)

@@ -12,7 +12,7 @@ import struct
 import msgspec
 import zmq
 
-from ..endpoints import EndpointError, check_endpoint
+from ..endpoints import EndpointError, split_spec
 
 FRAME_TOPIC = b"kvpool.frame"  # first part of a frame message
 HEARTBEAT_TOPIC = b"kvpool.heartbeat"  # first part of a heartbeat
@@ -44,10 +44,11 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
 _HEARTBEAT_DECODER = msgspec.msgpack.Decoder(Heartbeat)
 
 
-def _endpoint(endpoint, bind: bool) -> str:
-    """``endpoint`` checked by the one rule (kvstream.endpoints); PublishError with its reason otherwise."""
+def _endpoint(spec, bind: bool) -> tuple[str, str | None]:
+    """``ENDPOINT[,curve=DIR]`` checked by the one rule (kvstream.endpoints): (endpoint, key directory or None);
+    PublishError with its reason otherwise."""
     try:
-        return check_endpoint(endpoint, bind=bind)
+        return split_spec(spec, bind=bind)
     except EndpointError as exc:
         raise PublishError(str(exc)) from None
 

@@ -2,9 +2,11 @@
 
 Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), so vLLM calls :func:`register` in every
 process it starts: the API server, the engine core, the workers. It does nothing unless the environment variable
-``PAGED_KV_EXPLORER_PUBLISH`` names a ZMQ endpoint (``tcp://*:5561``, ``ipc:///tmp/pool.sock``). Then it hooks
-``Scheduler.__init__`` (installed lazily, when vLLM imports its scheduler module, so processes that never build a
-scheduler never import it), and the one process that builds vLLM's scheduler, the engine core, attaches a
+``PAGED_KV_EXPLORER_PUBLISH`` names a ZMQ endpoint (``tcp://*:5561``, ``ipc:///tmp/pool.sock``; with
+``,curve=DIR`` or ``PAGED_KV_EXPLORER_CURVE=DIR`` only watchers holding a key authorized in DIR get frames, see
+:mod:`kvstream.curve`; without, one bound beyond loopback logs once that anyone reaching it reads the prompts).
+Then it hooks ``Scheduler.__init__`` (installed lazily, when vLLM imports its scheduler module, so processes that
+never build a scheduler never import it), and the one process that builds vLLM's scheduler, the engine core, attaches a
 :class:`~kvstream.vllm.tap.VllmPoolTap` to it and publishes a frame after scheduler steps:
 ``python main.py --attach tcp://HOST:5561`` shows it.
 
@@ -30,6 +32,7 @@ ENV_ENDPOINT = "PAGED_KV_EXPLORER_PUBLISH"  # ZMQ endpoint to bind; unset or emp
 ENV_MAX_HZ = "PAGED_KV_EXPLORER_MAX_HZ"  # most frames per second (default 20)
 ENV_BUDGET = "PAGED_KV_EXPLORER_BUDGET"  # largest share of wall time the plugin may spend (default 0.02)
 ENV_ANY_VERSION = "PAGED_KV_EXPLORER_ANY_VLLM"  # "1": try vLLM versions not tested (internals are still checked)
+ENV_CURVE = "PAGED_KV_EXPLORER_CURVE"  # a CURVE key directory (kvstream.curve): only authorized watchers get frames
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ATTRIBUTE = "_paged_kv_explorer"  # set on the scheduler instance: its PoolPublisher (tests and debugging reach it)
@@ -110,6 +113,9 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
         from kvstream.vllm.tap import UnsupportedVllm, VllmPoolTap
         rank = int(getattr(getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None),
                            "data_parallel_rank", 0) or 0)
+        from kvstream.endpoints import split_spec
+        endpoint, curve = split_spec(endpoint, bind=True, what=ENV_ENDPOINT)  # ENDPOINT[,curve=DIR]
+        curve = curve or os.environ.get(ENV_CURVE, "").strip() or None
         endpoint = rank_endpoint(endpoint, rank)
         try:
             tap = VllmPoolTap(scheduler, version=version, any_version=os.environ.get(ENV_ANY_VERSION) == "1")
@@ -117,15 +123,16 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
             logger.warning("paged-kv-explorer: not publishing the block pool: %s", exc)
             return None
         try:
-            sink = StreamSink(endpoint)
+            sink = StreamSink(endpoint, curve=curve)
             publisher = PoolPublisher(tap, sink, max_hz=_env_float(ENV_MAX_HZ, 20.0),
                                       budget=_env_float(ENV_BUDGET, 0.02))
         except Exception:
             tap.detach()  # e.g. the endpoint is taken: vLLM goes on exactly as without the plugin
             raise
         setattr(scheduler, ATTRIBUTE, publisher)
-        logger.info("paged-kv-explorer: publishing vLLM %s's block pool (%d blocks of %d tokens) on %s",
-                    version, tap.num_blocks, tap.block_size, sink.bound)
+        logger.info("paged-kv-explorer: publishing vLLM %s's block pool (%d blocks of %d tokens) on %s%s",
+                    version, tap.num_blocks, tap.block_size, sink.bound,
+                    f" (CURVE: only the keys in {curve}/authorized may watch)" if curve else "")
         return publisher
     except Exception as exc:
         logger.warning("paged-kv-explorer: not publishing the block pool (%s: %s)", type(exc).__name__, exc)
@@ -150,11 +157,12 @@ class StreamSink:
     """``sink(snapshot, events)``: encodes one pool-stream frame and hands it to a PoolStreamPublisher on
     ``endpoint`` (bound at construction; late subscribers get a keyframe from the publisher's catch-up)."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, curve: str | None = None):
         from kvstream.poolstream import StreamEncoder
         from kvstream.poolstream.publisher import PoolStreamPublisher
         self.encoder = StreamEncoder()  # keyframe, then deltas
-        self.publisher = PoolStreamPublisher(endpoint)  # its own thread owns the socket: write() never blocks
+        # its own thread owns the socket: write() never blocks; with curve, only authorized watchers get frames
+        self.publisher = PoolStreamPublisher(endpoint, curve=curve)
 
     def __call__(self, snapshot, events) -> None:
         self.publisher.write(self.encoder.encode(snapshot, events))
