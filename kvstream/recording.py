@@ -261,7 +261,7 @@ def _open_header(path: str, f, size: int) -> tuple[RecordingHeader, int]:
     length, crc = _PREFIX.unpack(prefix)
     if length > MAX_FRAME_BYTES:
         raise RecordingError(f"{path} has a corrupt header (it claims {length} bytes)")
-    raw = _read_exact(f, length)
+    raw = _read_exact(f, min(length, max(0, size - len(MAGIC) - _PREFIX.size)))  # never more than the file holds
     if len(raw) < length:
         raise RecordingError(f"{path} ends inside its header ({size} bytes): it was cut off before the first frame")
     if zlib.crc32(raw) != crc:
@@ -292,7 +292,7 @@ def _scan(path: str, f, size: int, offset: int) -> Iterator[tuple[int, int, int,
         length, crc = _PREFIX.unpack(prefix)
         if length > MAX_FRAME_BYTES:
             raise RecordingError(f"{path}: frame {index} at byte {offset} is corrupt (it claims {length} bytes)")
-        payload = _read_exact(f, length)
+        payload = _read_exact(f, min(length, size - offset - _PREFIX.size))  # never more than the file holds
         if len(payload) < length:
             if _frame_follows(f, offset + _PREFIX.size, size):  # not a cut: the length field itself is damaged
                 raise RecordingError(f"{path}: frame {index} at byte {offset} is corrupt (its length field claims "

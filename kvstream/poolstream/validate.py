@@ -149,6 +149,8 @@ class TableCounts:
                 np.subtract.at(sums, ids, cid)
         for cid, t in tables.items():
             if old.get(cid) is not t and t:
+                if not 0 <= cid <= MAX_ID:
+                    _fail("conversation ids", f"a block table belongs to conversation id {cid}, outside 0..{MAX_ID}")
                 if len(set(t)) != len(t):
                     _fail("block tables", f"the block table of conversation {cid} names a block twice")
                 ids = np.fromiter(t, np.int64, len(t))

@@ -1,0 +1,289 @@
+"""Fuzz the pool-stream decoder and the recording reader with mutations of real frames (issue 32).
+
+Every mutated input must end in one of two clean outcomes: refused with a StreamError / RecordingError, or
+accepted as frames whose pools pass kvstream.poolstream.validate's rules. Anything else (another exception, an
+accepted impossible pool, an allocation past the bound) is counted as non-clean and printed.
+
+    python bench/fuzz.py --inputs 100000 [--seed 0] [--only decoder|recording]
+
+Mutations: truncation, bit flips, overwritten, inserted, deleted and repeated byte ranges, and, on the decoded
+msgpack structure, extreme integers, values of the wrong type, swapped, dropped and repeated fields; in a recording
+the mutated frame gets a fresh checksum (so the mutation reaches the decoder instead of the CRC check) or its
+length field is changed. tests/test_fuzz_poolstream.py runs the same mutations under hypothesis for a few seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import struct
+import sys
+import tempfile
+import time
+import tracemalloc
+import zlib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import msgspec  # noqa: E402
+
+from kvstream.poolstream import StreamDecoder, StreamError  # noqa: E402
+from kvstream.poolstream.validate import check_snapshot  # noqa: E402
+from kvstream.recording import MAGIC, Recorder, RecordingError, open_recording, read_snapshots  # noqa: E402
+
+MAX_ALLOC = 64 << 20  # the most one input may allocate (traced peak); real frames here take well under 1 MiB
+EXTREME_INTS = (-1, 0, 1, -2 ** 63, 2 ** 63 - 1, 2 ** 64 - 1, 2 ** 31, -2 ** 31 - 1, 10 ** 12, 4 * 10 ** 8, 255, 256)
+WRONG_TYPES = ("x", "", 1.5, float("nan"), float("inf"), None, True, [], {}, b"\x00" * 8, [1, 2], {"a": 1})
+_PREFIX = struct.Struct("<II")
+
+
+# ---- mutations ----------------------------------------------------------------------------------------------
+def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    """One random byte-level mutation of ``data``."""
+    b = bytearray(data)
+    n = len(b)
+    kind = rng.randrange(6)
+    if kind == 0 or n < 2:  # truncation
+        return bytes(b[:rng.randrange(n + 1)])
+    if kind == 1:  # bit flips
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(n)
+            b[i] ^= 1 << rng.randrange(8)
+        return bytes(b)
+    i = rng.randrange(n)
+    k = rng.randint(1, 8)
+    if kind == 2:  # overwrite a range
+        fill = rng.choice([b"\xff" * k, b"\x00" * k, bytes(rng.randrange(256) for _ in range(k))])
+        b[i:i + k] = fill[:len(b[i:i + k])]
+    elif kind == 3:  # insert
+        b[i:i] = bytes(rng.randrange(256) for _ in range(k))
+    elif kind == 4:  # delete
+        del b[i:i + k]
+    else:  # repeat a range
+        b[i:i] = b[i:i + k]
+    return bytes(b)
+
+
+def _nodes(obj, path=()):
+    """(path, value) of every node of a decoded msgpack structure."""
+    yield path, obj
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _nodes(v, path + (i,))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _nodes(v, path + (k,))
+
+
+def _set(obj, path, value):
+    if not path:
+        return value
+    parent = obj
+    for p in path[:-1]:
+        parent = parent[p]
+    parent[path[-1]] = value
+    return obj
+
+
+def mutate_structure(rng: random.Random, payload: bytes) -> bytes:
+    """One random mutation of the msgpack structure of ``payload`` (re-encoded): an extreme integer, a value of
+    the wrong type, swapped, dropped or repeated list items, a dropped or unknown map key, mutated bytes inside."""
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError):  # an earlier mutation broke the msgpack itself
+        return mutate_bytes(rng, payload)
+    nodes = list(_nodes(obj))
+    path, value = rng.choice(nodes)
+    kind = rng.randrange(6)
+    if kind == 0:
+        obj = _set(obj, path, rng.choice(EXTREME_INTS))
+    elif kind == 1:
+        obj = _set(obj, path, rng.choice(WRONG_TYPES))
+    elif kind == 2 and isinstance(value, list) and len(value) >= 2:
+        i, j = rng.sample(range(len(value)), 2)
+        value[i], value[j] = value[j], value[i]
+    elif kind == 3 and isinstance(value, list) and value:
+        i = rng.randrange(len(value))
+        if rng.random() < 0.5:
+            del value[i]
+        else:
+            value.insert(i, value[i])
+    elif kind == 4 and isinstance(value, dict) and value:
+        if rng.random() < 0.5:
+            del value[rng.choice(list(value))]
+        else:
+            value[rng.choice(["zz", "kind", "i", "p", "num_blocks"])] = rng.choice(EXTREME_INTS + WRONG_TYPES)
+    elif isinstance(value, bytes) and value:
+        obj = _set(obj, path, mutate_bytes(rng, value))
+    else:
+        obj = _set(obj, path, rng.choice(EXTREME_INTS + WRONG_TYPES))
+    try:
+        return msgspec.msgpack.encode(obj)
+    except (TypeError, ValueError, OverflowError):
+        return mutate_bytes(rng, payload)
+
+
+def mutate_payload(rng: random.Random, payload: bytes) -> bytes:
+    return mutate_structure(rng, payload) if rng.random() < 0.6 else mutate_bytes(rng, payload)
+
+
+def frame_spans(data: bytes) -> list[tuple[int, int]]:
+    """(offset of the length prefix, payload length) of each frame of a recording's bytes."""
+    (hlen, _) = _PREFIX.unpack_from(data, len(MAGIC))
+    at, out = len(MAGIC) + _PREFIX.size + hlen, []
+    while at + _PREFIX.size <= len(data):
+        length, _ = _PREFIX.unpack_from(data, at)
+        out.append((at, length))
+        at += _PREFIX.size + length
+    return out
+
+
+def mutate_recording(rng: random.Random, data: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """One random mutation of a recording: a frame's payload mutated with a fresh checksum, a length field changed,
+    or the file's bytes mutated."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        at, length = rng.choice(spans)
+        payload = mutate_payload(rng, data[at + _PREFIX.size:at + _PREFIX.size + length])
+        return data[:at] + _PREFIX.pack(len(payload), zlib.crc32(payload)) + payload + \
+            data[at + _PREFIX.size + length:]
+    if kind == 1:
+        at, length = rng.choice(spans)
+        new = rng.choice([0, 1, length - 1, length + 1, length * 2, 2 ** 32 - 1, 1 << 30, rng.randrange(2 ** 32)])
+        return data[:at] + struct.pack("<I", new % 2 ** 32) + data[at + 4:]
+    return mutate_bytes(rng, data)
+
+
+# ---- outcomes -----------------------------------------------------------------------------------------------
+class NotClean(AssertionError):
+    """An outcome other than a clean refusal or an accepted pool that can exist."""
+
+
+def decode_outcome(start: StreamDecoder, payload: bytes) -> str:
+    """Feed ``payload`` to a copy of ``start``: "refused" or "accepted"; NotClean otherwise."""
+    dec = start.copy()
+    try:
+        snap, _events, _seq = dec.feed(payload)
+    except StreamError:
+        return "refused"
+    except Exception as exc:
+        raise NotClean(f"decoder raised {type(exc).__name__}: {exc}") from exc
+    try:
+        check_snapshot(snap)
+    except StreamError as exc:
+        raise NotClean(f"decoder accepted an impossible pool: {exc}") from exc
+    return "accepted"
+
+
+def recording_outcome(path: str) -> str:
+    """Read the file at ``path`` every way a program does: "refused" or "accepted"; NotClean otherwise."""
+    outcome = "accepted"
+    try:
+        for _seq, snap, _events in read_snapshots(path):
+            check_snapshot(snap)
+    except RecordingError:
+        outcome = "refused"
+    except Exception as exc:
+        raise NotClean(f"read_snapshots raised {type(exc).__name__}: {exc}") from exc
+    try:
+        with open_recording(path) as history:
+            for seq in history.seqs()[::4] + [history.last_seq]:
+                try:
+                    check_snapshot(history.snapshot_at(seq))
+                except StreamError:
+                    outcome = "refused"
+    except RecordingError:
+        outcome = "refused"
+    except Exception as exc:
+        raise NotClean(f"open_recording raised {type(exc).__name__}: {exc}") from exc
+    return outcome
+
+
+def bounded(fn, *args):
+    """``fn(*args)``, with the traced allocation peak checked against MAX_ALLOC (tracemalloc must be on)."""
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    out = fn(*args)
+    peak = tracemalloc.get_traced_memory()[1] - base
+    if peak > MAX_ALLOC:
+        raise NotClean(f"allocated {peak / 2 ** 20:.0f} MiB for one input")
+    return out
+
+
+# ---- the corpus -------------------------------------------------------------------------------------------------
+def corpus(frames: int = 40):
+    """Real frames of the engine workload (keyframes every 8): the payloads and a decoder positioned before each."""
+    from tests.poolstream_helpers import encode_all, workload
+    _, out = encode_all(workload()[:frames], keyframe_interval=8)
+    starts, dec = [], StreamDecoder()
+    for f in out:
+        starts.append(dec.copy())
+        dec.feed(f.payload)
+    return out, starts
+
+
+def recording_bytes(frames) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "base.kvpool")
+        with Recorder(path) as rec:
+            for f in frames:
+                rec.write(f)
+        return Path(path).read_bytes()
+
+
+def run(inputs: int, seed: int, only: str | None, report=print) -> dict[str, Counter]:
+    frames, starts = corpus()
+    rng = random.Random(seed)
+    results = {}
+    tracemalloc.start()
+    try:
+        if only in (None, "decoder"):
+            counts = Counter()
+            t0 = time.perf_counter()
+            for i in range(inputs):
+                k = rng.randrange(len(frames))
+                payload = mutate_payload(rng, frames[k].payload)
+                try:
+                    counts[bounded(decode_outcome, starts[k], payload)] += 1
+                except NotClean as exc:
+                    counts["not clean"] += 1
+                    report(f"decoder input {i} (frame {k}): {exc}")
+            results["decoder"] = counts
+            report(f"decoder: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+        if only in (None, "recording"):
+            data = recording_bytes(frames[:12])
+            spans = frame_spans(data)
+            counts = Counter()
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "fuzz.kvpool")
+                for i in range(inputs):
+                    Path(path).write_bytes(mutate_recording(rng, data, spans))
+                    try:
+                        counts[bounded(recording_outcome, path)] += 1
+                    except NotClean as exc:
+                        counts["not clean"] += 1
+                        report(f"recording input {i}: {exc}")
+            results["recording"] = counts
+            report(f"recording: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+    finally:
+        tracemalloc.stop()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inputs", type=int, default=10_000, help="mutated inputs per decoder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("decoder", "recording"))
+    args = parser.parse_args(argv)
+    results = run(args.inputs, args.seed, args.only, report=lambda line: print(line, flush=True))
+    return 1 if any(c["not clean"] for c in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
