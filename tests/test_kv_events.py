@@ -788,7 +788,10 @@ def test_index_prefix_tree_media_and_summary():
     summary = json_summary(index)
     assert summary == {"source": "kv-events", "step": 2, "num_blocks": None, "block_size": 2, "used": None,
                        "cached": None, "free": None, "block_tables": None, "stored_hashes": 4,
-                       "name": "x", "batches": 3, "stored_total": 5, "removed_total": 1}
+                       "stored_hashes_by_medium": {"GPU": 4, "CPU": 0, "STORAGE": 0},
+                       "name": "x", "batches": 3, "stored_total": 5, "removed_total": 1,
+                       "stored_hashes_by_group": {"none": 4}, "placeholders": 0, "placeholders_matched": 0,
+                       "malformed": None, "lost": None, "odd_events": None, "last_error": None}
     assert index.live_hashes() == {1, 2, 4, 9}
     index.apply_batch(make_batch([AllBlocksCleared(), stored([b"\xab" * 32])], 13.0), 3)
     assert json_summary(index)["stored_hashes"] == 1 and index.live_hashes() == {b"\xab" * 32}
