@@ -208,7 +208,7 @@ def decode_batch_report(payload: bytes) -> DecodeReport:
         raise KVEventDecodeError(f"payload must be bytes, not {type(payload).__name__}")
     try:  # fast path: the current form (vLLM 0.32-0.34, SGLang >= 0.5.15), typed in one pass
         batch = _typed_decoder.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         batch = None
     if batch is not None:
         _check_ts(batch.ts)
@@ -217,6 +217,8 @@ def decode_batch_report(payload: bytes) -> DecodeReport:
         raw = _any_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise KVEventDecodeError(f"not msgpack: {exc}") from None
+    except RecursionError:  # msgspec follows nesting on the C stack up to Python's limit, then says so
+        raise KVEventDecodeError("nested too deeply to be a KV-event batch") from None
     return _lenient_batch(raw)
 
 
