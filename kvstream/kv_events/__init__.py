@@ -13,13 +13,15 @@ One import for everything a caller needs; each concept has its own file:
 Wire format (fixed by DESIGN.md): multipart ``[topic, 8-byte big-endian seq, msgpack(batch)]``; replay request
 ``[8-byte start seq]``, answered by ``[topic, seq, payload]`` per buffered batch and ``[b"", -1, b""]``.
 """
-from kvstream.kv_events.codec import (END_SEQ, MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockHash, BlockRemoved,
-                                      BlockStored, KVCacheEvent, KVEvent, KVEventBatch, KVEventDecodeError,
-                                      KVEventError, decode_batch, decode_batch_counted, encode_batch, make_batch,
-                                      parse_frames)
+from kvstream.kv_events.codec import (END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TIERS, AllBlocksCleared,
+                                      BlockHash, BlockRemoved, BlockStored, DecodeReport, KVCacheEvent, KVEvent,
+                                      KVEventBatch, KVEventDecodeError, KVEventError, decode_batch,
+                                      decode_batch_counted, decode_batch_report, encode_batch, make_batch,
+                                      medium_tier, parse_frames)
 from kvstream.kv_events.endpoint import KVEventEndpoint, endpoint_for_rank, parse_endpoint_spec
-from kvstream.kv_events.index import (KVCacheIndex, PrefixNode, StoredBlock, Timeline, hash_text, json_summary,
-                                      prefix_overlap, where_cached)
+from kvstream.kv_events.index import (CONTENT_NOT_SENT, CONTENT_SENT, KVCacheIndex, PrefixNode, Residency,
+                                      StoredBlock, Timeline, hash_text, json_summary, prefix_overlap,
+                                      prefix_overlap_by_tier, where_cached)
 from kvstream.kv_events.publisher import KVEventPublisher
 from kvstream.kv_events.subscriber import (CATCHING_UP, CONNECTING, FAILED, LIVE, RECONNECTING, SILENT,
                                            EndpointStatus, KVEventSubscriber)
@@ -28,9 +30,10 @@ __all__ = [
     "END_SEQ", "MEDIUM_CPU", "MEDIUM_GPU", "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored",
     "KVCacheEvent", "KVEvent", "KVEventBatch", "KVEventDecodeError", "KVEventError", "decode_batch",
     "decode_batch_counted", "encode_batch", "make_batch", "parse_frames",
+    "MEDIUM_STORAGE", "TIERS", "DecodeReport", "decode_batch_report", "medium_tier",
     "KVEventEndpoint", "endpoint_for_rank", "parse_endpoint_spec",
     "KVCacheIndex", "PrefixNode", "StoredBlock", "Timeline", "hash_text", "json_summary", "prefix_overlap",
-    "where_cached",
+    "where_cached", "CONTENT_NOT_SENT", "CONTENT_SENT", "Residency", "prefix_overlap_by_tier",
     "KVEventPublisher",
     "CATCHING_UP", "CONNECTING", "FAILED", "LIVE", "RECONNECTING", "SILENT", "EndpointStatus", "KVEventSubscriber",
 ]

@@ -14,13 +14,41 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from kvstream.kv_events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from kvstream.kv_events.codec import (TIERS, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch,
+                                      medium_tier)
+
+
+class Residency(NamedTuple):
+    """One place a block's KV lives, as its BlockStored said: the medium as published and vLLM's qualifiers.
+
+    A block can have several: the GPU pool and a CPU copy, or (hybrid models) the same hash in two KV-cache groups.
+    A BlockRemoved takes away the residencies it matches (a field it leaves None matches any)."""
+
+    medium: str | None  # as published: "GPU", "CPU", "STORAGE", SGLang's "CPU_PINNED", "DISK", ...; None: unsaid
+    group_idx: int | None  # vLLM's KV-cache group; None if not sent
+    locality: str | None  # vLLM: "LOCAL" / "REMOTE" relative to the publisher
+    ownership: str | None  # vLLM: the secondary offloading tier that generated the event
+
+    @property
+    def tier(self) -> str | None:
+        """The tier it counts as ("GPU", "CPU", "STORAGE", another name, or None)."""
+        return medium_tier(self.medium)
+
+    def matches(self, other: Residency) -> bool:
+        return all(a is None or b is None or a == b for a, b in ((self.tier, other.tier),
+                                                                (self.group_idx, other.group_idx),
+                                                                (self.locality, other.locality),
+                                                                (self.ownership, other.ownership)))
+
+
+CONTENT_SENT = "sent"  # its tokens came with its BlockStored
+CONTENT_NOT_SENT = "content not sent"  # known only by hash (an offloading placeholder nobody described)
 
 
 @dataclass(frozen=True)
@@ -29,20 +57,47 @@ class StoredBlock:
 
     block_hash: BlockHash  # its prefix hash as published (int, or bytes)
     parent_hash: BlockHash | None  # the block before it in its sequence; None at a sequence's start
-    token_ids: tuple[int, ...]  # its tokens (block_size of them for a full block)
-    block_size: int  # tokens per block on that instance
-    media: frozenset  # tiers holding it now ("GPU", "CPU", ...; None where the publisher did not say)
+    token_ids: tuple[int, ...]  # its tokens (block_size of them for a full block); empty if content not sent
+    block_size: int  # tokens per block on that instance (0: a hash-only placeholder's)
+    media: frozenset  # tiers holding it now, as published ("GPU", "CPU", ...; None where the publisher did not say)
     lora_name: str | None  # adapter the hash is keyed by; None for the base model
     lora_id: int | None  # vLLM's older adapter id
-    group_idx: int | None  # vLLM's KV-cache group; None if not sent
+    group_idx: int | None  # vLLM's KV-cache group of the first store; None if not sent (all: :attr:`groups`)
     stored_ts: float  # publisher time of the batch that first stored it
     stored_seq: int | None  # sequence number of that batch (None when applied without one)
+    residencies: frozenset = frozenset()  # every Residency it has now (medium, group, locality, ownership)
+    content_from: str | None = None  # tier whose BlockStored sent its tokens; None: content not sent
+    hash_only: frozenset = frozenset()  # tiers that reported it by hash only (offloading placeholders)
+    kv_cache_spec_kind: str | None = None  # vLLM 0.34: its group's cache-spec kind, when a store said
+    kv_cache_spec_sliding_window: int | None = None  # vLLM 0.34: its group's sliding window, when a store said
+    session_id: str | None = None  # session whose request first stored it (attribution only)
+    extra_keys: tuple | None = None  # vLLM: the extra hash keys of this block (LoRA name, mm ids, cache salt)
+    lookahead_token_ids: tuple[int, ...] | None = None  # vLLM 0.34: tokens past the block its hash covers
 
     @property
     def medium(self) -> str:
-        """The tiers in words: "GPU", "GPU+CPU", or "unspecified"."""
+        """The tiers in words: "GPU", "CPU+GPU", or "unspecified"."""
         names = sorted(m for m in self.media if m is not None)
         return "+".join(names) if names else "unspecified"
+
+    @property
+    def tiers(self) -> frozenset:
+        """The tiers holding it ("GPU", "CPU", "STORAGE", ...; SGLang's spellings folded in)."""
+        return frozenset(r.tier for r in self.residencies)
+
+    @property
+    def groups(self) -> frozenset:
+        """The KV-cache groups holding it (None where the publisher did not say)."""
+        return frozenset(r.group_idx for r in self.residencies)
+
+    @property
+    def content(self) -> str:
+        """Where its tokens come from, in words: "sent", "content known from its GPU store", "content not sent"."""
+        if self.content_from is None:
+            return CONTENT_NOT_SENT
+        if self.hash_only:
+            return f"content known from its {self.content_from or 'unspecified'} store"
+        return CONTENT_SENT
 
 
 @dataclass(frozen=True)
@@ -79,6 +134,16 @@ class KVCacheIndex:
         self.num_unknown_removed = 0  # removals of hashes never seen stored: history before we joined, or lost
         self.num_cleared = 0  # AllBlocksCleared events
         self.num_resets = 0  # times the index was emptied because its publisher restarted
+        self.num_placeholders = 0  # hash-only BlockStored entries (offloading placeholders, Mamba checkpoints)
+        self.num_placeholders_matched = 0  # ... whose hash matched a block whose tokens another store had sent
+        self._tier_counts: Counter = Counter()  # tier -> live hashes with a residency there
+        self._group_counts: Counter = Counter()  # group_idx -> live hashes with a residency in it
+        self.group_specs: dict[int, tuple[str | None, int | None]] = {}  # group -> (spec kind, window), as sent
+        # Content of blocks that left every tier, newest last: a placeholder arriving after its block's GPU copy
+        # went (vLLM offloads on eviction) still gets its tokens back.
+        self._departed: OrderedDict[BlockHash, StoredBlock] = OrderedDict()
+
+    DEPARTED_LIMIT = 65_536  # departed blocks remembered for placeholders (bounded: a few MB)
 
     # ----- writing (the subscriber thread) -----
     def apply_batch(self, batch: KVEventBatch, seq: int | None = None) -> None:
@@ -105,6 +170,8 @@ class KVCacheIndex:
         """Forget everything (the publisher restarted: its old hashes mean nothing now); counters carry on."""
         with self._lock:
             self._drop_all()
+            self._departed.clear()
+            self.group_specs.clear()
             self._timeline.clear()
             self.last_seq = self.last_ts = None
             self.num_resets += 1
@@ -113,50 +180,111 @@ class KVCacheIndex:
     def _store(self, event: BlockStored, ts: float, seq: int | None) -> int:
         new = 0
         size = event.block_size
+        where = Residency(event.medium, event.group_idx, event.locality, event.ownership)
+        tier = where.tier
+        placeholder = event.is_placeholder
+        if event.group_idx is not None and (event.kv_cache_spec_kind is not None
+                                            or event.kv_cache_spec_sliding_window is not None):
+            self.group_specs[event.group_idx] = (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+        if placeholder:
+            self.num_placeholders += len(event.block_hashes)
         for i, block_hash in enumerate(event.block_hashes):
             parent = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
             old = self._blocks.get(block_hash)
+            if old is None and placeholder:
+                old = self._departed.pop(block_hash, None)
+                if old is not None:  # back from the departed: a new live block with the tokens we remembered
+                    old = dataclasses.replace(old, media=frozenset(), residencies=frozenset(), hash_only=frozenset(),
+                                              stored_ts=ts, stored_seq=seq)
+                    self._link(old)
+                    new += 1
             if old is not None:
-                self.num_reported_again += 1
-                if event.medium not in old.media:
-                    self._blocks[block_hash] = dataclasses.replace(old, media=old.media | {event.medium})
+                if old.residencies:  # (a block back from the departed has none yet)
+                    self.num_reported_again += 1
+                updated = old
+                if placeholder:
+                    if old.content_from is not None:
+                        self.num_placeholders_matched += 1
+                        if tier != old.content_from:
+                            updated = dataclasses.replace(updated, hash_only=old.hash_only | {tier})
+                elif old.content_from is None:  # a placeholder's tokens arrive: fill them in, chain it
+                    self._unlink(old)
+                    updated = dataclasses.replace(
+                        updated, parent_hash=parent, token_ids=tuple(event.token_ids[i * size:(i + 1) * size]),
+                        block_size=size, content_from=tier, lora_name=event.lora_name, lora_id=event.lora_id)
+                    self._link(updated)
+                self._set_residencies(updated, old.residencies | {where})
                 continue
-            self._blocks[block_hash] = StoredBlock(
+            extra = event.extra_keys[i] if event.extra_keys is not None and i < len(event.extra_keys) else None
+            ahead = (event.lookahead_token_ids[i] if event.lookahead_token_ids is not None
+                     and i < len(event.lookahead_token_ids) else None)
+            block = StoredBlock(
                 block_hash=block_hash, parent_hash=parent, token_ids=tuple(event.token_ids[i * size:(i + 1) * size]),
-                block_size=size, media=frozenset((event.medium,)), lora_name=event.lora_name,
-                lora_id=event.lora_id, group_idx=event.group_idx, stored_ts=ts, stored_seq=seq)
-            self._children.setdefault(parent, set()).add(block_hash)
-            self._block_sizes[size] += 1
+                block_size=size, media=frozenset(), lora_name=event.lora_name,
+                lora_id=event.lora_id, group_idx=event.group_idx, stored_ts=ts, stored_seq=seq,
+                content_from=None if placeholder else tier,
+                kv_cache_spec_kind=event.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window, session_id=event.session_id,
+                extra_keys=tuple(extra) if extra is not None else None,
+                lookahead_token_ids=tuple(ahead) if ahead is not None else None)
+            self._link(block)
+            self._set_residencies(block, frozenset((where,)))
             new += 1
         return new
 
+    def _link(self, block: StoredBlock) -> None:
+        self._children.setdefault(block.parent_hash, set()).add(block.block_hash)
+        self._block_sizes[block.block_size] += 1
+
+    def _unlink(self, block: StoredBlock) -> None:
+        siblings = self._children.get(block.parent_hash)
+        if siblings is not None:
+            siblings.discard(block.block_hash)
+            if not siblings:
+                del self._children[block.parent_hash]
+        self._block_sizes[block.block_size] -= 1
+
+    def _set_residencies(self, block: StoredBlock, residencies: frozenset) -> None:
+        """Give ``block`` these residencies (empty: it leaves), keeping the per-tier and per-group counts."""
+        old = self._blocks.get(block.block_hash)
+        before = old.residencies if old is not None else frozenset()
+        for tier in {r.tier for r in before}:
+            self._tier_counts[tier] -= 1
+        for group in {r.group_idx for r in before}:
+            self._group_counts[group] -= 1
+        if not residencies:
+            self._blocks.pop(block.block_hash, None)
+            return
+        for tier in {r.tier for r in residencies}:
+            self._tier_counts[tier] += 1
+        for group in {r.group_idx for r in residencies}:
+            self._group_counts[group] += 1
+        tiers = {r.tier for r in residencies}
+        self._blocks[block.block_hash] = dataclasses.replace(
+            block, residencies=residencies, media=frozenset(r.medium for r in residencies),
+            hash_only=block.hash_only & tiers)
+
     def _remove(self, event: BlockRemoved) -> int:
         removed = 0
+        where = Residency(event.medium, event.group_idx, event.locality, event.ownership)
         for block_hash in event.block_hashes:
             old = self._blocks.get(block_hash)
             if old is None:
                 self.num_unknown_removed += 1
                 continue
-            # A medium left unset on either side matches any: the block leaves that tier, or every tier.
-            if event.medium is None:
-                media = frozenset()
-            elif event.medium in old.media:
-                media = old.media - {event.medium}
-            elif None in old.media:
-                media = old.media - {None}
-            else:
+            # A field left unset on either side matches any: the block leaves that tier (group...), or every one.
+            left = frozenset(r for r in old.residencies if not r.matches(where))
+            if left == old.residencies:
                 self.num_unknown_removed += 1
                 continue
-            if media:
-                self._blocks[block_hash] = dataclasses.replace(old, media=media)
+            self._set_residencies(old, left)
+            if left:
                 continue
-            del self._blocks[block_hash]
-            siblings = self._children.get(old.parent_hash)
-            if siblings is not None:
-                siblings.discard(block_hash)
-                if not siblings:
-                    del self._children[old.parent_hash]
-            self._block_sizes[old.block_size] -= 1
+            self._unlink(old)
+            if old.content_from is not None:
+                self._departed[block_hash] = old
+                if len(self._departed) > self.DEPARTED_LIMIT:
+                    self._departed.popitem(last=False)
             removed += 1
         return removed
 
@@ -164,6 +292,8 @@ class KVCacheIndex:
         self._blocks.clear()
         self._children.clear()
         self._block_sizes.clear()
+        self._tier_counts.clear()
+        self._group_counts.clear()
 
     # ----- reading (any thread) -----
     def __len__(self) -> int:
@@ -194,7 +324,7 @@ class KVCacheIndex:
         """Live blocks whose parent is not live: sequence starts first, then orphans (parent evicted or never seen)."""
         with self._lock:
             tops = [b for b in self._blocks.values() if b.parent_hash is None or b.parent_hash not in self._blocks]
-        return tuple(sorted(tops, key=lambda b: (b.parent_hash is not None, _age(b))))
+        return tuple(sorted(tops, key=lambda b: (not b.token_ids, b.parent_hash is not None, _age(b))))
 
     def chain(self, block_hash: BlockHash) -> tuple[StoredBlock, ...]:
         """The live ancestors of a block and the block, from the oldest live one down (empty if not live)."""
@@ -214,22 +344,51 @@ class KVCacheIndex:
             sizes = [(n, s) for s, n in self._block_sizes.items() if n > 0]
         return max(sizes)[1] if sizes else None
 
-    def match_prefix(self, token_ids: Sequence[int], lora_name: str | None = None) -> int:
-        """How many leading full blocks of ``token_ids`` this instance holds (what a KV-aware router scores)."""
+    def match_prefix(self, token_ids: Sequence[int], lora_name: str | None = None, tier: str | None = None) -> int:
+        """How many leading full blocks of ``token_ids`` this instance holds (what a KV-aware router scores); with
+        ``tier`` ("GPU", "CPU", "STORAGE"; SGLang's spellings accepted), counting only blocks held in that tier."""
         token_ids = tuple(token_ids)
+        tier = medium_tier(tier)
         with self._lock:
             parent, pos, matched = None, 0, 0
             while True:
                 nxt = None
                 for h in self._children.get(parent, ()):
                     b = self._blocks[h]
-                    if b.lora_name == lora_name and len(b.token_ids) == b.block_size \
-                            and token_ids[pos:pos + b.block_size] == b.token_ids:
+                    if b.lora_name == lora_name and b.token_ids and len(b.token_ids) == b.block_size \
+                            and token_ids[pos:pos + b.block_size] == b.token_ids \
+                            and (tier is None or any(r.tier == tier for r in b.residencies)):
                         nxt = b
                         break
                 if nxt is None:
                     return matched
                 parent, pos, matched = nxt.block_hash, pos + nxt.block_size, matched + 1
+
+    def match_prefix_by_tier(self, token_ids: Sequence[int], lora_name: str | None = None) -> dict[str, int]:
+        """The longest match per tier ({"GPU": n, "CPU": n, "STORAGE": n}, plus any other tier the instance has):
+        what Dynamo's KV router reports per tier. A tier's match is the leading blocks held in that tier."""
+        with self._lock:
+            tiers = list(TIERS) + sorted(t for t, n in self._tier_counts.items()
+                                         if n > 0 and t not in TIERS and t is not None)
+        return {t: self.match_prefix(token_ids, lora_name, t) for t in tiers}
+
+    def stored_hashes_by_medium(self) -> dict[str, int]:
+        """Live hashes per tier: {"GPU": n, "CPU": n, "STORAGE": n} always (DESIGN.md), then any other tier held
+        (SGLang's "EXTERNAL"; "unspecified" for blocks whose publisher named no medium). A block on two tiers
+        counts in both."""
+        with self._lock:
+            out = {t: int(self._tier_counts.get(t, 0)) for t in TIERS}
+            for t, n in sorted(self._tier_counts.items(), key=lambda kv: str(kv[0])):
+                if n > 0 and t not in TIERS:
+                    out["unspecified" if t is None else t] = int(n)
+        return out
+
+    def stored_hashes_by_group(self) -> dict[str, int]:
+        """Live hashes per KV-cache group ({"0": n, "1": n}; "none" for blocks stored without a group_idx)."""
+        with self._lock:
+            return {("none" if g is None else str(g)): int(n)
+                    for g, n in sorted(self._group_counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
+                    if n > 0}
 
     def timeline(self) -> Timeline:
         """Stored / removed / live per applied batch, oldest first (the last ``timeline_limit`` batches)."""
@@ -249,6 +408,12 @@ def prefix_overlap(indexes: Iterable[KVCacheIndex], token_ids: Sequence[int],
     return tuple(index.match_prefix(token_ids, lora_name) for index in indexes)
 
 
+def prefix_overlap_by_tier(indexes: Iterable[KVCacheIndex], token_ids: Sequence[int],
+                           lora_name: str | None = None) -> tuple[dict[str, int], ...]:
+    """For each instance, its longest match per tier (:meth:`KVCacheIndex.match_prefix_by_tier`)."""
+    return tuple(index.match_prefix_by_tier(token_ids, lora_name) for index in indexes)
+
+
 @dataclass(frozen=True)
 class PrefixNode:
     """One block-sized step of a token prefix, merged across instances by content."""
@@ -258,6 +423,7 @@ class PrefixNode:
     holders: frozenset[int]  # positions (in the list given to where_cached) of the instances holding it
     children: tuple[PrefixNode, ...]  # next blocks, most widely held first
     num_descendants: int  # blocks below it (all instances merged)
+    tiers: tuple[frozenset, ...] = ()  # per instance (same positions as holders): the tiers it holds this block in
 
 
 def where_cached(indexes: Sequence[KVCacheIndex]) -> tuple[PrefixNode, ...]:
@@ -274,18 +440,22 @@ def where_cached(indexes: Sequence[KVCacheIndex]) -> tuple[PrefixNode, ...]:
         stack = [(b, trie) for b in kids.get(None, ())]
         while stack:
             b, level = stack.pop()
-            node = level.setdefault((b.token_ids, b.lora_name), [set(), {}])
+            if not b.token_ids:
+                continue  # content not sent: nothing to merge by
+            node = level.setdefault((b.token_ids, b.lora_name), [set(), {}, {}])
             node[0].add(pos)
+            node[2].setdefault(pos, set()).update(t for t in b.tiers if t is not None)
             stack.extend((c, node[1]) for c in kids.get(b.block_hash, ()))
-    return _freeze(trie, 0)
+    return _freeze(trie, 0, len(indexes))
 
 
-def _freeze(level: dict, depth: int) -> tuple[PrefixNode, ...]:
+def _freeze(level: dict, depth: int, n: int) -> tuple[PrefixNode, ...]:
     nodes = []
-    for (tokens, _lora), (holders, kids) in level.items():
-        children = _freeze(kids, depth + 1)
+    for (tokens, _lora), (holders, kids, tiers) in level.items():
+        children = _freeze(kids, depth + 1, n)
         nodes.append(PrefixNode(token_ids=tokens, depth=depth, holders=frozenset(holders), children=children,
-                                num_descendants=sum(1 + c.num_descendants for c in children)))
+                                num_descendants=sum(1 + c.num_descendants for c in children),
+                                tiers=tuple(frozenset(tiers.get(i, ())) for i in range(n))))
     return tuple(sorted(nodes, key=lambda n: (-len(n.holders), -n.num_descendants, n.token_ids)))
 
 
@@ -296,16 +466,25 @@ def hash_text(block_hash: BlockHash | None) -> str:
     return block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
 
 
-def json_summary(index: KVCacheIndex) -> dict:
+def json_summary(index: KVCacheIndex, status=None) -> dict:
     """The ``--json`` object of DESIGN.md for a KV-event source: what the stream cannot know is null.
 
     ``step`` is the last applied sequence number; ``stored_hashes`` the number of distinct live hashes (a count, as
-    :func:`kvstream.summary.json_summary` gives it for every other source). Extras: the instance's name and its
-    stored / removed totals."""
+    :func:`kvstream.summary.json_summary` gives it for every other source); ``stored_hashes_by_medium`` the live
+    hashes per tier (DESIGN.md). Extras: the instance's name, its stored / removed totals, per-group counts and
+    hash-only placeholders. With the endpoint's ``status`` (an ``EndpointStatus``): ``malformed``, ``lost``,
+    ``odd_events`` and ``last_error`` (DESIGN.md's KV-event keys), else those are null."""
     with index._lock:  # one consistent moment
-        return {"source": "kv-events", "step": index.last_seq, "num_blocks": None, "block_size": index.block_size,
-                "used": None, "cached": None, "free": None, "block_tables": None,
-                "stored_hashes": len(index._blocks),
-                # extras
-                "name": index.name, "batches": index.num_batches, "stored_total": index.num_stored_total,
-                "removed_total": index.num_removed_total}
+        out = {"source": "kv-events", "step": index.last_seq, "num_blocks": None, "block_size": index.block_size,
+               "used": None, "cached": None, "free": None, "block_tables": None,
+               "stored_hashes": len(index._blocks),
+               "stored_hashes_by_medium": index.stored_hashes_by_medium(),
+               # extras
+               "name": index.name, "batches": index.num_batches, "stored_total": index.num_stored_total,
+               "removed_total": index.num_removed_total,
+               "stored_hashes_by_group": index.stored_hashes_by_group(),
+               "placeholders": index.num_placeholders, "placeholders_matched": index.num_placeholders_matched}
+    out.update({"malformed": getattr(status, "num_malformed", None), "lost": getattr(status, "num_lost", None),
+                "odd_events": getattr(status, "num_odd_events", None),
+                "last_error": getattr(status, "last_error", None)})
+    return out

@@ -77,6 +77,7 @@ class KVEventPublisher:
         self._closed = False
         self.num_bad_replay_requests = 0  # replay requests that were not [8-byte seq]; ignored
         self.num_replays = 0  # replay requests answered
+        self.num_send_failures = 0  # batches the PUB socket refused (each kept for replay, its seq used)
         ctx = publisher_context()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -112,16 +113,24 @@ class KVEventPublisher:
     def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
         """Send ``events`` as one batch and keep it for replay; returns its sequence number.
 
-        Bad events raise :class:`KVEventError` and nothing is sent (the sequence number is not used up)."""
+        Bad events raise :class:`KVEventError` and nothing is sent (the sequence number is not used up). A batch
+        that is good but cannot be sent (the socket refused it) still takes its sequence number and its place in
+        the replay buffer before :class:`KVEventError` says so: watchers then see a gap at the next batch and
+        fetch it by replay, instead of missing its blocks without a word."""
         batch = make_batch(events, time.time() if ts is None else ts, self._rank)
         payload = encode_batch(batch)
         with self._lock:
             if self._closed:
                 raise KVEventError("the KV-event publisher is closed")
             seq = self._next_seq
-            self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
-            self._buffer.append((seq, payload))
             self._next_seq = seq + 1
+            self._buffer.append((seq, payload))
+            try:
+                self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
+            except zmq.ZMQError as exc:
+                self.num_send_failures += 1
+                raise KVEventError(f"batch {seq} was not sent ({exc}); it keeps its sequence number and waits in "
+                                   f"the replay buffer, so watchers see the gap and fetch it by replay") from None
         return seq
 
     def close(self) -> None:

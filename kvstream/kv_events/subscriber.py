@@ -1,14 +1,20 @@
 """Follow the KV-event streams of one or several serving instances and keep a content index of each.
 
 Per endpoint: a SUB socket for the live stream and, if the publisher has one, a DEALER socket to its replay ROUTER
-(a REQ socket would do for one request only: vLLM streams many replies to each). On connect the follower asks for
-everything from sequence 0; afterwards the sequence numbers tell it when something went missing, and it asks for
-exactly that. What no replay can give back (older than the publisher's buffer, or no replay socket) is counted as
+(a REQ socket would do for one request only: vLLM streams many replies to each). When the live socket first
+connects, the follower asks for everything from sequence 0 (not before: a watcher started before its server would
+otherwise be answered by nobody, give up, and miss what the server published before its first live batch reached
+us); a first replay that does not answer is asked again a few times (the server may still be binding it).
+Afterwards the sequence numbers tell it when something went missing, and it asks for exactly that. What no replay can give back (older than the publisher's buffer, or no replay socket) is counted as
 lost, and the window says so. A live sequence number lower than one already applied, with different contents,
 means the publisher restarted: the index starts over.
 
-Nothing a publisher sends can crash the follower: malformed messages are counted and skipped. ZMQ reconnects by
-itself; a reconnect triggers a catch-up replay. One thread owns every socket; the GUI polls :meth:`status` and
+Nothing a publisher sends can crash the follower: malformed messages are counted and skipped (any exception while
+handling one, too, with the last error kept); an odd event is dropped and counted, the rest of its batch kept. A
+batch numbered far beyond the next one expected (``MAX_JUMP``) is not believed on its own: it is set aside and
+counted, and only a run of consecutive batches from there (``FUTURE_CONFIRM``) makes the follower treat the stream
+as a new one (the index starts over), so one forged or corrupt sequence number can neither freeze the view nor
+count billions of batches lost. ZMQ reconnects by itself; a reconnect triggers a catch-up replay. One thread owns every socket; the GUI polls :meth:`status` and
 reads the indexes (which are thread-safe).
 """
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstream.kv_events.codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_counted, parse_frames, \
+from kvstream.kv_events.codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_report, parse_frames, \
     seq_bytes
 from kvstream.kv_events.endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec
 from kvstream.kv_events.index import KVCacheIndex
@@ -54,6 +60,8 @@ class EndpointStatus:
     num_disconnects: int  # times the connection dropped
     replay_answering: bool | None  # the replay socket answered its last request; None: none or not asked yet
     last_error: str | None  # the last problem, in words
+    num_odd_events: int = 0  # events dropped from their batch because they could not be read (the rest kept)
+    num_future: int = 0  # batches numbered implausibly far ahead, set aside and not believed
 
     @property
     def text(self) -> str:
@@ -70,6 +78,10 @@ class EndpointStatus:
             parts.append(f"lost {self.num_lost} batch{'es' if self.num_lost != 1 else ''}")
         if self.num_malformed:
             parts.append(f"{self.num_malformed} malformed message{'s' if self.num_malformed != 1 else ''} skipped")
+        if self.num_odd_events:
+            parts.append(f"{self.num_odd_events} odd event{'s' if self.num_odd_events != 1 else ''} skipped")
+        if self.num_future:
+            parts.append(f"{self.num_future} batch{'es' if self.num_future != 1 else ''} from the future ignored")
         if self.num_restarts:
             parts.append(f"publisher restarted {self.num_restarts}x")
         if self.replay_answering is False:
@@ -84,6 +96,10 @@ class _Follower:
     #                  duplicate is never older than the live backlog a replay overtook)
     MAX_PENDING = 100_000  # live batches held while a gap is open; past that the gap is declared lost
     MAX_RETRIES = 3  # replays asked for one gap before it is declared lost
+    FIRST_REPLAY_TRIES = 3  # times the first replay is asked before the replay socket is called not answering
+    MAX_JUMP = 1 << 20  # a batch this far past the next expected one is not believed on its own (a busy server
+    #                     publishes about 50 batches a second: this is hours; a real jump that big is a new stream)
+    FUTURE_CONFIRM = 3  # consecutive far-ahead batches that make it a new stream
 
     def __init__(self, ctx: zmq.Context, endpoint: KVEventEndpoint, index: KVCacheIndex,
                  replay_timeout_s: float) -> None:
@@ -103,6 +119,9 @@ class _Follower:
         self.connected_at = self.last_message = None
         self.num_replayed = self.num_lost = self.num_malformed = self.num_unknown = 0
         self.num_restarts = self.num_disconnects = 0
+        self.num_odd_events = self.num_future = 0
+        self.first_replay_tries = 0
+        self.future: OrderedDict[int, bytes] = OrderedDict()  # far-ahead batches set aside (bounded)
         self.replay_answering: bool | None = None
         self.last_error: str | None = None
 
@@ -117,8 +136,7 @@ class _Follower:
             self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self.sub.connect(self.ep.endpoint)
             if self.ep.replay_endpoint:
-                self._new_dealer()
-                self._request_replay(0)
+                self._new_dealer()  # the first replay is asked when the live socket connects (on_monitor)
         except zmq.ZMQError as exc:
             self.last_error = f"cannot connect to {self.ep.endpoint} (replay {self.ep.replay_endpoint}): {exc}"
             self.close()
@@ -151,7 +169,11 @@ class _Follower:
             reconnect = self.ever_connected
             self.connected = self.ever_connected = True
             self.connected_at = time.monotonic()
-            if reconnect and self.dealer is not None and self.replay_start is None and self.next_seq:
+            if not reconnect and self.dealer is not None and self.replay_start is None:
+                # First contact: whatever the server published before our subscription landed (all of it, for a
+                # watcher started before its server) is only in its replay buffer.
+                self._request_replay(self.next_seq if self.next_seq is not None else 0)
+            elif reconnect and self.dealer is not None and self.replay_start is None and self.next_seq:
                 # Catch up on what passed while disconnected, starting one back: the same publisher returns the
                 # batch we applied last, unchanged; a restarted one returns another batch there, or nothing.
                 self.probe = self.next_seq - 1
@@ -192,7 +214,17 @@ class _Follower:
         self._offer(seq, payload, live=False)
 
     def tick(self, now: float) -> None:
-        """Give up a replay that did not answer in time: what it should have filled is lost."""
+        """Give up a replay that did not answer in time: what it should have filled is lost. The first replay is
+        asked again a few times first (the server may be starting: its replay socket not bound yet)."""
+        if self.replay_start is not None and now > self.replay_deadline and self.replay_answering is None \
+                and self.first_replay_tries + 1 < self.FIRST_REPLAY_TRIES:
+            self.first_replay_tries += 1
+            start = self.replay_start
+            self.last_error = (f"replay socket {self.ep.replay_endpoint} did not answer in {self.replay_timeout_s} s "
+                               f"(try {self.first_replay_tries} of {self.FIRST_REPLAY_TRIES}); asking again")
+            self._new_dealer()
+            self._request_replay(start)
+            return
         if self.replay_start is not None and now > self.replay_deadline:
             self.replay_answering = False
             self.last_error = f"replay socket {self.ep.replay_endpoint} did not answer in {self.replay_timeout_s} s"
@@ -203,10 +235,17 @@ class _Follower:
     # ----- sequence bookkeeping -----
     def _offer(self, seq: int, payload: bytes, live: bool) -> None:
         if self.next_seq is None:  # no replay socket: the stream starts wherever we joined it
-            self.num_lost += seq
-            if seq:
-                self.last_error = f"joined at seq {seq}; the {seq} batches before are unknown (no replay socket)"
+            if seq > self.MAX_JUMP:  # not believed as the count of batches before: say it, count nothing
+                self.last_error = f"joined at seq {seq} (no replay socket); what came before is unknown"
+            else:
+                self.num_lost += seq
+                if seq:
+                    self.last_error = f"joined at seq {seq}; the {seq} batches before are unknown (no replay socket)"
             self.next_seq = seq
+        if seq > self.next_seq + self.MAX_JUMP:
+            self._from_the_future(seq, payload)
+            return
+        self.future.clear()  # the stream goes on where we expect it: what was set aside was not it
         if seq < self.next_seq:
             if live and self.recent.get(seq) != hash(payload):
                 self._restart(seq, payload)  # not what we applied under that number: a new publisher
@@ -224,6 +263,33 @@ class _Follower:
         self._apply(seq, payload)
         self._drain()
 
+    def _from_the_future(self, seq: int, payload: bytes) -> None:
+        """A batch numbered implausibly far ahead: set it aside; a run of FUTURE_CONFIRM consecutive ones is a new
+        stream (the publisher's numbering moved on for good), anything less was noise."""
+        self.future[seq] = payload
+        while len(self.future) > self.FUTURE_CONFIRM:
+            self.future.popitem(last=False)
+        start = seq
+        while start - 1 in self.future:
+            start -= 1
+        if seq - start + 1 < self.FUTURE_CONFIRM:
+            self.num_future += 1
+            self.last_error = (f"ignored a batch numbered {seq}, far beyond the next expected ({self.next_seq}); "
+                               f"not believed unless the stream goes on from there")
+            return
+        run = [(s, self.future[s]) for s in range(start, seq + 1)]
+        self.num_future -= len(run) - 1  # they were the stream after all
+        self.future.clear()
+        self.num_restarts += 1
+        self.last_error = f"the stream jumped from seq {self.next_seq} to {start}; the index starts over from there"
+        self.index.reset()
+        self.pending.clear()
+        self.recent.clear()
+        self.retries, self.probe = 0, None
+        self.next_seq = start
+        for s, p in run:
+            self._apply(s, p)
+
     def _request_replay(self, start: int) -> None:
         self.dealer.send_multipart((b"", seq_bytes(start)))  # [delimiter, seq]: what vLLM's ROUTER expects
         self.replay_start, self.replay_first = start, None
@@ -237,6 +303,7 @@ class _Follower:
             self.replay_again = False
             self._request_replay(0)
             return
+        self.first_replay_tries = 0
         if probe is not None and (first is None or first > probe):
             self._restart()  # the batch we applied last is not there: a new publisher with a shorter history
             return
@@ -300,16 +367,20 @@ class _Follower:
         if len(self.recent) > self.RECENT:
             self.recent.popitem(last=False)
         try:
-            batch, unknown = decode_batch_counted(payload)
+            report = decode_batch_report(payload)
         except KVEventDecodeError as exc:
             self._malformed(exc)
             return
-        self.num_unknown += unknown
-        self.index.apply_batch(batch, seq)
+        self.num_unknown += report.unknown
+        if report.odd:
+            self.num_odd_events += len(report.odd)
+            self.last_error = f"odd event skipped, the rest of batch {seq} kept: {report.odd[-1]}"
+        self.index.apply_batch(report.batch, seq)
 
-    def _malformed(self, exc: Exception) -> None:
+    def _malformed(self, exc: BaseException) -> None:
         self.num_malformed += 1
-        self.last_error = f"malformed message skipped: {exc}"
+        what = str(exc) if isinstance(exc, KVEventDecodeError) else f"{type(exc).__name__}: {exc}"
+        self.last_error = f"malformed message skipped: {what[:300]}"
 
     def status(self, now: float, silent_after_s: float) -> EndpointStatus:
         since = self.last_message if self.last_message is not None else self.connected_at
@@ -329,7 +400,8 @@ class _Follower:
             last_seq=self.index.last_seq, num_batches=self.index.num_batches, num_replayed=self.num_replayed,
             num_lost=self.num_lost, num_malformed=self.num_malformed, num_unknown_events=self.num_unknown,
             num_restarts=self.num_restarts, num_disconnects=self.num_disconnects,
-            replay_answering=self.replay_answering, last_error=self.last_error)
+            replay_answering=self.replay_answering, last_error=self.last_error,
+            num_odd_events=self.num_odd_events, num_future=self.num_future)
 
 
 class KVEventSubscriber:
@@ -427,7 +499,10 @@ class KVEventSubscriber:
     def _serve(f: _Follower, ready: dict) -> None:
         if f.monitor is not None and f.monitor in ready:
             while f.monitor.poll(0):
-                f.on_monitor()
+                try:
+                    f.on_monitor()
+                except Exception as exc:  # noqa: BLE001
+                    f.last_error = f"connection event not understood: {type(exc).__name__}: {exc}"
         for sock, handle in ((f.dealer, f.on_replay), (f.sub, f.on_live)):
             if sock is None or sock not in ready:
                 continue
@@ -436,5 +511,11 @@ class KVEventSubscriber:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                handle(frames)
-        f.tick(time.monotonic())
+                try:
+                    handle(frames)
+                except Exception as exc:  # noqa: BLE001 -- whatever a message does, the watcher goes on
+                    f._malformed(exc)
+        try:
+            f.tick(time.monotonic())
+        except Exception as exc:  # noqa: BLE001
+            f._malformed(exc)
