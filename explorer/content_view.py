@@ -20,6 +20,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.kv_events import (LIVE, EndpointStatus, KVCacheIndex, KVEventSubscriber,
                                 StoredBlock, hash_text, prefix_overlap, where_cached)
+from kvstream.kv_events import CONTENT_SENT, prefix_overlap_by_tier
 
 from .stream_feed import load_tokenizer  # noqa: F401  (--tokenizer DIR; kept importable from here)
 
@@ -96,7 +97,7 @@ class _InstancePane(QtWidgets.QWidget):
             f"{len(index)} live blocks · {index.num_stored_total} stored · {index.num_removed_total} removed · "
             f"block size {index.block_size or '-'} · {index.num_batches} batches"
             + (f" · {index.num_unknown_removed} removals of blocks never seen stored" if index.num_unknown_removed
-               else ""))
+               else "") + tier_counts_text(index))
         self._rebuild_tree(index.blocks())
         self._redraw_plot()
         return True
@@ -132,17 +133,18 @@ class _InstancePane(QtWidgets.QWidget):
         self._expand(root, expanded)
 
     def _row(self, block: StoredBlock, live: set) -> list[QtGui.QStandardItem]:
-        text = self.block_text(block)
+        text = self.block_text(block) if block.token_ids else f"({block.content})"
         if block.parent_hash is not None and block.parent_hash not in live:
             text = "(parent not cached) " + text
         full_hash = hash_text(block.block_hash)
         items = [QtGui.QStandardItem(text), QtGui.QStandardItem(full_hash[:HASH_CHARS]),
-                 QtGui.QStandardItem(block.medium), QtGui.QStandardItem(str(len(block.token_ids))),
+                 QtGui.QStandardItem(medium_text(block)), QtGui.QStandardItem(str(len(block.token_ids))),
                  QtGui.QStandardItem("-" if block.stored_seq is None else str(block.stored_seq))]
         items[0].setData(full_hash, HASH_ROLE)  # text: a uint64 does not fit Qt's integer types
         items[0].setToolTip(f"token ids: {list(block.token_ids)}\nparent: {hash_text(block.parent_hash)}"
                             + (f"\nLoRA: {block.lora_name}" if block.lora_name else ""))
         items[1].setToolTip(full_hash)
+        items[2].setToolTip(residency_text(block))
         return items
 
     def _collect_expanded(self, item: QtGui.QStandardItem, out: set) -> None:
@@ -222,7 +224,7 @@ class _AcrossPane(QtWidgets.QWidget):
             parent, node = stack.pop()
             items = [QtGui.QStandardItem(self.text_of(node.token_ids)),
                      QtGui.QStandardItem(f"{len(node.holders)} of {n}")]
-            items += [QtGui.QStandardItem("●" if i in node.holders else "") for i in range(n)]
+            items += [QtGui.QStandardItem(holder_text(node, i)) for i in range(n)]
             parent.appendRow(items)
             rows += 1
             stack.extend((items[0], c) for c in reversed(node.children))
@@ -246,7 +248,55 @@ class _AcrossPane(QtWidgets.QWidget):
         target = [ix.name or f"instance {i}" for i, (ix, h) in enumerate(zip(self.indexes, held)) if h == best]
         verdict = (f"a KV-aware router sends it to {' or '.join(target)}" if best else "no instance holds its first "
                    "block: any instance will compute it from scratch")
-        self.route_label.setText(f"{len(ids)} tokens. Leading blocks cached: {'; '.join(parts)}. So {verdict}.")
+        self.route_label.setText(f"{len(ids)} tokens. Leading blocks cached: {'; '.join(parts)}. So {verdict}."
+                                 + per_tier_route_text(self.indexes, ids))
+
+
+def tier_counts_text(index: KVCacheIndex) -> str:
+    """" · by tier: GPU 3, CPU 5, STORAGE 0" when the instance holds anything off its GPU pool, else ""."""
+    counts = index.stored_hashes_by_medium()
+    if not any(n for tier, n in counts.items() if tier != "GPU"):
+        return ""
+    return " · by tier: " + ", ".join(f"{tier} {n}" for tier, n in counts.items())
+
+
+def medium_text(block: StoredBlock) -> str:
+    """The medium column: the media as published, and where a tier knows the block by hash only, how its content
+    is known ("GPU+CPU · content known from its GPU store")."""
+    return block.medium if block.content == CONTENT_SENT else f"{block.medium} · {block.content}"
+
+
+def residency_text(block: StoredBlock) -> str:
+    """One line per residency: medium, group (and its cache spec), locality, ownership."""
+    lines = []
+    for r in sorted(block.residencies, key=lambda r: tuple(str(x) for x in r)):
+        parts = [r.medium or "medium unspecified"]
+        if r.group_idx is not None:
+            parts.append(f"group {r.group_idx}")
+        parts += [x for x in (r.locality, r.ownership and f"owner {r.ownership}") if x]
+        lines.append(" · ".join(parts))
+    if block.kv_cache_spec_kind:
+        lines.append(f"cache spec: {block.kv_cache_spec_kind}"
+                     + (f", window {block.kv_cache_spec_sliding_window}" if block.kv_cache_spec_sliding_window else ""))
+    lines.append(f"content: {block.content}")
+    return "\n".join(lines)
+
+
+def holder_text(node, i: int) -> str:
+    """An "Across instances" cell: the tiers instance ``i`` holds this prefix block in ("●" if none said)."""
+    if i not in node.holders:
+        return ""
+    tiers = node.tiers[i] if i < len(node.tiers) else ()
+    return "+".join(sorted(tiers)) or "●"
+
+
+def per_tier_route_text(indexes: Sequence[KVCacheIndex], ids: Sequence[int]) -> str:
+    """The per-tier longest match (as Dynamo's KV router reports it), said only where a lower tier holds more."""
+    parts = []
+    for i, (ix, tiers) in enumerate(zip(indexes, prefix_overlap_by_tier(indexes, ids))):
+        if any(n > tiers.get("GPU", 0) for t, n in tiers.items() if t != "GPU"):
+            parts.append(f"{ix.name or f'instance {i}'}: " + ", ".join(f"{t} {n}" for t, n in tiers.items()))
+    return (" Per tier: " + "; ".join(parts) + ".") if parts else ""
 
 
 def _token_ids(text: str, tokenizer) -> list[int] | None:

@@ -72,7 +72,9 @@ class KVEventFeed(Feed):
 
     def summaries(self, final: bool = False) -> list[dict]:
         from kvstream.kv_events import json_summary
-        return [json_summary(index) for index in self.subscriber.indexes]
+        statuses = self.subscriber.status()  # malformed, lost, odd events and the last error go into --json too
+        return [json_summary(index, statuses[i] if i < len(statuses) else None)
+                for i, index in enumerate(self.subscriber.indexes)]
 
     def summary(self, final: bool = False) -> dict:
         return self.summaries(final)[0]

@@ -46,7 +46,8 @@ WRONG_VALUES = ("x", b"", b"\x00" * 40, 1.5, float("nan"), float("inf"), None, T
 def seed_payloads() -> list[bytes]:
     """Real batches: what vLLM 0.34 (every field), its offloading connector and SGLang send."""
     tokens = tuple(range(100, 132))
-    full = BlockStored((11, 12, 13, 14), None, tokens, 8, 3, "GPU", "adapter", extra_keys=(("a",), None, ("m", 1), None),
+    full = BlockStored((11, 12, 13, 14), None, tokens, 8, 3, "GPU", "adapter",
+                       extra_keys=(("a",), None, ("m", 1), None),
                        group_idx=0, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None,
                        locality="LOCAL", ownership=None, session_id="s1",
                        lookahead_token_ids=((1,), (2,), (3,), (4,)))

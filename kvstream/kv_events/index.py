@@ -38,13 +38,38 @@ class Residency(NamedTuple):
     @property
     def tier(self) -> str | None:
         """The tier it counts as ("GPU", "CPU", "STORAGE", another name, or None)."""
-        return medium_tier(self.medium)
+        return _tier(self.medium)
 
     def matches(self, other: Residency) -> bool:
-        return all(a is None or b is None or a == b for a, b in ((self.tier, other.tier),
-                                                                (self.group_idx, other.group_idx),
-                                                                (self.locality, other.locality),
-                                                                (self.ownership, other.ownership)))
+        """A removal ``other`` takes this residency: every field equal, or None on either side."""
+        if self == other:
+            return True
+        a, b = _tier(self.medium), _tier(other.medium)
+        return ((a is None or b is None or a == b)
+                and (self.group_idx is None or other.group_idx is None or self.group_idx == other.group_idx)
+                and (self.locality is None or other.locality is None or self.locality == other.locality)
+                and (self.ownership is None or other.ownership is None or self.ownership == other.ownership))
+
+
+_TIERS_SEEN: dict = {}  # medium as published -> tier (a handful of spellings; the index asks per block)
+
+
+def _tier(medium: str | None) -> str | None:
+    try:
+        return _TIERS_SEEN[medium]
+    except KeyError:
+        tier = medium_tier(medium)
+        if len(_TIERS_SEEN) < 1024:  # publishers spell a few media; a hostile one must not grow this
+            _TIERS_SEEN[medium] = tier
+        return tier
+
+
+def _tiers_and_groups(residencies: frozenset) -> tuple:
+    """The distinct tiers and groups of some residencies (one residency, the common case, without sets)."""
+    if len(residencies) == 1:
+        for r in residencies:
+            return (_tier(r.medium),), (r.group_idx,)
+    return {_tier(r.medium) for r in residencies}, {r.group_idx for r in residencies}
 
 
 CONTENT_SENT = "sent"  # its tokens came with its BlockStored
@@ -188,6 +213,8 @@ class KVCacheIndex:
             self.group_specs[event.group_idx] = (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
         if placeholder:
             self.num_placeholders += len(event.block_hashes)
+        media, residencies = frozenset((event.medium,)), frozenset((where,))  # shared by the event's new blocks
+        content_from = None if placeholder else tier
         for i, block_hash in enumerate(event.block_hashes):
             parent = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
             old = self._blocks.get(block_hash)
@@ -218,17 +245,14 @@ class KVCacheIndex:
             extra = event.extra_keys[i] if event.extra_keys is not None and i < len(event.extra_keys) else None
             ahead = (event.lookahead_token_ids[i] if event.lookahead_token_ids is not None
                      and i < len(event.lookahead_token_ids) else None)
+            # positional, in StoredBlock's field order: a keyword call of 19 fields costs twice as much per block
             block = StoredBlock(
-                block_hash=block_hash, parent_hash=parent, token_ids=tuple(event.token_ids[i * size:(i + 1) * size]),
-                block_size=size, media=frozenset(), lora_name=event.lora_name,
-                lora_id=event.lora_id, group_idx=event.group_idx, stored_ts=ts, stored_seq=seq,
-                content_from=None if placeholder else tier,
-                kv_cache_spec_kind=event.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window, session_id=event.session_id,
-                extra_keys=tuple(extra) if extra is not None else None,
-                lookahead_token_ids=tuple(ahead) if ahead is not None else None)
+                block_hash, parent, tuple(event.token_ids[i * size:(i + 1) * size]), size, media, event.lora_name,
+                event.lora_id, event.group_idx, ts, seq, residencies, content_from, frozenset(),
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window, event.session_id,
+                tuple(extra) if extra is not None else None, tuple(ahead) if ahead is not None else None)
             self._link(block)
-            self._set_residencies(block, frozenset((where,)))
+            self._set_residencies(block, block.residencies)
             new += 1
         return new
 
@@ -247,22 +271,25 @@ class KVCacheIndex:
     def _set_residencies(self, block: StoredBlock, residencies: frozenset) -> None:
         """Give ``block`` these residencies (empty: it leaves), keeping the per-tier and per-group counts."""
         old = self._blocks.get(block.block_hash)
-        before = old.residencies if old is not None else frozenset()
-        for tier in {r.tier for r in before}:
-            self._tier_counts[tier] -= 1
-        for group in {r.group_idx for r in before}:
-            self._group_counts[group] -= 1
+        tier_counts, group_counts = self._tier_counts, self._group_counts
+        if old is not None:
+            tiers, groups = _tiers_and_groups(old.residencies)
+            for tier in tiers:
+                tier_counts[tier] -= 1
+            for group in groups:
+                group_counts[group] -= 1
         if not residencies:
             self._blocks.pop(block.block_hash, None)
             return
-        for tier in {r.tier for r in residencies}:
-            self._tier_counts[tier] += 1
-        for group in {r.group_idx for r in residencies}:
-            self._group_counts[group] += 1
-        tiers = {r.tier for r in residencies}
-        self._blocks[block.block_hash] = dataclasses.replace(
-            block, residencies=residencies, media=frozenset(r.medium for r in residencies),
-            hash_only=block.hash_only & tiers)
+        tiers, groups = _tiers_and_groups(residencies)
+        for tier in tiers:
+            tier_counts[tier] = tier_counts.get(tier, 0) + 1
+        for group in groups:
+            group_counts[group] = group_counts.get(group, 0) + 1
+        if residencies is not block.residencies:  # (a new block comes with its own: nothing to rebuild)
+            block = dataclasses.replace(block, residencies=residencies, media=frozenset(r.medium for r in residencies),
+                                        hash_only=block.hash_only & set(tiers))
+        self._blocks[block.block_hash] = block
 
     def _remove(self, event: BlockRemoved) -> int:
         removed = 0

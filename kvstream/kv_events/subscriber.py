@@ -4,18 +4,19 @@ Per endpoint: a SUB socket for the live stream and, if the publisher has one, a 
 (a REQ socket would do for one request only: vLLM streams many replies to each). When the live socket first
 connects, the follower asks for everything from sequence 0 (not before: a watcher started before its server would
 otherwise be answered by nobody, give up, and miss what the server published before its first live batch reached
-us); a first replay that does not answer is asked again a few times (the server may still be binding it).
-Afterwards the sequence numbers tell it when something went missing, and it asks for exactly that. What no replay can give back (older than the publisher's buffer, or no replay socket) is counted as
-lost, and the window says so. A live sequence number lower than one already applied, with different contents,
-means the publisher restarted: the index starts over.
+us); a first replay that does not answer is asked again a few times (the server may still be binding it). Afterwards
+the sequence numbers tell it when something went missing, and it asks for exactly that. What no replay can give back
+(older than the publisher's buffer, or no replay socket) is counted as lost, and the window says so. A live sequence
+number lower than one already applied, with different contents, means the publisher restarted: the index starts
+over.
 
 Nothing a publisher sends can crash the follower: malformed messages are counted and skipped (any exception while
 handling one, too, with the last error kept); an odd event is dropped and counted, the rest of its batch kept. A
 batch numbered far beyond the next one expected (``MAX_JUMP``) is not believed on its own: it is set aside and
 counted, and only a run of consecutive batches from there (``FUTURE_CONFIRM``) makes the follower treat the stream
-as a new one (the index starts over), so one forged or corrupt sequence number can neither freeze the view nor
-count billions of batches lost. ZMQ reconnects by itself; a reconnect triggers a catch-up replay. One thread owns every socket; the GUI polls :meth:`status` and
-reads the indexes (which are thread-safe).
+as a new one (the index starts over), so one forged or corrupt sequence number can neither freeze the view nor count
+billions of batches lost. ZMQ reconnects by itself; a reconnect triggers a catch-up replay. One thread owns every
+socket; the GUI polls :meth:`status` and reads the indexes (which are thread-safe).
 """
 from __future__ import annotations
 
