@@ -166,6 +166,8 @@ class NotClean(AssertionError):
 def decode_outcome(start: StreamDecoder, payload: bytes) -> str:
     """Feed ``payload`` to a copy of ``start``: "refused" or "accepted"; NotClean otherwise."""
     dec = start.copy()
+    if dec.seq is not None:
+        dec.snapshot()  # checked whole: the mutated frame is then checked where it changed (as a subscriber does)
     try:
         snap, _events, _seq = dec.feed(payload)
     except StreamError:
@@ -173,7 +175,7 @@ def decode_outcome(start: StreamDecoder, payload: bytes) -> str:
     except Exception as exc:
         raise NotClean(f"decoder raised {type(exc).__name__}: {exc}") from exc
     try:
-        check_snapshot(snap)
+        check_snapshot(snap)  # every block, from nothing: what the decoder's incremental check accepted must pass
     except StreamError as exc:
         raise NotClean(f"decoder accepted an impossible pool: {exc}") from exc
     return "accepted"
