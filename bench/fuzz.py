@@ -270,6 +270,8 @@ def run(inputs: int, seed: int, only: str | None, report=print) -> dict[str, Cou
                     except NotClean as exc:
                         counts["not clean"] += 1
                         report(f"recording input {i}: {exc}")
+                    if (i + 1) % 10_000 == 0:
+                        report(f"  recording: {i + 1:,} inputs, {time.perf_counter() - t0:.0f} s: {dict(counts)}")
             results["recording"] = counts
             report(f"recording: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
     finally:
