@@ -293,7 +293,11 @@ class StreamDecoder:
 
     ``feed`` checks the whole message before it touches anything: a malformed, foreign, newer-format or
     out-of-order message raises StreamError and leaves the decoder as it was. A delta must follow the frame before it
-    (seq - 1, same stream); a keyframe may come at any time and resets the state (a resync after a gap)."""
+    (seq - 1, same stream); a keyframe may come at any time and resets the state (a resync after a gap).
+
+    Every snapshot it builds must also describe a pool that can exist (:mod:`.validate`); one that does not raises
+    StreamError naming the rule, is never returned, and leaves the decoder waiting for a keyframe (what it followed
+    cannot be trusted)."""
 
     def __init__(self) -> None:
         self._state: _State | None = None
