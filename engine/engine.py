@@ -177,33 +177,47 @@ class Engine:
 
         One caller at a time: a second thread that calls in while a transaction is open gets an EngineError, and
         nothing changes (an Engine is not thread-safe; an EngineRunner gives it one thread, docs/engine.md)."""
-        if self._txn is not None and self._caller_thread == threading.get_ident():
+        with self._sole_caller(), self._transaction(rollback):
+            yield
+
+    @contextmanager
+    def _sole_caller(self):
+        """Hold the engine for this thread (again, when it holds it already); EngineError if another holds it."""
+        me = threading.get_ident()
+        if self._caller_thread == me:
             yield
             return
         if not self._caller.acquire(blocking=False):
             raise EngineError("this engine is in use by another thread: an Engine takes one caller at a time "
                               "(drive it from one thread, e.g. through an EngineRunner)")
-        self._caller_thread = threading.get_ident()
+        self._caller_thread = me
         try:
-            txn = self._txn = self._checkpoint()
-            try:
-                yield
-            except BaseException:
-                self._restore(txn)
-                raise
-            else:
-                if rollback:
-                    self._restore(txn)
-                elif self._dirty:
-                    self.version += 1
-                    self._publish_kv_events()
-            finally:
-                self._txn = None
-                self._dirty = False
-                self.manager.end()
+            yield
         finally:
             self._caller_thread = None
             self._caller.release()
+
+    @contextmanager
+    def _transaction(self, rollback: bool):
+        if self._txn is not None:
+            yield
+            return
+        txn = self._txn = self._checkpoint()
+        try:
+            yield
+        except BaseException:
+            self._restore(txn)
+            raise
+        else:
+            if rollback:
+                self._restore(txn)
+            elif self._dirty:
+                self.version += 1
+                self._publish_kv_events()
+        finally:
+            self._txn = None
+            self._dirty = False
+            self.manager.end()
 
     def changed(self) -> None:
         """Mark that the open transaction changed something (a new version when it commits)."""

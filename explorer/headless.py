@@ -132,12 +132,14 @@ def run_headless_cli(opts, cfg) -> int:
             # --publish and --kv-events are both for watchers in other processes, so a demo is paced for them to
             # see it unfold and the run keeps publishing until --quit-after or Ctrl+C instead of closing its sockets
             # once idle (a late watcher catches up through --kv-events' replay socket, if one was given)
-            outputs = [f"the pool stream on {opts.publish}"] if opts.publish else []
+            sinks = engine_sinks(opts)
+            bound = [s.bound for s in sinks if hasattr(s, "bound")]  # what was bound (port 0: the port chosen)
+            outputs = [f"the pool stream on {bound[0] if bound else opts.publish}"] if opts.publish else []
             if opts.kv_events:
                 replay = getattr(opts, "kv_events_replay", None)
                 outputs.append(f"KV events on {opts.kv_events}" + (f" (replay on {replay})" if replay else ""))
             speed = DEMO_SPEED if outputs and opts.demo in DEMOS else None
-            feeds = [EngineFeed.start(engine, cfg, extra_sinks=engine_sinks(opts), history_bytes=0,
+            feeds = [EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0,
                                       max_steps_per_second=speed)]
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle

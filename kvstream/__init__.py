@@ -7,5 +7,7 @@
 - :mod:`kvstream.poolstream`: the project's own pool stream (keyframes, per-step deltas, events): schema, encoder,
   decoder, and the ZMQ publisher / subscriber of ``--publish`` / ``--attach``; :mod:`kvstream.history` keeps it in
   memory, :mod:`kvstream.recording` on disk.
+- :mod:`kvstream.endpoints`: ZMQ endpoints checked in one place (ports, wildcards) and the data-parallel rank rule;
+  :mod:`kvstream.curve`: CURVE keys, so that only authorized watchers read a pool stream.
 - :mod:`kvstream.vllm.plugin`: the vLLM general plugin that publishes a vLLM server's pool as a pool stream.
 """

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from bench.fuzz import (EXTREME_INTS, bounded, corpus, decode_outcome, frame_spans, mutate_payload, mutate_recording,
                         recording_bytes, recording_outcome)
 
-FAST = settings(max_examples=300, deadline=None, derandomize=True,
+FAST = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -60,7 +60,7 @@ def test_extreme_integers_anywhere_in_a_frame(k, value, seed):
     bounded(decode_outcome, starts[k], payload)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2 ** 32 - 1))
 def test_the_recording_reader_refuses_or_reads_possible_pools(tmp_path, seed):

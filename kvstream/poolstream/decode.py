@@ -194,7 +194,8 @@ class _State:
     """Mutable decoded state of one stream, with the immutable pieces of the last snapshot built from it."""
 
     __slots__ = ("header", "stream_id", "seq", "step_id", "version", "dtypes", "work", "frozen", "tables",
-                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending", "counts")
+                 "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending", "counts",
+                 "dirty")
 
     def __init__(self, header: Header, stream_id: int):
         self.header = header  # the pool's header
@@ -217,7 +218,8 @@ class _State:
         # first. Applied in one go when anything reads the rows (a build, a patch or drop of one of those
         # conversations), so that a run of 60 deltas costs one extend per conversation, not 60 (see _flush).
         self.pending: list[tuple[list[int], np.ndarray, list[str], Any]] = []
-        self.counts: TableCounts | None = None  # table references per block as of the last snapshot checked
+        self.counts: TableCounts | None = None  # what the last check of a snapshot of this state saw
+        self.dirty: list[np.ndarray] | None = None  # indices of the blocks changed since that check (None: any)
 
 
 def _check_table(cid: int, old: tuple | None, drop: int, tail: tuple, n: int) -> None:
@@ -261,6 +263,7 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
     return values
 
 
+_NO_BLOCKS = np.zeros(0, np.int64)
 _TOKENS_AT = tuple(i for i in _SEQ_AT if i != _TABLE_AT)  # positions of the token id tuples (prompt, output)
 
 
@@ -290,7 +293,11 @@ class StreamDecoder:
 
     ``feed`` checks the whole message before it touches anything: a malformed, foreign, newer-format or
     out-of-order message raises StreamError and leaves the decoder as it was. A delta must follow the frame before it
-    (seq - 1, same stream); a keyframe may come at any time and resets the state (a resync after a gap)."""
+    (seq - 1, same stream); a keyframe may come at any time and resets the state (a resync after a gap).
+
+    Every snapshot it builds must also describe a pool that can exist (:mod:`.validate`); one that does not raises
+    StreamError naming the rule, is never returned, and leaves the decoder waiting for a keyframe (what it followed
+    cannot be trusted)."""
 
     def __init__(self) -> None:
         self._state: _State | None = None
@@ -392,8 +399,11 @@ class StreamDecoder:
             raise StreamError("no keyframe decoded yet: there is no snapshot")
         if state.snap is None:
             snap = _build(state)
+            dirty = state.dirty
+            changed = None if dirty is None else np.concatenate(dirty) if dirty else _NO_BLOCKS
             try:
-                state.counts = check_snapshot(snap, state.counts)
+                state.counts = check_snapshot(snap, state.counts, changed)
+                state.dirty = []
             except StreamError as exc:
                 self._state = None  # what it followed cannot be trusted: wait for a keyframe
                 raise StreamError(f"frame {state.seq} refused: {exc}; waiting for a keyframe") from None
@@ -622,13 +632,18 @@ def _flush(state: _State) -> None:
 
 def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patches: list, grown) -> None:
     """Apply a checked delta (nothing here can fail)."""
+    dirty = state.dirty
     for name, index, values in arrays:
         a = state.work[name]
         if index is None:
             a[:] = values
+            dirty = None
         else:
             a[index] = values
+            if dirty is not None:
+                dirty.append(index)
         state.frozen[name] = None
+    state.dirty = dirty
     if body.tables or body.tables_removed or body.tables_order is not None:
         tables = state.tables
         for cid in body.tables_removed:

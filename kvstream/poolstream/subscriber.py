@@ -270,8 +270,8 @@ class PoolStreamSubscriber:
                     self._restarts += 1
         except StreamError as exc:
             self._bad(str(exc))
-            if decoder.seq is None:  # the frame broke the pool's rules: the decoder waits for a keyframe
-                self._resync()
+            if decoder.seq is None and not self._waiting_resync:  # the decoder waits for a keyframe: ask for one
+                self._resync()  # (once; the loop asks again every second until one comes)
             return
         frame = frame_of(head, payload)
         try:

@@ -126,11 +126,15 @@ def check_number(what: str, name: str, value) -> None:
 
 
 # ---- the pool --------------------------------------------------------------------------------------------------
-class TableCounts:
-    """How many table entries name each block, and the sum of their conversation ids, kept up to date from the
-    tables that changed since the last check (unchanged tables are the very same tuples)."""
+_NO_BLOCKS = np.zeros(0, np.int64)
 
-    __slots__ = ("num_blocks", "tables", "counts", "sums", "matched")
+
+class TableCounts:
+    """What the last check of a pool saw, kept so that the next check of the same pool looks only at what changed:
+    how many table entries name each block and the sum of their conversation ids (updated from the tables that
+    changed: unchanged tables are the very same tuples), the block states and their histogram."""
+
+    __slots__ = ("num_blocks", "tables", "counts", "sums", "matched", "states", "histogram")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -138,15 +142,20 @@ class TableCounts:
         self.counts = np.zeros(num_blocks, np.int64)  # entries naming each block
         self.sums = np.zeros(num_blocks, np.int64)  # sum of the ids of the conversations naming each block
         self.matched: dict[int, tuple] = {}  # cid -> (table, the conversation's block_table) found equal
+        self.states: np.ndarray | None = None  # the block states as of the last check
+        self.histogram: np.ndarray | None = None  # blocks FREE, USED, CACHED as of the last check
 
-    def update(self, tables) -> None:
+    def update(self, tables) -> np.ndarray:
+        """Take the tables of the next snapshot; returns the blocks whose table entries changed."""
         old = self.tables
         counts, sums = self.counts, self.sums
+        touched = []
         for cid, t in old.items():
             if tables.get(cid) is not t and t:
                 ids = np.fromiter(t, np.int64, len(t))
                 np.subtract.at(counts, ids, 1)
                 np.subtract.at(sums, ids, cid)
+                touched.append(ids)
         for cid, t in tables.items():
             if old.get(cid) is not t and t:
                 if not 0 <= cid <= MAX_ID:
@@ -159,98 +168,150 @@ class TableCounts:
                                           f"0..{self.num_blocks - 1}")
                 np.add.at(counts, ids, 1)
                 np.add.at(sums, ids, cid)
+                touched.append(ids)
         self.tables = dict(tables)
+        return np.concatenate(touched) if touched else _NO_BLOCKS
 
 
-def check_snapshot(snap: PoolSnapshot, counts: TableCounts | None = None) -> TableCounts:
-    """StreamError naming the rule a snapshot breaks (see the module's rules); returns the table counts to give to
-    the next check of the same pool (None, or another pool's: counted afresh)."""
+def check_snapshot(snap: PoolSnapshot, counts: TableCounts | None = None,
+                   changed: np.ndarray | None = None) -> TableCounts:
+    """StreamError naming the rule a snapshot breaks (see the module's rules); returns what the check saw, to give
+    to the next check of the same pool. ``counts`` from the check of an earlier snapshot of this pool and
+    ``changed``, the blocks whose arrays changed since (None: any), let it look at those blocks and the ones whose
+    table entries changed only; without them every block is checked."""
     n, bs = snap.num_blocks, snap.block_size
-    state, ref, filled, owner = snap.state, snap.ref_count, snap.num_filled, snap.owner
-    h = snap.block_hash
     for name in ("state", "ref_count", "num_filled", "owner", "last_access"):
         a = getattr(snap, name)
         if not isinstance(a, np.ndarray) or a.shape != (n,):
             _fail(name, f"{name} is not an array of the pool's {n} blocks")
+    h = snap.block_hash
+    if h is not None and (not isinstance(h, np.ndarray) or h.shape != (n,)):
+        _fail("hashes", f"block_hash is not an array of the pool's {n} blocks")
+    fresh = counts is None or counts.num_blocks != n or changed is None or counts.states is None
+    if fresh:
+        counts = TableCounts(n)
+    touched = counts.update(snap.block_tables)
+    idx = None
+    if not fresh:  # the changed blocks, each once (a mask: cheaper than sorting thousands of indices)
+        mask = np.zeros(n, np.bool_)
+        mask[changed] = True
+        mask[touched] = True
+        idx = np.flatnonzero(mask)
+    if idx is None or idx.size:
+        _check_blocks(snap, counts, idx)
+    _check_tables(snap, counts)
+    _check_memory(snap, counts, idx)
+    return counts
+
+
+def _check_blocks(snap: PoolSnapshot, counts: TableCounts, idx: np.ndarray | None) -> None:
+    """The rules of each block, for the blocks ``idx`` (None: all)."""
+    bs = snap.block_size
+
+    def pick(a):
+        return a if idx is None else a[idx]
+
+    def at(mask) -> int:  # the block id of the first True in a mask over the picked blocks
+        b = int(np.flatnonzero(mask)[0])
+        return b if idx is None else int(idx[b])
+
+    state, ref, filled, owner = pick(snap.state), pick(snap.ref_count), pick(snap.num_filled), pick(snap.owner)
     bad = (state < BlockState.FREE) | (state > BlockState.CACHED)
     if bad.any():
-        b = _first(bad)
-        _fail("block states", f"block {b} has state {int(state[b])}, not FREE, USED or CACHED")
+        b = at(bad)
+        _fail("block states", f"block {b} has state {int(snap.state[b])}, not FREE, USED or CACHED")
     if (ref < 0).any():
-        b = _first(ref < 0)
-        _fail("ref counts", f"block {b} has ref count {int(ref[b])}")
+        b = at(ref < 0)
+        _fail("ref counts", f"block {b} has ref count {int(snap.ref_count[b])}")
     bad = (filled < 0) | (filled > bs)
     if bad.any():
-        b = _first(bad)
-        _fail("fill", f"block {b} holds {int(filled[b])} tokens in {bs} slots")
+        b = at(bad)
+        _fail("fill", f"block {b} holds {int(snap.num_filled[b])} tokens in {bs} slots")
     bad = (owner < -1) | (owner > MAX_ID)
     if bad.any():
-        b = _first(bad)
-        _fail("owners", f"block {b} has owner {int(owner[b])}")
-    if (snap.last_access < 0).any():
-        _fail("last access", f"block {_first(snap.last_access < 0)} was last used at a negative step")
+        b = at(bad)
+        _fail("owners", f"block {b} has owner {int(snap.owner[b])}")
+    last = pick(snap.last_access)
+    if (last < 0).any():
+        _fail("last access", f"block {at(last < 0)} was last used at a negative step")
     used = state == BlockState.USED
     free = state == BlockState.FREE
     cached = state == BlockState.CACHED
     bad = ~used & (ref != 0)
     if bad.any():
-        b = _first(bad)
-        _fail("ref counts", f"{BlockState(int(state[b])).name} block {b} has ref count {int(ref[b])}")
+        b = at(bad)
+        _fail("ref counts", f"{BlockState(int(snap.state[b])).name} block {b} has ref count {int(snap.ref_count[b])}")
     bad = free & ((filled != 0) | (owner != -1))
     if bad.any():
-        b = _first(bad)
-        _fail("free blocks", f"FREE block {b} holds {int(filled[b])} tokens or has owner {int(owner[b])}")
+        b = at(bad)
+        _fail("free blocks", f"FREE block {b} holds {int(snap.num_filled[b])} tokens or has owner "
+                             f"{int(snap.owner[b])}")
     bad = cached & (filled != bs)
     if bad.any():
-        b = _first(bad)
-        _fail("cached blocks", f"CACHED block {b} holds {int(filled[b])} of {bs} tokens")
-    if h is not None:
-        if not isinstance(h, np.ndarray) or h.shape != (n,):
-            _fail("hashes", f"block_hash is not an array of the pool's {n} blocks")
+        b = at(bad)
+        _fail("cached blocks", f"CACHED block {b} holds {int(snap.num_filled[b])} of {bs} tokens")
+    if snap.block_hash is not None:
+        h = pick(snap.block_hash)
         bad = (free & (h != 0)) | (cached & (h == 0))
         if bad.any():
-            b = _first(bad)
-            _fail("hashes", f"{BlockState(int(state[b])).name} block {b} {'has' if h[b] else 'lacks'} a hash")
+            b = at(bad)
+            _fail("hashes", f"{BlockState(int(snap.state[b])).name} block {b} "
+                            f"{'has' if snap.block_hash[b] else 'lacks'} a hash")
     strict = snap.source == "engine"
     if strict:
         bad = used & ((ref <= 0) | (owner < 0))
         if bad.any():
-            b = _first(bad)
-            _fail("used blocks", f"USED block {b} has ref count {int(ref[b])} and owner {int(owner[b])}")
-    tables = snap.block_tables
-    if counts is None or counts.num_blocks != n:
-        counts = TableCounts(n)
-    counts.update(tables)
-    c = counts.counts
+            b = at(bad)
+            _fail("used blocks", f"USED block {b} has ref count {int(snap.ref_count[b])} and owner "
+                                 f"{int(snap.owner[b])}")
+    c = pick(counts.counts)
     bad = (c > 0) & ~used
     if bad.any():
-        b = _first(bad)
-        _fail("block tables", f"a block table names {BlockState(int(state[b])).name} block {b}")
+        b = at(bad)
+        _fail("block tables", f"a block table names {BlockState(int(snap.state[b])).name} block {b}")
     bad = (c != ref) if strict else (c > ref)
     if bad.any():
-        b = _first(bad)
-        _fail("ref counts", f"block {b} has ref count {int(ref[b])} but {int(c[b])} table entries name it")
-    bad = (c == 1) & (counts.sums != owner)
+        b = at(bad)
+        _fail("ref counts", f"block {b} has ref count {int(snap.ref_count[b])} but {int(counts.counts[b])} table "
+                            "entries name it")
+    bad = (c == 1) & (pick(counts.sums) != owner)
     if bad.any():
-        b = _first(bad)
+        b = at(bad)
         _fail("owners", f"block {b} is held by conversation {int(counts.sums[b])} alone but owned by "
-                        f"{int(owner[b])}")
+                        f"{int(snap.owner[b])}")
+
+
+def _check_tables(snap: PoolSnapshot, counts: TableCounts) -> None:
+    """Every block table belongs to a conversation of the frame, whose own block_table is that table."""
     matched = {}
-    for cid, t in tables.items():
+    seen = counts.matched
+    for cid, t in snap.block_tables.items():
         conv = snap.conversation(cid)
         if conv is None:
             _fail("block tables", f"conversation {cid} holds blocks but is not in the frame")
-        seen = counts.matched.get(cid)
-        if seen is None or seen[0] is not t or seen[1] is not conv.block_table:
-            if conv.block_table != t:
-                _fail("block tables", f"conversation {cid}'s block table differs from the pool's table for it")
+        was = seen.get(cid)
+        if (was is None or was[0] is not t or was[1] is not conv.block_table) and conv.block_table != t:
+            _fail("block tables", f"conversation {cid}'s block table differs from the pool's table for it")
         matched[cid] = (t, conv.block_table)
     counts.matched = matched
+
+
+def _check_memory(snap: PoolSnapshot, counts: TableCounts, idx: np.ndarray | None) -> None:
+    """The memory figures count the blocks the states say (the histogram kept up to date from the changed
+    blocks; only called once every block's state is known to be FREE, USED or CACHED)."""
+    state = snap.state
+    if idx is None:
+        counts.histogram = np.bincount(state.astype(np.intp), minlength=3)
+        counts.states = state.copy()
+    elif idx.size:
+        new = state[idx]
+        counts.histogram -= np.bincount(counts.states[idx].astype(np.intp), minlength=3)
+        counts.histogram += np.bincount(new.astype(np.intp), minlength=3)
+        counts.states[idx] = new
     mem = snap.memory
     if mem is not None:
-        have = np.bincount(state.astype(np.intp, copy=False), minlength=3)
+        have = counts.histogram
         said = (mem.num_free_blocks, mem.num_used_blocks, mem.num_cached_blocks)
         if tuple(int(x) for x in have[:3]) != said:
             _fail("memory", f"the memory figures count {said[1]} used, {said[2]} cached and {said[0]} free blocks, "
                             f"the states {int(have[1])}, {int(have[2])} and {int(have[0])}")
-    return counts
