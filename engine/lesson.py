@@ -7,7 +7,7 @@ would change that mean, so the number the user sees checks the paging machinery 
 Nothing here is a separate animation: the K/V live in pool tensors of the engine's shape
 ``[num_blocks, block_size, kv_heads, head_dim]``, blocks come from the engine's :class:`BlockPool` free queue through
 its :class:`KVCacheManager` (the pool's one writer, as in the engine), and the output comes from
-:func:`paged_attention`. No Qt here; the window in ``explorer/lesson.py`` only draws this state.
+:func:`paged_attention`. No Qt here; the window in ``explorer/window/lesson.py`` only draws this state.
 """
 from __future__ import annotations
 

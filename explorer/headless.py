@@ -110,15 +110,15 @@ def run_headless_cli(opts, cfg) -> int:
     feeds, engine = [], None
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
-            from .stream_feed import open_feeds
+            from .feeds.stream_feed import open_feeds
             feeds = open_feeds(opts)
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
         else:
             from engine import Engine
 
-            from .demo import DEMO_SPEED, DEMOS
-            from .engine_feed import EngineFeed
-            from .outputs import engine_sinks
+            from .feeds.demo import DEMO_SPEED, DEMOS
+            from .feeds.engine_feed import EngineFeed
+            from .feeds.outputs import engine_sinks
             engine = Engine(cfg, progress=None)
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so

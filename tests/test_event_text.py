@@ -1,10 +1,10 @@
-"""Block events in words (explorer.event_text): a sentence for every kind, short id lists, one line per story."""
+"""Block events in words (explorer.model.event_text): a sentence for every kind, short id lists, one line per story."""
 import pytest
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import FinishReason
-from explorer import event_colours
-from explorer.event_text import EventLine, blocks_phrase, describe, group, id_list, line_of
+from explorer.model import event_colours
+from explorer.model.event_text import EventLine, blocks_phrase, describe, group, id_list, line_of
 
 K = EventKind
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kvstream.views import ConversationInfo, FinishReason, PoolSnapshot, Status
-from explorer.conversations import (REPLY_MARK, USER_MARK, ConversationDetail, ConversationsPanel, status_text,
+from explorer.widgets.conversations import (REPLY_MARK, USER_MARK, ConversationDetail, ConversationsPanel, status_text,
                                     turn_segments)
 
 

@@ -9,9 +9,9 @@ import pytest
 import zmq
 
 from engine import Engine, EngineConfig
-from explorer import files
-from explorer.engine_feed import EngineFeed
-from explorer.main_window import MainWindow
+from explorer.window import files
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.window.main_window import MainWindow
 from kvstream.history import History
 from kvstream.publish import PoolStreamPublisher, PoolStreamSubscriber
 from kvstream.recording import Recorder, open_recording

@@ -6,9 +6,9 @@ import threading
 import pytest
 from PySide6 import QtCore, QtGui
 
-from explorer.main_window import MainWindow
-from explorer.source import SCRUB_ON_GUI_THREAD
-from explorer.stream_feed import RecordingFeed
+from explorer.window.main_window import MainWindow
+from explorer.widgets.source import SCRUB_ON_GUI_THREAD
+from explorer.feeds.stream_feed import RecordingFeed
 from kvstream.history import KEYFRAME_COST, Cancelled
 from kvstream.poolstream import StreamEncoder
 from kvstream.recording import Recorder

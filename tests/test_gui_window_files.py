@@ -12,10 +12,10 @@ import pytest
 
 from PySide6 import QtGui, QtWidgets
 
-from explorer import files
-from explorer.engine_feed import EngineFeed
-from explorer.main_window import MainWindow
-from explorer.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
+from explorer.window import files
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.window.main_window import MainWindow
+from explorer.feeds.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
 from kvstream.publish import PoolStreamPublisher
 from kvstream.recording import read_frames
 from kvstream.summary import fixed_part, json_summary

@@ -126,7 +126,7 @@ def test_selection_follows_a_relocation(qtbot, make_window):
 def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recompute(qtbot, make_window):
     """The source reads each new frame's events once for the timeline, the event log, the inspector and the block
     history; the selected block's history is extended with them while live, not computed again from every event."""
-    from explorer.block_history import block_history
+    from explorer.model.block_history import block_history
     window = make_window(setup=three_conversations, paused=True, history=True)
     source, history = window.source, window.source.history
     reads, emitted = [], []
@@ -158,8 +158,8 @@ def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recomput
 def test_scrubbing_tells_the_block_story_once_the_timeline_rests(qtbot, make_window):
     """Dragging the timeline past many frames does not walk every kept event for each one (0.3 s a frame in a
     10,000-step recording): the selected block's story is told once, up to the frame the timeline rests on."""
-    from explorer.block_history import block_history
-    from explorer.history_panels import SETTLE_MS
+    from explorer.model.block_history import block_history
+    from explorer.widgets.history_panels import SETTLE_MS
     window = make_window(setup=three_conversations, paused=True, history=True)
     source, history, panels = window.source, window.source.history, window.history_panels
     for _ in range(12):

@@ -2,9 +2,9 @@
 the contiguous view side by side (pytest-qt, offscreen, real engine)."""
 from PySide6 import QtWidgets
 
-from explorer import files
-from explorer.help import HelpDialog
-from explorer.menus import shortcut_rows
+from explorer.window import files
+from explorer.window.help import HelpDialog
+from explorer.window.menus import shortcut_rows
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
 
 

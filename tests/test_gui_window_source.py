@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from PySide6 import QtWidgets
 
-from explorer.snapshot_block import block_info_from_snapshot
-from explorer.status_bar import CounterRate
+from explorer.feeds.snapshot_block import block_info_from_snapshot
+from explorer.window.status_bar import CounterRate
 from kvstream.views import BlockState
 from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
 

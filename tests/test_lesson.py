@@ -162,7 +162,7 @@ def test_lesson_engine_imports_no_qt():
 # ---- window part (pytest-qt, offscreen) ---------------------------------------------------------------------
 @pytest.fixture
 def window(qtbot):
-    from explorer.lesson import LessonWindow
+    from explorer.window.lesson import LessonWindow
     w = LessonWindow()
     qtbot.addWidget(w)
     w.show()
@@ -238,7 +238,7 @@ def test_reset_and_full_pool(window, qtbot):
 
 
 def test_pool_image_is_one_rgba_image_of_slot_cells(window):
-    from explorer.lesson import CELL_X, CELL_Y, lesson_rgba
+    from explorer.window.lesson import CELL_X, CELL_Y, lesson_rgba
     for _ in range(5):
         window.step()
     view = window.lesson.view()

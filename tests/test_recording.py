@@ -205,7 +205,7 @@ def test_an_open_recording_is_kept_out_of_full_collections_until_closed(recorded
     and gives it back to the collector when closed."""
     import gc
 
-    from explorer.stream_feed import RecordingFeed
+    from explorer.feeds.stream_feed import RecordingFeed
     path = recorded[2]
     gc.unfreeze()
     feed = RecordingFeed.open(str(path))
