@@ -57,7 +57,7 @@ ARRANGEMENTS = {
 def synthetic_snapshot(num_blocks: int, block_size: int = 16, seed: int = 0):
     """A busy pool: 70% used by ~2,000 conversations, some shared, some cached, partial tails."""
     import numpy as np
-    from engine.snapshot import PoolSnapshot
+    from kvstream.views import PoolSnapshot
     rng = np.random.default_rng(seed)
     state = rng.choice([0, 1, 2], size=num_blocks, p=[0.2, 0.7, 0.1]).astype(np.int8)
     ref = np.where(state == 1, rng.choice([1, 2, 3], size=num_blocks, p=[0.85, 0.12, 0.03]), 0).astype(np.int32)
@@ -115,7 +115,7 @@ def thread_setter(threads: int | None):
     (OpenMP's thread count is per calling thread, so the GUI thread keeps torch's default)."""
     done = []
 
-    def observe(snapshot, events) -> None:
+    def observe(update) -> None:
         if not done and threads:
             import torch
             torch.set_num_threads(threads)
@@ -142,7 +142,8 @@ class StepClock:
         self.start: tuple[float, int, int] | None = None  # (perf_counter, tokens generated, step id)
         self.end: tuple[float, int, int] | None = None
 
-    def __call__(self, snapshot, events) -> None:
+    def __call__(self, update) -> None:
+        snapshot = update.snapshot
         step = snapshot.step_id
         if self.start is None and step >= self.first:
             self.start = (time.perf_counter(), snapshot.metrics.num_generated_tokens, step)
@@ -312,7 +313,7 @@ def interleaved_rates(conversations: int, num_blocks: int, pairs: int = 14, wind
     feed = EngineFeed.start(engine, cfg)
     runner = feed.runner
     stamps: list[tuple[float, int]] = []  # (time, tokens generated) of every published step, on the engine thread
-    runner.add_observer(lambda snap, events: stamps.append((time.perf_counter(), snap.metrics.num_generated_tokens)))
+    runner.add_observer(lambda u: stamps.append((time.perf_counter(), u.snapshot.metrics.num_generated_tokens)))
     window = show_window(feed, cfg)
     pump_events(2.5)  # the pacer settles (2-3 s at this scale)
     on = [True]

@@ -24,6 +24,8 @@ import torch
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.rules import fit_error
+from kvstream.views import (BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
+                            Status)
 
 from . import relocation
 from .attention import attend_batch, attend_batch_compiled
@@ -38,7 +40,6 @@ from .pool_views import PoolViews
 from .relocation import RelocationReport
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .snapshot import BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
 from .validation import (MAX_SEED, check_bool, check_int, check_max_new_tokens, check_seed, check_temperature,
                          check_text, check_token_ids, is_int)
 

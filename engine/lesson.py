@@ -20,7 +20,7 @@ from .attention import paged_attention
 from .block_pool import BlockPool, random_cycle
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence
-from .snapshot import BlockState
+from kvstream.views import BlockState
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8

@@ -34,7 +34,8 @@ import numpy as np
 from msgspec import UNSET, Raw, UnsetType
 
 from .events import BlockEvent
-from .views import BLOCK_ARRAYS, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
+from .views import (BLOCK_ARRAYS, ChangeRecord, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
+                    Status, change_record)
 
 FORMAT_VERSION = 1  # bumped whenever a reader of the previous version could misread a message
 MAGIC = "kvpool"  # first element of every message: what tells a pool-stream message from any other msgpack
@@ -659,10 +660,13 @@ class StreamEncoder:
         """seq of the last frame encoded (-1 before the first)."""
         return self._seq
 
-    def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = ()) -> Frame:
-        """The next frame: ``snapshot`` plus the block events that led to it."""
+    def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = (),
+               changes: ChangeRecord | None = None) -> Frame:
+        """The next frame: ``snapshot`` plus the block events that led to it. ``changes``: what the producer knows
+        changed since the snapshot before (None: what it noted, :func:`kvstream.views.change_record`)."""
         if not isinstance(snapshot, PoolSnapshot):
             raise TypeError(f"encode() takes a PoolSnapshot, not {type(snapshot).__name__}")
+        self._changes = change_record(snapshot) if changes is None else changes  # read by _delta_body
         events = tuple(events)
         for e in events:
             if not isinstance(e, BlockEvent):
@@ -681,6 +685,7 @@ class StreamEncoder:
             body = self._keyframe_body(snapshot, header, arrays)
         else:
             body, stable, prev_convs = self._delta_body(snapshot, arrays)
+        self._changes = None  # it names the snapshot before: not kept past this frame
         frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body, bridge)
         self._seq += 1
         self._since_key = 0 if key else self._since_key + 1
@@ -749,8 +754,8 @@ class StreamEncoder:
         conversations by id."""
         prev = self._prev
         patches = {}
-        promise = snapshot.changed_blocks  # the producer's record of the blocks that may have changed since prev
-        masks = promise[1] if promise is not None and promise[0] is prev else None
+        changes = self._changes  # the producer's record of the blocks that may have changed since prev
+        masks = changes.block_masks if changes.base is prev else None
         maybes: dict[int, np.ndarray] = {}  # id(mask) -> its blocks (arrays share masks)
         for name, a in arrays.items():
             b = self._prev_arrays[name]
@@ -787,7 +792,7 @@ class StreamEncoder:
         # a few lists (a tuple per grown conversation, unpacked at the end, measured 10% slower per frame)
         old_convs, old_stable = self._prev_convs, self._prev_stable
         get_old = old_convs.get
-        prefixes = snapshot.output_prefixes  # the producer's promises: outputs that only grew, known by identity
+        prefixes = self._changes.output_prefixes  # the producer's record: outputs that only grew, known by identity
         new_stable = {}  # this frame's _stable() per conversation: the next frame's old ones
         new_convs = {}  # conversation id -> info: the next frame's old ones
         convs = []

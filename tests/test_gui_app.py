@@ -2,7 +2,7 @@
 import numpy as np
 from PySide6 import QtCore, QtWidgets
 
-from engine.snapshot import BlockState
+from kvstream.views import BlockState
 from explorer.model import palette
 from explorer.window.dialogs import SYSTEM_PROMPT
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)

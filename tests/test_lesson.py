@@ -12,7 +12,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.lesson import BLOCK_SIZE, ToyPagedSequence
-from engine.snapshot import BlockState
+from kvstream.views import BlockState
 
 
 def stepped(n: int) -> ToyPagedSequence:

@@ -14,6 +14,7 @@ import threading
 from typing import Sequence
 
 from kvstream.fanout import FrameFanout
+from kvstream.views import PoolUpdate
 
 
 class JoiningFanout:
@@ -36,15 +37,15 @@ class JoiningFanout:
         with self._lock:
             if self._first is None and snapshot is not None:
                 self._first = snapshot
-                self.fanout(snapshot, ())
+                self.fanout(PoolUpdate.of(snapshot))
 
-    def __call__(self, snapshot, events) -> None:
+    def __call__(self, update: PoolUpdate) -> None:
         with self._lock:
-            if snapshot is self._first:
+            if update.snapshot is self._first:
                 return  # prime() already encoded this very snapshot (it was published while priming)
             if self._first is None:
-                self._first = snapshot
-            self.fanout(snapshot, events)
+                self._first = update.snapshot
+            self.fanout(update)
 
     @property
     def sinks(self) -> list[object]:
