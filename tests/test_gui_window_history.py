@@ -223,3 +223,40 @@ def test_a_jump_to_before_the_selected_conversation_existed_drops_the_selection(
 def timeline_caught_up(window, history) -> bool:
     """The window's timeline has every frame of the history."""
     return len(history) > 0 and window.pane.timeline.last_seq == history.last_seq
+
+
+def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_frame(qtbot, make_window, monkeypatch):
+    """The grid's frame and its events come as one unit: while the relocation's events are still on their way to
+    the History (held here on the encoder's thread), the window keeps the frame before; it never shows the
+    relocated frame with the selection still on the old id (whose new contents belong to another block)."""
+    import time
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
+    (cid, table), *_ = sorted(snap.block_tables.items())
+    block = table[0]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    history = window.source.history
+    write = history.write
+
+    def slow_write(frame):  # the encoder thread is late with the relocation's frame
+        if any(e.kind == EventKind.RELOCATED for e in frame.events):
+            time.sleep(0.8)
+        write(frame)
+    monkeypatch.setattr(history, "write", slow_write)
+    shown = []  # (selected id, frame) of every summary the inspector was given
+    summary = window.inspector.show_summary
+    monkeypatch.setattr(window.inspector, "show_summary",
+                        lambda snapshot, **kw: shown.append((window.block_watch.block_id, snapshot))
+                        or summary(snapshot, **kw))
+    before = window.runner.latest.version
+    window.relocate(False)  # scramble
+    qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
+    moves = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))] or [None]
+    qtbot.waitUntil(lambda: window.block_watch.block_id != block, timeout=5000)
+    moved = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))][-1]
+    new = dict(zip(moved.block_ids, moved.new_block_ids))[block]
+    assert window.block_watch.block_id == new and moves
+    relocated = [(b, s) for b, s in shown if s.version > before]
+    assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]

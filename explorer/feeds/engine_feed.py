@@ -87,7 +87,16 @@ class EngineFeed(Feed):
         return self._history
 
     def latest(self):
-        return self.runner.latest
+        return self.latest_frame()[0]
+
+    def latest_frame(self):
+        """With a History: the newest snapshot whose frame it holds (the fanout's thread writes it a little after
+        the runner published it), so the snapshot never runs ahead of its events; without one, the runner's."""
+        written = self.fanout.written if self.fanout is not None and self._history is not None else None
+        if written is None:
+            return self.runner.latest, None
+        seq, snapshot = written
+        return snapshot, seq
 
     def take_problems(self) -> list[Problem]:
         problems = []

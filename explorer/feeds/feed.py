@@ -60,6 +60,14 @@ class Feed:
         """The newest view (cheap: a reference, never a copy)."""
         return None
 
+    def latest_frame(self) -> tuple[PoolSnapshot | None, int | None]:
+        """The newest view and the frame of the history it is, as one unit: the events of every frame up to that
+        one are in the history, and none of a later one belongs to the view (None: no history, or the view is
+        not one of its frames: its events are whatever the history holds). The window shows the view with those
+        events together, so the grid, the event log and the inspector's relocation-following agree."""
+        view, history = self.latest(), self.history
+        return view, (history.last_seq if view is not None and history is not None and len(history) else None)
+
     def take_problems(self) -> list[Problem]:
         """Problems since the last call, each reported once."""
         return []

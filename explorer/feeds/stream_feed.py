@@ -126,6 +126,10 @@ class AttachFeed(Feed):
                 self._latest, self._latest_seq = snapshot, status.last_seq
         return self._latest
 
+    def latest_frame(self):
+        view = self.latest()
+        return view, (self._latest_seq if view is not None else None)
+
     def take_problems(self) -> list[Problem]:
         status = self.subscriber.status
         if status.state != self._last_state:

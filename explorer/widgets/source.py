@@ -156,12 +156,11 @@ class PoolSource(QtCore.QObject):
         self.futures.poll()
         for problem in self.feed.take_problems():
             self.problem.emit(problem)
+        latest, seq = self.feed.latest_frame()  # the view and its events, as one unit
         if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
-            latest = self.feed.latest()
             if latest is not None and latest is not self.live:
                 return self._keep_viewed_frame()
-        self._read_events()
-        latest = self.feed.latest()
+        self._read_events(seq)
         if latest is None or latest is self.live:
             return self._keep_viewed_frame()
         self.live = latest
@@ -173,14 +172,17 @@ class PoolSource(QtCore.QObject):
             return True
         return self._keep_viewed_frame()
 
-    def _read_events(self) -> None:
-        """Hand out the events of the frames history gained since the last poll (see ``eventsArrived``)."""
+    def _read_events(self, upto: int | None = None) -> None:
+        """Hand out the events of the frames history gained since the last poll, up to frame ``upto`` (the live
+        view's; None: the newest kept), see ``eventsArrived``."""
         history = self.history
         if history is None or len(history) == 0:
             return
         last, stream = history.last_seq, history.stream_id
+        if upto is not None:
+            last = min(last, upto)
         restarted = stream != self._events_stream or self._events_seq is None
-        if not restarted and last == self._events_seq:
+        if not restarted and last <= self._events_seq:
             return
         first = history.first_seq
         start = first if restarted else max(first, self._events_seq + 1)
