@@ -74,7 +74,7 @@ class PoolPane(QtWidgets.QWidget):
         source.sourceChanged.connect(self._on_source_changed)
         source.viewChanged.connect(self._on_view)
         source.eventsArrived.connect(self._on_events)
-        source.viewingChanged.connect(self._on_viewing)
+        source.cursor.subscribe(self._on_cursor)
         self._on_source_changed(source.feed)
 
     def fit_grid(self) -> None:
@@ -131,15 +131,15 @@ class PoolPane(QtWidgets.QWidget):
             history.budget_bytes = int(nbytes)
             self.sync_timeline()
 
-    def _on_viewing(self, seq) -> None:
-        """Keep the timeline's cursor where the source is (a seek from the event log, Back to live from a menu);
-        not while a scrub's frames are still coming (the cursor is ahead of them, where the user has it)."""
-        if seq is None and not self.timeline.is_live:
-            self.timeline.go_live()
-        elif seq is not None and not self.source.scrubbing and (self.timeline.is_live or
-                                                                 self.timeline.position != seq):
+    def _on_cursor(self, cursor) -> None:
+        """The timeline draws the step wanted on view, whoever moved it (a seek from the event log, Back to live
+        from a menu, the history dropping the frame on view); its own moves are there already."""
+        if cursor.seq is None:
+            if not self.timeline.is_live:
+                self.timeline.set_viewed(None)
+        elif self.timeline.is_live or self.timeline.position != cursor.seq:
             self.sync_timeline()
-            self.timeline.set_viewed(seq)  # the source is there already: no second seek
+            self.timeline.set_viewed(cursor.seq)  # the source is on its way there: no second seek
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()

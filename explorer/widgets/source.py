@@ -24,6 +24,7 @@ from kvstream.views import PoolSnapshot
 from ..feeds.feed import Capabilities, Feed, Problem
 from ..feeds.futures import FutureWatcher
 from ..feeds.snapshot_block import block_info_from_snapshot
+from ..model.cursor import StepCursor
 
 __all__ = ["Capabilities", "Feed", "PoolSource", "Problem"]
 
@@ -82,6 +83,8 @@ class PoolSource(QtCore.QObject):
         self._live_at = 0.0  # when it was delivered (perf_counter)
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
         self.viewing: int | None = None  # history seq being viewed; None while live
+        self.cursor = StepCursor()  # the frame wanted on view, whoever moved it; the source follows it (_follow)
+        self.cursor.subscribe(self._follow)
         self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
         self._events_stream: int | None = None  # the history's stream id then
         # scrubbing (seek_soon): the frame wanted next, the decode under way (its Future), and a generation that
@@ -134,6 +137,7 @@ class PoolSource(QtCore.QObject):
         if old is not feed:
             old.close()
         self.sourceChanged.emit(feed)
+        self.cursor.move(None)  # the new feed's present (nothing to follow here: the view is reset above)
         if was_viewing:
             self.viewingChanged.emit(None)
         self.poll()
@@ -214,11 +218,23 @@ class PoolSource(QtCore.QObject):
     # ---- history ----------------------------------------------------------------------------------------------
     def seek(self, seq: int) -> PoolSnapshot:
         """Show history frame ``seq`` (clamped to what is kept); the feed keeps running. Raises without history."""
-        history, seq = self._kept(seq)
+        _history, seq = self._kept(seq)
+        if not self.cursor.move(seq) and self.viewing != seq:  # the cursor was there, the view not (yet)
+            self._seek_now(seq)
+        return self.view
+
+    def _follow(self, cursor: StepCursor) -> None:
+        """Show the frame the cursor wants: at once, as soon as it is decoded (a run of moves), or the present."""
+        if cursor.seq is None:
+            self._go_live_now()
+        elif cursor.running:
+            self._seek_soon_now(cursor.seq)
+        else:
+            self._seek_now(cursor.seq)
+
+    def _seek_now(self, seq: int) -> None:
         self._drop_scrub()
-        snapshot = history.snapshot_at(seq)
-        self._show(seq, snapshot)
-        return snapshot
+        self._show(seq, self.history.snapshot_at(seq))
 
     def _kept(self, seq: int):
         """(the history, ``seq`` clamped to what it keeps); LookupError without history."""
@@ -240,14 +256,18 @@ class PoolSource(QtCore.QObject):
         before), else on a worker thread while the views keep the frame they have, so that a drag or play keeps
         the window's frame rate; a newer call replaces a wanted frame whose decoding has not begun. ``scrubbing``
         is true until the last one is on view. Raises LookupError without history."""
-        history, seq = self._kept(seq)
+        _history, seq = self._kept(seq)
+        self.cursor.move(seq, running=True)
+
+    def _seek_soon_now(self, seq: int) -> None:
+        history = self.history
         if self._scrub_decoding is None:
             try:
                 cheap = history.decode_cost(seq) <= SCRUB_ON_GUI_THREAD
             except LookupError:  # dropped meanwhile: seek says so
                 cheap = True
             if cheap:
-                self.seek(seq)
+                self._seek_now(seq)
                 return
         self._scrub_wanted = seq
         self._decode_next()
@@ -305,6 +325,9 @@ class PoolSource(QtCore.QObject):
 
     def go_live(self) -> None:
         """Back to the newest frame."""
+        self.cursor.move(None)
+
+    def _go_live_now(self) -> None:
         self._drop_scrub()
         if self.viewing is None:
             return

@@ -308,7 +308,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_viewing(self, seq) -> None:
         self._panels_stale = True
-        if not (self.source.scrubbing or self.pane.timeline.scrubbing):
+        if not self.source.cursor.running:
             self._last_panels = 0.0  # a move: its tables at the next frame (a drag's at PANEL_INTERVAL)
         self.back_to_live_action.setEnabled(seq is not None)
         self.inspector.set_kv_reason(self._kv_reason())
