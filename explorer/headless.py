@@ -154,7 +154,7 @@ def run_headless_cli(opts, cfg) -> int:
     finally:
         for feed in feeds:
             feed.close()
-    if not opts.json and feeds and feeds[0].kind == "engine":
+    if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started
         tokens = snap.metrics.num_generated_tokens

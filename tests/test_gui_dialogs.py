@@ -167,7 +167,7 @@ def test_restart_with_checkpoint_directory_shows_progress(qtbot, make_window, tm
 
 def test_lesson_menu_opens_the_lesson_window(qtbot, make_window):
     window = make_window(paused=True)
-    window.lesson_action.trigger()
+    window.window_actions.lesson.trigger()
     assert isinstance(window.lesson_window, QtWidgets.QMainWindow) and window.lesson_window.isVisible()
     assert window.errors == []
 

@@ -68,10 +68,10 @@ def test_back_to_live_from_the_view_menu_and_keys_step_frames(qtbot, make_window
     qtbot.keyClick(timeline.track, QtCore.Qt.Key.Key_Left)
     last = window.source.history.last_seq
     assert window.source.viewing == last - 1
-    assert window.back_to_live_action.isEnabled()
-    window.back_to_live_action.trigger()
+    assert window.window_actions.back_to_live.isEnabled()
+    window.window_actions.back_to_live.trigger()
     assert window.source.viewing is None and timeline.is_live
-    assert not window.back_to_live_action.isEnabled()
+    assert not window.window_actions.back_to_live.isEnabled()
 
 
 def test_clicking_an_event_jumps_to_its_frame_and_selects(qtbot, make_window):

@@ -228,3 +228,49 @@ def test_only_the_manager_writes_the_pool():
         if path.name not in POOL_WRITERS:
             bad += pool_writes(path.read_text(), str(path.relative_to(ROOT)), mutators)
     assert not bad, "engine code outside the KV-cache manager changes the block pool:\n" + "\n".join(bad)
+
+
+def explorer_imports() -> dict[str, set[str]]:
+    """Module -> the explorer modules it imports (relative or absolute, at the top or inside a function)."""
+    graph = {}
+    for path in sorted((ROOT / "explorer").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:  # "from . import files" names a module
+                    found.add(f"{base}.{alias.name}")
+                found.add(base)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m.startswith("explorer.")} - {name}
+    modules = set(graph)
+    return {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+
+
+def test_no_two_explorer_modules_import_each_other():
+    """No circles in the explorer (File, Help and the menus once imported each other): each module stands above
+    what it imports, so it can be read, and tested, from the ground up."""
+    graph = explorer_imports()
+    assert graph["explorer.window.actions"] >= {"explorer.window.files"}  # the walk sees relative imports
+    cycles, done = [], set()
+
+    def visit(module, stack):
+        if module in stack:
+            cycles.append(stack[stack.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, stack + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, "explorer modules import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)

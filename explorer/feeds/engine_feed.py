@@ -61,7 +61,7 @@ class EngineFeed(Feed):
         self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
         self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
-                                         has_physical_pool=True)
+                                         has_physical_pool=True, can_record=True)
         self._closed = False
 
     @classmethod

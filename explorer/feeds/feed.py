@@ -25,6 +25,8 @@ class Capabilities:
     has_physical_pool: bool  # knows physical block ids, so the grid can be drawn (a KV-event stream does not)
     read_only_reason: str = ""  # why commands are unavailable, in words for a tooltip ("" when they are)
     kv_values_reason: str = ""  # why K/V values are unavailable ("" when they are available)
+    is_live: bool = True  # new frames arrive while it runs (a recording's are all in its history from the start)
+    can_record: bool = False  # File > Record can save its frames as they come (the local engine)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class RecordingFeed(Feed):
     kind = "recording"
     capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
                                 read_only_reason=RECORDING_READ_ONLY,
-                                kv_values_reason="a recording keeps no K/V values")
+                                kv_values_reason="a recording keeps no K/V values", is_live=False)
 
     def __init__(self, history, path: str, tokenizer=None):
         self._history = history  # the read-only History open_recording built

@@ -159,7 +159,7 @@ class PoolPane(QtWidgets.QWidget):
         self.pool_label.setText("")
         self.timeline.clear()
         self.timeline.setVisible(caps.has_history)
-        self.timeline.set_live_source(feed.kind != "recording")
+        self.timeline.set_live_source(caps.is_live)
         self._on_events(self.source.kept_events(), True)  # frames the source already read (none for a new feed)
 
     # ---- paged against contiguous -------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class PoolPane(QtWidgets.QWidget):
         """Name the source, say how it is doing (live, silent, replaying) and, if read-only, why."""
         feed = self.source.feed
         caps = feed.capabilities
-        state = "" if feed.kind == "engine" else f" · {feed.status_text()}"
+        state = "" if caps.can_command else f" · {feed.status_text()}"  # the engine's state is its toolbar's
         note = "" if caps.can_command else f" <span style='color:#c8a040'>— read-only: {caps.read_only_reason}</span>"
         text = f"<b>{feed.title}</b>{state}{note}"
         if text != self._header_text:

@@ -103,7 +103,7 @@ def start_recording_dialog(window) -> None:
 def start_recording(window, path: str) -> bool:
     """Save the local engine's frames to ``path`` from now on; False (and a message) when it cannot."""
     feed = window.source.feed
-    if not hasattr(feed, "start_recording"):
+    if not feed.capabilities.can_record:
         window.show_error("Cannot record", f"Only the local engine can be recorded; this source is a {feed.kind} "
                           "(it is already a stream: open or attach it again instead).")
         return False
@@ -121,7 +121,7 @@ def start_recording(window, path: str) -> bool:
         window.show_error("Cannot record", str(exc))
         return False
     feed.start_recording(recorder)
-    window.stop_record_action.setEnabled(True)
+    window.window_actions.stop_record.setEnabled(True)
     window.statusBar().showMessage(f"Recording to {path}", 5000)
     return True
 
@@ -131,7 +131,7 @@ def stop_recording(window) -> str | None:
     thread has let go of the file and it is closed (its frame count is then final)."""
     feed = window.source.feed
     stopped = feed.stop_recording() if hasattr(feed, "stop_recording") else None
-    window.stop_record_action.setEnabled(False)
+    window.window_actions.stop_record.setEnabled(False)
     if stopped is None:
         return None
     recorder, closed = stopped
@@ -216,14 +216,13 @@ def open_help(window):
 
 def show_shortcuts(window) -> QtWidgets.QDialog:
     """A table of every keyboard shortcut, read from the window's own actions."""
-    from .menus import shortcut_rows
     dialog = QtWidgets.QDialog(window)
     dialog.setWindowTitle("Keyboard shortcuts")
     table = QtWidgets.QTableWidget(0, 2, dialog)
     table.setHorizontalHeaderLabels(["Keys", "Action"])
     table.verticalHeader().hide()
     table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
-    for keys, text in shortcut_rows(window):
+    for keys, text in window.window_actions.shortcut_rows():
         row = table.rowCount()
         table.insertRow(row)
         table.setItem(row, 0, QtWidgets.QTableWidgetItem(keys))

@@ -86,9 +86,9 @@ def mark_rows() -> list[tuple[QtGui.QPixmap, str]]:
 def shortcut_table(window: QtWidgets.QWidget | None) -> list[tuple[str, str]]:
     """(keys, action) of the window's actions, plus the grid's mouse gestures."""
     rows: list[tuple[str, str]] = []
-    if isinstance(window, QtWidgets.QMainWindow):
-        from .menus import shortcut_rows  # the window's own actions: the table cannot drift from them
-        rows = shortcut_rows(window)
+    actions = getattr(window, "window_actions", None)  # the window's own actions: the table cannot drift from them
+    if actions is not None:
+        rows = actions.shortcut_rows()
     return rows + list(MOUSE)
 
 

@@ -35,6 +35,7 @@ from .commands import Commands
 from .dialogs import RestartDialog
 from .layout import MIN_HEIGHT, MIN_WIDTH, LayoutMemory, arrange, keep_proportions, make_dock
 from .loader import EngineLoader, progress_dialog
+from .actions import WindowActions
 from .menus import build_menus
 from .status_bar import StatusBar
 
@@ -105,7 +106,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status = StatusBar(self)
         self.setStatusBar(self.status)
         self.status_labels = self.status.labels
-        build_menus(self)
+        self.window_actions = WindowActions(self, self.controls)  # menus, toolbar and keys all use these
+        build_menus(self, self.window_actions)
         self._wire()
         self.block_watch.selectionChanged.connect(self._on_block_selected)
         self._fit_frame = size is None  # fit the frame to the screen once shown (--geometry is taken as given)
@@ -296,7 +298,7 @@ class MainWindow(QtWidgets.QMainWindow):
         """A new live frame of the active source: metrics follow the present (history frames are not samples,
         except a recording's, read back by the backfill); the event log gets the new frames' events."""
         if not self.metrics_backfill.active:
-            self.metrics.record(snapshot, timed=self.source.feed.kind != "recording")
+            self.metrics.record(snapshot, timed=self.source.capabilities.is_live)
         self.status.frame_arrived(snapshot)
 
     def _on_view(self, snapshot) -> None:
@@ -310,7 +312,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._panels_stale = True
         if not self.source.cursor.running:
             self._last_panels = 0.0  # a move: its tables at the next frame (a drag's at PANEL_INTERVAL)
-        self.back_to_live_action.setEnabled(seq is not None)
+        self.window_actions.back_to_live.setEnabled(seq is not None)
         self.inspector.set_kv_reason(self._kv_reason())
         self._enable_commands()
 
@@ -340,7 +342,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.pacer.reset()
         self.relocation.reset()
         self.metrics.clear()
-        if feed.kind == "recording":  # its frames are all in its history already: no live frame will bring them
+        if not feed.capabilities.is_live:  # its frames are all in its history already: no live frame brings them
             self.metrics_backfill.start(feed.history)
         else:
             self.metrics_backfill.stop()
@@ -349,7 +351,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self.inspector.set_kv_reason(self._kv_reason())
-        self.stop_record_action.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
+        self.window_actions.stop_record.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
         self._fit_docks_to(feed)
         self.status.fit_to(feed.capabilities)
         self._enable_commands()
@@ -380,14 +382,14 @@ class MainWindow(QtWidgets.QMainWindow):
         reason = self.source.command_blocked_reason
         tip = f"Unavailable: {reason}" if reason else ""
         busy = self.relocation.busy  # a relocation in flight keeps its buttons disabled until it answers
-        controls = [(action, True) for action in self.command_actions] + [
+        controls = [(action, True) for action in self.window_actions.commands] + [
             (self.controls.speed, True), (self.relocation.scramble, not busy), (self.relocation.compact, not busy)]
         for widget, usable in controls:
             widget.setEnabled(usable and not reason)
             _explain(widget, tip)
         self.conversations.set_read_only(reason)
-        self.restart_action.setEnabled(True)
-        self.restart_action.setToolTip("Start a local engine (the current source is closed)" if reason else
+        self.window_actions.restart.setEnabled(True)
+        self.window_actions.restart.setToolTip("Start a local engine (the current source is closed)" if reason else
                                        "Restart the engine with another configuration")
 
     # ---- selection ------------------------------------------------------------------------------------------
@@ -467,7 +469,7 @@ class MainWindow(QtWidgets.QMainWindow):
         """The restart dialog: asks before discarding the engine's conversations, stays open (values kept) while
         the new engine loads, shows a failure at the field it concerns, and closes once the new engine runs."""
         view = self.source.live
-        local = self.source.feed.kind == "engine"
+        local = self.source.capabilities.can_command  # the local engine: the one source that takes commands
         count = len(view.conversations) if (local and view is not None) else 0
         dialog = RestartDialog(self.config or self.engine_config, self, num_conversations=count,
                                submit=lambda cfg: self.restart_engine(cfg, dialog=dialog))  # bound below, called later
@@ -505,7 +507,7 @@ class MainWindow(QtWidgets.QMainWindow):
             if dialog is not None and not self._closed:
                 dialog.restart_failed(message)
                 return
-            previous = "engine" if self.source.feed.kind == "engine" else "source"
+            previous = "engine" if self.source.capabilities.can_command else "source"
             note = (f" It no longer publishes KV events on {released[0]}: they were released for the new engine."
                     if released is not None else "")
             self.show_error("Engine restart failed", f"{message}\n\nThe previous {previous} keeps running.{note}",
@@ -561,8 +563,8 @@ class MainWindow(QtWidgets.QMainWindow):
         """View > Contiguous side by side, for every pane."""
         for pane in self.panes:
             pane.set_contiguous(on)
-        if self.contiguous_action.isChecked() != on:
-            self.contiguous_action.setChecked(on)
+        if self.window_actions.contiguous.isChecked() != on:
+            self.window_actions.contiguous.setChecked(on)
 
     def set_feed(self, feed: Feed) -> None:
         """Watch ``feed`` in the active pane instead (File > Open, attach)."""
