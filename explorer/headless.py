@@ -112,6 +112,8 @@ def run_headless_cli(opts, cfg) -> int:
         if opts.open or opts.attach or opts.attach_kv_events:
             from .feeds.stream_feed import open_feeds
             feeds = open_feeds(opts)
+            for feed in feeds:
+                feed.started()
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
         else:
             from engine import Engine

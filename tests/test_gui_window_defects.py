@@ -116,3 +116,43 @@ def test_heatmap_slot_axis_follows_a_restart_with_block_size_8(qtbot, make_windo
     assert tuple(colorbar.levels()) == (float(image.min()), float(image.max()))
     assert tuple(inspector.heat.getLevels()) == tuple(colorbar.levels())
     assert "8 of 8 slots" in inspector.heat_title.text() and window.errors == []
+
+
+def _recording(path, frames=30):
+    from kvstream.poolstream import StreamEncoder
+    from kvstream.recording import Recorder
+    from tests.poolstream_helpers import workload
+    encoder = StreamEncoder()
+    with Recorder(path) as recorder:
+        for snap, events in workload()[:frames]:
+            recorder.write(encoder.encode(snap, events))
+    return str(path)
+
+
+def test_opening_a_recording_lets_the_old_engine_go_and_a_second_open_keeps_the_freeze(qtbot, make_window, tmp_path):
+    """File > Open freezes the recording's heap (full collections skip it while scrubbing) only once the engine
+    it replaces is closed and let go of: frozen, the old Engine's cycles (its KV tensor with them) stayed resident
+    until the recording closed. A second File > Open closes the first recording (unfreezing what it froze) and
+    freezes the new one's; the first recording is then freed."""
+    import gc
+    import weakref
+    from explorer.window import files
+    window = make_window(history=True)
+    engine = weakref.ref(window.source.feed.runner.engine)
+    first, second = _recording(tmp_path / "a.kvpool"), _recording(tmp_path / "b.kvpool", 20)
+    gc.unfreeze()
+    try:
+        assert files.open_recording(window, first)
+        qtbot.waitUntil(lambda: window.source.view is not None, timeout=5000)
+        gc.collect()
+        assert engine() is None, "the replaced engine is kept alive"
+        assert gc.get_freeze_count() > 0
+        old_history = weakref.ref(window.source.history)
+        assert files.open_recording(window, second)
+        qtbot.waitUntil(lambda: window.source.view is not None, timeout=5000)
+        gc.collect()
+        assert gc.get_freeze_count() > 0, "the second recording is not frozen"
+        assert old_history() is None, "the first recording is kept alive"
+    finally:
+        window.source.feed.close()
+        gc.unfreeze()

@@ -142,5 +142,9 @@ class Feed:
         """The view to report at the end of a headless run (after :meth:`close` too)."""
         return self.latest()
 
+    def started(self) -> None:
+        """The feed is now the one watched, and the one watched before it is closed and let go of (the window's
+        source calls this after swapping feeds, headless runs at their start). Default: nothing to do."""
+
     def close(self) -> None:
         """Stop whatever threads or sockets the feed owns (idempotent)."""

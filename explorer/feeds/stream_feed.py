@@ -43,18 +43,23 @@ class RecordingFeed(Feed):
         self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
         self.complete = True  # everything there is has been read (headless stops at once)
         self._closed = False
+        self._frozen = False  # started() froze the heap: close() gives it back
 
     @classmethod
     def open(cls, path: str, tokenizer=None) -> "RecordingFeed":
         """Open ``path``; a ValueError (RecordingError) with a message for the user if it is not a recording."""
         from kvstream.recording import open_recording
-        feed = cls(open_recording(path), os.fspath(path), tokenizer)
-        # A read-only recording's frames and events live until it is closed: move them out of the collector's
-        # generations, so that a full collection during scrubbing no longer walks them (bench/stream.py: full
-        # collections 115 ms -> 18 ms on a 10,000-step recording of 65,536 blocks).
-        gc.collect()
-        gc.freeze()
-        return feed
+        return cls(open_recording(path), os.fspath(path), tokenizer)
+
+    def started(self) -> None:
+        """A read-only recording's frames and events live until it is closed: move them out of the collector's
+        generations, so that a full collection during scrubbing no longer walks them (docs/poolstream.md). Only
+        once the feed before it is closed and let go of: a freeze then would keep that feed's cycles (an old
+        Engine, its KV tensor) resident until this recording closes."""
+        if not self._closed and not self._frozen:
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
 
     @property
     def title(self) -> str:
@@ -83,7 +88,8 @@ class RecordingFeed(Feed):
         """Give the frozen objects back to the collector, so a closed recording's cycles can be freed."""
         if not self._closed:
             self._closed = True
-            gc.unfreeze()
+            if self._frozen:
+                gc.unfreeze()
 
 
 class AttachFeed(Feed):

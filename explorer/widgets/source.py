@@ -78,6 +78,7 @@ class PoolSource(QtCore.QObject):
     def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
         super().__init__(parent)
         self.feed: Feed = feed or Feed()
+        self.feed.started()
         self.futures = FutureWatcher(on_error=self._command_refused)
         self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
         self._live_at = 0.0  # when it was delivered (perf_counter)
@@ -136,10 +137,12 @@ class PoolSource(QtCore.QObject):
         self.viewing = None
         if old is not feed:
             old.close()
-        self.sourceChanged.emit(feed)
+        del old  # let go of it before the new feed starts (a recording freezes the heap then)
+        self.sourceChanged.emit(feed)  # the panels let go of the old feed's frames
         self.cursor.move(None)  # the new feed's present (nothing to follow here: the view is reset above)
         if was_viewing:
             self.viewingChanged.emit(None)
+        feed.started()
         self.poll()
 
     def close(self) -> None:
