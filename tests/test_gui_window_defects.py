@@ -118,13 +118,13 @@ def test_heatmap_slot_axis_follows_a_restart_with_block_size_8(qtbot, make_windo
     assert "8 of 8 slots" in inspector.heat_title.text() and window.errors == []
 
 
-def _recording(path, frames=30):
+def _recording(path, frames=30, seed=0):
     from kvstream.poolstream import StreamEncoder
     from kvstream.recording import Recorder
     from tests.poolstream_helpers import workload
     encoder = StreamEncoder()
     with Recorder(path) as recorder:
-        for snap, events in workload()[:frames]:
+        for snap, events in workload(seed=seed)[:frames]:
             recorder.write(encoder.encode(snap, events))
     return str(path)
 
@@ -156,3 +156,37 @@ def test_opening_a_recording_lets_the_old_engine_go_and_a_second_open_keeps_the_
     finally:
         window.source.feed.close()
         gc.unfreeze()
+
+
+def test_each_source_colours_its_conversations_from_its_own_book(qtbot, tmp_path):
+    """Conversation ids are per source: two panes whose ids overlap (two attached servers, or a recording beside
+    another) each keep a colour book, so one pane's frames neither reassign the other's colours nor bump its
+    book's version (which repaints every block of the other grid), and the side panels colour the active
+    pane's conversations from that pane's book."""
+    from explorer.feeds.stream_feed import RecordingFeed
+    from explorer.window.main_window import MainWindow
+    a = RecordingFeed.open(_recording(tmp_path / "a.kvpool", 60))
+    b = RecordingFeed.open(_recording(tmp_path / "b.kvpool", 40, seed=1))
+    window = MainWindow(feed=a, extra_feeds=[b])
+    qtbot.addWidget(window)
+    window.show()
+    first, second = window.panes
+    qtbot.waitUntil(lambda: first.source.view is not None and second.source.view is not None, timeout=5000)
+    books = first.source.colours, second.source.colours
+    assert books[0] is not books[1] and first.grid.colours is books[0] and second.grid.colours is books[1]
+    view = first.source.view
+    palette.observe(view, books[0])
+    ids = [c.conversation_id for c in view.conversations]
+    before = [palette.conversation_colour(cid, books[0]) for cid in ids]
+    version = books[0].version
+    history = second.source.history
+    for seq in range(history.first_seq, history.last_seq + 1):  # the other pane plays through its frames
+        second.source.seek(seq)
+        second.grid.set_snapshot(second.source.view)
+        second.grid.render()
+    assert books[0].version == version
+    assert [palette.conversation_colour(cid, books[0]) for cid in ids] == before
+    assert window.conversations.model.colours is books[0]
+    window.activate_pane(second)
+    assert window.conversations.model.colours is books[1]
+    window.close()

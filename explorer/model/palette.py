@@ -102,12 +102,13 @@ class ColourBook:
             self._slot = grown
 
 
-BOOK = ColourBook()  # the one book of this process's window (conversation ids are per source; see observe)
+BOOK = ColourBook()  # the book of whoever names none (a hand-built view, a test); conversation ids are per source,
+# so each source the window watches has its own (PoolSource.colours), handed to the widgets that draw it
 
 
-def observe(snapshot) -> None:
+def observe(snapshot, book: ColourBook | None = None) -> None:
     """Let the colour book see ``snapshot``'s live conversations (call before drawing it)."""
-    BOOK.observe(snapshot)
+    (BOOK if book is None else book).observe(snapshot)
 
 
 _table = np.zeros((0, 4), np.uint8)  # colour of palette index 0..len-1, grown on demand
@@ -128,17 +129,17 @@ def _ensure(slots: np.ndarray) -> np.ndarray:
     return slots
 
 
-def conversation_colours(ids: np.ndarray) -> np.ndarray:
+def conversation_colours(ids: np.ndarray, book: ColourBook | None = None) -> np.ndarray:
     """RGBA uint8 [n, 4] for non-negative conversation ids: each id's palette entry in the colour book."""
-    slots = _ensure(BOOK.slots(ids))  # before reading the table: it may grow
+    slots = _ensure((BOOK if book is None else book).slots(ids))  # before reading the table: it may grow
     return _table[slots]
 
 
-def owner_colours32(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def owner_colours32(ids: np.ndarray, book: ColourBook | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each id, as uint32 pixels (the grid's form): its :func:`conversation_colours` entry, and the muted colour
     of a cached block it last filled (a hint of that conversation). The colour book is asked once: 1.2 ms at 65,536
     blocks against 5.5 ms for two [n, 4] lookups."""
-    slots = _ensure(BOOK.slots(ids))
+    slots = _ensure((BOOK if book is None else book).slots(ids))
     return _table32[slots], _muted32[slots]
 
 
@@ -167,9 +168,9 @@ def _compute_colours(slots: np.ndarray) -> np.ndarray:
     return rgba
 
 
-def conversation_colour(conversation_id: int) -> tuple[int, int, int]:
+def conversation_colour(conversation_id: int, book: ColourBook | None = None) -> tuple[int, int, int]:
     """One conversation's colour as an (r, g, b) tuple, for Qt widgets."""
-    r, g, b, _ = conversation_colours(np.array([conversation_id]))[0]
+    r, g, b, _ = conversation_colours(np.array([conversation_id]), book)[0]
     return int(r), int(g), int(b)
 
 

@@ -163,7 +163,7 @@ def _column(values, ids: np.ndarray | None, dtype=None) -> np.ndarray:
 
 
 def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
-                  ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  ids: np.ndarray | None = None, book=None) -> tuple[np.ndarray, np.ndarray]:
     """Colour of a filled slot and of an empty slot for every block (or for blocks ``ids``), RGBA uint8
     [blocks, 4] each."""
     if color_by not in COLOR_BY:
@@ -174,10 +174,10 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
     if color_by == "owner":
-        palette.observe(snapshot)  # live conversations get distinct colours before any is looked up
+        palette.observe(snapshot, book)  # live conversations get distinct colours before any is looked up
         owner = _column(snapshot.owner, ids)
         has_owner = owner >= 0
-        live32, muted32 = palette.owner_colours32(np.maximum(owner, 0))
+        live32, muted32 = palette.owner_colours32(np.maximum(owner, 0), book)
         owners = np.where(has_owner, live32, _UNOWNED32)
         muted = np.where(has_owner, muted32, _UNOWNED32)
         fill32 = np.where(used, owners, np.where(cached, muted, _FREE32))
@@ -212,10 +212,10 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
 
 
 def _tile_rows(snapshot: PoolSnapshot, color_by: str, selected_conversation: int | None, geo: GridGeometry,
-               ids: np.ndarray | None) -> np.ndarray:
+               ids: np.ndarray | None, book=None) -> np.ndarray:
     """The pixel row every tile repeats (before outlines and gaps), uint32 [blocks, tile], for every block or for
     blocks ``ids``; may be a read-only broadcast."""
-    fill, empty = block_colours(snapshot, color_by, selected_conversation, ids)
+    fill, empty = block_colours(snapshot, color_by, selected_conversation, ids, book)
     num_filled = _column(snapshot.num_filled, ids, np.int32)
     _, _, slot, separator = tile_masks(geo)
     fill32, empty32 = as_u32(fill), as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
@@ -248,11 +248,13 @@ def _rings(snapshot: PoolSnapshot, selected_block: int | None, ids: np.ndarray |
 
 
 def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
-                     selected_block: int | None = None, geometry: GridGeometry | None = None) -> np.ndarray:
-    """The grid image, uint8 [rows * tile, cols * tile, 4], row-major with block 0 at the top left."""
+                     selected_block: int | None = None, geometry: GridGeometry | None = None,
+                     book=None) -> np.ndarray:
+    """The grid image, uint8 [rows * tile, cols * tile, 4], row-major with block 0 at the top left; owners in
+    ``book``'s colours (the source's colour book; None: the default book)."""
     geo = geometry or grid_geometry(snapshot.num_blocks, snapshot.block_size)
     n, t = snapshot.num_blocks, geo.tile
-    profile = _tile_rows(snapshot, color_by, selected_conversation, geo, None)
+    profile = _tile_rows(snapshot, color_by, selected_conversation, geo, None, book)
     gap, ring, _, _ = tile_masks(geo)
     ring_on, ring_colour = _rings(snapshot, selected_block, None)
 
@@ -279,7 +281,7 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
 
 def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, color_by: str = "owner",
                   selected_conversation: int | None = None, selected_block: int | None = None,
-                  geometry: GridGeometry | None = None) -> None:
+                  geometry: GridGeometry | None = None, book=None) -> None:
     """Draw blocks ``ids`` of ``snapshot`` into ``image`` (an image of :func:`snapshot_to_rgba` with the same
     geometry), in place, exactly as snapshot_to_rgba would draw them: a step of a large pool changes a few hundred
     blocks of 65,536, and drawing only those took a fraction of the whole image's 5-6 ms."""
@@ -289,7 +291,7 @@ def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, co
     if not len(ids):
         return
     tiles = np.empty((len(ids), t, t), np.uint32)
-    tiles[...] = _tile_rows(snapshot, color_by, selected_conversation, geo, ids)[:, None, :]
+    tiles[...] = _tile_rows(snapshot, color_by, selected_conversation, geo, ids, book)[:, None, :]
     gap, ring, _, _ = tile_masks(geo)
     ring_on, ring_colour = _rings(snapshot, selected_block, ids)
     if ring_on.any():

@@ -32,14 +32,14 @@ RUN_START = np.array([235, 235, 240, 255], np.uint8)  # the first pixel column o
 LEGEND = (("filled", None), ("reserved but empty", None), ("gap between reservations", GAP), ("free", palette.FREE))
 
 
-def slot_colours(layout: ContiguousLayout) -> np.ndarray:
+def slot_colours(layout: ContiguousLayout, book=None) -> np.ndarray:
     """One uint32 (RGBA bytes) per slot of the contiguous memory: what each slot is drawn as (two slice
     assignments per reservation, never a Python loop over slots)."""
     colours = np.full(layout.num_slots, as_u32(palette.FREE[None])[0], np.uint32)
     if not layout.reservations:
         return colours
     ids = np.array([r.conversation_id for r in layout.reservations], np.int64)
-    bright = palette.conversation_colours(ids)  # [runs, 4]
+    bright = palette.conversation_colours(ids, book)  # [runs, 4]
     bright32 = as_u32(bright).tolist()
     dark32 = as_u32(palette.scale(bright, palette.EMPTY_SLOT_LEVEL)).tolist()
     colours[:max(r.end for r in layout.reservations)] = as_u32(GAP[None])[0]  # below the top, free = gap
@@ -49,12 +49,12 @@ def slot_colours(layout: ContiguousLayout) -> np.ndarray:
     return colours
 
 
-def contiguous_rgba(layout: ContiguousLayout, geometry: GridGeometry) -> np.ndarray:
+def contiguous_rgba(layout: ContiguousLayout, geometry: GridGeometry, book=None) -> np.ndarray:
     """The picture, uint8 [rows * tile, cols * tile, 4], laid out as the paged grid of the same pool."""
     geo, bs, t = geometry, layout.block_size, geometry.tile
     n = geo.num_blocks  # cells of block_size slots: as many as the pool has blocks
     gap, _, slot, separator = tile_masks(geo)
-    colours = slot_colours(layout).reshape(n, bs)  # [cell, slot in cell]
+    colours = slot_colours(layout, book).reshape(n, bs)  # [cell, slot in cell]
     is_gap = (layout.slot_roles() == GAP_SLOT).reshape(n, bs)  # [cell, slot in cell]
     if geo.striped:
         profile = colours[:, slot]  # [cell, x in tile]: each pixel column shows its slot
@@ -141,6 +141,7 @@ class ContiguousView(QtWidgets.QWidget):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.model = ContiguousAllocator()
+        self.colours = palette.BOOK  # the colour book of the source drawn (the pane hands over its source's)
         self.layout_: ContiguousLayout | None = None
         self.geometry_: GridGeometry | None = None
         self.image: np.ndarray | None = None
@@ -191,7 +192,7 @@ class ContiguousView(QtWidgets.QWidget):
 
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
         """Place the snapshot's live conversations (call with every new snapshot, in order)."""
-        palette.observe(snapshot)
+        palette.observe(snapshot, self.colours)
         self.layout_ = self.model.update(snapshot)
         key = (self.layout_.reservations, self.layout_.num_slots, self.layout_.block_size)
         if key != self._drawn_key:
@@ -248,7 +249,7 @@ class ContiguousView(QtWidgets.QWidget):
             geo = self.geometry_ = grid_geometry(lay.num_slots // lay.block_size, lay.block_size)
         elif geo.tile != self.wanted_tile():  # drawn at another size on screen now (see grid.fitting_tile)
             geo = self.geometry_ = grid_geometry(geo.num_blocks, geo.block_size, grid.pixels_per_cell(self.box))
-        self.image = contiguous_rgba(lay, geo)
+        self.image = contiguous_rgba(lay, geo, self.colours)
         self.item.setImage(self.image, autoLevels=False)
         self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))
         if new_layout:

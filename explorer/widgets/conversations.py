@@ -106,16 +106,23 @@ class ConversationsModel(RowsModel):
         self._row_cache: dict[int, tuple] = {}  # conversation id -> (info, block table, row) it was made from
         self._made_from: PoolSnapshot | None = None  # the snapshot of the last refresh
         self.rows_made = 0  # rows computed (not reused) so far (tests read it)
+        self.colours = palette.BOOK  # the colour book of the source shown (ConversationsPanel.set_colour_book)
 
     def cell_data(self, row: tuple, column: int, role):
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
-            return QtGui.QColor(*conversation_colour(row[0]))
+            return QtGui.QColor(*conversation_colour(row[0], self.colours))
         if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and 2 <= column < 7:
             return int(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
         return super().cell_data(row, column, role)
 
     def conversation_id(self, row: int) -> int:
         return self._rows[row][0]
+
+    def refresh_colours(self) -> None:
+        """The colour book changed (another source shown): repaint the swatches, keep the rows."""
+        if self._rows:
+            self.dataChanged.emit(self.index(0, 0), self.index(len(self._rows) - 1, 0),
+                                  [QtCore.Qt.ItemDataRole.DecorationRole])
 
     def row_of(self, conversation_id: int) -> int | None:
         for i, row in enumerate(self._rows):
@@ -129,7 +136,7 @@ class ConversationsModel(RowsModel):
         A row is made again only when what it shows may have changed: its conversation's info (the engine hands
         out the same object while a conversation is unchanged; a stream rebuilds them, so the fields the row reads
         are compared), its block table, or the ref counts and fills of the pool (one array comparison a refresh)."""
-        palette.observe(snapshot)  # the same colours as the grid, whichever draws first
+        palette.observe(snapshot, self.colours)  # the same colours as the grid, whichever draws first
         last = self._made_from
         pool_same = last is not None and (last is snapshot or (
             np.array_equal(last.ref_count, snapshot.ref_count) and np.array_equal(last.num_filled, snapshot.num_filled)))
@@ -170,6 +177,7 @@ class ConversationDetail(QtWidgets.QWidget):
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
+        self.colours = palette.BOOK  # the colour book of the source shown (ConversationsPanel.set_colour_book)
         self.title = QtWidgets.QLabel(PLACEHOLDER)
         self.title.setWordWrap(True)
         self.table_label = QtWidgets.QLabel()
@@ -226,8 +234,8 @@ class ConversationDetail(QtWidgets.QWidget):
         if key == self._key:
             return
         self._key = key
-        palette.observe(snapshot)
-        r, g, b = conversation_colour(info.conversation_id)
+        palette.observe(snapshot, self.colours)
+        r, g, b = conversation_colour(info.conversation_id, self.colours)
         turns = f", turn {len(info.turns)}" if len(info.turns) > 1 else ""
         self.title.setText(
             f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — "
@@ -380,6 +388,14 @@ class ConversationsPanel(QtWidgets.QWidget):
     def set_detokenizer(self, detokenize) -> None:
         """Token ids -> text for the detail's earlier turns (the local engine's ``detokenize``); None: none."""
         self.detail.set_detokenizer(detokenize)
+
+    def set_colour_book(self, book) -> None:
+        """Colour the rows and the detail from ``book``, the colour book of the source shown (conversation ids
+        are per source: two sources' conversation 3 are two conversations)."""
+        if book is not self.model.colours:
+            self.model.colours = self.detail.colours = book
+            self.detail._key = None  # drawn again in the new colours
+            self.model.refresh_colours()
 
     def selected_conversation(self) -> int | None:
         rows = self.view.selectionModel().selectedRows()

@@ -81,6 +81,7 @@ class GridView(QtWidgets.QWidget):
         self.snapshot: PoolSnapshot | None = None
         self.geometry_: GridGeometry | None = None
         self.color_by = "owner"
+        self.colours = palette.BOOK  # the colour book of the source drawn (the pane hands over its source's)
         self.selected_block: int | None = None
         self.selected_conversation: int | None = None
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
@@ -171,9 +172,10 @@ class GridView(QtWidgets.QWidget):
         """self.image for ``snap``: only the blocks that changed since the image drawn last, when nothing else that
         colours it did (layout, mode, selections, an owner's colour); else the whole image."""
         book = None
+        colours = self.colours  # the source's colour book
         if self.color_by == "owner":
-            palette.observe(snap)
-            book = palette.BOOK.version  # which entries the colour book had handed out for this image
+            palette.observe(snap, colours)
+            book = colours.version  # which entries the colour book had handed out for this image
         settings = (geo, self.color_by, self.selected_conversation, self.selected_block)
         drawn, ids = self._drawn, None
         if drawn is not None and drawn[1:5] == settings and self.image is not None:
@@ -181,18 +183,20 @@ class GridView(QtWidgets.QWidget):
         owner = np.asarray(snap.owner)
         if ids is not None and book is not None:
             if book != drawn[5]:  # entries handed out since: a block whose owner now has another colour is redrawn
-                slots = palette.BOOK.slots(np.maximum(owner, 0))
+                slots = colours.slots(np.maximum(owner, 0))
                 ids = np.union1d(ids, np.nonzero(slots != self._owner_slots)[0])
                 self._owner_slots = slots
             else:
-                self._owner_slots[ids] = palette.BOOK.slots(np.maximum(owner[ids], 0))
+                self._owner_slots[ids] = colours.slots(np.maximum(owner[ids], 0))
         if ids is None:
-            self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo)
+            self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo,
+                                          colours)
             if book is not None:
-                self._owner_slots = palette.BOOK.slots(np.maximum(owner, 0))  # each block's colour in the image
+                self._owner_slots = colours.slots(np.maximum(owner, 0))  # each block's colour in the image
         else:
             self.image = self.image.copy()  # the ImageItem keeps the array it was given: a new one for the new frame
-            redraw_blocks(self.image, snap, ids, self.color_by, self.selected_conversation, self.selected_block, geo)
+            redraw_blocks(self.image, snap, ids, self.color_by, self.selected_conversation, self.selected_block, geo,
+                          colours)
             self.partial_draws += 1
         self._drawn = (snap, *settings, book)
 

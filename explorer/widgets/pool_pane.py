@@ -52,6 +52,7 @@ class PoolPane(QtWidgets.QWidget):
         options.addWidget(self.fit)
         options.addWidget(self.pool_label, 1)
         self.content_view = None  # the KV-event content view, shown instead of the grid for such a source
+        self.grid.colours = source.colours
         self.timeline = Timeline()
         self.timeline.seekRequested.connect(self._seek)
         self.timeline.liveRequested.connect(source.go_live)
@@ -169,6 +170,7 @@ class PoolPane(QtWidgets.QWidget):
         if on and self.contiguous is None and self.source.capabilities.has_physical_pool:
             from .contiguous_view import ContiguousView
             self.contiguous = ContiguousView()
+            self.contiguous.colours = self.source.colours
             self.contiguous.link_to(self.grid.box)
             self.split.addWidget(self.contiguous)
             half = max(self.split.width(), 2) // 2  # equal halves ([1, 1] gave the grid a third: size hints won)

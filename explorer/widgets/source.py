@@ -25,6 +25,7 @@ from ..feeds.feed import Capabilities, Feed, Problem
 from ..feeds.futures import FutureWatcher
 from ..feeds.snapshot_block import block_info_from_snapshot
 from ..model.cursor import StepCursor
+from ..model.palette import ColourBook
 
 __all__ = ["Capabilities", "Feed", "PoolSource", "Problem"]
 
@@ -84,6 +85,7 @@ class PoolSource(QtCore.QObject):
         self._live_at = 0.0  # when it was delivered (perf_counter)
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
         self.viewing: int | None = None  # history seq being viewed; None while live
+        self.colours = ColourBook()  # its conversations' colours (ids are per source: one book each)
         self.cursor = StepCursor()  # the frame wanted on view, whoever moved it; the source follows it (_follow)
         self.cursor.subscribe(self._follow)
         self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived

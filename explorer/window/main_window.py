@@ -177,6 +177,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._connect_source(self.source)
 
     def _connect_source(self, source: PoolSource) -> None:
+        self.conversations.set_colour_book(source.colours)  # its conversations in its grid's colours
         source.sourceChanged.connect(self._on_source_changed)
         source.viewChanged.connect(self._on_view)
         source.frameArrived.connect(self._on_frame)
