@@ -118,6 +118,24 @@ class ConversationsModel(RowsModel):
     def conversation_id(self, row: int) -> int:
         return self._rows[row][0]
 
+    def _remove_rows_gone(self, new_ids: list[int]) -> bool:
+        """Remove the rows of conversations no longer listed (the oldest finished ones leave the engine's window
+        of 256), each run of rows with one signal, so the views keep their selection and scroll; False when the
+        rows that stay are not the first of ``new_ids`` in order (another source, a restart): a reset then."""
+        listed = set(new_ids)
+        staying = [row[0] for row in self._rows if row[0] in listed]
+        if staying != new_ids[:len(staying)]:
+            return False
+        gone = [i for i, row in enumerate(self._rows) if row[0] not in listed]
+        while gone:  # the last run first, so the earlier rows keep their numbers
+            end = start = gone.pop()
+            while gone and gone[-1] == start - 1:
+                start = gone.pop()
+            self.beginRemoveRows(QtCore.QModelIndex(), start, end)
+            del self._rows[start:end + 1]
+            self.endRemoveRows()
+        return True
+
     def refresh_colours(self) -> None:
         """The colour book changed (another source shown): repaint the swatches, keep the rows."""
         if self._rows:
@@ -157,7 +175,7 @@ class ConversationsModel(RowsModel):
         if len(cache) > 2 * len(new_rows) + 64:  # conversations gone from the views: forget them
             listed = {row[0] for row in new_rows}
             self._row_cache = {cid: v for cid, v in cache.items() if cid in listed}
-        if len(new_rows) < len(self._rows) or any(a[0] != b[0] for a, b in zip(self._rows, new_rows)):
+        if not self._remove_rows_gone([row[0] for row in new_rows]):
             self.set_rows(new_rows)  # a different engine (restart): start over
             return
         old = len(self._rows)
@@ -408,7 +426,16 @@ class ConversationsPanel(QtWidgets.QWidget):
 
     def refresh(self, snapshot: PoolSnapshot) -> None:
         self._snapshot = snapshot
-        self.model.refresh(snapshot)
+        before = self.selected_conversation()
+        with QtCore.QSignalBlocker(self.view.selectionModel()):  # rows that go move Qt's selection to a neighbour
+            self.model.refresh(snapshot)
+        if self.selected_conversation() != before:  # the selected conversation's row went: nothing is selected
+            if before is not None and self.model.row_of(before) is not None:
+                self.select_conversation(before)
+            elif self.selected_conversation() is not None:
+                self.view.selectionModel().clearSelection()  # said through _on_selection
+            else:
+                self._on_selection()
         cid = self.selected_conversation()
         self.detail.show_conversation(snapshot.conversation(cid) if cid is not None else None, snapshot)
         self._enable_buttons()
