@@ -35,9 +35,10 @@ def summary_line(snap) -> str:
 
 def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
     """'conversation 3 (finished: max new tokens, 40 tokens): <its output>' for each conversation of the view."""
+    from .model.event_text import finish_words
     lines = []
     for c in snap.conversations:
-        reason = f": {c.finish_reason.words}" if c.finish_reason is not None else ""
+        reason = f": {finish_words(c.finish_reason)}" if c.finish_reason is not None else ""
         text = c.output_text if len(c.output_text) <= limit else c.output_text[:limit] + "…"
         lines.append(f"{c.name} ({c.status}{reason}, {len(c.output_token_ids)} tokens): {text!r}")
     return lines

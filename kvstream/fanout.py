@@ -29,9 +29,9 @@ class FrameFanout:
     running), so the sinks start with a keyframe of the present and not with whatever frame comes next.
 
     ``threaded``: encode and write on a thread of the fanout's own, in order, so the engine thread only hands the
-    snapshot over (snapshots are immutable). Encoding a frame of 65,536 blocks with 256 conversations decoding
-    takes 1-1.7 ms of Python on the engine thread; on its own thread it overlaps the next step, whose model runs
-    without the GIL (bench/stream.py record). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
+    snapshot over (snapshots are immutable). Encoding a large pool's frame is milliseconds of Python; on its own
+    thread it overlaps the next step, whose model runs without the GIL (figures: bench/stream.py record,
+    docs/poolstream.md). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
     thread after that, :meth:`close` also closes the sinks.
     """
 

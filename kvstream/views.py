@@ -48,16 +48,7 @@ class FinishReason(str, enum.Enum):
     ENDED = "ended"  # the user ended it
 
     def __str__(self) -> str:
-        return self.value
-
-    @property
-    def words(self) -> str:
-        """How a window says it: 'end-of-sequence', 'max new tokens', 'context limit', 'ended by user'."""
-        return _FINISH_WORDS[self]
-
-
-_FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max new tokens",
-                 FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
+        return self.value  # what the window says: explorer.model.event_text.finish_words
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,14 @@ def count_phrase(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max new tokens",
+                FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}  # how the window says it
+
+
 def finish_words(reason: str) -> str:
     """A FinishReason value as the window says it ('max new tokens'); an unknown reason as it is."""
     try:
-        return FinishReason(reason).words
+        return FINISH_WORDS[FinishReason(reason)]
     except ValueError:
         return reason
 

@@ -1,18 +1,15 @@
 """How often the window takes a new live frame: at every tick of its timer, unless following the frames costs the GUI
 thread more than its share of the machine.
 
-With 256 conversations decoding on a 65,536-block pool the engine steps 30-40 times a second here, and every new frame
-costs the GUI thread about 6 ms (the grid's image, the event log and timeline marks, the readouts, Qt's painting).
-On a 2-core machine the window then took 16-19% of a core, which the engine thread and its second torch thread had to
-give up. Showing fewer of those frames (the newest one each time, with every event of the frames in between) keeps
-the GUI thread within its budget, and the window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
+With hundreds of conversations decoding on a large pool the engine steps many times a second, and every new frame
+costs the GUI thread several milliseconds (the grid's image, the event log and timeline marks, the readouts, Qt's
+painting). On a 2-core machine the engine thread and its second torch thread give up whatever the window takes.
+Showing fewer of those frames (the newest one each time, with every event of the frames in between) keeps the GUI
+thread within its budget, and the window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
 
-The budget is the window's whole cost to decoding less what pacing cannot lower: the History's encoder thread turns
-every step into a frame (3-5% of a core at 256 conversations), and decode with the window open keeps 0.9x its headless
-speed only while the two together stay under about 10% of a core. Measured with bench/gui.py on 2026-12-03, 3
-alternating rounds each: a GUI budget of 10% of a core gave 0.85x (rounds 0.81-0.91), 4% gave 0.91x (0.87-0.93).
-With today's 5% and the encoder's promises (docs/poolstream.md), the bench's interleaved comparison gave 0.92x and
-0.96x, against 0.89x and 0.86x for the code before.
+The budget is the window's whole cost to decoding less what pacing cannot lower (the History's encoder thread turns
+every step into a frame, however few the window shows). How the budget was chosen, and what it gives, measured with
+bench/gui.py: docs/gui.md, "What the GUI thread does at scale" and its figures.
 
 :class:`LivePacer` measures the GUI thread's CPU time over each half second and widens the gap between live frames
 while that is over the budget (the further over, the faster). It narrows the gap again, down to every tick, once the

@@ -18,6 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.views import ConversationInfo, PoolSnapshot
 
 from ..model import palette
+from ..model.event_text import finish_words
 from ..model.palette import conversation_colour
 from .table_model import RowsModel
 
@@ -34,7 +35,7 @@ MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw the
 def stop_reason(info: ConversationInfo) -> str:
     """Why a conversation stopped, in words ('max new tokens', 'ended by user', ...); '' while it is live or when
     the source does not say."""
-    return info.finish_reason.words if info.finish_reason is not None else ""
+    return finish_words(info.finish_reason) if info.finish_reason is not None else ""
 
 
 def status_text(info: ConversationInfo) -> str:

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushBu
 
 from engine import ToyPagedSequence  # the public name; its view() is what the window draws
 
-from ..model import palette
+from ..model import lesson_text, palette
 
 CELL_X, CELL_Y = 64, 32  # pixels per slot in the image (the view scales it; this sets the gaps' proportions)
 SLOT_GAP = 6
@@ -347,13 +347,13 @@ class LessonWindow(QMainWindow):
             self.current_panel.title.setText(f"Physical pool: {view.num_blocks} blocks \u00d7 {view.block_size} slots "
                                              f"(one head, dimension 1)")
             self.current_panel.show_view(view)
-        title, text = lesson.explanation()
+        title, text = lesson_text.explanation(lesson)
         self.explain_title.setText(title)
         self.explain_text.setText(text)
         m = lesson.memory()
         per_slot = m["contiguous_bytes"] // max(lesson.max_positions, 1)  # the engine's sizes, read from its figures
         per_entry = m["table_bytes"] // len(view.block_table) if view.block_table else 4  # int32 entries
-        note = "<b>How this pool was set up</b><br>" + lesson.setup_note()
+        note = "<b>How this pool was set up</b><br>" + lesson_text.setup_note(lesson)
         if lesson.last_change is not None:
             note += " Change layout has since moved every used block, so these ids have changed."
         self.setup_label.setText(note)
