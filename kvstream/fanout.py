@@ -31,7 +31,7 @@ class FrameFanout:
     ``threaded``: encode and write on a thread of the fanout's own, in order, so the engine thread only hands the
     snapshot over (snapshots are immutable). Encoding a large pool's frame is milliseconds of Python; on its own
     thread it overlaps the next step, whose model runs without the GIL (figures: bench/stream.py record,
-    docs/poolstream.md). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
+    docs/gui.md). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
     thread after that, :meth:`close` also closes the sinks.
     """
 
