@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.headless:
         from explorer.headless import run_headless_cli
         return run_headless_cli(opts, cfg)
-    from explorer.app import run_gui
+    from explorer.window.app import run_gui
     return run_gui(opts, cfg)
 
 

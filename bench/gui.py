@@ -57,7 +57,7 @@ ARRANGEMENTS = {
 def synthetic_snapshot(num_blocks: int, block_size: int = 16, seed: int = 0):
     """A busy pool: 70% used by ~2,000 conversations, some shared, some cached, partial tails."""
     import numpy as np
-    from engine.snapshot import PoolSnapshot
+    from kvstream.views import PoolSnapshot
     rng = np.random.default_rng(seed)
     state = rng.choice([0, 1, 2], size=num_blocks, p=[0.2, 0.7, 0.1]).astype(np.int8)
     ref = np.where(state == 1, rng.choice([1, 2, 3], size=num_blocks, p=[0.85, 0.12, 0.03]), 0).astype(np.int32)
@@ -72,8 +72,8 @@ def synthetic_snapshot(num_blocks: int, block_size: int = 16, seed: int = 0):
 def bench_grid(repeats: int = 40) -> None:
     import pyqtgraph as pg
     import explorer  # noqa: F401  (Qt compatibility fix before any Qt call)
-    from explorer.app import application
-    from explorer.grid import grid_geometry, snapshot_to_rgba
+    from explorer.window.app import application
+    from explorer.render.grid import grid_geometry, snapshot_to_rgba
     application()
     snap = synthetic_snapshot(65536)
     geo = grid_geometry(snap.num_blocks, snap.block_size)
@@ -101,7 +101,7 @@ def bench_grid(repeats: int = 40) -> None:
 def make_engine(conversations: int, num_blocks: int):
     """``conversations`` decoding on the builtin model, prefilled (not timed), each with ~900 tokens to go."""
     from engine import Engine, EngineConfig
-    from explorer.demo import seed_many
+    from explorer.feeds.demo import seed_many
     cfg = EngineConfig(model="builtin", block_size=16, num_blocks=num_blocks)
     engine = Engine(cfg)
     seed_many(engine, conversations, max_new_tokens=900, ignore_eos=True)  # ~950 tokens each: within 1,024
@@ -115,7 +115,7 @@ def thread_setter(threads: int | None):
     (OpenMP's thread count is per calling thread, so the GUI thread keeps torch's default)."""
     done = []
 
-    def observe(snapshot, events) -> None:
+    def observe(update) -> None:
         if not done and threads:
             import torch
             torch.set_num_threads(threads)
@@ -142,7 +142,8 @@ class StepClock:
         self.start: tuple[float, int, int] | None = None  # (perf_counter, tokens generated, step id)
         self.end: tuple[float, int, int] | None = None
 
-    def __call__(self, snapshot, events) -> None:
+    def __call__(self, update) -> None:
+        snapshot = update.snapshot
         step = snapshot.step_id
         if self.start is None and step >= self.first:
             self.start = (time.perf_counter(), snapshot.metrics.num_generated_tokens, step)
@@ -216,7 +217,7 @@ class LagMeter:
 def show_window(feed, cfg):
     """The app's main window on ``feed``, shown, after a second of the event loop, with the first block of the
     lowest conversation selected (so the inspector follows one block, as a user's would)."""
-    from explorer.main_window import MainWindow
+    from explorer.window.main_window import MainWindow
     window = MainWindow(feed=feed, config=cfg)
     window.show()
     pump_events(1.0)
@@ -243,9 +244,9 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
     """Decode tokens/s, frames/s, grid redraws/s and event-loop lag of the real window over ``seconds``; the local
     engine as the app runs it (EngineFeed with its History), or ``feed`` (another process's pool stream)."""
     import explorer  # noqa: F401
-    from explorer.app import application
-    from explorer.engine_feed import EngineFeed
-    from explorer.main_window import FRAME_MS
+    from explorer.window.app import application
+    from explorer.feeds.engine_feed import EngineFeed
+    from explorer.window.main_window import FRAME_MS
     application()
     cfg = base = None
     if feed is None:
@@ -287,7 +288,7 @@ def bench_scale(seconds: float, rounds: int, conversations: int = 256, num_block
           f"{seconds:.0f} s: GUI {mean('fps'):.1f} frames/s (target >= 30), grid redraws {mean('redraws'):.1f}/s, "
           f"event-loop lag p95 {mean('lag_p95_ms'):.0f} ms, max {max(a['lag_max_ms'] for a in app):.0f} ms; "
           f"GUI thread {100 * mean('gui_cpu'):.1f}% of a core (with this bench's 33 ms lag timer), live frames "
-          f"{mean('gap_ms'):.0f} ms apart at the end (explorer.pacer; 0: every tick)")
+          f"{mean('gap_ms'):.0f} ms apart at the end (explorer.model.pacer; 0: every tick)")
     print(f"engine decode: headless {statistics.median(headless):.0f} tokens/s, with the window "
           f"{statistics.median(a['app'] for a in app):.0f} tokens/s, ratio {statistics.median(ratios):.2f} "
           f"(rounds {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9)")
@@ -305,14 +306,14 @@ def interleaved_rates(conversations: int, num_blocks: int, pairs: int = 14, wind
     the events it missed at once. The pacer starts measuring afresh at each "on" (a stopped stretch measured as idle
     would make it take more frames) and keeps the gap it settled at before the first switch."""
     import explorer  # noqa: F401
-    from explorer.app import application
-    from explorer.engine_feed import EngineFeed
+    from explorer.window.app import application
+    from explorer.feeds.engine_feed import EngineFeed
     application()
     engine, cfg = make_engine(conversations, num_blocks)
     feed = EngineFeed.start(engine, cfg)
     runner = feed.runner
     stamps: list[tuple[float, int]] = []  # (time, tokens generated) of every published step, on the engine thread
-    runner.add_observer(lambda snap, events: stamps.append((time.perf_counter(), snap.metrics.num_generated_tokens)))
+    runner.add_observer(lambda u: stamps.append((time.perf_counter(), u.snapshot.metrics.num_generated_tokens)))
     window = show_window(feed, cfg)
     pump_events(2.5)  # the pacer settles (2-3 s at this scale)
     on = [True]
@@ -462,9 +463,9 @@ def bench_scrub(path: Path, seconds: float) -> None:
     import random
     import explorer  # noqa: F401
     from PySide6 import QtCore
-    from explorer.app import application
-    from explorer.main_window import MainWindow
-    from explorer.stream_feed import RecordingFeed
+    from explorer.window.app import application
+    from explorer.window.main_window import MainWindow
+    from explorer.feeds.stream_feed import RecordingFeed
     application()
     feed = RecordingFeed.open(str(path))
     window = MainWindow(feed=feed)
@@ -562,7 +563,7 @@ def worker(args) -> None:
     elif args.worker == "interleaved":
         reply(**interleaved_rates(n, blocks))
     elif args.worker == "attach":
-        from explorer.stream_feed import AttachFeed
+        from explorer.feeds.stream_feed import AttachFeed
         feed = AttachFeed.connect(args.endpoint, None)
         reply(**app_rate(n, blocks, seconds, feed=feed))
 

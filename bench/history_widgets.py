@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 from PySide6 import QtWidgets  # noqa: E402
 
 import explorer  # noqa: E402,F401  (Qt compatibility fix before any Qt call)
-from explorer.block_history import block_history  # noqa: E402
-from explorer.eventlog import EventLog  # noqa: E402
-from explorer.timeline import Timeline  # noqa: E402
+from explorer.model.block_history import block_history  # noqa: E402
+from explorer.widgets.eventlog import EventLog  # noqa: E402
+from explorer.widgets.timeline import Timeline  # noqa: E402
 from kvstream.events import NOTABLE_KINDS, BlockEvent, EventKind  # noqa: E402
 
 FRAME_MS = 1000 / 30

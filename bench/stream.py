@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import Engine, EngineConfig  # noqa: E402
-from explorer.demo import seed_busy, seed_crowd, seed_many  # noqa: E402
+from explorer.feeds.demo import seed_busy, seed_crowd, seed_many  # noqa: E402
 from kvstream.poolstream import StreamEncoder  # noqa: E402
 from kvstream.recording import Recorder, open_recording  # noqa: E402
 
@@ -200,8 +200,8 @@ def bench_jump(path: Path) -> None:
     print(f"open: {time.perf_counter() - t0:.2f} s for {len(history)} frames "
           f"({len(history.keyframe_seqs())} keyframes)")
     gc.collect()
-    gc.freeze()  # as the app does once a recording is open (explorer/stream_feed.py): full collections skip it
-    from explorer.app import GC_GEN0
+    gc.freeze()  # as the app does once a recording is open (explorer/feeds/stream_feed.py): full collections skip it
+    from explorer.window.app import GC_GEN0
     gc.set_threshold(max(gc.get_threshold()[0], GC_GEN0), *gc.get_threshold()[1:])  # as the window sets it
     keys = history.keyframe_seqs() + [history.last_seq + 1]
     worst = [k - 1 for k in keys[1:]]  # the frame before each keyframe: the longest run of deltas to decode

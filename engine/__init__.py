@@ -36,8 +36,8 @@ from .errors import EngineError
 from .lesson import ToyPagedSequence
 from .relocation import RelocationReport
 from .runner import EngineFailure, EngineRunner, RunnerStopped
-from .snapshot import (BlockInfo, BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
-                       PoolSnapshot, Status)
+from kvstream.views import (BlockInfo, BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
+                            PoolSnapshot, Status)
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "BlockState", "Status", "FinishReason", "paged_attention",

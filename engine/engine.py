@@ -24,6 +24,8 @@ import torch
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.rules import fit_error
+from kvstream.views import (BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
+                            Status)
 
 from . import relocation
 from .attention import attend_batch, attend_batch_compiled
@@ -38,7 +40,6 @@ from .pool_views import PoolViews
 from .relocation import RelocationReport
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .snapshot import BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
 from .validation import (MAX_SEED, check_bool, check_int, check_max_new_tokens, check_seed, check_temperature,
                          check_text, check_token_ids, is_int)
 
@@ -58,7 +59,7 @@ def _freeze_startup_heap() -> None:
     once: later engines are made while an earlier one may still be alive (the window's restart). A caller's own
     cycles alive at that moment would never be collected either: ``PAGED_KV_FREEZE_HEAP=0`` turns it off. (A
     recording opened in the window freezes the heap again and gives everything back when closed,
-    explorer/stream_feed.py; after that the heap stays unfrozen.)"""
+    explorer/feeds/stream_feed.py; after that the heap stays unfrozen.)"""
     global _heap_frozen
     with _heap_lock:  # engines made on two threads at once: one freeze, before either exists
         if _heap_frozen or os.environ.get("PAGED_KV_FREEZE_HEAP", "1") == "0":

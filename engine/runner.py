@@ -5,8 +5,9 @@ and gets a :class:`concurrent.futures.Future` back; it reads :attr:`EngineRunner
 :class:`PoolSnapshot`, whenever it likes. No lock is shared with the reader: publishing is one reference swap.
 
 A snapshot is published only when the engine's ``version`` changed (a step, or a command that changed something;
-read-only queries publish nothing). Each published snapshot goes, with the block events since the previous one, to
-every *observer* on the engine thread: the GUI's history, a recorder, a network publisher. Anything that goes wrong
+read-only queries publish nothing). Each published snapshot goes to every *observer* on the engine thread (the
+GUI's history, a recorder, a network publisher) as one :class:`~kvstream.views.PoolUpdate`: the snapshot, the block
+events since the previous one, and the engine's record of what changed, together. Anything that goes wrong
 in the loop (a step, a command's side effects, an observer, publishing) reaches :meth:`take_failures`; the thread
 never dies silently, and every future resolves, including those still queued when the runner stops.
 """
@@ -23,10 +24,11 @@ from typing import Any, Callable
 from kvstream.events import BlockEvent
 from kvstream.rules import Rate
 
-from .engine import Engine
-from .snapshot import PoolSnapshot
+from kvstream.views import PoolSnapshot, PoolUpdate, change_record
 
-Observer = Callable[[PoolSnapshot, list[BlockEvent]], None]
+from .engine import Engine
+
+Observer = Callable[[PoolUpdate], None]
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class EngineRunner:
         self._observers: list[Observer] = list(observers or [])
         self.latest: PoolSnapshot = engine.snapshot()  # newest published snapshot (replaced, never mutated)
         self._published_version = self.latest.version
-        self._notify(self.latest, engine.take_events())  # the state before the first step (observers' first frame)
+        self._notify(self.latest, engine.take_events())  # the state before the first step (observers' first update)
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     # ---- client side (any thread) -------------------------------------------------------------------------
@@ -114,7 +116,8 @@ class EngineRunner:
         return self.submit("set_speed", max_steps_per_second)
 
     def add_observer(self, observer: Observer) -> Future:
-        """Call ``observer(snapshot, events)`` on the engine thread for every published snapshot from now on."""
+        """Call ``observer(update)`` (a :class:`PoolUpdate`) on the engine thread for every published snapshot from
+        now on."""
         return self.submit("add_observer", observer)
 
     def remove_observer(self, observer: Observer) -> Future:
@@ -217,9 +220,10 @@ class EngineRunner:
         self._notify(snapshot, self.engine.take_events())
 
     def _notify(self, snapshot: PoolSnapshot, events: list[BlockEvent]) -> None:
+        update = PoolUpdate(snapshot, tuple(events), change_record(snapshot))  # one unit for every observer
         for observer in list(self._observers):
             try:
-                observer(snapshot, events)
+                observer(update)
             except Exception as exc:  # a broken recorder or socket must not stop the engine
                 self._observers.remove(observer)
                 self._fail(f"{getattr(observer, '__qualname__', type(observer).__name__)} stopped receiving "

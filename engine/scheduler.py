@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvstream.views import FinishReason
+from kvstream.views import FinishReason, Status
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence
-from .snapshot import Status
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .block_pool import hash_block_tokens
-from .snapshot import FinishReason, Status
+from kvstream.views import FinishReason, Status
 
 
 class Sequence:

@@ -35,9 +35,10 @@ def summary_line(snap) -> str:
 
 def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
     """'conversation 3 (finished: max new tokens, 40 tokens): <its output>' for each conversation of the view."""
+    from .model.event_text import finish_words
     lines = []
     for c in snap.conversations:
-        reason = f": {c.finish_reason.words}" if c.finish_reason is not None else ""
+        reason = f": {finish_words(c.finish_reason)}" if c.finish_reason is not None else ""
         text = c.output_text if len(c.output_text) <= limit else c.output_text[:limit] + "…"
         lines.append(f"{c.name} ({c.status}{reason}, {len(c.output_token_ids)} tokens): {text!r}")
     return lines
@@ -116,15 +117,17 @@ def run_headless_cli(opts, cfg) -> int:
             if opts.open:  # every frame decoded and checked first: a corrupt file is one line and exit 2
                 from kvstream.recording import check_recording
                 check_recording(opts.open)
-            from .stream_feed import open_feeds
+            from .feeds.stream_feed import open_feeds
             feeds = open_feeds(opts)
+            for feed in feeds:
+                feed.started()
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
         else:
             from engine import Engine
 
-            from .demo import DEMO_SPEED, DEMOS
-            from .engine_feed import EngineFeed
-            from .outputs import engine_sinks
+            from .feeds.demo import DEMO_SPEED, DEMOS
+            from .feeds.engine_feed import EngineFeed
+            from .feeds.outputs import engine_sinks
             engine = Engine(cfg, progress=None)
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
@@ -162,7 +165,7 @@ def run_headless_cli(opts, cfg) -> int:
     finally:
         for feed in feeds:
             feed.close()
-    if not opts.json and feeds and feeds[0].kind == "engine":
+    if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started
         tokens = snap.metrics.num_generated_tokens

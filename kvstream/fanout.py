@@ -1,9 +1,9 @@
 """From the runner's published snapshots to pool-stream frames: encode once, hand the same frame to every sink.
 
-The engine runner calls its observers with ``(snapshot, events)`` on the engine thread each time it publishes. The
-window's History, a ``--record`` file and a ``--publish`` socket all want the same thing, a
-:class:`kvstream.poolstream.Frame`, so one :class:`FrameFanout` encodes each snapshot once and writes the frame to
-each sink. A sink that raises is dropped and reported (:meth:`FrameFanout.take_failures`); the others, and the
+The engine runner calls its observers with one :class:`~kvstream.views.PoolUpdate` (the snapshot, its events and
+the engine's record of what changed) on the engine thread each time it publishes. The window's History, a
+``--record`` file and a ``--publish`` socket all want the same thing, a :class:`kvstream.poolstream.Frame`, so one
+:class:`FrameFanout` encodes each update once and writes the frame to each sink. A sink that raises is dropped and reported (:meth:`FrameFanout.take_failures`); the others, and the
 engine, go on. Qt-free: headless runs use it too.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from typing import Sequence
 
 from kvstream.poolstream import StreamEncoder
+from kvstream.views import PoolUpdate
 
 
 QUEUE_FRAMES = 16  # snapshots a threaded fanout holds before the engine waits for it (a slow disk holds the engine
@@ -22,15 +23,15 @@ _STOP = object()
 
 
 class FrameFanout:
-    """A runner observer: ``fanout(snapshot, events)`` encodes one frame and writes it to every sink.
+    """A runner observer: ``fanout(update)`` encodes one frame and writes it to every sink.
 
     ``first``: a snapshot to encode at once (the runner's newest, when attaching to a runner that is already
     running), so the sinks start with a keyframe of the present and not with whatever frame comes next.
 
     ``threaded``: encode and write on a thread of the fanout's own, in order, so the engine thread only hands the
-    snapshot over (snapshots are immutable). Encoding a frame of 65,536 blocks with 256 conversations decoding
-    takes 1-1.7 ms of Python on the engine thread; on its own thread it overlaps the next step, whose model runs
-    without the GIL (bench/stream.py record). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
+    snapshot over (snapshots are immutable). Encoding a large pool's frame is milliseconds of Python; on its own
+    thread it overlaps the next step, whose model runs without the GIL (figures: bench/stream.py record,
+    docs/gui.md). :meth:`flush` waits for what was handed over; :meth:`stop` ends the
     thread after that, :meth:`close` also closes the sinks.
     """
 
@@ -41,6 +42,7 @@ class FrameFanout:
         self._failures: list[str] = []  # why sinks were dropped, taken by the GUI thread
         self._lock = threading.Lock()  # the engine thread writes failures, the GUI thread takes them
         self.frames = 0  # frames encoded
+        self.written: tuple[int, object] | None = None  # (seq, snapshot) of the newest frame every sink was given
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop() was called: no more frames are taken
@@ -57,17 +59,21 @@ class FrameFanout:
         with self._lock:
             return list(self._sinks)
 
-    def __call__(self, snapshot, events) -> None:
+    def __call__(self, update, events=None) -> None:
+        """Take one :class:`PoolUpdate`; ``fanout(snapshot, events)``, from a producer that hands snapshots on
+        alone, takes what it noted about each (:meth:`PoolUpdate.of`)."""
+        if events is not None or not isinstance(update, PoolUpdate):
+            update = PoolUpdate.of(update, events or ())
         if self._queue is None:
-            self._encode(snapshot, events)
+            self._encode(update)
         elif not self._stopping:
-            self._queue.put((snapshot, tuple(events)))
+            self._queue.put(update)
         else:
             raise RuntimeError("this fanout was stopped: it takes no more frames")
 
-    def _encode(self, snapshot, events) -> None:
+    def _encode(self, update: PoolUpdate) -> None:
         try:
-            frame = self.encoder.encode(snapshot, events)
+            frame = self.encoder.encode(update.snapshot, update.events, update.changes)
         except Exception as exc:
             if self._queue is None:
                 raise  # on the caller's thread: the runner reports it
@@ -82,6 +88,7 @@ class FrameFanout:
                 with self._lock:
                     self._sinks.remove(sink)
                     self._failures.append(f"{_name(sink)} stopped: {type(exc).__name__}: {exc}")
+        self.written = (frame.seq, update.snapshot)
 
     def _run(self) -> None:
         while True:
@@ -92,7 +99,7 @@ class FrameFanout:
                 if isinstance(item, threading.Event):
                     item.set()  # flush(): everything before it is written
                 else:
-                    self._encode(*item)
+                    self._encode(item)
             finally:
                 self._queue.task_done()
 

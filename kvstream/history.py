@@ -315,7 +315,7 @@ class History:
         """(seq, event) of the kept frames up to ``last_seq`` that can concern block ``block_id`` as it is then:
         every frame whose events name it, or name the ids its content had before relocations, plus every frame
         with a relocation or a reset of the prefix cache; oldest first. A subset of :meth:`events` that tells the
-        block's story the same (explorer.block_history.block_events picks from it exactly what it picks from all),
+        block's story the same (explorer.model.block_history.block_events picks from it exactly what it picks from all),
         read through the block index instead of every event: 451,232 events of a 10,000-frame recording took
         0.3 s to walk, and held the collector busy for as long again."""
         with self._lock:

@@ -48,16 +48,7 @@ class FinishReason(str, enum.Enum):
     ENDED = "ended"  # the user ended it
 
     def __str__(self) -> str:
-        return self.value
-
-    @property
-    def words(self) -> str:
-        """How a window says it: 'end-of-sequence', 'max new tokens', 'context limit', 'ended by user'."""
-        return _FINISH_WORDS[self]
-
-
-_FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max new tokens",
-                 FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
+        return self.value  # what the window says: explorer.model.event_text.finish_words
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,25 +225,17 @@ class PoolSnapshot:
 
     @property
     def output_prefixes(self) -> Mapping[int, tuple[int, ...]]:
-        """What the producer promises about growth: conversation id -> a tuple that conversation's
-        ``output_token_ids`` starts with, the very tuple of an earlier snapshot's info (empty: no promise). A
-        consumer holding that tuple knows by identity (``prefix is old.output_token_ids``) that the outputs only
-        grew, without comparing them token by token (the pool-stream encoder, every step, for every decoding
-        conversation). Not a field: not compared, not carried by the pool stream; see :func:`promise_output_prefixes`."""
-        return self.__dict__.get("_output_prefixes", _NO_PREFIXES)
+        """What the producer noted about growth (:attr:`ChangeRecord.output_prefixes`; empty: nothing noted).
+        Consumers are handed it beside the snapshot (:class:`PoolUpdate`); this reads the producer's note."""
+        return change_record(self).output_prefixes
 
     @property
     def changed_blocks(self) -> "tuple[PoolSnapshot, Mapping[str, np.ndarray]] | None":
-        """What the producer promises about the per-block arrays: (an earlier snapshot, a bool mask over the pool
-        for each array by name) such that each array here equals that snapshot's wherever its mask is False; None:
-        no promise (the earlier one is gone, or was never given). The pool-stream encoder, holding that snapshot,
-        then compares only the masked blocks instead of six arrays in full. Not a field; see
-        :func:`promise_changed_blocks`."""
-        promise = self.__dict__.get("_changed_blocks")
-        if promise is None:
-            return None
-        base = promise[0]()
-        return None if base is None else (base, promise[1])
+        """What the producer noted about the per-block arrays: (:attr:`ChangeRecord.base`,
+        :attr:`ChangeRecord.block_masks`), or None. Consumers are handed it beside the snapshot (:class:`PoolUpdate`);
+        this reads the producer's note."""
+        record = change_record(self)
+        return None if record.block_masks is None else (record.base, record.block_masks)
 
     def hashes(self) -> np.ndarray:
         """block_hash, or all NO_HASH when the source sent none."""
@@ -264,12 +247,75 @@ class PoolSnapshot:
 _NO_PREFIXES: Mapping[int, tuple[int, ...]] = MappingProxyType({})
 
 
+@dataclass(frozen=True)
+class ChangeRecord:
+    """What the producer of a snapshot knows changed since the snapshot it built before, handed on beside the
+    snapshot (never attached to it: a snapshot is frozen, and the record is about two snapshots, not one).
+
+    The pool-stream encoder, holding ``base``, compares only the masked blocks instead of six arrays of 65,536 in
+    full, and takes a grown conversation's old outputs by identity instead of comparing them token by token. A
+    wrong record corrupts every frame encoded from it: a producer makes one only from a record of every change
+    (the project's engine: its block pool notes each block it writes, its token lists are only appended to)."""
+
+    base: "PoolSnapshot | None" = None  # the earlier snapshot the masks compare against (None: nothing known)
+    block_masks: "Mapping[str, np.ndarray] | None" = None  # per array of BLOCK_ARRAYS: bool over the pool, True
+    # where the block may differ from base's (None: any block may differ)
+    output_prefixes: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: _NO_PREFIXES)  # conversation id
+    # -> a tuple its output_token_ids starts with, the very tuple of an earlier snapshot's info (known by identity)
+
+
+NO_CHANGE_RECORD = ChangeRecord()  # nothing known: compare everything
+
+
+@dataclass(frozen=True)
+class PoolUpdate:
+    """One publication of a pool, as one unit: the snapshot, the block events that led to it (since the update
+    before), and what its producer knows changed. The engine runner hands this to every observer, so a recorder,
+    the window's history and a publisher all see the snapshot together with its own events and record."""
+
+    snapshot: "PoolSnapshot"
+    events: tuple = ()  # kvstream.events.BlockEvent, oldest first
+    changes: ChangeRecord = NO_CHANGE_RECORD
+
+    @classmethod
+    def of(cls, snapshot: "PoolSnapshot", events=()) -> "PoolUpdate":
+        """The update of ``snapshot`` with what its producer noted about it (:func:`change_record`)."""
+        return cls(snapshot, tuple(events), change_record(snapshot))
+
+
+# The producer's notes, until it hands them on (change_record): id(snapshot) -> [weak base, masks, prefixes], kept
+# while that snapshot lives (a finalizer drops its entry), never as an attribute of the frozen snapshot.
+_NOTES: dict[int, list] = {}
+
+
+def _note(snapshot: "PoolSnapshot") -> list:
+    key = id(snapshot)
+    note = _NOTES.get(key)
+    if note is None:
+        note = _NOTES[key] = [None, None, None]
+        weakref.finalize(snapshot, _NOTES.pop, key, None)
+    return note
+
+
+def change_record(snapshot: "PoolSnapshot") -> ChangeRecord:
+    """What the producer of ``snapshot`` noted with :func:`promise_changed_blocks` and
+    :func:`promise_output_prefixes` (:data:`NO_CHANGE_RECORD` when nothing, or when the base is gone)."""
+    note = _NOTES.get(id(snapshot))
+    if note is None:
+        return NO_CHANGE_RECORD
+    base = note[0]() if note[0] is not None else None
+    masks = note[1] if base is not None else None
+    prefixes = note[2] if note[2] is not None else _NO_PREFIXES
+    if base is None and not prefixes:
+        return NO_CHANGE_RECORD
+    return ChangeRecord(base if masks is not None else None, masks, prefixes)
+
+
 def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple[int, ...]]) -> PoolSnapshot:
-    """Attach :attr:`PoolSnapshot.output_prefixes` to a snapshot its producer just built (before anyone else sees
+    """Note :attr:`ChangeRecord.output_prefixes` for a snapshot its producer just built (before anyone else sees
     it). A wrong promise corrupts every frame encoded from it: make one only where the outputs are known to have
     been appended to, never rewritten (the project's engine: the same token list, only ever appended to)."""
-    object.__setattr__(snapshot, "_output_prefixes",  # a dict is handed over, not copied
-                       MappingProxyType(prefixes if isinstance(prefixes, dict) else dict(prefixes)))
+    _note(snapshot)[2] = MappingProxyType(prefixes if isinstance(prefixes, dict) else dict(prefixes))  # handed over
     return snapshot
 
 
@@ -278,7 +324,7 @@ BLOCK_ARRAYS = ("state", "ref_count", "num_filled", "owner", "last_access", "blo
 
 def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray,
                            **wider: np.ndarray) -> PoolSnapshot:
-    """Attach :attr:`PoolSnapshot.changed_blocks` to a snapshot its producer just built: its arrays equal
+    """Note :attr:`ChangeRecord.block_masks` for a snapshot its producer just built: its arrays equal
     ``base``'s wherever ``mask`` (bool, num_blocks entries, read-only) is False, or for an array named in ``wider``
     (``last_access=``), wherever that array's own mask is. ``base`` is held weakly (a chain of snapshots must not
     keep each other alive). A wrong promise corrupts the frames encoded from it: make one only from a record of
@@ -291,7 +337,8 @@ def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.
         if m.shape != (snapshot.num_blocks,) or m.dtype != np.bool_ or base.num_blocks != snapshot.num_blocks:
             raise ValueError("a changed-blocks promise needs bool masks over the pool, against a pool of the same "
                              "size")
-    object.__setattr__(snapshot, "_changed_blocks", (weakref.ref(base), MappingProxyType(masks)))
+    note = _note(snapshot)
+    note[0], note[1] = weakref.ref(base), MappingProxyType(masks)
     return snapshot
 
 

@@ -1,9 +1,10 @@
-"""A block's own history from block events (explorer.block_history), followed through relocations."""
+"""A block's own history from block events (explorer.model.block_history), followed through relocations."""
 import pytest
 from PySide6 import QtCore
 
 from kvstream.events import BlockEvent, EventKind, PoolModel
-from explorer.block_history import MAX_LINES, BlockHistoryView, BlockStory, HistoryLine, block_history
+from explorer.widgets.block_history_view import MAX_LINES, BlockHistoryView
+from explorer.model.block_history import BlockStory, HistoryLine, block_history
 
 K = EventKind
 
@@ -195,7 +196,7 @@ def test_real_engine_histories_agree_with_the_pool(real):
     engine's block tables hold at the end, for every block of the pool."""
     from collections import Counter
 
-    from explorer.block_history import block_events
+    from explorer.model.block_history import block_events
     eng, pairs = real
     snap = eng.snapshot()
     held = Counter(b for table in snap.block_tables.values() for b in table)

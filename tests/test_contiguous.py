@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kvstream.views import ConversationInfo, PoolSnapshot, Status
-from explorer.contiguous import (FILLED_SLOT, FREE_SLOT, GAP_SLOT, RESERVED_SLOT, ContiguousAllocator,
+from explorer.model.contiguous import (FILLED_SLOT, FREE_SLOT, GAP_SLOT, RESERVED_SLOT, ContiguousAllocator,
                                  request_slots)
 
 
@@ -94,7 +94,7 @@ def test_new_pool_or_going_back_in_time_starts_over():
 
 def test_busy_demo_on_a_real_engine_keeps_runs_apart():
     from engine import Engine, EngineConfig
-    from explorer.demo import seed_busy
+    from explorer.feeds.demo import seed_busy
     engine = Engine(EngineConfig(model="builtin", num_blocks=24, block_size=16))
     seed_busy(engine)
     model = ContiguousAllocator()
@@ -127,7 +127,7 @@ def test_empty_memory(count):
 def test_the_model_imports_neither_qt_nor_torch():
     import subprocess
     import sys
-    code = ("import sys, explorer.contiguous; "
+    code = ("import sys, explorer.model.contiguous; "
             "print(sorted(m for m in ('PySide6', 'torch', 'pyqtgraph') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))

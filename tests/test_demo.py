@@ -1,6 +1,6 @@
 """Demo workloads seed any pool the CLI accepts, within the model's positions, and say what they lowered."""
 from engine import Engine, EngineConfig
-from explorer.demo import Seeded, seed_busy, seed_crowd
+from explorer.feeds.demo import Seeded, seed_busy, seed_crowd
 
 
 def test_crowd_on_a_large_pool_stays_within_the_models_positions():

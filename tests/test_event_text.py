@@ -1,10 +1,10 @@
-"""Block events in words (explorer.event_text): a sentence for every kind, short id lists, one line per story."""
+"""Block events in words (explorer.model.event_text): a sentence for every kind, short id lists, one line per story."""
 import pytest
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import FinishReason
-from explorer import event_colours
-from explorer.event_text import EventLine, blocks_phrase, describe, group, id_list, line_of
+from explorer.model import event_colours
+from explorer.model.event_text import EventLine, blocks_phrase, describe, finish_words, group, id_list, line_of
 
 K = EventKind
 
@@ -63,7 +63,7 @@ def test_every_kind_is_covered_by_an_example_a_colour_and_a_name():
 def test_every_finish_reason_has_words():
     for reason in FinishReason:
         text = describe(BlockEvent(1, K.CONVERSATION_FINISHED, 4, reason=reason.value))
-        assert text == f"step 1: conversation 4 finished ({reason.words})"
+        assert text == f"step 1: conversation 4 finished ({finish_words(reason)})"
     assert describe(BlockEvent(1, K.CONVERSATION_FINISHED, 4, reason="stop_string")).endswith("(stop_string)")
     assert describe(BlockEvent(1, K.CONVERSATION_FINISHED, 4)) == "step 1: conversation 4 finished"
 

@@ -2,9 +2,9 @@
 import numpy as np
 from PySide6 import QtCore, QtWidgets
 
-from engine.snapshot import BlockState
-from explorer import palette
-from explorer.dialogs import SYSTEM_PROMPT
+from kvstream.views import BlockState
+from explorer.model import palette
+from explorer.window.dialogs import SYSTEM_PROMPT
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
@@ -95,7 +95,7 @@ def test_end_frees_blocks_in_the_next_frame(qtbot, make_window):
     blocks = snap.block_tables[first]
     assert all(window.grid.cell_colour(b) == colour_of(first) for b in blocks)
     window.conversations.select_conversation(first)
-    window.end_action.trigger()
+    window.window_actions.end.trigger()
     after = wait_for_snapshot(qtbot, window, lambda s: first not in s.block_tables, timeout=3000)
     assert str(after.conversation(first).status) == "ended"
     assert window.grid.snapshot is after and window.grid.image is not None

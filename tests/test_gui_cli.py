@@ -219,7 +219,7 @@ def test_screenshot_of_the_lesson_demo_is_the_lesson_window(tmp_path, qtbot):
     import numpy as np
     from PySide6 import QtGui
 
-    from explorer.lesson import TENANT_COLOUR, LessonWindow
+    from explorer.window.lesson import TENANT_COLOUR, LessonWindow
     lesson = LessonWindow()
     qtbot.addWidget(lesson)
     lesson.show()
@@ -239,7 +239,7 @@ def test_screenshot_of_the_lesson_demo_is_the_lesson_window(tmp_path, qtbot):
 def test_a_bad_tokenizer_directory_is_one_clear_error(tmp_path):
     """--tokenizer DIR whose tokenizer.json is not one: a ValueError naming the file (the CLI prints it as one
     line and exits 2), not the tokenizers library's traceback."""
-    from explorer.stream_feed import open_feeds
+    from explorer.feeds.stream_feed import open_feeds
     (tmp_path / "tokenizer.json").write_text("{not json")
     opts = SimpleNamespace(tokenizer=str(tmp_path), open=None, attach=[], attach_kv_events=["tcp://127.0.0.1:1"])
     with pytest.raises(ValueError, match=r"cannot read tokenizer .*tokenizer\.json: not a tokenizer file"):

@@ -8,7 +8,7 @@ import tempfile
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-from explorer.content_view import PLACEMENT_UNKNOWN, ContentView, load_tokenizer
+from explorer.widgets.content_view import PLACEMENT_UNKNOWN, ContentView, load_tokenizer
 from kvstream.kv_events import (BlockRemoved, BlockStored, KVCacheIndex, KVEventEndpoint, KVEventPublisher,
                                 KVEventSubscriber, make_batch)
 

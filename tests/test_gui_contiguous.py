@@ -1,9 +1,9 @@
 """The contiguous view draws the allocator's memory at the paged grid's scale, in distinct colours per role."""
 import numpy as np
 
-from explorer import palette
-from explorer.contiguous_view import GAP, ContiguousView, contiguous_rgba, describe_slot
-from explorer.grid import grid_geometry
+from explorer.model import palette
+from explorer.widgets.contiguous_view import GAP, ContiguousView, contiguous_rgba, describe_slot
+from explorer.render.grid import grid_geometry
 from kvstream.views import Status
 from test_contiguous import conv, snap
 
@@ -52,7 +52,7 @@ def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
 
 def test_gap_between_reservations_is_drawn_as_a_gap():
     palette.BOOK.clear()
-    from explorer.contiguous import ContiguousAllocator
+    from explorer.model.contiguous import ContiguousAllocator
     model = ContiguousAllocator()
     model.update(snap(1, [conv(0, 4, 4, 4), conv(1, 4, 4, 4, arrival=1), conv(2, 4, 4, 4, arrival=2)]))
     layout = model.update(snap(2, [conv(0, 4, 4, 4), conv(1, 4, 4, 4, Status.FINISHED, 1),
@@ -70,7 +70,7 @@ def test_gap_between_reservations_is_drawn_as_a_gap():
 
 
 def test_large_pool_draws_mean_colours_quickly():
-    from explorer.contiguous import ContiguousAllocator
+    from explorer.model.contiguous import ContiguousAllocator
     model = ContiguousAllocator()
     convs = [conv(i, 300, 700, 500, arrival=i) for i in range(200)]
     layout = model.update(snap(1, convs, num_blocks=65536, block_size=16))
@@ -83,7 +83,7 @@ def test_large_pool_draws_mean_colours_quickly():
 
 def test_linked_view_draws_at_the_grids_scale_whatever_its_width(qtbot):
     from PySide6 import QtCore, QtWidgets
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     from test_gui_grid import make_snapshot
     holder = QtWidgets.QWidget()
     qtbot.addWidget(holder)

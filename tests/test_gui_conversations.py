@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kvstream.views import ConversationInfo, FinishReason, PoolSnapshot, Status
-from explorer.conversations import (REPLY_MARK, USER_MARK, ConversationDetail, ConversationsPanel, status_text,
+from explorer.widgets.conversations import (REPLY_MARK, USER_MARK, ConversationDetail, ConversationsPanel, status_text,
                                     turn_segments)
 
 
@@ -167,3 +167,28 @@ def test_rows_are_made_again_only_when_what_they_show_changed(panel):
     row = model.row_of(50)
     assert model.data(model.index(row, 3)) == "2" and model.data(model.index(row, 5)) == "1"
     assert model.data(model.index(row, 6)) == "2/4"
+
+
+def test_an_old_conversation_leaving_the_window_keeps_selection_and_scroll(panel, qtbot):
+    """The engine lists the newest 256 finished conversations: when the oldest leaves that window (and a new one
+    arrives) the table removes its row and adds the new one instead of resetting, so the selection and the
+    scroll position stay where the user has them."""
+    done = dict(status=Status.FINISHED, reason=FinishReason.LENGTH)
+    convs = [conv(cid, **done) for cid in range(300)]
+    panel.refresh(view(convs))
+    qtbot.waitUntil(lambda: panel.model.rowCount() == 300, timeout=2000)
+    panel.select_conversation(250)
+    bar = panel.view.verticalScrollBar()
+    panel.view.scrollTo(panel.model.index(panel.model.row_of(250), 0))
+    scrolled = bar.value()
+    assert scrolled > 0 and panel.selected_conversation() == 250
+    resets, selected = [], []
+    panel.model.modelReset.connect(lambda: resets.append(1))
+    panel.selectionChanged.connect(selected.append)
+    panel.refresh(view(convs[1:] + [conv(300)]))  # conversation 0 leaves the window, 300 arrives
+    assert panel.model.rowCount() == 300 and panel.model.conversation_id(0) == 1
+    assert panel.model.conversation_id(299) == 300
+    assert not resets and panel.selected_conversation() == 250 and set(selected) <= {250}  # still 250
+    assert abs(bar.value() - scrolled) <= 1  # one row up at most: the row above it went
+    panel.refresh(view([c for c in convs[1:] if c.conversation_id != 250] + [conv(300)]))
+    assert panel.selected_conversation() is None and selected[-1:] == [None]  # its conversation left: said so

@@ -1,7 +1,7 @@
 """Dialogs refuse bad input at the field and send nothing; engine restarts keep the old engine on failure."""
 from PySide6 import QtCore, QtWidgets
 
-from explorer.dialogs import AddConversationDialog, ReplyDialog, RestartDialog, parse_number, parse_token_ids
+from explorer.window.dialogs import AddConversationDialog, ReplyDialog, RestartDialog, parse_number, parse_token_ids
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
@@ -167,7 +167,7 @@ def test_restart_with_checkpoint_directory_shows_progress(qtbot, make_window, tm
 
 def test_lesson_menu_opens_the_lesson_window(qtbot, make_window):
     window = make_window(paused=True)
-    window.lesson_action.trigger()
+    window.window_actions.lesson.trigger()
     assert isinstance(window.lesson_window, QtWidgets.QMainWindow) and window.lesson_window.isVisible()
     assert window.errors == []
 
@@ -326,7 +326,7 @@ def test_add_dialog_with_submit_stays_open_on_a_refusal(qtbot, make_window):
 
 def restart_dialog_with_loader(window, **kwargs):
     """A restart dialog whose submit starts a real engine load, reporting back as the window would."""
-    from explorer.loader import EngineLoader
+    from explorer.window.loader import EngineLoader
     loader = EngineLoader(window)
     dialog = RestartDialog(window.config, window, submit=loader.start, **kwargs)
     loader.failed.connect(lambda message, _details: dialog.restart_failed(message))

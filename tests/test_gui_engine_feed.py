@@ -5,8 +5,8 @@ import threading
 import pytest
 
 from engine import Engine, EngineConfig
-from explorer import engine_feed
-from explorer.engine_feed import EngineFeed
+from explorer.feeds import engine_feed
+from explorer.feeds.engine_feed import EngineFeed
 from kvstream.recording import Recorder, open_recording, read_frames
 
 

@@ -1,10 +1,10 @@
-"""The event log dock (explorer.eventlog), offscreen: lines in words, notable kinds by default, filters by kind,
+"""The event log dock (explorer.widgets.eventlog), offscreen: lines in words, notable kinds by default, filters by kind,
 conversation and block, the row cap, clicking a line, and bad input refused without change."""
 import pytest
 from PySide6 import QtCore
 
 from kvstream.events import NOTABLE_KINDS, BlockEvent, EventKind
-from explorer.eventlog import EventLog, EventLogModel, LogFilter, parse_ids
+from explorer.widgets.eventlog import EventLog, EventLogModel, LogFilter, parse_ids
 
 K = EventKind
 LEFT = QtCore.Qt.MouseButton.LeftButton
@@ -143,7 +143,7 @@ def test_row_cap_drops_the_oldest_and_says_so(qtbot, qtmodeltester):
 def test_a_long_history_at_once_words_only_the_lines_it_keeps(qtbot, monkeypatch):
     """Opening a long recording hands the log every event at once: it words only the newest frames that fill its
     cap, and ends up with the same lines as when the frames came one by one."""
-    import explorer.eventlog as eventlog_module
+    import explorer.widgets.eventlog as eventlog_module
     pairs = []
     for seq in range(1, 301):
         pairs += [(seq, BlockEvent(seq, K.ALLOCATED, c, (seq * 10 + c,))) for c in range(8)]

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from PySide6 import QtGui
 from kvstream.views import BlockState, PoolSnapshot
-from explorer import palette
-from explorer.grid import COLOR_BY, grid_geometry, snapshot_to_rgba
+from explorer.model import palette
+from explorer.render.grid import COLOR_BY, grid_geometry, snapshot_to_rgba
 
 
 def make_snapshot(num_blocks=8, block_size=4, used=(), cached=(), step_id=10, tables=None):
@@ -156,7 +156,7 @@ def test_conversation_colours_are_stable_and_distinct():
 
 def test_grid_widget_hover_and_click(qtbot, small):
     from PySide6 import QtCore
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     snap, geo = small
     view = GridView()
     qtbot.addWidget(view)
@@ -177,7 +177,7 @@ def test_grid_widget_hover_and_click(qtbot, small):
 
 
 def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     snap, _ = small
     view = GridView()
     qtbot.addWidget(view)
@@ -202,7 +202,7 @@ def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
 def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, small):
     """Found in the X window: after Scramble the hover line still said 'block 27: used ... owners conv 1' of a
     block the relocation had freed (the inspector, rightly, said it moved)."""
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     snap, _ = small
     view = GridView()
     qtbot.addWidget(view)
@@ -223,7 +223,7 @@ def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, small):
 
 
 def test_metrics_keep_one_sample_per_step():
-    from explorer.metrics import MetricsHistory
+    from explorer.model.metrics_history import MetricsHistory
     snap = make_snapshot(step_id=5)
     history = MetricsHistory()
     for _ in range(3):  # published again after commands, same step
@@ -233,7 +233,7 @@ def test_metrics_keep_one_sample_per_step():
 
 
 def test_inspector_sentences():
-    from explorer.inspector import _conversations, token_label
+    from explorer.widgets.inspector import _conversations, token_label
     assert _conversations([3]) == "conversation 3"
     assert _conversations([1, 0]) == "conversations 0, 1"
     assert token_label(" the") == "␣the" and token_label("\n") == "\\n"
@@ -305,7 +305,7 @@ def test_live_conversations_get_clearly_different_colours_and_keep_them():
 def test_grid_tooltip_appears_and_stays(qtbot, small):
     """The scene used to answer Qt's tooltip request with 'no tooltip' and hide it 300 ms later."""
     from PySide6 import QtCore, QtGui, QtWidgets
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     snap, _ = small
     view = GridView()
     qtbot.addWidget(view)
@@ -330,7 +330,7 @@ def test_grid_tooltip_appears_and_stays(qtbot, small):
 
 def test_zoomed_in_cells_show_their_block_ids(qtbot):
     from PySide6 import QtCore
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     snap = make_snapshot(num_blocks=1024, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)], tables={2: (33,)})
     view = GridView()
     qtbot.addWidget(view)
@@ -359,7 +359,7 @@ def test_a_conversation_first_seen_stopped_does_not_look_like_a_live_one():
 def test_every_cell_gap_survives_a_small_view(qtbot):
     """Found in the X window at 1024 x 640: 32-pixel tiles drawn 26 pixels wide lost gap rows and columns (Qt
     scales without smoothing), so free cells merged into larger blocks. The tile follows the screen size now."""
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     view = GridView()
     qtbot.addWidget(view)
     view.set_snapshot(make_snapshot(num_blocks=128, block_size=16))
@@ -403,8 +403,8 @@ def test_free_blocks_are_plain_cells_and_used_ones_show_their_slots():
 def test_colours_are_worked_out_once_per_snapshot(qtbot):
     """The grid, the conversations table and the detail all observe the snapshot they draw; the book sorts its
     conversations once per snapshot, not once per caller."""
-    from explorer.conversations import ConversationsPanel
-    from explorer.grid_view import GridView
+    from explorer.widgets.conversations import ConversationsPanel
+    from explorer.widgets.grid_view import GridView
     palette.BOOK.clear()
     snap = dataclasses.replace(make_snapshot(), conversations=tuple(conversation(c, arrival=c) for c in range(5)))
     view, panel = GridView(), ConversationsPanel()
@@ -426,11 +426,11 @@ def test_colours_are_worked_out_once_per_snapshot(qtbot):
 
 @pytest.mark.parametrize("block_size, num_blocks", [(16, 4096), (4, 64), (16, 256)])  # shaded, striped, outlined
 def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(block_size, num_blocks):
-    """The grid redraws only the blocks that changed since its last image (explorer.grid.redraw_blocks); at every
+    """The grid redraws only the blocks that changed since its last image (explorer.render.grid.redraw_blocks); at every
     step of a real workload (forks, shared prefixes, copy-on-write, eviction) and in every colour mode, with a block
     and a conversation selected or not, the image equals the one drawn whole."""
     from engine import Engine, EngineConfig
-    from explorer.grid import changed_blocks, redraw_blocks
+    from explorer.render.grid import changed_blocks, redraw_blocks
     engine = Engine(EngineConfig(model="builtin", num_blocks=num_blocks, block_size=block_size))
     rng = np.random.default_rng(4)
     prefix = [int(t) for t in rng.integers(3, 200, 40)]
@@ -465,7 +465,7 @@ def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(blo
 
 def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_would(qtbot):
     from engine import Engine, EngineConfig
-    from explorer.grid_view import GridView
+    from explorer.widgets.grid_view import GridView
     engine = Engine(EngineConfig(model="builtin", num_blocks=1024, block_size=16))
     for i in range(4):  # the first finishes early: when the book starts over, the others' entries move up
         engine.add_conversation(prompt_token_ids=list(range(3, 40 + 9 * i)), max_new_tokens=6 if i == 0 else 40,

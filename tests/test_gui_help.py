@@ -1,7 +1,7 @@
 """The Help window explains the grid's marks, lists the window's real shortcuts and opens the lesson."""
 from PySide6 import QtCore
 
-from explorer.help import MOUSE, HelpDialog
+from explorer.window.help import MOUSE, HelpDialog
 from test_gui_support import make_window  # noqa: F401  (fixture)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
-from explorer.inspector import Inspector
+from explorer.widgets.inspector import Inspector
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
 from tests.helpers import used_blocks
 
@@ -100,7 +100,7 @@ def ticks(inspector, side):
 
 
 def test_integer_ticks_label_as_densely_as_the_size_allows():
-    from explorer.inspector import _integer_ticks
+    from explorer.widgets.inspector import _integer_ticks
     major, minor = _integer_ticks(16, 400, 14)  # 25 px per slot: every slot labelled
     assert major == [(i + 0.5, str(i)) for i in range(16)] and minor == []
     major, minor = _integer_ticks(16, 100, 14)  # 6.25 px per slot: every 4th
@@ -181,8 +181,8 @@ def test_select_with_moved_from_keeps_the_story(inspector):
 def test_inspector_lists_the_newest_lines_of_the_blocks_history(qtbot, inspector):
     """Issue 10: "the inspector of a block lists the block's own history"; it lived only in the Block history dock,
     tabbed behind the inspector. The inspector now lists the dock view's newest lines, each a link to its frame."""
-    from explorer.block_history import BlockHistoryView
-    from explorer.inspector import HISTORY_LINES
+    from explorer.widgets.block_history_view import BlockHistoryView
+    from explorer.widgets.inspector import HISTORY_LINES
     from kvstream.events import BlockEvent, EventKind
     from test_block_history import story
     history = BlockHistoryView()

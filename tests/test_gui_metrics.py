@@ -21,7 +21,7 @@ def ranges(panel):
 
 
 def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot):
-    from explorer.metrics import EMPTY_STEPS, MetricsPanel
+    from explorer.widgets.metrics import EMPTY_STEPS, MetricsPanel
     panel = MetricsPanel()
     qtbot.addWidget(panel)
     panel.resize(900, 300)
@@ -41,7 +41,7 @@ def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot):
 
 
 def test_backfill_samples_spread_evenly_with_both_ends():
-    from explorer.metrics_backfill import sample_seqs
+    from explorer.widgets.metrics_backfill import sample_seqs
     assert sample_seqs([3, 4, 5], most=10) == [3, 4, 5]
     picked = sample_seqs(list(range(10_000)), most=1200)
     assert len(picked) == 1200 and picked[0] == 0 and picked[-1] == 9_999
@@ -53,7 +53,7 @@ def test_samples_keep_the_newest_without_shifting_every_frame():
     """Past HISTORY samples the oldest go; the buffer is compacted once per HISTORY samples, not on every one."""
     import dataclasses
 
-    from explorer.metrics import HISTORY, MetricsHistory
+    from explorer.model.metrics_history import HISTORY, MetricsHistory
     from kvstream.views import EngineMetrics
     history = MetricsHistory()
     moved = []
@@ -76,8 +76,8 @@ def test_samples_keep_the_newest_without_shifting_every_frame():
 def test_backfill_waits_while_the_user_scrubs_then_reads_everything(qtbot):
     """Reading a recording's metrics is 8 ms slices on the GUI thread; while the timeline moves it holds off
     (HOLD_MS after the last move), then reads every frame."""
-    from explorer.metrics import MetricsPanel
-    from explorer.metrics_backfill import HOLD_MS, MetricsBackfill
+    from explorer.widgets.metrics import MetricsPanel
+    from explorer.widgets.metrics_backfill import HOLD_MS, MetricsBackfill
     from kvstream.history import History
     from kvstream.poolstream import StreamEncoder
     import dataclasses

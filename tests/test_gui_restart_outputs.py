@@ -9,9 +9,9 @@ import pytest
 import zmq
 
 from engine import Engine, EngineConfig
-from explorer import files
-from explorer.engine_feed import EngineFeed
-from explorer.main_window import MainWindow
+from explorer.window import files
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.window.main_window import MainWindow
 from kvstream.history import History
 from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
@@ -89,13 +89,13 @@ def test_restart_keeps_publishing_and_ends_recordings_saying_so(qtbot, tmp_path)
         qtbot.waitUntil(lambda: (subscriber.latest() or window.snapshot).num_blocks == 64
                         and subscriber.status.state == "live", timeout=10000)
         assert files.start_recording(window, str(tmp_path / "menu.kvrec"))
-        assert window.stop_record_action.isEnabled()
+        assert window.window_actions.stop_record.isEnabled()
         qtbot.wait(200)
         restart(qtbot, window, EngineConfig(model="builtin", num_blocks=32, block_size=4))
         message = window.statusBar().currentMessage()
         assert f"Still publishing the pool stream on {endpoint}" in message
         assert f"Recording {recorder.path} ended" in message and "menu.kvrec ended" in message
-        assert not window.stop_record_action.isEnabled()
+        assert not window.window_actions.stop_record.isEnabled()
         assert recorder.closed and not publisher._closed
         for path in (recorder.path, tmp_path / "menu.kvrec"):
             assert open_recording(path).latest().num_blocks == 64  # each holds the old engine's run, and opens
@@ -116,7 +116,7 @@ def test_controls_get_their_own_tooltips_back_after_a_read_only_source(qtbot, tm
     window = open_window(qtbot, cfg)
     try:
         scramble, speed = window.relocation.scramble, window.controls.speed
-        tips = {id(w): w.toolTip() for w in window.command_actions + [scramble, speed]}
+        tips = {id(w): w.toolTip() for w in window.window_actions.commands + [scramble, speed]}
         path = str(tmp_path / "run.kvrec")
         assert files.start_recording(window, path)
         qtbot.wait(300)
@@ -125,9 +125,9 @@ def test_controls_get_their_own_tooltips_back_after_a_read_only_source(qtbot, tm
         qtbot.waitUntil(lambda: "Recording saved" in window.statusBar().currentMessage(), timeout=3000)
         assert files.open_recording(window, path)
         assert not scramble.isEnabled() and scramble.toolTip().startswith("Unavailable: ")
-        assert all(w.toolTip().startswith("Unavailable: ") for w in window.command_actions + [speed])
+        assert all(w.toolTip().startswith("Unavailable: ") for w in window.window_actions.commands + [speed])
         restart(qtbot, window, cfg)
-        for widget in window.command_actions + [scramble, speed]:
+        for widget in window.window_actions.commands + [scramble, speed]:
             assert widget.isEnabled() and widget.toolTip() == tips[id(widget)], widget
         assert window.errors == []
     finally:

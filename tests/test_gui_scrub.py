@@ -6,9 +6,9 @@ import threading
 import pytest
 from PySide6 import QtCore, QtGui
 
-from explorer.main_window import MainWindow
-from explorer.source import SCRUB_ON_GUI_THREAD
-from explorer.stream_feed import RecordingFeed
+from explorer.window.main_window import MainWindow
+from explorer.widgets.source import SCRUB_ON_GUI_THREAD
+from explorer.feeds.stream_feed import RecordingFeed
 from kvstream.history import KEYFRAME_COST, Cancelled
 from kvstream.poolstream import StreamEncoder
 from kvstream.recording import Recorder
@@ -177,3 +177,19 @@ def test_a_decode_dropped_by_another_move_stops_and_leaves_a_valid_cache(qtbot, 
     assert stops[0]()  # another move: the worker's decode would stop at its next frame
     qtbot.wait(200)
     assert source.viewing == 10
+
+
+def test_the_timeline_shows_the_step_wanted_while_it_decodes(qtbot, scrub_window):
+    """One cursor: a move made anywhere (here the source's own API, as the event log and the menus use it) puts the
+    timeline where the user wants to be at once, while the far frame still decodes and the grid keeps the frame it
+    has; no flag on either side holds the timeline back until the frame lands."""
+    window, snaps, _ = scrub_window
+    source, timeline = window.source, window.pane.timeline
+    before = source.view
+    source.seek_soon(INTERVAL + 60)  # far: decodes on the worker
+    assert source.scrubbing and source.view is before
+    assert source.cursor.seq == INTERVAL + 60 and not timeline.is_live and timeline.position == INTERVAL + 60
+    qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
+    assert source.viewing == timeline.position == INTERVAL + 60
+    source.go_live()
+    assert source.cursor.live and timeline.is_live and source.viewing is None

@@ -4,8 +4,8 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, EngineRunner
-from explorer.engine_feed import EngineFeed
-from explorer.main_window import MainWindow
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.window.main_window import MainWindow
 
 
 def make_config(num_blocks=64, block_size=4):

@@ -1,12 +1,12 @@
-"""The history timeline (explorer.timeline.Timeline), offscreen: seeking by drag and keys, live vs viewing,
+"""The history timeline (explorer.widgets.timeline.Timeline), offscreen: seeking by drag and keys, live vs viewing,
 markers drawn in their kind's colour, play, the budget box, and bad input refused without change."""
 import numpy as np
 import pytest
 from PySide6 import QtCore, QtGui
 
 from kvstream.events import NOTABLE_KINDS, EventKind
-from explorer.event_colours import KIND_COLOURS
-from explorer.timeline import MIB, Timeline
+from explorer.model.event_colours import KIND_COLOURS
+from explorer.widgets.timeline import MIB, Timeline
 
 K = EventKind
 LEFT = QtCore.Qt.MouseButton.LeftButton

@@ -4,7 +4,7 @@ restart with another block size."""
 import numpy as np
 from PySide6 import QtCore
 
-from explorer import palette
+from explorer.model import palette
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 PROMPT = "Forks share the parent's full blocks."  # 37 bytes: 9 full blocks of 4 and a tail of 1
@@ -116,3 +116,77 @@ def test_heatmap_slot_axis_follows_a_restart_with_block_size_8(qtbot, make_windo
     assert tuple(colorbar.levels()) == (float(image.min()), float(image.max()))
     assert tuple(inspector.heat.getLevels()) == tuple(colorbar.levels())
     assert "8 of 8 slots" in inspector.heat_title.text() and window.errors == []
+
+
+def _recording(path, frames=30, seed=0):
+    from kvstream.poolstream import StreamEncoder
+    from kvstream.recording import Recorder
+    from tests.poolstream_helpers import workload
+    encoder = StreamEncoder()
+    with Recorder(path) as recorder:
+        for snap, events in workload(seed=seed)[:frames]:
+            recorder.write(encoder.encode(snap, events))
+    return str(path)
+
+
+def test_opening_a_recording_lets_the_old_engine_go_and_a_second_open_keeps_the_freeze(qtbot, make_window, tmp_path):
+    """File > Open freezes the recording's heap (full collections skip it while scrubbing) only once the engine
+    it replaces is closed and let go of: frozen, the old Engine's cycles (its KV tensor with them) stayed resident
+    until the recording closed. A second File > Open closes the first recording (unfreezing what it froze) and
+    freezes the new one's; the first recording is then freed."""
+    import gc
+    import weakref
+    from explorer.window import files
+    window = make_window(history=True)
+    engine = weakref.ref(window.source.feed.runner.engine)
+    first, second = _recording(tmp_path / "a.kvpool"), _recording(tmp_path / "b.kvpool", 20)
+    gc.unfreeze()
+    try:
+        assert files.open_recording(window, first)
+        qtbot.waitUntil(lambda: window.source.view is not None, timeout=5000)
+        gc.collect()
+        assert engine() is None, "the replaced engine is kept alive"
+        assert gc.get_freeze_count() > 0
+        old_history = weakref.ref(window.source.history)
+        assert files.open_recording(window, second)
+        qtbot.waitUntil(lambda: window.source.view is not None, timeout=5000)
+        gc.collect()
+        assert gc.get_freeze_count() > 0, "the second recording is not frozen"
+        assert old_history() is None, "the first recording is kept alive"
+    finally:
+        window.source.feed.close()
+        gc.unfreeze()
+
+
+def test_each_source_colours_its_conversations_from_its_own_book(qtbot, tmp_path):
+    """Conversation ids are per source: two panes whose ids overlap (two attached servers, or a recording beside
+    another) each keep a colour book, so one pane's frames neither reassign the other's colours nor bump its
+    book's version (which repaints every block of the other grid), and the side panels colour the active
+    pane's conversations from that pane's book."""
+    from explorer.feeds.stream_feed import RecordingFeed
+    from explorer.window.main_window import MainWindow
+    a = RecordingFeed.open(_recording(tmp_path / "a.kvpool", 60))
+    b = RecordingFeed.open(_recording(tmp_path / "b.kvpool", 40, seed=1))
+    window = MainWindow(feed=a, extra_feeds=[b])
+    qtbot.addWidget(window)
+    window.show()
+    first, second = window.panes
+    qtbot.waitUntil(lambda: first.source.view is not None and second.source.view is not None, timeout=5000)
+    books = first.source.colours, second.source.colours
+    assert books[0] is not books[1] and first.grid.colours is books[0] and second.grid.colours is books[1]
+    view = first.source.view
+    palette.observe(view, books[0])
+    ids = [c.conversation_id for c in view.conversations]
+    before = [palette.conversation_colour(cid, books[0]) for cid in ids]
+    version = books[0].version
+    history = second.source.history
+    for seq in range(history.first_seq, history.last_seq + 1):  # the other pane plays through its frames
+        second.source.seek(seq)
+        second.grid.set_snapshot(second.source.view)
+        second.grid.render()
+    assert books[0].version == version
+    assert [palette.conversation_colour(cid, books[0]) for cid in ids] == before
+    assert window.conversations.model.colours is books[0]
+    window.activate_pane(second)
+    assert window.conversations.model.colours is books[1]
+    window.close()

@@ -12,10 +12,10 @@ import pytest
 
 from PySide6 import QtGui, QtWidgets
 
-from explorer import files
-from explorer.engine_feed import EngineFeed
-from explorer.main_window import MainWindow
-from explorer.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
+from explorer.window import files
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.window.main_window import MainWindow
+from explorer.feeds.stream_feed import ATTACH_READ_ONLY, RECORDING_READ_ONLY, AttachFeed
 from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.recording import read_frames
 from kvstream.summary import fixed_part, json_summary
@@ -70,7 +70,7 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, 
         _join_late(window.runner, 0.25)
     path = str(tmp_path / "run.kvpool")
     assert files.start_recording(window, path)
-    assert window.stop_record_action.isEnabled()
+    assert window.window_actions.stop_record.isEnabled()
     # The recorder joins on the engine thread once its queued command runs, so steps may land between the request
     # and its first frame: the recording starts where the file says, not at the step the GUI saw at the request.
     recorder, joining = window.source.feed.recorders[-1]
@@ -87,7 +87,7 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, 
     assert not engine_feed.runner.alive  # the engine it replaced was stopped
     source = window.source
     assert source.command_blocked_reason == RECORDING_READ_ONLY
-    for action in (window.add_action, window.fork_action, window.scramble_action, window.controls.pause_action):
+    for action in (window.window_actions.add, window.window_actions.fork, window.window_actions.scramble, window.controls.pause_action):
         assert not action.isEnabled() and RECORDING_READ_ONLY in action.toolTip()
     assert not window.conversations.buttons["add"].isEnabled()
     assert RECORDING_READ_ONLY in window.pane.header.text()
@@ -100,7 +100,7 @@ def test_record_at_runtime_then_open_it_read_only(qtbot, make_window, tmp_path, 
     assert window.pane.timeline.kept_bytes == history.recording.num_bytes == os.path.getsize(path)
     window.pane.timeline.seek(history.first_seq)  # scrub back to where the recording started
     assert window.snapshot.step_id == history.step_of(history.first_seq)
-    window.add_action.trigger()  # disabled: nothing happens, no dialog
+    window.window_actions.add.trigger()  # disabled: nothing happens, no dialog
     assert window.add_dialog is None and window.errors == []
     window.commands.fork(0)  # a direct call is refused with the reason, nothing sent
     assert RECORDING_READ_ONLY in window.statusBar().currentMessage()
@@ -183,7 +183,7 @@ def test_two_attached_pools_side_by_side_each_with_its_header(qtbot, tmp_path):
             assert f"ipc://{tmp_path}/pool{i}" in pane.header.text() and ATTACH_READ_ONLY in pane.header.text()
             qtbot.waitUntil(lambda p=pane: p.grid.frames_drawn > 0, timeout=3000)
         assert [p.source.view.num_blocks for p in window.panes] == [32, 64]
-        assert window.source is window.panes[0].source and not window.add_action.isEnabled()
+        assert window.source is window.panes[0].source and not window.window_actions.add.isEnabled()
         second = window.panes[1]
         window.activate_pane(second)  # the side panels follow the second pool now
         assert window.source is second.source and window.snapshot.num_blocks == 64

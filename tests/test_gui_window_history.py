@@ -68,10 +68,10 @@ def test_back_to_live_from_the_view_menu_and_keys_step_frames(qtbot, make_window
     qtbot.keyClick(timeline.track, QtCore.Qt.Key.Key_Left)
     last = window.source.history.last_seq
     assert window.source.viewing == last - 1
-    assert window.back_to_live_action.isEnabled()
-    window.back_to_live_action.trigger()
+    assert window.window_actions.back_to_live.isEnabled()
+    window.window_actions.back_to_live.trigger()
     assert window.source.viewing is None and timeline.is_live
-    assert not window.back_to_live_action.isEnabled()
+    assert not window.window_actions.back_to_live.isEnabled()
 
 
 def test_clicking_an_event_jumps_to_its_frame_and_selects(qtbot, make_window):
@@ -126,7 +126,7 @@ def test_selection_follows_a_relocation(qtbot, make_window):
 def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recompute(qtbot, make_window):
     """The source reads each new frame's events once for the timeline, the event log, the inspector and the block
     history; the selected block's history is extended with them while live, not computed again from every event."""
-    from explorer.block_history import block_history
+    from explorer.model.block_history import block_history
     window = make_window(setup=three_conversations, paused=True, history=True)
     source, history = window.source, window.source.history
     reads, emitted = [], []
@@ -158,8 +158,8 @@ def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recomput
 def test_scrubbing_tells_the_block_story_once_the_timeline_rests(qtbot, make_window):
     """Dragging the timeline past many frames does not walk every kept event for each one (0.3 s a frame in a
     10,000-step recording): the selected block's story is told once, up to the frame the timeline rests on."""
-    from explorer.block_history import block_history
-    from explorer.history_panels import SETTLE_MS
+    from explorer.model.block_history import block_history
+    from explorer.widgets.history_panels import SETTLE_MS
     window = make_window(setup=three_conversations, paused=True, history=True)
     source, history, panels = window.source, window.source.history, window.history_panels
     for _ in range(12):
@@ -223,3 +223,40 @@ def test_a_jump_to_before_the_selected_conversation_existed_drops_the_selection(
 def timeline_caught_up(window, history) -> bool:
     """The window's timeline has every frame of the history."""
     return len(history) > 0 and window.pane.timeline.last_seq == history.last_seq
+
+
+def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_frame(qtbot, make_window, monkeypatch):
+    """The grid's frame and its events come as one unit: while the relocation's events are still on their way to
+    the History (held here on the encoder's thread), the window keeps the frame before; it never shows the
+    relocated frame with the selection still on the old id (whose new contents belong to another block)."""
+    import time
+    window = make_window(setup=three_conversations, paused=True, history=True)
+    window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
+    (cid, table), *_ = sorted(snap.block_tables.items())
+    block = table[0]
+    window.select_block(block)
+    qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
+    history = window.source.history
+    write = history.write
+
+    def slow_write(frame):  # the encoder thread is late with the relocation's frame
+        if any(e.kind == EventKind.RELOCATED for e in frame.events):
+            time.sleep(0.8)
+        write(frame)
+    monkeypatch.setattr(history, "write", slow_write)
+    shown = []  # (selected id, frame) of every summary the inspector was given
+    summary = window.inspector.show_summary
+    monkeypatch.setattr(window.inspector, "show_summary",
+                        lambda snapshot, **kw: shown.append((window.block_watch.block_id, snapshot))
+                        or summary(snapshot, **kw))
+    before = window.runner.latest.version
+    window.relocate(False)  # scramble
+    qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
+    moves = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))] or [None]
+    qtbot.waitUntil(lambda: window.block_watch.block_id != block, timeout=5000)
+    moved = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))][-1]
+    new = dict(zip(moved.block_ids, moved.new_block_ids))[block]
+    assert window.block_watch.block_id == new and moves
+    relocated = [(b, s) for b, s in shown if s.version > before]
+    assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]

@@ -4,8 +4,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import Engine, EngineRunner
 from explorer.cli import UsageError, parse_args, parse_geometry
-from explorer.layout import LAYOUT_VERSION
-from explorer.main_window import MainWindow
+from explorer.window.layout import LAYOUT_VERSION
+from explorer.window.main_window import MainWindow
 from test_gui_support import make_config
 
 
@@ -132,7 +132,7 @@ def test_layout_is_kept_from_one_launch_to_the_next(window_at, tmp_path, qtbot):
 
 def cut_labels(window):
     """Visible one-line plain-text labels whose text is wider than the label (drawn cut off)."""
-    from explorer.status_bar import ElidedLabel
+    from explorer.window.status_bar import ElidedLabel
     cut = []
     for key in window.docks:
         window.docks[key].raise_()
@@ -185,7 +185,7 @@ def test_dock_tabs_show_their_whole_titles(window_at, size):
 def test_metric_plots_stay_inside_their_dock_and_readable(window_at, size):
     """Found in the X window at 1366 x 768: the fourth plot ran past the window's edge and the short rows'
     tick labels overlapped."""
-    from explorer.metrics import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH
+    from explorer.widgets.metrics import MIN_PLOT_HEIGHT, MIN_PLOT_WIDTH
     window = window_at(*size)
     window.docks["metrics"].raise_()
     QtWidgets.QApplication.processEvents()

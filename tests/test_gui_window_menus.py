@@ -2,9 +2,8 @@
 the contiguous view side by side (pytest-qt, offscreen, real engine)."""
 from PySide6 import QtWidgets
 
-from explorer import files
-from explorer.help import HelpDialog
-from explorer.menus import shortcut_rows
+from explorer.window import files
+from explorer.window.help import HelpDialog
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
 
 
@@ -15,22 +14,22 @@ def menu_titles(window):
 def test_menus_are_all_there(qtbot, make_window):
     window = make_window(paused=True)
     assert menu_titles(window) == ["File", "Engine", "Conversation", "Pool", "View", "Demos", "Help"]
-    rows = dict((text, keys) for keys, text in shortcut_rows(window))
+    rows = dict((text, keys) for keys, text in window.window_actions.shortcut_rows())
     assert rows["Add"] == "Ctrl+N" and rows["Lesson"] == "Ctrl+L" and rows["Quit"] == "Ctrl+Q"
     view = window.view_menu.actions()
     assert any(a.text() == "Inspector" for a in view) and any(a.text() == "Event log" for a in view)
     dialog = files.show_shortcuts(window)
     table = dialog.findChild(QtWidgets.QTableWidget)
-    assert table.rowCount() == len(shortcut_rows(window)) >= 10
+    assert table.rowCount() == len(window.window_actions.shortcut_rows()) >= 10
     dialog.close()
 
 
 def test_help_and_lesson_from_the_menus(qtbot, make_window):
     window = make_window(paused=True)
-    window.help_action.trigger()
+    window.window_actions.help.trigger()
     assert isinstance(window.help_window, HelpDialog) and window.help_window.isVisible()
     assert any("Ctrl+N" in text for text in window.help_window.texts())
-    window.demo_actions["lesson"].trigger()
+    window.window_actions.demos["lesson"].trigger()
     assert window.lesson_window is not None and window.lesson_window.isVisible()
     assert window.errors == []
 
@@ -40,13 +39,13 @@ def test_busy_demo_from_the_menu_asks_before_ending_live_conversations(qtbot, ma
         engine.add_conversation("Still talking here.", max_new_tokens=100)
     window = make_window(setup=one_live, paused=True)
     feed = window.source.feed
-    window.demo_actions["busy"].trigger()
+    window.window_actions.demos["busy"].trigger()
     box = window.demo_question
     assert box.isVisible() and "ends 1 live conversation" in box.text()
     box.button(QtWidgets.QMessageBox.StandardButton.Cancel).click()
     qtbot.wait(100)
     assert window.source.feed is feed and window._loader is None  # cancelled: nothing restarted
-    window.demo_actions["busy"].trigger()
+    window.window_actions.demos["busy"].trigger()
     window.demo_question.button(QtWidgets.QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: window.source.feed is not feed, timeout=15000)
     snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 5)
@@ -61,13 +60,13 @@ def test_contiguous_view_side_by_side_toggles(qtbot, make_window):
             engine.add_conversation(prompt, max_new_tokens=40)
         engine.step()
     window = make_window(setup=three, paused=True)
-    window.contiguous_action.trigger()
+    window.window_actions.contiguous.trigger()
     pane = window.pane
-    assert window.contiguous_action.isChecked() and pane.contiguous is not None
+    assert window.window_actions.contiguous.isChecked() and pane.contiguous is not None
     qtbot.waitUntil(lambda: pane.contiguous.isVisible() and pane.contiguous.image is not None, timeout=3000)
     assert "running" in pane.contiguous.summary_text()
     assert pane.split.indexOf(pane.contiguous) == 1 and pane.grid.isVisible()  # beside the grid, not instead
     grid, contiguous = pane.split.sizes()  # halves (found in the X window: the grid got a third)
     assert abs(grid - contiguous) <= 0.1 * (grid + contiguous), (grid, contiguous)
-    window.contiguous_action.trigger()
-    assert pane.contiguous is None and not window.contiguous_action.isChecked()
+    window.window_actions.contiguous.trigger()
+    assert pane.contiguous is None and not window.window_actions.contiguous.isChecked()

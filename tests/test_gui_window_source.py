@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from PySide6 import QtWidgets
 
-from explorer.snapshot_block import block_info_from_snapshot
-from explorer.status_bar import CounterRate
+from explorer.feeds.snapshot_block import block_info_from_snapshot
+from explorer.window.status_bar import CounterRate
 from kvstream.views import BlockState
 from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
 
@@ -32,7 +32,7 @@ def test_local_engine_source_says_what_it_can_do_and_delivers_views(qtbot, make_
     assert views and views[-1] is window.snapshot is window.grid.snapshot
     assert [v.step_id for v in views] == sorted(v.step_id for v in views)  # oldest first, never a stale one after
     assert "local engine: builtin, 64 blocks × 4 slots" in window.windowTitle()
-    assert all(action.isEnabled() for action in window.command_actions if action is not window.record_action)
+    assert all(action.isEnabled() for action in window.window_actions.commands if action is not window.window_actions.record)
 
 
 def test_restart_swaps_the_feed_and_panels_reset_through_the_signal(qtbot, make_window):

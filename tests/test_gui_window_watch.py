@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PySide6 import QtCore, QtWidgets
 
-from explorer.feed import Capabilities, Feed
-from explorer.main_window import MainWindow
+from explorer.feeds.feed import Capabilities, Feed
+from explorer.window.main_window import MainWindow
 from kvstream.views import BlockState, ConversationInfo, PoolSnapshot, Status
 from tests.helpers import used_blocks
 
@@ -245,7 +245,7 @@ def test_inspector_note_follows_the_frame_even_without_answers(qtbot):
     """A source whose detail answers do not come (or come late): the note is written from the frame on view
     with the fields, never left over from an older answer."""
     from test_gui_inspector import info
-    from explorer.inspector import Inspector
+    from explorer.widgets.inspector import Inspector
     inspector = Inspector()
     qtbot.addWidget(inspector)
     first = shared_prefix(17, first=1315)
@@ -298,7 +298,7 @@ def test_inspector_names_a_vllm_sources_owners_by_request_id(qtbot, watch_window
 
 def test_the_local_engines_owners_keep_their_numbers():
     """Without labels (the project's engine) owners stay conversation numbers."""
-    from explorer.inspector import _conversations, _owners_text, change_note, conversation_names
+    from explorer.widgets.inspector import _conversations, _owners_text, change_note, conversation_names
     from test_gui_inspector import info
     frame = shared_prefix(2, first=7)
     names = conversation_names(frame, (7, 8))
@@ -365,7 +365,7 @@ def test_a_kv_event_source_gets_the_room_and_a_status_line(qtbot, watch_window, 
     """Found with --attach-kv-events: empty Legend, Inspector, Conversations and Metrics docks, 'waiting for the
     first frame...' and 'engine 0.0 steps/s' in the status bar, a blank band above the content view, which got
     790 x 370 of a 1600 x 1000 window."""
-    from explorer.kv_event_feed import KVEventFeed
+    from explorer.feeds.kv_event_feed import KVEventFeed
     from kvstream.kv_events import KVEventEndpoint
     from test_gui_window_layout import temp_settings
     feed = KVEventFeed.connect([KVEventEndpoint(kv_stream.endpoint, kv_stream.replay_endpoint, name="vllm-0")])
@@ -420,7 +420,7 @@ def test_on_a_screen_as_small_as_the_smallest_supported_the_frame_still_fits():
     the status bar (where pacing and errors are reported) below the screen's edge. Where the screen is no taller
     than that, the window gives up the height the frame needs, down to what its contents need; on taller screens
     the smallest supported height stays the floor."""
-    from explorer.main_window import framed_length
+    from explorer.window.main_window import framed_length
     assert framed_length(640, room=640, frame=26, smallest=640, needed=411) == 614  # the frame fits now
     assert framed_length(640, room=500, frame=26, smallest=640, needed=411) == 474
     assert framed_length(640, room=400, frame=26, smallest=640, needed=411) == 411  # never below the contents

@@ -6,9 +6,9 @@ import time
 import numpy as np
 from PySide6 import QtCore, QtWidgets
 
-from explorer import files
-from explorer.conversations import PLACEHOLDER, REPLY_MARK, USER_MARK, ConversationsPanel
-from explorer.grid_view import GridView
+from explorer.window import files
+from explorer.widgets.conversations import PLACEHOLDER, REPLY_MARK, USER_MARK, ConversationsPanel
+from explorer.widgets.grid_view import GridView
 from kvstream.views import PoolSnapshot
 from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
 
@@ -226,7 +226,7 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
     """Tables and readouts refresh at most every PANEL_INTERVAL, and when a refresh takes long (a large pool), less
     often: its smoothed cost is at most PANEL_SHARE of the GUI thread's time, but they follow at least every
     PANEL_MAX_INTERVAL. The grid still follows every frame."""
-    import explorer.main_window as main_window
+    import explorer.window.main_window as main_window
 
     def setup(engine):
         for i in range(3):
@@ -252,11 +252,11 @@ def test_panels_follow_less_often_when_their_refresh_is_costly(qtbot, make_windo
 
 
 def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, make_window, monkeypatch):
-    """Where following every live frame costs the GUI thread more than its budget (explorer.pacer), the window takes
+    """Where following every live frame costs the GUI thread more than its budget (explorer.model.pacer), the window takes
     a new live frame only every ``pacer.interval`` (the newest each time), refreshes its tables every 2 such gaps
     and its plots every 4, says so in the status line, and still hands every frame's events to the panels; with the
     budget back, it follows every frame again. Nothing is paced while the engine keeps up with a speed limit."""
-    from explorer import pacer
+    from explorer.model import pacer
 
     def setup(engine):
         for i in range(3):
@@ -268,7 +268,7 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     window.pacer.budget = 0.0  # any CPU use is over it
     qtbot.wait(2000)  # but an engine that keeps up with its speed limit has time to spare: nothing to pace
     assert window.pacer.share is not None and window.pacer.interval == 0.0
-    import explorer.main_window as main_window  # an engine that falls behind its limit would take what the
+    import explorer.window.main_window as main_window  # an engine that falls behind its limit would take what the
     monkeypatch.setattr(main_window, "engine_has_slack", lambda speed, rate: False)  # window gives up
     window.runner.set_speed(40).result(timeout=5)
     qtbot.waitUntil(lambda: window.pacer.interval == pacer.MAX_INTERVAL, timeout=15000)

@@ -3,7 +3,7 @@ content-less placeholders, and "Across instances" saying per instance which tier
 longest match of a prompt."""
 from __future__ import annotations
 
-from explorer.content_view import ContentView
+from explorer.widgets.content_view import ContentView
 from kvstream.kv_events import BlockRemoved, BlockStored, KVCacheIndex, make_batch
 
 
@@ -52,7 +52,7 @@ def test_the_feeds_json_has_the_kv_event_keys(tmp_path):
     """--json of a KV-event source: DESIGN.md's stored_hashes_by_medium, and the stream's malformed, lost, odd
     events and last error from its status."""
     import time
-    from explorer.kv_event_feed import KVEventFeed
+    from explorer.feeds.kv_event_feed import KVEventFeed
     from kvstream.kv_events import KVEventEndpoint, KVEventPublisher, KVEventSubscriber
     ep = KVEventEndpoint(f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r")
     with KVEventPublisher(ep.endpoint, ep.replay_endpoint) as pub:

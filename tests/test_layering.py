@@ -1,5 +1,5 @@
-"""DESIGN.md's layering, checked: kvstream imports neither torch nor Qt, the engine no Qt, and the explorer only the
-engine's public names (no engine.block_pool, engine.scheduler, ...)."""
+"""DESIGN.md's layering, checked: kvstream imports neither torch nor Qt, the engine no Qt, the explorer's feeds and
+model no Qt, and the explorer only the engine's public names (no engine.block_pool, engine.scheduler, ...)."""
 import ast
 import subprocess
 import sys
@@ -11,10 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "PySide6", "PyQt5", "PyQt6", "pyqtgraph", "shiboken6")
 
 
-@pytest.mark.parametrize("package, banned", [("kvstream", HEAVY), ("engine", HEAVY[1:])])
+QT = HEAVY[1:]
+QT_FREE = ("explorer/feeds", "explorer/model", "explorer/render")  # the explorer's floors below the widgets
+
+
+@pytest.mark.parametrize("package, banned", [("kvstream", HEAVY), ("engine", QT)]
+                         + [(folder.replace("/", "."), QT) for folder in QT_FREE])
 def test_package_imports_nothing_heavy(package, banned):
-    modules = sorted(".".join(p.relative_to(ROOT / package).with_suffix("").parts).removesuffix("__init__").rstrip(".")
-                     for p in (ROOT / package).rglob("*.py"))  # every module of every subpackage
+    folder = ROOT.joinpath(*package.split("."))
+    modules = sorted(".".join(p.relative_to(folder).with_suffix("").parts).removesuffix("__init__").rstrip(".")
+                     for p in folder.rglob("*.py"))  # every module of every subpackage
     modules = [m for m in modules if m]
     code = (f"import sys, importlib; [importlib.import_module('{package}.' + m) for m in {modules!r}];"
             f"bad = sorted({{m.split('.')[0] for m in sys.modules}} & set({list(banned)!r})); print(bad);"
@@ -29,16 +35,42 @@ PUBLIC = {"Engine", "EngineConfig", "EngineError", "EngineRunner", "EngineFailur
           "RelocationReport", "ToyPagedSequence", "BlockState", "Status", "FinishReason", "paged_attention"}
 
 
+def qt_imports(source: str, filename: str) -> list[str]:
+    """Every import of Qt in ``source``, at the top or inside a function (a lazy import loads Qt all the same)."""
+    bad = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        bad += [f"{filename}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in QT]
+    return bad
+
+
+@pytest.mark.parametrize("folder", QT_FREE)
+def test_explorer_lower_floors_never_import_qt(folder):
+    """The feeds, the model and the renderer are tested and run (headless, benchmarks) without a display: no file
+    of theirs imports Qt, not even inside a function, where importing the package above would not show it."""
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        bad += qt_imports(path.read_text(), str(path.relative_to(ROOT)))
+    assert not bad, "Qt below the widgets:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("line", ["from PySide6 import QtCore", "import pyqtgraph as pg",
+                                  "def f():\n    from PySide6.QtWidgets import QLabel", "import shiboken6"])
+def test_qt_import_scan_catches(line):
+    assert qt_imports(line, "snippet.py")
+
+
 def test_explorer_uses_only_the_engines_public_names():
     bad = []
-    for path in sorted((ROOT / "explorer").glob("*.py")) + [ROOT / "main.py"]:
+    for path in sorted((ROOT / "explorer").rglob("*.py")) + [ROOT / "main.py"]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engine":
                 if node.module != "engine" or any(a.name not in PUBLIC for a in node.names):
-                    bad.append(f"{path.name}:{node.lineno} from {node.module} import "
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import "
                                f"{', '.join(a.name for a in node.names)}")
             elif isinstance(node, ast.Import) and any(a.name.startswith("engine.") for a in node.names):
-                bad.append(f"{path.name}:{node.lineno} import {', '.join(a.name for a in node.names)}")
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} import {', '.join(a.name for a in node.names)}")
     assert not bad, "explorer reaches into engine internals:\n" + "\n".join(bad)
 
 
@@ -196,3 +228,49 @@ def test_only_the_manager_writes_the_pool():
         if path.name not in POOL_WRITERS:
             bad += pool_writes(path.read_text(), str(path.relative_to(ROOT)), mutators)
     assert not bad, "engine code outside the KV-cache manager changes the block pool:\n" + "\n".join(bad)
+
+
+def explorer_imports() -> dict[str, set[str]]:
+    """Module -> the explorer modules it imports (relative or absolute, at the top or inside a function)."""
+    graph = {}
+    for path in sorted((ROOT / "explorer").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:  # "from . import files" names a module
+                    found.add(f"{base}.{alias.name}")
+                found.add(base)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m.startswith("explorer.")} - {name}
+    modules = set(graph)
+    return {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+
+
+def test_no_two_explorer_modules_import_each_other():
+    """No circles in the explorer (File, Help and the menus once imported each other): each module stands above
+    what it imports, so it can be read, and tested, from the ground up."""
+    graph = explorer_imports()
+    assert graph["explorer.window.actions"] >= {"explorer.window.files"}  # the walk sees relative imports
+    cycles, done = [], set()
+
+    def visit(module, stack):
+        if module in stack:
+            cycles.append(stack[stack.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, stack + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, "explorer modules import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)

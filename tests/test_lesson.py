@@ -12,7 +12,8 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.lesson import BLOCK_SIZE, ToyPagedSequence
-from engine.snapshot import BlockState
+from explorer.model.lesson_text import explanation
+from kvstream.views import BlockState
 
 
 def stepped(n: int) -> ToyPagedSequence:
@@ -137,17 +138,17 @@ def test_a_wrong_table_would_give_a_wrong_answer():
 
 def test_every_step_has_an_explanation_with_the_key_ideas():
     toy = ToyPagedSequence()
-    texts = [" ".join(toy.explanation())]
+    texts = [" ".join(explanation(toy))]
     while toy.can_step():
         toy.step()
-        texts.append(" ".join(toy.explanation()))
+        texts.append(" ".join(explanation(toy)))
     assert all(t.strip() for t in texts)
     everything = " ".join(texts).lower()
     for idea in ("page", "table", "empty", "compress", "flashattention", "prefix caching"):
         assert idea in everything, idea
     toy = stepped(5)
     toy.change_layout(0)
-    assert "same" in " ".join(toy.explanation()).lower()
+    assert "same" in " ".join(explanation(toy)).lower()
 
 
 def test_lesson_engine_imports_no_qt():
@@ -162,7 +163,7 @@ def test_lesson_engine_imports_no_qt():
 # ---- window part (pytest-qt, offscreen) ---------------------------------------------------------------------
 @pytest.fixture
 def window(qtbot):
-    from explorer.lesson import LessonWindow
+    from explorer.window.lesson import LessonWindow
     w = LessonWindow()
     qtbot.addWidget(w)
     w.show()
@@ -238,7 +239,7 @@ def test_reset_and_full_pool(window, qtbot):
 
 
 def test_pool_image_is_one_rgba_image_of_slot_cells(window):
-    from explorer.lesson import CELL_X, CELL_Y, lesson_rgba
+    from explorer.window.lesson import CELL_X, CELL_Y, lesson_rgba
     for _ in range(5):
         window.step()
     view = window.lesson.view()

@@ -1,10 +1,10 @@
-"""The window's live-frame pacer (explorer.pacer): the gap between live frames widens while the GUI thread's CPU
+"""The window's live-frame pacer (explorer.model.pacer): the gap between live frames widens while the GUI thread's CPU
 share is over its budget, up to its cap, holds inside the band, and narrows back to every tick once well under, or
 while the engine keeps up with a speed limit."""
 import pytest
 
-from explorer import pacer
-from explorer.pacer import LivePacer
+from explorer.model import pacer
+from explorer.model.pacer import LivePacer
 
 
 class Clocks:

@@ -391,7 +391,7 @@ def test_decode_steps_applied_together_equal_one_at_a_time():
 def test_history_block_events_tell_each_blocks_story_as_all_events_do():
     """History.block_events (frames found through the block index, relocations and resets) gives every block the
     same story as the whole event list, at every frame asked, across relocations and a trimmed history."""
-    from explorer.block_history import block_events
+    from explorer.model.block_history import block_events
     snaps = workload()
     _, frames = encode_all(snaps, keyframe_interval=32)
     kinds = {e.kind for f in frames for e in f.events}

@@ -209,10 +209,11 @@ def test_an_open_recording_is_kept_out_of_full_collections_until_closed(recorded
     and gives it back to the collector when closed."""
     import gc
 
-    from explorer.stream_feed import RecordingFeed
+    from explorer.feeds.stream_feed import RecordingFeed
     path = recorded[2]
     gc.unfreeze()
     feed = RecordingFeed.open(str(path))
+    feed.started()  # the one watched now
     try:
         assert gc.get_freeze_count() > 0
         assert feed.history.snapshot_at(feed.history.last_seq).step_id == feed.latest().step_id

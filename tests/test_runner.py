@@ -78,7 +78,7 @@ def test_stop_is_prompt(tmp_path):
 def test_observers_get_every_published_version_and_its_events(tmp_path):
     eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "m")), num_blocks=64, block_size=4))
     seen = []
-    r = EngineRunner(eng, observers=[lambda snap, events: seen.append((snap, list(events)))]).start()
+    r = EngineRunner(eng, observers=[lambda u: seen.append((u.snapshot, list(u.events)))]).start()
     try:
         cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=6).result(5)
         assert wait_for(lambda: seen[-1][0].conversation(cid) is not None
@@ -103,8 +103,8 @@ def test_observers_get_every_published_version_and_its_events(tmp_path):
 def test_a_broken_observer_is_reported_and_detached(runner):
     calls = []
 
-    def broken(snap, events):
-        calls.append(snap.version)
+    def broken(update):
+        calls.append(update.snapshot.version)
         raise OSError("disk full")
 
     runner.add_observer(broken).result(5)
@@ -178,3 +178,25 @@ def test_a_failing_kv_event_publish_is_reported_and_stepping_goes_on(tmp_path):
         assert r.stop()
         eng.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_observers_get_one_update_with_the_engines_change_record(tmp_path):
+    """The runner hands each observer one PoolUpdate: the snapshot, its events and the engine's record of what
+    changed since the snapshot before (the pool-stream encoder's fast path), handed beside the snapshot and never
+    written onto it (it is frozen)."""
+    from kvstream.views import PoolUpdate
+    eng = Engine(EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "m")), num_blocks=64, block_size=4))
+    seen = []
+    r = EngineRunner(eng, observers=[seen.append]).start()
+    try:
+        cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=6).result(5)
+        assert wait_for(lambda: seen[-1].snapshot.conversation(cid).status == "finished")
+    finally:
+        assert r.stop()
+    assert all(isinstance(u, PoolUpdate) for u in seen)
+    recorded = [(before, u) for before, u in zip(seen, seen[1:]) if u.changes.block_masks is not None]
+    assert len(recorded) >= 5
+    for before, u in recorded:
+        assert u.changes.base is before.snapshot  # the masks compare against the update before
+        assert not {"_changed_blocks", "_output_prefixes"} & set(vars(u.snapshot))
+    assert any(u.changes.output_prefixes for u in seen)

@@ -186,7 +186,7 @@ def test_the_subscriber_survives_refuses_and_goes_on():
     """A huge header (finding 1), an impossible pool (finding 4), a wrapping gap (finding 3), garbage, and a
     keyframe of the publisher's own stream with seq 2**62 (finding 5) are each counted as malformed; the thread
     lives, the genuine frames after them are shown, and --json reports malformed, lost and the last error."""
-    from explorer.stream_feed import AttachFeed
+    from explorer.feeds.stream_feed import AttachFeed
     from kvstream.poolstream.publisher import PoolStreamPublisher
     from kvstream.poolstream.subscriber import PoolStreamSubscriber
     snaps = workload()[:40]

@@ -24,10 +24,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as main.py: the engine an
 from PySide6 import QtCore, QtWidgets  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
-from explorer.app import application, show_example_selection  # noqa: E402
-from explorer.demo import DEMO_SPEED, DEMOS  # noqa: E402
-from explorer.engine_feed import EngineFeed  # noqa: E402
-from explorer.main_window import MainWindow  # noqa: E402
+from explorer.window.app import application, show_example_selection  # noqa: E402
+from explorer.feeds.demo import DEMO_SPEED, DEMOS  # noqa: E402
+from explorer.feeds.engine_feed import EngineFeed  # noqa: E402
+from explorer.window.main_window import MainWindow  # noqa: E402
 from kvstream.events import EventKind  # noqa: E402
 
 SHOTS = ("main", "scrubbed", "contiguous")

@@ -88,7 +88,7 @@ import os, sys
 sys.path.insert(0, os.getcwd())
 from PySide6 import QtCore
 import main
-from explorer import app
+from explorer.window import app
 
 def expand_chain(window):
     view = window.panes[0].content_view

@@ -14,7 +14,7 @@ import numpy as np
 from msgspec import UNSET
 
 from ..events import BlockEvent
-from ..views import ConversationInfo, PoolSnapshot
+from ..views import ChangeRecord, ConversationInfo, PoolSnapshot, change_record
 from .schema import (_BLANK, _CONV_KINDS, _CONV_NAMES, _DTYPE_OK, _DTYPES, _ENCODER, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _NARROW_RANGES, _OUT_AT, _PLAIN_AT, _SEQ, _SEQ_AT, _TEXT, _TEXT_AT, ARRAYS, FORMAT_VERSION, MAGIC,
                      ArrayPatch, Body, ConvPatch, Delta, Frame, Grown, Header, Keyframe, Numbers, Packed, StreamError,
@@ -204,10 +204,13 @@ class StreamEncoder:
         """seq of the last frame encoded (-1 before the first)."""
         return self._seq
 
-    def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = ()) -> Frame:
-        """The next frame: ``snapshot`` plus the block events that led to it."""
+    def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = (),
+               changes: ChangeRecord | None = None) -> Frame:
+        """The next frame: ``snapshot`` plus the block events that led to it. ``changes``: what the producer knows
+        changed since the snapshot before (None: what it noted, :func:`kvstream.views.change_record`)."""
         if not isinstance(snapshot, PoolSnapshot):
             raise TypeError(f"encode() takes a PoolSnapshot, not {type(snapshot).__name__}")
+        self._changes = change_record(snapshot) if changes is None else changes  # read by _delta_body
         events = tuple(events)
         for e in events:
             if not isinstance(e, BlockEvent):
@@ -226,6 +229,7 @@ class StreamEncoder:
             body = self._keyframe_body(snapshot, header, arrays)
         else:
             body, stable, prev_convs = self._delta_body(snapshot, arrays)
+        self._changes = None  # it names the snapshot before: not kept past this frame
         frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body, bridge)
         self._seq += 1
         self._since_key = 0 if key else self._since_key + 1
@@ -294,8 +298,8 @@ class StreamEncoder:
         conversations by id."""
         prev = self._prev
         patches = {}
-        promise = snapshot.changed_blocks  # the producer's record of the blocks that may have changed since prev
-        masks = promise[1] if promise is not None and promise[0] is prev else None
+        changes = self._changes  # the producer's record of the blocks that may have changed since prev
+        masks = changes.block_masks if changes.base is prev else None
         maybes: dict[int, np.ndarray] = {}  # id(mask) -> its blocks (arrays share masks)
         for name, a in arrays.items():
             b = self._prev_arrays[name]
@@ -332,7 +336,7 @@ class StreamEncoder:
         # a few lists (a tuple per grown conversation, unpacked at the end, measured 10% slower per frame)
         old_convs, old_stable = self._prev_convs, self._prev_stable
         get_old = old_convs.get
-        prefixes = snapshot.output_prefixes  # the producer's promises: outputs that only grew, known by identity
+        prefixes = self._changes.output_prefixes  # the producer's record: outputs that only grew, known by identity
         new_stable = {}  # this frame's _stable() per conversation: the next frame's old ones
         new_convs = {}  # conversation id -> info: the next frame's old ones
         convs = []

@@ -1,0 +1,1 @@
+"""Every source of frames (the local engine, a pool stream, a recording, a KV-event stream) and what the local engine's frames go to. Qt-free (tests/test_layering.py): tested and run headless without a display."""

@@ -1,0 +1,258 @@
+"""The local engine as a feed: the project's engine in this process, stepped by its EngineRunner thread.
+
+The only kind of source that takes commands and has K/V values. Its published snapshots also become pool-stream
+frames (one :class:`~kvstream.fanout.FrameFanout` observer of the runner) that go to a kvstream History, which gives
+it a timeline like a recording's, and to a recorder or publisher when the command line asks for them.
+
+Outputs are closed only once the engine thread has ended (it may be in a step that still writes a frame): a
+headless ``--record`` keeps its last frame. A restart hands the ``--publish`` publishers to the next engine (its
+subscribers see the source restart and follow), while recordings end with the engine they recorded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+from engine import EngineConfig, EngineRunner
+from kvstream.fanout import FrameFanout
+
+from .engine_text import EngineText
+from .feed import Capabilities, Feed, Problem
+from .joining_fanout import JoiningFanout
+
+DEFAULT_HISTORY_BYTES = 256 << 20  # the timeline's default memory budget (issue 10: about 256 MiB)
+STOP_TIMEOUT_S = 10.0  # how long closing waits for the engine thread to end its step before closing the outputs
+
+
+def make_history(budget_bytes: int = DEFAULT_HISTORY_BYTES):
+    """A kvstream History with that memory budget."""
+    from kvstream.history import History
+    return History(budget_bytes=budget_bytes)
+
+
+def _is_recorder(sink) -> bool:
+    from kvstream.recording import Recorder
+    return isinstance(sink, Recorder)
+
+
+def _endpoint_key(endpoint: str | None):
+    """What two endpoints must share to clash when both bind: a tcp port, an ipc path, an inproc name."""
+    if not endpoint:
+        return None
+    if endpoint.startswith("tcp://"):
+        return ("tcp", endpoint.rsplit(":", 1)[-1])
+    return endpoint
+
+
+class EngineFeed(Feed):
+    """Wraps a running EngineRunner (and the History it writes to, if any); closing it stops the runner."""
+
+    kind = "engine"
+
+    def __init__(self, runner: EngineRunner, config: EngineConfig, history=None, fanout: FrameFanout | None = None,
+                 outputs: Sequence[object] = ()):
+        self.runner = runner  # the engine thread; the only way to reach the engine (but for its tokenizer)
+        self.config = config  # what it was started with (the restart dialog starts from it)
+        self._history = history  # kvstream History the runner's frames go to, or None
+        self.fanout = fanout  # the observer that encodes frames for the history and the other sinks, or None
+        self.outputs = list(outputs)  # the command line's sinks among the fanout's (--record, --publish)
+        self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
+        self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
+        self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
+                                         has_physical_pool=True, can_record=True)
+        self._closed = False
+
+    @classmethod
+    def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
+              start_paused: bool = False, extra_sinks: Sequence[object] = (),
+              history_bytes: int | None = DEFAULT_HISTORY_BYTES) -> "EngineFeed":
+        """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
+        ``extra_sinks`` (recorder, publisher: the feed's ``outputs``)."""
+        history = make_history(history_bytes) if history_bytes else None
+        sinks = ([history] if history is not None else []) + list(extra_sinks)
+        fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
+        runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
+                              observers=[fanout] if fanout is not None else None).start()
+        return cls(runner, config, history, fanout, outputs=extra_sinks)
+
+    @property
+    def title(self) -> str:
+        cfg = self.config
+        return f"local engine: {cfg.model}, {cfg.num_blocks} blocks × {cfg.block_size} slots, {cfg.device}"
+
+    @property
+    def history(self):
+        return self._history
+
+    def latest(self):
+        return self.latest_frame()[0]
+
+    def latest_frame(self):
+        """With a History: the newest snapshot whose frame it holds (the fanout's thread writes it a little after
+        the runner published it), so the snapshot never runs ahead of its events; without one, the runner's."""
+        written = self.fanout.written if self.fanout is not None and self._history is not None else None
+        if written is None:
+            return self.runner.latest, None
+        seq, snapshot = written
+        return snapshot, seq
+
+    def take_problems(self) -> list[Problem]:
+        problems = []
+        for f in self.runner.take_failures():
+            if getattr(f, "fatal", False):
+                problems.append(Problem("Engine stopped", f"The engine thread stopped after step {f.step_id}: "
+                                        f"{f.message}\n\nRestart the engine to go on.", f.traceback))
+            else:
+                problems.append(Problem("Engine error", f"The engine failed after step {f.step_id}: {f.message}"
+                                        "\n\nThe engine is paused; press Run to try again, or restart it.",
+                                        f.traceback))
+        for fanout in [self.fanout] + [f for _, f in self.recorders]:
+            if fanout is not None:  # a recorder or publisher that failed was dropped; decoding goes on
+                problems += [Problem("Output stopped", message) for message in fanout.take_failures()]
+        return problems
+
+    def submit(self, name: str, *args: Any, **kwargs: Any) -> Future:
+        return self.runner.submit(name, *args, **kwargs)
+
+    def inspect_live(self, block_id: int) -> Future:
+        return self.runner.submit("inspect_block", block_id)
+
+    # ---- the tokenizer (thread-safe: called directly, see explorer.feeds.engine_text) ------------------------------
+    def tokenize(self, text: str, continuation: bool = False) -> Future:
+        return self.text.tokenize(text, continuation)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.text.token_text(token_id)
+
+    @property
+    def takes_text(self) -> bool:
+        return self.text.takes_text
+
+    @property
+    def detokenizer(self):
+        return self.text.detokenize
+
+    @property
+    def paused(self) -> bool:
+        return self.runner.paused
+
+    @property
+    def speed(self) -> float | None:
+        return self.runner.max_steps_per_second
+
+    def status_text(self) -> str:
+        if self.runner.paused:
+            return "❚❚ paused"
+        return "● live (idle)" if self.idle() else "● live"
+
+    def idle(self) -> bool:
+        """Nothing left to decode: no conversation waiting, running or preempted in the newest view."""
+        snap = self.runner.latest
+        return snap is not None and not any(c.is_live for c in snap.conversations)
+
+    # ---- KV events: a new engine that binds the same endpoint ----------------------------------------------
+    def kv_events_clash(self, config: EngineConfig) -> str | None:
+        """The endpoint this engine publishes KV events on that an engine built from ``config`` would bind too
+        (a restart with the same --kv-events), or None."""
+        mine = {_endpoint_key(e): e for e in (self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint)
+                if e}
+        for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
+            if endpoint and _endpoint_key(endpoint) in mine:
+                return mine[_endpoint_key(endpoint)]
+        return None
+
+    def release_kv_events(self) -> Future:
+        """Close this engine's KV-event sockets (on its thread, between two steps), so that a new engine can bind
+        the same endpoint; the engine decodes on without publishing KV events. The Future resolves once done."""
+        if self.runner.alive:
+            return self.runner.submit("close")
+        future: Future = Future()  # the thread is gone (stopped, or died): nothing else touches the engine now
+        try:
+            self.runner.engine.close()
+            future.set_result(None)
+        except Exception as exc:  # reported by whoever waits on it
+            future.set_exception(exc)
+        return future
+
+    # ---- File > Record while running -------------------------------------------------------------------------
+    def start_recording(self, recorder) -> None:
+        """Write every frame from now on to ``recorder`` (a kvstream Recorder), starting with a keyframe of the
+        newest published state, taken on the engine thread once the runner holds the observer (so the file starts
+        where its frames continue, and a paused engine still gives a file that opens)."""
+        joining = JoiningFanout([recorder])
+        self.recorders.append((recorder, joining))
+        added = self.runner.add_observer(joining)
+        added.add_done_callback(lambda _f: joining.prime(self.runner.latest))  # on the engine thread, in order
+
+    def stop_recording(self) -> tuple[object, Future] | None:
+        """Stop the newest recording: (its recorder, a Future that resolves to it once the engine thread let go of
+        it and it is closed), or None when nothing is being recorded."""
+        if not self.recorders:
+            return None
+        recorder, joining = self.recorders.pop()
+        closed: Future = Future()
+
+        def close() -> None:
+            try:
+                joining.close()  # waits for the frames handed over: not on the engine thread
+            except Exception as exc:  # said by whoever waits on it
+                closed.set_exception(exc)
+            else:
+                closed.set_result(recorder)
+
+        # the done callback runs on the engine thread once the runner let go of the observer
+        self.runner.remove_observer(joining).add_done_callback(
+            lambda _removed: threading.Thread(target=close, name="close recording", daemon=True).start())
+        return recorder, closed
+
+    # ---- closing -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._shut_down(keep_publishers=False)
+
+    def hand_over(self) -> tuple[list, list]:
+        """Stop this engine for the next one (a restart): returns (its publishers, which go on publishing the next
+        engine's frames, and (path, frames) of every recording it ended: a recording holds one engine's run).
+        Once closed (or after :meth:`close`) it returns ([], [])."""
+        return self._shut_down(keep_publishers=True)
+
+    def _shut_down(self, keep_publishers: bool) -> tuple[list, list]:
+        if self._closed:
+            return [], []
+        self._closed = True
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        stopped = self.runner.stop(timeout=STOP_TIMEOUT_S)
+        fanouts = [f for f in [self.fanout] + [f for _, f in self.recorders] if f is not None]
+        # the fanouts' threads write what the engine handed over before the outputs are counted and closed; the
+        # command line's publishers go on with the next engine once the main fanout let go of them, whatever a
+        # File > Record recorder is stuck in
+        ended_fanouts = [stopped and f.stop(timeout=max(0.0, deadline - time.monotonic())) for f in fanouts]
+        main_done = stopped if self.fanout is None else ended_fanouts[0]
+        stopped = all(ended_fanouts)
+        sinks = list(dict.fromkeys([s for f in fanouts for s in f.sinks] + self.outputs
+                                   + [r for r, _ in self.recorders]))
+        kept = [s for s in self.outputs if main_done and keep_publishers and not _is_recorder(s) and s in sinks]
+        ended = [(r.path, r.frames_written) for r in sinks if _is_recorder(r)]
+        self.recorders.clear()
+        closing = [s for s in sinks if s not in kept]
+        if stopped:
+            _close_all(closing)
+        else:  # the engine thread is still in a step, or a fanout in a write: close the outputs once they ended
+            threading.Thread(target=_close_when_stopped, args=(self.runner, fanouts, closing), name="close outputs",
+                             daemon=True).start()
+        return kept, ended
+
+
+def _close_all(sinks) -> None:
+    for sink in sinks:
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+
+
+def _close_when_stopped(runner: EngineRunner, fanouts, sinks) -> None:
+    runner.stop(timeout=None)  # joins the engine thread, then closes the engine's sockets
+    for f in fanouts:
+        f.stop(timeout=None)
+    _close_all(sinks)

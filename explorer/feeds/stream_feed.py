@@ -1,0 +1,212 @@
+"""Read-only feeds of the project's pool stream: a recording on disk (``--open``) and another process's stream
+(``--attach``: a ``--publish`` of this app, or a vLLM server with the plugin).
+
+Both are a kvstream History the timeline scrubs, and views rebuilt from it array for array; neither takes commands
+nor has K/V values, and each says why in words the window shows on its disabled controls. Qt-free, so headless
+runs (``--open FILE --headless --json``) use the same feeds as the window.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+from kvstream.tokens import piece_text
+
+from .feed import Capabilities, Feed, Problem
+
+RECORDING_READ_ONLY = "a recording replays what was recorded; it takes no commands"
+ATTACH_READ_ONLY = "an attached pool belongs to another process; commands are not sent over the wire"
+
+
+def _tokenizer_text(tokenizer):
+    """token id -> printable text with a ``tokenizers`` tokenizer (None without one)."""
+    if tokenizer is None:
+        return None
+
+    return lambda token_id: piece_text(tokenizer, token_id)
+
+
+class RecordingFeed(Feed):
+    """A recording opened from disk: every frame kept (payloads read on demand), the newest frame as "live"."""
+
+    kind = "recording"
+    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
+                                read_only_reason=RECORDING_READ_ONLY,
+                                kv_values_reason="a recording keeps no K/V values", is_live=False)
+
+    def __init__(self, history, path: str, tokenizer=None):
+        self._history = history  # the read-only History open_recording built
+        self.path = path  # the file
+        self._token_text = _tokenizer_text(tokenizer)
+        self._latest = history.latest()
+        info = getattr(history, "recording", None)
+        self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
+        self.complete = True  # everything there is has been read (headless stops at once)
+        self._closed = False
+        self._frozen = False  # started() froze the heap: close() gives it back
+
+    @classmethod
+    def open(cls, path: str, tokenizer=None) -> "RecordingFeed":
+        """Open ``path``; a ValueError (RecordingError) with a message for the user if it is not a recording."""
+        from kvstream.recording import open_recording
+        return cls(open_recording(path), os.fspath(path), tokenizer)
+
+    def started(self) -> None:
+        """A read-only recording's frames and events live until it is closed: move them out of the collector's
+        generations, so that a full collection during scrubbing no longer walks them (docs/poolstream.md). Only
+        once the feed before it is closed and let go of: a freeze then would keep that feed's cycles (an old
+        Engine, its KV tensor) resident until this recording closes."""
+        if not self._closed and not self._frozen:
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
+
+    @property
+    def title(self) -> str:
+        h = self._history
+        first, last = h.step_of(h.first_seq), h.step_of(h.last_seq)
+        return f"recording: {os.path.basename(self.path)} ({len(h):,} frames, steps {first:,}-{last:,})"
+
+    @property
+    def history(self):
+        return self._history
+
+    def latest(self):
+        return self._latest
+
+    def take_problems(self) -> list[Problem]:
+        out, self._problems = self._problems, []
+        return out
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._token_text(token_id) if self._token_text is not None else None
+
+    def status_text(self) -> str:
+        return "■ recording (read-only)"
+
+    def close(self) -> None:
+        """Give the frozen objects back to the collector, so a closed recording's cycles can be freed."""
+        if not self._closed:
+            self._closed = True
+            if self._frozen:
+                gc.unfreeze()
+
+
+class AttachFeed(Feed):
+    """Another process's pool stream, read by a kvstream PoolStreamSubscriber thread into a History."""
+
+    kind = "stream"
+    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
+                                read_only_reason=ATTACH_READ_ONLY,
+                                kv_values_reason="K/V values stay in the process that owns the pool")
+
+    def __init__(self, subscriber, tokenizer=None):
+        self.subscriber = subscriber  # owns the socket and the thread
+        self.endpoint = subscriber.endpoint
+        self._token_text = _tokenizer_text(tokenizer)
+        self._latest = None
+        self._latest_seq: int | None = None
+        self._last_state = ""
+        self._problems: list[Problem] = []
+        self._reported_malformed = 0  # malformed count already reported as a problem
+        self._reported_at = -1e9  # monotonic time of that report
+
+    @classmethod
+    def connect(cls, endpoint: str, tokenizer=None, history_bytes: int | None = None) -> "AttachFeed":
+        from kvstream.history import History
+        from kvstream.poolstream.subscriber import PoolStreamSubscriber
+        history = History() if history_bytes is None else History(budget_bytes=history_bytes)
+        return cls(PoolStreamSubscriber(endpoint, history), tokenizer)
+
+    @property
+    def title(self) -> str:
+        return f"attached: {self.endpoint}"
+
+    @property
+    def history(self):
+        return self.subscriber.history
+
+    def latest(self):
+        status = self.subscriber.status
+        if status.last_seq is not None and status.last_seq != self._latest_seq:
+            snapshot = self.subscriber.latest()  # rebuilt only when a new frame came in
+            if snapshot is not None:
+                self._latest, self._latest_seq = snapshot, status.last_seq
+        return self._latest
+
+    def latest_frame(self):
+        view = self.latest()
+        return view, (self._latest_seq if view is not None else None)
+
+    def take_problems(self) -> list[Problem]:
+        status = self.subscriber.status
+        if status.state != self._last_state:
+            if status.state == "silent" and self._last_state == "live":
+                self._problems.append(Problem("Attached pool silent", f"{self.endpoint}: {status.text}. The view "
+                                              "keeps the last state; it resumes by itself when frames come again."))
+            self._last_state = status.state
+        if status.malformed > self._reported_malformed and time.monotonic() - self._reported_at >= 10.0:
+            # said at most every 10 s: the status line keeps the count
+            self._reported_at = time.monotonic()
+            self._problems.append(Problem("Attached pool: messages refused",
+                                          f"{self.endpoint}: {status.malformed - self._reported_malformed} "
+                                          f"message(s) refused; the last because {status.last_error}. The view "
+                                          "never shows a refused frame; it goes on with the next good one."))
+            self._reported_malformed = status.malformed
+        out, self._problems = self._problems, []
+        return out
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._token_text(token_id) if self._token_text is not None else None
+
+    def status_text(self) -> str:
+        return f"↔ {self.subscriber.status.text}"
+
+    def summary(self, final: bool = False) -> dict:
+        data = super().summary(final)
+        status = self.subscriber.status
+        data["endpoint"] = self.endpoint
+        data["stream"] = status.state
+        data["malformed"] = status.malformed  # messages refused (malformed, impossible pools, frames from the future)
+        data["lost"] = status.lost  # frames of the stream never applied
+        data["last_error"] = status.last_error
+        return data
+
+    def close(self) -> None:
+        self.subscriber.close()
+
+
+def load_tokenizer(directory):
+    """The ``tokenizers`` tokenizer of ``directory``/tokenizer.json (``--tokenizer DIR``; a tokenizer.json itself
+    works too); a ValueError that says which file could not be read, and why, instead of the library's traceback."""
+    path = os.fspath(directory)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"cannot read tokenizer {file}: no tokenizer.json in {path} (--tokenizer wants a "
+                         "directory holding one)")
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(file)
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"cannot read tokenizer {file}: not a tokenizer file the tokenizers library can read "
+                         f"({exc})") from None
+
+
+def open_feeds(opts) -> list[Feed]:
+    """The feeds of ``--open`` / ``--attach`` / ``--attach-kv-events``; ValueError/OSError with a clear message."""
+    tokenizer = load_tokenizer(opts.tokenizer) if getattr(opts, "tokenizer", None) else None
+    feeds: list[Feed] = []
+    try:
+        if opts.open:
+            feeds.append(RecordingFeed.open(opts.open, tokenizer))
+        for endpoint in opts.attach:
+            feeds.append(AttachFeed.connect(endpoint, tokenizer))
+        if opts.attach_kv_events:
+            from .kv_event_feed import KVEventFeed
+            feeds.append(KVEventFeed.connect(opts.attach_kv_events, tokenizer))
+    except Exception:
+        for feed in feeds:
+            feed.close()
+        raise
+    return feeds

@@ -1,0 +1,1 @@
+"""The Qt panels and docks, one per file, each given its source or model."""

@@ -1,0 +1,370 @@
+"""The seam between the window and whatever it is watching: one object owns the current source of pool views.
+
+The explorer can watch the project's engine in this process, a pool stream another process publishes, a recording
+on disk, or a vLLM/SGLang KV-event stream. They differ in what they can do: only the local engine takes commands
+and has K/V values; a stream and a recording are read-only but keep a history to scrub; a KV-event stream knows
+block contents but no physical pool. :class:`PoolSource` hides the difference behind one API and a few signals,
+so panels ask it ("can I command?", "what should I show now?") instead of testing which kind of source they have,
+and a restart, an opened recording or an attach swaps the feed in one place that every panel hears about.
+
+A *feed* (:class:`~explorer.feeds.feed.Feed`, Qt-free so headless runs use the same ones) is one concrete source;
+:class:`PoolSource` drives it from the GUI thread's frame timer (:meth:`PoolSource.poll`) and never blocks on it.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from PySide6 import QtCore
+
+from kvstream.history import Cancelled
+from kvstream.views import PoolSnapshot
+
+from ..feeds.feed import Capabilities, Feed, Problem
+from ..feeds.futures import FutureWatcher
+from ..feeds.snapshot_block import block_info_from_snapshot
+from ..model.cursor import StepCursor
+from ..model.palette import ColourBook
+
+__all__ = ["Capabilities", "Feed", "PoolSource", "Problem"]
+
+
+def _done(value=None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+def _timed(fn, *args):
+    """(fn(*args), when it began, when it ended): perf_counter seconds."""
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, start, time.perf_counter()
+
+
+SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
+# worker (a frame far from the one decoded last: 30-50 ms at 65,536 blocks, longer than a frame of the window)
+SCRUB_PACE_S = 0.033  # the worker begins at most one decode per frame of the window (it shows no more than that),
+# and rests as long as its last decode took before the next: decoding back to back, it held the GIL the GUI thread
+# needs for drawing so much that a drag over a 10,000-step recording of 65,536 blocks ran at 18-20 frames/s
+
+
+class PoolSource(QtCore.QObject):
+    """Owns the current feed and the view the window shows: the newest frame (live) or one kept frame (history).
+
+    Signals (all on the GUI thread, from :meth:`poll` or a call that changes something):
+
+    - ``sourceChanged(feed)``: a different feed took over (restart, open, attach); panels start over.
+    - ``frameArrived(snapshot)``: a new live frame, whether or not it is being shown (metrics, rates).
+    - ``viewChanged(snapshot)``: what every view should show now (live frame, or the frame scrubbed to).
+    - ``viewingChanged(seq)``: ``None`` when live, else the history sequence number being viewed.
+    - ``eventsArrived(pairs, restarted)``: the history grew; ``pairs`` are the (seq, BlockEvent) of the new frames,
+      oldest first, read once per poll for every panel (timeline marks, event log, block history, the
+      inspector's relocation check). ``restarted``: the history is a new stream (a new feed, an attached source
+      that restarted) and ``pairs`` are everything it keeps: start over. Emitted before ``frameArrived``.
+    - ``problem(Problem)``: something to tell the user once (failures of the feed, refused commands).
+    """
+
+    sourceChanged = QtCore.Signal(object)
+    frameArrived = QtCore.Signal(object)
+    viewChanged = QtCore.Signal(object)
+    viewingChanged = QtCore.Signal(object)
+    eventsArrived = QtCore.Signal(object, bool)
+    problem = QtCore.Signal(object)
+
+    def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
+        super().__init__(parent)
+        self.feed: Feed = feed or Feed()
+        self.feed.started()
+        self.futures = FutureWatcher(on_error=self._command_refused)
+        self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
+        self._live_at = 0.0  # when it was delivered (perf_counter)
+        self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
+        self.viewing: int | None = None  # history seq being viewed; None while live
+        self.colours = ColourBook()  # its conversations' colours (ids are per source: one book each)
+        self.cursor = StepCursor()  # the frame wanted on view, whoever moved it; the source follows it (_follow)
+        self.cursor.subscribe(self._follow)
+        self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
+        self._events_stream: int | None = None  # the history's stream id then
+        # scrubbing (seek_soon): the frame wanted next, the decode under way (its Future), and a generation that
+        # every other move (seek, go_live, a new feed) bumps so that a late decode is dropped
+        self._scrub_wanted: int | None = None
+        self._scrub_decoding: Future | None = None
+        self._moves = 0
+        self._worker: ThreadPoolExecutor | None = None
+        self._next_decode_at = 0.0  # the worker's next decode begins no sooner (perf_counter; see SCRUB_PACE_S)
+        self._pace_timer = QtCore.QTimer(self)
+        self._pace_timer.setSingleShot(True)
+        self._pace_timer.timeout.connect(self._decode_next)
+
+    # ---- what the source can do ----------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.feed.capabilities
+
+    @property
+    def can_command(self) -> bool:
+        """Commands are possible now: the feed takes them and the window shows the present, not the past."""
+        return self.feed.capabilities.can_command
+
+    @property
+    def command_blocked_reason(self) -> str:
+        """Why a command button is disabled now ("" when it is enabled)."""
+        if not self.feed.capabilities.can_command:
+            return self.feed.capabilities.read_only_reason or "this source is read-only"
+        return ""
+
+    @property
+    def history(self):
+        return self.feed.history
+
+    @property
+    def title(self) -> str:
+        return self.feed.title
+
+    # ---- swapping feeds --------------------------------------------------------------------------------
+    def set_feed(self, feed: Feed) -> None:
+        """Replace the feed (the old one is closed, its pending answers dropped) and tell every panel."""
+        old = self.feed
+        self.feed = feed
+        self._drop_scrub()
+        self.futures.clear()
+        self.live = self.view = None
+        self._events_seq = self._events_stream = None
+        was_viewing = self.viewing is not None
+        self.viewing = None
+        if old is not feed:
+            old.close()
+        del old  # let go of it before the new feed starts (a recording freezes the heap then)
+        self.sourceChanged.emit(feed)  # the panels let go of the old feed's frames
+        self.cursor.move(None)  # the new feed's present (nothing to follow here: the view is reset above)
+        if was_viewing:
+            self.viewingChanged.emit(None)
+        feed.started()
+        self.poll()
+
+    def close(self) -> None:
+        self._drop_scrub()
+        if self._worker is not None:  # a decode under way stops at its next frame (_drop_scrub)
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+        self.futures.clear()
+        self.feed.close()
+
+    # ---- the frame loop -----------------------------------------------------------------------------------
+    def poll(self, live_gap: float = 0.0) -> bool:
+        """Deliver finished command answers, problems and the newest frame; returns whether the view changed.
+
+        ``live_gap``: a new live frame, and the events of the frames up to it, wait until that many seconds after
+        the last live frame went out (the window's budget, :class:`~explorer.model.pacer.LivePacer`); the newest frame
+        then goes out, with every event of the frames passed over. 0: at every poll."""
+        self.futures.poll()
+        for problem in self.feed.take_problems():
+            self.problem.emit(problem)
+        latest, seq = self.feed.latest_frame()  # the view and its events, as one unit
+        if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
+            if latest is not None and latest is not self.live:
+                return self._keep_viewed_frame()
+        self._read_events(seq)
+        if latest is None or latest is self.live:
+            return self._keep_viewed_frame()
+        self.live = latest
+        self._live_at = time.perf_counter()
+        self.frameArrived.emit(latest)
+        if self.viewing is None:
+            self.view = latest
+            self.viewChanged.emit(latest)
+            return True
+        return self._keep_viewed_frame()
+
+    def _read_events(self, upto: int | None = None) -> None:
+        """Hand out the events of the frames history gained since the last poll, up to frame ``upto`` (the live
+        view's; None: the newest kept), see ``eventsArrived``."""
+        history = self.history
+        if history is None or len(history) == 0:
+            return
+        last, stream = history.last_seq, history.stream_id
+        if upto is not None:
+            last = min(last, upto)
+        restarted = stream != self._events_stream or self._events_seq is None
+        if not restarted and last <= self._events_seq:
+            return
+        first = history.first_seq
+        start = first if restarted else max(first, self._events_seq + 1)
+        pairs = history.events(start, last) if start <= last else []
+        self._events_seq, self._events_stream = last, stream
+        self.eventsArrived.emit(pairs, restarted)
+
+    @property
+    def events_seq(self) -> int | None:
+        """The newest history frame whose events went out with ``eventsArrived`` (None: none yet)."""
+        return self._events_seq
+
+    def kept_events(self) -> list:
+        """(seq, event) of every kept frame already handed out by ``eventsArrived``: what a panel that starts
+        following this source now (another pane made active) reads once; later frames come with the signal."""
+        history = self.history
+        if history is None or self._events_seq is None or len(history) == 0:
+            return []
+        return history.events(history.first_seq, self._events_seq)
+
+    def _keep_viewed_frame(self) -> bool:
+        """While viewing history, follow the viewed frame if the history dropped it (memory budget)."""
+        history = self.history
+        if self.viewing is None or history is None or len(history) == 0 or self.viewing >= history.first_seq:
+            return False
+        self.seek(history.first_seq)
+        return True
+
+    # ---- history ----------------------------------------------------------------------------------------------
+    def seek(self, seq: int) -> PoolSnapshot:
+        """Show history frame ``seq`` (clamped to what is kept); the feed keeps running. Raises without history."""
+        _history, seq = self._kept(seq)
+        if not self.cursor.move(seq) and self.viewing != seq:  # the cursor was there, the view not (yet)
+            self._seek_now(seq)
+        return self.view
+
+    def _follow(self, cursor: StepCursor) -> None:
+        """Show the frame the cursor wants: at once, as soon as it is decoded (a run of moves), or the present."""
+        if cursor.seq is None:
+            self._go_live_now()
+        elif cursor.running:
+            self._seek_soon_now(cursor.seq)
+        else:
+            self._seek_now(cursor.seq)
+
+    def _seek_now(self, seq: int) -> None:
+        self._drop_scrub()
+        self._show(seq, self.history.snapshot_at(seq))
+
+    def _kept(self, seq: int):
+        """(the history, ``seq`` clamped to what it keeps); LookupError without history."""
+        history = self.history
+        if history is None or len(history) == 0:
+            raise LookupError(f"this source keeps no history ({self.feed.kind})")
+        return history, min(max(int(seq), history.first_seq), history.last_seq)
+
+    def _show(self, seq: int, snapshot: PoolSnapshot) -> None:
+        changed = self.viewing != seq
+        self.viewing = seq
+        self.view = snapshot
+        if changed:
+            self.viewingChanged.emit(seq)
+        self.viewChanged.emit(snapshot)
+
+    def seek_soon(self, seq: int) -> None:
+        """Show history frame ``seq`` as soon as it is decoded: at once if that is cheap (next to a frame decoded
+        before), else on a worker thread while the views keep the frame they have, so that a drag or play keeps
+        the window's frame rate; a newer call replaces a wanted frame whose decoding has not begun. ``scrubbing``
+        is true until the last one is on view. Raises LookupError without history."""
+        _history, seq = self._kept(seq)
+        self.cursor.move(seq, running=True)
+
+    def _seek_soon_now(self, seq: int) -> None:
+        history = self.history
+        if self._scrub_decoding is None:
+            try:
+                cheap = history.decode_cost(seq) <= SCRUB_ON_GUI_THREAD
+            except LookupError:  # dropped meanwhile: seek says so
+                cheap = True
+            if cheap:
+                self._seek_now(seq)
+                return
+        self._scrub_wanted = seq
+        self._decode_next()
+
+    @property
+    def scrubbing(self) -> bool:
+        """A frame asked for with :meth:`seek_soon` is not on view yet."""
+        return self._scrub_wanted is not None or self._scrub_decoding is not None
+
+    def _decode_next(self) -> None:
+        if self._scrub_decoding is not None or self._scrub_wanted is None or self._pace_timer.isActive():
+            return
+        wait = self._next_decode_at - time.perf_counter()
+        if wait > 0:
+            self._pace_timer.start(max(1, int(wait * 1000)))
+            return
+        seq, self._scrub_wanted = self._scrub_wanted, None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
+        moves = self._moves
+        # a decode dropped by another move stops at the next frame: the move's own decode does not wait for it
+        future = self._worker.submit(_timed, self.history.snapshot_at, seq, lambda: self._moves != moves)
+        self._scrub_decoding = future
+        # it lands through the watcher the frame timer polls (poll), on the GUI thread
+        self.futures.watch(future, lambda out: self._land_scrub(future, seq, out),
+                           lambda exc: self._land_scrub(future, seq, error=exc))
+
+    def _land_scrub(self, future: Future, seq: int, out=None, error: BaseException | None = None) -> None:
+        if self._scrub_decoding is not future:
+            return  # dropped by another move (or a new feed) meanwhile
+        self._scrub_decoding = None
+        try:
+            if isinstance(error, (LookupError, Cancelled)):
+                return  # no longer kept (its budget): the next poll follows it
+            if error is not None:  # a frame that does not decode: said, and the scrub goes on
+                self._scrub_wanted = None if self._scrub_wanted == seq else self._scrub_wanted
+                self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be decoded: "
+                                          f"{type(error).__name__}: {error}"))
+                return
+            snapshot, began, ended = out
+            # rest as long as it took, and until a frame after it began (see SCRUB_PACE_S), from when it ended: it
+            # lands at the next frame of the window, which may be most of that rest later
+            self._next_decode_at = max(ended + (ended - began), began + SCRUB_PACE_S)
+            self._show(seq, snapshot)
+        finally:
+            self._decode_next()
+
+    def _drop_scrub(self) -> None:
+        """Another move: the frames wanted by seek_soon are no longer; a decode under way stops at its next frame
+        (its ``stop`` sees the move) and is dropped."""
+        self._moves += 1
+        self._scrub_wanted = None
+        self._scrub_decoding = None
+        self._pace_timer.stop()
+
+    def go_live(self) -> None:
+        """Back to the newest frame."""
+        self.cursor.move(None)
+
+    def _go_live_now(self) -> None:
+        self._drop_scrub()
+        if self.viewing is None:
+            return
+        self.viewing = None
+        self.viewingChanged.emit(None)
+        if self.live is not None:
+            self.view = self.live
+            self.viewChanged.emit(self.live)
+
+    # ---- commands and queries ---------------------------------------------------------------------------------
+    def submit(self, name: str, *args: Any, on_result: Callable[[Any], None] | None = None,
+               on_error: Callable[[BaseException], None] | None = None, **kwargs: Any) -> Future:
+        """Send a command to the feed and watch its answer (errors go to ``on_error`` or become a problem)."""
+        try:
+            future = self.feed.submit(name, *args, **kwargs)
+        except (PermissionError, ValueError) as exc:
+            future = _done(error=exc)
+        return self.futures.watch(future, on_result, on_error)
+
+    def inspect_block(self, block_id: int) -> Future:
+        """Details of a block of the view being shown: from the feed (K/V included) when live, else rebuilt from
+        the viewed frame and the history's stored tokens (no K/V: they are not kept over time)."""
+        if self.viewing is None:
+            return self.feed.inspect_live(block_id)
+        if self.view is None:
+            return _done(error=LookupError("nothing to inspect yet"))
+        try:
+            return _done(block_info_from_snapshot(self.view, block_id, self.history, self.viewing,
+                                                  self.feed.token_text))
+        except (IndexError, ValueError) as exc:
+            return _done(error=exc)
+
+    def _command_refused(self, exc: BaseException) -> None:
+        self.problem.emit(Problem("Command refused", str(exc)))
+

@@ -1,0 +1,1 @@
+"""The main window and what assembles it: actions, menus, files, dialogs, layout, status bar, the app."""

@@ -1,0 +1,160 @@
+"""Start the desktop app: build the sources the command line asks for, show the window, take screenshots.
+
+Kept apart from main.py so tests and benchmarks can build the same window without going through the CLI.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from engine import EngineConfig
+
+from ..feeds.demo import DEMO_SPEED, DEMOS
+from ..feeds.engine_feed import EngineFeed
+from .layout import LayoutMemory
+from .loader import load_engine_blocking
+from .main_window import MainWindow
+
+GC_GEN0 = 10_000  # containers allocated between young-generation collections (see application)
+SCREENSHOT_STEPS = 3  # engine steps to wait for before a screenshot, so the first tokens are on screen
+SCREENSHOT_TIMEOUT_S = 10.0  # take it anyway after this long (an idle or silent source)
+SCREENSHOT_MIN_S = 1.5  # and not before this: the status line's rates need a second of frames
+
+
+def application() -> QtWidgets.QApplication:
+    """The QApplication, set up for a GUI thread that shares the GIL with a busy engine thread.
+
+    Every paint of a pyqtgraph item calls into Python and must take the GIL; with the default 5 ms switch
+    interval the GUI thread waits up to that long each time the engine thread holds it, and frames drop. A 1 ms
+    interval keeps the GUI above 25 frames/s without slowing decode measurably (bench/gui.py).
+
+    The collector's first generation is collected every GC_GEN0 new containers instead of 700: decoding history
+    makes and drops thousands a frame (token lists, conversation infos), and at 700 a 10,000-frame recording's scrub
+    spent 2 s of 10 in 3,300 young collections that each walked the live token lists (bench/gui.py --sections
+    scrub: 0.5 s, and 23 -> 32 frames shown a second).
+    """
+    sys.setswitchinterval(0.001)
+    threshold = gc.get_threshold()
+    if threshold[0] < GC_GEN0:
+        gc.set_threshold(GC_GEN0, *threshold[1:])
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
+    app.setApplicationName("Paged KV-cache explorer")
+    app.setOrganizationName("paged-kv-explorer")
+    pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
+    return app
+
+
+def show_example_selection(window: MainWindow, select_conversation: bool = True) -> None:
+    """Select a block the second conversation shares (and that conversation), so the first screen also fills
+    the side panels."""
+    snap = window.source.feed.latest()
+    if snap is None:
+        return
+    tables = snap.block_tables
+    if len(tables) < 2:
+        return
+    cid = sorted(tables)[1]
+    shared = [b for b in tables[cid] if int(snap.ref_count[b]) > 1]
+    window.select_block(int(shared[0] if shared else tables[cid][0]))
+    if select_conversation:
+        window.select_conversation_when_present(cid)
+
+
+def when_drawn(window: MainWindow, callback, steps: int = SCREENSHOT_STEPS,
+               timeout_s: float = SCREENSHOT_TIMEOUT_S) -> QtCore.QTimer:
+    """Call ``callback()`` once the window is drawn and, if its source is decoding, a few steps were shown."""
+    start = time.perf_counter()
+    first_step: list[int] = []
+    timer = QtCore.QTimer(window)
+    timer.setInterval(100)
+
+    def check() -> None:
+        view = window.source.view
+        pool = window.source.capabilities.has_physical_pool
+        drawn = window.isVisible() and (not pool or (window.grid.frames_drawn > 0 and view is not None))
+        if drawn and not first_step:
+            first_step.append(view.step_id if view is not None else 0)
+        working = view is not None and any(c.is_live for c in view.conversations)
+        ready = drawn and (not working or view.step_id >= first_step[0] + steps) \
+            and time.perf_counter() - start >= SCREENSHOT_MIN_S
+        if ready or time.perf_counter() - start > timeout_s:
+            timer.stop()
+            callback()
+
+    timer.timeout.connect(check)
+    timer.start()
+    return timer
+
+
+def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> None:
+    target = window.lesson_window if lesson and window.lesson_window is not None else window
+    QtWidgets.QApplication.processEvents()
+    if target.grab().save(path):
+        print(f"saved {path}", flush=True)
+    else:
+        print(f"error: could not save the screenshot to {path}", file=sys.stderr, flush=True)
+
+
+def build_feeds(opts) -> tuple[list, str | None]:
+    """The feeds the command line asks for other than the local engine: (feeds, error message)."""
+    if not (opts.open or opts.attach or opts.attach_kv_events):
+        return [], None
+    from ..feeds.stream_feed import open_feeds
+    try:
+        return open_feeds(opts), None
+    except (ValueError, OSError) as exc:
+        return [], str(exc)
+
+
+def run_gui(opts, cfg: EngineConfig) -> int:
+    """Run the app until its window closes; returns the process exit code (2 when a source cannot start)."""
+    app = application()
+    settings = LayoutMemory.user_settings()
+    demo = opts.demo
+    feeds, error = build_feeds(opts)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if feeds:
+        window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
+    else:
+        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo))
+        if engine is None:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        from ..feeds.outputs import engine_sinks
+        try:
+            sinks = engine_sinks(opts)
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        feed = EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None,
+                                extra_sinks=sinks)
+        window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
+        window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
+    window.show()
+    if demo == "lesson":
+        window.open_lesson()
+    elif demo in DEMOS:
+        show_example_selection(window, select_conversation=demo == "busy")
+    lesson = demo == "lesson"
+    if opts.screenshot:
+        def first_shot() -> None:
+            save_screenshot(window, opts.screenshot, lesson)
+            if opts.quit_after is None:
+                window.close()
+        window.screenshot_timer = when_drawn(window, first_shot)
+    if opts.quit_after is not None:
+        def last_shot_and_quit() -> None:
+            if opts.screenshot:
+                save_screenshot(window, opts.screenshot, lesson)  # the state at the end, as asked
+            window.close()
+        QtCore.QTimer.singleShot(int(1000 * opts.quit_after), last_shot_and_quit)
+    app.exec()
+    for source in window.sources:  # closing the window closed them already; this covers any other way out
+        source.close()
+    return 0
