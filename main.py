@@ -23,8 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from explorer.cli import parse_or_exit
     opts = parse_or_exit(argv)
     if opts.fetch_model:  # fetch and convert a real model into the user's cache, nothing else
-        from engine.errors import EngineError
-        from engine.gguf_model import fetch_model
+        from engine import EngineError, fetch_model
         try:
             fetch_model(opts.fetch_model)
         except EngineError as exc:

@@ -111,6 +111,11 @@ def is_fetched(name: str) -> bool:
     return model is not None and _is_converted(models_dir() / name, model.sha256)
 
 
+def fetched_model(name: str) -> str | None:
+    """The title of the known model ``name`` ("SmolLM2-135M-Instruct") when it has been fetched, else None."""
+    return KNOWN_MODELS[name].title if is_fetched(name) else None
+
+
 def resolve_model_spec(spec: str, progress: Progress | None = None) -> Path | None:
     """The checkpoint directory a model spec stands for when it is a GGUF model (a known name, or a ``.gguf`` file,
     converted into the cache the first time); None for anything else ("builtin", a checkpoint directory)."""

@@ -134,10 +134,10 @@ def pick_model(requested: str | None, demo: str) -> tuple[str, str]:
     if requested is not None:
         return requested, ""
     if demo in DEMOS:
-        from engine.gguf_model import KNOWN_MODELS, is_fetched
-        if is_fetched("smollm2"):
-            return "smollm2", (f"{demo} demo: running {KNOWN_MODELS['smollm2'].title} (fetched; --model builtin "
-                               f"runs the built-in model)")
+        from engine import fetched_model
+        title = fetched_model("smollm2")
+        if title is not None:
+            return "smollm2", f"{demo} demo: running {title} (fetched; --model builtin runs the built-in model)"
         return "builtin", (f"{demo} demo: running the built-in byte model (python main.py --fetch-model smollm2 "
                            f"for a real chat model)")
     return "builtin", ""

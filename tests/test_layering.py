@@ -24,7 +24,8 @@ def test_package_imports_nothing_heavy(package, banned):
 
 
 PUBLIC = {"Engine", "EngineConfig", "EngineError", "EngineRunner", "EngineFailure", "RunnerStopped",
-          "RelocationReport", "ToyPagedSequence", "BlockState", "Status", "FinishReason", "paged_attention"}
+          "RelocationReport", "ToyPagedSequence", "BlockState", "Status", "FinishReason", "paged_attention",
+          "fetch_model", "fetched_model"}
 
 
 def test_explorer_uses_only_the_engines_public_names():
