@@ -259,3 +259,14 @@ def test_busy_demo_speaks_in_chat_turns_sharing_the_system_prompt(engine):
     assert shared and all(engine.snapshot().ref_count[b] == 2 for b in shared)
     for cid in seeded.ids:
         engine.end_conversation(cid)
+
+
+def test_a_gguf_path_that_is_not_a_model_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(EngineError, match="does not exist"):
+        Engine(EngineConfig(model=str(tmp_path / "missing.gguf")))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(EngineError, match="cannot read GGUF file"):
+        Engine(EngineConfig(model=str(junk)))
+    assert not any((tmp_path / "cache" / "models").glob("gguf-*"))  # nothing half-converted is left
