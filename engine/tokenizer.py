@@ -92,7 +92,9 @@ class HFTokenizer:
 
 
 def _chat_template(path: Path):
-    """The chat template that ``tokenizer_config.json`` beside a ``tokenizer.json`` declares (None without one)."""
+    """The chat template that ``tokenizer_config.json`` beside a ``tokenizer.json`` declares (None without one).
+    A checkpoint whose template cannot be read still loads, as it did before templates were used: its text prompts
+    and replies stay plain."""
     if not path.is_file():
         return None
     import json
@@ -101,8 +103,8 @@ def _chat_template(path: Path):
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"cannot read {path}: {exc}") from None
+    except (OSError, ValueError):
+        return None
     template = config.get("chat_template") if isinstance(config, dict) else None
     if not isinstance(template, str) or not template:
         return None  # none, or several named ones (a list): text prompts stay plain
@@ -110,7 +112,10 @@ def _chat_template(path: Path):
     def token(name):
         value = config.get(name)
         return value.get("content", "") if isinstance(value, dict) else value if isinstance(value, str) else ""
-    return ChatTemplate(template, bos_token=token("bos_token"), eos_token=token("eos_token"))
+    try:
+        return ChatTemplate(template, bos_token=token("bos_token"), eos_token=token("eos_token"))
+    except EngineError:
+        return None
 
 
 class NoTokenizer:

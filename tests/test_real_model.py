@@ -270,3 +270,38 @@ def test_a_gguf_path_that_is_not_a_model_is_refused(tmp_path, monkeypatch):
     with pytest.raises(EngineError, match="cannot read GGUF file"):
         Engine(EngineConfig(model=str(junk)))
     assert not any((tmp_path / "cache" / "models").glob("gguf-*"))  # nothing half-converted is left
+
+
+def _tiny_chat_checkpoint(path: Path, template: str) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tests.helpers import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(path, vocab_size=97)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["user assistant : the block table maps logical blocks to physical blocks"] * 3,
+                            trainers.WordLevelTrainer(vocab_size=97, special_tokens=["[UNK]", "<end>"]))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<end>"}))
+    return path
+
+
+def test_a_checkpoint_directory_brings_its_chat_template(tmp_path):
+    template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}" \
+               "{% if add_generation_prompt %}assistant : {% endif %}"
+    eng = Engine(EngineConfig(model=str(_tiny_chat_checkpoint(tmp_path / "m", template)), num_blocks=32,
+                              block_size=4))
+    try:
+        ids = eng.chat_prompt_ids([{"role": "user", "content": "the block table"}])
+        assert eng.detokenize(ids) == "user : the block table assistant :"
+    finally:
+        eng.close()
+    broken = Engine(EngineConfig(model=str(_tiny_chat_checkpoint(tmp_path / "b", "{% for %}")), num_blocks=32,
+                                 block_size=4))
+    try:  # a template that cannot be read: the checkpoint still loads, its prompts stay plain text
+        assert broken.chat_template is None
+        cid = broken.add_conversation(prompt="the block table", max_new_tokens=2)
+        assert broken.conversation(cid).prompt_text == "the block table"
+    finally:
+        broken.close()
