@@ -1,10 +1,11 @@
 """Paged KV-cache explorer: watch and steer a paged KV-cache block pool while real decoding runs.
 
-    python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
+    python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
                    [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH --quit-after SECONDS]
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                    [--make-keys DIR]
+    python main.py --fetch-model smollm2      (once: a real chat model into the user's cache)
 
 Bad arguments print one clear line and exit with status 2.
 """
@@ -24,7 +25,22 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_or_exit(argv)
     if opts.make_keys:
         return make_keys(opts.make_keys)
+    if opts.fetch_model:  # fetch and convert a real model into the user's cache, nothing else
+        from engine import EngineError, fetch_model
+        try:
+            fetch_model(opts.fetch_model)
+        except EngineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     watching = bool(opts.open or opts.attach or opts.attach_kv_events)
+    if not watching:  # the local engine's model (a demo takes the real one once fetched); watchers load no torch
+        from explorer.feeds.demo import pick_model
+        opts.model, model_note = pick_model(opts.model, opts.demo)
+        if model_note:
+            print(model_note, file=sys.stderr)
+    elif opts.model is None:
+        opts.model = "builtin"  # the window's engine, should the user start one beside what it watches
     if opts.headless and watching:  # no local engine: torch need not load
         from explorer.headless import run_headless_cli
         return run_headless_cli(opts, None)

@@ -33,6 +33,7 @@ from .attention import dense_attention, paged_attention
 from .config import EngineConfig
 from .engine import Engine
 from .errors import EngineError
+from .gguf_model import fetch_model, fetched_model
 from .lesson import ToyPagedSequence
 from .relocation import RelocationReport
 from .runner import EngineFailure, EngineRunner, RunnerStopped
@@ -43,4 +44,5 @@ __all__ = [
     "Engine", "EngineConfig", "EngineError", "BlockState", "Status", "FinishReason", "paged_attention",
     "dense_attention", "PoolSnapshot", "ConversationInfo", "BlockInfo", "MemoryStats", "EngineMetrics",
     "EngineRunner", "EngineFailure", "RunnerStopped", "RelocationReport", "ToyPagedSequence",
+    "fetch_model", "fetched_model",
 ]

@@ -169,6 +169,21 @@ class Engine:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(int(token_id))
 
+    @property
+    def chat_template(self):
+        """The model's chat template (engine/chat.py), or None for a model that reads plain text (the built-in one)."""
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def chat_prompt_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat: ``messages`` is a list of {"role": "system"|"user"|"assistant", "content": text},
+        rendered with the model's own chat template (ending with the assistant's header, where the model answers)
+        and tokenized; pass them as ``add_conversation(prompt_token_ids=...)``. Turns that start alike (one system
+        prompt) give ids that start alike, so their full blocks are shared by prefix caching."""
+        if self.chat_template is None:
+            raise EngineError("this model has no chat template: give its prompts as plain text")
+        text = self.chat_template.render(messages, check_bool(add_generation_prompt, "add_generation_prompt"))
+        return check_token_ids(self.tokenizer.encode(text, add_special_tokens=False), self.vocab_size)
+
     # ---- transactions -----------------------------------------------------------------------------------------
     @contextmanager
     def transaction(self, rollback: bool = False):
@@ -420,10 +435,16 @@ class Engine:
     def continue_conversation(self, conversation_id: int, prompt: str | None = None, *,
                               prompt_token_ids: Seq[int] | None = None, max_new_tokens: int | None = None,
                               temperature: float | None = None) -> None:
-        """Send a follow-up message to a finished conversation; its whole history becomes the new prompt."""
+        """Send a follow-up message to a finished conversation; its whole history becomes the new prompt. For a model
+        with a chat template, text ``prompt`` is a user turn: the assistant's turn is closed and the user turn and the
+        assistant header are appended in the template's format (``prompt_token_ids`` are used verbatim)."""
         seq = self._seq(conversation_id)
         if seq.status != Status.FINISHED:
             raise EngineError(f"conversation {conversation_id} is {seq.status}; only a finished conversation can get a reply")
+        if prompt is not None and prompt_token_ids is None and self.chat_template is not None and prompt:
+            # a chat model: the reply is a user turn, and the assistant's header follows it
+            ended = bool(seq.token_ids) and seq.token_ids[-1] in self._eos
+            prompt = self.chat_template.reply_text(prompt, ended_with_eos=ended)
         ids = self._prompt_ids(prompt, prompt_token_ids, continuation=True)
         max_new_tokens = check_max_new_tokens(seq.max_new_tokens if max_new_tokens is None else max_new_tokens)
         temperature = check_temperature(seq.temperature if temperature is None else temperature)

@@ -66,6 +66,9 @@ def _directory(spec: str) -> tuple[bool, Path]:
     """(built-in?, directory) for a model spec, refusing what is not a checkpoint directory."""
     if not isinstance(spec, str):
         raise EngineError("model must be 'builtin' or the path of a checkpoint directory")
+    converted = _gguf_directory(spec)
+    if converted is not None:  # a GGUF model: loaded from its converted checkpoint in the cache
+        return False, converted
     builtin = spec == "builtin"
     directory = BUILTIN_DIR if builtin else Path(spec).expanduser()
     if not builtin:
@@ -77,6 +80,25 @@ def _directory(spec: str) -> tuple[bool, Path]:
         if not (directory / "config.json").is_file():
             raise EngineError(f"{directory} has no config.json: not a Hugging Face-style checkpoint")
     return builtin, directory
+
+
+def _gguf_directory(spec: str) -> Path | None:
+    """The converted checkpoint directory of a GGUF model spec ("smollm2", or a local ``.gguf`` file, converted into
+    the cache the first time); None for every other spec. See engine/gguf_model.py."""
+    if isinstance(spec, str) and (spec.lower().endswith(".gguf") or spec in _known_gguf_models()):
+        from .gguf_model import resolve_model_spec
+        return resolve_model_spec(spec)
+    return None
+
+
+def _known_gguf_models() -> tuple[str, ...]:
+    from .gguf_model import KNOWN_MODELS
+    return tuple(KNOWN_MODELS)
+
+
+def _model_name(spec: str, directory: Path) -> str:
+    """What the window calls a loaded model: a known model's name, a GGUF file's path, or the directory."""
+    return spec if spec in _known_gguf_models() or spec.lower().endswith(".gguf") else str(directory)
 
 
 def read_model_config(spec: str) -> ModelConfig:
@@ -188,4 +210,4 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     else:
         tokenizer = NoTokenizer(config.vocab_size)
     progress("ready", 1.0)
-    return LoadedModel(model, config, tokenizer, "builtin" if builtin else str(directory), eos_ids)
+    return LoadedModel(model, config, tokenizer, "builtin" if builtin else _model_name(spec, directory), eos_ids)

@@ -34,6 +34,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB + 2
     bos_token_id = BOS_ID
     eos_token_id = EOS_ID
+    chat_template = None  # a byte model trained on documentation: plain text, no chat turns
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -74,6 +75,7 @@ class HFTokenizer:
         except Exception as exc:  # a corrupt file is a user error, not a crash
             raise EngineError(f"cannot read tokenizer {path}: {exc}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _chat_template(path.parent / "tokenizer_config.json")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -89,10 +91,38 @@ class HFTokenizer:
         return text if text is not None else f"<{token_id}>"
 
 
+def _chat_template(path: Path):
+    """The chat template that ``tokenizer_config.json`` beside a ``tokenizer.json`` declares (None without one).
+    A checkpoint whose template cannot be read still loads, as it did before templates were used: its text prompts
+    and replies stay plain."""
+    if not path.is_file():
+        return None
+    import json
+
+    from .chat import ChatTemplate
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if not isinstance(template, str) or not template:
+        return None  # none, or several named ones (a list): text prompts stay plain
+
+    def token(name):
+        value = config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else value if isinstance(value, str) else ""
+    try:
+        return ChatTemplate(template, bos_token=token("bos_token"), eos_token=token("eos_token"))
+    except EngineError:
+        return None
+
+
 class NoTokenizer:
     """For checkpoints without ``tokenizer.json``: token ids only."""
 
     takes_text = False  # prompts must be token ids
+    chat_template = None
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

@@ -13,11 +13,11 @@ import sys
 
 DEMO_NAMES = ("busy", "crowd", "lesson", "none")
 
-USAGE = """python main.py [--model builtin|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
+USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
                [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
-               [--make-keys DIR]"""
+               [--make-keys DIR] [--fetch-model NAME]"""
 
 
 class UsageError(Exception):
@@ -79,7 +79,11 @@ def _check_output_file(flag: str, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="main.py", description="Paged KV-cache explorer", usage=USAGE)
-    parser.add_argument("--model", default="builtin", help="'builtin' or a local checkpoint directory")
+    parser.add_argument("--model", default=None,
+                        help="'builtin' (the default; a demo runs smollm2 once fetched), 'smollm2', a local "
+                             "checkpoint directory or a local Llama-architecture .gguf file")
+    parser.add_argument("--fetch-model", metavar="NAME", choices=("smollm2",),
+                        help="download and convert a real model into the user's cache once, then exit")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
     parser.add_argument("--num-blocks", type=int, default=128, help="physical blocks in the pool (default 128)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))

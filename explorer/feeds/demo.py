@@ -55,14 +55,21 @@ class _Adder:
         self.ids: list[int] = []
         self.notes: list[str] = []
 
-    def add(self, prompt: str, wanted: int, budget: int, **kwargs) -> int:
-        """Add ``prompt`` asking for ``wanted`` new tokens, but at most ``budget`` slots in all (prompt + new) and
-        within the model's positions."""
-        prompt_len = len(self.engine.tokenize(prompt))
+    def add(self, prompt: str, wanted: int, budget: int, system: str = "", **kwargs) -> int:
+        """Add ``prompt`` (after the ``system`` prompt) asking for ``wanted`` new tokens, but at most ``budget`` slots
+        in all (prompt + new) and within the model's positions. A chat model gets them as system and user turns."""
+        chat = getattr(self.engine, "chat_template", None) is not None
+        if chat:  # a real chat model answers a user turn; bare text would only be continued
+            ids = self.engine.chat_prompt_ids(([{"role": "system", "content": system.strip()}] if system else [])
+                                              + [{"role": "user", "content": prompt}])
+        prompt_len = len(ids) if chat else len(self.engine.tokenize(system + prompt))
         pool_room = budget - prompt_len
         model_room = self.max_model_len - prompt_len if self.max_model_len else pool_room
         granted = max(MIN_NEW_TOKENS, min(wanted, pool_room, model_room))
-        cid = self.engine.add_conversation(prompt, max_new_tokens=granted, **kwargs)
+        if chat:
+            cid = self.engine.add_conversation(prompt_token_ids=ids, max_new_tokens=granted, **kwargs)
+        else:
+            cid = self.engine.add_conversation(system + prompt, max_new_tokens=granted, **kwargs)
         self.ids.append(cid)
         if granted < wanted:
             limit = (f"the model's context of {self.max_model_len} tokens" if model_room <= pool_room else
@@ -83,9 +90,9 @@ def seed_busy(engine) -> Seeded:
     """Add the busy demo's conversations. Generation lengths shrink to fit small pools (each note says so)."""
     adder = _Adder(engine)
     budget = adder.num_blocks * adder.block_size // 4  # slots one long conversation may aim for
-    adder.add(SYSTEM_PROMPT + "What does a block table store?", 240, budget, temperature=0.7, seed=1)
+    adder.add("What does a block table store?", 240, budget, system=SYSTEM_PROMPT, temperature=0.7, seed=1)
     engine.step()  # prefill a, so its full system-prompt blocks are hashed before b arrives
-    adder.add(SYSTEM_PROMPT + "Why do tail blocks waste memory?", 240, budget, temperature=0.7, seed=2)
+    adder.add("Why do tail blocks waste memory?", 240, budget, system=SYSTEM_PROMPT, temperature=0.7, seed=2)
     c = adder.add("Write a short poem about memory pages.", 200, budget, temperature=0.9, seed=3)
     adder.add("Explain copy-on-write in one line.", 20, budget, temperature=0.0)
     engine.step()
@@ -109,8 +116,8 @@ def seed_crowd(engine) -> Seeded:
     count = int(min(128, max(8, slots // 512)))  # one conversation per 512 slots of the pool
     budget = min(max(8, 2 * slots // count), slots)  # twice the fair share; one request always fits the pool
     for i in range(count):
-        prompt = (SYSTEM_PROMPT if i % 3 == 0 else "") + f"Question {i}: how is page {i * 7} laid out?"
-        adder.add(prompt, (24, 400, 1200)[i % 3], budget, temperature=0.8, seed=i)
+        adder.add(f"Question {i}: how is page {i * 7} laid out?", (24, 400, 1200)[i % 3], budget,
+                  system=SYSTEM_PROMPT if i % 3 == 0 else "", temperature=0.8, seed=i)
         if i % 12 == 0:
             engine.step()  # let the first system-prompt conversation fill its blocks before others share them
     engine.step()
@@ -119,6 +126,21 @@ def seed_crowd(engine) -> Seeded:
         if parent in live:  # a parent that already stopped (end-of-sequence) cannot be forked
             adder.fork(parent, seed=1000 + parent)
     return adder.result()
+
+
+def pick_model(requested: str | None, demo: str) -> tuple[str, str]:
+    """(the model to run, a line telling the user which one, or ''): ``--model`` when given; otherwise a demo runs
+    the real chat model once it has been fetched (``--fetch-model smollm2``) and the built-in one before that."""
+    if requested is not None:
+        return requested, ""
+    if demo in DEMOS:
+        from engine import fetched_model
+        title = fetched_model("smollm2")
+        if title is not None:
+            return "smollm2", f"{demo} demo: running {title} (fetched; --model builtin runs the built-in model)"
+        return "builtin", (f"{demo} demo: running the built-in byte model (python main.py --fetch-model smollm2 "
+                           f"for a real chat model)")
+    return "builtin", ""
 
 
 DEMOS = {"busy": seed_busy, "crowd": seed_crowd}  # --demo name -> what seeds a fresh engine (the lesson has no engine)
