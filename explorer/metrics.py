@@ -145,6 +145,9 @@ class MetricsPanel(QtWidgets.QWidget):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.scroll)
+        from .widgets.tier_metrics import TierMetrics
+        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any)
+        layout.addWidget(self.tiers)
         self._reflow(MAX_COLUMNS)
 
     def _reflow(self, columns: int) -> None:
@@ -180,9 +183,11 @@ class MetricsPanel(QtWidgets.QWidget):
 
     def record(self, snap: PoolSnapshot, timed: bool = True) -> None:
         self.history.record(snap, timed=timed)
+        self.tiers.record(snap)
         self._dirty = True
 
     def redraw(self) -> None:
+        self.tiers.redraw()
         if not self._dirty:
             return
         x = self.history.series("step")
@@ -203,5 +208,6 @@ class MetricsPanel(QtWidgets.QWidget):
 
     def clear(self) -> None:
         self.history.clear()
+        self.tiers.clear()
         self.until = None
         self._dirty = True

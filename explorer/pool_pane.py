@@ -38,6 +38,12 @@ class PoolPane(QtWidgets.QWidget):
         for mode in COLOR_BY:
             self.color_by.addItem(COLOR_BY_LABELS[mode], mode)
         self.color_by.currentIndexChanged.connect(lambda _: self.grid.set_color_by(self.color_by.currentData()))
+        from .widgets.group_filter import GroupFilter
+        from .widgets.tier_grids import TierGrids
+        self.group_filter = GroupFilter()  # one KV cache group bright, the others dimmed (shown for several groups)
+        self.group_filter.groupChosen.connect(self.grid.set_group_filter)
+        self.tier_grids = TierGrids()  # host and disk tiers beside the device grid (shown while a tier is on)
+        self.color_by.currentIndexChanged.connect(lambda _: self.tier_grids.set_color_by(self.color_by.currentData()))
         self.fit = QtWidgets.QPushButton("Fit")
         self.fit.setToolTip("Show the whole pool (pan: drag, zoom: wheel)")
         self.fit.clicked.connect(self.fit_grid)
@@ -49,6 +55,7 @@ class PoolPane(QtWidgets.QWidget):
         self.color_label = QtWidgets.QLabel("Colour by:")
         options.addWidget(self.color_label)
         options.addWidget(self.color_by)
+        options.addWidget(self.group_filter)
         options.addWidget(self.fit)
         options.addWidget(self.pool_label, 1)
         self.content_view = None  # the KV-event content view, shown instead of the grid for such a source
@@ -66,6 +73,7 @@ class PoolPane(QtWidgets.QWidget):
         self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)  # the grid, and the contiguous view
         self.split.setChildrenCollapsible(False)
         self.split.addWidget(self.grid)
+        self.split.addWidget(self.tier_grids)
         self.contiguous = None  # ContiguousView beside the grid while View > Contiguous side by side is on
         layout.addWidget(self.split, 1)
         layout.addWidget(self.timeline)
@@ -86,6 +94,7 @@ class PoolPane(QtWidgets.QWidget):
         """Redraw the grid if needed (the window's frame timer calls this); keeps the pool fitted to the view's
         current size until the user pans or zooms. Returns whether it drew."""
         drawn = self.grid.render()
+        drawn = self.tier_grids.render() or drawn
         if self.contiguous is not None:
             drawn = self.contiguous.render() or drawn
         if self.follow_fit and self.grid.geometry_ is not None:
@@ -115,6 +124,7 @@ class PoolPane(QtWidgets.QWidget):
         self.sync_timeline()
         if pairs:
             self.timeline.add_event_markers(pairs)
+            self.tier_grids.add_events(pairs)
 
     def _seek(self, seq: int) -> None:
         try:
@@ -143,6 +153,8 @@ class PoolPane(QtWidgets.QWidget):
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()
+        self.tier_grids.reset()
+        self.tier_grids.detokenize = getattr(feed, "detokenizer", None)
         self.follow_fit = True
         self._fitted_size = None
         caps = feed.capabilities
@@ -209,6 +221,8 @@ class PoolPane(QtWidgets.QWidget):
 
     def _on_view(self, snapshot) -> None:
         self.grid.set_snapshot(snapshot)
+        self.tier_grids.set_snapshot(snapshot)
+        self.group_filter.set_groups(snapshot)
         if self.contiguous is not None:
             if self.source.viewing is not None or self._contiguous_restart:
                 self.contiguous.reset()  # a frame out of order (history): placed afresh, not from the last one
