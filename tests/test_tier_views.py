@@ -196,3 +196,30 @@ def test_a_finished_conversations_sources_and_tables_survive_missing_fields():
     assert snap.tiers == {} and snap.kv_cache_groups == () and snap.group_block_tables == ()
     assert block_groups(snap).tolist() == [-1, -1] and group_tables_html(snap, old) == ""
     assert tier(2, {}).state.tolist() == [0, 0]
+
+
+def test_the_content_book_reads_only_what_changed_and_only_for_pools_with_tiers():
+    book = ContentBook()
+    plain = tiered_snapshot()
+    import dataclasses
+    book.observe(dataclasses.replace(plain, tiers={}))  # no tier: nothing is coloured through the book
+    assert book.owner(H0) == -1
+    book.observe(plain)
+    assert book.owner(H0) == 1
+    hashes = plain.block_hash.copy()
+    owner = plain.owner.copy()
+    hashes[6], owner[6] = HB, 2  # one block changed
+    book.observe(dataclasses.replace(plain, version=2, block_hash=hashes, owner=owner))
+    assert book.owner(HB) == 2 and book.owner(H0) == 1
+
+
+def test_the_tier_and_group_models_and_renderers_import_no_qt():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; import explorer.model.tiers, explorer.model.groups, explorer.model.tier_stats, "
+            "explorer.model.conversation_text, explorer.render.tiers, explorer.render.groups; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'pyqtgraph', 'torch')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={"PYTHONPATH": str(root)})

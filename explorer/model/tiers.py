@@ -50,6 +50,7 @@ class ContentBook:
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._index: tuple[np.ndarray, np.ndarray] | None = None
         self._seen: tuple[object, int] | None = None
+        self._device: tuple[np.ndarray, np.ndarray] | None = None  # (hashes, owners) of the pool observed last
         self.version = 0  # bumped whenever an owner is learnt or changes (tier grids redraw then)
 
     def _learn(self, h: int, owner: int) -> None:
@@ -67,16 +68,21 @@ class ContentBook:
         self.version += 1
 
     def observe(self, snapshot: PoolSnapshot) -> None:
-        """Learn the owner of every hashed device block (once per snapshot version)."""
+        """Learn the owner of every hashed device block whose hash or owner changed since the snapshot observed
+        last (all of them the first time): a step changes a few blocks, so this stays cheap on a 65,536-block
+        pool. Only pools with a tier need it (nothing else is coloured through the book)."""
         key = (snapshot.source, snapshot.version, snapshot.step_id)
-        if self._seen == key:
+        if self._seen == key or not snapshot.tiers or snapshot.block_hash is None:
             return
         self._seen = key
-        if snapshot.block_hash is None:
-            return
-        hashes = np.asarray(snapshot.block_hash)
-        owner = np.asarray(snapshot.owner)
-        at = np.nonzero((hashes != NO_HASH) & (owner >= 0))[0]
+        hashes, owner = np.asarray(snapshot.block_hash), np.asarray(snapshot.owner)
+        before = self._device
+        if before is not None and before[0].shape == hashes.shape:
+            changed = (before[0] != hashes) | (before[1] != owner)
+        else:
+            changed = np.ones(hashes.shape, bool)
+        self._device = (hashes, owner)
+        at = np.nonzero(changed & (hashes != NO_HASH) & (owner >= 0))[0]
         for h, o in zip(hashes[at].tolist(), owner[at].tolist()):
             self._learn(h, o)
 
