@@ -63,8 +63,7 @@ def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
     elif mode == "group":
         from .render.groups import GROUP_COLOURS
         rows += [(_swatch(GROUP_COLOURS[g]), f"KV cache group {g}{note}")
-                 for g, note in ((0, " (full attention; the only group of a plain model)"), (1, " (e.g. a sliding "
-                                                                                               "window)"))]
+                 for g, note in ((0, " (full attention)"), (1, " (sliding window)"))]
         rows.append((_swatch(palette.mix(GROUP_COLOURS[1], palette.UNOWNED, palette.CACHED_MIX)), "cached"))
     else:
         rows += [(_swatch(palette.STATE_USED), "used"), (_swatch(palette.STATE_CACHED), "cached")]

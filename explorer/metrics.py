@@ -146,8 +146,15 @@ class MetricsPanel(QtWidgets.QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.scroll)
         from .widgets.tier_metrics import TierMetrics
-        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any)
-        layout.addWidget(self.tiers)
+        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any),
+        body = QtWidgets.QWidget()  # under the other plots in the same scroll area: they keep their height
+        column = QtWidgets.QVBoxLayout(body)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(0)
+        self.scroll.takeWidget()
+        column.addWidget(self.plots)
+        column.addWidget(self.tiers)
+        self.scroll.setWidget(body)
         self._reflow(MAX_COLUMNS)
 
     def _reflow(self, columns: int) -> None:

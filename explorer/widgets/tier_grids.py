@@ -69,6 +69,8 @@ class TierGrids(QtWidgets.QWidget):
         self._tiers: dict[str, TierView] = {}  # the tier views last drawn
         self._book_version: dict[str, int] = {}  # the content book's version each grid was drawn with
         self._versions: dict[str, int] = {}  # the synthetic version of each tier's pool (bumped on a change)
+        self._fitted: dict[str, object] = {}  # the view box size each grid was last fitted to
+        self._user_moved: set[str] = set()  # grids the user panned or zoomed: no longer refitted
         self.tier_redraws = 0  # tier pools rebuilt (tests read it: unchanged arrays draw nothing)
         self._column = QtWidgets.QVBoxLayout()
         self._column.setContentsMargins(0, 0, 0, 0)
@@ -142,9 +144,16 @@ class TierGrids(QtWidgets.QWidget):
             grid.set_selected_conversation(conversation_id)
 
     def render(self) -> bool:
+        """Redraw the tier grids that changed; each is kept fitted whole to its size until the user pans or zooms
+        it (as the device grid is)."""
         drawn = False
-        for grid in self.grids.values():
+        for name, grid in self.grids.items():
             drawn = grid.render() or drawn
+            size = grid.box.size()
+            if grid.geometry_ is not None and name not in self._user_moved and size != self._fitted.get(name) \
+                    and size.width() > 0 and size.height() > 0:
+                self._fitted[name] = size
+                grid.fit_whole_pool()
         return drawn
 
     # ---- inspecting ---------------------------------------------------------------------------------------------
@@ -177,6 +186,7 @@ class TierGrids(QtWidgets.QWidget):
         grid.set_color_by(self.color_by)
         grid.set_selected_conversation(self.selected_conversation)
         grid.blockClicked.connect(lambda slot, n=name: self.inspect(n, slot))
+        grid.box.sigRangeChangedManually.connect(lambda *_, n=name: self._user_moved.add(n))
         self._column.addWidget(title)
         self._column.addWidget(grid, 1)
         self.grids[name], self.titles[name] = grid, title
@@ -189,6 +199,8 @@ class TierGrids(QtWidgets.QWidget):
             widget.deleteLater()
         self._tiers.pop(name, None)
         self._book_version.pop(name, None)
+        self._fitted.pop(name, None)
+        self._user_moved.discard(name)
 
 
 MEDIUM_WORDS = {"host": "CPU memory", "disk": "storage"}
