@@ -22,6 +22,8 @@ MODE_TEXT = {  # what each colour-by mode answers
     "fill": "How many of a block's slots hold K/V: only a conversation's last block is ever partly filled.",
     "age": "How long ago each block was last written or read: what an LRU eviction would drop first.",
     "state": "Used (held by a conversation), cached (free, but its KV is kept for a matching prefix) or free.",
+    "group": "Which KV cache group each block serves: a model with full-attention and sliding-window layers pages "
+             "each kind as its own group in the one pool (the group filter beside it dims the other groups).",
 }
 MOUSE = (  # (gesture, what it does) on the grid
     ("Click a cell", "inspect that block: its tokens, owners, prefix hash and K/V (the Inspector)"),

@@ -73,9 +73,12 @@ class PoolPane(QtWidgets.QWidget):
         self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)  # the grid, and the contiguous view
         self.split.setChildrenCollapsible(False)
         self.split.addWidget(self.grid)
-        self.split.addWidget(self.tier_grids)
         self.contiguous = None  # ContiguousView beside the grid while View > Contiguous side by side is on
-        layout.addWidget(self.split, 1)
+        self.outer = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)  # the device pool | its lower tiers
+        self.outer.setChildrenCollapsible(False)
+        self.outer.addWidget(self.split)
+        self.outer.addWidget(self.tier_grids)
+        layout.addWidget(self.outer, 1)
         layout.addWidget(self.timeline)
         self._layout = layout
         self.grid.blockClicked.connect(lambda _block: self.activated.emit(self))
@@ -165,6 +168,7 @@ class PoolPane(QtWidgets.QWidget):
             self.contiguous.setVisible(caps.has_physical_pool)
         self.grid.setVisible(caps.has_physical_pool)
         self.split.setVisible(caps.has_physical_pool)  # hidden whole: an empty splitter kept half the height
+        self.outer.setVisible(caps.has_physical_pool)
         for widget in (self.color_label, self.color_by, self.fit, self.pool_label):
             widget.setVisible(caps.has_physical_pool)
         self._show_content_view(feed)
@@ -217,11 +221,15 @@ class PoolPane(QtWidgets.QWidget):
         from .content_view import ContentView
         self.content_view = ContentView(subscriber.indexes, getattr(feed, "tokenizer", None))
         self.content_view.attach(subscriber)
-        self._layout.insertWidget(self._layout.indexOf(self.split) + 1, self.content_view, 1)
+        self._layout.insertWidget(self._layout.indexOf(self.outer) + 1, self.content_view, 1)
 
     def _on_view(self, snapshot) -> None:
         self.grid.set_snapshot(snapshot)
+        tiers_shown = self.tier_grids.isVisibleTo(self)
         self.tier_grids.set_snapshot(snapshot)
+        if not tiers_shown and self.tier_grids.isVisibleTo(self):  # tiers appear: the device pool keeps 3/5
+            width = max(self.outer.width(), 5)
+            self.outer.setSizes([width * 3 // 5, width - width * 3 // 5])
         self.group_filter.set_groups(snapshot)
         if self.contiguous is not None:
             if self.source.viewing is not None or self._contiguous_restart:

@@ -173,7 +173,7 @@ def test_the_window_shows_tiers_groups_sources_and_the_window_saving(qtbot):
     qtbot.waitUntil(lambda: window.pane.tier_grids.isVisible(), timeout=3000)
     pane = window.pane
     assert list(pane.tier_grids.grids) == ["host", "disk"]
-    assert pane.split.indexOf(pane.tier_grids) == pane.split.indexOf(pane.grid) + 1  # beside the device grid
+    assert pane.outer.indexOf(pane.tier_grids) == pane.outer.indexOf(pane.split) + 1  # beside the device grid
     assert pane.group_filter.isVisible() and pane.group_filter.count() == 3
     pane.group_filter.setCurrentIndex(2)
     assert pane.grid.group_filter == 1
