@@ -223,3 +223,20 @@ def test_the_tier_and_group_models_and_renderers_import_no_qt():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'pyqtgraph', 'torch')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={"PYTHONPATH": str(root)})
+
+
+def test_tier_owners_look_up_only_changed_slots_and_newly_learnt_owners():
+    from explorer.model.tiers import TierOwners
+    snap = tiered_snapshot()
+    book = ContentBook()
+    book.observe(snap)
+    owners = TierOwners()
+    assert owners.update(snap.tiers["host"], book) and owners.owner.tolist() == [-1, -1, 1, -1]  # HA: not known
+    drawn = owners.owner
+    assert not owners.update(snap.tiers["host"], book) and owners.owner is drawn  # nothing new: nothing redone
+    book.add_events(tier_events())  # HA's STORED event names conversation 2
+    assert owners.update(snap.tiers["host"], book) and owners.owner.tolist() == [2, -1, 1, -1]
+    assert drawn.tolist() == [-1, -1, 1, -1]  # the array an earlier frame drew from is left alone
+    assert not owners.update(tier(4, {0: HA, 1: HB, 2: H0}), book)  # a new slot whose owner nobody knows
+    book.add_events([BlockEvent(30, EventKind.STORED, 3, (1,), block_hashes=(HB,), token_ids=(5, 5, 5, 5))])
+    assert owners.update(tier(4, {0: HA, 1: HB, 2: H0}), book) and owners.owner.tolist() == [2, 3, 1, -1]

@@ -22,6 +22,7 @@ TIERS = ("host", "disk")  # the lower tiers, top to bottom (the device pool is a
 SOURCES = ("device", "host", "disk", "computed")  # where an admission's prompt tokens came from
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}  # vLLM's names of the same places
 MAX_CONTENTS = 1 << 20  # hashes the content book remembers (least recently announced forgotten first)
+MAX_LEARNT = 1 << 16  # owner changes the book lists for incremental recolouring (older: colour a tier afresh)
 MAX_STORIES = 1 << 16  # hashes whose tier story is kept
 STORY_LINES = 32  # newest lines kept per hash
 
@@ -51,6 +52,8 @@ class ContentBook:
         self._index: tuple[np.ndarray, np.ndarray] | None = None
         self._seen: tuple[object, int] | None = None
         self._device: tuple[np.ndarray, np.ndarray] | None = None  # (hashes, owners) of the pool observed last
+        self._learnt: list[int] = []  # hashes whose owner was learnt or changed, in order (version = index + 1)
+        self._learnt_base = 0  # version before the first entry still in _learnt
         self.version = 0  # bumped whenever an owner is learnt or changes (tier grids redraw then)
 
     def _learn(self, h: int, owner: int) -> None:
@@ -66,6 +69,17 @@ class ContentBook:
             self._tokens.pop(gone, None)
         self._index = None
         self.version += 1
+        self._learnt.append(h)
+        if len(self._learnt) > MAX_LEARNT:
+            drop = len(self._learnt) // 2
+            del self._learnt[:drop]
+            self._learnt_base += drop
+
+    def learnt_since(self, version: int) -> list[int] | None:
+        """Hashes whose owner was learnt or changed after ``version`` (None: too long ago to say; recolour all)."""
+        if version < self._learnt_base:
+            return None
+        return self._learnt[version - self._learnt_base:]
 
     def observe(self, snapshot: PoolSnapshot) -> None:
         """Learn the owner of every hashed device block whose hash or owner changed since the snapshot observed
@@ -122,16 +136,49 @@ class ContentBook:
         return out
 
 
+class TierOwners:
+    """The owner of every slot of one tier, kept up to date from one frame to the next: only slots whose hash
+    changed, or whose hash the content book has just learnt an owner for, are looked up again (a 262,144-slot host
+    tier changes a few slots a step; looking all of them up each step cost tens of milliseconds)."""
+
+    def __init__(self):
+        self.hashes: np.ndarray | None = None
+        self.owner: np.ndarray | None = None
+        self._book_version = 0
+
+    def update(self, tier: TierView, book: ContentBook) -> bool:
+        """Bring the owners up to date with ``tier`` and ``book``; returns whether any changed."""
+        hashes = np.asarray(tier.block_hash, np.uint64)
+        learnt = book.learnt_since(self._book_version)
+        self._book_version = book.version
+        if self.hashes is None or self.hashes.shape != hashes.shape or learnt is None:
+            self.hashes, self.owner = hashes, book.owners(hashes)
+            return True
+        slots = np.nonzero(hashes != self.hashes)[0]
+        if learnt:
+            slots = np.union1d(slots, np.nonzero(np.isin(hashes, np.asarray(learnt, np.uint64)))[0])
+        self.hashes = hashes
+        if not len(slots):
+            return False
+        new = np.array([book.owner(h) for h in hashes[slots].tolist()], np.int32)
+        changed = bool((new != self.owner[slots]).any())
+        if changed:
+            self.owner = self.owner.copy()  # the array a grid drew from stays as it was
+            self.owner[slots] = new
+        return changed
+
+
 def tier_snapshot(snapshot: PoolSnapshot, name: str, tier: TierView, book: ContentBook,
-                  version: int | None = None) -> PoolSnapshot:
+                  version: int | None = None, owners: np.ndarray | None = None) -> PoolSnapshot:
     """One tier as a pool of CACHED / FREE slots, for the grid renderer: a cached slot is full (tier blocks are
     always full), held by no table (ref count 0), coloured by the owner the content book knows for its hash.
-    ``version``: what the grid compares to tell a change (default: the device snapshot's)."""
+    ``version``: what the grid compares to tell a change (default: the device snapshot's); ``owners``: each slot's
+    owner already looked up (:class:`TierOwners`), else the book is asked for all of them."""
     n = int(tier.num_blocks)
     state = np.asarray(tier.state, np.int8)
     cached = state == BlockState.CACHED
     filled = np.where(cached, snapshot.block_size, 0).astype(np.int32)
-    owner = np.where(cached, book.owners(tier.block_hash), -1).astype(np.int32)
+    owner = np.where(cached, book.owners(tier.block_hash) if owners is None else owners, -1).astype(np.int32)
     return PoolSnapshot(
         step_id=snapshot.step_id, block_size=snapshot.block_size, num_blocks=n, ref_count=np.zeros(n, np.int32),
         num_filled=filled, state=state, owner=owner, last_access=np.asarray(tier.last_access, np.int64),

@@ -15,7 +15,8 @@ from PySide6 import QtCore, QtWidgets
 from kvstream.views import PoolSnapshot, TierView
 
 from ..grid_view import GridView
-from ..model.tiers import ContentBook, TierStories, same_tier, tier_block_facts, tier_names, tier_snapshot
+from ..model.tiers import (ContentBook, TierOwners, TierStories, same_tier, tier_block_facts, tier_names,
+                           tier_snapshot)
 
 TOOLTIP_FACTS = 8  # facts a tier slot's tooltip lists (the inspector below lists them all)
 
@@ -67,7 +68,7 @@ class TierGrids(QtWidgets.QWidget):
         self.selected: tuple[str, int] | None = None  # the inspected slot
         self.detokenize = None
         self._tiers: dict[str, TierView] = {}  # the tier views last drawn
-        self._book_version: dict[str, int] = {}  # the content book's version each grid was drawn with
+        self._owners: dict[str, TierOwners] = {}  # each tier's slot owners, kept up to date incrementally
         self._versions: dict[str, int] = {}  # the synthetic version of each tier's pool (bumped on a change)
         self._fitted: dict[str, object] = {}  # the view box size each grid was last fitted to
         self._user_moved: set[str] = set()  # grids the user panned or zoomed: no longer refitted
@@ -98,7 +99,7 @@ class TierGrids(QtWidgets.QWidget):
         self.stories.clear()
         self.snapshot, self.selected = None, None
         self._tiers.clear()
-        self._book_version.clear()
+        self._owners.clear()
         self.inspector.setText("Click a slot of a tier to inspect it.")
         self.setVisible(False)
 
@@ -117,15 +118,17 @@ class TierGrids(QtWidgets.QWidget):
         for name in names:
             tier = snapshot.tiers[name]
             grid = self.grids.get(name) or self._add(name)
-            changed = not same_tier(self._tiers.get(name), tier) or self._book_version.get(name) != self.book.version
+            owners = self._owners.setdefault(name, TierOwners())
+            recoloured = owners.update(tier, self.book)  # an owner learnt for content the tier holds
+            changed = not same_tier(self._tiers.get(name), tier) or recoloured
             if changed:
                 self._versions[name] = self._versions.get(name, 0) + 1
                 self._tiers[name] = tier
-                self._book_version[name] = self.book.version
                 self.tier_redraws += 1
             if changed or grid.snapshot is None or (self.color_by == "age" and  # ages move with every step
                                                     grid.snapshot.step_id != snapshot.step_id):
-                grid.set_snapshot(tier_snapshot(snapshot, name, tier, self.book, self._versions[name]))
+                grid.set_snapshot(tier_snapshot(snapshot, name, tier, self.book, self._versions[name],
+                                                owners.owner))
             used = int((tier.state != 0).sum())
             self.titles[name].setText(f"<b>{name.capitalize()} tier</b> ({MEDIUM_WORDS.get(name, name)}): "
                                       f"{used:,} of {tier.num_blocks:,} slots hold KV")
@@ -198,7 +201,7 @@ class TierGrids(QtWidgets.QWidget):
             widget.setParent(None)
             widget.deleteLater()
         self._tiers.pop(name, None)
-        self._book_version.pop(name, None)
+        self._owners.pop(name, None)
         self._fitted.pop(name, None)
         self._user_moved.discard(name)
 
