@@ -240,3 +240,23 @@ def test_tier_owners_look_up_only_changed_slots_and_newly_learnt_owners():
     assert not owners.update(tier(4, {0: HA, 1: HB, 2: H0}), book)  # a new slot whose owner nobody knows
     book.add_events([BlockEvent(30, EventKind.STORED, 3, (1,), block_hashes=(HB,), token_ids=(5, 5, 5, 5))])
     assert owners.update(tier(4, {0: HA, 1: HB, 2: H0}), book) and owners.owner.tolist() == [2, 3, 1, -1]
+
+
+def test_the_pool_stream_carries_a_conversations_group_tables_and_prompt_sources():
+    """The two new ConversationInfo fields cross the pool stream (kvstream.poolstream's ConvPatch lists every
+    field of ConversationInfo); the tiers and groups of the snapshot itself are the engine sides' to carry."""
+    import dataclasses
+
+    from kvstream.poolstream import StreamDecoder, StreamEncoder
+    snap = tiered_snapshot()
+    enc, dec = StreamEncoder(), StreamDecoder()
+    got, _, _ = dec.feed(enc.encode(snap).payload)
+    one = got.conversation(1)
+    assert one.group_block_tables == ((0, 1, 2), (-1, 3, 4))
+    assert one.prompt_token_sources == {"device": 4, "host": 4, "disk": 0, "computed": 0}
+    later = dataclasses.replace(snap, step_id=21, version=2, conversations=(
+        dataclasses.replace(snap.conversations[0], group_block_tables=((0, 1, 2, 5), (-1, -1, 4, 6))),
+        snap.conversations[1]))
+    got, _, _ = dec.feed(enc.encode(later).payload)
+    assert got.conversation(1).group_block_tables == ((0, 1, 2, 5), (-1, -1, 4, 6))
+    assert got.conversation(2).prompt_token_sources == {"device": 0, "host": 0, "disk": 0, "computed": 8}
