@@ -25,7 +25,7 @@ from .table_model import RowsModel
 
 COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by", "prompt from")
 ID_DIGITS = 5  # the id column fits ids this long beside the colour swatch
-COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110, 150)  # fixed: resizing to contents re-reads every cell on every update
+COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110, 150)  # fixed: resizing to contents re-reads every cell each update
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
