@@ -38,7 +38,9 @@ MOUSE = (  # (gesture, what it does) on the grid
 )
 LESSON_TEXT = ("The lesson replays the source text's experiment one position at a time: blocks of 4 slots, keys 0, "
                "query 1, values 1, 2, 3, ... When the fifth position arrives it takes a second block somewhere else "
-               "in the pool, and the attention result is the same in both layouts.")
+               "in the pool, and the attention result is the same in both layouts. Chapter 2 steps the same "
+               "positions through a sliding window of 4 beside paging alone: the window releases the first block "
+               "when position 8 arrives, because the model never reads it again; paging alone keeps everything.")
 
 
 def _rows_widget(rows: list[tuple[QtGui.QPixmap | str, str]]) -> QtWidgets.QWidget:
