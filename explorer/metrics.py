@@ -146,7 +146,7 @@ class MetricsPanel(QtWidgets.QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.scroll)
         from .widgets.tier_metrics import TierMetrics
-        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any),
+        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any)
         body = QtWidgets.QWidget()  # under the other plots in the same scroll area: they keep their height
         column = QtWidgets.QVBoxLayout(body)
         column.setContentsMargins(0, 0, 0, 0)
