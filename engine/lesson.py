@@ -91,6 +91,7 @@ class LessonView:
     block_table: tuple[int, ...]  # physical ids in logical order
     result: float  # paged_attention output (NaN with no positions)
     newest: tuple[int, int] | None  # (physical block, slot) of the position appended last
+    sliding_window: int | None = None  # positions attention reads back (None: all of them, plain paging)
 
     @property
     def num_blocks(self) -> int:
@@ -98,13 +99,22 @@ class LessonView:
 
 
 class ToyPagedSequence:
-    """One sequence of the toy head, appended position by position into a paged pool shared with other tenants."""
+    """One sequence of the toy head, appended position by position into a paged pool shared with other tenants.
 
-    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE):
+    ``sliding_window``: the lesson's second chapter. The head then reads only the last ``sliding_window`` positions
+    (a sliding-window layer), and a block wholly behind the window is released at the step that puts it there,
+    because the model will never read it again; the table keeps its place as -1 (vLLM's null block). Paging alone
+    (None) never releases anything: it changes where KV lives, not how much of it is kept."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, sliding_window: int | None = None):
         if num_blocks < sum(t.num_blocks for t in TENANTS) or block_size < 1:
             raise ValueError("the lesson's pool needs room for its tenants")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.reset()
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -129,6 +139,7 @@ class ToyPagedSequence:
         self.num_positions = 0
         self.last_event: StepEvent | None = None
         self.last_change: LayoutChange | None = None
+        self.released: list[tuple[int, int, int]] = []  # (position that released it, logical, physical) per release
         self.last_action = "reset"  # "reset", "step" or "layout": what the explanation should talk about
 
     @property
@@ -142,9 +153,15 @@ class ToyPagedSequence:
         return self.pool.free_queue
 
     @property
+    def live_blocks(self) -> list[int]:
+        """The physical blocks the sequence holds (its table without the window's released entries)."""
+        return [b for b in self.block_table if b >= 0]
+
+    @property
     def max_positions(self) -> int:
-        """Positions the sequence can reach before the pool runs out (the tenants keep their blocks)."""
-        return (len(self.block_table) + self.pool.num_free_blocks) * self.block_size
+        """Positions the sequence can reach before the pool runs out (the tenants keep their blocks); with a window,
+        the blocks it releases come back, so this grows as it goes."""
+        return (len(self.live_blocks) + self.pool.num_free_blocks) * self.block_size
 
     def can_step(self) -> bool:
         return self.num_positions % self.block_size != 0 or self.pool.can_allocate(1)
@@ -166,20 +183,63 @@ class ToyPagedSequence:
         self.num_positions = index + 1
         self.last_event = StepEvent(index + 1, logical, block, slot, allocated)
         self.last_action = "step"
+        self._release_out_of_window()
         return self.last_event
 
+    def window_start(self) -> int:
+        """0-based first position attention reads now (0 without a window)."""
+        w = self.sliding_window
+        return 0 if w is None else max(0, self.num_positions - w)
+
+    def _release_out_of_window(self) -> None:
+        """Give back every block wholly before the window: the model never reads those positions again. Its
+        reference is dropped through the manager (the pool's one writer) and its table entry becomes -1."""
+        if self.sliding_window is None:
+            return
+        table = self.seq.block_table
+        for logical in range(self.window_start() // self.block_size):  # blocks ending before the window's start
+            block = table[logical]
+            if block < 0:
+                continue
+            self.manager._drop(block, self.seq.seq_id)  # the pool's only writer; the block goes to the free queue
+            table[logical] = -1
+            self.released.append((self.num_positions, logical, block))
+
     def result(self) -> float:
-        """The head's output for the current positions, computed by paged_attention through the block table."""
+        """The head's output for the current positions, computed by paged_attention through the block table (with a
+        window: read through the same table, the window's positions only)."""
         if self.num_positions == 0:
             return float("nan")
+        if self.sliding_window is not None:
+            return self._windowed_result()
         query = torch.ones(1, 1, 1)  # [seqs, heads, dim]
         table = torch.tensor([self.block_table], dtype=torch.int32)  # [seqs, blocks]
         lens = torch.tensor([self.num_positions], dtype=torch.int32)
         return float(paged_attention(query, self.key_cache, self.value_cache, table, lens)[0, 0, 0])
 
+    def _windowed_result(self) -> float:
+        """Attention over the window's positions, each found through the block table (logical block, slot): the
+        same addressing as paged_attention, so a wrong table entry gives a wrong mean, and a released block
+        (-1) inside the window would fail loudly instead of being read."""
+        positions = range(self.window_start(), self.num_positions)
+        table = self.block_table
+        blocks = [table[p // self.block_size] for p in positions]
+        if min(blocks) < 0:
+            raise RuntimeError("the window reaches a released block")
+        index = torch.tensor(blocks, dtype=torch.long)
+        slots = torch.tensor([p % self.block_size for p in positions], dtype=torch.long)
+        keys = self.key_cache[index, slots, 0, 0]  # [window]
+        values = self.value_cache[index, slots, 0, 0]  # [window]
+        weights = torch.softmax(keys * 1.0, dim=0)  # query 1, head dimension 1: scale 1
+        return float((weights * values).sum())
+
     def expected(self) -> float:
-        """The mean of the values 1..n, the answer the paged computation must give."""
-        return (self.num_positions + 1) / 2 if self.num_positions else float("nan")
+        """The mean of the values the head reads (1..n, or the window's last positions), the answer the paged
+        computation must give."""
+        if not self.num_positions:
+            return float("nan")
+        first = self.window_start() + 1
+        return (first + self.num_positions) / 2
 
     def change_layout(self, seed: int = 0) -> LayoutChange:
         """Move every used block (the lesson's and the tenants') to another physical id, data included.
@@ -187,6 +247,8 @@ class ToyPagedSequence:
         Like the engine's relocation: a permutation of the whole pool in which no used block keeps its id; the
         cache rows are moved with it, the BlockPool renames its bookkeeping and the block table is rewritten."""
         before_table, before = tuple(self.block_table), self.result()
+        holes = [i for i, b in enumerate(self.seq.block_table) if b < 0]  # released by the window: nothing to move
+        self.seq.block_table = [b for b in self.seq.block_table if b >= 0]
         used = np.nonzero(self.pool.state != BlockState.FREE)[0]
         new_id = random_cycle(self.num_blocks, seed)
         index = torch.as_tensor(new_id, dtype=torch.long)
@@ -195,6 +257,8 @@ class ToyPagedSequence:
         moved_v[index] = self.value_cache
         self.key_cache, self.value_cache = moved_k, moved_v
         self.manager.relocate(new_id, [self.seq, *self.tenants.values()])
+        for i in holes:
+            self.seq.block_table.insert(i, -1)
         if self.last_event is not None:
             e = self.last_event
             self.last_event = StepEvent(e.position, e.logical_block, int(new_id[e.physical_block]), e.slot, e.allocated)
@@ -216,7 +280,7 @@ class ToyPagedSequence:
         values.setflags(write=False)
         newest = None if self.last_event is None else (self.last_event.physical_block, self.last_event.slot)
         return LessonView(self.num_positions, self.block_size, values, tuple(self.block_roles()),
-                          tuple(self.block_table), self.result(), newest)
+                          tuple(self.block_table), self.result(), newest, self.sliding_window)
 
     def block_roles(self) -> list[str]:
         """Per physical block: 'lesson', 'free' or a tenant's name."""
@@ -233,14 +297,17 @@ class ToyPagedSequence:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the lesson's sequence: KV held, empty tail slots, table, and a contiguous max-length reservation."""
-        allocated = len(self.block_table) * self.block_size
+        live = self.live_blocks
+        allocated = len(live) * self.block_size
+        held = int(sum(self.pool.num_filled[b] for b in live))  # positions whose K/V the pool still holds
         return {
-            "filled_slots": self.num_positions,
+            "filled_slots": held,
             "allocated_slots": allocated,
-            "empty_tail_slots": allocated - self.num_positions,
-            "kv_bytes": self.num_positions * KV_BYTES_PER_SLOT,
-            "tail_bytes": (allocated - self.num_positions) * KV_BYTES_PER_SLOT,
+            "empty_tail_slots": allocated - held,
+            "kv_bytes": held * KV_BYTES_PER_SLOT,
+            "tail_bytes": (allocated - held) * KV_BYTES_PER_SLOT,
             "table_bytes": len(self.block_table) * TABLE_BYTES_PER_ENTRY,
+            "released_blocks": len(self.released),
             "contiguous_bytes": self.max_positions * KV_BYTES_PER_SLOT,
         }
 

@@ -36,13 +36,26 @@ class EventKind(str, enum.Enum):
     PREEMPTED = "preempted"  # conversation_id lost block_ids to make room (their RELEASED/CACHED/FREED follow)
     RELOCATED = "relocated"  # every non-free block moved: block_ids[i] is now new_block_ids[i]
     CLEARED = "cleared"  # the prefix cache was reset: every hash dropped, cached blocks freed
+    OFFLOADED = "offloaded"  # block_hashes copied into tier ``tier`` at slots tier_slots; block_ids: the device
+    #                          blocks they came from (empty when they came from the tier above: host -> disk)
+    LOADED = "loaded"  # block_hashes copied from tier ``tier`` slots tier_slots into device block_ids, for
+    #                    conversation_id (a prefix hit in a lower tier instead of recomputing)
+    DROPPED = "dropped"  # tier ``tier`` let go of slots tier_slots (block_hashes aligned): to make room, or passed on
+    #                      to the tier below (reason names it: "disk")
+    WINDOW_RELEASED = "window_released"  # conversation_id's KV cache group ``group`` (a sliding window) let go of
+    #                                      block_ids: wholly out of the window, the model never reads them again;
+    #                                      its table keeps their places as -1 (their RELEASED/CACHED/FREED follow)
+
+
+TIER_KINDS = frozenset({EventKind.OFFLOADED, EventKind.LOADED, EventKind.DROPPED})  # kinds that name a tier
 
 
 # Kinds the timeline marks and the event log shows by default (allocation and release happen every few steps).
 NOTABLE_KINDS = frozenset({
     EventKind.CONVERSATION_ADDED, EventKind.CONVERSATION_CONTINUED, EventKind.CONVERSATION_FINISHED,
     EventKind.CONVERSATION_ENDED, EventKind.COPIED_ON_WRITE, EventKind.EVICTED, EventKind.PREEMPTED,
-    EventKind.RELOCATED, EventKind.CLEARED,
+    EventKind.RELOCATED, EventKind.CLEARED, EventKind.OFFLOADED, EventKind.LOADED, EventKind.DROPPED,
+    EventKind.WINDOW_RELEASED,
 })
 
 
@@ -60,6 +73,9 @@ class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     token_ids: tuple[int, ...] = ()  # stored: the tokens of the stored blocks, back to back
     other_id: int = -1  # shared by a fork / conversation added as a fork: the parent conversation
     reason: str = ""  # shared: "prefix_hit" | "fork"; finished: a FinishReason value
+    tier: str = ""  # offloaded / loaded / dropped: the tier, "host" or "disk"
+    group: int = 0  # the KV cache group the blocks belong to (window_released: the sliding-window group)
+    tier_slots: tuple[int, ...] = ()  # offloaded / loaded / dropped: the slots in ``tier``, aligned with block_hashes
 
 
 class PoolModel:

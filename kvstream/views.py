@@ -72,6 +72,10 @@ class ConversationInfo:
     finish_reason: FinishReason | None = None  # why it stopped; None while live
     turns: tuple[tuple[int, int], ...] = ()  # per turn: (position its user message starts, position its reply starts)
     label: str = ""  # the source's own name for it (a vLLM request id); "" for the project's engine
+    group_block_tables: tuple[tuple[int, ...], ...] = ()  # one table per KV cache group (-1 where a sliding window
+    #                                                       released a block); () for a one-group pool (block_table)
+    prompt_token_sources: Mapping[str, int] = field(default_factory=dict, hash=False)  # last admission's prompt
+    #                   tokens by where their K/V came from: "device", "host", "disk" (tiers) or "computed"; {}: unknown
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +170,28 @@ class MemoryStats:
 NO_HASH = 0  # block_hash entry of a block without a prefix hash (a real hash of 0 is remapped by its maker)
 
 
+@dataclass(frozen=True)
+class TierView:
+    """One lower tier of the KV cache (host memory, disk) as the window sees it: a slot per block it can hold.
+
+    A tier only ever holds full hashed blocks that the device pool evicted (or that the tier above passed down), so
+    a slot is FREE or CACHED; the hash names the content, and the device pool's hashes tell whose it was."""
+
+    num_blocks: int  # slots in the tier
+    state: np.ndarray  # int8 BlockState per slot: FREE or CACHED
+    block_hash: np.ndarray  # uint64 prefix hash held in each slot, NO_HASH where empty
+    last_access: np.ndarray  # int64: step at which each slot was last written or read (loaded back)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupInfo:
+    """One KV cache group: the layers of one attention kind, paged together (vLLM v1's hybrid allocator)."""
+
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None  # tokens a sliding-window layer reads back; None for full attention
+    layers: tuple[int, ...]  # indices of the model's layers in this group
+
+
 _OWNER_SCANS = 4  # owners_of questions a snapshot answers by scanning its tables before it builds the index
 # (for 256 conversations on 65,536 blocks the index took 11-34 ms to build, one scan of their tables 0.07 ms)
 
@@ -193,6 +219,10 @@ class PoolSnapshot:
     block_hash: np.ndarray | None = None  # uint64 prefix hash of each block, NO_HASH where it has none
     version: int = 0  # bumped by every change to the pool or a conversation; equal versions: same contents
     source: str = "engine"  # what produced it: "engine", "vllm", ... (the --json "source" field)
+    tiers: Mapping[str, TierView] = field(default_factory=dict)  # "host", "disk": only the tiers that are on
+    kv_cache_groups: tuple[KVCacheGroupInfo, ...] = ()  # () means one full-attention group
+    group_block_tables: tuple[Mapping[int, tuple[int, ...]], ...] = ()  # one {conversation id: ids} per group, -1
+    #                                    where a window released a block; () for one group (block_tables is group 0's)
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)

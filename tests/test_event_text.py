@@ -44,6 +44,19 @@ EXAMPLES = [
      "step 1,204: every block moved: 2,304 blocks to new ids"),
     (BlockEvent(1204, K.RELOCATED, -1, (3,), (8,)), "step 1,204: every block moved: 1 block to new ids"),
     (BlockEvent(90, K.CLEARED), "step 90: prefix cache cleared: every hash dropped, cached blocks freed"),
+    (BlockEvent(12, K.OFFLOADED, -1, (7,), block_hashes=(0xAB12_0000_0000_0001,), tier="host", tier_slots=(3,)),
+     "step 12: block 7 (hash ab12) offloaded to host slot 3"),
+    (BlockEvent(14, K.OFFLOADED, block_hashes=(0xAB12_0000_0000_0001,), tier="disk", tier_slots=(5,), reason="host"),
+     "step 14: hash ab12 offloaded to disk slot 5 from host"),
+    (BlockEvent(13, K.LOADED, 2, (9,), block_hashes=(0xAB12_0000_0000_0001,), tier="host", tier_slots=(3,)),
+     "step 13: host slot 3 (hash ab12) loaded into block 9 for conversation 2: a prefix hit, not recomputed"),
+    (BlockEvent(14, K.DROPPED, block_hashes=(0xAB12_0000_0000_0001, 0xCD34_0000_0000_0000), tier="host",
+                tier_slots=(3, 4), reason="disk"),
+     "step 14: host slots 3, 4 (hashes ab12, cd34) dropped: moved on to disk"),
+    (BlockEvent(15, K.DROPPED, block_hashes=(0x0001_0000_0000_0000,), tier="disk", tier_slots=(0,)),
+     "step 15: disk slot 0 (hash 0001) dropped: its KV is gone"),
+    (BlockEvent(15, K.WINDOW_RELEASED, 3, (4,), group=1),
+     "step 15: conversation 3's sliding window (group 1) let go of block 4: out of the window, never read again"),
 ]
 
 

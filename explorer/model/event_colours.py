@@ -24,11 +24,16 @@ KIND_COLOURS: dict[EventKind, tuple[int, int, int]] = {
     EventKind.PREEMPTED: (230, 70, 200),  # magenta: a conversation lost its blocks
     EventKind.RELOCATED: (250, 225, 60),  # yellow: every block moved
     EventKind.CLEARED: (240, 240, 240),  # white: the whole prefix cache dropped
+    EventKind.OFFLOADED: (70, 160, 250),  # sky blue: KV went down a tier (kept, not lost)
+    EventKind.LOADED: (110, 235, 190),  # mint: KV came back up from a tier instead of being recomputed
+    EventKind.DROPPED: (190, 100, 70),  # brick: a tier let go of KV
+    EventKind.WINDOW_RELEASED: (225, 120, 35),  # amber: a sliding window let go of blocks it never reads again
 }
 
 # Which kind wins when several land on the same pixel column of the timeline: the rarer and more telling first.
 KIND_PRIORITY: tuple[EventKind, ...] = (
-    EventKind.RELOCATED, EventKind.CLEARED, EventKind.PREEMPTED, EventKind.EVICTED, EventKind.COPIED_ON_WRITE,
+    EventKind.RELOCATED, EventKind.CLEARED, EventKind.PREEMPTED, EventKind.EVICTED, EventKind.DROPPED,
+    EventKind.LOADED, EventKind.OFFLOADED, EventKind.WINDOW_RELEASED, EventKind.COPIED_ON_WRITE,
     EventKind.CONVERSATION_ENDED, EventKind.CONVERSATION_FINISHED, EventKind.CONVERSATION_CONTINUED,
     EventKind.CONVERSATION_ADDED, EventKind.SHARED, EventKind.STORED, EventKind.CACHED,
     EventKind.RELEASED, EventKind.FREED, EventKind.ALLOCATED,
@@ -51,6 +56,10 @@ KIND_NAMES: dict[EventKind, str] = {
     EventKind.PREEMPTED: "preempted",
     EventKind.RELOCATED: "relocated",
     EventKind.CLEARED: "prefix cache cleared",
+    EventKind.OFFLOADED: "offloaded to a tier",
+    EventKind.LOADED: "loaded from a tier",
+    EventKind.DROPPED: "dropped from a tier",
+    EventKind.WINDOW_RELEASED: "released by the window",
 }
 
 # Every kind in one fixed order (menus, legends, the small integer codes the timeline stores per marker).

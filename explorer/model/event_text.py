@@ -170,6 +170,55 @@ def _for(words: str):
     return lambda e, bid, hashed: words.format(who=_conv(e.conversation_id))
 
 
+def _hashes(e: BlockEvent, limit: int = ID_LIMIT) -> str:
+    """'hash ab12' or 'hashes ab12, cd34' (the first four hex digits; the inspector gives all sixteen)."""
+    if not e.block_hashes:
+        return ""
+    short = [f"{int(h):016x}"[:4] for h in e.block_hashes]
+    return f"hash{'es' if len(short) != 1 else ''} {id_list(short, limit)}"
+
+
+def _slots(e: BlockEvent) -> str:
+    """'host slot 3' or 'host slots 3, 4'."""
+    slots = tuple(e.tier_slots)
+    tier = e.tier or "a tier"
+    return f"{tier} slot{'s' if len(slots) != 1 else ''} {id_list(slots)}" if slots else tier
+
+
+def _offloaded(e: BlockEvent) -> str:
+    what = f"{blocks_phrase(e.block_ids)} ({_hashes(e)})" if e.block_ids else _hashes(e) or "KV"
+    came = f" from {e.reason}" if not e.block_ids and e.reason else ""
+    return f"{what} offloaded to {_slots(e)}{came}"
+
+
+def _loaded(e: BlockEvent) -> str:
+    who = f" for {_conv(e.conversation_id)}" if e.conversation_id >= 0 else ""
+    into = f" into {blocks_phrase(e.block_ids)}" if e.block_ids else ""
+    return f"{_slots(e)} ({_hashes(e)}) loaded{into}{who}: a prefix hit, not recomputed"
+
+
+def _dropped(e: BlockEvent) -> str:
+    fate = f": moved on to {e.reason}" if e.reason else ": its KV is gone"
+    return f"{_slots(e)} ({_hashes(e)}) dropped{fate}"
+
+
+def _tier_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
+    k = e.block_ids.index(bid) if bid in e.block_ids else -1
+    slot = f" slot {e.tier_slots[k]}" if 0 <= k < len(e.tier_slots) else ""
+    digest = f" (hash {int(e.block_hashes[k]):016x})" if 0 <= k < len(e.block_hashes) else ""
+    if e.kind == EventKind.OFFLOADED:
+        return f"its KV{digest} offloaded to {e.tier or 'a tier'}{slot}"
+    if e.kind == EventKind.LOADED:
+        who = f" for {_conv(e.conversation_id)}" if e.conversation_id >= 0 else ""
+        return f"filled from {e.tier or 'a tier'}{slot}{digest}{who} (loaded, not recomputed)"
+    return ""
+
+
+def _window_released(e: BlockEvent) -> str:
+    return (f"{_conv(e.conversation_id)}'s sliding window (group {e.group}) let go of {blocks_phrase(e.block_ids)}: "
+            f"out of the window, never read again")
+
+
 @dataclass(frozen=True)
 class Phrase:
     """How one kind of block event reads: as a whole (the event log) and for one block it names (block history)."""
@@ -204,6 +253,11 @@ PHRASES: dict[EventKind, Phrase] = {
     EventKind.RELOCATED: Phrase(_relocated, _relocated_block),
     EventKind.CLEARED: Phrase(lambda e: "prefix cache cleared: every hash dropped, cached blocks freed",
                               _cleared_block),
+    EventKind.OFFLOADED: Phrase(_offloaded, _tier_block),
+    EventKind.LOADED: Phrase(_loaded, _tier_block),
+    EventKind.DROPPED: Phrase(_dropped, _tier_block),
+    EventKind.WINDOW_RELEASED: Phrase(_window_released, lambda e, bid, hashed: (
+        f"{_conv(e.conversation_id)}'s sliding window (group {e.group}) let go of it: out of the window")),
 }
 
 

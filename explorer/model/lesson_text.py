@@ -17,6 +17,8 @@ def setup_note(lesson) -> str:
 
 def explanation(lesson) -> tuple[str, str]:
     """A title and a short text for the current position (or for the layout change just made)."""
+    if getattr(lesson, "sliding_window", None) is not None and lesson.last_action != "layout":
+        return _window_explanation(lesson)
     n, bs = lesson.num_positions, lesson.block_size
     table = _table_text(lesson)
     if lesson.last_action == "layout" and lesson.last_change is not None:
@@ -96,8 +98,46 @@ def explanation(lesson) -> tuple[str, str]:
             f"Output: mean(1..{n}) = {_num(lesson.expected())}.")
 
 
+def _window_explanation(lesson) -> tuple[str, str]:
+    """The sliding-window chapter: the same positions, a head that reads only the last ``sliding_window``."""
+    n, bs, w = lesson.num_positions, lesson.block_size, lesson.sliding_window
+    table, e = _table_text(lesson), lesson.last_event
+    first = lesson.window_start() + 1
+    reads = f"positions {first}..{n}" if n > 1 else "position 1"
+    mean = f"mean({first}..{n}) = {_num(lesson.expected())}" if n > 1 else "mean(1) = 1"
+    if n == 0:
+        return ("A window of 4",
+                f"The same toy head, but now it is a sliding-window layer: each position reads only the last "
+                f"{w} positions, as Mistral's layers or the sliding layers of Gemma and gpt-oss do. Blocks are "
+                f"still {bs} slots. Step it beside plain paging and watch the tables.")
+    just = [r for r in lesson.released if r[0] == n]
+    if just:
+        _, logical, block = just[-1]
+        return (f"Position {n}: logical block {logical} is released",
+                f"The window now reads {reads}. Logical block {logical} (physical {block}) holds only "
+                f"positions before the window, and a window never looks back, so the model will never read "
+                f"them again: the block goes back to the free queue at once, and the table keeps its place as "
+                f"-1 (a hole, vLLM's null block): {table}. Paging alone never releases anything: beside it "
+                f"the same {n} positions still hold every block, because full attention reads all of them. "
+                f"The text's point: paging does not automatically shorten context; a window does. Output: "
+                f"{mean}.")
+    if e is not None and e.allocated and e.logical_block >= 1:
+        return (f"Position {n} needs a new block",
+                f"Logical block {e.logical_block - 1} is full, so position {n} takes physical block "
+                f"{e.physical_block} from the free queue, exactly as with paging alone. The window reads "
+                f"{reads}, and some of those are still in the block before, so nothing is released yet. "
+                f"Table: {table}. Output: {mean}.")
+    if n <= w:
+        return (f"Position {n}: the window still sees everything",
+                f"With {n} position{'s' if n > 1 else ''} the window of {w} reaches back to the start, so "
+                f"this head reads what full attention reads. Table: {table}. Output: {mean}.")
+    return (f"Position {n}: the window slides",
+            f"The window reads {reads}; positions before {first} are never read again. A block is given back "
+            f"only once all of its positions are behind the window. Table: {table}. Output: {mean}.")
+
+
 def _table_text(lesson) -> str:
-    return ", ".join(f"{i} \u2192 {b}" for i, b in enumerate(lesson.block_table))
+    return ", ".join(f"{i} \u2192 {b if b >= 0 else 'released (-1)'}" for i, b in enumerate(lesson.block_table))
 
 
 def _arrow(table: tuple[int, ...]) -> str:

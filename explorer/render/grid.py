@@ -17,9 +17,10 @@ from kvstream.views import BlockState, PoolSnapshot
 
 from ..model import palette
 
-COLOR_BY = ("owner", "ref_count", "fill", "age", "state")
+COLOR_BY = ("owner", "ref_count", "fill", "age", "state", "group")
 COLOR_BY_LABELS = {
     "owner": "Owner", "ref_count": "Ref count", "fill": "Fill level", "age": "Age since last access", "state": "State",
+    "group": "KV cache group",
 }
 AGE_HORIZON = 256  # steps; older blocks get the darkest age colour
 MAX_IMAGE_SIDE = 512  # pixels across the grid image, about its size on screen: no aliasing, fast on large pools
@@ -163,9 +164,10 @@ def _column(values, ids: np.ndarray | None, dtype=None) -> np.ndarray:
 
 
 def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
-                  ids: np.ndarray | None = None, book=None) -> tuple[np.ndarray, np.ndarray]:
+                  ids: np.ndarray | None = None, book=None,
+                  group_filter: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Colour of a filled slot and of an empty slot for every block (or for blocks ``ids``), RGBA uint8
-    [blocks, 4] each."""
+    [blocks, 4] each. ``group_filter``: blocks of other KV cache groups are dimmed."""
     if color_by not in COLOR_BY:
         raise ValueError(f"color_by must be one of {COLOR_BY}, got {color_by!r}")
 
@@ -192,9 +194,16 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
             level = 1.0 - np.log1p(age) / np.log1p(AGE_HORIZON)
         index = np.clip(np.round(level * 255), 0, 255).astype(np.intp)
         fill32 = np.where(used | cached, _SHADES32[index], _FREE32)
+    elif color_by == "group":
+        from .groups import group_fill32
+        fill32 = group_fill32(snapshot, ids)
     else:  # state
         fill32 = np.where(used, _STATE_USED32, np.where(cached, _STATE_CACHED32, _FREE32))
     fill = np.ascontiguousarray(fill32, np.uint32).view(np.uint8).reshape(n, 4)
+    if group_filter is not None:
+        from .groups import outside_group
+        other = outside_group(snapshot, group_filter, ids)
+        fill[other] = palette.scale(fill[other], palette.DIM_LEVEL)
     if selected_conversation is not None:
         member = cached & (_column(snapshot.owner, ids) == selected_conversation)  # what it left in the cache
         table = snapshot.block_tables.get(selected_conversation, ())
@@ -212,10 +221,10 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
 
 
 def _tile_rows(snapshot: PoolSnapshot, color_by: str, selected_conversation: int | None, geo: GridGeometry,
-               ids: np.ndarray | None, book=None) -> np.ndarray:
+               ids: np.ndarray | None, book=None, group_filter: int | None = None) -> np.ndarray:
     """The pixel row every tile repeats (before outlines and gaps), uint32 [blocks, tile], for every block or for
     blocks ``ids``; may be a read-only broadcast."""
-    fill, empty = block_colours(snapshot, color_by, selected_conversation, ids, book)
+    fill, empty = block_colours(snapshot, color_by, selected_conversation, ids, book, group_filter)
     num_filled = _column(snapshot.num_filled, ids, np.int32)
     _, _, slot, separator = tile_masks(geo)
     fill32, empty32 = as_u32(fill), as_u32(empty)  # one uint32 per pixel: 4x fewer elements to move
@@ -249,12 +258,12 @@ def _rings(snapshot: PoolSnapshot, selected_block: int | None, ids: np.ndarray |
 
 def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_conversation: int | None = None,
                      selected_block: int | None = None, geometry: GridGeometry | None = None,
-                     book=None) -> np.ndarray:
+                     book=None, group_filter: int | None = None) -> np.ndarray:
     """The grid image, uint8 [rows * tile, cols * tile, 4], row-major with block 0 at the top left; owners in
     ``book``'s colours (the source's colour book; None: the default book)."""
     geo = geometry or grid_geometry(snapshot.num_blocks, snapshot.block_size)
     n, t = snapshot.num_blocks, geo.tile
-    profile = _tile_rows(snapshot, color_by, selected_conversation, geo, None, book)
+    profile = _tile_rows(snapshot, color_by, selected_conversation, geo, None, book, group_filter)
     gap, ring, _, _ = tile_masks(geo)
     ring_on, ring_colour = _rings(snapshot, selected_block, None)
 
@@ -281,7 +290,7 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
 
 def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, color_by: str = "owner",
                   selected_conversation: int | None = None, selected_block: int | None = None,
-                  geometry: GridGeometry | None = None, book=None) -> None:
+                  geometry: GridGeometry | None = None, book=None, group_filter: int | None = None) -> None:
     """Draw blocks ``ids`` of ``snapshot`` into ``image`` (an image of :func:`snapshot_to_rgba` with the same
     geometry), in place, exactly as snapshot_to_rgba would draw them: a step of a large pool changes a few hundred
     blocks of 65,536, and drawing only those took a fraction of the whole image's 5-6 ms."""
@@ -291,7 +300,7 @@ def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, co
     if not len(ids):
         return
     tiles = np.empty((len(ids), t, t), np.uint32)
-    tiles[...] = _tile_rows(snapshot, color_by, selected_conversation, geo, ids, book)[:, None, :]
+    tiles[...] = _tile_rows(snapshot, color_by, selected_conversation, geo, ids, book, group_filter)[:, None, :]
     gap, ring, _, _ = tile_masks(geo)
     ring_on, ring_colour = _rings(snapshot, selected_block, ids)
     if ring_on.any():

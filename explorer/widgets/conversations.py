@@ -20,11 +20,13 @@ from kvstream.views import ConversationInfo, PoolSnapshot
 from ..model import palette
 from ..model.event_text import finish_words
 from ..model.palette import conversation_colour
+from ..model.conversation_text import group_tables_html, sources_cell, sources_sentence
+from ..model.groups import conversation_group_tables
 from .table_model import RowsModel
 
-COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by")
+COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by", "prompt from")
 ID_DIGITS = 5  # the id column fits ids this long beside the colour swatch
-COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110)  # fixed: resizing to contents re-reads every cell on every update
+COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110, 150)  # fixed: resizing to contents re-reads every cell each update
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
@@ -52,7 +54,7 @@ def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
     shared = int((np.asarray(snapshot.ref_count)[list(table)] > 1).sum()) if table else 0
     tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table else "-"
     return (info.conversation_id, str(info.status), len(info.prompt_token_ids), len(info.output_token_ids),
-            len(table), shared, tail, stop_reason(info))
+            len(table), shared, tail, stop_reason(info), sources_cell(info))
 
 
 def ids_text(token_ids) -> str:
@@ -94,7 +96,8 @@ def _same_row_input(a: ConversationInfo, b: ConversationInfo) -> bool:
     (a stream rebuilds infos every frame; comparing lengths, not token lists, keeps this cheap)."""
     return a is b or (a.status == b.status and a.finish_reason == b.finish_reason
                       and len(a.prompt_token_ids) == len(b.prompt_token_ids)
-                      and len(a.output_token_ids) == len(b.output_token_ids))
+                      and len(a.output_token_ids) == len(b.output_token_ids)
+                      and a.prompt_token_sources == b.prompt_token_sources)
 
 
 class ConversationsModel(RowsModel):
@@ -249,7 +252,8 @@ class ConversationDetail(QtWidgets.QWidget):
         fills = [int(snapshot.num_filled[b]) for b in table]
         key = (info.conversation_id, str(info.status), info.finish_reason, len(info.prompt_token_ids),
                info.prompt_text, info.output_text, len(info.output_token_ids), info.turns, tuple(table), tuple(refs),
-               tuple(fills))
+               tuple(fills), info.group_block_tables, tuple(sorted((info.prompt_token_sources or {}).items())),
+               snapshot.group_block_tables and conversation_group_tables(snapshot, info.conversation_id))
         if key == self._key:
             return
         self._key = key
@@ -262,7 +266,8 @@ class ConversationDetail(QtWidgets.QWidget):
             f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens "
             f"(at most {info.max_new_tokens} new)"
             + (f", forked from {info.parent_id}" if info.parent_id is not None else "")
-            + (f", {info.num_cached_tokens} prompt tokens from the prefix cache" if info.num_cached_tokens else ""))
+            + (f", {info.num_cached_tokens} prompt tokens from the prefix cache" if info.num_cached_tokens else "")
+            + (f"; {sources_sentence(info)}" if sources_sentence(info) else ""))
         if table:
             cells = []
             for i, (block, ref, fill) in enumerate(zip(table, refs, fills)):
@@ -272,6 +277,9 @@ class ConversationDetail(QtWidgets.QWidget):
             self.table_label.setText("Block table (logical → physical): " + ", &nbsp;".join(cells))
         else:
             self.table_label.setText("Block table: empty (it holds no blocks now)")
+        groups = group_tables_html(snapshot, info)  # per KV cache group, the window's released entries as holes
+        if groups:
+            self.table_label.setText(self.table_label.text() + "<br>Per KV cache group:<br>" + groups)
         self._show_text(info)
 
     def _remember_turn(self, info: ConversationInfo) -> None:

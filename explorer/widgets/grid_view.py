@@ -84,8 +84,9 @@ class GridView(QtWidgets.QWidget):
         self.colours = palette.BOOK  # the colour book of the source drawn (the pane hands over its source's)
         self.selected_block: int | None = None
         self.selected_conversation: int | None = None
+        self.group_filter: int | None = None  # KV cache group whose blocks stay bright (others dimmed); None: all
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
-        self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, colour book version) drawn
+        self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, group filter, book version)
         self._owner_slots: np.ndarray | None = None  # the palette entry each block's owner had in the image
         self.partial_draws = 0  # redraws that drew only the blocks that changed (the others: the whole image)
         self.frames_drawn = 0
@@ -144,6 +145,11 @@ class GridView(QtWidgets.QWidget):
         self.selected_conversation = conversation_id
         self._dirty = True
 
+    def set_group_filter(self, group: int | None) -> None:
+        """Show the blocks of one KV cache group bright and dim the rest (None: every group)."""
+        self.group_filter = group
+        self._dirty = True
+
     def render(self) -> bool:
         """Redraw if anything changed since the last call; returns whether it drew."""
         if not self._dirty or self.snapshot is None:
@@ -176,13 +182,15 @@ class GridView(QtWidgets.QWidget):
         if self.color_by == "owner":
             palette.observe(snap, colours)
             book = colours.version  # which entries the colour book had handed out for this image
-        settings = (geo, self.color_by, self.selected_conversation, self.selected_block)
+        settings = (geo, self.color_by, self.selected_conversation, self.selected_block, self.group_filter)
         drawn, ids = self._drawn, None
-        if drawn is not None and drawn[1:5] == settings and self.image is not None:
+        if drawn is not None and drawn[1:6] == settings and self.image is not None and not (
+                (self.color_by == "group" or self.group_filter is not None)  # a block may change group alone
+                and drawn[0].group_block_tables != snap.group_block_tables):
             ids = changed_blocks(drawn[0], snap, self.color_by, self.selected_conversation)
         owner = np.asarray(snap.owner)
         if ids is not None and book is not None:
-            if book != drawn[5]:  # entries handed out since: a block whose owner now has another colour is redrawn
+            if book != drawn[6]:  # entries handed out since: a block whose owner now has another colour is redrawn
                 slots = colours.slots(np.maximum(owner, 0))
                 ids = np.union1d(ids, np.nonzero(slots != self._owner_slots)[0])
                 self._owner_slots = slots
@@ -190,13 +198,13 @@ class GridView(QtWidgets.QWidget):
                 self._owner_slots[ids] = colours.slots(np.maximum(owner[ids], 0))
         if ids is None:
             self.image = snapshot_to_rgba(snap, self.color_by, self.selected_conversation, self.selected_block, geo,
-                                          colours)
+                                          colours, self.group_filter)
             if book is not None:
                 self._owner_slots = colours.slots(np.maximum(owner, 0))  # each block's colour in the image
         else:
             self.image = self.image.copy()  # the ImageItem keeps the array it was given: a new one for the new frame
             redraw_blocks(self.image, snap, ids, self.color_by, self.selected_conversation, self.selected_block, geo,
-                          colours)
+                          colours, self.group_filter)
             self.partial_draws += 1
         self._drawn = (snap, *settings, book)
 

@@ -480,7 +480,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["state"].setText(info.state.name.lower())
         self.fields["ref count"].setText(str(info.ref_count))
         self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
-        self.fields["hash"].setText(_hash_text(info))
+        self.fields["hash"].setText(_hash_text(info) + _also_in_tiers(self._snapshot, info.block_hash))
         self.fields["owners"].setText(_owners_text(info.owners, names=self._names))
         self.slots.set_block(info)
         if previous is not None and not moved and previous.num_filled == info.num_filled \
@@ -580,6 +580,15 @@ def _hash_text(info: BlockInfo) -> str:
         return f"none — {info.hash_note}"
     digits = f"{info.block_hash & (2**64 - 1):016x}"
     return f"{digits} ({info.hash_note})" if info.hash_note else digits
+
+
+def _also_in_tiers(snapshot: PoolSnapshot | None, block_hash: int | None) -> str:
+    """'; also in host slot 3, disk slot 9' when a lower tier holds the same content now ('' otherwise)."""
+    if snapshot is None or block_hash is None or not snapshot.tiers:
+        return ""
+    from ..model.tiers import place_text, where_held
+    places = [p for p in where_held(snapshot, block_hash) if p[0] != "device"]
+    return "; also in " + ", ".join(place_text(p) for p in places) if places else ""
 
 
 def _owners_text(owners, limit: int = 6, names: Mapping[int, str] | None = None) -> str:

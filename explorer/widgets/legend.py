@@ -60,6 +60,11 @@ def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
         rows.append((_gradient(palette.ramp(np.linspace(0, 1, 32))), "slots filled: few → all"))
     elif mode == "age":
         rows.append((_gradient(palette.ramp(np.linspace(1, 0, 32))), "last access: just now → 256+ steps ago"))
+    elif mode == "group":
+        from ..render.groups import GROUP_COLOURS
+        rows += [(_swatch(GROUP_COLOURS[g]), f"KV cache group {g}{note}")
+                 for g, note in ((0, " (full attention)"), (1, " (sliding window)"))]
+        rows.append((_swatch(palette.mix(GROUP_COLOURS[1], palette.UNOWNED, palette.CACHED_MIX)), "cached"))
     else:
         rows += [(_swatch(palette.STATE_USED), "used"), (_swatch(palette.STATE_CACHED), "cached")]
     rows += [(_swatch(example, ring=palette.SHARED_RING),

@@ -73,6 +73,16 @@ class MetricsPanel(QtWidgets.QWidget):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.scroll)
+        from .tier_metrics import TierMetrics
+        self.tiers = TierMetrics()  # hit rate per tier, block lifetime / idle / reuse-gap histograms (when any)
+        body = QtWidgets.QWidget()  # under the other plots in the same scroll area: they keep their height
+        column = QtWidgets.QVBoxLayout(body)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(0)
+        self.scroll.takeWidget()
+        column.addWidget(self.plots)
+        column.addWidget(self.tiers)
+        self.scroll.setWidget(body)
         self._reflow(MAX_COLUMNS)
 
     def _reflow(self, columns: int) -> None:
@@ -108,9 +118,11 @@ class MetricsPanel(QtWidgets.QWidget):
 
     def record(self, snap: PoolSnapshot, timed: bool = True) -> None:
         self.history.record(snap, timed=timed)
+        self.tiers.record(snap)
         self._dirty = True
 
     def redraw(self) -> None:
+        self.tiers.redraw()
         if not self._dirty:
             return
         x = self.history.series("step")
@@ -131,5 +143,6 @@ class MetricsPanel(QtWidgets.QWidget):
 
     def clear(self) -> None:
         self.history.clear()
+        self.tiers.clear()
         self.until = None
         self._dirty = True

@@ -38,6 +38,12 @@ class PoolPane(QtWidgets.QWidget):
         for mode in COLOR_BY:
             self.color_by.addItem(COLOR_BY_LABELS[mode], mode)
         self.color_by.currentIndexChanged.connect(lambda _: self.grid.set_color_by(self.color_by.currentData()))
+        from .group_filter import GroupFilter
+        from .tier_grids import TierGrids
+        self.group_filter = GroupFilter()  # one KV cache group bright, the others dimmed (shown for several groups)
+        self.group_filter.groupChosen.connect(self.grid.set_group_filter)
+        self.tier_grids = TierGrids()  # host and disk tiers beside the device grid (shown while a tier is on)
+        self.color_by.currentIndexChanged.connect(lambda _: self.tier_grids.set_color_by(self.color_by.currentData()))
         self.fit = QtWidgets.QPushButton("Fit")
         self.fit.setToolTip("Show the whole pool (pan: drag, zoom: wheel)")
         self.fit.clicked.connect(self.fit_grid)
@@ -49,6 +55,7 @@ class PoolPane(QtWidgets.QWidget):
         self.color_label = QtWidgets.QLabel("Colour by:")
         options.addWidget(self.color_label)
         options.addWidget(self.color_by)
+        options.addWidget(self.group_filter)
         options.addWidget(self.fit)
         options.addWidget(self.pool_label, 1)
         self.content_view = None  # the KV-event content view, shown instead of the grid for such a source
@@ -68,7 +75,11 @@ class PoolPane(QtWidgets.QWidget):
         self.split.setChildrenCollapsible(False)
         self.split.addWidget(self.grid)
         self.contiguous = None  # ContiguousView beside the grid while View > Contiguous side by side is on
-        layout.addWidget(self.split, 1)
+        self.outer = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)  # the device pool | its lower tiers
+        self.outer.setChildrenCollapsible(False)
+        self.outer.addWidget(self.split)
+        self.outer.addWidget(self.tier_grids)
+        layout.addWidget(self.outer, 1)
         layout.addWidget(self.timeline)
         self._layout = layout
         self.grid.blockClicked.connect(lambda _block: self.activated.emit(self))
@@ -87,6 +98,7 @@ class PoolPane(QtWidgets.QWidget):
         """Redraw the grid if needed (the window's frame timer calls this); keeps the pool fitted to the view's
         current size until the user pans or zooms. Returns whether it drew."""
         drawn = self.grid.render()
+        drawn = self.tier_grids.render() or drawn
         if self.contiguous is not None:
             drawn = self.contiguous.render() or drawn
         if self.follow_fit and self.grid.geometry_ is not None:
@@ -116,6 +128,7 @@ class PoolPane(QtWidgets.QWidget):
         self.sync_timeline()
         if pairs:
             self.timeline.add_event_markers(pairs)
+            self.tier_grids.add_events(pairs)
 
     def _seek(self, seq: int) -> None:
         try:
@@ -144,6 +157,8 @@ class PoolPane(QtWidgets.QWidget):
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()
+        self.tier_grids.reset()
+        self.tier_grids.detokenize = getattr(feed, "detokenizer", None)
         self.follow_fit = True
         self._fitted_size = None
         caps = feed.capabilities
@@ -154,6 +169,7 @@ class PoolPane(QtWidgets.QWidget):
             self.contiguous.setVisible(caps.has_physical_pool)
         self.grid.setVisible(caps.has_physical_pool)
         self.split.setVisible(caps.has_physical_pool)  # hidden whole: an empty splitter kept half the height
+        self.outer.setVisible(caps.has_physical_pool)
         for widget in (self.color_label, self.color_by, self.fit, self.pool_label):
             widget.setVisible(caps.has_physical_pool)
         self._show_content_view(feed)
@@ -207,10 +223,16 @@ class PoolPane(QtWidgets.QWidget):
         from .content_view import ContentView
         self.content_view = ContentView(subscriber.indexes, getattr(feed, "tokenizer", None))
         self.content_view.attach(subscriber)
-        self._layout.insertWidget(self._layout.indexOf(self.split) + 1, self.content_view, 1)
+        self._layout.insertWidget(self._layout.indexOf(self.outer) + 1, self.content_view, 1)
 
     def _on_view(self, snapshot) -> None:
         self.grid.set_snapshot(snapshot)
+        tiers_shown = self.tier_grids.isVisibleTo(self)
+        self.tier_grids.set_snapshot(snapshot)
+        if not tiers_shown and self.tier_grids.isVisibleTo(self):  # tiers appear: the device pool keeps 3/5
+            width = max(self.outer.width(), 5)
+            self.outer.setSizes([width * 3 // 5, width - width * 3 // 5])
+        self.group_filter.set_groups(snapshot)
         if self.contiguous is not None:
             if self.source.viewing is not None or self._contiguous_restart:
                 self.contiguous.reset()  # a frame out of order (history): placed afresh, not from the last one

@@ -85,6 +85,10 @@ class RelocationPanel(QtWidgets.QWidget):
         layout.addWidget(self.readout)
         layout.addWidget(QtWidgets.QLabel("<b>Memory of current conversations</b>"))
         layout.addLayout(self.memory)
+        self.groups_label = QtWidgets.QLabel()  # blocks per KV cache group and what a window saved (several groups)
+        self.groups_label.setWordWrap(True)
+        self.groups_label.setVisible(False)
+        layout.addWidget(self.groups_label)
         layout.addStretch(1)
         self.reports: list = []
         self.busy = False  # a relocation was sent and has not answered yet (its buttons wait)
@@ -126,6 +130,15 @@ class RelocationPanel(QtWidgets.QWidget):
                 self._memory_labels[label] = widget
                 self.memory.addRow(label + ":", widget)
             self._memory_labels[label].setText(value)
+
+    def update_groups(self, snapshot) -> None:
+        """Blocks per KV cache group, and what the sliding windows saved against full attention (hidden for a
+        one-group pool)."""
+        from ..model.groups import window_saving_text
+        text = window_saving_text(snapshot)
+        if text != self.groups_label.text():
+            self.groups_label.setText(text)
+        self.groups_label.setVisible(bool(text))
 
     def memory_text(self) -> dict[str, str]:
         return {label: widget.text() for label, widget in self._memory_labels.items()}

@@ -22,6 +22,8 @@ MODE_TEXT = {  # what each colour-by mode answers
     "fill": "How many of a block's slots hold K/V: only a conversation's last block is ever partly filled.",
     "age": "How long ago each block was last written or read: what an LRU eviction would drop first.",
     "state": "Used (held by a conversation), cached (free, but its KV is kept for a matching prefix) or free.",
+    "group": "Which KV cache group each block serves: a model with full-attention and sliding-window layers pages "
+             "each kind as its own group in the one pool (the group filter beside it dims the other groups).",
 }
 MOUSE = (  # (gesture, what it does) on the grid
     ("Click a cell", "inspect that block: its tokens, owners, prefix hash and K/V (the Inspector)"),
@@ -36,7 +38,9 @@ MOUSE = (  # (gesture, what it does) on the grid
 )
 LESSON_TEXT = ("The lesson replays the source text's experiment one position at a time: blocks of 4 slots, keys 0, "
                "query 1, values 1, 2, 3, ... When the fifth position arrives it takes a second block somewhere else "
-               "in the pool, and the attention result is the same in both layouts.")
+               "in the pool, and the attention result is the same in both layouts. Chapter 2 steps the same "
+               "positions through a sliding window of 4 beside paging alone: the window releases the first block "
+               "when position 8 arrives, because the model never reads it again; paging alone keeps everything.")
 
 
 def _rows_widget(rows: list[tuple[QtGui.QPixmap | str, str]]) -> QtWidgets.QWidget:

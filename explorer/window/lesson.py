@@ -27,6 +27,7 @@ RING = 3
 LESSON_COLOUR = np.array([255, 170, 60, 255], np.uint8)  # the lesson's sequence: warm, stands out from the tenants
 TENANT_COLOUR = np.array([72, 82, 104, 255], np.uint8)  # other conversations: present but in the background
 CHANGED = "#ffb347"
+WINDOW = 4  # the window chapter's sliding window, in positions (blocks stay 4 slots)
 TEXT = "#e6e6ea"  # text drawn on the dark pool picture
 MUTED = "#8a8a96"  # secondary text, readable on light and dark window themes alike
 
@@ -115,7 +116,7 @@ class PoolView(pg.GraphicsLayoutWidget):
     def show_view(self, view) -> None:
         self.image.setImage(lesson_rgba(view), autoLevels=False)
         self.image.setRect(QRectF(0, 0, view.block_size, view.num_blocks))  # one unit per slot and per block
-        logical_of = {b: i for i, b in enumerate(view.block_table)}
+        logical_of = {b: i for i, b in enumerate(view.block_table) if b >= 0}  # -1: released by the window
         for b in range(view.num_blocks):
             for s in range(view.block_size):
                 item = self._values[b * view.block_size + s]
@@ -146,6 +147,9 @@ def table_html(table: tuple[int, ...], previous: tuple[int, ...] | None = None) 
     cells_l = "".join(f"<td align='center' style='padding:2px 10px'>{i}</td>" for i in range(len(table)))
     cells_p = ""
     for i, b in enumerate(table):
+        if b < 0:  # released by the sliding window: a hole in the table (vLLM's null block)
+            cells_p += f"<td align='center' style='padding:2px 10px; color:{MUTED}'>\u2205</td>"
+            continue
         changed = previous is not None and i < len(previous) and previous[i] != b
         style = "padding:2px 10px; font-weight:bold" + (f"; color:{CHANGED}" if changed else "")
         cells_p += f"<td align='center' style='{style}'>{b}</td>"
@@ -160,11 +164,15 @@ def result_html(view) -> str:
     n = view.num_positions
     if n == 0:
         return f"<span style='color:{MUTED}'>Attention output: no positions yet</span>"
-    values = ", ".join(str(v) for v in range(1, n + 1)) if n <= 6 else f"1, 2, \u2026, {n}"
+    first = max(1, n - view.sliding_window + 1) if getattr(view, "sliding_window", None) else 1
+    count = n - first + 1
+    values = ", ".join(str(v) for v in range(first, n + 1)) if count <= 6 else f"{first}, {first + 1}, \u2026, {n}"
+    over = (f"the window of {view.sliding_window} over positions {first}..{n}" if first > 1 else
+            f"paged_attention over {n} position{'s' if n > 1 else ''}")
     return (f"Attention output <span style='font-size:20pt; font-weight:bold; "
             f"color:{palette.hex_colour(LESSON_COLOUR)}'>{view.result:g}</span><br>"
-            f"<span style='color:{MUTED}'>paged_attention over {n} position{'s' if n > 1 else ''} = "
-            f"mean({values}) = {n * (n + 1) // 2}/{n}</span>")
+            f"<span style='color:{MUTED}'>{over} = "
+            f"mean({values}) = {(first + n) * count // 2}/{count}</span>")
 
 
 class LayoutPanel(QFrame):
@@ -203,6 +211,7 @@ class LessonWindow(QMainWindow):
         super().__init__(parent)
         self.setWindowTitle("Lesson: text order is not a memory address")
         self.lesson = ToyPagedSequence()
+        self.paging: ToyPagedSequence | None = None  # the window chapter's twin: the same positions, paging alone
         self.layout_seed = seed
         self._before = None  # the layout just before the last "Change layout"
 
@@ -210,9 +219,13 @@ class LessonWindow(QMainWindow):
         self.reset_button = QPushButton("Reset")
         self.layout_button = QPushButton("Change layout")
         self.layout_button.setToolTip("Move every used block to another physical id, data and table included")
+        self.window_button = QPushButton(f"Chapter 2: a window of {WINDOW}")
+        self.window_button.setCheckable(True)
+        self.window_button.setToolTip("The same positions through a sliding window of 4 positions, beside paging alone")
+        self.window_button.toggled.connect(self.set_window_chapter)
         self.position_label = QLabel()
         self.position_label.setStyleSheet("font-size:12pt")
-        for button in (self.step_button, self.reset_button, self.layout_button):
+        for button in (self.step_button, self.reset_button, self.layout_button, self.window_button):
             button.setFocusPolicy(Qt.NoFocus)  # Space must step, not press whichever button has focus
             button.setMinimumHeight(30)
         self.step_button.clicked.connect(self.step)
@@ -228,6 +241,7 @@ class LessonWindow(QMainWindow):
         controls.addWidget(self.step_button)
         controls.addWidget(self.reset_button)
         controls.addWidget(self.layout_button)
+        controls.addWidget(self.window_button)
         controls.addSpacing(16)
         controls.addWidget(self.position_label)
         controls.addStretch(1)
@@ -297,15 +311,33 @@ class LessonWindow(QMainWindow):
         self.refresh()
 
     # ---- actions --------------------------------------------------------------------------------------------
+    def set_window_chapter(self, on: bool) -> None:
+        """Chapter 2: the lesson's sequence reads through a sliding window of WINDOW positions, and a twin with
+        paging alone is stepped beside it, so the one block the window gives back shows against the other's
+        table that keeps everything."""
+        if self.window_button.isChecked() != on:
+            self.window_button.setChecked(on)  # toggled() calls back here
+            return
+        self.lesson = ToyPagedSequence(sliding_window=WINDOW if on else None)
+        self.paging = ToyPagedSequence() if on else None
+        self._before = None
+        self.setWindowTitle("Lesson: a window releases what paging keeps" if on else
+                            "Lesson: text order is not a memory address")
+        self.refresh()
+
     def step(self) -> None:
         if not self.lesson.can_step():
             return
+        if self.paging is not None and self.paging.can_step():
+            self.paging.step()
         self.lesson.step()
         self._before = None  # the side-by-side compares one moment; a new position ends it
         self.refresh()
 
     def reset(self) -> None:
         self.lesson.reset()
+        if self.paging is not None:
+            self.paging.reset()
         self._before = None
         self.refresh()
 
@@ -328,7 +360,10 @@ class LessonWindow(QMainWindow):
         can_step = lesson.can_step()
         self.step_button.setEnabled(can_step)
         self.step_action.setEnabled(can_step)
-        self.layout_button.setEnabled(n > 0)
+        self.layout_button.setEnabled(n > 0 and self.paging is None)
+        if self.paging is not None:
+            self._refresh_window_chapter(view)
+            return
         comparing = self._before is not None
         self.before_panel.setVisible(comparing)
         self.compare_label.setVisible(comparing)
@@ -364,6 +399,39 @@ class LessonWindow(QMainWindow):
             f"block table: {len(view.block_table)} entries \u00d7 {per_entry} B = {m['table_bytes']} B<br>"
             f"<span style='color:{MUTED}'>contiguous reservation for {lesson.max_positions} positions: "
             f"{m['contiguous_bytes']} B ({per_slot} B per slot: one key + one value)</span>")
+
+    def _refresh_window_chapter(self, view) -> None:
+        """Paging alone on the left, the window on the right, the releases said between them."""
+        lesson, paging = self.lesson, self.paging
+        twin = paging.view()
+        self.before_panel.setVisible(True)
+        self.compare_label.setVisible(True)
+        self.before_panel.title.setText(f"Paging alone (full attention): {len(paging.live_blocks)} "
+                                        f"block{'s' if len(paging.live_blocks) != 1 else ''} held")
+        self.before_panel.show_view(twin)
+        held = len(lesson.live_blocks)
+        self.current_panel.title.setText(f"Window of {WINDOW}: {held} block{'s' if held != 1 else ''} held")
+        self.current_panel.show_view(view)
+        if lesson.released:
+            gone = ", ".join(f"logical {lg} (physical {b}) at position {at}" for at, lg, b in lesson.released)
+            verdict = (f"<b>Released by the window:</b> {gone}. The model never reads those positions again. "
+                       f"Paging alone released nothing: its table still has {len(paging.block_table)} blocks.")
+        else:
+            verdict = ("<b>Nothing released yet.</b> A block goes only when every one of its positions is behind "
+                       f"the window (blocks of {lesson.block_size}, a window of {WINDOW}: the first goes at "
+                       f"position {2 * lesson.block_size}). Paging alone never releases anything.")
+        self.compare_label.setText(verdict)
+        title, text = lesson_text.explanation(lesson)
+        self.explain_title.setText(title)
+        self.explain_text.setText(text)
+        m = lesson.memory()
+        self.memory_label.setText(
+            f"<b>Memory of this sequence</b><br>"
+            f"K/V kept: {m['filled_slots']} slots = {m['kv_bytes']} B "
+            f"(paging alone: {paging.memory()['filled_slots']} slots)<br>"
+            f"blocks released by the window: {m['released_blocks']}<br>"
+            f"block table: {len(view.block_table)} entries, \u2205 = released")
+        self.setup_label.setText("<b>How this pool was set up</b><br>" + lesson_text.setup_note(lesson))
 
     # ---- readouts for tests and scripts ---------------------------------------------------------------------
     def result_text(self) -> str:

@@ -182,12 +182,14 @@ class MainWindow(QtWidgets.QMainWindow):
         source.viewChanged.connect(self._on_view)
         source.frameArrived.connect(self._on_frame)
         source.viewingChanged.connect(self._on_viewing)
+        source.eventsArrived.connect(self.metrics.tiers.add_events)  # durations per tier, from the events
 
     def _disconnect_source(self, source: PoolSource) -> None:
         source.sourceChanged.disconnect(self._on_source_changed)
         source.viewChanged.disconnect(self._on_view)
         source.frameArrived.disconnect(self._on_frame)
         source.viewingChanged.disconnect(self._on_viewing)
+        source.eventsArrived.disconnect(self.metrics.tiers.add_events)
 
     def _place_window(self, size: tuple[int, int] | None) -> None:
         """Arrange the docks for the size the window gets, restore a saved layout over it, apply --geometry."""
@@ -335,6 +337,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.conversations.select_conversation(self._select_when_present)
             self._select_when_present = None
         self.relocation.update_memory(snap.memory)
+        self.relocation.update_groups(snap)  # blocks per KV cache group, what a sliding window saved
 
     def _on_source_changed(self, feed: Feed) -> None:
         """A new feed took over the active source: every panel starts over, commands follow its capabilities."""
@@ -425,6 +428,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _on_conversation_selected(self, cid: int | None) -> None:
         self.grid.set_selected_conversation(cid)
+        self.pane.tier_grids.set_selected_conversation(cid)  # its content in the host and disk tiers too
         self._enable_commands()
 
     def selected_conversation(self) -> int | None:

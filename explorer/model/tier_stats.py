@@ -1,0 +1,189 @@
+"""Figures per tier, without Qt: prompt-token hit rates over time, and how long blocks live, idle and wait to be
+reused in each tier (what operators ask vLLM for: block lifetime, idle time before eviction, reuse gap).
+
+Hit rates come from the conversations' ``prompt_token_sources`` (each admission counted once, when it first shows
+its sources); the three durations come from block events alone, so a recording or a watched server's pool stream
+gives them as far as its events tell. Every duration is in engine steps.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from kvstream.events import BlockEvent, EventKind
+from kvstream.views import PoolSnapshot
+
+from .tiers import SOURCES, tier_slots_of
+
+MEASURES = ("lifetime", "idle", "reuse_gap")
+MEASURE_TITLES = {"lifetime": "Block lifetime (steps)", "idle": "Idle before eviction (steps)",
+                  "reuse_gap": "Reuse gap (steps)"}
+MAX_ADMISSIONS = 1 << 16  # admissions remembered as counted
+MAX_SAMPLES = 1 << 14  # durations kept per tier and measure (the newest): a histogram of them stays well under 1 ms
+HISTORY = 1200  # hit-rate samples kept
+
+
+class HitRates:
+    """Cumulative share of prompt tokens served by each source (device, host, disk) and computed, one sample per
+    step seen. An admission is counted once: by (conversation id, arrival step, preemptions), the first time its
+    ``prompt_token_sources`` are non-empty."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.totals = dict.fromkeys(SOURCES, 0)
+        self._counted: dict[tuple, None] = {}
+        self.steps: list[int] = []
+        self.rates: dict[str, list[float]] = {s: [] for s in SOURCES}  # percent of all prompt tokens so far
+
+    def record(self, snapshot: PoolSnapshot) -> None:
+        for info in snapshot.conversations:
+            sources = info.prompt_token_sources
+            if not sources:
+                continue
+            key = (info.conversation_id, info.arrival_step, info.num_preemptions, len(info.turns))
+            if key in self._counted:
+                continue
+            self._counted[key] = None
+            if len(self._counted) > MAX_ADMISSIONS:
+                self._counted.pop(next(iter(self._counted)))
+            for s in SOURCES:
+                self.totals[s] += int(sources.get(s, 0))
+        total = sum(self.totals.values())
+        values = {s: 100.0 * self.totals[s] / total if total else float("nan") for s in SOURCES}
+        if self.steps and self.steps[-1] == snapshot.step_id:
+            for s in SOURCES:
+                self.rates[s][-1] = values[s]
+            return
+        self.steps.append(int(snapshot.step_id))
+        for s in SOURCES:
+            self.rates[s].append(values[s])
+        if len(self.steps) > HISTORY:
+            del self.steps[0]
+            for s in SOURCES:
+                del self.rates[s][0]
+
+    def series(self, source: str) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.steps, float), np.asarray(self.rates[source], float)
+
+
+@dataclass
+class _Slot:
+    born: int  # step the content arrived here
+    touched: int  # step it was last written, read, shared or released
+    cached: bool = False  # a device block released to the prefix cache (no holder, KV kept)
+
+
+@dataclass
+class Durations:
+    """Samples of the three durations per tier ("device", "host", "disk"), newest last."""
+
+    samples: dict[tuple[str, str], deque] = field(default_factory=dict)  # (tier, measure) -> steps, bounded
+
+    def add(self, tier: str, measure: str, steps: int) -> None:
+        kept = self.samples.get((tier, measure))
+        if kept is None:
+            kept = self.samples[(tier, measure)] = deque(maxlen=MAX_SAMPLES)  # the oldest go, in O(1)
+        kept.append(max(int(steps), 0))
+
+    def of(self, tier: str, measure: str) -> np.ndarray:
+        return np.asarray(self.samples.get((tier, measure), ()), np.int64)
+
+    def tiers(self) -> list[str]:
+        return sorted({t for t, _ in self.samples}, key=lambda t: (("device", "host", "disk") + (t,)).index(t))
+
+
+class BlockDurations:
+    """Follows every block event and records, per tier:
+
+    - lifetime: steps from when content arrived in a block or slot (allocated, copied, loaded into the device;
+      offloaded into a tier) to when it left (freed, evicted, dropped, cleared);
+    - idle: steps from its last use to its eviction (device EVICTED, tier DROPPED);
+    - reuse gap: steps from its last use to a prefix hit on it (a device block shared by a prefix hit; a tier slot
+      loaded back).
+    Device blocks are followed through relocations (their ids change, their content does not)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.durations = Durations()
+        self._device: dict[int, _Slot] = {}
+        self._tiers: dict[str, dict[int, _Slot]] = {}
+
+    def add_events(self, events: Iterable[BlockEvent]) -> None:
+        for e in events:
+            self._apply(e)
+
+    def _end(self, tier: str, slots: dict[int, _Slot], key: int, step: int, idle: bool) -> None:
+        slot = slots.pop(key, None)
+        if slot is None:
+            return
+        self.durations.add(tier, "lifetime", step - slot.born)
+        if idle:
+            self.durations.add(tier, "idle", step - slot.touched)
+
+    def _apply(self, e: BlockEvent) -> None:
+        k, step, dev = e.kind, e.step_id, self._device
+        if k == EventKind.ALLOCATED:
+            for b in e.block_ids:
+                dev[b] = _Slot(step, step)
+        elif k == EventKind.COPIED_ON_WRITE and e.new_block_ids:
+            dev[e.new_block_ids[0]] = _Slot(step, step)
+            if e.block_ids and e.block_ids[0] in dev:
+                dev[e.block_ids[0]].touched = step
+        elif k == EventKind.SHARED:
+            for b in e.block_ids:
+                slot = dev.setdefault(b, _Slot(step, step))
+                if e.reason == "prefix_hit":
+                    self.durations.add("device", "reuse_gap", step - slot.touched)
+                slot.touched, slot.cached = step, False
+        elif k in (EventKind.STORED, EventKind.RELEASED, EventKind.CACHED):
+            for b in e.block_ids:
+                if b in dev:
+                    dev[b].touched = step
+                    dev[b].cached = k == EventKind.CACHED or (dev[b].cached and k == EventKind.STORED)
+        elif k == EventKind.FREED:
+            for b in e.block_ids:
+                self._end("device", dev, b, step, idle=False)
+        elif k == EventKind.EVICTED:
+            for b in e.block_ids:
+                self._end("device", dev, b, step, idle=True)
+        elif k == EventKind.RELOCATED:
+            self._device = {new: dev[old] for old, new in zip(e.block_ids, e.new_block_ids) if old in dev}
+        elif k == EventKind.CLEARED:  # every cached block freed: its content is gone
+            for b in [b for b, slot in dev.items() if slot.cached]:
+                self._end("device", dev, b, step, idle=False)
+        elif k == EventKind.OFFLOADED:
+            slots = self._tiers.setdefault(e.tier, {})
+            for s in tier_slots_of(e):
+                slots[s] = _Slot(step, step)
+        elif k == EventKind.LOADED:
+            slots = self._tiers.setdefault(e.tier, {})
+            for s in tier_slots_of(e):
+                slot = slots.setdefault(s, _Slot(step, step))
+                self.durations.add(e.tier, "reuse_gap", step - slot.touched)
+                slot.touched = step
+            for b in e.block_ids:  # the content starts a life in the device pool
+                dev[b] = _Slot(step, step)
+        elif k == EventKind.DROPPED:
+            slots = self._tiers.setdefault(e.tier, {})
+            for s in tier_slots_of(e):
+                self._end(e.tier, slots, s, step, idle=True)
+
+
+def histogram(samples: np.ndarray, bins: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, edges) of durations in steps, integer-aligned bins from 0 to the largest sample (one bin of width 1
+    when there are none)."""
+    samples = np.asarray(samples, np.int64)
+    top = int(samples.max()) + 1 if samples.size else 1
+    width = max(1, -(-top // bins))
+    edges = np.arange(0, top + width, width, dtype=float)
+    if len(edges) < 2:
+        edges = np.array([0.0, 1.0])
+    counts, edges = np.histogram(samples, edges)
+    return counts, edges
