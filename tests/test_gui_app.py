@@ -8,8 +8,9 @@ from explorer.window.dialogs import SYSTEM_PROMPT
 from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
 
 
-def colour_of(cid):
-    return tuple(int(c) for c in palette.conversation_colours(np.array([cid]))[0][:3])
+def colour_of(cid, window):
+    """The colour of conversation ``cid`` in the window's source's colour book (what its grid draws)."""
+    return tuple(int(c) for c in palette.conversation_colours(np.array([cid]), window.source.colours)[0][:3])
 
 
 def click_block(qtbot, window, block):
@@ -34,7 +35,7 @@ def test_add_conversation_through_dialog_shows_blocks_and_text(qtbot, make_windo
                      QtCore.Qt.MouseButton.LeftButton)
     snap = wait_for_snapshot(qtbot, window, lambda s: any(s.block_tables.values()), timeout=5000)
     (cid, table), = snap.block_tables.items()
-    assert window.grid.cell_colour(table[0]) == colour_of(cid)  # its blocks are drawn in its colour
+    assert window.grid.cell_colour(table[0]) == colour_of(cid, window)  # its blocks are drawn in its colour
     qtbot.waitUntil(lambda: window.conversations.selected_conversation() == cid, timeout=3000)
     wait_for_snapshot(qtbot, window, lambda s: len(s.conversation(cid).output_text) >= 3)
     qtbot.waitUntil(lambda: window.snapshot.conversation(cid).output_text in window.conversations.detail.plain_text())
@@ -93,7 +94,7 @@ def test_end_frees_blocks_in_the_next_frame(qtbot, make_window):
     snap = window.snapshot
     first, second = sorted(snap.block_tables)
     blocks = snap.block_tables[first]
-    assert all(window.grid.cell_colour(b) == colour_of(first) for b in blocks)
+    assert all(window.grid.cell_colour(b) == colour_of(first, window) for b in blocks)
     window.conversations.select_conversation(first)
     window.window_actions.end.trigger()
     after = wait_for_snapshot(qtbot, window, lambda s: first not in s.block_tables, timeout=3000)
@@ -103,7 +104,7 @@ def test_end_frees_blocks_in_the_next_frame(qtbot, make_window):
     states = np.asarray(after.state)[list(blocks)]
     assert (states != BlockState.USED).all()
     for b in blocks:
-        assert window.grid.cell_colour(b) != colour_of(first)
+        assert window.grid.cell_colour(b) != colour_of(first, window)
     assert second in after.block_tables
     model = window.conversations.model  # the table follows within a fraction of a second
     qtbot.waitUntil(lambda: model.data(model.index(model.row_of(first), 1)) == "ended", timeout=2000)

@@ -40,7 +40,8 @@ def test_a_fork_keeps_its_own_colour_on_the_blocks_it_shared_once_the_parent_end
     snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
     shared = [blk for blk in snap.block_tables[b] if blk in snap.block_tables[a]]
     assert len(shared) >= 8 and all(int(snap.ref_count[blk]) == 2 for blk in shared)
-    a_colour, b_colour = palette.conversation_colour(a), palette.conversation_colour(b)
+    book = window.source.colours  # the colours of this source's conversations
+    a_colour, b_colour = palette.conversation_colour(a, book), palette.conversation_colour(b, book)
     assert a_colour != b_colour  # live conversations get distinct colours
     qtbot.waitUntil(lambda: window.conversations.model.rowCount() == 2, timeout=3000)
 
