@@ -175,6 +175,19 @@ class MemoryStats:
 NO_HASH = 0  # block_hash entry of a block without a prefix hash (a real hash of 0 is remapped by its maker)
 
 
+@dataclass(frozen=True)
+class TierView:
+    """One lower tier of the KV cache (host memory, disk) as the window sees it: a slot per block it can hold.
+
+    A tier only ever holds full hashed blocks that the device pool evicted (or that the tier above passed down), so
+    a slot is FREE or CACHED; the hash names the content, and the device pool's hashes tell whose it was."""
+
+    num_blocks: int  # slots in the tier
+    state: np.ndarray  # int8 BlockState per slot: FREE or CACHED
+    block_hash: np.ndarray  # uint64 prefix hash held in each slot, NO_HASH where empty
+    last_access: np.ndarray  # int64: step at which each slot was last written or read (loaded back)
+
+
 _OWNER_SCANS = 4  # owners_of questions a snapshot answers by scanning its tables before it builds the index
 # (for 256 conversations on 65,536 blocks the index took 11-34 ms to build, one scan of their tables 0.07 ms)
 
@@ -202,6 +215,7 @@ class PoolSnapshot:
     block_hash: np.ndarray | None = None  # uint64 prefix hash of each block, NO_HASH where it has none
     version: int = 0  # bumped by every change to the pool or a conversation; equal versions: same contents
     source: str = "engine"  # what produced it: "engine", "vllm", ... (the --json "source" field)
+    tiers: Mapping[str, TierView] = field(default_factory=dict)  # "host", "disk": only the tiers that are on
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)
