@@ -56,15 +56,14 @@ def _count(events, kind, tier) -> int:
 
 
 # ---- tokens -------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size):
+@pytest.mark.parametrize("block_size, host, disk, n", [(1, 32, 128, 4), (4, 8, 32, 4), (16, 3, 8, 3)])
+def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size, host, disk, n):
     """Greedy and sampled conversations give the same tokens whether their prefixes come back from host and disk
     or are recomputed; and blocks really went down to both tiers and came back from both."""
-    per = 16 // block_size
     off = _engine(tmp_path, block_size)
-    on = _engine(tmp_path, block_size, host=3 * per, disk=8 * per)
-    ids_off, _ = _returning_workload(off)
-    ids_on, events = _returning_workload(on)
+    on = _engine(tmp_path, block_size, host=host, disk=disk)
+    ids_off, _ = _returning_workload(off, n=n)
+    ids_on, events = _returning_workload(on, n=n)
     assert _outputs(on, ids_on) == _outputs(off, ids_off)
     for tier in ("host", "disk"):
         assert _count(events, EventKind.OFFLOADED, tier) > 0, tier
