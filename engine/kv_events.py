@@ -6,7 +6,9 @@ blocks lost their KV) becomes ``BlockRemoved``; a reset of the prefix cache beco
 per engine step that produced any of them, as vLLM sends one per scheduler step: a committed operation that ran
 several steps (``generate``) is split by step id, in order. Nothing is sent before the operation commits, so a
 rolled-back one sends nothing. The medium is "GPU", vLLM's name for an engine's own block pool
-(on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default.
+(on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default. The lower
+tiers (engine/tiers.py) publish as vLLM's offloading connector does in its self-describing mode: a block kept in the
+host tier is a full ``BlockStored`` on medium "CPU", on the disk tier "STORAGE", and one let go a ``BlockRemoved``.
 """
 from __future__ import annotations
 

@@ -56,14 +56,15 @@ def _count(events, kind, tier) -> int:
 
 
 # ---- tokens -------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block_size, host, disk, n", [(1, 32, 128, 4), (4, 8, 32, 4), (16, 3, 8, 3)])
-def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size, host, disk, n):
+@pytest.mark.parametrize("block_size, host, disk, n, length", [(1, 32, 128, 4, 24), (4, 8, 32, 4, 24),
+                                                               (16, 3, 8, 4, 48)])
+def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size, host, disk, n, length):
     """Greedy and sampled conversations give the same tokens whether their prefixes come back from host and disk
     or are recomputed; and blocks really went down to both tiers and came back from both."""
     off = _engine(tmp_path, block_size)
     on = _engine(tmp_path, block_size, host=host, disk=disk)
-    ids_off, _ = _returning_workload(off, n=n)
-    ids_on, events = _returning_workload(on, n=n)
+    ids_off, _ = _returning_workload(off, n=n, length=length)
+    ids_on, events = _returning_workload(on, n=n, length=length)
     assert _outputs(on, ids_on) == _outputs(off, ids_off)
     for tier in ("host", "disk"):
         assert _count(events, EventKind.OFFLOADED, tier) > 0, tier
@@ -507,3 +508,30 @@ def test_tier_store_without_engine(tmp_path):
     assert (EventKind.DROPPED, "disk", (11,), "") in events and (EventKind.DROPPED, "host", (13,), "disk") in events
     store.check_invariants()
     store.close()
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--host-tier-blocks", "-1"], "--host-tier-blocks must be 0"),
+    (["--disk-tier-blocks", "4"], "needs --disk-tier-path"),
+    (["--disk-tier-path", "x.bin"], "needs --disk-tier-blocks"),
+    (["--disk-tier-blocks", "4", "--disk-tier-path", "/no/such/folder/x.bin"], "does not exist"),
+    (["--attach", "tcp://127.0.0.1:5560", "--host-tier-blocks", "4"], "--host-tier-blocks run the local engine"),
+])
+def test_cli_refuses_bad_tier_flags(argv, words):
+    from explorer.cli import UsageError, parse_args
+    with pytest.raises(UsageError, match=words):
+        parse_args(argv)
+
+
+def test_cli_tier_flags_reach_the_config(tmp_path, capsys):
+    from explorer.cli import parse_args
+    opts = parse_args(["--host-tier-blocks", "8", "--disk-tier-blocks", "4", "--disk-tier-path",
+                       str(tmp_path / "t.bin")])
+    assert (opts.host_tier_blocks, opts.disk_tier_blocks, opts.disk_tier_path) == (8, 4, str(tmp_path / "t.bin"))
+    import main
+    with pytest.raises(SystemExit) as exit_info:  # too large for EngineConfig: one line, exit 2
+        raise SystemExit(main.main(["--headless", "--host-tier-blocks", str(1 << 30)]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host_tier_blocks" in err[0]
