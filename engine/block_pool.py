@@ -200,6 +200,10 @@ class BlockPool:
         self.block_hash[block] = NO_HASH
         self._change(block)
 
+    def dropped_record(self, block_hash: int) -> HashedBlock | None:
+        """What a hash dropped since the last checkpoint named (an evicted block's tokens, for the lower tiers)."""
+        return self._dropped.get(block_hash)
+
     def clear_hashes(self) -> list[int]:
         """Forget every prefix hash (a reset of the prefix cache): cached blocks become free. Returns the blocks
         that were cached."""

@@ -8,6 +8,7 @@ from .validation import MAX_SEED
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _DEVICES = ("cpu", "cuda", "auto")
+MAX_TIER_BLOCKS = 1 << 24  # most blocks one lower tier may hold (what memory and disk allow is checked at start)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class EngineConfig:
     kv_events_endpoint: str | None = None  # publish vLLM-format KV events on this ZMQ PUB endpoint ("tcp://*:5557")
     kv_events_replay_endpoint: str | None = None  # ROUTER endpoint that replays buffered event batches
     kv_events_topic: str = ""  # topic frame of every KV-event message
+    host_tier_blocks: int = 0  # blocks the host-memory tier holds (evicted device blocks go there); 0: off
+    disk_tier_blocks: int = 0  # blocks the disk tier holds (host-tier evictions go there); 0: off
+    disk_tier_path: str | None = None  # the disk tier's file (created, or truncated, when the engine starts)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "finished_window", "seed"):
@@ -68,3 +72,22 @@ class EngineConfig:
             raise EngineError("kv_events_replay_endpoint needs kv_events_endpoint as well")
         if not isinstance(self.kv_events_topic, str):
             raise EngineError(f"kv_events_topic must be text, got {self.kv_events_topic!r}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """Tier sizes and the disk tier's path (whether the file can be made is checked when the engine starts)."""
+        for name in ("host_tier_blocks", "disk_tier_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise EngineError(f"{name} must be an integer, got {value!r}")
+            if not 0 <= value <= MAX_TIER_BLOCKS:
+                raise EngineError(f"{name} must be from 0 (off) to {MAX_TIER_BLOCKS:,}, got {value}")
+        path = self.disk_tier_path
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise EngineError(f"disk_tier_path must be the path of a file, got {path!r}")
+        if self.disk_tier_blocks and path is None:
+            raise EngineError("disk_tier_blocks needs disk_tier_path: the file the disk tier writes")
+        if path is not None and not self.disk_tier_blocks:
+            raise EngineError("disk_tier_path is set but disk_tier_blocks is 0; give the disk tier a size")
+        if (self.host_tier_blocks or self.disk_tier_blocks) and not self.enable_prefix_caching:
+            raise EngineError("host and disk tiers keep prefix-cached blocks: they need enable_prefix_caching=True")

@@ -108,6 +108,7 @@ class Engine:
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
         self.manager = KVCacheManager(self.pool)
+        self.tiers = self._make_tiers(cfg)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
                                   attend_batch_compiled if cfg.compile_attention else attend_batch)
@@ -503,6 +504,7 @@ class Engine:
         self.step_id += 1
         self.manager.start_step(self.step_id)
         batch = self.scheduler.schedule()
+        self._write_loads(self.manager.take_loads())
         prepared = None if batch.empty else self.runner.prepare(batch)
         self._save_kv(batch.copies, prepared)
         if batch.copies:
@@ -612,10 +614,51 @@ class Engine:
         return errors
 
     def close(self) -> None:
-        """Release sockets (KV-event publishing); the engine stays usable otherwise."""
+        """Release sockets (KV-event publishing); the engine stays usable otherwise. The disk tier's file is synced
+        and closed (the tiers are off from then on)."""
         if self._kv_events is not None:
             self._kv_events.close()
             self._kv_events = None
+        self._close_tiers()
+
+    # ---- lower tiers (engine.tiers) ---------------------------------------------------------------------------
+    def _make_tiers(self, cfg: EngineConfig):
+        """The host and disk tiers the config asks for (None when both are off), wired into the manager."""
+        if not (cfg.host_tier_blocks or cfg.disk_tier_blocks):
+            return None
+        from .loader import available_memory
+        from .tiers import TierStore
+        per_block = self.kv.bytes_per_block
+        need = cfg.host_tier_blocks * per_block
+        have = available_memory(torch.device("cpu"))
+        if have is not None and need > 0.9 * have:
+            raise EngineError(f"a host tier of {cfg.host_tier_blocks:,} blocks needs {need / 2**30:.1f} GiB "
+                              f"({per_block / 2**10:.0f} KiB per block) but only {have / 2**30:.1f} GiB of memory is "
+                              f"available; use at most {int(0.9 * have // per_block):,} blocks")
+        tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block)
+        self.manager.attach_tiers(tiers, self.kv.read_block_bytes)
+        import weakref
+        weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine
+        return tiers
+
+    def _write_loads(self, loads: list) -> None:
+        """Blocks admitted from a lower tier: their bytes into the device pool (what they held saved for a
+        rollback first)."""
+        if loads:
+            blocks = [b for b, _ in loads]
+            self.on_rollback(partial(self.kv.restore_slots, self.kv.save_blocks(blocks)))
+            self.kv.write_blocks_bytes(blocks, [d for _, d in loads])
+
+    def prompt_token_sources(self, conversation_id: int) -> dict[str, int]:
+        """Its last admission's prompt tokens by where their K/V came from: {"device", "host", "disk", "computed"}
+        ({} before its first admission)."""
+        return dict(self.manager.prompt_sources.get(self._seq(conversation_id).seq_id, {}))
+
+    def _close_tiers(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+            self.manager.tiers = None
+            self.tiers = None
 
     @property
     def kv_events_endpoints(self) -> tuple[str, str | None] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 MOVE_CHUNK_ROWS = 512  # block rows (8 KiB each for the built-in model) staged per copy while relocating: 4 MiB,
@@ -123,3 +124,21 @@ class KVCache:
         """K and V of a block's filled slots: each [layers, slots, kv_heads, head_dim] float32 numpy."""
         kv = self.data[:, :, block, :num_slots].float().cpu().numpy()
         return kv[:, 0].copy(), kv[:, 1].copy()
+
+    # ---- raw block bytes (the lower tiers) ------------------------------------------------------------------
+    def read_block_bytes(self, block: int) -> np.ndarray:
+        """Every layer's K and V of one block as raw bytes (uint8 numpy, bytes_per_block long, plane-major): what
+        a lower tier keeps. Raw bytes, not values, so any dtype (bfloat16 too) goes down and comes back exact."""
+        rows = self._rows_of(self._ids([block]), self.num_blocks)
+        data = self._block_rows.index_select(0, rows)  # [planes, slots*heads*dim]
+        return data.view(torch.uint8).reshape(-1).cpu().numpy()
+
+    def write_blocks_bytes(self, blocks: Sequence[int], data: Sequence[np.ndarray]) -> None:
+        """Put back what :meth:`read_block_bytes` read: ``data[i]`` into block ``blocks[i]``, K and V, every layer."""
+        if not len(blocks):
+            return
+        rows = self._rows_of(self._ids(list(blocks)), self.num_blocks)  # [planes * n], plane-major
+        raw = torch.from_numpy(np.stack([np.asarray(d, np.uint8) for d in data]))  # [n, bytes]
+        values = raw.view(self.data.dtype).reshape(len(blocks), self.num_planes, -1)  # [n, planes, row]
+        values = values.transpose(0, 1).reshape(len(rows), -1)  # [planes * n, row]
+        self._block_rows.index_copy_(0, rows, values.to(self.data.device))

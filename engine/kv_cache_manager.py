@@ -23,6 +23,7 @@ from kvstream.views import NO_HASH, BlockState
 
 from .block_pool import BlockPool, HashedBlock
 from .sequence import Sequence
+from .tiers import TierHit, TierStore
 
 MAX_PENDING_EVENTS = 200_000  # events nobody took; older ones are dropped and counted (a headless script that never
 #                               calls take_events() must not grow without bound)
@@ -40,6 +41,11 @@ class KVCacheManager:
         self.holders: dict[int, set[int]] = {}  # used block -> ids of the conversations whose tables name it
         self.num_cow_copies = 0
         self.num_evictions = 0
+        self.tiers: TierStore | None = None  # host / disk tiers (attach_tiers); None: evicted blocks are lost
+        self.read_device_block = None  # block id -> its raw K/V bytes (the engine's KVCache.read_block_bytes)
+        self.pending_loads: list[tuple[int, np.ndarray]] = []  # (device block, bytes) the caller must write (take_loads)
+        self.prompt_sources: dict[int, dict[str, int]] = {}  # seq id -> its last admission's prompt tokens by source
+        self._sources_undo: list[tuple[int, dict | None]] | None = None  # (seq id, old value) in a transaction
 
     # ---- events ---------------------------------------------------------------------------------------------
     def emit(self, kind: EventKind, conversation_id: int = -1, **fields) -> None:
@@ -93,7 +99,9 @@ class KVCacheManager:
         for h in hashes[:limit]:
             block = self.pool.lookup(h)
             if block is None:
-                break
+                block = self.tiers.lookup(h) if self.tiers is not None else None  # a TierHit: loaded at admit
+                if block is None:
+                    break
             hits.append(block)
         return hits
 
@@ -104,7 +112,7 @@ class KVCacheManager:
         bs = self.block_size
         if hits is not None:
             computed, table_len = len(hits) * bs, len(hits)
-            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+            revived = sum(1 for b in hits if isinstance(b, TierHit) or self.pool.ref_count[b] == 0)
             return max(0, cdiv(computed + num_new_tokens, bs) - table_len) + revived
         computed, table = seq.num_computed_tokens, seq.block_table
         need = max(0, cdiv(computed + num_new_tokens, bs) - len(table))
@@ -139,6 +147,8 @@ class KVCacheManager:
             self.num_evictions += len(evicted_blocks)
             self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(evicted_blocks),
                       block_hashes=tuple(evicted_hashes))
+            if self.tiers is not None:
+                self._offload(seq.seq_id, evicted_blocks, evicted_hashes)
         return blocks
 
     def _allocate(self, seq: Sequence, n: int) -> list[int]:
@@ -150,14 +160,22 @@ class KVCacheManager:
 
     def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> list[tuple[int, int, int]]:
         """Start (or restart) ``seq``: share its cached prefix blocks, then make room for its first
-        ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``."""
-        for block in hits:
+        ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``.
+        Hits in a lower tier (:class:`TierHit`) get fresh blocks, filled from the tier (:meth:`take_loads`)."""
+        loads = self._read_tier_hits(seq, hits) if self.tiers is not None else []
+        if loads and len(loads[-1]) == 1:  # a tier block failed its checksum: the hits end before it
+            hits = hits[:loads.pop()[0]]
+        device = [b for b in hits if not isinstance(b, TierHit)]
+        for block in device:
             self.pool.add_ref(block, seq.seq_id)
             self.holders.setdefault(block, set()).add(seq.seq_id)
-        if hits:
-            self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(hits), reason="prefix_hit")
+        if device:
+            self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(device), reason="prefix_hit")
         seq.block_table = list(hits)
+        if loads:
+            self._load(seq, loads)
         seq.num_computed_tokens = len(hits) * self.block_size
+        self._note_sources(seq, hits)
         return self.allocate_slots(seq, num_new_tokens)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int, int]]:
@@ -219,6 +237,8 @@ class KVCacheManager:
             self.holders.setdefault(block, set()).add(child.seq_id)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        if parent.seq_id in self.prompt_sources:  # it shares the parent's prompt K/V, wherever that came from
+            self._set_sources(child.seq_id, dict(self.prompt_sources[parent.seq_id]))
         if parent.block_table:
             self.emit(EventKind.SHARED, child.seq_id, block_ids=tuple(parent.block_table), other_id=parent.seq_id,
                       reason="fork")
@@ -272,21 +292,26 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every prefix hash; cached blocks become free. Returns how many cached blocks were dropped."""
         cached = self.pool.clear_hashes()
+        if self.tiers is not None:
+            self.tiers.clear(self.pool.clock, self.emit)
         self.emit(EventKind.CLEARED, block_ids=tuple(cached))
         return len(cached)
 
     # ---- transactions ---------------------------------------------------------------------------------------
     def begin(self) -> tuple:
         """A checkpoint for :meth:`rollback` (the caller saves the K/V it is about to overwrite itself)."""
+        self._tiers_begin()
         return self.pool.checkpoint(), len(self.events), self.num_cow_copies, self.num_evictions
 
     def end(self) -> None:
         """The transaction is over (committed or rolled back)."""
+        self._tiers_end()
         self._trim_events()
 
     def rollback(self, checkpoint: tuple, seqs: Iterable[Sequence]) -> None:
         """Undo everything since :meth:`begin` (the caller restores the sequences first and passes them all)."""
         pool_cp, num_events, self.num_cow_copies, self.num_evictions = checkpoint
+        self._tiers_rollback()
         self.pool.restore(pool_cp)
         del self.events[num_events:]
         self._published = min(self._published, len(self.events))
@@ -309,3 +334,99 @@ class KVCacheManager:
         assert expected == self.holders, "holders disagree with the block tables"
         for block, holders in self.holders.items():
             assert int(self.pool.owner[block]) in holders, f"block {block}'s owner holds no reference to it"
+        if self.tiers is not None:
+            self.tiers.check_invariants()
+
+    # ---- lower tiers (host memory, disk): engine.tiers ----------------------------------------------------------
+    def attach_tiers(self, tiers: TierStore, read_device_block) -> None:
+        """Keep evicted blocks in ``tiers``; ``read_device_block(block)`` gives a device block's raw K/V bytes (called
+        while the block is being taken, before anything overwrites it)."""
+        self.tiers, self.read_device_block = tiers, read_device_block
+
+    def take_loads(self) -> list[tuple[int, np.ndarray]]:
+        """(device block, bytes) of every block admitted from a lower tier since the last call: the caller writes
+        them into the device pool before the step's model run (they hold prefix K/V the step reads)."""
+        loads, self.pending_loads = self.pending_loads, []
+        return loads
+
+    def _offload(self, seq_id: int, blocks: list[int], hashes: list[int]) -> None:
+        """Evicted device blocks go to the top tier (their bytes are read now: nothing has overwritten them yet)."""
+        for block, h in zip(blocks, hashes):
+            record = self.pool.dropped_record(h)
+            if record is None:
+                continue
+            self.tiers.offload(h, record, lambda b=block: self.read_device_block(b), block, self.pool.clock,
+                               self.emit, seq_id)
+
+    def _read_tier_hits(self, seq: Sequence, hits: list) -> list[tuple]:
+        """(index, hit, bytes) of each tier hit, read now (a later eviction in this admission may move it on); a
+        final (index,) when the hit at ``index`` failed its checksum (dropped; the hits stop there)."""
+        out: list[tuple] = []
+        for index, hit in enumerate(hits):
+            if isinstance(hit, TierHit):
+                data = self.tiers.read(hit)
+                if data is None:
+                    self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
+                    out.append((index,))
+                    return out
+                out.append((index, hit, data))
+        return out
+
+    def _load(self, seq: Sequence, loads: list[tuple]) -> None:
+        """Fresh device blocks for the tier hits: taken (evictions may offload others; the hits' slots are pinned
+        meanwhile), loaded (LOADED), full and hashed again (STORED, as if computed)."""
+        bs, pool, table = self.block_size, self.pool, seq.block_table
+        self.tiers.pin(hit for _, hit, _ in loads)
+        blocks = self._take_blocks(seq, len(loads))
+        self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
+        hashes = seq.full_block_hashes(bs)
+        for (index, hit, data), block in zip(loads, blocks):
+            table[index] = block
+            self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
+            self.pending_loads.append((block, data))
+            pool.set_filled(block, bs)
+            info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
+                               hashes[index - 1] if index else None)
+            registered = pool.register_hash(block, hit.block_hash, info)
+            assert registered, "a tier hit's hash was already on the device (it would have been a device hit)"
+        self.tiers.unpin()
+        run: list[int] = []
+        for index, *_ in loads:
+            if run and index != run[-1] + 1:
+                self._emit_stored(seq, run, hashes)
+                run = []
+            run.append(index)
+        self._emit_stored(seq, run, hashes)
+
+    def _note_sources(self, seq: Sequence, hits: list) -> None:
+        tiers = [h.tier for h in hits if isinstance(h, TierHit)]
+        bs = self.block_size
+        self._set_sources(seq.seq_id, {"device": (len(hits) - len(tiers)) * bs, "host": tiers.count("host") * bs,
+                                       "disk": tiers.count("disk") * bs, "computed": seq.num_tokens - len(hits) * bs})
+
+    def _set_sources(self, seq_id: int, sources: dict[str, int]) -> None:
+        if self._sources_undo is not None:
+            self._sources_undo.append((seq_id, self.prompt_sources.get(seq_id)))
+        self.prompt_sources[seq_id] = sources
+
+    def _tiers_begin(self) -> None:
+        self._sources_undo = []
+        self.pending_loads = []
+        if self.tiers is not None:
+            self.tiers.begin()
+
+    def _tiers_end(self) -> None:
+        self._sources_undo = None
+        if self.tiers is not None:
+            self.tiers.end()
+
+    def _tiers_rollback(self) -> None:
+        for seq_id, old in reversed(self._sources_undo or []):
+            if old is None:
+                self.prompt_sources.pop(seq_id, None)
+            else:
+                self.prompt_sources[seq_id] = old
+        self._sources_undo = []
+        self.pending_loads = []
+        if self.tiers is not None:
+            self.tiers.rollback()

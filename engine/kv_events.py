@@ -6,14 +6,16 @@ blocks lost their KV) becomes ``BlockRemoved``; a reset of the prefix cache beco
 per engine step that produced any of them, as vLLM sends one per scheduler step: a committed operation that ran
 several steps (``generate``) is split by step id, in order. Nothing is sent before the operation commits, so a
 rolled-back one sends nothing. The medium is "GPU", vLLM's name for an engine's own block pool
-(on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default.
+(on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default. The lower
+tiers (engine/tiers.py) publish as vLLM's offloading connector does in its self-describing mode: a block kept in the
+host tier is a full ``BlockStored`` on medium "CPU", on the disk tier "STORAGE", and one let go a ``BlockRemoved``.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.kv_events.codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstream.kv_events.codec import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstream.kv_events.publisher import KVEventError, KVEventPublisher
 
 from .config import EngineConfig
@@ -31,7 +33,26 @@ def to_kv_events(events: Sequence[BlockEvent], block_size: int) -> list[KVEvent]
             out.append(BlockRemoved(block_hashes=tuple(e.block_hashes), medium=MEDIUM_GPU))
         elif e.kind == EventKind.CLEARED:
             out.append(AllBlocksCleared())
+        elif e.kind in (EventKind.OFFLOADED, EventKind.DROPPED):
+            out.append(_tier_kv_event(e, block_size))
     return out
+
+
+MEDIUM_STORAGE = "STORAGE"  # vLLM's medium for a disk tier (SGLang says "DISK")
+TIER_MEDIUM = {"host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}  # the lower tiers as vLLM's offloading connector names them
+
+
+def _tier_kv_event(e: BlockEvent, block_size: int) -> KVEvent:
+    """A block kept in (OFFLOADED) or let go by (DROPPED) a lower tier, as vLLM's offloading connector reports it
+    in its self-describing mode: a full ``BlockStored`` (tokens, parent, block size) on medium "CPU" / "STORAGE",
+    or a ``BlockRemoved`` there. A load back into the device needs no event of its own: the device block's STORED
+    (medium "GPU") follows it."""
+    medium = TIER_MEDIUM[e.tier]
+    if e.kind == EventKind.OFFLOADED:
+        return BlockStored(block_hashes=tuple(e.block_hashes), parent_block_hash=e.parent_hash,
+                           token_ids=tuple(e.token_ids), block_size=block_size, lora_id=None, medium=medium,
+                           lora_name=None)
+    return BlockRemoved(block_hashes=tuple(e.block_hashes), medium=medium)
 
 
 def split_by_step(events: Sequence[BlockEvent]) -> list[list[BlockEvent]]:

@@ -20,6 +20,8 @@ from .errors import EngineError
 from .sequence import Sequence
 from .validation import is_int
 
+_HAS_SOURCES = "prompt_token_sources" in ConversationInfo.__dataclass_fields__
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -42,6 +44,7 @@ class PoolViews:
         self._info_cache: dict[int, _Built] = {}  # seq id -> its info as last built
         self._snapshot: PoolSnapshot | None = None
         self.finished: deque[int] = deque()  # ids of finished/ended conversations still in views, newest last
+        self._tiers: dict[str, tuple[int, object]] = {}  # tier name -> (its version, its TierView then)
 
     def forget(self, seq_id: int) -> None:
         self._info_cache.pop(seq_id, None)
@@ -79,9 +82,16 @@ class PoolViews:
             block_table=table, num_computed_tokens=seq.num_computed_tokens,
             num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
             parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,
-            finish_reason=seq.finish_reason, turns=tuple(seq.turns))
+            finish_reason=seq.finish_reason, turns=tuple(seq.turns), **self._sources(seq))
         self._info_cache[seq.seq_id] = _Built(seq.version, info, ids, len(ids), prefix)
         return info
+
+    def _sources(self, seq: Sequence) -> dict:
+        """ConversationInfo.prompt_token_sources, where the views carry it (the field comes with the pool stream's
+        support for it)."""
+        if not _HAS_SOURCES:
+            return {}
+        return {"prompt_token_sources": dict(self.engine.manager.prompt_sources.get(seq.seq_id, {}))}
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
         """Live conversations and the most recent finished ones (the window), by id."""
@@ -135,7 +145,7 @@ class PoolViews:
             block_tables=tables, conversations=conversations, metrics=self.metrics(),
             memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
-            source="engine")
+            source="engine", tiers=self._tier_views())
         if base is not None and changed is not None:
             promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
@@ -143,6 +153,20 @@ class PoolViews:
                                                  if (built := cache.get(c.conversation_id)) is not None
                                                  and built.info is c and built.prefix is not None})
         return self._snapshot
+
+    def _tier_views(self) -> MappingProxyType:
+        """Each lower tier that is on as a TierView, rebuilt only when that tier changed (a tier may hold 262,144
+        slots: copying its arrays every step would cost more than the step's own bookkeeping)."""
+        tiers = self.engine.tiers
+        if tiers is None:
+            return MappingProxyType({})
+        out = {}
+        for tier in tiers.order:
+            cached = self._tiers.get(tier.name)
+            if cached is None or cached[0] != tier.version:
+                cached = self._tiers[tier.name] = (tier.version, tier.view())
+            out[tier.name] = cached[1]
+        return MappingProxyType(out)
 
     # ---- one block ------------------------------------------------------------------------------------------
     def inspect_block(self, block_id) -> BlockInfo:

@@ -17,7 +17,8 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
-               [--make-keys DIR] [--fetch-model NAME]"""
+               [--make-keys DIR] [--fetch-model NAME] [--host-tier-blocks N] [--disk-tier-blocks N]
+               [--disk-tier-path FILE]"""
 
 
 class UsageError(Exception):
@@ -116,7 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
                              "engine thread (seconds per batch/context size bucket). Without it, contexts of 512+ "
                              "tokens in steady use are compiled in the background and take the kernel where it "
                              "measures faster")
+    parser.add_argument("--host-tier-blocks", type=int, default=0, metavar="N",
+                        help="keep up to N blocks the device pool evicts in host memory, and load them back on a "
+                             "prefix hit (default 0: off)")
+    parser.add_argument("--disk-tier-blocks", type=int, default=0, metavar="N",
+                        help="keep up to N blocks the host tier evicts on disk, in --disk-tier-path (default 0: off)")
+    parser.add_argument("--disk-tier-path", metavar="FILE", help="the disk tier's file (created or truncated)")
     return parser
+
+
+def _check_tiers(opts: argparse.Namespace) -> None:
+    """--host-tier-blocks, --disk-tier-blocks and --disk-tier-path: sizes, the pairing, and the file's folder."""
+    for flag, value in (("--host-tier-blocks", opts.host_tier_blocks), ("--disk-tier-blocks", opts.disk_tier_blocks)):
+        if value < 0:  # the upper bound is EngineConfig's (main.py reports it the same way, exit 2)
+            raise UsageError(f"{flag} must be 0 (off) or more, got {value}")
+    if opts.disk_tier_blocks and not opts.disk_tier_path:
+        raise UsageError("--disk-tier-blocks needs --disk-tier-path FILE (where the disk tier writes)")
+    if opts.disk_tier_path and not opts.disk_tier_blocks:
+        raise UsageError("--disk-tier-path needs --disk-tier-blocks N (how many blocks the disk tier holds)")
+    if opts.disk_tier_path:
+        _check_output_file("--disk-tier-path", opts.disk_tier_path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,7 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         local = [flag for flag, on in (("--record", opts.record), ("--publish", opts.publish),
                                        ("--kv-events", opts.kv_events), ("--compile-attention",
                                                                          opts.compile_attention),
-                                       ("--demo", opts.demo not in ("none", "lesson"))) if on]
+                                       ("--demo", opts.demo not in ("none", "lesson")),
+                                       ("--host-tier-blocks", opts.host_tier_blocks),
+                                       ("--disk-tier-blocks", opts.disk_tier_blocks)) if on]
         if local:
             raise UsageError(f"{' and '.join(local)} run the local engine, but {watching[0]} watches another "
                              "source instead; use them in separate runs")
@@ -175,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_output_file("--record", opts.record)
         if opts.open and os.path.abspath(opts.open) == os.path.abspath(opts.record):
             raise UsageError("--record would overwrite the file --open reads")
+    _check_tiers(opts)
     if opts.tokenizer is not None:
         if not os.path.isdir(opts.tokenizer):
             raise UsageError(f"--tokenizer {opts.tokenizer}: no such directory")

@@ -37,7 +37,8 @@ class EventKind(str, enum.Enum):
     RELOCATED = "relocated"  # every non-free block moved: block_ids[i] is now new_block_ids[i]
     CLEARED = "cleared"  # the prefix cache was reset: every hash dropped, cached blocks freed
     OFFLOADED = "offloaded"  # block_hashes copied into tier ``tier`` at slots tier_slots; block_ids: the device
-    #                          blocks they came from (empty when they came from the tier above: host -> disk)
+    #                          blocks they came from (empty when they came from the tier above: host -> disk, whose
+    #                          name is the reason); parent_hash and token_ids of the block (one block per event)
     LOADED = "loaded"  # block_hashes copied from tier ``tier`` slots tier_slots into device block_ids, for
     #                    conversation_id (a prefix hit in a lower tier instead of recomputing)
     DROPPED = "dropped"  # tier ``tier`` let go of slots tier_slots (block_hashes aligned): to make room, or passed on
@@ -81,10 +82,12 @@ class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
 class PoolModel:
     """State and ref count of every block, rebuilt from events alone (the engine's pool must agree with it)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, tier_blocks: dict[str, int] | None = None):
         self.state = np.zeros(num_blocks, np.int8)  # BlockState values: 0 free, 1 used, 2 cached
         self.ref_count = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
+        # each lower tier's hash per slot (0: free), rebuilt from OFFLOADED / DROPPED (and checked by LOADED)
+        self.tier_hash = {name: np.zeros(n, np.uint64) for name, n in (tier_blocks or {}).items()}
 
     def apply(self, event: BlockEvent) -> None:
         apply_event(self, event)
@@ -131,3 +134,20 @@ def apply_event(model: PoolModel, event: BlockEvent) -> None:
     elif kind == EventKind.CLEARED:
         model.hashed[:] = False
         st[st == 2] = 0
+    elif kind in TIER_KINDS:
+        _apply_tier_event(model, event)
+
+
+def _apply_tier_event(model: PoolModel, event: BlockEvent) -> None:
+    """A lower tier's slots after OFFLOADED (filled), DROPPED (emptied) or LOADED (read: must hold the hash)."""
+    slots = model.tier_hash.get(event.tier)
+    assert slots is not None, f"an event names tier {event.tier!r}, which is not on: {event}"
+    assert len(event.tier_slots) == len(event.block_hashes), f"tier slots and hashes do not align: {event}"
+    for slot, h in zip(event.tier_slots, event.block_hashes):
+        if event.kind == EventKind.OFFLOADED:
+            assert int(slots[slot]) == 0 and not (slots == np.uint64(h)).any(), f"offloaded into a taken slot, or a hash held twice: {event}"
+            slots[slot] = h
+        else:
+            assert int(slots[slot]) == h, f"{event.kind.value} a slot that does not hold that hash: {event}"
+            if event.kind == EventKind.DROPPED:
+                slots[slot] = 0

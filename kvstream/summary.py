@@ -54,7 +54,24 @@ def json_summary(snapshot: PoolSnapshot | None, *, source: str | None = None) ->
         "generated_tokens": int(metrics.num_generated_tokens),
         "preemptions": int(metrics.num_preemptions),
         "evictions": int(metrics.num_evictions),
+        "stored_hashes_by_medium": stored_by_medium(snapshot, stored),
+        "tiers": {name: {"num_blocks": int(view.num_blocks),
+                         "used": int(np.count_nonzero(view.state == BlockState.CACHED))}
+                  for name, view in getattr(snapshot, "tiers", {}).items()},
     }
+
+
+_TIER_MEDIA = {"host": "CPU", "disk": "STORAGE"}  # a pool's lower tiers by vLLM's medium names
+
+
+def stored_by_medium(snapshot: PoolSnapshot, stored: int | None) -> dict[str, int | None]:
+    """Distinct hashed blocks per medium: the pool itself is "GPU" (whatever its device), its host tier "CPU",
+    its disk tier "STORAGE" (0 where the tier is off)."""
+    out: dict[str, int | None] = {"GPU": stored, "CPU": 0, "STORAGE": 0}
+    for name, view in getattr(snapshot, "tiers", {}).items():
+        hashes = view.block_hash[view.block_hash != NO_HASH]
+        out[_TIER_MEDIA.get(name, name)] = int(np.unique(hashes).size)
+    return out
 
 
 def fixed_part(summary: dict[str, Any]) -> dict[str, Any]:

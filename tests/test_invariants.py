@@ -127,6 +127,39 @@ def test_pool_state_machine(tmp_path_factory):
     PoolMachine.TestCase().runTest()
 
 
+class TieredPoolMachine(PoolMachine):
+    """The same rules on a pool with a host and a disk tier: blocks go down and come back, and replaying the events
+    rebuilds every tier's hash per slot too."""
+
+    disk_dir = None
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        path = f"{self.disk_dir}/tier-{id(self)}.bin"
+        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24, max_num_batched_tokens=256,
+                                       host_tier_blocks=4, disk_tier_blocks=6, disk_tier_path=path))
+        self.ids = []
+        self.replayed = PoolModel(24, {"host": 4, "disk": 6})
+
+    @invariant()
+    def events_replay_to_the_tiers(self):
+        for event in self.eng.take_events():
+            self.replayed.apply(event)
+        for name, view in self.eng.snapshot().tiers.items():
+            assert (self.replayed.tier_hash[name] == view.block_hash).all(), name
+
+    def teardown(self):
+        super().teardown()
+        self.eng.close()
+
+
+def test_tiered_pool_state_machine(tmp_path_factory):
+    TieredPoolMachine.ckpt = _checkpoint(tmp_path_factory)
+    TieredPoolMachine.disk_dir = str(tmp_path_factory.mktemp("tiers"))
+    TieredPoolMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+    TieredPoolMachine.TestCase().runTest()
+
+
 def test_engine_import_loads_no_qt():
     code = ("import sys, engine; from engine import Engine, EngineConfig, EngineRunner;"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'PyQt5', 'PyQt6', 'pyqtgraph', 'shiboken6')];"

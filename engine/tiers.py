@@ -1,0 +1,512 @@
+"""Lower tiers of the KV cache: host memory and a disk file, holding full hashed blocks the device pool evicted.
+
+Why: the prefix cache drops an evicted block's K/V for good, so a conversation that returns after its blocks left
+the device recomputes its whole prefix. Servers (vLLM's offloading connector, SGLang's HiCache, LMCache) keep such
+blocks in CPU memory and on disk and load them back on a prefix hit; this module is that, for the engine.
+
+Bookkeeping and bytes only, numpy and the standard library (no torch): a tier is a set of slots, each FREE or
+holding one block's K/V bytes under its prefix hash, in least-recently-used order. The engine hands it a block's
+bytes (read from the device pool just before the pool hands that block to someone else) and copies the bytes of a
+hit back into a device block itself; the KV-cache manager decides what moves and records every move as a block
+event (OFFLOADED, LOADED, DROPPED).
+
+The flow is vLLM's offloading one: device -> host -> disk -> dropped. A block the device evicts goes to the host
+tier (most recently used there); the host tier's least recently used block moves on to the disk tier; the disk
+tier's least recently used block is dropped. A hash lives at most once per tier; a block loaded back stays in its
+tier (a copy, not a move), so evicting it from the device again costs no copy.
+
+Every change can be undone: while a transaction is open (:meth:`TierStore.begin`), each slot's bookkeeping is saved
+before its first change, and the bytes of a slot that held a block at the checkpoint are saved before they are
+overwritten; :meth:`TierStore.rollback` puts both back. So a failed step leaves every tier exactly as it was.
+
+The disk tier writes one file (plain ``os.pwrite`` / ``os.pread`` at slot offsets) and keeps a CRC-32 of each
+slot's bytes in memory, checked on every read: a slot whose bytes do not match (damaged file, failed write, a read
+error) is never loaded; the caller drops it and recomputes those tokens. It calls ``fsync`` every
+:data:`FSYNC_EVERY` writes and when closed. A failed write (disk full, I/O error) drops the block being written:
+logged, never raised, so a full disk never stops the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvstream.events import EventKind
+from kvstream.views import NO_HASH, BlockState, TierView
+
+from .errors import EngineError
+
+log = logging.getLogger(__name__)
+
+FSYNC_EVERY = 256  # disk-tier writes between two fsyncs (and one at close): the file is a cache of this process,
+#                    read back only through checksums, so a crash loses nothing that matters; fsync bounds how much
+#                    dirty data the kernel holds for it
+TIER_NAMES = ("host", "disk")  # top to bottom
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """A prefix block found in a lower tier (an entry of ``KVCacheManager.prefix_hits`` besides device ids)."""
+
+    tier: str  # "host" | "disk"
+    slot: int  # slot in that tier
+    block_hash: int  # the block's prefix hash
+
+
+class Tier:
+    """One tier's slots: FREE or CACHED, each CACHED slot holding one hashed block's K/V bytes.
+
+    Subclasses store the bytes (:class:`HostTier`, :class:`DiskTier`); this class keeps the per-slot arrays (the
+    ones a :class:`TierView` shows), the hash -> slot map, the LRU order and the undo records."""
+
+    name = ""
+
+    def __init__(self, num_blocks: int, bytes_per_block: int):
+        self.num_blocks = num_blocks
+        self.bytes_per_block = bytes_per_block
+        self.state = np.zeros(num_blocks, np.int8)  # BlockState: FREE or CACHED
+        self.block_hash = np.zeros(num_blocks, np.uint64)  # prefix hash held; NO_HASH where free
+        self.last_access = np.zeros(num_blocks, np.int64)  # step of the last write or read
+        self.queued_at = np.arange(num_blocks, dtype=np.int64)  # LRU stamp (free slots: the order they are taken)
+        self._stamp = num_blocks
+        self.records: dict[int, Any] = {}  # hash -> HashedBlock (its tokens and parent, for events and loads)
+        self.pinned: set[int] = set()  # slots an admission is loading from: never chosen to make room
+        self.version = 0  # bumped by every change (views are rebuilt only when it moved)
+        self._saved: dict[int, tuple] | None = None  # slot -> bookkeeping at the checkpoint (open transaction)
+        self._saved_bytes: dict[int, np.ndarray] = {}  # slot -> bytes at the checkpoint, saved before overwritten
+        self._rebuild()
+
+    # ---- derived ----------------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        order = np.argsort(self.queued_at, kind="stable")
+        state = self.state[order]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order[state == BlockState.FREE].tolist())
+        self._lru: OrderedDict[int, None] = OrderedDict.fromkeys(order[state == BlockState.CACHED].tolist())
+        held = np.flatnonzero(self.state == BlockState.CACHED)
+        self.hash_to_slot: dict[int, int] = dict(zip(self.block_hash[held].tolist(), held.tolist()))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.hash_to_slot.get(block_hash)
+
+    # ---- changes ----------------------------------------------------------------------------------------------
+    def _save(self, slot: int) -> None:
+        """Remember the slot as it was at the checkpoint, before its first change in the open transaction."""
+        if self._saved is not None and slot not in self._saved:
+            h = int(self.block_hash[slot])
+            self._saved[slot] = (int(self.state[slot]), h, int(self.last_access[slot]), int(self.queued_at[slot]),
+                                 self.records.get(h) if h != NO_HASH else None)
+        self.version += 1
+
+    def _restamp(self, slot: int) -> None:
+        self.queued_at[slot] = self._stamp
+        self._stamp += 1
+
+    def touch(self, slot: int, clock: int) -> None:
+        """The block in ``slot`` was used (loaded back, or evicted from the device again): most recently used."""
+        self._save(slot)
+        self.last_access[slot] = clock
+        self._restamp(slot)
+        self._lru.move_to_end(slot)
+
+    def free_slot(self) -> int | None:
+        """A FREE slot, if any (without taking it)."""
+        return next(iter(self._free), None)
+
+    def victim(self) -> int | None:
+        """The least recently used CACHED slot that is not pinned (None: every one is)."""
+        for slot in self._lru:
+            if slot not in self.pinned:
+                return slot
+        return None
+
+    def put(self, slot: int, block_hash: int, record, clock: int) -> None:
+        """``slot`` (FREE, its bytes just written) now holds ``block_hash``, most recently used."""
+        self._save(slot)
+        self._free.pop(slot)
+        self.state[slot] = BlockState.CACHED
+        self.block_hash[slot] = block_hash
+        self.last_access[slot] = clock
+        self._restamp(slot)
+        self._lru[slot] = None
+        self.hash_to_slot[block_hash] = slot
+        self.records[block_hash] = record
+
+    def drop(self, slot: int, clock: int) -> None:
+        """``slot`` lets go of its block (its bytes stay until overwritten, but nothing names them)."""
+        self._save(slot)
+        h = int(self.block_hash[slot])
+        self._lru.pop(slot)
+        del self.hash_to_slot[h]
+        self.records.pop(h, None)
+        self.state[slot] = BlockState.FREE
+        self.block_hash[slot] = NO_HASH
+        self.last_access[slot] = clock
+        self._restamp(slot)
+        self._free[slot] = None
+
+    def write(self, slot: int, data: np.ndarray) -> None:
+        """Store ``data`` (uint8, bytes_per_block) in ``slot``, saving the checkpoint's bytes first."""
+        saved = self._saved.get(slot) if self._saved is not None else None
+        held_at_checkpoint = (saved[0] if saved is not None else int(self.state[slot])) == BlockState.CACHED
+        if self._saved is not None and held_at_checkpoint and slot not in self._saved_bytes:
+            old = self._read_raw(slot)
+            if old is not None:
+                self._saved_bytes[slot] = old
+        self._write_raw(slot, data)
+
+    def read(self, slot: int) -> np.ndarray | None:
+        """The bytes in ``slot`` (a copy), or None when they cannot be trusted (see :class:`DiskTier`)."""
+        return self._read_raw(slot)
+
+    # ---- bytes (subclasses) -----------------------------------------------------------------------------------
+    def _write_raw(self, slot: int, data: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _read_raw(self, slot: int) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # ---- transactions -----------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._saved, self._saved_bytes = {}, {}
+
+    def end(self) -> None:
+        self._saved, self._saved_bytes = None, {}
+
+    def rollback(self) -> None:
+        saved, saved_bytes = self._saved or {}, self._saved_bytes
+        self._saved = None  # the writes below put bytes back; they must not be saved again
+        for slot, data in saved_bytes.items():
+            try:
+                self._write_raw(slot, data)
+            except OSError as exc:  # the checksum of the restored bookkeeping no longer matches: never loaded
+                log.warning("%s tier: could not put back slot %d after a rollback (%s); it will be recomputed",
+                            self.name, slot, exc)
+        for slot, (state, h, last, queued, record) in saved.items():
+            self.state[slot], self.block_hash[slot] = state, h
+            self.last_access[slot], self.queued_at[slot] = last, queued
+            if record is not None:
+                self.records[h] = record
+        self._restore_checksums(saved)
+        if saved:  # records of blocks that came in since the checkpoint go with them
+            held = set(self.block_hash[self.state == BlockState.CACHED].tolist())
+            self.records = {h: r for h, r in self.records.items() if h in held}
+        self._saved_bytes = {}
+        self.version += 1
+        self._rebuild()
+
+    def _restore_checksums(self, saved: dict) -> None:
+        pass
+
+    # ---- views ------------------------------------------------------------------------------------------------
+    def view(self) -> TierView:
+        """An immutable copy of the slots (the window's grid of this tier)."""
+        def frozen(a):
+            a = a.copy()
+            a.setflags(write=False)
+            return a
+        return TierView(num_blocks=self.num_blocks, state=frozen(self.state), block_hash=frozen(self.block_hash),
+                        last_access=frozen(self.last_access))
+
+    def check_invariants(self) -> None:
+        free, lru = set(self._free), set(self._lru)
+        assert not free & lru and len(free) + len(lru) == self.num_blocks, f"{self.name}: queues disagree"
+        assert lru == set(np.flatnonzero(self.state == BlockState.CACHED).tolist()), f"{self.name}: LRU != CACHED"
+        assert (self.block_hash[self.state == BlockState.FREE] == NO_HASH).all(), f"{self.name}: free slot hashed"
+        held = np.flatnonzero(self.state == BlockState.CACHED)
+        assert self.hash_to_slot == dict(zip(self.block_hash[held].tolist(), held.tolist())), \
+            f"{self.name}: hash map disagrees with the slots"
+        assert set(self.records) == set(self.hash_to_slot), f"{self.name}: records disagree with the slots"
+
+
+class HostTier(Tier):
+    """Slots in host memory: one preallocated uint8 array [slots, bytes per block]."""
+
+    name = "host"
+
+    def __init__(self, num_blocks: int, bytes_per_block: int):
+        try:
+            self.data = np.zeros((num_blocks, bytes_per_block), np.uint8)  # pages are touched when first written
+        except (MemoryError, ValueError) as exc:
+            raise EngineError(f"cannot allocate the host tier of {num_blocks:,} blocks: {exc}") from None
+        super().__init__(num_blocks, bytes_per_block)
+
+    def _write_raw(self, slot: int, data: np.ndarray) -> None:
+        self.data[slot] = data
+
+    def _read_raw(self, slot: int) -> np.ndarray | None:
+        return self.data[slot].copy()
+
+
+class DiskTier(Tier):
+    """Slots in one file at ``path``: slot i at offset i * bytes_per_block, with a CRC-32 per slot in memory."""
+
+    name = "disk"
+
+    def __init__(self, num_blocks: int, bytes_per_block: int, path: str):
+        size = num_blocks * bytes_per_block
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise EngineError(f"disk_tier_path {path} is a folder; give a file name")
+        if not os.path.isdir(folder):
+            raise EngineError(f"disk_tier_path {path}: the folder {folder} does not exist")
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        existing = os.path.getsize(path) if os.path.isfile(path) else 0
+        if free is not None and size > free + existing:
+            raise EngineError(f"the disk tier of {num_blocks:,} blocks needs {size / 2**30:.2f} GiB "
+                              f"({bytes_per_block / 2**10:.0f} KiB per block) but {folder} has only "
+                              f"{free / 2**30:.2f} GiB free; use at most {(free + existing) // bytes_per_block:,} blocks")
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise EngineError(f"cannot create the disk tier file {path}: {exc.strerror or exc}") from None
+        try:
+            os.ftruncate(self.fd, size)  # sparse: blocks take disk space as they are written
+        except OSError as exc:
+            os.close(self.fd)
+            raise EngineError(f"cannot size the disk tier file {path} to {size:,} bytes: {exc.strerror or exc}") \
+                from None
+        self.path = path
+        self.crc = np.zeros(num_blocks, np.uint32)  # CRC-32 of the bytes each CACHED slot must read back as
+        self._crc_saved: dict[int, int] = {}
+        self._writes_since_sync = 0
+        self.num_corrupt = 0  # reads refused because the bytes did not match their checksum (or could not be read)
+        super().__init__(num_blocks, bytes_per_block)
+
+    def _write_raw(self, slot: int, data: np.ndarray) -> None:
+        buf = memoryview(np.ascontiguousarray(data, np.uint8)).cast("B")
+        if self._saved is not None and slot not in self._crc_saved:
+            self._crc_saved[slot] = int(self.crc[slot])
+        offset = slot * self.bytes_per_block
+        written = os.pwrite(self.fd, buf, offset)
+        while written < len(buf):  # a short write: go on where it stopped (0 bytes written is a full disk)
+            more = os.pwrite(self.fd, buf[written:], offset + written)
+            if more <= 0:
+                raise OSError(28, "No space left on device (short write)")
+            written += more
+        self.crc[slot] = zlib.crc32(buf)
+        self._writes_since_sync += 1
+        if self._writes_since_sync >= FSYNC_EVERY:
+            self.sync()
+
+    def _read_raw(self, slot: int) -> np.ndarray | None:
+        try:
+            raw = os.pread(self.fd, self.bytes_per_block, slot * self.bytes_per_block)
+        except OSError as exc:
+            log.warning("disk tier: reading slot %d failed (%s)", slot, exc)
+            return None
+        return np.frombuffer(raw, np.uint8).copy() if len(raw) == self.bytes_per_block else None
+
+    def read(self, slot: int) -> np.ndarray | None:
+        data = self._read_raw(slot)
+        if data is None or zlib.crc32(memoryview(data)) != int(self.crc[slot]):
+            self.num_corrupt += 1
+            log.warning("disk tier: slot %d of %s failed its checksum; its tokens will be recomputed", slot,
+                        self.path)
+            return None
+        return data
+
+    def begin(self) -> None:
+        super().begin()
+        self._crc_saved = {}
+
+    def end(self) -> None:
+        super().end()
+        self._crc_saved = {}
+
+    def _restore_checksums(self, saved: dict) -> None:
+        for slot, crc in self._crc_saved.items():
+            self.crc[slot] = crc
+        self._crc_saved = {}
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            log.warning("disk tier: fsync of %s failed (%s)", self.path, exc)
+        self._writes_since_sync = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.sync()
+            os.close(self.fd)
+            self.fd = -1
+
+
+Emit = Callable[..., None]  # KVCacheManager.emit(kind, conversation_id, **fields)
+
+
+class TierStore:
+    """The lower tiers that are on, top (host) to bottom (disk), and the moves between them.
+
+    The only caller is :class:`engine.kv_cache_manager.KVCacheManager`, which passes its ``emit`` so that every
+    move is a block event in order with the device pool's own."""
+
+    def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int):
+        self.order: list[Tier] = []
+        if host_blocks:
+            self.order.append(HostTier(host_blocks, bytes_per_block))
+        if disk_blocks:
+            self.order.append(DiskTier(disk_blocks, bytes_per_block, disk_path))
+        self.tiers = {t.name: t for t in self.order}
+        self.num_offloaded = self.num_loaded = self.num_dropped = 0  # blocks moved (for metrics and benches)
+        self._counters_saved: tuple | None = None
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    def lookup(self, block_hash: int) -> TierHit | None:
+        """The highest tier holding ``block_hash``."""
+        for tier in self.order:
+            slot = tier.lookup(block_hash)
+            if slot is not None:
+                return TierHit(tier.name, slot, block_hash)
+        return None
+
+    def read(self, hit: TierHit) -> np.ndarray | None:
+        """The bytes of a hit (a copy), or None when they failed their checksum."""
+        return self.tiers[hit.tier].read(hit.slot)
+
+    def record(self, hit: TierHit):
+        return self.tiers[hit.tier].records[hit.block_hash]
+
+    def views(self) -> dict[str, TierView]:
+        return {t.name: t.view() for t in self.order}
+
+    # ---- moves ------------------------------------------------------------------------------------------------
+    def offload(self, block_hash: int, record, read: Callable[[], np.ndarray], device_block: int, clock: int,
+                emit: Emit, conversation_id: int = -1) -> None:
+        """A device block holding ``block_hash`` is about to be reused: keep its bytes (``read()``) in the top tier.
+        A tier that already holds the hash only marks it used (no copy)."""
+        if self.order:
+            self._store(0, block_hash, record, read, device_block, "", clock, emit, conversation_id)
+
+    def _store(self, index: int, block_hash: int, record, read: Callable[[], np.ndarray], device_block: int | None,
+               source: str, clock: int, emit: Emit, cid: int) -> bool:
+        """Put a block into tier ``index``, making room first; False when it could not be kept there."""
+        tier = self.order[index]
+        slot = tier.lookup(block_hash)
+        if slot is not None:
+            tier.touch(slot, clock)
+            return True
+        slot = self._make_room(index, clock, emit, cid)
+        if slot is None:
+            return False
+        data = read()
+        try:
+            tier.write(slot, data)
+        except OSError as exc:  # only a disk tier writes to a device that can fail: drop the block, go on
+            log.warning("%s tier: writing a block failed (%s); the block is dropped", tier.name, exc)
+            return False
+        tier.put(slot, block_hash, record, clock)
+        self.num_offloaded += 1
+        emit(EventKind.OFFLOADED, cid, tier=tier.name, block_hashes=(block_hash,), tier_slots=(slot,),
+             block_ids=() if device_block is None else (device_block,), reason=source,
+             parent_hash=record.parent_hash, token_ids=tuple(record.token_ids))
+        return True
+
+    def _make_room(self, index: int, clock: int, emit: Emit, cid: int) -> int | None:
+        """A FREE slot of tier ``index``: a free one, or its least recently used block's, which moves on to the
+        tier below (or is dropped at the bottom)."""
+        tier = self.order[index]
+        slot = tier.free_slot()
+        if slot is not None:
+            return slot
+        slot = tier.victim()
+        if slot is None:
+            return None
+        h = int(tier.block_hash[slot])
+        record = tier.records[h]
+        moved = False
+        if index + 1 < len(self.order):
+            moved = self._store(index + 1, h, record, lambda: tier.read(slot), None, tier.name, clock, emit, cid)
+        tier.drop(slot, clock)
+        self.num_dropped += 0 if moved else 1
+        emit(EventKind.DROPPED, cid, tier=tier.name, block_hashes=(h,), tier_slots=(slot,),
+             reason=self.order[index + 1].name if moved else "")
+        return slot
+
+    def loaded(self, hit: TierHit, device_block: int, clock: int, emit: Emit, cid: int) -> None:
+        """A hit's bytes went into ``device_block``: the tier keeps its copy, now most recently used."""
+        self.tiers[hit.tier].touch(hit.slot, clock)
+        self.num_loaded += 1
+        emit(EventKind.LOADED, cid, tier=hit.tier, block_hashes=(hit.block_hash,), tier_slots=(hit.slot,),
+             block_ids=(device_block,))
+
+    def drop_corrupt(self, hit: TierHit, clock: int, emit: Emit, cid: int) -> None:
+        """A hit whose bytes failed their checksum: forget it (its tokens are recomputed)."""
+        self.tiers[hit.tier].drop(hit.slot, clock)
+        self.num_dropped += 1
+        emit(EventKind.DROPPED, cid, tier=hit.tier, block_hashes=(hit.block_hash,), tier_slots=(hit.slot,))
+
+    def clear(self, clock: int, emit: Emit) -> None:
+        """Drop every block of every tier (a reset of the prefix cache)."""
+        for tier in self.order:
+            slots = list(tier._lru)
+            if not slots:
+                continue
+            hashes = tuple(int(tier.block_hash[s]) for s in slots)
+            for s in slots:
+                tier.drop(s, clock)
+            self.num_dropped += len(slots)
+            emit(EventKind.DROPPED, -1, tier=tier.name, block_hashes=hashes, tier_slots=tuple(slots))
+
+    def pin(self, hits) -> None:
+        for hit in hits:
+            self.tiers[hit.tier].pinned.add(hit.slot)
+
+    def unpin(self) -> None:
+        for tier in self.order:
+            tier.pinned.clear()
+
+    # ---- transactions -----------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._counters_saved = (self.num_offloaded, self.num_loaded, self.num_dropped)
+        for tier in self.order:
+            tier.begin()
+
+    def end(self) -> None:
+        self.unpin()
+        for tier in self.order:
+            tier.end()
+
+    def rollback(self) -> None:
+        self.unpin()
+        if self._counters_saved is not None:
+            self.num_offloaded, self.num_loaded, self.num_dropped = self._counters_saved
+        for tier in self.order:
+            tier.rollback()
+            tier.end()
+
+    # ---- life -------------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        for tier in self.order:
+            tier.check_invariants()
+
+    def fingerprint(self) -> tuple:
+        """Everything a tier holds, bytes included (tests: equal before and after a failed operation)."""
+        out = []
+        for tier in self.order:
+            held = np.flatnonzero(tier.state == BlockState.CACHED).tolist()
+            contents = tuple(bytes(tier._read_raw(s)) for s in held)
+            out.append((tier.name, tier.state.tobytes(), tier.block_hash.tobytes(), tier.last_access.tobytes(),
+                        tuple(int(x) for x in np.argsort(tier.queued_at, kind="stable")), contents,
+                        tuple(sorted(tier.records))))
+        return tuple(out)
+
+    def close(self) -> None:
+        for tier in self.order:
+            tier.close()

@@ -1,0 +1,537 @@
+"""Host and disk tiers of the KV cache (engine/tiers.py): blocks the device pool evicts go down, come back on a
+prefix hit, and nothing about them changes the tokens; every move is an event; every failure leaves every tier as
+it was (or, for a failed disk write or a damaged disk block, drops the block and recomputes it)."""
+from __future__ import annotations
+
+import errno
+import os
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from engine import BlockState, Engine, EngineConfig, EngineError
+from engine.kv_events import to_kv_events
+from engine.tiers import DiskTier, HostTier, TierStore
+from kvstream.events import EventKind, PoolModel
+from kvstream.kv_events.codec import BlockRemoved, BlockStored, decode_batch, encode_batch, make_batch
+from kvstream.summary import json_summary
+from kvstream.views import NO_HASH
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    return [[(7 * i + 13 * k) % 250 + 2 for i in range(length)] for k in range(n)]
+
+
+def _engine(tmp_path, block_size=4, num_blocks=None, host=0, disk=0, name="tier.bin", **kw) -> Engine:
+    path = str(tmp_path / name) if disk else None
+    return Engine(EngineConfig(model="builtin", block_size=block_size, num_blocks=num_blocks or max(8, 64 // block_size),
+                               host_tier_blocks=host, disk_tier_blocks=disk, disk_tier_path=path,
+                               max_num_batched_tokens=128, max_num_seqs=4, seed=0, **kw))
+
+
+def _returning_workload(eng: Engine, n=3, length=24, new=4, temps=(0.0, 0.9, 0.0)) -> tuple[list[int], list]:
+    """Conversations that run one after another on a small pool, then each comes back with a reply (its earlier
+    blocks long evicted from the device): (ids, every event)."""
+    events = []
+    ids = []
+    for k, prompt in enumerate(_prompts(n, length)):
+        ids.append(eng.add_conversation(prompt_token_ids=prompt, max_new_tokens=new, temperature=temps[k % len(temps)]))
+        eng.run_until_idle()
+        events += eng.take_events()
+    for k, cid in enumerate(ids):
+        eng.continue_conversation(cid, prompt_token_ids=[3, 4 + k], max_new_tokens=new)
+        eng.run_until_idle()
+        events += eng.take_events()
+    return ids, events
+
+
+def _outputs(eng: Engine, ids) -> list:
+    return [(eng.conversation(c).prompt_token_ids, eng.conversation(c).output_token_ids) for c in ids]
+
+
+def _count(events, kind, tier) -> int:
+    return sum(len(e.block_hashes) for e in events if e.kind == kind and e.tier == tier)
+
+
+# ---- tokens -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size, host, disk, n, length", [(1, 32, 128, 4, 24), (4, 8, 32, 4, 24),
+                                                               (16, 3, 8, 4, 48)])
+def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size, host, disk, n, length):
+    """Greedy and sampled conversations give the same tokens whether their prefixes come back from host and disk
+    or are recomputed; and blocks really went down to both tiers and came back from both."""
+    off = _engine(tmp_path, block_size)
+    on = _engine(tmp_path, block_size, host=host, disk=disk)
+    ids_off, _ = _returning_workload(off, n=n, length=length)
+    ids_on, events = _returning_workload(on, n=n, length=length)
+    assert _outputs(on, ids_on) == _outputs(off, ids_off)
+    for tier in ("host", "disk"):
+        assert _count(events, EventKind.OFFLOADED, tier) > 0, tier
+        assert _count(events, EventKind.LOADED, tier) > 0, tier
+    sources = [on.prompt_token_sources(c) for c in ids_on]
+    assert sum(s["host"] for s in sources) > 0 and sum(s["disk"] for s in sources) > 0
+    for cid, s in zip(ids_on, sources):
+        assert sum(s.values()) == len(on.conversation(cid).prompt_token_ids)
+        assert set(s) == {"device", "host", "disk", "computed"}
+    for s in (off.prompt_token_sources(c) for c in ids_off):  # tiers off: device hits or computed, nothing else
+        assert s["host"] == s["disk"] == 0
+    on.check_invariants()
+
+
+def test_prompt_token_sources_count_each_tier(tmp_path):
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=16)
+    a = eng.add_conversation(prompt_token_ids=_prompts(1, 24)[0], max_new_tokens=2)
+    eng.run_until_idle()
+    assert eng.prompt_token_sources(a) == {"device": 0, "host": 0, "disk": 0, "computed": 24}
+    for prompt in _prompts(3, 24)[1:]:  # push a's blocks down: the most recent 4 in host, the older ones on disk
+        eng.add_conversation(prompt_token_ids=prompt, max_new_tokens=2)
+        eng.run_until_idle()
+    eng.take_events()
+    eng.continue_conversation(a, prompt_token_ids=[9], max_new_tokens=2)
+    eng.run_until_idle()
+    s = eng.prompt_token_sources(a)
+    assert s["host"] > 0 and s["disk"] > 0 and s["device"] == 0
+    assert sum(s.values()) == 27
+    loaded = [e for e in eng.take_events() if e.kind == EventKind.LOADED]
+    assert sum(len(e.block_hashes) for e in loaded) * 4 == s["host"] + s["disk"]
+    assert {e.tier for e in loaded} == {"host", "disk"} and all(e.conversation_id == a for e in loaded)
+
+
+# ---- bytes --------------------------------------------------------------------------------------------------------
+def test_loaded_kv_is_bit_identical_to_what_was_offloaded(tmp_path):
+    """Every device block's bytes are noted while it is cached (what an eviction will take); every block loaded
+    back holds exactly the bytes its hash had then, and inspect_block shows the same K/V."""
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=12, dtype="bfloat16")
+    seen: dict[int, bytes] = {}
+    checked = 0
+
+    def note():
+        nonlocal checked
+        snap = eng.snapshot()
+        for b in np.flatnonzero(snap.state == BlockState.CACHED):
+            seen.setdefault(int(snap.block_hash[b]), eng.kv.read_block_bytes(int(b)).tobytes())
+        for e in eng.take_events():
+            if e.kind == EventKind.LOADED:
+                for b, h in zip(e.block_ids, e.block_hashes):
+                    assert eng.kv.read_block_bytes(b).tobytes() == seen[h]
+                    checked += 1
+
+    prompts = _prompts(4, 20)
+    ids = []
+    for p in prompts:
+        ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
+        while eng.has_work():
+            eng.step()
+            note()
+    for cid in ids:
+        eng.continue_conversation(cid, prompt_token_ids=[5], max_new_tokens=1)
+        eng.step()  # the admission: loads, and the first token (nothing is written into loaded blocks)
+        note()
+        eng.run_until_idle()
+        note()
+    assert checked > 0
+    # what the tiers hold is what the device held
+    for tier in eng.tiers.order:
+        for slot in np.flatnonzero(tier.state == BlockState.CACHED):
+            h = int(tier.block_hash[slot])
+            if h in seen:
+                assert tier.read(int(slot)).tobytes() == seen[h]
+
+
+# ---- damaged disk blocks ------------------------------------------------------------------------------------------
+def test_corrupt_disk_block_is_recomputed_with_identical_tokens(tmp_path, caplog):
+    def run(eng, damage):
+        ids = []
+        for p in _prompts(3, 24):
+            ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
+            eng.run_until_idle()
+        eng.take_events()
+        if damage:
+            disk = eng.tiers.tiers["disk"]
+            held = np.flatnonzero(disk.state == BlockState.CACHED)
+            assert held.size
+            with open(disk.path, "r+b") as f:  # flip bytes in every block the disk tier holds
+                for slot in held:
+                    f.seek(int(slot) * disk.bytes_per_block + 100)
+                    f.write(b"\xff\x00\xff\x00")
+        eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
+        eng.run_until_idle()
+        return ids, eng.take_events()
+
+    off = _engine(tmp_path, 4, num_blocks=12)
+    ids_off, _ = run(off, False)
+    on = _engine(tmp_path, 4, num_blocks=12, host=2, disk=16)
+    ids_on, events = run(on, True)
+    assert _outputs(on, ids_on) == _outputs(off, ids_off)
+    dropped = [e for e in events if e.kind == EventKind.DROPPED and e.tier == "disk"]
+    assert dropped, "the damaged block was not dropped"
+    assert not [e for e in events if e.kind == EventKind.LOADED and e.tier == "disk"]
+    assert on.prompt_token_sources(ids_on[0])["disk"] == 0
+    assert on.tiers.tiers["disk"].num_corrupt >= 1
+    assert "checksum" in caplog.text
+    on.check_invariants()
+
+
+def test_checksum_failure_falls_back_to_recompute(tmp_path, monkeypatch):
+    """The checksum itself disagreeing (monkeypatched) is treated like a damaged block."""
+    eng = _engine(tmp_path, 4, num_blocks=12, host=2, disk=16)
+    ids = []
+    for p in _prompts(3, 24):
+        ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
+        eng.run_until_idle()
+    import engine.tiers as tiers_mod
+    monkeypatch.setattr(tiers_mod.zlib, "crc32", lambda data, *a: 12345)
+    eng.take_events()
+    eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
+    eng.run_until_idle()
+    events = eng.take_events()
+    assert not [e for e in events if e.kind == EventKind.LOADED and e.tier == "disk"]
+    assert eng.prompt_token_sources(ids[0])["disk"] == 0
+    off = _engine(tmp_path, 4, num_blocks=12)
+    ids_off = []
+    for p in _prompts(3, 24):
+        ids_off.append(off.add_conversation(prompt_token_ids=p, max_new_tokens=3))
+        off.run_until_idle()
+    off.continue_conversation(ids_off[0], prompt_token_ids=[9], max_new_tokens=3)
+    off.run_until_idle()
+    assert _outputs(eng, ids) == _outputs(off, ids_off)
+
+
+# ---- faults: whole or nothing -------------------------------------------------------------------------------------
+def _fingerprint(eng: Engine):
+    snap = eng.snapshot()
+    return (eng.tiers.fingerprint(), snap.state.tobytes(), snap.ref_count.tobytes(), snap.block_hash.tobytes(),
+            snap.num_filled.tobytes(), tuple(eng.manager.events), repr(sorted(eng.manager.prompt_sources.items())),
+            eng.tiers.num_offloaded, eng.tiers.num_loaded, eng.tiers.num_dropped, eng.step_id,
+            {t: v.block_hash.tobytes() for t, v in snap.tiers.items()})
+
+
+def _primed(tmp_path) -> tuple[Engine, list[int]]:
+    """An engine whose next steps load from host and disk, offload to host and move host blocks on to disk."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    eng = _engine(tmp_path, 4, num_blocks=10, host=4, disk=6)
+    ids = []
+    for p in _prompts(4, 16):
+        ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
+        eng.run_until_idle()
+    assert eng.tiers.tiers["host"].num_cached == 4 and eng.tiers.tiers["disk"].num_cached > 0
+    eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
+    return eng, ids
+
+
+def _next_step_moves(tmp_path) -> dict:
+    eng, _ = _primed(tmp_path)
+    eng.take_events()
+    eng.step()
+    kinds = {}
+    for e in eng.take_events():
+        kinds[(e.kind, e.tier)] = kinds.get((e.kind, e.tier), 0) + 1
+    return kinds
+
+
+def test_primed_step_moves_blocks_every_way(tmp_path):
+    """The fault tests below fail the step that loads from both tiers, offloads and moves host blocks to disk."""
+    kinds = _next_step_moves(tmp_path)
+    for key in ((EventKind.LOADED, "host"), (EventKind.LOADED, "disk"), (EventKind.OFFLOADED, "host"),
+                (EventKind.OFFLOADED, "disk"), (EventKind.DROPPED, "host")):
+        assert kinds.get(key), key
+
+
+def _kv(eng):
+    return eng.kv.data.clone()
+
+
+@pytest.mark.parametrize("where", ["device_read", "disk_write", "load_copy", "forward", "host_write"])
+def test_failed_step_leaves_every_tier_as_it_was(tmp_path, monkeypatch, where):
+    eng, ids = _primed(tmp_path)
+    before, kv = _fingerprint(eng), _kv(eng)
+    fault = RuntimeError(f"injected fault in {where}")
+
+    def boom(*a, **k):
+        raise fault
+
+    if where == "device_read":
+        monkeypatch.setattr(eng.manager, "read_device_block", boom)
+    elif where == "disk_write":
+        monkeypatch.setattr(DiskTier, "_write_raw", boom)
+    elif where == "host_write":
+        real = HostTier._write_raw
+        calls = []
+
+        def second(self, slot, data):  # the first write happens, the second fails: the first must be undone
+            calls.append(slot)
+            if len(calls) == 2:
+                raise fault
+            real(self, slot, data)
+        monkeypatch.setattr(HostTier, "_write_raw", second)
+    elif where == "load_copy":
+        monkeypatch.setattr(eng.kv, "write_blocks_bytes", boom)
+    elif where == "forward":
+        monkeypatch.setattr(eng.runner, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert _fingerprint(eng) == before
+    assert torch.equal(_kv(eng), kv)
+    eng.check_invariants()
+    monkeypatch.undo()
+    # and it goes on exactly as an engine that never failed
+    eng.run_until_idle()
+    ref, ref_ids = _primed(tmp_path / "ref")
+    ref.run_until_idle()
+    assert _outputs(eng, ids) == _outputs(ref, ref_ids)
+    assert _fingerprint(eng)[0] == _fingerprint(ref)[0]
+
+
+def test_failed_generate_rolls_back_tiers(tmp_path, monkeypatch):
+    """A multi-step operation (generate) that fails late undoes the moves of its earlier steps too."""
+    eng, _ = _primed(tmp_path)
+    eng.run_until_idle()
+    before, kv = _fingerprint(eng), _kv(eng)
+    real, calls = eng.runner.forward, []
+
+    def forward(prepared):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("injected fault on the sixth forward")
+        return real(prepared)
+    monkeypatch.setattr(eng.runner, "forward", forward)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate(_prompts(4, 16), max_new_tokens=4)
+    assert len(calls) == 6
+    assert _fingerprint(eng) == before
+    assert torch.equal(_kv(eng), kv)
+
+
+def test_disk_full_drops_the_block_and_goes_on(tmp_path, monkeypatch, caplog):
+    """A disk write that fails with an OS error (disk full) drops the block being written (logged, DROPPED from
+    host with no tier below named); the step succeeds and the tokens are those of an engine without tiers."""
+    eng, ids = _primed(tmp_path)
+
+    def full(self, slot, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(DiskTier, "_write_raw", full)
+    disk_before = eng.tiers.tiers["disk"].num_cached
+    eng.take_events()
+    eng.run_until_idle()
+    events = eng.take_events()
+    assert not [e for e in events if e.kind == EventKind.OFFLOADED and e.tier == "disk"]
+    lost = [e for e in events if e.kind == EventKind.DROPPED and e.tier == "host"]
+    assert lost and all(e.reason == "" for e in lost)
+    assert "No space left" in caplog.text
+    assert eng.tiers.tiers["disk"].num_cached <= disk_before
+    eng.check_invariants()
+    monkeypatch.undo()
+    ref, ref_ids = _primed(tmp_path / "ref")
+    ref.run_until_idle()
+    assert _outputs(eng, ids) == _outputs(ref, ref_ids)
+
+
+# ---- events -------------------------------------------------------------------------------------------------------
+def _replay(eng: Engine, events) -> PoolModel:
+    model = PoolModel(eng.cfg.num_blocks, {t.name: t.num_blocks for t in eng.tiers.order})
+    for e in events:
+        model.apply(e)
+    return model
+
+
+def test_events_replay_every_tier(tmp_path):
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=8)
+    ids, events = _returning_workload(eng, n=4, length=20)
+    eng.relocate_blocks(seed=3)
+    events += eng.take_events()
+    model = _replay(eng, events)
+    snap = eng.snapshot()
+    assert (model.state == snap.state).all() and (model.ref_count == snap.ref_count).all()
+    for name, view in snap.tiers.items():
+        assert (model.tier_hash[name] == view.block_hash).all(), name
+        assert ((view.state == BlockState.CACHED) == (view.block_hash != NO_HASH)).all()
+    # a reset of the prefix cache empties every tier, in events too
+    eng.reset_prefix_cache()
+    more = eng.take_events()
+    model = _replay(eng, events + more)
+    snap = eng.snapshot()
+    assert all((v.state == BlockState.FREE).all() for v in snap.tiers.values())
+    assert all((model.tier_hash[name] == 0).all() for name in snap.tiers)
+    assert {e.tier for e in more if e.kind == EventKind.DROPPED} == {"host", "disk"}
+    assert ids
+
+
+def test_replay_refuses_impossible_tier_events(tmp_path):
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4)
+    _ids, events = _returning_workload(eng, n=3, length=20)
+    offloaded = next(e for e in events if e.kind == EventKind.OFFLOADED)
+    model = _replay(eng, [])
+    model.apply(offloaded)
+    with pytest.raises(AssertionError):
+        model.apply(offloaded)  # the slot is taken
+    dropped = msgspec.structs.replace(offloaded, kind=EventKind.DROPPED, block_hashes=(offloaded.block_hashes[0] + 1,))
+    with pytest.raises(AssertionError):
+        model.apply(dropped)  # the slot holds another hash
+
+
+def test_kv_events_carry_every_medium(tmp_path):
+    """The engine's block events as vLLM-format KV events, through the codec: a subscriber rebuilds the hashes of
+    the device pool ("GPU"), the host tier ("CPU") and the disk tier ("STORAGE") exactly; tier stores carry the
+    full payload (tokens, parent, block size)."""
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=8)
+    _ids, events = _returning_workload(eng, n=4, length=20)
+    decoded = decode_batch(encode_batch(make_batch(to_kv_events(events, 4), 0.0)))
+    held: dict[str, set] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    for ev in decoded.events:
+        if isinstance(ev, BlockStored):
+            held[ev.medium].update(ev.block_hashes)
+            assert ev.block_size == 4 and len(ev.token_ids) == 4 * len(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            held[ev.medium].difference_update(ev.block_hashes)
+    snap = eng.snapshot()
+    assert held["GPU"] == set(int(h) for h in snap.block_hash if h != NO_HASH)
+    assert held["CPU"] == set(int(h) for h in snap.tiers["host"].block_hash if h != NO_HASH) != set()
+    assert held["STORAGE"] == set(int(h) for h in snap.tiers["disk"].block_hash if h != NO_HASH) != set()
+    stores = [ev for ev in decoded.events if isinstance(ev, BlockStored) and ev.medium != "GPU"]
+    by_hash = {}
+    for e in events:
+        if e.kind == EventKind.STORED:
+            for i, h in enumerate(e.block_hashes):
+                by_hash[h] = tuple(e.token_ids[4 * i:4 * i + 4])
+    for ev in stores:  # the tokens a tier store names are the ones the device stored under that hash
+        assert tuple(ev.token_ids) == by_hash[ev.block_hashes[0]]
+
+
+# ---- views --------------------------------------------------------------------------------------------------------
+def test_snapshot_tiers_and_json(tmp_path):
+    eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=8)
+    assert set(eng.snapshot().tiers) == {"host", "disk"}
+    _returning_workload(eng, n=3, length=20)
+    snap = eng.snapshot()
+    host = snap.tiers["host"]
+    assert host.num_blocks == 4 and host.state.dtype == np.int8 and host.block_hash.dtype == np.uint64
+    assert not host.state.flags.writeable
+    assert (host.last_access[host.state == BlockState.CACHED] > 0).all()
+    assert eng.snapshot() is snap  # nothing changed: the same snapshot, the same tier views
+    out = json_summary(snap)
+    assert out["stored_hashes_by_medium"] == {
+        "GPU": int(np.unique(snap.block_hash[snap.block_hash != NO_HASH]).size),
+        "CPU": int((host.state == BlockState.CACHED).sum()),
+        "STORAGE": int((snap.tiers["disk"].state == BlockState.CACHED).sum())}
+    assert out["tiers"]["host"] == {"num_blocks": 4, "used": int((host.state == BlockState.CACHED).sum())}
+    assert _engine(tmp_path, 4).snapshot().tiers == {}
+    assert json_summary(_engine(tmp_path, 4).snapshot())["stored_hashes_by_medium"]["CPU"] == 0
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, words", [
+    ({"host_tier_blocks": -1}, "host_tier_blocks"),
+    ({"host_tier_blocks": True}, "host_tier_blocks must be an integer"),
+    ({"disk_tier_blocks": 1.5, "disk_tier_path": "x"}, "disk_tier_blocks must be an integer"),
+    ({"disk_tier_blocks": 4}, "needs disk_tier_path"),
+    ({"disk_tier_path": "/tmp/x.bin"}, "disk_tier_blocks is 0"),
+    ({"disk_tier_blocks": 4, "disk_tier_path": ""}, "disk_tier_path"),
+    ({"disk_tier_blocks": 4, "disk_tier_path": 7}, "disk_tier_path"),
+    ({"host_tier_blocks": 4, "enable_prefix_caching": False}, "enable_prefix_caching"),
+    ({"host_tier_blocks": 1 << 30}, "host_tier_blocks"),
+])
+def test_bad_tier_config(kw, words):
+    with pytest.raises(EngineError, match=words):
+        EngineConfig(**kw)
+
+
+def test_disk_tier_path_refused_at_construction(tmp_path):
+    with pytest.raises(EngineError, match="folder"):
+        _engine(tmp_path, 4, disk=4, name="")  # the path is the folder itself
+    with pytest.raises(EngineError, match="does not exist"):
+        _engine(tmp_path, 4, disk=4, name="no/such/dir/tier.bin")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(EngineError):
+        _engine(tmp_path, 4, disk=4, name="file/tier.bin")  # a file where the folder should be
+    with pytest.raises(EngineError, match="GiB free"):
+        _engine(tmp_path, 4, disk=(1 << 24))  # 16M blocks of 16 KiB: more than the disk holds
+    with pytest.raises(EngineError, match="host tier"):
+        _engine(tmp_path, 4, host=(1 << 24))  # 256 GiB of host memory
+
+
+def test_unwritable_disk_tier_path(tmp_path, monkeypatch):
+    real = os.open
+
+    def refuse(path, flags, *a):
+        if str(path).endswith("tier.bin"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(path, flags, *a)
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(EngineError, match="cannot create the disk tier file"):
+        _engine(tmp_path, 4, disk=4)
+
+
+def test_disk_file_synced_and_closed(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    import engine.tiers as tiers_mod
+    monkeypatch.setattr(tiers_mod, "FSYNC_EVERY", 2)
+    eng = _engine(tmp_path, 4, num_blocks=10, disk=8)
+    _returning_workload(eng, n=3, length=16)
+    assert len(synced) >= 1
+    n = len(synced)
+    fd = eng.tiers.tiers["disk"].fd
+    eng.close()
+    assert len(synced) == n + 1 and synced[-1] == fd
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert eng.snapshot().tiers == {}  # the engine stays usable after close, without tiers
+    cid = eng.add_conversation(prompt_token_ids=[5, 6, 7], max_new_tokens=2)
+    eng.run_until_idle()
+    assert len(eng.conversation(cid).output_token_ids) == 2
+
+
+def test_tier_store_without_engine(tmp_path):
+    """The bookkeeping alone (no torch): LRU order down the tiers, a hash once per tier, pinned slots kept."""
+    from engine.block_pool import HashedBlock
+    events = []
+
+    def emit(kind, cid=-1, **f):
+        events.append((kind, f.get("tier"), f.get("block_hashes"), f.get("reason")))
+    store = TierStore(2, 2, str(tmp_path / "t.bin"), 8)
+    rec = HashedBlock((1, 2), 0, None)
+    for h in (11, 12, 13):
+        store.offload(h, rec, lambda h=h: np.full(8, h, np.uint8), 0, 1, emit)
+    host, disk = store.tiers["host"], store.tiers["disk"]
+    assert set(host.hash_to_slot) == {12, 13} and set(disk.hash_to_slot) == {11}
+    assert disk.read(disk.lookup(11)).tolist() == [11] * 8
+    store.offload(12, rec, lambda: pytest.fail("a hash the host holds is not copied again"), 0, 2, emit)
+    store.pin([store.lookup(13)])
+    store.offload(14, rec, lambda: np.full(8, 14, np.uint8), 0, 3, emit)  # 13 is the LRU one, but pinned
+    assert set(host.hash_to_slot) == {13, 14} and set(disk.hash_to_slot) == {11, 12}
+    store.unpin()
+    store.offload(15, rec, lambda: np.full(8, 15, np.uint8), 0, 4, emit)  # disk full: its LRU (11) is dropped
+    assert set(host.hash_to_slot) == {14, 15} and set(disk.hash_to_slot) == {12, 13}
+    assert (EventKind.DROPPED, "disk", (11,), "") in events and (EventKind.DROPPED, "host", (13,), "disk") in events
+    store.check_invariants()
+    store.close()
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--host-tier-blocks", "-1"], "--host-tier-blocks must be 0"),
+    (["--disk-tier-blocks", "4"], "needs --disk-tier-path"),
+    (["--disk-tier-path", "x.bin"], "needs --disk-tier-blocks"),
+    (["--disk-tier-blocks", "4", "--disk-tier-path", "/no/such/folder/x.bin"], "does not exist"),
+    (["--attach", "tcp://127.0.0.1:5560", "--host-tier-blocks", "4"], "--host-tier-blocks run the local engine"),
+])
+def test_cli_refuses_bad_tier_flags(argv, words):
+    from explorer.cli import UsageError, parse_args
+    with pytest.raises(UsageError, match=words):
+        parse_args(argv)
+
+
+def test_cli_tier_flags_reach_the_config(tmp_path, capsys):
+    from explorer.cli import parse_args
+    opts = parse_args(["--host-tier-blocks", "8", "--disk-tier-blocks", "4", "--disk-tier-path",
+                       str(tmp_path / "t.bin")])
+    assert (opts.host_tier_blocks, opts.disk_tier_blocks, opts.disk_tier_path) == (8, 4, str(tmp_path / "t.bin"))
+    import main
+    with pytest.raises(SystemExit) as exit_info:  # too large for EngineConfig: one line, exit 2
+        raise SystemExit(main.main(["--headless", "--host-tier-blocks", str(1 << 30)]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host_tier_blocks" in err[0]
