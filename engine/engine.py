@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .errors import EngineError
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
+from .kv_cache_groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
 from .loader import check_pool_fits_memory, load_model, read_model_config
 from .model_runner import ModelRunner
 from .pool_views import PoolViews
@@ -101,15 +102,21 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = set(self.eos_token_ids)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_cache_groups = kv_cache_group_infos(mc)
+        planes, layer_slots = kv_cache_layout(self.kv_cache_groups, mc.num_hidden_layers)
         try:
-            self.kv = KVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
-                              mc.head_dim, self.dtype, self.device)
+            self.kv = KVCache(planes, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
+                              mc.head_dim, self.dtype, self.device, layer_slots)
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
-        self.manager = KVCacheManager(self.pool)
+        if len(self.kv_cache_groups) > 1 or self.kv_cache_groups[0].sliding_window is not None:
+            self.manager = GroupedKVCacheManager(self.pool, self.kv_cache_groups)
+        else:
+            self.manager = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
                                   attend_batch_compiled if cfg.compile_attention else attend_batch)
+        self.runner.windows = [g.sliding_window for g in self.kv_cache_groups]
         self.views = PoolViews(self)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
@@ -217,7 +224,7 @@ class Engine:
         bs = self.cfg.block_size
         parts = [torch.arange(dst * bs, dst * bs + n, device=self.device) for _, dst, n in copies if n]
         if prepared is not None:
-            parts.append(prepared.meta.slot_mapping)
+            parts.extend(self.runner.all_slots(prepared.meta))
         if parts:
             self.on_rollback(partial(self.kv.restore_slots, self.kv.save_slots(torch.cat(parts))))
 

@@ -38,6 +38,9 @@ class EventKind(str, enum.Enum):
     CLEARED = "cleared"  # the prefix cache was reset: every hash dropped, cached blocks freed
 
 
+WINDOW_REASON = "sliding_window"  # reason of the release events a sliding window causes (the model never reads
+#                                   those blocks again; paging alone never releases anything)
+
 # Kinds the timeline marks and the event log shows by default (allocation and release happen every few steps).
 NOTABLE_KINDS = frozenset({
     EventKind.CONVERSATION_ADDED, EventKind.CONVERSATION_CONTINUED, EventKind.CONVERSATION_FINISHED,
@@ -60,6 +63,9 @@ class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     token_ids: tuple[int, ...] = ()  # stored: the tokens of the stored blocks, back to back
     other_id: int = -1  # shared by a fork / conversation added as a fork: the parent conversation
     reason: str = ""  # shared: "prefix_hit" | "fork"; finished: a FinishReason value
+    group: int = 0  # the KV cache group whose blocks these are (PoolSnapshot.kv_cache_groups); 0 for one-group pools.
+    #                 A sliding-window group's blocks that fall wholly out of the window are released with reason
+    #                 WINDOW_REASON (CACHED / FREED, or RELEASED when others still hold them)
 
 
 class PoolModel:

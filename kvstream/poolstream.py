@@ -130,7 +130,7 @@ _SHORT = {  # wire key of each ConversationInfo field in a ConvPatch (one letter
     "conversation_id": "i", "status": "s", "prompt_token_ids": "p", "output_token_ids": "o", "output_text": "x",
     "prompt_text": "q", "block_table": "b", "num_computed_tokens": "n", "num_cached_tokens": "c",
     "max_new_tokens": "m", "temperature": "t", "parent_id": "a", "num_preemptions": "r", "arrival_step": "w",
-    "finish_reason": "f", "turns": "u", "label": "l",
+    "finish_reason": "f", "turns": "u", "label": "l", "group_block_tables": "g",
 }
 
 
@@ -156,6 +156,7 @@ class ConvPatch(msgspec.Struct, frozen=True, omit_defaults=True, rename=_SHORT):
     finish_reason: FinishReason | None | UnsetType = UNSET
     turns: tuple[tuple[int, int], ...] | UnsetType = UNSET
     label: str | UnsetType = UNSET
+    group_block_tables: tuple[tuple[int, ...], ...] | UnsetType = UNSET
 
 
 Numbers = dict[str, int | float]  # changed fields of EngineMetrics / MemoryStats by name

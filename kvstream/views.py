@@ -60,6 +60,16 @@ _FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max 
                  FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
 
 
+@dataclass(frozen=True)
+class KVCacheGroupInfo:
+    """One KV cache group of a pool, as vLLM v1's hybrid allocator forms them: the layers of one kind, paged through
+    their own block tables out of the one shared pool."""
+
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None  # a query at position p reads keys at positions > p - window; None: every position
+    layers: tuple[int, ...]  # the model's layer indices in this group
+
+
 @dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One conversation as seen from outside the engine."""
@@ -81,6 +91,8 @@ class ConversationInfo:
     finish_reason: FinishReason | None = None  # why it stopped; None while live
     turns: tuple[tuple[int, int], ...] = ()  # per turn: (position its user message starts, position its reply starts)
     label: str = ""  # the source's own name for it (a vLLM request id); "" for the project's engine
+    group_block_tables: tuple[tuple[int, ...], ...] = ()  # one table per KV cache group (PoolSnapshot.kv_cache_groups),
+    #                                                       -1 where a sliding window released a block; () for one group
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +214,12 @@ class PoolSnapshot:
     block_hash: np.ndarray | None = None  # uint64 prefix hash of each block, NO_HASH where it has none
     version: int = 0  # bumped by every change to the pool or a conversation; equal versions: same contents
     source: str = "engine"  # what produced it: "engine", "vllm", ... (the --json "source" field)
+    kv_cache_groups: tuple["KVCacheGroupInfo", ...] = ()  # the pool's KV cache groups (() from sources that do not
+    #                                                   say: one full-attention group of every layer)
+    group_block_tables: tuple[Mapping[int, tuple[int, ...]], ...] = ()  # one {conversation id: ids} per group, -1
+    #                                                   where a window released a block; () for one group (block_tables)
+    block_group: np.ndarray | None = None  # int8: the group of each non-free block (its last one for a free block);
+    #                                        None for one group
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)
