@@ -130,7 +130,7 @@ class Engine:
         self._kv_events = None
         if cfg.kv_events_endpoint:
             from .kv_events import KVEventsOut  # only when asked for: binds a socket
-            self._kv_events = KVEventsOut(cfg)
+            self._kv_events = KVEventsOut(cfg, self.kv_cache_groups)
         self.background_errors: list[str] = []  # failures outside any operation (publishing); the runner reports
 
     # ---- model facts ------------------------------------------------------------------------------------------
