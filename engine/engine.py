@@ -262,10 +262,29 @@ class Engine:
         return check_token_ids(ids, self.vocab_size)
 
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
+        if isinstance(self.manager, GroupedKVCacheManager):
+            self._check_fits_groups(num_tokens, max_new_tokens)
+            return
         problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size,
                             num_blocks=self.cfg.num_blocks, max_model_len=self.max_model_len)
         if problem:
             raise EngineError(problem)
+
+    def _check_fits_groups(self, num_tokens: int, max_new_tokens: int) -> None:
+        """_check_fits for KV cache groups: every group's blocks count, and a sliding group holds only its window's
+        (so a conversation may outgrow a pool that its full-attention layers alone would fill)."""
+        problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size, num_blocks=1 << 62,
+                            max_model_len=self.max_model_len)
+        if problem:
+            raise EngineError(problem)
+        total = num_tokens + max_new_tokens
+        chunk = self.cfg.max_num_batched_tokens if self.cfg.enable_chunked_prefill else total
+        need = self.manager.peak_blocks(total, chunk)
+        if need > self.cfg.num_blocks:
+            raise EngineError(f"this conversation needs up to {need} blocks across its {len(self.kv_cache_groups)} "
+                              f"KV cache groups ({num_tokens} prompt tokens + {max_new_tokens} new tokens at "
+                              f"{self.cfg.block_size} per block) but the whole pool has {self.cfg.num_blocks}; "
+                              f"shorten the prompt, lower max_new_tokens or restart with a larger pool")
 
     def _seq(self, conversation_id) -> Sequence:
         seq = self.seqs.get(int(conversation_id)) if is_int(conversation_id) else None

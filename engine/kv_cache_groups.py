@@ -143,6 +143,19 @@ class GroupedKVCacheManager(KVCacheManager):
                 need += 1
         return need
 
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks one conversation of ``num_tokens`` tokens ever holds at once, computing at most ``chunk``
+        tokens a step: every block in a full-attention group; in a sliding group the window's blocks plus a
+        chunk's (a chunk's blocks are all held until the step that computed them ends)."""
+        bs = self.block_size
+        need = 0
+        for window in self.windows:
+            blocks = cdiv(num_tokens, bs)
+            if window is not None:
+                blocks = min(blocks, cdiv(window - 1 + min(chunk, num_tokens), bs) + 1)
+            need += blocks
+        return need
+
     def owners(self, block: int, tables: dict[int, list[int]]) -> list[tuple[int, int]]:
         """``tables``: conversation id -> the table of the block's own group (the caller picks it) or all tables."""
         out = []
