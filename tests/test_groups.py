@@ -425,3 +425,31 @@ def test_window_demo_checkpoint(tmp_path):
     assert len(eng.conversation(cid).output_token_ids) == 40
     with pytest.raises(EngineError):
         write_window_checkpoint(tmp_path / "bad", window=0)
+
+
+def test_relocation_proves_attention_unchanged_in_every_group(mixed):
+    """relocate_and_verify probes every layer through its own group's tables (with its window) before and after."""
+    eng = _engine(mixed)
+    for i in range(3):
+        eng.add_conversation(prompt_token_ids=list(range(1 + i, 20 + i)), max_new_tokens=12, ignore_eos=True)
+    for _ in range(4):
+        eng.step()
+    report = eng.relocate_and_verify(seed=2, lookahead=3)
+    assert report.num_conversations_checked == 3 and report.max_abs_diff == 0.0 and report.tokens_identical
+    eng.check_invariants()
+    probed = eng.probe_attention()
+    assert all(v.shape[0] == 3 for v in probed.values())  # every layer, both groups
+
+
+def test_samples_and_replies_share_every_group(mixed):
+    eng = _engine(mixed, num_blocks=96)
+    ids = eng.add_samples(prompt_token_ids=list(range(1, 15)), n=3, max_new_tokens=6, temperature=0.8, seed=3)
+    eng.step()
+    tables = [eng.seqs[i].extra_tables[0] for i in ids]
+    assert tables[0] == tables[1] == tables[2] and tables[0][0] == ABSENT
+    eng.run_until_idle()
+    eng.continue_conversation(ids[0], prompt_token_ids=[7, 8, 9], max_new_tokens=3)
+    eng.step()
+    assert eng.seqs[ids[0]].num_cached_tokens > 0  # its own cached blocks, in both groups
+    eng.run_until_idle()
+    eng.check_invariants()
