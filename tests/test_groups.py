@@ -453,3 +453,18 @@ def test_samples_and_replies_share_every_group(mixed):
     assert eng.seqs[ids[0]].num_cached_tokens > 0  # its own cached blocks, in both groups
     eng.run_until_idle()
     eng.check_invariants()
+
+
+def test_grouped_event_workload_replays_and_names_its_groups(tmp_path):
+    from tests.event_workload import grouped_engine_frames
+    eng, pairs = grouped_engine_frames(tmp_path)
+    model = PoolModel(eng.cfg.num_blocks)
+    for _, e in pairs:
+        model.apply(e)
+    snap = eng.snapshot()
+    assert (model.state == snap.state).all() and (model.ref_count == snap.ref_count).all()
+    events = [e for _, e in pairs]
+    assert any(e.reason == WINDOW_REASON and e.group == 1 for e in events)
+    assert {e.group for e in events if e.kind == EventKind.COPIED_ON_WRITE} == {0, 1}
+    assert any(e.kind == EventKind.PREEMPTED for e in events)
+    assert any(e.kind == EventKind.SHARED and e.reason == "prefix_hit" and e.group == 1 for e in events)
