@@ -29,7 +29,7 @@ from kvstream.events import WINDOW_REASON, EventKind
 from kvstream.rules import cdiv
 from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
-from .block_pool import BlockPool, HashedBlock
+from .block_pool import BlockPool, HashedBlock, hash_block_tokens
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence
 
@@ -387,12 +387,11 @@ class GroupedKVCacheManager(KVCacheManager):
         assert expected == self.holders, "holders disagree with the block tables"
         for block, holders in self.holders.items():
             assert int(self.pool.owner[block]) in holders, f"block {block}'s owner holds no reference to it"
-        for block, record in ((b, self.pool.hashed.get(int(self.pool.block_hash[b])))
-                              for b in np.flatnonzero(self.pool.block_hash != NO_HASH).tolist()):
+        for block in np.flatnonzero(self.pool.block_hash != NO_HASH).tolist():
             g = int(self.block_group[block])
-            assert record is not None
+            record = self.pool.hashed.get(int(self.pool.block_hash[block]))
+            assert record is not None, f"block {block}'s hash names nothing"
             key = int(self.pool.block_hash[block])
-            from .block_pool import hash_block_tokens
             assert key == group_key(hash_block_tokens(record.parent_hash, record.token_ids), g), \
                 f"block {block}'s cache key is not its group's ({g})"
 
