@@ -265,7 +265,10 @@ class GroupedKVCacheManager(KVCacheManager):
                 continue
             table = seq.group_table(g)
             first = min(self._first_needed(g, seq.num_computed_tokens), len(table))
-            gone = [i for i in range(first) if table[i] != ABSENT]
+            start = first  # absent entries are always a prefix of the table: scan back only over the new ones
+            while start > 0 and table[start - 1] != ABSENT:
+                start -= 1
+            gone = range(start, first)
             if not gone:
                 continue
             new = list(table)
