@@ -24,9 +24,10 @@ from .errors import EngineError
 log = logging.getLogger(__name__)
 
 
-def _check(query, key_cache, value_cache, block_tables, seq_lens) -> int:
+def _check(query, key_cache, value_cache, block_tables, seq_lens, window: int | None = None) -> int:
     """Refuse inputs paged_attention cannot answer correctly, with a message (never an index error or garbage);
-    returns the longest seq_len (0 for no sequences)."""
+    returns the longest seq_len (0 for no sequences). With a sliding ``window``, only the blocks holding a position
+    the query reads must be valid ids (those wholly before the window are absent: -1 in the engine's tables)."""
     for name, value in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                         ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if not isinstance(value, torch.Tensor):
@@ -61,10 +62,14 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> int:
         raise EngineError(f"a seq_len of {largest} needs more blocks than the table's {block_tables.shape[1]} "
                           f"({capacity} slots)")
     if block_tables.numel() <= 1024:
-        ids = [b for row, n in zip(block_tables.tolist(), lens) for b in row[: -(-n // block_size)]]
+        ids = [b for row, n in zip(block_tables.tolist(), lens)
+               for b in row[_first_block(n, window, block_size): -(-n // block_size)]]
         bad = next((b for b in ids if b < 0 or b >= num_blocks), None)
     else:
-        live = torch.arange(block_tables.shape[1])[None, :] * block_size < lens_t[:, None]  # [seqs, max_blocks]
+        columns = torch.arange(block_tables.shape[1])[None, :]
+        live = columns * block_size < lens_t[:, None]  # [seqs, max_blocks]
+        if window is not None:  # and the block holds a position > p - window (p = len - 1)
+            live &= (columns + 1) * block_size > lens_t[:, None] - window
         ids_t = block_tables.long().cpu()[live]
         out_of_range = (ids_t < 0) | (ids_t >= num_blocks)
         bad = int(ids_t[out_of_range][0]) if bool(out_of_range.any()) else None
@@ -72,6 +77,22 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> int:
         raise EngineError(f"block table entry {bad} is outside the cache (0..{num_blocks - 1}) within a "
                           f"sequence's live blocks")
     return largest
+
+
+def _first_block(length: int, window: int | None, block_size: int) -> int:
+    """The first logical block a query at position ``length - 1`` reads: 0, or with a sliding window the block
+    holding position ``length - window`` (keys at positions > p - window, as transformers' sliding_window_overlay
+    and vLLM's FlashAttention window (window - 1, 0) count them)."""
+    return 0 if window is None or length <= window else (length - window) // block_size
+
+
+def check_window(sliding_window) -> int | None:
+    """A sliding window argument: None or a positive integer."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise EngineError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    return int(sliding_window)
 
 
 GROUP_BYTES = 4 << 20  # K+V bytes one decode group gathers at most (CPU): 4 MiB stays in this machine's 32 MiB L3,
@@ -118,14 +139,20 @@ class DecodePlan:
     group_bytes: int | None = None  # K+V bytes a group gathers at most (None: one group, as on GPUs)
     bytes_per_token: int = 0  # K+V bytes of one position
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # what the first layer worked out for all
+    window: int | None = None  # sliding window: a query at position p reads keys > p - window (None: all of them);
+    #                            table entries of blocks wholly before the window are absent (-1) and never read
 
     @functools.cached_property
     def tables(self) -> torch.Tensor:
         """int64 [seqs, max_blocks]: the live blocks, 0 past each sequence's end (the kernels read these)."""
         width = -(-self.max_len // self.block_size)
         if isinstance(self.source, torch.Tensor):
-            return _neutralised(self.source, self.seq_lens, width, self.block_size, self.lens)
-        return torch.as_tensor(_padded(self.source, self.lens, width, self.block_size), device=self.device)
+            tables = _neutralised(self.source, self.seq_lens, width, self.block_size, self.lens)
+            return tables if self.window is None else tables.clamp_min(0)  # absent (-1): block 0, masked out
+        padded = _padded(self.source, self.lens, width, self.block_size)
+        if self.window is not None:
+            np.maximum(padded, 0, out=padded)
+        return torch.as_tensor(padded, device=self.device)
 
     @functools.cached_property
     def seq_lens(self) -> torch.Tensor:
@@ -151,7 +178,7 @@ class DecodePlan:
     def _layout(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[DecodeGroup]]:
         ranked, bounds = _groups(self.lens, self.block_size, self.group_bytes, self.bytes_per_token)
         if isinstance(self.source, torch.Tensor):
-            tables = self.tables  # [seqs, width]
+            tables = self.tables  # [seqs, width]; absent entries (a window's -1) already block 0
             if ranked is not None:
                 tables = tables.index_select(0, torch.as_tensor(ranked, dtype=torch.long, device=tables.device))
             rows = [tables[s:e, :n].reshape(-1) for s, e, n in bounds]  # [n_seqs * n_blocks] each
@@ -160,9 +187,11 @@ class DecodePlan:
             width = -(-self.max_len // self.block_size)
             table = _padded([self.source[i] for i in order], [self.lens[i] for i in order], width,
                             self.block_size)  # sorted
+            if self.window is not None:
+                np.maximum(table, 0, out=table)  # absent (-1): block 0, masked out below
             flat = torch.from_numpy(np.concatenate([table[s:e, :n].reshape(-1) for s, e, n in bounds]))
             rows = list(flat.to(self.device).split([(e - s) * n for s, e, n in bounds]))  # views, one per group
-        return _layout(self.lens, ranked, bounds, rows, self.device)
+        return _layout(self.lens, ranked, bounds, rows, self.device, self.window)
 
 
 def _neutralised(tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int,
@@ -185,19 +214,21 @@ def _padded(block_lists: list[list[int]], lens: list[int], width: int, block_siz
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
+                group_bytes: int | None = None, bytes_per_token: int = 0, window: int | None = None) -> DecodePlan:
     """The plan for tables given as a tensor [seqs, max_blocks] (entries past a sequence's last block may hold
     anything: -1, stale ids): for the eager path sorted by length and cut into groups whose gathered K+V
     (``bytes_per_token`` per position) stay under ``group_bytes`` (None: one group, as on GPUs)."""
     lens = seq_lens.tolist()
-    return DecodePlan(lens, max(lens), block_size, block_tables.device, block_tables, group_bytes, bytes_per_token)
+    return DecodePlan(lens, max(lens), block_size, block_tables.device, block_tables, group_bytes, bytes_per_token,
+                      window=window)
 
 
 def plan_lists(block_lists: list[list[int]], lens: list[int], block_size: int, device: torch.device,
-               group_bytes: int | None = None, bytes_per_token: int = 0) -> DecodePlan:
+               group_bytes: int | None = None, bytes_per_token: int = 0, window: int | None = None) -> DecodePlan:
     """:func:`plan_decode` for tables held as Python lists (``block_lists[i]`` holds at least sequence i's live
     blocks), as the engine's conversations hold them: no tensor is made until a path asks for one."""
-    return DecodePlan(list(lens), max(lens), block_size, device, block_lists, group_bytes, bytes_per_token)
+    return DecodePlan(list(lens), max(lens), block_size, device, block_lists, group_bytes, bytes_per_token,
+                      window=window)
 
 
 def _groups(lens: list[int], block_size: int, group_bytes: int | None,
@@ -221,9 +252,10 @@ def _groups(lens: list[int], block_size: int, group_bytes: int | None,
     return (None if in_order else ranked), bounds
 
 
-def _layout(lens, ranked, bounds, rows, device) -> tuple[torch.Tensor | None, torch.Tensor | None, list[DecodeGroup]]:
+def _layout(lens, ranked, bounds, rows, device,
+            window: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, list[DecodeGroup]]:
     """(order, inverse, groups) of DecodePlan from the sorted order, the groups' bounds and the blocks each
-    gathers."""
+    gathers; with a sliding ``window`` the masks also hide the positions before each sequence's window."""
     order = inverse = None
     sorted_lens = lens
     if ranked is not None:
@@ -236,11 +268,14 @@ def _layout(lens, ranked, bounds, rows, device) -> tuple[torch.Tensor | None, to
     for (start, end, num_blocks), group_rows in zip(bounds, rows):
         longest = sorted_lens[start]
         mask = None
-        if sorted_lens[end - 1] != longest:
+        windowed = window is not None and longest > window
+        if sorted_lens[end - 1] != longest or windowed:
             if lens_t is None:
                 lens_t = torch.as_tensor(sorted_lens, device=device)
                 positions = torch.arange(sorted_lens[0], device=device)
             mask = (positions[None, :longest] < lens_t[start:end, None])[:, None, None, :]  # [n, 1, 1, longest]
+            if windowed:  # position t visible to the query at len - 1 when t > len - 1 - window
+                mask = mask & (positions[None, :longest] >= lens_t[start:end, None] - window)[:, None, None, :]
         groups.append(DecodeGroup(start, end, group_rows, num_blocks, longest, mask))
     return order, inverse, groups
 
@@ -373,7 +408,8 @@ def bytes_per_token(cache: torch.Tensor) -> int:
     return 2 * cache.shape[2] * cache.shape[3] * cache.element_size()
 
 
-def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float, chunk: int):
+def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens, scale: float, chunk: int,
+                           window: int | None = None):
     """The same attention written so that torch.compile (inductor) fuses the block-table lookups into the
     reductions: each K/V row is read straight from its physical block and nothing is gathered.
 
@@ -388,9 +424,13 @@ def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens
     width = block_tables.shape[1]
     chunks = width // chunk
     live = torch.arange(width, device=query.device).view(1, width) * block_size < seq_lens.view(seqs, 1)
+    if window is not None:  # a window's absent blocks (-1) -> block 0, masked out below
+        live = live & (block_tables >= 0)
     tables = torch.where(live, block_tables, 0).long().view(seqs, chunks, chunk)  # entries past the end -> block 0
     pos = torch.arange(width * block_size, device=query.device).view(1, chunks, chunk, 1, 1, block_size)
     valid = pos < seq_lens.view(seqs, 1, 1, 1, 1, 1)
+    if window is not None:  # the query at len - 1 reads positions > len - 1 - window
+        valid = valid & (pos >= seq_lens.view(seqs, 1, 1, 1, 1, 1) - window)
     # [seqs, chunks, chunk, kv_heads, 1, block_size, dim]: indexed inside the fused loops, never materialised
     k = key_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
     v = value_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
@@ -430,7 +470,8 @@ class _Compiled:
         self._kernels: set[tuple] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                 window: int | None = None) -> torch.Tensor | None:
         """The attention output, or None for a shape with no kernel left to compile (the caller goes eager)."""
         if not getattr(_thread_state, "limit_raised", False):  # dynamo's settings may be per thread: in each one
             config = torch._dynamo.config
@@ -442,7 +483,7 @@ class _Compiled:
                     self._fn = torch.compile(_paged_attention_fused, dynamic=False)
         seqs, width = block_tables.shape
         padded_seqs, padded_width = _bucket(seqs), _bucket(width)
-        key = kernel_key(query, key_cache, seqs, width, scale)
+        key = kernel_key(query, key_cache, seqs, width, scale) + ((window,) if window is not None else ())
         # fresh contiguous copies made in the caller's mode (small: a step's queries and tables), so that what the
         # kernel's guards check (strides, inference-ness, requires_grad) is the same for every call in that mode,
         # from any thread: a view of a caller's tensor would be compiled again on the caller's thread (seconds)
@@ -458,7 +499,11 @@ class _Compiled:
             query = torch.cat([query, query.new_zeros(padded_seqs - seqs, *query.shape[1:])])
             block_tables = torch.nn.functional.pad(block_tables, (0, padded_width - width, 0, padded_seqs - seqs))
             seq_lens = torch.cat([seq_lens, seq_lens.new_ones(padded_seqs - seqs)])
-        out = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale, min(CHUNK_BLOCKS, padded_width))
+        if window is None:
+            out = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale, min(CHUNK_BLOCKS, padded_width))
+        else:
+            out = self._fn(query, key_cache, value_cache, block_tables, seq_lens, scale, min(CHUNK_BLOCKS, padded_width),
+                           window)
         return out[:seqs]
 
 
@@ -657,7 +702,8 @@ def use_compiled_attention(enabled: bool = True) -> bool:
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Single-token attention for a batch of sequences whose K/V sit in paged caches.
 
     query [seqs, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables int [seqs, max_blocks];
@@ -665,19 +711,30 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Query head h reads K/V head h // (heads // kv_heads). Default scale 1/sqrt(dim). Table entries past a
     sequence's last block are ignored (-1 and stale ids alike). Slots past a sequence's length must hold finite
     values (the engine's cache is zero-initialised); they get zero weight.
+
+    ``sliding_window``: the query at position p = seq_len - 1 reads only the keys at positions > p - window (as
+    transformers' and vLLM's sliding-window layers do); the table entries of blocks wholly before that are absent
+    (-1 where a window released them) and never read.
     """
-    max_len = _check(query, key_cache, value_cache, block_tables, seq_lens)
+    window = check_window(sliding_window)
+    max_len = _check(query, key_cache, value_cache, block_tables, seq_lens, window)
     if not query.shape[0]:
         return query.new_empty(query.shape)  # no sequences: nothing to attend
+    if window is not None and max_len <= window:
+        window = None  # every key is inside every window: plain attention (no entry is absent)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
     if _compiled.enabled:
         out = _try_compiled(query, key_cache, value_cache, block_tables.to(query.device), seq_lens.to(query.device),
-                            scale)
+                            scale, window)
         if out is not None:
             return out
-    out = _native_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    out = _native_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
     if out is not None:
         return out
+    if window is not None:
+        plan = plan_decode(block_tables.to(query.device), seq_lens, key_cache.shape[1], group_bytes_for(key_cache),
+                           bytes_per_token(key_cache), window)
+        return _paged_attention_eager(query, key_cache, value_cache, plan, scale)
     if _auto.enabled and not _compiled.failed and max_len >= AUTO_MIN_POSITIONS:
         key = _auto.key(query, key_cache, query.shape[0], max_len, scale)  # a shape on the fused kernel: no plan
         if _auto.choice(key) is True:
@@ -704,9 +761,9 @@ def use_native_kernel(enabled: bool = True) -> bool:
     return previous
 
 
-def _native_decode(query, key_cache, value_cache, tables, seq_lens, scale) -> torch.Tensor | None:
+def _native_decode(query, key_cache, value_cache, tables, seq_lens, scale, window=None) -> torch.Tensor | None:
     """The native kernel's answer, or None where it is off, unavailable or does not handle these tensors."""
-    return native.decode(query, key_cache, value_cache, tables, seq_lens, scale) if _native_enabled else None
+    return native.decode(query, key_cache, value_cache, tables, seq_lens, scale, window) if _native_enabled else None
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
@@ -714,22 +771,23 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """:func:`paged_attention` with the tables already planned (the engine plans once per step, not per layer).
     ``compiled``: try the fused kernel for every shape (an engine built with compile_attention asks for it);
     otherwise it is used where the background compile measured it faster (:class:`_AutoKernels`)."""
+    window = plan.window if plan.window is not None and plan.max_len > plan.window else None
     if compiled:
-        out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
+        out = _try_compiled(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale, window)
     else:
-        out = _native_decode(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale)
-        if out is None:
+        out = _native_decode(query, key_cache, value_cache, plan.tables, plan.seq_lens, scale, window)
+        if out is None and window is None:  # (the background-compiled kernels are for unwindowed shapes)
             out = _auto.kernel(query, key_cache, value_cache, plan, scale)
     return out if out is not None else _paged_attention_eager(query, key_cache, value_cache, plan, scale)
 
 
-def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor | None:
+def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor | None:
     """The fused kernel's result, or None when it has failed (then it stays off for good) or has no kernel for this
     shape; the eager path computes the same thing."""
     if _compiled.failed:
         return None
     try:
-        return _compiled(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return _compiled(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
     except Exception as exc:
         _compiled.failed, _compiled.enabled = True, False
         log.warning("compiled paged attention unavailable (%s); using the eager path", exc)
@@ -737,15 +795,20 @@ def _try_compiled(query, key_cache, value_cache, block_tables, seq_lens, scale) 
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_table: torch.Tensor, start: int, scale: float | None = None) -> torch.Tensor:
+                            block_table: torch.Tensor, start: int, scale: float | None = None,
+                            sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention for one sequence's chunk of new tokens at positions start..start+T-1.
 
     query [T, heads, dim]; the chunk's own K/V must already be written to the cache; earlier positions (a cached
-    prefix, or earlier chunks) are read from the pool through ``block_table`` [blocks] -> [T, heads, dim]."""
+    prefix, or earlier chunks) are read from the pool through ``block_table`` [blocks] -> [T, heads, dim].
+    ``sliding_window``: query p reads keys at positions > p - window; blocks wholly before the first query's window
+    are not read (their entries may be -1)."""
     num_new, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     total = start + num_new
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if sliding_window is not None and total > sliding_window:
+        return _windowed_prefill(query, key_cache, value_cache, block_table, start, scale, sliding_window)
     blocks = block_table[: -(-total // key_cache.shape[1])].long()
     keys = key_cache.index_select(0, blocks).flatten(0, 1)[:total]  # [total, kv_heads, dim]
     values = value_cache.index_select(0, blocks).flatten(0, 1)[:total]
@@ -759,6 +822,29 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         keys.transpose(0, 1)[None],  # [1, kv_heads, total, dim]
         values.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=kv_heads != heads,
+    )  # [1, heads, T, dim]
+    return out[0].transpose(0, 1)
+
+
+def _windowed_prefill(query, key_cache, value_cache, block_table, start: int, scale: float, window: int):
+    """paged_prefill_attention with a window: only the blocks from the one holding the first query's first key
+    are gathered (the chunk reads nothing before it), and each query sees the keys p - window < k <= p."""
+    num_new, heads, _ = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    total = start + num_new
+    first = max(0, start - window + 1) // block_size  # block of the first key the first query reads
+    blocks = block_table[first: -(-total // block_size)].long().clamp_min(0)  # (none of these is absent)
+    offset = first * block_size  # position of the first gathered slot
+    keys = key_cache.index_select(0, blocks).flatten(0, 1)[: total - offset]  # [total - offset, kv_heads, dim]
+    values = value_cache.index_select(0, blocks).flatten(0, 1)[: total - offset]
+    q_pos = torch.arange(start, total, device=query.device)[:, None]  # [T, 1]
+    k_pos = torch.arange(offset, total, device=query.device)[None, :]  # [1, total - offset]
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [T, total - offset]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],  # [1, heads, T, dim]
+        keys.transpose(0, 1)[None],  # [1, kv_heads, total - offset, dim]
+        values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads,
     )  # [1, heads, T, dim]
     return out[0].transpose(0, 1)
 
@@ -784,9 +870,10 @@ def attend_batch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     if meta.num_decode:
         out[: meta.num_decode] = paged_decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan, scale,
                                               compiled)
+    window = getattr(meta, "sliding_window", None)
     for first, count, table, start in meta.prefills:
         out[first:first + count] = paged_prefill_attention(q[first:first + count], key_cache, value_cache,
-                                                           table, start, scale)
+                                                           table, start, scale, window)
     return out
 
 

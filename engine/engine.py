@@ -34,6 +34,7 @@ from .config import EngineConfig
 from .errors import EngineError
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
+from .kv_cache_groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
 from .loader import check_pool_fits_memory, load_model, read_model_config
 from .model_runner import ModelRunner
 from .pool_views import PoolViews
@@ -102,16 +103,22 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = set(self.eos_token_ids)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_cache_groups = kv_cache_group_infos(mc)
+        planes, layer_slots = kv_cache_layout(self.kv_cache_groups, mc.num_hidden_layers)
         try:
-            self.kv = KVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
-                              mc.head_dim, self.dtype, self.device)
+            self.kv = KVCache(planes, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
+                              mc.head_dim, self.dtype, self.device, layer_slots)
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
-        self.manager = KVCacheManager(self.pool)
+        if len(self.kv_cache_groups) > 1 or self.kv_cache_groups[0].sliding_window is not None:
+            self.manager = GroupedKVCacheManager(self.pool, self.kv_cache_groups)
+        else:
+            self.manager = KVCacheManager(self.pool)
         self.tiers = self._make_tiers(cfg)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
                                   attend_batch_compiled if cfg.compile_attention else attend_batch)
+        self.runner.windows = [g.sliding_window for g in self.kv_cache_groups]
         self.views = PoolViews(self)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
@@ -127,7 +134,7 @@ class Engine:
         self._kv_events = None
         if cfg.kv_events_endpoint:
             from .kv_events import KVEventsOut  # only when asked for: binds a socket
-            self._kv_events = KVEventsOut(cfg)
+            self._kv_events = KVEventsOut(cfg, self.kv_cache_groups)
         self.background_errors: list[str] = []  # failures outside any operation (publishing); the runner reports
 
     # ---- model facts ------------------------------------------------------------------------------------------
@@ -261,7 +268,7 @@ class Engine:
         bs = self.cfg.block_size
         parts = [torch.arange(dst * bs, dst * bs + n, device=self.device) for _, dst, n in copies if n]
         if prepared is not None:
-            parts.append(prepared.meta.slot_mapping)
+            parts.extend(self.runner.all_slots(prepared.meta))
         if parts:
             self.on_rollback(partial(self.kv.restore_slots, self.kv.save_slots(torch.cat(parts))))
 
@@ -299,10 +306,29 @@ class Engine:
         return check_token_ids(ids, self.vocab_size)
 
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
+        if isinstance(self.manager, GroupedKVCacheManager):
+            self._check_fits_groups(num_tokens, max_new_tokens)
+            return
         problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size,
                             num_blocks=self.cfg.num_blocks, max_model_len=self.max_model_len)
         if problem:
             raise EngineError(problem)
+
+    def _check_fits_groups(self, num_tokens: int, max_new_tokens: int) -> None:
+        """_check_fits for KV cache groups: every group's blocks count, and a sliding group holds only its window's
+        (so a conversation may outgrow a pool that its full-attention layers alone would fill)."""
+        problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size, num_blocks=1 << 62,
+                            max_model_len=self.max_model_len)
+        if problem:
+            raise EngineError(problem)
+        total = num_tokens + max_new_tokens
+        chunk = self.cfg.max_num_batched_tokens if self.cfg.enable_chunked_prefill else total
+        need = self.manager.peak_blocks(total, chunk)
+        if need > self.cfg.num_blocks:
+            raise EngineError(f"this conversation needs up to {need} blocks across its {len(self.kv_cache_groups)} "
+                              f"KV cache groups ({num_tokens} prompt tokens + {max_new_tokens} new tokens at "
+                              f"{self.cfg.block_size} per block) but the whole pool has {self.cfg.num_blocks}; "
+                              f"shorten the prompt, lower max_new_tokens or restart with a larger pool")
 
     def _seq(self, conversation_id) -> Sequence:
         seq = self.seqs.get(int(conversation_id)) if is_int(conversation_id) else None
@@ -626,6 +652,12 @@ class Engine:
         """The host and disk tiers the config asks for (None when both are off), wired into the manager."""
         if not (cfg.host_tier_blocks or cfg.disk_tier_blocks):
             return None
+        if not isinstance(self.manager, KVCacheManager) or type(self.manager) is not KVCacheManager:
+            # A tier keeps a block's bytes under its prefix hash; a grouped pool keys its cache by (hash, group) and
+            # releases window blocks on its own schedule, which the tiers do not follow yet: refused, not guessed.
+            raise EngineError(f"host and disk tiers need a model with one full-attention KV cache group; this one "
+                              f"has {len(self.kv_cache_groups)} group(s) "
+                              f"({', '.join(g.kind for g in self.kv_cache_groups)})")
         from .loader import available_memory
         from .tiers import TierStore
         per_block = self.kv.bytes_per_block

@@ -31,10 +31,15 @@ class KVCache:
     relocation, saving what a step overwrites); it keeps no bookkeeping of which block holds what."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layer_slots: Sequence[int] | None = None):
+        """``layer_slots``: for a model of several KV cache groups, the place of each model layer in its group
+        (vLLM's hybrid layout: a block id names one slot of memory per place, so layer j of every group shares
+        plane j and each group's tables say which block ids are its own); ``num_layers`` is then the most layers
+        any group has. None: layer i is plane i (one group)."""
         # Zeros, not empty: masked slots must never hold NaN, which would poison 0 * NaN in attention.
         self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]  # (K, V) views per layer
+        slots = range(num_layers) if layer_slots is None else layer_slots
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in slots]  # (K, V) views per model layer
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_planes = num_layers * 2  # one K and one V "plane" per layer

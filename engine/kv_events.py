@@ -22,15 +22,22 @@ from .config import EngineConfig
 from .errors import EngineError
 
 
-def to_kv_events(events: Sequence[BlockEvent], block_size: int) -> list[KVEvent]:
+def to_kv_events(events: Sequence[BlockEvent], block_size: int, groups: Sequence | None = None) -> list[KVEvent]:
+    """``groups``: the engine's KV cache groups (kvstream.views.KVCacheGroupInfo); as vLLM 0.34 does, every
+    BlockStored names its group (group_idx) with that group's spec kind and window, and every BlockRemoved its
+    group. Hashes are the plain prefix hashes (the group rides beside them, not in them). None: no group fields."""
     out: list[KVEvent] = []
     for e in events:
         if e.kind == EventKind.STORED:
+            spec = {} if groups is None else {
+                "group_idx": e.group, "kv_cache_spec_kind": groups[e.group].kind,
+                "kv_cache_spec_sliding_window": groups[e.group].sliding_window}
             out.append(BlockStored(block_hashes=tuple(e.block_hashes), parent_block_hash=e.parent_hash,
                                    token_ids=tuple(e.token_ids), block_size=block_size, lora_id=None,
-                                   medium=MEDIUM_GPU, lora_name=None))
+                                   medium=MEDIUM_GPU, lora_name=None, **spec))
         elif e.kind == EventKind.EVICTED:
-            out.append(BlockRemoved(block_hashes=tuple(e.block_hashes), medium=MEDIUM_GPU))
+            out.append(BlockRemoved(block_hashes=tuple(e.block_hashes), medium=MEDIUM_GPU,
+                                    group_idx=None if groups is None else e.group))
         elif e.kind == EventKind.CLEARED:
             out.append(AllBlocksCleared())
         elif e.kind in (EventKind.OFFLOADED, EventKind.DROPPED):
@@ -69,13 +76,14 @@ def split_by_step(events: Sequence[BlockEvent]) -> list[list[BlockEvent]]:
 class KVEventsOut:
     """Owns the ZMQ publisher of one engine (EngineConfig.kv_events_endpoint and friends)."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, groups: Sequence | None = None):
         try:
             self.publisher = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                               cfg.kv_events_topic)
         except KVEventError as exc:
             raise EngineError(str(exc)) from None
         self.block_size = cfg.block_size
+        self.groups = groups  # the engine's KV cache groups (each event names its own)
         self.endpoint = self.publisher.endpoint  # as bound (a port of 0 resolved)
         self.replay_endpoint = self.publisher.replay_endpoint
 
@@ -86,7 +94,8 @@ class KVEventsOut:
         were sent before it (later ones are not tried: a subscriber must not see a step's changes without an
         earlier step's)."""
         seqs: list[int] = []
-        batches = [b for b in (to_kv_events(step, self.block_size) for step in split_by_step(events)) if b]
+        batches = [b for b in (to_kv_events(step, self.block_size, self.groups) for step in split_by_step(events))
+                   if b]
         for i, kv_events in enumerate(batches):
             try:
                 seqs.append(self.publisher.publish(kv_events))

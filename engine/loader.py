@@ -131,14 +131,15 @@ def check_pool_fits_memory(config: ModelConfig, num_blocks: int, block_size: int
     """Refuse a pool whose K/V tensor cannot fit in the memory left, saying what it would take."""
     from .kv_cache import KVCache
 
-    need = KVCache.bytes_for(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+    planes = max(len(layers) for _kind, _window, layers in config.kv_cache_groups())  # layers per group, at most
+    need = KVCache.bytes_for(planes, num_blocks, block_size, config.num_key_value_heads,
                              config.head_dim, dtype)
     have = available_memory(device)
     if have is not None and need > 0.9 * have:
         per_block = need // num_blocks
         raise EngineError(
             f"a pool of {num_blocks:,} blocks x {block_size} slots needs {need / 2**30:.1f} GiB for its K/V "
-            f"({per_block / 2**10:.0f} KiB per block: {config.num_hidden_layers} layers x K and V x {block_size} "
+            f"({per_block / 2**10:.0f} KiB per block: {planes} layers x K and V x {block_size} "
             f"slots x {config.num_key_value_heads} heads x {config.head_dim} dims), but only {have / 2**30:.1f} GiB "
             f"of {device.type} memory is available; use at most {int(0.9 * have // per_block):,} blocks or smaller "
             f"blocks")

@@ -21,7 +21,50 @@ from . import native
 from .attention import decodes_natively
 from .errors import EngineError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # config.json's layer_types values
+
+
+def _layer_kinds(d: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(kind of every layer, the window) as the checkpoint's own library reads them, so that transformers (and
+    vLLM) attend exactly as the engine does: Mistral slides every layer when ``sliding_window`` is set (its
+    ``layer_types`` are ignored, as transformers' MistralConfig ignores them); Qwen2/Qwen3 slide only with
+    ``use_sliding_window``, over ``layer_types`` or else the layers from ``max_window_layers`` on (transformers 5's
+    Qwen2Config/Qwen3Config derivation), and a sliding layer without a window attends to everything there; Llama
+    follows ``layer_types`` with ``sliding_window`` (as vLLM's Llama does)."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not d.get("use_sliding_window", False):
+            window = None
+        if types is None:
+            first = d.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise EngineError(f"config.json: max_window_layers must be an integer, got {first!r}")
+            types = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+                     for i in range(num_layers)]
+    elif arch == "MistralForCausalLM":
+        types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION] * num_layers
+    elif types is None:
+        types = [FULL_ATTENTION] * num_layers
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+        raise EngineError(f"config.json: layer_types must list one kind per layer ({num_layers}), got {types!r}")
+    bad = [t for t in types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)]
+    if bad:
+        raise EngineError(f"config.json: unsupported layer type {bad[0]!r}; supported: {FULL_ATTENTION!r}, "
+                          f"{SLIDING_ATTENTION!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise EngineError(f"config.json: sliding_window must be a positive integer (or null), got {window!r}")
+    if SLIDING_ATTENTION in types and window is None:
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # transformers: such a layer sees everything
+            types = [FULL_ATTENTION] * num_layers
+        else:
+            raise EngineError("config.json: layer_types has sliding_attention layers but sliding_window is not set")
+    if SLIDING_ATTENTION not in types:
+        window = None
+    return tuple(types), window
 
 
 @dataclass(frozen=True)
@@ -44,11 +87,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # sampling any of these finishes a conversation
     architecture: str = "LlamaForCausalLM"
+    layer_types: tuple[str, ...] = ()  # each layer's kind (FULL_ATTENTION / SLIDING_ATTENTION); () all full
+    sliding_window: int | None = None  # a sliding layer's query at position p reads keys at positions > p - window
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
+
+    def kv_cache_groups(self) -> tuple[tuple[str, int | None, tuple[int, ...]], ...]:
+        """One (kind "full_attention"|"sliding_window", window, layer indices) per kind of layer, as vLLM's hybrid
+        allocator groups them: the full-attention group first when there is one (its tables are the ones the
+        one-group views show). A plain model has one full-attention group of every layer."""
+        n = self.num_hidden_layers
+        types = self.layer_types or (FULL_ATTENTION,) * n
+        full = tuple(i for i in range(n) if types[i] == FULL_ATTENTION)
+        sliding = tuple(i for i in range(n) if types[i] == SLIDING_ATTENTION)
+        groups = []
+        if full:
+            groups.append(("full_attention", None, full))
+        if sliding:
+            groups.append(("sliding_window", self.sliding_window, sliding))
+        return tuple(groups)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(d.get("model_type"), "")
+        arch = archs[0] if archs else _MODEL_TYPES.get(d.get("model_type"), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise EngineError(f"unsupported model architecture {arch or d.get('model_type')!r}; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -74,6 +135,7 @@ class ModelConfig:
             hidden = int(d["hidden_size"])
             eos = d.get("eos_token_id")
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            layer_types, window = _layer_kinds(d, arch, int(d["num_hidden_layers"]))
             config = cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -86,11 +148,14 @@ class ModelConfig:
                 rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "LlamaForCausalLM" and bool(d.get("attention_bias", False)),
+                attention_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(d.get("attention_bias", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM",
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 architecture=arch,
+                layer_types=layer_types if window is not None else (),
+                sliding_window=window,
+                qk_norm=arch == "Qwen3ForCausalLM",
             )
             config.validate()
             return config
@@ -102,7 +167,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         d = {
             "architectures": [self.architecture],
-            "model_type": "llama" if self.architecture == "LlamaForCausalLM" else "qwen2",
+            "model_type": {v: k for k, v in _MODEL_TYPES.items()}[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -119,6 +184,12 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+        if self.sliding_window is not None:  # written so that this engine and transformers read the same kinds back
+            d["sliding_window"] = self.sliding_window
+            if self.architecture != "MistralForCausalLM":
+                d["layer_types"] = list(self.layer_types)
+            if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+                d["use_sliding_window"] = True
         return d
 
     def validate(self) -> None:
@@ -143,6 +214,9 @@ class BatchMetadata:
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_plan: Any  # attention.DecodePlan for the decode tokens (tables trimmed, mask built once per step)
     prefills: Sequence[tuple[int, int, torch.Tensor, int]]  # (first token index, num tokens, block table int64, start position)
+    sliding_window: int | None = None  # the layers this describes read keys at positions > p - window (None: all)
+    groups: tuple = ()  # a model of several KV cache groups: one BatchMetadata per group (its tables, its slots,
+    #                     its window); layer i reads groups[CausalLM.layer_group[i]]. Empty: this one, every layer
 
 
 PANEL_ROWS_STREAMED = 16  # most rows for the panel kernel where the weights do not fit in the last-level cache
@@ -252,8 +326,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sliding: bool = False):
         super().__init__()
+        self.sliding_window = cfg.sliding_window if sliding else None  # for forward_dense (paged: the metadata's)
+        if cfg.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -280,17 +359,23 @@ class Attention(nn.Module):
         if self.qkv is not None:  # one matmul, and one rotary call for the q and k heads together
             qkv = (self.qkv(x) if projected is None else projected) \
                 .view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [..., tokens, h+2kv, dim]
+            if self.qk_norm:  # per head, before the rotation (Qwen3)
+                q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=-2)
+                return (apply_rotary(self.q_norm(q.contiguous()), cos, sin),
+                        apply_rotary(self.k_norm(k.contiguous()), cos, sin), v)
             qk = apply_rotary(qkv[..., : self.num_heads + self.num_kv_heads, :], cos, sin)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=-2)
             return q, k, qkv[..., self.num_heads + self.num_kv_heads:, :]
         q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)  # [..., tokens, heads, dim]
         k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., tokens, kv_heads, dim]
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
         q = projected = None
-        if self.qkv is not None and meta.slot_mapping is not None and x.dim() == 2:  # the native kernel: rotate q
+        if self.qkv is not None and meta.slot_mapping is not None and x.dim() == 2 and not self.qk_norm:  # native: rotate q
             # and k and write k and v to their slots in one pass, the same bits as below
             projected = self.qkv(x)  # [tokens, (heads + 2 kv_heads) * dim]
             q = native.rope_store(projected, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
@@ -308,8 +393,13 @@ class Attention(nn.Module):
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)  # [b, t, heads|kv_heads, dim]
+        mask = None
+        if self.sliding_window is not None:  # key k visible to query p when p - window < k <= p
+            pos = torch.arange(t, device=x.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.sliding_window)  # [t, t]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True)  # [b, heads, t, dim]
+                                             attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=True)  # [b, heads, t, dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -339,9 +429,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sliding: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, sliding)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -351,7 +441,9 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        kinds = cfg.layer_types or (FULL_ATTENTION,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kinds[i] == SLIDING_ATTENTION)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -371,6 +463,10 @@ class CausalLM(nn.Module):
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
         self.panel_rows = 0  # most rows of a one-call decode step: rows every layer's panels serve (0: no step)
         self._stack_norms: list[torch.Tensor] = []  # the norms' weights those addresses point into
+        self.layer_group = [0] * cfg.num_hidden_layers  # the KV cache group each layer reads (ModelConfig order)
+        for g, (_kind, _window, layers) in enumerate(cfg.kv_cache_groups()):
+            for i in layers:
+                self.layer_group[i] = g
 
     def init_weights(self, seed: int) -> None:
         """Seeded random init (std 0.02), used when a model has no trained weights."""
@@ -410,6 +506,8 @@ class CausalLM(nn.Module):
         norms.append(self.model.norm)
         if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
             return None
+        if self.config.qk_norm:  # decode_stack.c has no per-head q/k norm
+            return None
         self._stack_norms = [n.weight.detach() for n in norms]  # per layer: input, post-attention; then the final
         rows = []
         for i, layer in enumerate(layers):
@@ -434,6 +532,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.stack is not None and layer_hook is None and meta.slot_mapping is not None and not meta.prefills \
+                and not meta.groups and meta.sliding_window is None \
                 and meta.num_decode == x.shape[0] <= self.panel_rows and decodes_natively(attend):
             # a decode batch of a model with panels: every layer in one native call, the same kernels in the same
             # order as the loop below takes them (the same bits), without the Python between them
@@ -449,10 +548,11 @@ class CausalLM(nn.Module):
         delta = None  # what the last block adds to the residual stream x, added where the next norm reads x
         for i, layer in enumerate(self.model.layers):
             key_cache, value_cache = kv_caches[i]
+            layer_meta = meta.groups[self.layer_group[i]] if meta.groups else meta
             hook = None if layer_hook is None else (lambda out, i=i: layer_hook(i, out))
             attend_i = attend if hook is None else _hooked(attend, hook)
             h = _add_norm(x, delta, layer.input_layernorm)
-            delta = layer.self_attn(h, cos, sin, meta, key_cache, value_cache, attend_i)
+            delta = layer.self_attn(h, cos, sin, layer_meta, key_cache, value_cache, attend_i)
             delta = layer.mlp(_add_norm(x, delta, layer.post_attention_layernorm))
         return _add_norm(x, delta, self.model.norm)
 

@@ -42,6 +42,12 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.attend = attend  # engine.attention.attend_batch, or its compiled-kernel variant
+        self.windows: list[int | None] = [None]  # each KV cache group's sliding window (set by the engine)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether steps need per-group metadata (several groups, or one with a window)."""
+        return len(self.windows) > 1 or self.windows[0] is not None
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         bs = self.block_size
@@ -78,15 +84,47 @@ class ModelRunner:
         plan = self.plan(singles, [s.num_computed_tokens + 1 for s in singles]) if singles else None
         dev = self.device
         meta = BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), len(singles), plan, prefills)
+        if self.grouped:
+            meta = self._group_metas(meta, singles, chunks)
         return PreparedBatch(meta, torch.as_tensor(ids, dtype=torch.int64, device=dev),
                              torch.as_tensor(pos, dtype=torch.int64, device=dev),
                              torch.as_tensor(sample_rows, dtype=torch.int64, device=dev), sampled, num_prefill)
 
-    def plan(self, seqs: list[Sequence], lens: list[int]) -> DecodePlan:
-        """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold."""
+    def plan(self, seqs: list[Sequence], lens: list[int], group: int = 0) -> DecodePlan:
+        """The decode plan for ``seqs`` with ``lens`` tokens of context each, from the block tables they hold (of
+        KV cache ``group``, with its window)."""
         cache = self.kv.layers[0][0]
-        return plan_lists([s.block_table for s in seqs], lens, self.block_size, self.device, group_bytes_for(cache),
-                          bytes_per_token(cache))
+        return plan_lists([s.group_table(group) for s in seqs], lens, self.block_size, self.device,
+                          group_bytes_for(cache), bytes_per_token(cache), self.windows[group])
+
+    def _group_metas(self, meta: BatchMetadata, singles: list[Sequence], chunks: list) -> BatchMetadata:
+        """Per KV cache group: the same tokens, their slots in that group's blocks, its tables and window. Group
+        0's are ``meta``'s (built from block_table); the others are built the same way from their own tables."""
+        bs, dev = self.block_size, self.device
+        metas = [BatchMetadata(meta.slot_mapping, meta.num_decode, meta.decode_plan, meta.prefills, self.windows[0])]
+        for g in range(1, len(self.windows)):
+            slots: list[int] = []
+            for seq in singles:
+                p = seq.num_computed_tokens
+                slots.append(seq.group_table(g)[p // bs] * bs + p % bs)
+            prefills = []
+            for (seq, n), (first, _, _, start) in zip(chunks, meta.prefills):
+                table = np.asarray(seq.group_table(g), dtype=np.int64)
+                p = np.arange(start, start + n)
+                slots.extend((table[p // bs] * bs + p % bs).tolist())
+                prefills.append((first, n, torch.as_tensor(table, device=dev), start))
+            plan = self.plan(singles, [s.num_computed_tokens + 1 for s in singles], g) if singles else None
+            metas.append(BatchMetadata(torch.as_tensor(slots, dtype=torch.int64, device=dev), meta.num_decode, plan,
+                                       prefills, self.windows[g]))
+        if len(metas) == 1:
+            return metas[0]  # one sliding group: its window on the one metadata
+        return BatchMetadata(meta.slot_mapping, meta.num_decode, meta.decode_plan, meta.prefills, None, tuple(metas))
+
+    def all_slots(self, meta: BatchMetadata) -> list[torch.Tensor]:
+        """The slots a step writes, in every group (what a rollback must save)."""
+        if meta.groups:
+            return [m.slot_mapping for m in meta.groups]
+        return [meta.slot_mapping]
 
     def forward(self, prepared: PreparedBatch) -> torch.Tensor:
         """K/V of every scheduled token written to the pool; logits [sampled, vocab] float32."""
@@ -110,7 +148,12 @@ class ModelRunner:
     def probe(self, seqs: list[Sequence]) -> np.ndarray:
         """Attention output of each conversation's last computed token in every layer, read through the block
         tables and writing nothing: [layers, seqs, heads, dim] float32."""
-        meta = BatchMetadata(None, len(seqs), self.plan(seqs, [s.num_computed_tokens for s in seqs]), [])
+        lens = [s.num_computed_tokens for s in seqs]
+        meta = BatchMetadata(None, len(seqs), self.plan(seqs, lens), [], self.windows[0])
+        if len(self.windows) > 1:
+            meta = BatchMetadata(None, len(seqs), meta.decode_plan, [], None, tuple(
+                BatchMetadata(None, len(seqs), self.plan(seqs, lens, g), [], self.windows[g])
+                for g in range(len(self.windows))))
         ids = torch.as_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs], device=self.device)
         pos = torch.as_tensor([s.num_computed_tokens - 1 for s in seqs], device=self.device)
         outs: list[torch.Tensor] = []

@@ -118,6 +118,7 @@ def _build():
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # csrc/kernels.h; every one returns an int status
         "paged_decode_f32": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],
+        "paged_decode_window_f32": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32, i64],
         "rope_store_f32": [ptr] * 7 + [i64] + [i32] * 4,
         "add_rms_norm_f32": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
@@ -183,10 +184,12 @@ def _fits(*tensors: torch.Tensor) -> bool:
 
 
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
-           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+           seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor | None:
     """Decode attention through the kernel: query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
-    seq_lens int [seqs] -> [seqs, heads, dim]. None where the kernel is unavailable or does not handle the shape."""
+    seq_lens int [seqs] -> [seqs, heads, dim]. ``window``: a sliding window (the query at position p reads keys at
+    positions > p - window; blocks wholly before that are not read, their entries may be -1). None where the kernel
+    is unavailable or does not handle the shape."""
     lib = kernel()
     if lib is None:
         return None
@@ -198,9 +201,15 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
-    status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-                tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size,
-                scale, torch.get_num_threads())
+    if window:
+        status = lib.paged_decode_window_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                             tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
+                                             seqs, heads, kv_heads, dim, block_size, scale, torch.get_num_threads(),
+                                             window)
+    else:
+        status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                      tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs,
+                                      heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out

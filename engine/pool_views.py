@@ -82,7 +82,8 @@ class PoolViews:
             block_table=table, num_computed_tokens=seq.num_computed_tokens,
             num_cached_tokens=seq.num_cached_tokens, max_new_tokens=seq.max_new_tokens, temperature=seq.temperature,
             parent_id=seq.parent_id, num_preemptions=seq.num_preemptions, arrival_step=seq.arrival_step,
-            finish_reason=seq.finish_reason, turns=tuple(seq.turns), **self._sources(seq))
+            finish_reason=seq.finish_reason, turns=tuple(seq.turns), group_block_tables=self._group_tables(seq),
+            **self._sources(seq))
         self._info_cache[seq.seq_id] = _Built(seq.version, info, ids, len(ids), prefix)
         return info
 
@@ -92,6 +93,13 @@ class PoolViews:
         if not _HAS_SOURCES:
             return {}
         return {"prompt_token_sources": dict(self.engine.manager.prompt_sources.get(seq.seq_id, {}))}
+
+    def _group_tables(self, seq: Sequence) -> tuple[tuple[int, ...], ...]:
+        """Every KV cache group's table of ``seq`` (-1 where a window released a block); () for one plain group."""
+        manager = self.engine.manager
+        if not hasattr(manager, "tables_of"):
+            return ()
+        return tuple(tuple(t) for t in manager.tables_of(seq))
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
         """Live conversations and the most recent finished ones (the window), by id."""
@@ -145,7 +153,7 @@ class PoolViews:
             block_tables=tables, conversations=conversations, metrics=self.metrics(),
             memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
-            source="engine", tiers=self._tier_views())
+            source="engine", tiers=self._tier_views(), **self._group_fields())
         if base is not None and changed is not None:
             promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
@@ -168,6 +176,21 @@ class PoolViews:
             out[tier.name] = cached[1]
         return MappingProxyType(out)
 
+    def _group_fields(self) -> dict:
+        """The snapshot's KV cache group fields: the groups always; per-group tables and each block's group only
+        for a pool of several groups (or a window), where group 0's tables alone do not say everything."""
+        eng = self.engine
+        fields = {"kv_cache_groups": eng.kv_cache_groups}
+        manager = eng.manager
+        if hasattr(manager, "tables_of"):
+            running = eng.scheduler.running
+            infos = {s.seq_id: self.info(s).group_block_tables for s in running}
+            fields["group_block_tables"] = tuple(
+                MappingProxyType({cid: tables[g] for cid, tables in infos.items()})
+                for g in range(len(eng.kv_cache_groups)))
+            fields["block_group"] = frozen_array(manager.block_group)
+        return fields
+
     # ---- one block ------------------------------------------------------------------------------------------
     def inspect_block(self, block_id) -> BlockInfo:
         eng = self.engine
@@ -177,8 +200,10 @@ class PoolViews:
         pool, bs, b = eng.pool, eng.cfg.block_size, int(block_id)
         state = BlockState(int(pool.state[b]))
         filled = int(pool.num_filled[b])
-        tables = {s.seq_id: s.block_table for s in eng.scheduler.running}
-        owners = eng.manager.owners(b, tables)
+        manager = eng.manager
+        group = int(manager.block_group[b]) if hasattr(manager, "block_group") else 0
+        tables = {s.seq_id: s.group_table(group) for s in eng.scheduler.running}  # the block's group's tables
+        owners = manager.owners(b, tables)
         h = int(pool.block_hash[b])
         if owners:
             seq, index = eng.seqs[owners[0][0]], owners[0][1]
@@ -192,6 +217,9 @@ class PoolViews:
             tokens, positions = (), ()
         note = hash_note(state, h != NO_HASH, filled, bs, pool.enable_prefix_caching)
         keys, values = eng.kv.read_block(b, filled)
+        if len(eng.kv_cache_groups) > 1:  # the block's group's layers (its planes), in that group's layer order
+            planes = len(eng.kv_cache_groups[group].layers)
+            keys, values = keys[:planes].copy(), values[:planes].copy()
         keys.setflags(write=False)
         values.setflags(write=False)
         return BlockInfo(

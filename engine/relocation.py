@@ -43,8 +43,8 @@ def new_ids(engine: "Engine", seed: int | None, compact: bool) -> np.ndarray:
     order: list[int] = []
     seen = np.zeros(n, bool)
     for s in engine.scheduler.running:
-        for b in s.block_table:
-            if not seen[b]:
+        for b in [b for g in range(1 + len(s.extra_tables)) for b in s.group_table(g)]:  # every KV cache group
+            if b >= 0 and not seen[b]:  # (-1: a block a sliding window released)
                 seen[b] = True
                 order.append(b)
     order += [int(b) for b in np.flatnonzero(pool.state == BlockState.CACHED) if not seen[b]]

@@ -30,6 +30,8 @@ class Sequence:
         self.version = 0  # bumped on every change, so snapshots rebuild only what changed
         self.pending_forks: list[Sequence] = []  # forks (or extra samples) made before this one's prompt was
         #                                          computed: they share its blocks once it is (the engine forks them)
+        self.extra_tables: list[list[int]] = []  # block tables of KV cache groups 1.. (group 0's is block_table);
+        #                                        empty for one-group models; -1 where a sliding window released a block
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,17 @@ class Sequence:
         self.finish_reason = None
         self.version += 1
 
+    def group_table(self, group: int) -> list[int]:
+        """The block table of KV cache group ``group`` (0: block_table)."""
+        return self.block_table if group == 0 else self.extra_tables[group - 1]
+
+    def set_group_table(self, group: int, table: list[int]) -> None:
+        """Assign a new list (tables are only appended to in place: anything else assigns, see checkpoint)."""
+        if group == 0:
+            self.block_table = table
+        else:
+            self.extra_tables[group - 1] = table
+
     # ---- rollback -------------------------------------------------------------------------------------------
     # Lists are only ever appended to in place; anything else (a copy-on-write, a release, a relocation, a fork)
     # assigns a new list. So a checkpoint keeps each list object with its length, and a restore puts the object
@@ -89,13 +102,18 @@ class Sequence:
                 self.finish_reason, self.num_computed_tokens, self.num_cached_tokens, self.num_preemptions,
                 self.version, self.token_ids, len(self.token_ids), self.block_hashes, len(self.block_hashes),
                 self.block_table, len(self.block_table), self.turns, len(self.turns), self.pending_forks,
-                len(self.pending_forks))
+                len(self.pending_forks), self.extra_tables,
+                tuple((t, len(t)) for t in self.extra_tables) if self.extra_tables else ())
 
     def restore(self, checkpoint: tuple) -> None:
         (self.num_prompt_tokens, self.max_new_tokens, self.temperature, self.arrival_step, self.status,
          self.finish_reason, self.num_computed_tokens, self.num_cached_tokens, self.num_preemptions,
          self.version, self.token_ids, n_tokens, self.block_hashes, n_hashes, self.block_table, n_table,
-         self.turns, n_turns, self.pending_forks, n_pending) = checkpoint
+         self.turns, n_turns, self.pending_forks, n_pending, self.extra_tables, extra) = checkpoint
+        if extra:  # the container and each group's list as they were, each cut to its length
+            self.extra_tables[:] = [t for t, _ in extra]
+            for t, n in extra:
+                del t[n:]
         del self.token_ids[n_tokens:]
         del self.block_hashes[n_hashes:]
         del self.block_table[n_table:]

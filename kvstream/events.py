@@ -51,6 +51,9 @@ class EventKind(str, enum.Enum):
 TIER_KINDS = frozenset({EventKind.OFFLOADED, EventKind.LOADED, EventKind.DROPPED})  # kinds that name a tier
 
 
+WINDOW_REASON = "sliding_window"  # reason of the release events a sliding window causes (the model never reads
+#                                   those blocks again; paging alone never releases anything)
+
 # Kinds the timeline marks and the event log shows by default (allocation and release happen every few steps).
 NOTABLE_KINDS = frozenset({
     EventKind.CONVERSATION_ADDED, EventKind.CONVERSATION_CONTINUED, EventKind.CONVERSATION_FINISHED,

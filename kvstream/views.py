@@ -51,6 +51,16 @@ class FinishReason(str, enum.Enum):
         return self.value  # what the window says: explorer.model.event_text.finish_words
 
 
+@dataclass(frozen=True)
+class KVCacheGroupInfo:
+    """One KV cache group of a pool, as vLLM v1's hybrid allocator forms them: the layers of one kind, paged through
+    their own block tables out of the one shared pool."""
+
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None  # a query at position p reads keys at positions > p - window; None: every position
+    layers: tuple[int, ...]  # the model's layer indices in this group
+
+
 @dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One conversation as seen from outside the engine."""
@@ -183,15 +193,6 @@ class TierView:
     last_access: np.ndarray  # int64: step at which each slot was last written or read (loaded back)
 
 
-@dataclass(frozen=True)
-class KVCacheGroupInfo:
-    """One KV cache group: the layers of one attention kind, paged together (vLLM v1's hybrid allocator)."""
-
-    kind: str  # "full_attention" | "sliding_window"
-    sliding_window: int | None  # tokens a sliding-window layer reads back; None for full attention
-    layers: tuple[int, ...]  # indices of the model's layers in this group
-
-
 _OWNER_SCANS = 4  # owners_of questions a snapshot answers by scanning its tables before it builds the index
 # (for 256 conversations on 65,536 blocks the index took 11-34 ms to build, one scan of their tables 0.07 ms)
 
@@ -223,6 +224,8 @@ class PoolSnapshot:
     kv_cache_groups: tuple[KVCacheGroupInfo, ...] = ()  # () means one full-attention group
     group_block_tables: tuple[Mapping[int, tuple[int, ...]], ...] = ()  # one {conversation id: ids} per group, -1
     #                                    where a window released a block; () for one group (block_tables is group 0's)
+    block_group: np.ndarray | None = None  # int8: the group of each non-free block (its last one for a free block);
+    #                                        None for one group
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)

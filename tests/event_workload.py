@@ -53,3 +53,43 @@ def engine_frames():
         eng.step()
         frame()
     return eng, pairs
+
+
+def grouped_engine_frames(directory):
+    """(engine, [(seq, BlockEvent)]) of a workload on a model of two KV cache groups (the window demo's
+    checkpoint with a window of 8, blocks of 4): sliding-window releases (reason "sliding_window", group 1), per-group
+    prefix hits, a fork with copy-on-write in both groups, a relocation, a preemption and finishes."""
+    from engine.window_model import write_window_checkpoint
+    path = write_window_checkpoint(directory / "window-8", window=8)
+    eng = Engine(EngineConfig(model=str(path), block_size=4, num_blocks=34, enable_prefix_caching=True, seed=0,
+                              max_num_batched_tokens=64, max_num_seqs=8))
+    pairs = []
+
+    def frame():
+        events = eng.take_events()
+        seq = len({s for s, _ in pairs}) + 1
+        pairs.extend((seq, e) for e in events)
+
+    system = "The block table maps logical blocks. "
+    a = eng.add_conversation(prompt=system + "One", max_new_tokens=16)
+    frame()
+    for _ in range(3):
+        eng.step()
+        frame()
+    eng.fork_conversation(a)
+    frame()
+    eng.add_conversation(prompt=system + "Two", max_new_tokens=24, ignore_eos=True)
+    frame()
+    for _ in range(4):
+        eng.step()
+        frame()
+    eng.relocate_blocks(seed=1)
+    frame()
+    for i in range(3):
+        eng.add_conversation(prompt=f"Another prompt number {i} that is long enough", max_new_tokens=20,
+                             ignore_eos=True)
+        frame()
+    while eng.has_work():
+        eng.step()
+        frame()
+    return eng, pairs

@@ -336,3 +336,116 @@ def test_nothing_waits_for_a_compile_and_a_failed_one_leaves_the_eager_path(auto
         for _ in range(3):
             assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
     assert auto.calls["fused"] == 0
+
+
+# ---- sliding windows ---------------------------------------------------------------------------------------------
+def _windowed_case(rng, lens, window, block_size, kv_heads=2, group=2, dim=8, absent=-1):
+    """Caches with each sequence's K/V in random blocks; the entries of blocks wholly before each sequence's window
+    are ``absent`` (-1, as the engine's tables hold them); the dense reference's keys: the window's positions."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    key_cache = torch.from_numpy(rng.standard_normal((num_blocks, block_size, kv_heads, dim), dtype=np.float32))
+    value_cache = torch.from_numpy(rng.standard_normal((num_blocks, block_size, kv_heads, dim), dtype=np.float32))
+    width = max(-(-n // block_size) for n in lens) + 1
+    tables = torch.full((len(lens), width), absent, dtype=torch.int64)
+    free = list(rng.permutation(num_blocks))
+    keys, values = [], []
+    for s, n in enumerate(lens):
+        first = max(0, n - window) // block_size  # the block of position (n - 1) - window + 1
+        blocks = [int(free.pop()) for _ in range(-(-n // block_size))]
+        tables[s, first: len(blocks)] = torch.tensor(blocks[first:])
+        lo = max(0, n - window)
+        keys.append(key_cache[blocks].reshape(-1, kv_heads, dim)[lo:n])
+        values.append(value_cache[blocks].reshape(-1, kv_heads, dim)[lo:n])
+    query = torch.from_numpy(rng.standard_normal((len(lens), kv_heads * group, dim), dtype=np.float32))
+    return query, key_cache, value_cache, tables, torch.tensor(lens), keys, values
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    window=st.integers(1, 40),
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["native", "sdpa", "cross_head"]),
+)
+def test_windowed_paged_equals_dense_over_the_window(block_size, window, lens, seed, path):
+    """The query at p = len - 1 reads keys at positions > p - window (windows starting mid-block), and never
+    dereferences the -1 entries of the blocks wholly before that."""
+    rng = np.random.default_rng(seed)
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _windowed_case(rng, lens, window, block_size)
+    with decode_path(path):
+        out = paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=window)
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+def test_a_window_mid_block_reads_exactly_the_window():
+    """Window 5, block 4, length 11: positions 6..10 (block 1 from its third slot, block 2); block 0 absent."""
+    rng = np.random.default_rng(0)
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _windowed_case(rng, [11], 5, 4)
+    assert tables[0, 0] == -1 and tables[0, 1] >= 0
+    for path in ("native", "sdpa"):
+        with decode_path(path):
+            out = paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=5)
+        assert torch.allclose(out[0], dense_attention(query[0], keys[0], values[0]), atol=1e-5)
+        without = paged_attention(query, key_cache, value_cache, tables.clamp_min(0), seq_lens)
+        assert not torch.allclose(out, without, atol=1e-3)  # the window really cuts
+
+
+def test_window_argument_and_absent_blocks_inside_the_window_are_refused():
+    rng = np.random.default_rng(1)
+    query, key_cache, value_cache, tables, seq_lens, _, _ = _windowed_case(rng, [11], 5, 4)
+    for bad in (0, -3, 2.5, True, "4"):
+        with pytest.raises(EngineError, match="sliding_window"):
+            paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=bad)
+    with pytest.raises(EngineError, match="outside the cache"):  # a wider window reads the absent block 0
+        paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=9)
+    with pytest.raises(EngineError, match="outside the cache"):  # and so does no window
+        paged_attention(query, key_cache, value_cache, tables, seq_lens)
+
+
+def test_windowed_large_batch_checks_through_tensors():
+    """More than 1024 table entries: the check runs on tensors; -1 before the window passes, inside it fails."""
+    rng = np.random.default_rng(2)
+    lens = [200] * 40
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _windowed_case(rng, lens, 30, 4)
+    assert tables.numel() > 1024
+    out = paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=30)
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert torch.allclose(out, ref, atol=1e-5)
+    tables[3, -(-200 // 4) - 2] = -1
+    with pytest.raises(EngineError, match="outside the cache"):
+        paged_attention(query, key_cache, value_cache, tables, seq_lens, sliding_window=30)
+
+
+@pytest.mark.parametrize("start", [0, 3, 9, 14])
+@pytest.mark.parametrize("window", [1, 3, 6, 50])
+def test_windowed_prefill_equals_dense(start, window):
+    from engine.attention import paged_prefill_attention
+    torch.manual_seed(start * 7 + window)
+    bs, num_new = 4, 7
+    total = start + num_new
+    key_cache, value_cache = torch.randn(30, bs, 2, 8), torch.randn(30, bs, 2, 8)
+    table = torch.randperm(30)[: -(-total // bs)]
+    with_holes = table.clone()
+    with_holes[: max(0, start - window + 1) // bs] = -1  # blocks the first query does not read: absent
+    query = torch.randn(num_new, 4, 8)
+    out = paged_prefill_attention(query, key_cache, value_cache, with_holes, start, sliding_window=window)
+    for i in range(num_new):
+        p = start + i
+        pos = range(max(0, p - window + 1), p + 1)
+        keys = torch.stack([key_cache[table[x // bs], x % bs] for x in pos])
+        values = torch.stack([value_cache[table[x // bs], x % bs] for x in pos])
+        assert torch.allclose(out[i], dense_attention(query[i], keys, values), atol=1e-5)
+
+
+def test_fused_kernel_honours_the_window():
+    """The torch.compile path's function (run here uncompiled: the same ops) reads the window and skips -1."""
+    rng = np.random.default_rng(3)
+    lens = [5, 16, 1, 33]
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _windowed_case(rng, lens, 7, 4)
+    width = 16  # a multiple of the chunk
+    tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]), value=-1)
+    out = attention._paged_attention_fused(query, key_cache, value_cache, tables, seq_lens, 8 ** -0.5, 8, 7)
+    ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
+    assert torch.allclose(out, ref, atol=1e-5)

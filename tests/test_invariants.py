@@ -22,12 +22,14 @@ def _checkpoint(tmp_path_factory):
 
 class PoolMachine(RuleBasedStateMachine):
     ckpt = None
+    num_blocks = 24
 
     def __init__(self):
         super().__init__()
-        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24, max_num_batched_tokens=256))
+        self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=self.num_blocks,
+                                       max_num_batched_tokens=256))
         self.ids = []
-        self.replayed = PoolModel(24)  # the pool rebuilt from block events alone
+        self.replayed = PoolModel(self.num_blocks)  # the pool rebuilt from block events alone
 
     def _live(self):
         return [i for i in self.ids if not self.eng.seqs[i].is_finished]
@@ -95,21 +97,25 @@ class PoolMachine(RuleBasedStateMachine):
     def bookkeeping(self):
         snap = self.eng.snapshot()
         counts = np.zeros(snap.num_blocks, np.int64)
-        for table in snap.block_tables.values():
-            for b in table:
-                counts[b] += 1
+        for tables in snap.group_block_tables or (snap.block_tables,):  # every KV cache group's tables
+            for table in tables.values():
+                for b in table:
+                    if b >= 0:  # -1: released by a sliding window
+                        counts[b] += 1
         assert (snap.ref_count == counts).all()
         idle = snap.state != BlockState.USED
         assert (snap.ref_count[idle] == 0).all()
         assert (snap.state[snap.ref_count > 0] == BlockState.USED).all()
         bs = snap.block_size
-        for cid, table in snap.block_tables.items():
-            info = snap.conversation(cid)
-            assert info.status == Status.RUNNING
-            n = info.num_computed_tokens
-            assert len(table) == -(-n // bs) or len(table) == -(-(n + 1) // bs)
-            for i, b in enumerate(table):
-                assert snap.num_filled[b] == max(0, min(bs, n - i * bs))
+        for tables in snap.group_block_tables or (snap.block_tables,):
+            for cid, table in tables.items():
+                info = snap.conversation(cid)
+                assert info.status == Status.RUNNING
+                n = info.num_computed_tokens
+                assert len(table) == -(-n // bs) or len(table) == -(-(n + 1) // bs)
+                for i, b in enumerate(table):
+                    if b >= 0:
+                        assert snap.num_filled[b] == max(0, min(bs, n - i * bs))
         assert (snap.num_filled[snap.state == BlockState.FREE] == 0).all()
         assert (snap.num_filled[snap.state == BlockState.CACHED] == bs).all()
         if all(self.eng.seqs[i].is_finished for i in self.ids):
@@ -166,3 +172,18 @@ def test_engine_import_loads_no_qt():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class GroupedPoolMachine(PoolMachine):
+    """The same rules on a model of two KV cache groups (full attention and a window of 5 over blocks of 3): the
+    sliding group's releases, per-group prefix hits, forks, relocations and replies keep every invariant, and the
+    events (each naming its group) replay to the pool."""
+
+    num_blocks = 40  # room for the longest conversation's full-attention blocks and its window's
+
+
+def test_pool_state_machine_with_kv_cache_groups(tmp_path_factory):
+    from tests.test_groups import write_mixed_checkpoint
+    GroupedPoolMachine.ckpt = str(write_mixed_checkpoint(tmp_path_factory.mktemp("groups"), window=5))
+    GroupedPoolMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+    GroupedPoolMachine.TestCase().runTest()

@@ -514,7 +514,8 @@ def test_without_replay_socket_a_late_join_counts_the_batches_before(sockdir):
             while sub.indexes[0].num_batches == 0:  # the first few may go out before the subscription lands
                 seq = pub.publish([stored([seq + 1])])
                 time.sleep(0.02)
-            first = sub.indexes[0].last_seq
+            first = sub.indexes[0].last_seq  # the batch is applied before its gap is counted: wait for the count
+            wait_until(lambda: sub.status()[0].num_lost == first)
             assert sub.status()[0].num_lost == first
 
 

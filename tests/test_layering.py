@@ -76,7 +76,8 @@ def test_explorer_uses_only_the_engines_public_names():
 
 
 # ---- one writer of the block pool ---------------------------------------------------------------------------------
-POOL_WRITERS = {"block_pool.py", "kv_cache_manager.py"}  # the pool itself and its one manager
+POOL_WRITERS = {"block_pool.py", "kv_cache_manager.py", "kv_cache_groups.py"}  # the pool itself and its one
+#                                                                              manager (and its KV-cache-group form)
 INPLACE = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
            "discard", "move_to_end", "sort", "reverse", "fill", "put", "itemset", "resize", "__setitem__",
            "__delitem__"}  # methods that change a container (list, dict, set, OrderedDict, numpy array) in place

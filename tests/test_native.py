@@ -574,3 +574,45 @@ def test_the_one_call_decode_step_refuses_tensors_it_cannot_index_before_writing
     assert native.decode_stack(x, weights, [(cache, cache)], shape=shape,
                                **{**args, "slots": torch.tensor([0, 1], dtype=torch.int32)}) is None
     assert torch.equal(x, before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=20),
+    window=st.integers(1, 120),
+    block_size=st.sampled_from([1, 3, 16, 32]),
+    dim=st.sampled_from([8, 32, 80]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_window_equals_dense_over_the_window(lens, window, block_size, dim, threads, seed):
+    """The kernel with a sliding window: positions > p - window only, the blocks before them never read (their
+    entries are -1 here: a read would fault or give garbage)."""
+    rng = np.random.default_rng(seed)
+    query, key_cache, value_cache, tables, seq_lens, keys, values = _case(rng, lens, 4, 2, dim, block_size)
+    for s, n in enumerate(lens):
+        tables[s, : max(0, n - window) // block_size] = -1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.decode(query, key_cache, value_cache, tables, seq_lens, dim ** -0.5, window)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None
+    ref = torch.stack([dense_attention(query[s], keys[s][max(0, n - window):], values[s][max(0, n - window):])
+                       for s, n in enumerate(lens)])
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+def test_windowed_engines_decode_natively_but_not_in_one_call(monkeypatch, tmp_path):
+    """A model with a sliding group takes the native kernel with its window, and never the one-call decode step
+    (decode_stack.c has no window)."""
+    from tests.test_groups import write_mixed_checkpoint
+    windows, stacks = [], []
+    real = native.decode
+    monkeypatch.setattr(native, "decode", lambda *a: windows.append(a[6] if len(a) > 6 else None) or real(*a))
+    monkeypatch.setattr(native, "decode_stack", lambda *a: stacks.append(1))
+    eng = Engine(EngineConfig(model=str(write_mixed_checkpoint(tmp_path / "m", window=8)), block_size=4,
+                              num_blocks=64))
+    eng.generate([list(range(1, 20))], max_new_tokens=6)
+    assert 8 in windows and None in windows and not stacks

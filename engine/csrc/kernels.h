@@ -20,6 +20,10 @@ static inline int rope_store_takes(int heads, int kv_heads, int dim) {
 int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
                      int dim, int block_size, float scale, int threads);
+int paged_decode_window_f32(const float *query, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
+                            int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int threads,
+                            int64_t window);
 int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
                    float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
                    int threads);

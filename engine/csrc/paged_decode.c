@@ -57,41 +57,48 @@ static inline void prefetch_slot_l2(const float *slot, int floats) {
  * scattered block cost a TLB and cache miss per head). */
 static void attend_item(const float *restrict query, const float *restrict key_cache,
                         const float *restrict value_cache, const int64_t *restrict table, int64_t len,
-                        float *restrict out, float *restrict scores, float *restrict q, float *restrict acc,
-                        int group, int kv_heads, int first, int count, int dim, int block_size, float scale) {
+                        int64_t begin, float *restrict out, float *restrict scores, float *restrict q,
+                        float *restrict acc, int group, int kv_heads, int first, int count, int dim, int block_size,
+                        float scale) {
     const int heads = count * group;   /* query heads of this item: rows of q, acc and scores */
     const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive slots of a block */
-    const int64_t stride = (len + 15) / 16 * 16;  /* scores of one head: len, then padding up to whole vectors */
+    /* positions begin..len-1 are read (begin > 0: a sliding window; the blocks wholly before it are never
+     * dereferenced, so their table entries may be -1); score i is position begin + i */
+    const int64_t n = len - begin;
+    const int64_t stride = (n + 15) / 16 * 16;  /* scores of one head: n, then padding up to whole vectors */
     const float *query_item = query + (int64_t)first * group * dim;
     float top[MAX_HEADS], total[MAX_HEADS];
     for (int h = 0; h < heads; h++) {
         for (int d = 0; d < dim; d++) q[h * dim + d] = query_item[h * dim + d] * scale;
         top[h] = -INFINITY;
-        for (int64_t t = len; t < stride; t++) scores[h * stride + t] = -INFINITY;
+        for (int64_t t = n; t < stride; t++) scores[h * stride + t] = -INFINITY;
     }
     const int64_t num_blocks = (len + block_size - 1) / block_size;
     /* V is fetched into L2 while the scores are computed when it fits there, so that the two passes' memory
      * traffic overlaps the first pass's arithmetic (64 sequences of 150 positions, K/V from memory: 0.70 -> 0.49 ms);
      * a longer context's V would be evicted before its use, and is fetched a block ahead in the second pass */
-    const int early_v = len * count * dim * (int64_t)sizeof(float) <= EARLY_V_BYTES;
-    /* pass 1: scores [heads, len], block by block through the table */
-    for (int64_t b = 0; b < num_blocks; b++) {
+    const int64_t first_block = begin / block_size;
+    const int early_v = n * count * dim * (int64_t)sizeof(float) <= EARLY_V_BYTES;
+    /* pass 1: scores [heads, n], block by block through the table */
+    for (int64_t b = first_block; b < num_blocks; b++) {
         const int64_t start = b * block_size;
         const int64_t slots = len - start < block_size ? len - start : block_size;
         /* the next block's slots are fetched while this one's are used: blocks lie anywhere, so no hardware
          * prefetcher can guess where the next one starts (for the last block: the first V block) */
         const float *next = b + 1 < num_blocks ? key_cache + table[b + 1] * block_size * row + (int64_t)first * dim
-                                               : value_cache + table[0] * block_size * row + (int64_t)first * dim;
-        const float *k = key_cache + table[b] * block_size * row + (int64_t)first * dim;
-        const float *v = value_cache + table[b] * block_size * row + (int64_t)first * dim;
-        for (int64_t t = 0; t < slots; t++, k += row, next += row, v += row) {
+                                               : value_cache + table[first_block] * block_size * row + (int64_t)first * dim;
+        const int64_t t0 = b == first_block ? begin - start : 0;
+        const float *k = key_cache + (table[b] * block_size + t0) * row + (int64_t)first * dim;
+        const float *v = value_cache + (table[b] * block_size + t0) * row + (int64_t)first * dim;
+        next += t0 * row;
+        for (int64_t t = t0; t < slots; t++, k += row, next += row, v += row) {
             prefetch_slot(next, count * dim);
             if (early_v) prefetch_slot_l2(v, count * dim);
             for (int c = 0; c < count; c++) {
                 for (int g = 0; g < group; g++) {
                     const int h = c * group + g;
                     const float v = dot(q + h * dim, k + c * dim, dim);
-                    scores[h * stride + start + t] = v;
+                    scores[h * stride + start + t - begin] = v;
                     if (v > top[h]) top[h] = v;
                 }
             }
@@ -111,15 +118,16 @@ static void attend_item(const float *restrict query, const float *restrict key_c
     /* pass 2: the weighted sum of V, in the same order; each head's sum stays in a register across a block's slots
      * (the block's V slice is read once from memory, then from L1 by the group's other heads) */
     memset(acc, 0, sizeof(float) * heads * dim);
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = first_block; b < num_blocks; b++) {
         const int64_t start = b * block_size;
         const int slots = (int)(len - start < block_size ? len - start : block_size);
+        const int t0 = b == first_block ? (int)(begin - start) : 0;
         const float *v = value_cache + table[b] * block_size * row + (int64_t)first * dim;
         if (!early_v && b + 1 < num_blocks) {
             const float *next = value_cache + table[b + 1] * block_size * row + (int64_t)first * dim;
             for (int t = 0; t < slots; t++) prefetch_slot(next + t * row, count * dim);
         }
-        const float *s = scores + start;
+        const float *s = scores + start - begin;
         for (int c = 0; c < count; c++) {
             for (int g = 0; g < group; g++) {
                 const int h = c * group + g;
@@ -129,7 +137,7 @@ static void attend_item(const float *restrict query, const float *restrict key_c
                     /* four independent sums over the slots: one chain of dependent FMAs waited on each other */
                     v16 sum0 = *(v16 *)(a + d), sum1 = {0}, sum2 = {0}, sum3 = {0};
                     const float *vd = v + c * dim + d;
-                    int t = 0;
+                    int t = t0;
                     for (; t + 4 <= slots; t += 4) {
                         sum0 += s[h * stride + t] * *(const v16 *)(vd + t * row);
                         sum1 += s[h * stride + t + 1] * *(const v16 *)(vd + (t + 1) * row);
@@ -141,7 +149,7 @@ static void attend_item(const float *restrict query, const float *restrict key_c
                 }
                 for (; d < dim; d++) {
                     float sum = a[d];
-                    for (int t = 0; t < slots; t++) sum += s[h * stride + t] * v[t * row + c * dim + d];
+                    for (int t = t0; t < slots; t++) sum += s[h * stride + t] * v[t * row + c * dim + d];
                     a[d] = sum;
                 }
             }
@@ -154,11 +162,20 @@ static void attend_item(const float *restrict query, const float *restrict key_c
     }
 }
 
-/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out. */
 int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
                      int dim, int block_size, float scale, int threads) {
-    if (!paged_decode_takes(heads, kv_heads, dim, block_size)) return 1;
+    return paged_decode_window_f32(query, key_cache, value_cache, tables, table_stride, lens, out, seqs, heads,
+                                   kv_heads, dim, block_size, scale, threads, 0);
+}
+
+/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out.
+ * window > 0: a sliding window; a query at position p (= len - 1) reads the keys at positions > p - window. */
+int paged_decode_window_f32(const float *query, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
+                            int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int threads,
+                            int64_t window) {
+    if (!paged_decode_takes(heads, kv_heads, dim, block_size) || window < 0) return 1;
     const int group = heads / kv_heads;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++)
@@ -184,7 +201,8 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
             if (!scores) continue;
             const int64_t s = item / (kv_heads / per_item);
             const int first = (int)(item % (kv_heads / per_item)) * per_item;
-            attend_item(query + s * heads * dim, key_cache, value_cache, tables + s * table_stride, lens[s],
+            const int64_t begin = window > 0 && lens[s] > window ? lens[s] - window : 0;
+            attend_item(query + s * heads * dim, key_cache, value_cache, tables + s * table_stride, lens[s], begin,
                         out + s * heads * dim, scores, scores + score_floats, scores + score_floats + head_floats,
                         group, kv_heads, first, per_item, dim, block_size, scale);
         }
