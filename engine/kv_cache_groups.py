@@ -280,6 +280,10 @@ class GroupedKVCacheManager(KVCacheManager):
                 new[i] = ABSENT
             seq.set_group_table(g, new)
             self.num_window_releases += len(gone)
+            # one typed event naming the group and every block the window let go of (the timeline's mark, the log's
+            # line), then what became of each block, as for any release
+            self.emit(EventKind.WINDOW_RELEASED, seq.seq_id, block_ids=tuple(table[i] for i in gone),
+                      reason=WINDOW_REASON, group=g)
             for kind, blocks in ((EventKind.RELEASED, released), (EventKind.CACHED, cached),
                                  (EventKind.FREED, freed)):
                 if blocks:

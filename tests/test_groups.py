@@ -176,8 +176,11 @@ def test_sliding_group_holds_a_bounded_number_of_blocks_and_releases_as_it_goes(
             n = seq.num_computed_tokens
             assert sliding[: max(0, n - 8 + 1) // 4] == [ABSENT] * (max(0, n - 8 + 1) // 4)
     assert most == bound
-    assert releases and all(e.group == 1 and e.kind in (EventKind.CACHED, EventKind.FREED) for e in releases)
-    released = [b for e in releases for b in e.block_ids]
+    assert releases and all(e.group == 1 and e.kind in (EventKind.WINDOW_RELEASED, EventKind.CACHED, EventKind.FREED)
+                            for e in releases)
+    assert {e.kind for e in releases} >= {EventKind.WINDOW_RELEASED}  # the typed event that names the group
+    released = [b for e in releases if e.kind != EventKind.WINDOW_RELEASED for b in e.block_ids]
+    assert sorted(released) == sorted(b for e in releases if e.kind == EventKind.WINDOW_RELEASED for b in e.block_ids)
     assert eng.manager.num_window_releases == len(released) == (29 + 40 - 1 - 8 + 1) // 4  # all behind the
     #                                                   window of the last query (the last token is never computed)
 
