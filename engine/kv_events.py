@@ -90,18 +90,21 @@ class KVEventsOut:
     def publish(self, events: Sequence[BlockEvent]) -> list[int]:
         """One batch per step among ``events`` (oldest first) that has KV events; returns their sequence numbers.
 
-        Raises :class:`KVEventError` on the first batch that cannot be sent, saying how many of the steps' batches
-        were sent before it (later ones are not tried: a subscriber must not see a step's changes without an
-        earlier step's)."""
+        Every batch is tried, in order, even after one fails: the publisher gives a refused batch its sequence
+        number and keeps it for replay, so a watcher sees the gap and fetches it, in order, through the replay
+        socket. Raises :class:`KVEventError` afterwards, saying how many of the step's batches were refused."""
         seqs: list[int] = []
+        failures: list[str] = []
         batches = [b for b in (to_kv_events(step, self.block_size, self.groups) for step in split_by_step(events))
                    if b]
         for i, kv_events in enumerate(batches):
             try:
                 seqs.append(self.publisher.publish(kv_events))
             except Exception as exc:
-                raise KVEventError(f"{type(exc).__name__}: {exc} (batch {i + 1} of {len(batches)}; "
-                                   f"{len(batches) - i} not sent)") from exc
+                failures.append(f"batch {i + 1} of {len(batches)}: {type(exc).__name__}: {exc}")
+        if failures:
+            raise KVEventError(f"{len(failures)} of {len(batches)} KV-event batches were not sent (a watcher "
+                               f"recovers them through the replay socket): {failures[0]}")
         return seqs
 
     def close(self) -> None:

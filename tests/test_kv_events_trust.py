@@ -180,3 +180,32 @@ def test_a_watcher_started_before_our_engine_catches_up(tmp_path, sockdir):
         finally:
             eng.close()
     assert st.num_lost == 0 and st.num_malformed == 0 and st.num_replayed >= 1
+
+
+def test_the_engine_tries_every_batch_of_a_call_after_one_is_refused(sockdir):
+    """The engine publishes one batch per step; when the first of a call's batches is refused, the later ones still
+    go out (each refused batch keeps its seq for replay), so no step's blocks are silently missing."""
+    from engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model="builtin", block_size=4, num_blocks=64, seed=0,
+                              kv_events_endpoint=f"ipc://{sockdir}/e", kv_events_replay_endpoint=f"ipc://{sockdir}/er"))
+    out = eng._kv_events
+    pub = out.publisher
+    eng.add_conversation(prompt_token_ids=list(range(1, 13)), max_new_tokens=6)
+    eng.take_events()
+    for _ in range(8):  # several steps' worth of events (the engine published them as it went), published again
+        eng.step()      # below in one call, as after an operation that spans steps
+    events = eng.take_events()
+    before = pub.next_seq
+    real = pub._pub
+    pub._pub = _RefusingSocket(real, n=1)
+    try:
+        out.publish(events)
+        raise AssertionError("a refused batch must be reported")
+    except KVEventError as exc:
+        assert "1 of" in str(exc) and "replay" in str(exc)
+    finally:
+        pub._pub = real
+    sent = pub.next_seq - before
+    assert sent >= 2 and pub.num_send_failures == 1  # the refused one took its seq; the later ones were sent
+    assert len({e.step_id for e in events}) >= 3
