@@ -4,6 +4,7 @@
                    [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH --quit-after SECONDS]
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
+                   [--dtype float32|bfloat16]
 
 Bad arguments print one clear line and exit with status 2.
 """
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import EngineConfig, EngineError
     try:
         cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
-                           device=opts.device, compile_attention=opts.compile_attention,
+                           device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
                            kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
                            kv_events_topic=opts.kv_events_topic)
     except EngineError as exc:

@@ -123,6 +123,7 @@ def _build():
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
         "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
+        "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -191,6 +192,8 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     if lib is None:
         return None
     query = query.contiguous()
+    if query.dtype is torch.bfloat16:
+        return _decode_bf16(lib, query, key_cache, value_cache, tables, seq_lens, scale)
     if not _fits(query, key_cache, value_cache):
         return None
     seqs, heads, dim = query.shape
@@ -201,6 +204,30 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
                 tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size,
                 scale, torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("paged attention: out of memory for the scores of the longest context")
+    return None if status else out
+
+
+def _fits_bf16(*tensors: torch.Tensor) -> bool:
+    """:func:`_fits` for the bfloat16 kernels: bfloat16, on the CPU, contiguous."""
+    return all(t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def _decode_bf16(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """:func:`decode` of a bfloat16 query over bfloat16 caches (csrc/paged_decode_bf16.c: K/V read in place and
+    widened to float32, sums in float32, the output rounded to bfloat16 once), [seqs, heads, dim] bfloat16."""
+    if not _fits_bf16(query, key_cache, value_cache) or query.requires_grad:
+        return None
+    seqs, heads, dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    tables = tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty((seqs, heads, dim), dtype=torch.bfloat16)
+    status = lib.paged_decode_bf16(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+                                   tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim,
+                                   block_size, scale, torch.get_num_threads())
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out
