@@ -153,8 +153,8 @@ class InferenceLinear:
     """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
     Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
-    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, float16
-    precision).
+    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA,
+    float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
     (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows: a decode batch, or any step as small (a
