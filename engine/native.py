@@ -124,6 +124,9 @@ def _build():
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
         "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
         "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
+        "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
+        "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
+        "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -233,6 +236,52 @@ def _decode_bf16(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return None if status else out
 
 
+_bf16_enabled = True  # the elementwise bfloat16 kernels (norm_act_bf16.c); off: torch's bfloat16 operations
+
+
+def use_bf16_elementwise(enabled: bool = True) -> bool:
+    """Let the bfloat16 path's norms, activation and rotary embedding take csrc/norm_act_bf16.c (True, the default)
+    or torch's operations (False: for benchmarks comparing the two). Returns the previous setting."""
+    global _bf16_enabled
+    previous, _bf16_enabled = _bf16_enabled, bool(enabled)
+    return previous
+
+
+def _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads) -> torch.Tensor | None:
+    """:func:`rope_store` of bfloat16 tensors (csrc/norm_act_bf16.c), rounding where transformers does."""
+    if not _fits_bf16(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or qkv.requires_grad:
+        return None
+    tokens, dim = qkv.shape[0], key_cache.shape[-1]
+    q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
+    slots = slots.contiguous()
+    status = lib.rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
+                                 key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
+                                 torch.get_num_threads())
+    return None if status else q
+
+
+def _add_rms_norm_bf16(lib, x, delta, weight, eps) -> torch.Tensor | None:
+    """:func:`add_rms_norm` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if not _fits_bf16(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
+            (delta is not None and (delta.shape != x.shape or delta.requires_grad)):
+        return None
+    out = torch.empty_like(x)
+    status = lib.add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                   out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return None if status else out
+
+
+def _silu_mul_bf16(lib, gate_up) -> torch.Tensor | None:
+    """:func:`silu_mul` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
+    if not _fits_bf16(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    status = lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return None if status else out
+
+
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
@@ -240,6 +289,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
     not handle the tensors (the caller does it in torch, with the same bits)."""
     lib = kernel()
+    if lib is not None and qkv.dtype is torch.bfloat16 and _bf16_enabled:
+        return _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads)
     if lib is None or not _fits(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64:
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
@@ -255,6 +306,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``x += delta`` (in place, when given), then the RMSNorm of ``x`` [rows, n] with ``weight`` [n], as a new
     tensor. None (and ``x`` untouched) where the kernel is unavailable or does not handle the tensors."""
     lib = kernel()
+    if lib is not None and x.dtype is torch.bfloat16 and _bf16_enabled:
+        return _add_rms_norm_bf16(lib, x, delta, weight, eps)
     tensors = (x, weight) if delta is None else (x, weight, delta)
     if lib is None or not _fits(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
             (delta is not None and (delta.shape != x.shape or delta.requires_grad)):  # autograd: the torch form
@@ -269,6 +322,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused projection's output [rows, 2 n] (gate, then up) -> [rows, n]. None where
     the kernel is unavailable or does not handle the tensor."""
     lib = kernel()
+    if lib is not None and gate_up.dtype is torch.bfloat16 and _bf16_enabled:
+        return _silu_mul_bf16(lib, gate_up)
     if lib is None or not _fits(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2

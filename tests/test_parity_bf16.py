@@ -124,3 +124,49 @@ def test_native_bfloat16_decode_reads_the_pool_in_place_like_torch_sdpa(heads, k
         use_native_kernel(previous)
     assert (out.float() - eager.float()).abs().max() <= 2 * 2 ** -7 * eager.float().abs().max()
     assert math.isfinite(float(out.float().abs().max()))
+
+
+def test_native_bfloat16_norm_activation_and_rotary_round_where_torch_does():
+    """csrc/norm_act_bf16.c against the torch forms transformers runs in bfloat16 (each operation rounding its
+    result): the rotary embedding and the residual add bit for bit; the norm and SiLU (whose float32 mean and
+    exponential are summed or approximated in another order than torch's) all but a few values, one unit in the
+    last place off."""
+    if native.kernel() is None:
+        pytest.skip(f"no native kernel here: {native.error()}")
+    from engine.model import RMSNorm, Rotary, apply_rotary
+    gen = torch.Generator().manual_seed(5)
+    rows, hidden = 40, 576
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    delta = torch.randn(rows, hidden, generator=gen).bfloat16()
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    summed = x + delta
+    expected = norm.weight * torch.nn.functional.rms_norm(summed.float(), (hidden,), eps=1e-5).to(torch.bfloat16)
+    got = native.add_rms_norm(x, delta, norm.weight.detach(), 1e-5)
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(x, summed)  # the residual, added in place and rounded as torch rounds it
+    off = got != expected
+    assert off.float().mean() < 0.01
+    assert ((got.float() - expected.float()).abs()[off] <= expected.float().abs()[off] * 2 ** -7).all()
+
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).bfloat16() * 3
+    got = native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    off = got != expected
+    assert got.dtype == torch.bfloat16 and off.float().mean() < 0.01
+    assert ((got.float() - expected.float()).abs()[off] <= expected.float().abs()[off] * 2 ** -7).all()
+
+    heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 7, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    rotary = Rotary(dim, 100000.0, 256)
+    cos, sin = rotary.cos_sin(torch.tensor([0, 3, 17, 90, 91, 200, 5]), torch.bfloat16)
+    caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.tensor([5, 17, 40, 3, 90, 127, 64])
+    q = native.rope_store(qkv, cos, sin, slots, caches[0], caches[1], heads, kv_heads)
+    parts = qkv.view(tokens, heads + 2 * kv_heads, dim)
+    assert torch.equal(q, apply_rotary(parts[:, :heads], cos, sin))
+    flat_k, flat_v = (c.view(-1, kv_heads, dim) for c in caches)
+    assert torch.equal(flat_k[slots], apply_rotary(parts[:, heads:heads + kv_heads], cos, sin))
+    assert torch.equal(flat_v[slots], parts[:, heads + kv_heads:])

@@ -21,33 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 #include "simd.h"
-
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-/* sixteen bfloat16 values widened to float32 (exact: a bfloat16 is the high half of a float32) */
-static inline v16 widen16(const uint16_t *p) {
-    return (v16)(__builtin_convertvector(*(const v16h *)p, v16u) << 16);
-}
-
-static inline float widen(uint16_t h) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
-    return c.f;
-}
-
-/* float32 -> bfloat16, round to nearest even (NaN kept a quiet NaN), as torch converts */
-static inline uint16_t narrow(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline v16 round16(v16 x) { /* x rounded to the nearest bfloat16 (finite, non-NaN x), kept in float32 */
-    const v16u u = (v16u)x;
-    return (v16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
-}
 
 /* q (float32, already widened) . k (bfloat16 row) over dim */
 static inline float dot_bf16(const float *restrict q, const uint16_t *restrict k, int dim) {
