@@ -12,6 +12,9 @@ shared library and called through ctypes.
   models that fit (see engine.model.InferenceLinear).
 - ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
   the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
+- ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
+  SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
+  transformers' bfloat16 operations round (docs/engine.md, "bfloat16").
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
