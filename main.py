@@ -5,6 +5,7 @@
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                    [--make-keys DIR] [--host-tier-blocks N] [--disk-tier-blocks N] [--disk-tier-path FILE]
+                   [--dtype float32|bfloat16]
     python main.py --fetch-model smollm2      (once: a real chat model into the user's cache)
 
 Bad arguments print one clear line and exit with status 2.
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import EngineConfig, EngineError
     try:
         cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
-                           device=opts.device, compile_attention=opts.compile_attention,
+                           device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
                            kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
                            kv_events_topic=opts.kv_events_topic, host_tier_blocks=opts.host_tier_blocks,
                            disk_tier_blocks=opts.disk_tier_blocks, disk_tier_path=opts.disk_tier_path)

@@ -20,10 +20,15 @@ Its arithmetic bounds it too: two operations per weight and token, plus the atte
 rate measured on the machine (a 2048x2048 product, or the packed GEMM at the workload's batch, weights in cache). On
 a machine with few cores at batch 16 that bound is the lower one; the "roof" column uses the lower of the two.
 
-Targets (issue 12): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M config and
-at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape.
+``--dtype bfloat16`` runs every system in bfloat16 (weights, activations, KV cache; vLLM's default on a CPU): the
+bounds then count two bytes a weight and a K/V value, and the arithmetic bound uses the best bfloat16 matmul rate.
+
+Targets (issue 12, float32): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M
+config and at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape. Issue 34 (bfloat16): 1.5x
+vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound.
 
     python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16] [--systems engine hf hf-cb vllm]
+                          [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -95,13 +100,15 @@ def read_bandwidth() -> float:
     return data.numel() * data.element_size() / best
 
 
-def read_flops(batch: int, hidden: int, width: int) -> float:
-    """Float32 FLOP/s this machine's matmuls reach (all threads, best of 5): the larger of a 2048x2048 product and
-    the packed oneDNN GEMM the engine runs, at ``batch`` rows, ``hidden`` in and ``width`` out, weights in cache."""
+def read_flops(batch: int, hidden: int, width: int, dtype: str = "float32") -> float:
+    """FLOP/s this machine's matmuls reach in ``dtype`` (all threads, best of 5): the larger of a 2048x2048 product
+    and the packed oneDNN GEMM the engine runs, at ``batch`` rows, ``hidden`` in and ``width`` out, weights in
+    cache."""
     import torch
     best_rate = 0.0
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    x, w = torch.randn(batch, hidden), torch.randn(width, hidden)
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(2048, 2048).to(kind), torch.randn(2048, 2048).to(kind)
+    x, w = torch.randn(batch, hidden).to(kind), torch.randn(width, hidden).to(kind)
     runs = [(lambda: a @ b, 2 * 2048 ** 3)]
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -129,25 +136,26 @@ def step_flops(model: str, context: float) -> float:
     return 2 * (layers * per_layer + m["vocab_size"] * h) + 4 * layers * h * context
 
 
-def step_bytes(model: str, batch: int, context: float) -> tuple[int, int]:
-    """(weight bytes, K/V bytes) one decode step reads, float32."""
+def step_bytes(model: str, batch: int, context: float, dtype: str = "float32") -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one decode step reads, in ``dtype`` (float32: 4 bytes a value, bfloat16: 2)."""
     m = MODELS[model]
     h, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
     head_dim = h // m["num_attention_heads"]
     kv = m["num_key_value_heads"] * head_dim
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h  # qkv, o, gate/up/down, two norms
     weights = layers * per_layer + m["vocab_size"] * h + h  # the head (tied: the embedding, read whole) + final norm
-    return 4 * weights, int(4 * layers * 2 * kv * context * batch)
+    size = 2 if dtype == "bfloat16" else 4
+    return size * weights, int(size * layers * 2 * kv * context * batch)
 
 
 class Worker:
     """One system in its own process, answering run requests one line at a time."""
 
     def __init__(self, system: str, python: str, checkpoint: Path, workload: Workload, env: dict,
-                 baseline: Path | None = None):
+                 baseline: Path | None = None, dtype: str = "float32"):
         self.system = system
         cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--checkpoint", str(checkpoint),
-               "--batch", str(workload.batch), "--new-tokens", str(workload.new_tokens)]
+               "--batch", str(workload.batch), "--new-tokens", str(workload.new_tokens), "--dtype", dtype]
         if baseline is not None:
             cmd += ["--baseline", str(baseline)]
         self.log = tempfile.TemporaryFile(mode="w+")  # the worker's stderr, for the reason when it fails
@@ -185,13 +193,13 @@ def spread(values: list[float]) -> str:
 
 
 def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: int, vllm_python: str | None,
-            env: dict, bandwidth: float, baseline: Path | None) -> None:
+            env: dict, bandwidth: float, baseline: Path | None, dtype: str = "float32") -> None:
     print(f"\n{workload.name}: {workload.model} model, batch {workload.batch}, {PROMPT_LEN}-token prompts, "
-          f"{workload.new_tokens} new tokens, greedy, {rounds} rounds")
+          f"{workload.new_tokens} new tokens, greedy, {dtype}, {rounds} rounds")
     workers: dict[str, Worker] = {}
     for system in systems:
         python = vllm_python if system == "vllm" else sys.executable
-        worker = Worker(system, python, checkpoint, workload, env, baseline if system == "baseline" else None)
+        worker = Worker(system, python, checkpoint, workload, env, baseline if system == "baseline" else None, dtype)
         if worker.ready.get("ok"):
             workers[system] = worker
             print(f"  {LABELS[system]}: {worker.ready.get('version', '')}")
@@ -220,15 +228,15 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
             worker.close()
     tokens = workload.batch * workload.new_tokens
     decoded = workload.batch * (workload.new_tokens - 1)
-    weights, kv = step_bytes(workload.model, workload.batch, PROMPT_LEN + workload.new_tokens / 2)
+    weights, kv = step_bytes(workload.model, workload.batch, PROMPT_LEN + workload.new_tokens / 2, dtype)
     bound = workload.batch * bandwidth / (weights + kv)
     m = MODELS[workload.model]
-    flops = read_flops(workload.batch, m["hidden_size"], 2 * m["intermediate_size"])
+    flops = read_flops(workload.batch, m["hidden_size"], 2 * m["intermediate_size"], dtype)
     compute = flops / step_flops(workload.model, PROMPT_LEN + workload.new_tokens / 2)
     roof = min(bound, compute)
     print(f"  a decode step reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of K/V; at "
           f"{bandwidth / 1e9:.1f} GB/s the bound is {bound:.0f} tok/s")
-    print(f"  its arithmetic at {flops / 1e9:.0f} GFLOP/s (this machine's best float32 matmul rate, measured now) "
+    print(f"  its arithmetic at {flops / 1e9:.0f} GFLOP/s (this machine's best {dtype} matmul rate, measured now) "
           f"bounds it at {compute:.0f} tok/s; the roof, the lower of the two, is {roof:.0f} tok/s")
     print(f"  {'system':<28} {'tok/s':>8} {'decode tok/s':>13} {'of bound':>9} {'of roof':>8} "
           f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12}")
@@ -254,6 +262,8 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout of this project (e.g. `git archive OLD | tar -x -C DIR`): its engine "
                              "runs as one more system, for before/after figures in one run")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="every system's weights, activations and KV cache (default float32)")
     parser.add_argument("--engine-threads", type=int, default=0,
                         help="intra-op threads of the engine's workers (0: torch's default)")
     parser.add_argument("--omp-wait-policy", choices=("default", "PASSIVE", "ACTIVE"), default="default",
@@ -279,7 +289,7 @@ def main() -> None:
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
           f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}, engine threads "
-          f"{args.engine_threads or 'torch default'}")
+          f"{args.engine_threads or 'torch default'}, {args.dtype}")
     bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or Path(tmp)
@@ -287,7 +297,7 @@ def main() -> None:
         for name in args.workloads:
             workload = WORKLOADS[name]
             compare(workload, build_checkpoint(workload.model, directory), systems, args.rounds, vllm_python, env,
-                    bandwidth, args.baseline)
+                    bandwidth, args.baseline, args.dtype)
     after = read_bandwidth()
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s at the start, {after / 1e9:.1f} GB/s at the end "
           f"(bounds use the first)")
@@ -304,7 +314,7 @@ def worker_main(args) -> None:
         print(MARK + json.dumps(fields), flush=True)
 
     try:
-        generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline)
+        generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline, args.dtype)
         generate(prompts(0, args.batch, vocab), 4)  # warm-up
     except Exception as exc:  # a system that cannot run here is skipped with its reason
         reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -323,7 +333,7 @@ def worker_main(args) -> None:
             reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None = None):
+def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None = None, dtype: str = "float32"):
     """(generate(prompts, new_tokens) -> token lists, version text, vocabulary size) for one system."""
     config = json.loads((checkpoint / "config.json").read_text())
     vocab = config["vocab_size"]
@@ -334,13 +344,13 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
         if os.environ.get("PEERS_ENGINE_THREADS"):
             torch.set_num_threads(int(os.environ["PEERS_ENGINE_THREADS"]))
         num_blocks = batch * (-(-(PROMPT_LEN + 256) // 16)) + 16
-        eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks))
+        eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks, dtype=dtype))
         return (lambda p, n: eng.generate(p, max_new_tokens=n)), \
             f"torch {torch.__version__}, {torch.get_num_threads()} threads", vocab
     if system in ("hf", "hf-cb"):
         import torch
         import transformers
-        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
         version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         if system == "hf":
             def generate(p, n):
@@ -368,7 +378,7 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, dtype="float32", seed=0, block_size=32,
+    llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0, block_size=32,
               max_model_len=PROMPT_LEN + 256, max_num_seqs=max(batch, 16))
 
     def generate(p, n):

@@ -227,8 +227,8 @@ class InferenceLinear:
     """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
     Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
-    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, half
-    precision).
+    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA,
+    float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
     (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows: a decode batch, or any step as small (a
@@ -263,12 +263,16 @@ class InferenceLinear:
 
 
 def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or \
+            not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 GEMM (AVX-512 BF16 / AMX where the CPU has them) is
+            # what F.linear reaches too: taken only where it gives F.linear's bits (tests/test_parity_bf16.py)
+            return packed if torch.equal(got, F.linear(probe, weight)) else None
         return packed if torch.allclose(got, F.linear(probe, weight), atol=1e-4, rtol=1e-4) else None
     except (RuntimeError, AttributeError):
         return None

@@ -12,6 +12,9 @@ shared library and called through ctypes.
   models that fit (see engine.model.InferenceLinear).
 - ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
   the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
+- ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
+  SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
+  transformers' bfloat16 operations round (docs/engine.md, "bfloat16").
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -124,6 +127,10 @@ def _build():
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
         "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
+        "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
+        "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
+        "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
+        "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -194,6 +201,8 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     if lib is None:
         return None
     query = query.contiguous()
+    if query.dtype is torch.bfloat16:
+        return _decode_bf16(lib, query, key_cache, value_cache, tables, seq_lens, scale)
     if not _fits(query, key_cache, value_cache):
         return None
     seqs, heads, dim = query.shape
@@ -215,6 +224,76 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     return None if status else out
 
 
+def _fits_bf16(*tensors: torch.Tensor) -> bool:
+    """:func:`_fits` for the bfloat16 kernels: bfloat16, on the CPU, contiguous."""
+    return all(t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def _decode_bf16(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """:func:`decode` of a bfloat16 query over bfloat16 caches (csrc/paged_decode_bf16.c: K/V read in place and
+    widened to float32, sums in float32, the output rounded to bfloat16 once), [seqs, heads, dim] bfloat16."""
+    if not _fits_bf16(query, key_cache, value_cache) or query.requires_grad:
+        return None
+    seqs, heads, dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    tables = tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty((seqs, heads, dim), dtype=torch.bfloat16)
+    status = lib.paged_decode_bf16(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+                                   tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim,
+                                   block_size, scale, torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("paged attention: out of memory for the scores of the longest context")
+    return None if status else out
+
+
+_bf16_enabled = True  # the elementwise bfloat16 kernels (norm_act_bf16.c); off: torch's bfloat16 operations
+
+
+def use_bf16_elementwise(enabled: bool = True) -> bool:
+    """Let the bfloat16 path's norms, activation and rotary embedding take csrc/norm_act_bf16.c (True, the default)
+    or torch's operations (False: for benchmarks comparing the two). Returns the previous setting."""
+    global _bf16_enabled
+    previous, _bf16_enabled = _bf16_enabled, bool(enabled)
+    return previous
+
+
+def _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads) -> torch.Tensor | None:
+    """:func:`rope_store` of bfloat16 tensors (csrc/norm_act_bf16.c), rounding where transformers does."""
+    if not _fits_bf16(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or qkv.requires_grad:
+        return None
+    tokens, dim = qkv.shape[0], key_cache.shape[-1]
+    q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
+    slots = slots.contiguous()
+    status = lib.rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
+                                 key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
+                                 torch.get_num_threads())
+    return None if status else q
+
+
+def _add_rms_norm_bf16(lib, x, delta, weight, eps) -> torch.Tensor | None:
+    """:func:`add_rms_norm` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if not _fits_bf16(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
+            (delta is not None and (delta.shape != x.shape or delta.requires_grad)):
+        return None
+    out = torch.empty_like(x)
+    status = lib.add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                   out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return None if status else out
+
+
+def _silu_mul_bf16(lib, gate_up) -> torch.Tensor | None:
+    """:func:`silu_mul` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
+    if not _fits_bf16(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    status = lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return None if status else out
+
+
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
@@ -222,6 +301,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
     not handle the tensors (the caller does it in torch, with the same bits)."""
     lib = kernel()
+    if lib is not None and qkv.dtype is torch.bfloat16 and _bf16_enabled:
+        return _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads)
     if lib is None or not _fits(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64:
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
@@ -237,6 +318,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``x += delta`` (in place, when given), then the RMSNorm of ``x`` [rows, n] with ``weight`` [n], as a new
     tensor. None (and ``x`` untouched) where the kernel is unavailable or does not handle the tensors."""
     lib = kernel()
+    if lib is not None and x.dtype is torch.bfloat16 and _bf16_enabled:
+        return _add_rms_norm_bf16(lib, x, delta, weight, eps)
     tensors = (x, weight) if delta is None else (x, weight, delta)
     if lib is None or not _fits(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
             (delta is not None and (delta.shape != x.shape or delta.requires_grad)):  # autograd: the torch form
@@ -251,6 +334,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused projection's output [rows, 2 n] (gate, then up) -> [rows, n]. None where
     the kernel is unavailable or does not handle the tensor."""
     lib = kernel()
+    if lib is not None and gate_up.dtype is torch.bfloat16 and _bf16_enabled:
+        return _silu_mul_bf16(lib, gate_up)
     if lib is None or not _fits(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2

@@ -18,7 +18,7 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                [--make-keys DIR] [--fetch-model NAME] [--host-tier-blocks N] [--disk-tier-blocks N]
-               [--disk-tier-path FILE]"""
+               [--disk-tier-path FILE] [--dtype float32|bfloat16]"""
 
 
 class UsageError(Exception):
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attach-kv-events", metavar="ENDPOINT", action="append", default=[],
                         help="watch a vLLM/SGLang KV-event stream; repeatable")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (tokenizer.json) for token text")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="dtype of the local engine's weights, activations and KV cache (default float32; "
+                             "bfloat16 halves the pool's bytes per block)")
     parser.add_argument("--compile-attention", action="store_true",
                         help="decode attention through the torch.compile'd kernel for every shape, compiled on the "
                              "engine thread (seconds per batch/context size bucket). Without it, contexts of 512+ "

@@ -1,0 +1,113 @@
+/* The bfloat16 path's elementwise steps, one pass each instead of torch's chains of bfloat16 operations (each of
+ * which reads and writes the whole tensor and rounds to bfloat16): the residual add with the RMSNorm after it, the
+ * SwiGLU activation, and the rotary embedding with the step's K/V written to their slots.
+ *
+ * Each rounds to bfloat16 where transformers' bfloat16 Llama does (every torch operation on bfloat16 tensors
+ * computes in float32 and rounds its result), so that the engine's greedy tokens stay with transformers':
+ *   add_rms_norm   x = bf16(x + delta); out = bf16(weight * bf16(x * rsqrt(mean(x^2) + eps)))  (the mean in float32)
+ *   silu_mul       out = bf16(bf16(silu(gate)) * up)
+ *   rope_store     out = bf16(bf16(x * cos) + bf16(roll(x, dim / 2) * sin_signed))
+ * Layouts are engine/csrc/norm_act.c's and rope_store.c's, with uint16_t bfloat16 values.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "simd.h"
+
+#define ROWS_PER_THREAD_BF16 64 /* fewer rows than this per thread: one thread (waking the other costs more) */
+
+__attribute__((optimize("fp-contract=off")))
+static void norm_row_bf16(uint16_t *restrict x, const uint16_t *restrict delta, const uint16_t *restrict weight,
+                          uint16_t *restrict out, int n, float eps) {
+    v16 part = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v = widen16(x + i);
+        if (delta) {
+            v = round16(v + widen16(delta + i));
+            narrow16(x + i, v);
+        }
+        part += v * v;
+    }
+    float tail = 0.0f;
+    for (; i < n; i++) {
+        if (delta) x[i] = narrow(widen(x[i]) + widen(delta[i]));
+        tail += widen(x[i]) * widen(x[i]);
+    }
+    float sum = tail;
+    for (int l = 0; l < 16; l++) sum += part[l];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    i = 0;
+    for (; i + 16 <= n; i += 16) narrow16(out + i, round16(widen16(x + i) * inv) * widen16(weight + i));
+    for (; i < n; i++) out[i] = narrow(round1(widen(x[i]) * inv) * widen(weight[i]));
+}
+
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows, int n,
+                      float eps, int threads) {
+    if (n < 1) return 1;
+    if (rows < (int64_t)ROWS_PER_THREAD_BF16 * 2) threads = 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        norm_row_bf16(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n, eps);
+    return 0;
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void silu_mul_row_bf16(const uint16_t *restrict gate, const uint16_t *restrict up, uint16_t *restrict out,
+                              int n) {
+    int i = 0;
+    const v16 one = (v16){0} + 1.0f;
+    for (; i + 16 <= n; i += 16) {
+        const v16 g = widen16(gate + i);
+        const v16 e = exp16(-(v16)((v16i)g & 0x7fffffff)); /* e^-|g|, in (0, 1] */
+        const v16i negative = g < 0.0f;
+        const v16 sig = (v16)(((v16i)(one / (one + e)) & ~negative) | ((v16i)(e / (one + e)) & negative));
+        narrow16(out + i, round16(g * sig) * widen16(up + i));
+    }
+    for (; i < n; i++) {
+        const float g = widen(gate[i]);
+        out[i] = narrow(round1(g / (1.0f + expf(-g))) * widen(up[i]));
+    }
+}
+
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int threads) {
+    if (n < 1) return 1;
+    if (rows < (int64_t)ROWS_PER_THREAD_BF16 * 2) threads = 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row_bf16(gate_up + r * 2 * (int64_t)n, gate_up + r * 2 * (int64_t)n + n, out + r * (int64_t)n, n);
+    return 0;
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict cos, const uint16_t *restrict sin,
+                        uint16_t *restrict out, int dim) {
+    const int half = dim / 2;
+    for (int d = 0; d < dim; d++) {
+        const float a = round1(widen(x[d]) * widen(cos[d]));
+        const float b = round1(widen(x[d < half ? d + half : d - half]) * widen(sin[d]));
+        out[d] = narrow(a + b);
+    }
+}
+
+int rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                    uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
+                    int kv_heads, int dim, int threads) {
+    if (!rope_store_takes(heads, kv_heads, dim)) return 1;
+    const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;
+    if (tokens < 64) threads = 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *row = qkv + t * width;
+        const uint16_t *c = cos + t * dim, *s = sin + t * dim;
+        for (int h = 0; h < heads; h++) rotate_bf16(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim);
+        uint16_t *k = key_cache + slots[t] * kv_heads * dim;
+        uint16_t *v = value_cache + slots[t] * kv_heads * dim;
+        for (int h = 0; h < kv_heads; h++) rotate_bf16(row + (heads + h) * dim, c, s, k + h * dim, dim);
+        const uint16_t *vsrc = row + (int64_t)(heads + kv_heads) * dim;
+        for (int i = 0; i < kv_heads * dim; i++) v[i] = vsrc[i];
+    }
+    return 0;
+}
