@@ -153,6 +153,31 @@ def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub
     assert_same_snapshot(snaps[INTERVAL + 75][0], source.view, "after the broken frame")
 
 
+def test_a_refused_frame_on_a_plain_seek_is_said_and_the_view_stays(qtbot, scrub_window, monkeypatch):
+    """seek() decodes on the GUI thread; a frame the reader refuses (StreamError: corrupt or impossible) is said as
+    a problem and the window keeps the view it had, instead of an exception escaping into Qt."""
+    from kvstream.poolstream import StreamError
+    window, snaps, _ = scrub_window
+    source, history = window.source, window.source.history
+    problems = []
+    source.problem.connect(problems.append)
+    inner = history.snapshot_at
+
+    def refused(seq, stop=None):
+        if seq == INTERVAL + 60:
+            raise StreamError("impossible pool (ref counts): injected")
+        return inner(seq, stop)
+
+    monkeypatch.setattr(history, "snapshot_at", refused)
+    before = source.view
+    source.seek(INTERVAL + 60)
+    assert [p.title for p in problems] == ["Frame not shown"] and "injected" in problems[0].text
+    assert source.view is before
+    source.seek(INTERVAL + 61)
+    assert source.viewing == INTERVAL + 61
+    assert_same_snapshot(snaps[INTERVAL + 61][0], source.view, "after the refused frame")
+
+
 def test_a_decode_dropped_by_another_move_stops_and_leaves_a_valid_cache(qtbot, scrub_window, monkeypatch):
     """History.snapshot_at(seq, stop): once stop says so the decode ends (Cancelled) at the next frame, its cache at
     the frame it reached, and the frames decoded from there are still exact. The source's worker decodes with a

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from PySide6 import QtCore
 
 from kvstream.history import Cancelled
+from kvstream.poolstream import StreamError
 from kvstream.views import PoolSnapshot
 
 from ..feeds.feed import Capabilities, Feed, Problem
@@ -239,7 +240,12 @@ class PoolSource(QtCore.QObject):
 
     def _seek_now(self, seq: int) -> None:
         self._drop_scrub()
-        self._show(seq, self.history.snapshot_at(seq))
+        try:
+            snapshot = self.history.snapshot_at(seq)
+        except StreamError as exc:  # a frame the reader refuses (corrupt, impossible): said; the view stays
+            self.problem.emit(Problem("Frame not shown", f"frame {seq:,} could not be shown: {exc}"))
+            return
+        self._show(seq, snapshot)
 
     def _kept(self, seq: int):
         """(the history, ``seq`` clamped to what it keeps); LookupError without history."""
