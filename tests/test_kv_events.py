@@ -772,7 +772,7 @@ def test_publishers_io_thread_does_not_preempt_decode(sockdir):
 
 @pytest.mark.parametrize("spec, words", [
     ("", "non-empty"), ("host:5557", "ZMQ address"), ("tcp://h:1,bogus", "unknown option"),
-    ("tcp://h:1,dp=0", "dp must be"), ("ipc:///x,dp=2", "tcp://host:port"), ("tcp://h:1,replay=nope", "replay"),
+    ("tcp://h:1,dp=0", "dp must be"), ("tcp://h:65535,dp=2", "past 65535"), ("tcp://h:1,replay=nope", "replay"),
 ])
 def test_endpoint_spec_errors(spec, words):
     with pytest.raises(KVEventError, match=words):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvstream.endpoints import EndpointError
+from kvstream.endpoints import endpoint_for_rank as _endpoint_for_rank
 from kvstream.kv_events.codec import KVEventError
 
 
@@ -33,15 +35,14 @@ class KVEventEndpoint:
 
 
 def endpoint_for_rank(endpoint: str, rank: int) -> str:
-    """The address data-parallel rank ``rank`` publishes on (vLLM's and SGLang's rule: tcp port + rank)."""
+    """The address data-parallel rank ``rank`` publishes on: the project's one rule (:mod:`kvstream.endpoints`: tcp
+    port + rank, as vLLM and SGLang do; ipc/inproc + ``_dp<rank>``), so the plugin and the KV-event reader agree."""
     if rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    m = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
-    if m is None:
-        raise KVEventError(f"data-parallel ranks need a tcp://host:port or inproc:// address, not {endpoint!r}")
-    return f"{m.group(1)}:{int(m.group(2)) + rank}"
+        return endpoint  # as given: a watcher reports an address it cannot use per endpoint, and goes on
+    try:
+        return _endpoint_for_rank(endpoint, rank)
+    except EndpointError as exc:
+        raise KVEventError(str(exc)) from None
 
 
 def _connectable(address: str, what: str) -> str:
