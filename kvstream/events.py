@@ -36,6 +36,9 @@ class EventKind(str, enum.Enum):
     PREEMPTED = "preempted"  # conversation_id lost block_ids to make room (their RELEASED/CACHED/FREED follow)
     RELOCATED = "relocated"  # every non-free block moved: block_ids[i] is now new_block_ids[i]
     CLEARED = "cleared"  # the prefix cache was reset: every hash dropped, cached blocks freed
+    OFFLOADED = "offloaded"
+    LOADED = "loaded"
+    DROPPED = "dropped"
 
 
 # Kinds the timeline marks and the event log shows by default (allocation and release happen every few steps).
@@ -60,6 +63,9 @@ class BlockEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     token_ids: tuple[int, ...] = ()  # stored: the tokens of the stored blocks, back to back
     other_id: int = -1  # shared by a fork / conversation added as a fork: the parent conversation
     reason: str = ""  # shared: "prefix_hit" | "fork"; finished: a FinishReason value
+    group: int = 0
+    tier: str = ""
+    tier_slots: tuple[int, ...] = ()
 
 
 class PoolModel:

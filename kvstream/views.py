@@ -60,6 +60,13 @@ _FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max 
                  FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}
 
 
+@dataclass(frozen=True)
+class KVCacheGroupInfo:
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None  # a query at position p reads keys at positions > p - window; None: every position
+    layers: tuple[int, ...]  # the model's layer indices in this group
+
+
 @dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One conversation as seen from outside the engine."""
@@ -81,6 +88,8 @@ class ConversationInfo:
     finish_reason: FinishReason | None = None  # why it stopped; None while live
     turns: tuple[tuple[int, int], ...] = ()  # per turn: (position its user message starts, position its reply starts)
     label: str = ""  # the source's own name for it (a vLLM request id); "" for the project's engine
+    group_block_tables: tuple[tuple[int, ...], ...] = ()  # one table per KV cache group, -1 where a sliding window released a block
+    prompt_token_sources: Mapping[str, int] = field(default_factory=dict)  # {"device","host","disk","computed"} at the last admission
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +184,14 @@ class MemoryStats:
 NO_HASH = 0  # block_hash entry of a block without a prefix hash (a real hash of 0 is remapped by its maker)
 
 
+@dataclass(frozen=True)
+class TierView:
+    num_blocks: int  # slots in the tier
+    state: np.ndarray  # int8 BlockState per slot: FREE or CACHED
+    block_hash: np.ndarray  # uint64 prefix hash held in each slot, NO_HASH where empty
+    last_access: np.ndarray  # int64: step at which each slot was last written or read (loaded back)
+
+
 _OWNER_SCANS = 4  # owners_of questions a snapshot answers by scanning its tables before it builds the index
 # (for 256 conversations on 65,536 blocks the index took 11-34 ms to build, one scan of their tables 0.07 ms)
 
@@ -202,6 +219,10 @@ class PoolSnapshot:
     block_hash: np.ndarray | None = None  # uint64 prefix hash of each block, NO_HASH where it has none
     version: int = 0  # bumped by every change to the pool or a conversation; equal versions: same contents
     source: str = "engine"  # what produced it: "engine", "vllm", ... (the --json "source" field)
+    kv_cache_groups: tuple[KVCacheGroupInfo, ...] = ()
+    group_block_tables: tuple[Mapping[int, tuple[int, ...]], ...] = ()
+    block_group: np.ndarray | None = None  # int8: the group of each non-free block; None for one group
+    tiers: Mapping[str, TierView] = field(default_factory=dict)  # "host", "disk": only the tiers that are on
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)
