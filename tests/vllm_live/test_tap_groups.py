@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from kvstream.events import EventKind
+from kvstream.events import PoolModel
 from kvstream.poolstream import StreamDecoder, StreamEncoder
 from kvstream.poolstream.validate import check_snapshot
 from kvstream.views import BlockState
@@ -84,6 +84,7 @@ def test_every_group_matches_vllm_every_step(tmp_path_factory, kind, num_groups)
         if kind == "llama":
             assert sorted(x for g in tap.groups for x in g.layers) == [0, 1, 2, 3]
         encoder, decoder = StreamEncoder(), StreamDecoder()
+        model = PoolModel(tap.num_blocks)  # the events replayed from an empty pool
         events = []
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=120)
         engine.add_request("a", PROMPT, params)
@@ -95,6 +96,12 @@ def test_every_group_matches_vllm_every_step(tmp_path_factory, kind, num_groups)
             steps += 1
             snap, ev = tap.frame()
             events += ev
+            for e in ev:
+                model.apply(e)  # raises on an impossible event (a window's release of a block nobody held...)
+            ref, state, _, _ = truth_by_group(scheduler)
+            held = state[1:] == BlockState.USED  # the replay knows nothing of the null block 0
+            assert np.array_equal(model.state[1:], state[1:]), f"step {steps}: replayed states"
+            assert np.array_equal(model.ref_count[1:][held], ref[1:][held]), f"step {steps}: replayed ref counts"
             decoded, decoded_events, _ = decoder.feed(encoder.encode(snap, ev).payload)  # the validator runs too
             assert list(decoded_events) == ev
             check_snapshot(decoded)
