@@ -118,3 +118,27 @@ def test_every_group_matches_vllm_every_step(tmp_path_factory, kind, num_groups)
     finally:
         del llm
         gc.collect()
+
+
+def test_groups_of_other_kinds_are_refused_with_the_reason():
+    """A Mamba or chunked-local group is not read: the tap refuses the server (the plugin logs this one line)."""
+    from types import SimpleNamespace
+
+    from kvstream.vllm.tap import UnsupportedVllm, check_supported
+
+    class FullAttentionManager:  # noqa: D401 - named as vLLM's classes are: the check goes by class name
+        block_size = 32
+
+    class MambaManager(FullAttentionManager):
+        pass
+
+    def scheduler(*managers):
+        pool = SimpleNamespace(hash_block_size=32)
+        kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=list(managers)), block_pool=pool)
+        return SimpleNamespace(kv_cache_manager=kvm)
+
+    with pytest.raises(UnsupportedVllm, match="KV cache groups of kinds MambaManager; the tap reads full-attention "
+                                              "and sliding-window groups"):
+        check_supported(scheduler(FullAttentionManager(), MambaManager()), "0.32.0")
+    with pytest.raises(UnsupportedVllm, match="missing"):  # the kinds it reads get past that check
+        check_supported(scheduler(FullAttentionManager(), FullAttentionManager()), "0.32.0")
