@@ -230,7 +230,8 @@ def synthetic_v2(frames: int = 60, seed: int = 0, num_blocks: int = 40, block_si
         tiers = {name: TierView(tier_state[name].size, tier_state[name].copy(), tier_hash[name].copy(),
                                 tier_last[name].copy()) for name in ("host", "disk")}
         snap = PoolSnapshot(step_id=step, block_size=block_size, num_blocks=num_blocks, ref_count=ref,
-                            num_filled=filled, state=state, owner=owner, last_access=np.full(num_blocks, step, np.int64),
+                            num_filled=filled, state=state, owner=owner,
+                            last_access=np.full(num_blocks, step, np.int64),
                             block_tables=dict(gtables[0]), conversations=tuple(infos), version=step + 1,
                             source="engine", kv_cache_groups=groups, group_block_tables=tuple(gtables),
                             block_group=group, tiers=tiers)

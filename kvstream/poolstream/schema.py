@@ -17,7 +17,8 @@ from msgspec import UNSET, Raw, UnsetType
 from ..events import BlockEvent
 from ..views import BLOCK_ARRAYS, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, Status
 
-FORMAT_VERSION = 2  # 2: tiers and KV cache groups (a version-1 message reads as a one-group pool without tiers); bumped whenever a reader of the previous version could misread a message
+# 2: tiers and KV cache groups (a version-1 message reads as a one-group pool without tiers)
+FORMAT_VERSION = 2  # bumped whenever a reader of the previous version could misread a message
 MAGIC = "kvpool"  # first element of every message: what tells a pool-stream message from any other msgpack
 ARRAYS = BLOCK_ARRAYS  # the per-block arrays, in wire order
 GROUP_ARRAY = "block_group"  # the optional per-block array of a pool with KV cache groups (format 2)
