@@ -1007,3 +1007,21 @@ def test_the_validator_holds_groups_to_their_meaning():
     # prompt sources
     convs = tuple(dataclasses.replace(c, prompt_token_sources={"gpu": 3}) for c in snap.conversations)
     _refused(_rebuilt(snap, conversations=convs), "prompt token sources")
+
+
+def test_a_producer_rewriting_one_writable_tier_array_in_place_still_gets_exact_deltas():
+    """The encoder compares against its own copy of a writable tier array, not the array the producer goes on
+    writing (a shared array compared with itself would send no change)."""
+    from kvstream.views import TierView
+    snaps = synthetic_v2(frames=20, seed=11)
+    shared = {name: [np.zeros(t.num_blocks, t.state.dtype), np.zeros(t.num_blocks, t.block_hash.dtype),
+                     np.zeros(t.num_blocks, t.last_access.dtype)] for name, t in snaps[0][0].tiers.items()}
+    enc, dec = StreamEncoder(keyframe_interval=256), StreamDecoder()
+    for snap, events in snaps:
+        tiers = {}
+        for name, t in snap.tiers.items():
+            for arr, src in zip(shared[name], (t.state, t.block_hash, t.last_access)):
+                arr[:] = src  # the same objects every frame, written in place
+            tiers[name] = TierView(t.num_blocks, *shared[name])
+        got, _, _ = dec.feed(enc.encode(dataclasses.replace(snap, tiers=tiers), events).payload)
+        assert_same_v2(snap, got, f"step {snap.step_id}")

@@ -244,6 +244,7 @@ class StreamEncoder:
         self._bytes_since_key = 0  # payload bytes of the deltas since the last keyframe
         self._prev: PoolSnapshot | None = None  # state of the last frame
         self._prev_arrays: dict[str, np.ndarray] = {}
+        self._prev_tiers: dict[str, np.ndarray] = {}  # the last frame's tier arrays ("tier.array"), as compared
         self._prev_convs: dict[int, ConversationInfo] = {}
         self._prev_stable: dict[int, tuple] = {}  # conversation id -> _stable() of the last frame's (each made once)
         self._header: Header | None = None
@@ -262,24 +263,26 @@ class StreamEncoder:
             if not isinstance(e, BlockEvent):
                 raise TypeError(f"events must be BlockEvents, got {type(e).__name__}")
         arrays = self._arrays(snapshot)
+        tiers = _tier_arrays(snapshot) if snapshot.tiers else {}
         header = _header(snapshot)
         key = (self._prev is None or header != self._header or self._since_key + 1 >= self.keyframe_interval
                or self._bytes_since_key >= self.keyframe_after_bytes)
         bridge = None
         if key:
             if self._prev is not None and header == self._header:  # a periodic keyframe: bridge it
-                bridge, stable, prev_convs = self._delta_body(snapshot, arrays)
+                bridge, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
             else:
                 stable = {c.conversation_id: _stable(c) for c in snapshot.conversations}
                 prev_convs = {c.conversation_id: c for c in snapshot.conversations}
             body = self._keyframe_body(snapshot, header, arrays)
         else:
-            body, stable, prev_convs = self._delta_body(snapshot, arrays)
+            body, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
         frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body, bridge)
         self._seq += 1
         self._since_key = 0 if key else self._since_key + 1
         self._bytes_since_key = 0 if key else self._bytes_since_key + len(frame.payload)
         self._prev, self._prev_arrays, self._header = snapshot, arrays, header
+        self._prev_tiers = tiers
         self._prev_convs = prev_convs
         self._prev_stable = stable
         return frame
@@ -345,7 +348,7 @@ class StreamEncoder:
                         [_full_patch(c) for c in snapshot.conversations],
                         _numbers(snapshot.metrics, _METRIC_FIELDS), memory, _by_tier(tier_patches), group_tables)
 
-    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray]) \
+    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray], tiers: dict[str, np.ndarray]) \
             -> tuple[Delta, dict[int, tuple], dict[int, ConversationInfo]]:
         """The delta from the last frame to ``snapshot``, and ``_stable()`` of each of its conversations and the
         conversations by id."""
@@ -450,8 +453,8 @@ class StreamEncoder:
         elif snapshot.memory is not prev.memory and snapshot.memory != prev.memory:
             memory = _numbers(snapshot.memory, _MEMORY_FIELDS, prev.memory)
         tier_patches = {}
-        old_tiers = _tier_arrays(prev) if prev.tiers else {}
-        for key, a in (_tier_arrays(snapshot).items() if snapshot.tiers else ()):
+        old_tiers = self._prev_tiers
+        for key, a in tiers.items():
             b = old_tiers[key]  # the header (so the tiers and their sizes) is the same as prev's
             if a is b:
                 continue
