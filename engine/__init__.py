@@ -34,6 +34,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .errors import EngineError
 from .gguf_model import fetch_model, fetched_model
+from .window_model import window_checkpoint
 from .lesson import ToyPagedSequence
 from .relocation import RelocationReport
 from .runner import EngineFailure, EngineRunner, RunnerStopped
@@ -44,5 +45,5 @@ __all__ = [
     "Engine", "EngineConfig", "EngineError", "BlockState", "Status", "FinishReason", "paged_attention",
     "dense_attention", "PoolSnapshot", "ConversationInfo", "BlockInfo", "MemoryStats", "EngineMetrics",
     "EngineRunner", "EngineFailure", "RunnerStopped", "RelocationReport", "ToyPagedSequence",
-    "fetch_model", "fetched_model",
+    "fetch_model", "fetched_model", "window_checkpoint",
 ]

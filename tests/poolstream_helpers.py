@@ -123,3 +123,119 @@ def assert_scrubs_forward_through_bridges(history, snaps, rebuilt: list[int]) ->
     for seq in range(3, len(snaps), 5):
         assert_same_snapshot(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
     assert rebuilt == [0]
+
+
+def assert_same_v2(want: PoolSnapshot, got: PoolSnapshot, where: str = "") -> None:
+    """The format-2 parts equal too: groups, group tables, block_group, tiers, conversations' new fields."""
+    assert_same_snapshot(want, got, where)
+    assert want.kv_cache_groups == got.kv_cache_groups, where
+    assert [list(g.items()) for g in want.group_block_tables] == [list(g.items()) for g in got.group_block_tables], \
+        f"{where}: group tables differ"
+    if want.block_group is None:
+        assert got.block_group is None, where
+    else:
+        assert got.block_group.dtype == want.block_group.dtype and np.array_equal(want.block_group, got.block_group), \
+            f"{where}: block_group differs"
+    assert sorted(want.tiers) == sorted(got.tiers), where
+    for name, tier in want.tiers.items():
+        other = got.tiers[name]
+        assert tier.num_blocks == other.num_blocks, where
+        for a in ("state", "block_hash", "last_access"):
+            x, y = getattr(tier, a), getattr(other, a)
+            assert x.dtype == y.dtype and np.array_equal(x, y), f"{where}: tier {name} {a} differs"
+    for a, b in zip(want.conversations, got.conversations):
+        assert a.group_block_tables == b.group_block_tables and \
+            dict(a.prompt_token_sources) == dict(b.prompt_token_sources), where
+
+
+def synthetic_v2(frames: int = 60, seed: int = 0, num_blocks: int = 40, block_size: int = 4, window: int = 8,
+                 host: int = 16, disk: int = 8) -> list[tuple[PoolSnapshot, tuple[BlockEvent, ...]]]:
+    """A two-group pool (full attention, a sliding window of ``window``) with a host and a disk tier, as a producer
+    would publish it: conversations grow, their sliding-group blocks leave the window as -1 holes, finished ones
+    free theirs, blocks move between the tiers. Every frame is a pool that can exist (the validator's rules)."""
+    from kvstream.views import BlockState, ConversationInfo, KVCacheGroupInfo, Status, TierView
+
+    rng = random.Random(seed)
+    groups = (KVCacheGroupInfo("full_attention", None, (0, 2)), KVCacheGroupInfo("sliding_window", window, (1, 3)))
+    convs: dict[int, dict] = {}  # cid -> {"tokens": n, "tables": [list, list]}
+    free = list(range(num_blocks))
+    tier_state = {"host": np.zeros(host, np.int8), "disk": np.zeros(disk, np.int8)}
+    tier_hash = {"host": np.zeros(host, np.uint64), "disk": np.zeros(disk, np.uint64)}
+    tier_last = {"host": np.zeros(host, np.int64), "disk": np.zeros(disk, np.int64)}
+    out = []
+    next_id = 0
+    for step in range(frames):
+        events = []
+        if rng.random() < 0.3 or not convs:  # a new conversation
+            convs[next_id] = {"tokens": 0, "tables": [[], []], "prompt": [rng.randrange(97) for _ in range(5)]}
+            next_id += 1
+        for cid in list(convs):
+            c = convs[cid]
+            if rng.random() < 0.08:  # finished: its blocks go back
+                for g, t in enumerate(c["tables"]):
+                    ids = [b for b in t if b != -1]
+                    free.extend(ids)
+                    if ids:
+                        events.append(BlockEvent(step, EventKind.FREED, cid, tuple(ids), group=g))
+                del convs[cid]
+                continue
+            c["tokens"] += rng.randrange(1, 4)
+            need = -(-c["tokens"] // block_size)
+            for g in range(2):
+                t = c["tables"][g]
+                while len(t) < need and free:
+                    b = free.pop(rng.randrange(len(free)))
+                    t.append(b)
+                    events.append(BlockEvent(step, EventKind.ALLOCATED, cid, (b,), group=g))
+            # the sliding group: blocks wholly before position tokens - window are released
+            t = c["tables"][1]
+            first_kept = max(0, c["tokens"] - window) // block_size
+            for i in range(min(first_kept, len(t))):
+                if t[i] != -1:
+                    free.append(t[i])
+                    events.append(BlockEvent(step, EventKind.FREED, cid, (t[i],), group=1, reason="sliding_window"))
+                    t[i] = -1
+        for tier in ("host", "disk"):  # a block offloaded, one dropped
+            st, h = tier_state[tier], tier_hash[tier]
+            slot = rng.randrange(st.size)
+            if st[slot] == BlockState.FREE:
+                st[slot], h[slot] = BlockState.CACHED, rng.randrange(1, 2 ** 64)
+                tier_last[tier][slot] = step
+                events.append(BlockEvent(step, EventKind.OFFLOADED, block_hashes=(int(h[slot]),), tier=tier,
+                                         tier_slots=(slot,)))
+            else:
+                events.append(BlockEvent(step, EventKind.DROPPED, block_hashes=(int(h[slot]),), tier=tier,
+                                         tier_slots=(slot,)))
+                st[slot], h[slot] = BlockState.FREE, 0
+        state = np.zeros(num_blocks, np.int8)
+        ref = np.zeros(num_blocks, np.int32)
+        filled = np.zeros(num_blocks, np.int32)
+        owner = np.full(num_blocks, -1, np.int32)
+        group = np.zeros(num_blocks, np.int8)
+        infos = []
+        gtables: list[dict] = [{}, {}]
+        for cid, c in convs.items():
+            for g, t in enumerate(c["tables"]):
+                for i, b in enumerate(t):
+                    if b == -1:
+                        continue
+                    state[b], ref[b], owner[b], group[b] = BlockState.USED, 1, cid, g
+                    filled[b] = min(block_size, c["tokens"] - i * block_size)
+                if t:
+                    gtables[g][cid] = tuple(t)
+            tabs = tuple(tuple(t) for t in c["tables"])
+            infos.append(ConversationInfo(
+                cid, Status.RUNNING, tuple(c["prompt"]), (), "", "", tabs[0], c["tokens"], 0, 64, 0.0, None, 0, 0,
+                group_block_tables=tabs, prompt_token_sources={"device": 0, "host": 4, "disk": 0, "computed": 1}))
+        tiers = {name: TierView(tier_state[name].size, tier_state[name].copy(), tier_hash[name].copy(),
+                                tier_last[name].copy()) for name in ("host", "disk")}
+        snap = PoolSnapshot(step_id=step, block_size=block_size, num_blocks=num_blocks, ref_count=ref,
+                            num_filled=filled, state=state, owner=owner,
+                            last_access=np.full(num_blocks, step, np.int64),
+                            block_tables=dict(gtables[0]), conversations=tuple(infos), version=step + 1,
+                            source="engine", kv_cache_groups=groups, group_block_tables=tuple(gtables),
+                            block_group=group, tiers=tiers)
+        for a in (ref, filled, state, owner, group):
+            a.setflags(write=False)
+        out.append((snap, tuple(events)))
+    return out

@@ -79,3 +79,40 @@ def test_the_mutations_reach_both_outcomes():
     outcomes = [decode_outcome(starts[k], mutate_payload(rng, frames[k].payload))
                 for k in (rng.randrange(len(frames)) for _ in range(400))]
     assert outcomes.count("refused") > 100 and outcomes.count("accepted") > 10
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_v2():
+    """Format-2 frames: the synthetic two-group pool with a host and a disk tier (keyframes every 8)."""
+    from kvstream.poolstream import StreamDecoder
+    from tests.poolstream_helpers import encode_all, synthetic_v2
+    _, frames = encode_all(synthetic_v2(frames=40, seed=5), keyframe_interval=8)
+    starts, dec = [], StreamDecoder()
+    for f in frames:
+        starts.append(dec.copy())
+        dec.feed(f.payload)
+    return frames, starts
+
+
+@FAST
+@given(st.integers(0, 2 ** 32 - 1), st.integers(0, 39), st.integers(1, 3))
+def test_mutated_v2_frames_with_tiers_and_groups_are_refused_or_possible(seed, k, rounds):
+    frames, starts = _corpus_v2()
+    rng = random.Random(seed)
+    payload = frames[k].payload
+    for _ in range(rounds):
+        payload = mutate_payload(rng, payload)
+    bounded(decode_outcome, starts[k], payload)
+
+
+@FAST
+@given(st.integers(0, 39), st.sampled_from(EXTREME_INTS), st.integers(0, 2 ** 32 - 1))
+def test_extreme_integers_anywhere_in_a_v2_frame(k, value, seed):
+    import msgspec
+
+    from bench.fuzz import _nodes, _set
+    frames, starts = _corpus_v2()
+    obj = msgspec.msgpack.decode(frames[k].payload)
+    ints = [path for path, v in _nodes(obj) if isinstance(v, int) and not isinstance(v, bool)]
+    path = ints[random.Random(seed).randrange(len(ints))]
+    bounded(decode_outcome, starts[k], msgspec.msgpack.encode(_set(obj, path, value)))

@@ -858,3 +858,170 @@ def test_the_pool_stream_package_does_not_import_the_history():
             "hasattr(ps, 'History'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+# ---- format 2: tiers and KV cache groups ------------------------------------------------------------------------
+from pathlib import Path  # noqa: E402
+
+from tests.poolstream_helpers import assert_same_v2, synthetic_v2  # noqa: E402
+
+_DATA = Path(__file__).parent / "data"
+
+
+def test_synthetic_v2_pools_are_possible_and_exercise_groups_and_tiers():
+    from kvstream.poolstream.validate import check_snapshot
+    snaps = synthetic_v2()
+    for snap, _ in snaps:
+        check_snapshot(snap)
+    assert any(-1 in t for s, _ in snaps for t in s.group_block_tables[1].values()), "no window released a block"
+    kinds = {e.kind for _, ev in snaps for e in ev}
+    assert {EventKind.OFFLOADED, EventKind.DROPPED, EventKind.FREED} <= kinds
+    assert any(e.reason == "sliding_window" and e.group == 1 for _, ev in snaps for e in ev)
+    assert all(s.tiers["host"].state.any() for s, _ in snaps[10:])
+
+
+@pytest.mark.parametrize("interval", [1, 5, 256])
+def test_tiers_and_groups_round_trip_exactly(interval):
+    snaps = synthetic_v2(seed=interval)
+    _, frames = encode_all(snaps, keyframe_interval=interval)
+    dec = StreamDecoder()
+    for (snap, events), f in zip(snaps, frames):
+        got, got_events, _ = dec.feed(f.payload)
+        assert_same_v2(snap, got, f"frame {f.seq}")
+        assert got_events == events  # group, tier and tier_slots included
+    assert read_head(frames[0].payload).events == snaps[0][1]
+
+
+def test_history_scrubs_tiers_and_groups_back_and_forth():
+    snaps = synthetic_v2(frames=50, seed=3)
+    _, frames = encode_all(snaps, keyframe_interval=8)
+    history = History()
+    for f in frames:
+        history.write(f)
+    order = list(range(len(frames)))
+    random.Random(4).shuffle(order)
+    for seq in order:
+        assert_same_v2(snaps[seq][0], history.snapshot_at(seq), f"frame {seq}")
+
+
+def test_a_v2_keyframe_names_the_groups_and_tiers_in_its_header():
+    snaps = synthetic_v2(frames=3)
+    _, frames = encode_all(snaps)
+    dec = StreamDecoder()
+    dec.feed(frames[0].payload)
+    h = dec.header
+    assert [g.kind for g in h.groups] == ["full_attention", "sliding_window"] and h.groups[1].sliding_window == 8
+    assert h.group_tables == 2 and sorted(h.tiers) == ["disk", "host"] and h.tiers["host"].num_blocks == 16
+    assert msgspec.msgpack.decode(frames[0].payload)[1] == FORMAT_VERSION == 2
+
+
+def test_a_version_1_recording_still_opens_as_a_one_group_pool_without_tiers():
+    """tests/data/poolstream_v1.kvrec was written by the format-1 encoder (before tiers and groups)."""
+    import json
+
+    from kvstream.recording import open_recording, read_frames
+    want = json.loads((_DATA / "poolstream_v1_expected.json").read_text())
+    frames = list(read_frames(_DATA / "poolstream_v1.kvrec"))
+    assert [msgspec.msgpack.decode(f.payload)[1] for f in frames] == [1] * len(want)
+    history = open_recording(_DATA / "poolstream_v1.kvrec")
+    for seq in list(range(len(want))) + [3, 0, 30]:
+        snap, w = history.snapshot_at(seq), want[seq]
+        assert (snap.step_id, snap.version) == (w["step_id"], w["version"])
+        for name, values in w["arrays"].items():
+            assert getattr(snap, name).tolist() == values, (seq, name)
+        assert [[c, list(t)] for c, t in snap.block_tables.items()] == w["tables"]
+        assert [[c.conversation_id, c.status.value, list(c.prompt_token_ids), list(c.output_token_ids),
+                 list(c.block_table), c.num_computed_tokens] for c in snap.conversations] == w["conversations"]
+        assert snap.kv_cache_groups == () and snap.group_block_tables == () and snap.block_group is None
+        assert dict(snap.tiers) == {}
+        assert all(c.group_block_tables == () and dict(c.prompt_token_sources) == {} for c in snap.conversations)
+
+
+def _rebuilt(snap: PoolSnapshot, **changes) -> PoolSnapshot:
+    return dataclasses.replace(snap, **changes)
+
+
+def _refused(snap: PoolSnapshot, rule: str) -> None:
+    from kvstream.poolstream.validate import check_snapshot
+    with pytest.raises(StreamError, match=rule):
+        check_snapshot(snap)
+    enc = StreamEncoder()
+    with pytest.raises(StreamError, match=rule):  # the decoder refuses it too
+        StreamDecoder().feed(enc.encode(snap).payload)
+
+
+def test_the_validator_holds_tiers_to_their_meaning():
+    from kvstream.views import TierView
+    snap = synthetic_v2(frames=12)[-1][0]
+    host = snap.tiers["host"]
+    used = int(np.flatnonzero(host.state)[0])
+    free = int(np.flatnonzero(host.state == 0)[0])
+
+    def tier(**kw):
+        return {**snap.tiers, "host": dataclasses.replace(host, **kw)}
+
+    h = host.block_hash.copy()
+    h[used] = 0
+    _refused(_rebuilt(snap, tiers=tier(block_hash=h)), "tiers.*lacks a hash")
+    h = host.block_hash.copy()
+    h[free] = 7
+    _refused(_rebuilt(snap, tiers=tier(block_hash=h)), "tiers.*has a hash")
+    st_ = host.state.copy()
+    st_[free] = 1  # USED: a tier holds no running blocks
+    _refused(_rebuilt(snap, tiers=tier(state=st_)), "not FREE or CACHED")
+    _refused(_rebuilt(snap, tiers={**snap.tiers, "gpu": TierView(1, np.zeros(1, np.int8), np.zeros(1, np.uint64),
+                                                                    np.zeros(1, np.int64))}), "tier")
+
+
+def test_the_validator_holds_groups_to_their_meaning():
+    snap = next(s for s, _ in synthetic_v2() if any(-1 in t for t in s.group_block_tables[1].values()))
+    g0, g1 = (dict(g) for g in snap.group_block_tables)
+    cid = next(c for c, t in g1.items() if -1 in t)
+    full_cid = next(iter(g0))
+
+    def with_tables(t0, t1, **kw):
+        convs = tuple(dataclasses.replace(c, block_table=t0.get(c.conversation_id, ()),
+                                          group_block_tables=(t0.get(c.conversation_id, ()),
+                                                              t1.get(c.conversation_id, ())))
+                      for c in snap.conversations)
+        return _rebuilt(snap, block_tables=t0, group_block_tables=(t0, t1), conversations=convs, **kw)
+
+    # a -1 hole in the full-attention group
+    _refused(with_tables({**g0, full_cid: (-1,) + g0[full_cid][1:]}, g1), "-1 entry in a full-attention group")
+    # a -1 after a live block in the sliding group
+    live = [b for b in g1[cid] if b != -1]
+    _refused(with_tables(g0, {**g1, cid: tuple(live) + (-1,)}), "after a block")
+    # a block of group 0 named in group 1's table
+    _refused(with_tables(g0, {**g1, cid: g1[cid] + (g0[full_cid][0],)}), "belongs to group 0|names a block twice|"
+                                                                          "ref count")
+    # block_group out of range
+    bg = snap.block_group.copy()
+    bg[live[0]] = 5
+    _refused(_rebuilt(snap, block_group=bg), "outside 0..1")
+    # a group table set missing
+    _refused(_rebuilt(snap, group_block_tables=(g0,)), "group table sets")
+    # a conversation whose own group tables disagree with the pool's
+    convs = tuple(dataclasses.replace(c, group_block_tables=(c.group_block_tables[0], ()))
+                  if c.conversation_id == cid else c for c in snap.conversations)
+    _refused(_rebuilt(snap, conversations=convs), "group tables differ")
+    # prompt sources
+    convs = tuple(dataclasses.replace(c, prompt_token_sources={"gpu": 3}) for c in snap.conversations)
+    _refused(_rebuilt(snap, conversations=convs), "prompt token sources")
+
+
+def test_a_producer_rewriting_one_writable_tier_array_in_place_still_gets_exact_deltas():
+    """The encoder compares against its own copy of a writable tier array, not the array the producer goes on
+    writing (a shared array compared with itself would send no change)."""
+    from kvstream.views import TierView
+    snaps = synthetic_v2(frames=20, seed=11)
+    shared = {name: [np.zeros(t.num_blocks, t.state.dtype), np.zeros(t.num_blocks, t.block_hash.dtype),
+                     np.zeros(t.num_blocks, t.last_access.dtype)] for name, t in snaps[0][0].tiers.items()}
+    enc, dec = StreamEncoder(keyframe_interval=256), StreamDecoder()
+    for snap, events in snaps:
+        tiers = {}
+        for name, t in snap.tiers.items():
+            for arr, src in zip(shared[name], (t.state, t.block_hash, t.last_access)):
+                arr[:] = src  # the same objects every frame, written in place
+            tiers[name] = TierView(t.num_blocks, *shared[name])
+        got, _, _ = dec.feed(enc.encode(dataclasses.replace(snap, tiers=tiers), events).payload)
+        assert_same_v2(snap, got, f"step {snap.step_id}")

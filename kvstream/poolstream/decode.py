@@ -19,6 +19,8 @@ from ..events import BlockEvent
 from ..views import ConversationInfo, EngineMetrics, MemoryStats, PoolSnapshot
 from .validate import (MAX_TOKEN_ID, TableCounts, check_conversation_values, check_number, check_size,
                        check_snapshot, check_token_ids)
+from .schema import (GROUP_ARRAY, TIER_ARRAYS, TIER_NAMES, WIRE_ARRAYS, _GROUPS_AT, _SOURCES_AT)
+from ..views import KVCacheGroupInfo, TierView
 from .schema import (_BLANK, _BLANK_CONV, _BODY_DECODER, _COMPUTED_AT, _CONV_NAMES, _CONV_VALUES, _DROP_AT, _DTYPES,
                      _ENVELOPE_DECODER, _ENVELOPE_NO_EVENTS_DECODER, _MAGIC_BYTES, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _OUT_AT, _PLAIN_AT, _SEQ_AT, _TABLE_AT, _TEXT_AT, _TEXT_OUT_AT, _VERSION_DECODER, ARRAYS,
@@ -195,7 +197,7 @@ class _State:
 
     __slots__ = ("header", "stream_id", "seq", "step_id", "version", "dtypes", "work", "frozen", "tables",
                  "tables_view", "convs", "conv_objs", "conv_tuple", "metrics", "memory", "snap", "pending", "counts",
-                 "dirty")
+                 "dirty", "tier_work", "tier_frozen", "group_tables", "group_view")
 
     def __init__(self, header: Header, stream_id: int):
         self.header = header  # the pool's header
@@ -220,13 +222,17 @@ class _State:
         self.pending: list[tuple[list[int], np.ndarray, list[str], Any]] = []
         self.counts: TableCounts | None = None  # what the last check of a snapshot of this state saw
         self.dirty: list[np.ndarray] | None = None  # indices of the blocks changed since that check (None: any)
+        self.tier_work: dict[str, np.ndarray] = {}  # "tier.array" -> writable per-slot array (format 2)
+        self.tier_frozen: Any = None  # the tiers as of the last snapshot; None: stale
+        self.group_tables: list[dict[int, tuple[int, ...]]] = []  # per KV cache group: conversation id -> ids
+        self.group_view: tuple | None = None  # read-only views of group_tables as of the last snapshot; None: stale
 
 
 def _check_table(cid: int, old: tuple | None, drop: int, tail: tuple, n: int) -> None:
     if drop < 0 or drop > (0 if old is None else len(old)):
         raise StreamError(f"malformed pool-stream message: block table of conversation {cid} drops {drop} entries "
                           f"of {0 if old is None else len(old)}")
-    if tail and (min(tail) < 0 or max(tail) >= n):
+    if tail and (min(tail) < -1 or max(tail) >= n):
         raise StreamError(f"malformed pool-stream message: block table of conversation {cid} names a block outside "
                           f"0..{n - 1}")
 
@@ -241,9 +247,13 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
     values = msgspec.structs.astuple(p)
     if old is None:
         if UNSET in values:
-            missing = [_CONV_NAMES[i] for i in _CONV_VALUES if values[i] is UNSET]
-            raise StreamError(f"malformed pool-stream message: new conversation {p.conversation_id} lacks "
-                              f"{', '.join(missing)}")
+            missing = [_CONV_NAMES[i] for i in _CONV_VALUES if values[i] is UNSET and i not in (_GROUPS_AT,
+                                                                                              _SOURCES_AT)]
+            if missing:
+                raise StreamError(f"malformed pool-stream message: new conversation {p.conversation_id} lacks "
+                                  f"{', '.join(missing)}")
+            values = tuple(({} if i == _SOURCES_AT else ()) if v is UNSET else v  # format 1: no groups, no sources
+                           for i, v in enumerate(values))
         drops = [i for i in _DROP_AT if values[i][0]]
     else:
         drops = [i for i in _DROP_AT if values[i] is not UNSET and values[i][0] > len(old[i])]
@@ -252,14 +262,19 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
         raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id} drops {values[i][0]} "
                           f"of {0 if old is None else len(old[i])} {_CONV_NAMES[i]}")
     table = values[_TABLE_AT]
-    if table is not UNSET and table[1] and (min(table[1]) < 0 or max(table[1]) >= n):
+    if table is not UNSET and table[1] and (min(table[1]) < -1 or max(table[1]) >= n):
         raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id} names a block outside "
                           f"0..{n - 1}")
     for i in _TOKENS_AT:
         if values[i] is not UNSET:
             check_token_ids(values[i][1], p.conversation_id, _CONV_NAMES[i].split("_")[0])
     check_conversation_values(p.conversation_id, {_CONV_NAMES[i]: values[i] for i in _PLAIN_AT
-                                                  if values[i] is not UNSET and values[i] is not None})
+                                                  if values[i] is not UNSET and values[i] is not None
+                                                  and i not in (_GROUPS_AT, _SOURCES_AT)})
+    groups = values[_GROUPS_AT]
+    if groups is not UNSET and any(t and (min(t) < -1 or max(t) >= n) for t in groups):
+        raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id}'s group tables name a "
+                          f"block outside 0..{n - 1}")
     return values
 
 
@@ -389,6 +404,10 @@ class StreamDecoder:
             new.conv_objs, new.conv_tuple = dict(state.conv_objs), state.conv_tuple
             new.pending = list(state.pending)  # its entries are never changed: both decoders apply them
             new.metrics, new.memory, new.snap = state.metrics, state.memory, state.snap
+            new.tier_work = {k: a.copy() for k, a in state.tier_work.items()}
+            new.tier_frozen = state.tier_frozen
+            new.group_tables = [dict(g) for g in state.group_tables]
+            new.group_view = state.group_view
             out._state = new
         return out
 
@@ -415,7 +434,7 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
     h = body.header
     check_size(h.num_blocks, h.block_size, h.max_model_len)  # before the arrays are allocated
     missing = [name for name in ARRAYS[:-1] if name not in h.dtypes]
-    unknown = [name for name in h.dtypes if name not in ARRAYS]
+    unknown = [name for name in h.dtypes if name not in WIRE_ARRAYS]
     bad = [d for d in h.dtypes.values() if d not in _DTYPES]
     if missing or unknown or bad:
         raise StreamError(f"malformed pool-stream message: header dtypes {_short(h.dtypes)}")
@@ -450,6 +469,33 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
         for i in _TEXT_AT:
             vals[i] = vals[i][1]
         state.convs[p.conversation_id] = tuple(vals)  # shared by copies until patched (see copy)
+    _check_header_v2(h)
+    for tier, spec in h.tiers.items():
+        for name in TIER_ARRAYS:
+            dtype = np.dtype(spec.dtypes[name])
+            a = np.zeros(spec.num_blocks, dtype)
+            patch = body.tiers.get(tier, {}).get(name)
+            if patch is not None:
+                index, values = _read_patch(patch, f"{tier}.{name}", spec.num_blocks, dtype)
+                if index is None:
+                    a[:] = values
+                else:
+                    a[index] = values
+            state.tier_work[f"{tier}.{name}"] = a
+    if set(body.tiers) - set(h.tiers) or any(set(p) - set(TIER_ARRAYS) for p in body.tiers.values()):
+        raise StreamError("malformed pool-stream message: keyframe has tier arrays the header lacks")
+    if len(body.group_tables) != h.group_tables:
+        raise StreamError(f"malformed pool-stream message: keyframe has {len(body.group_tables)} group table sets, "
+                          f"the header says {h.group_tables}")
+    for g, patches in enumerate(body.group_tables):
+        tables = {}
+        for t in patches:
+            if t.drop != 0 or t.conversation_id in tables:
+                raise StreamError(f"malformed pool-stream message: keyframe group {g} table of conversation "
+                                  f"{t.conversation_id} is repeated or not whole")
+            _check_table(t.conversation_id, None, 0, t.tail, n)
+            tables[t.conversation_id] = _ints(t.tail)
+        state.group_tables.append(tables)
     _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", True)
     state.metrics = _make_numbers(EngineMetrics, _METRIC_FIELDS, body.metrics)
     if body.memory is not None:
@@ -457,6 +503,23 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
         state.memory = _make_numbers(MemoryStats, _MEMORY_FIELDS, body.memory)
     state.seq, state.step_id, state.version = head.seq, head.step_id, body.version
     return state
+
+
+def _check_header_v2(h: Header) -> None:
+    """The format-2 parts of a header: groups, their table count, tiers."""
+    for g in h.groups:
+        if g.kind not in ("full_attention", "sliding_window") or \
+                (g.sliding_window is None) != (g.kind == "full_attention") or \
+                (g.sliding_window is not None and g.sliding_window < 1) or any(x < 0 for x in g.layers):
+            raise StreamError(f"malformed pool-stream message: KV cache group {_short(g)}")
+    if h.group_tables not in (0, len(h.groups)):
+        raise StreamError(f"malformed pool-stream message: {h.group_tables} group table sets for "
+                          f"{len(h.groups)} groups")
+    for tier, spec in h.tiers.items():
+        if tier not in TIER_NAMES or spec.num_blocks < 0 or set(spec.dtypes) != set(TIER_ARRAYS) or \
+                any(d not in _DTYPES for d in spec.dtypes.values()):
+            raise StreamError(f"malformed pool-stream message: tier {_short(tier)} {_short(spec)}")
+        check_size(spec.num_blocks, h.block_size, h.max_model_len)
 
 
 def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
@@ -468,6 +531,31 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
         if dtype is None:
             raise StreamError(f"malformed pool-stream message: delta changes {_short(name)}, which this pool lacks")
         arrays.append((name, *_read_patch(patch, name, n, dtype)))
+    for tier, patches in body.tiers.items():
+        spec = state.header.tiers.get(tier)
+        if spec is None or set(patches) - set(TIER_ARRAYS):
+            raise StreamError(f"malformed pool-stream message: delta changes tier {_short(tier)}, which this pool "
+                              "lacks")
+        for name, patch in patches.items():
+            key = f"{tier}.{name}"
+            arrays.append((key, *_read_patch(patch, key, spec.num_blocks, state.tier_work[key].dtype)))
+    if body.group_tables:
+        if len(body.group_tables) != len(state.group_tables):
+            raise StreamError("malformed pool-stream message: delta patches a different number of group table sets")
+        for g, (gt, tables) in enumerate(zip(body.group_tables, state.group_tables)):
+            seen = set()
+            for t in gt.tables:
+                if t.conversation_id in seen:
+                    raise StreamError(f"malformed pool-stream message: group {g} table of {t.conversation_id} "
+                                      "patched twice")
+                seen.add(t.conversation_id)
+                _check_table(t.conversation_id, tables.get(t.conversation_id), t.drop, t.tail, n)
+            removed = set(gt.removed)
+            if len(removed) != len(gt.removed) or not removed.issubset(tables) or removed & seen:
+                raise StreamError(f"malformed pool-stream message: it removes group {g} tables that are not there")
+            if gt.order is not None:
+                keys = [k for k in tables if k not in removed] + [k for k in seen if k not in tables]
+                _check_order(gt.order, keys, "group table")
     tables = state.tables
     seen = set()
     for t in body.tables:
@@ -634,6 +722,14 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
     """Apply a checked delta (nothing here can fail)."""
     dirty = state.dirty
     for name, index, values in arrays:
+        if "." in name:  # a tier's array
+            a = state.tier_work[name]
+            if index is None:
+                a[:] = values
+            else:
+                a[index] = values
+            state.tier_frozen = None
+            continue
         a = state.work[name]
         if index is None:
             a[:] = values
@@ -657,6 +753,17 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
         if body.tables_order is not None:
             state.tables = {cid: tables[cid] for cid in body.tables_order}
         state.tables_view = None
+    for g, gt in enumerate(body.group_tables):
+        tables = state.group_tables[g]
+        for cid in gt.removed:
+            del tables[cid]
+        for t in gt.tables:
+            old = tables.get(t.conversation_id)
+            tables[t.conversation_id] = _ints(t.tail) if old is None else \
+                _ints((old[:len(old) - t.drop] if t.drop else old) + t.tail)
+        if gt.order is not None:
+            state.group_tables[g] = {cid: tables[cid] for cid in gt.order}
+        state.group_view = None
     if body.conversations or grown or body.conversations_dropped or body.conversations_order is not None:
         convs, objs = state.convs, state.conv_objs
         for cid in body.conversations_dropped:
@@ -668,6 +775,7 @@ def _apply_delta(state: _State, head: FrameHead, body: Delta, arrays: list, patc
             else:
                 vals = convs[cid] = list(_BLANK_CONV)
                 vals[0] = cid
+                vals[_SOURCES_AT] = {}
             _apply_conv(values, vals)
             objs.pop(cid, None)
         if grown is not None:
@@ -714,9 +822,23 @@ def _build(state: _State) -> PoolSnapshot:
             out.append(info)
         state.conv_tuple = tuple(out)
     h = state.header
+    if state.tier_frozen is None:
+        tiers = {}
+        for tier, spec in h.tiers.items():
+            parts = []
+            for name in TIER_ARRAYS:
+                f = state.tier_work[f"{tier}.{name}"].copy()
+                f.setflags(write=False)
+                parts.append(f)
+            tiers[tier] = TierView(spec.num_blocks, *parts)
+        state.tier_frozen = MappingProxyType(tiers)
+    if state.group_view is None:
+        state.group_view = tuple(MappingProxyType(dict(g)) for g in state.group_tables)
     return PoolSnapshot(
         step_id=state.step_id, block_size=h.block_size, num_blocks=h.num_blocks, ref_count=arrays["ref_count"],
         num_filled=arrays["num_filled"], state=arrays["state"], owner=arrays["owner"],
         last_access=arrays["last_access"], block_tables=state.tables_view, conversations=state.conv_tuple,
         metrics=state.metrics, memory=state.memory, model_name=h.model_name, max_model_len=h.max_model_len,
-        device=h.device, block_hash=arrays.get("block_hash"), version=state.version, source=h.source)
+        device=h.device, block_hash=arrays.get("block_hash"), version=state.version, source=h.source,
+        kv_cache_groups=tuple(KVCacheGroupInfo(g.kind, g.sliding_window, tuple(g.layers)) for g in h.groups),
+        group_block_tables=state.group_view, block_group=arrays.get(GROUP_ARRAY), tiers=state.tier_frozen)

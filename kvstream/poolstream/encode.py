@@ -18,7 +18,8 @@ from ..views import ChangeRecord, ConversationInfo, PoolSnapshot, change_record
 from .schema import (_BLANK, _CONV_KINDS, _CONV_NAMES, _DTYPE_OK, _DTYPES, _ENCODER, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _NARROW_RANGES, _OUT_AT, _PLAIN_AT, _SEQ, _SEQ_AT, _TEXT, _TEXT_AT, ARRAYS, FORMAT_VERSION, MAGIC,
                      ArrayPatch, Body, ConvPatch, Delta, Frame, Grown, Header, Keyframe, Numbers, Packed, StreamError,
-                     TablePatch, _BridgedEnvelope, _conv_values, _Envelope, _stable, _why)
+                     TablePatch, _BridgedEnvelope, _conv_values, _Envelope, _stable, _why, GROUP_ARRAY, TIER_ARRAYS,
+                     WIRE_ARRAYS, GroupSpec, GroupTables, TierSpec, _SOURCES_AT)
 
 
 def _plain(kind: type, value: Any) -> int | float:
@@ -128,6 +129,8 @@ def _full_patch(info: ConversationInfo) -> ConvPatch:
     for name, kind in zip(_CONV_NAMES, _CONV_KINDS):
         value = getattr(info, name)
         kw[name] = (0, tuple(value)) if kind == _SEQ else (0, value) if kind == _TEXT else value
+    kw["prompt_token_sources"] = dict(info.prompt_token_sources)  # a Mapping (maybe read-only): msgpack takes dicts
+    kw["group_block_tables"] = tuple(tuple(t) for t in info.group_block_tables)
     return ConvPatch(**kw)
 
 
@@ -148,7 +151,7 @@ def _diff_patch(old: ConversationInfo, new: ConversationInfo, grown: bool = Fals
             kw[_CONV_NAMES[i]] = _text_patch(ov[i], nv[i])
     for i in _PLAIN_AT:
         if ov[i] != nv[i]:
-            kw[_CONV_NAMES[i]] = nv[i]
+            kw[_CONV_NAMES[i]] = dict(nv[i]) if i == _SOURCES_AT else nv[i]
     return ConvPatch(conversation_id=new.conversation_id, **kw)
 
 
@@ -156,8 +159,54 @@ def _header(snapshot: PoolSnapshot) -> Header:
     dtypes = {name: getattr(snapshot, name).dtype.str for name in ARRAYS[:-1]}
     if snapshot.block_hash is not None:
         dtypes["block_hash"] = snapshot.block_hash.dtype.str
+    if snapshot.block_group is not None:
+        dtypes[GROUP_ARRAY] = snapshot.block_group.dtype.str
+    groups = tuple(GroupSpec(str(g.kind), None if g.sliding_window is None else int(g.sliding_window),
+                             tuple(int(x) for x in g.layers)) for g in snapshot.kv_cache_groups)
+    tiers = {}
+    for name, tier in snapshot.tiers.items():
+        for a in (tier.state, tier.block_hash, tier.last_access):
+            if not isinstance(a, np.ndarray) or a.shape != (tier.num_blocks,):
+                raise StreamError(f"tier {name!r}: every array must have num_blocks ({tier.num_blocks}) entries")
+        tiers[str(name)] = TierSpec(int(tier.num_blocks), {n: getattr(tier, n).dtype.str for n in TIER_ARRAYS})
     return Header(str(snapshot.source), int(snapshot.num_blocks), int(snapshot.block_size), str(snapshot.model_name),
-                  str(snapshot.device), int(snapshot.max_model_len), dtypes)
+                  str(snapshot.device), int(snapshot.max_model_len), dtypes, groups,
+                  len(snapshot.group_block_tables), tiers)
+
+
+def _tier_arrays(snapshot: PoolSnapshot) -> dict[str, np.ndarray]:
+    """Each tier's arrays, keyed "tier.array" (copies of writable ones: the encoder compares against them)."""
+    out = {}
+    for name, tier in snapshot.tiers.items():
+        for n in TIER_ARRAYS:
+            a = getattr(tier, n)
+            out[f"{name}.{n}"] = a.copy() if a.flags.writeable else a
+    return out
+
+
+def _by_tier(patches: dict[str, ArrayPatch]) -> dict[str, dict[str, ArrayPatch]]:
+    out: dict[str, dict[str, ArrayPatch]] = {}
+    for key, patch in patches.items():
+        tier, name = key.split(".", 1)
+        out.setdefault(tier, {})[name] = patch
+    return out
+
+
+def _tables_delta(old_tables, new_tables) -> tuple[list, list, list | None]:
+    """(patches, removed ids, order or None) from one set of block tables to the next."""
+    tables = []
+    for cid, t in new_tables.items():
+        o = old_tables.get(cid)
+        if o is None:
+            tables.append(TablePatch(int(cid), 0, tuple(t)))
+        elif o is not t and o != t:
+            drop, tail = _seq_patch(o, t)
+            tables.append(TablePatch(int(cid), drop, tail))
+    table_ids = list(new_tables)
+    if table_ids == list(old_tables):
+        return tables, [], None
+    removed = [cid for cid in old_tables if cid not in new_tables]
+    return tables, removed, _order_patch(old_tables.keys(), table_ids, set(removed))
 
 
 def _order_patch(old_keys, new_keys: list, removed: set) -> list | None:
@@ -195,6 +244,7 @@ class StreamEncoder:
         self._bytes_since_key = 0  # payload bytes of the deltas since the last keyframe
         self._prev: PoolSnapshot | None = None  # state of the last frame
         self._prev_arrays: dict[str, np.ndarray] = {}
+        self._prev_tiers: dict[str, np.ndarray] = {}  # the last frame's tier arrays ("tier.array"), as compared
         self._prev_convs: dict[int, ConversationInfo] = {}
         self._prev_stable: dict[int, tuple] = {}  # conversation id -> _stable() of the last frame's (each made once)
         self._header: Header | None = None
@@ -216,25 +266,27 @@ class StreamEncoder:
             if not isinstance(e, BlockEvent):
                 raise TypeError(f"events must be BlockEvents, got {type(e).__name__}")
         arrays = self._arrays(snapshot)
+        tiers = _tier_arrays(snapshot) if snapshot.tiers else {}
         header = _header(snapshot)
         key = (self._prev is None or header != self._header or self._since_key + 1 >= self.keyframe_interval
                or self._bytes_since_key >= self.keyframe_after_bytes)
         bridge = None
         if key:
             if self._prev is not None and header == self._header:  # a periodic keyframe: bridge it
-                bridge, stable, prev_convs = self._delta_body(snapshot, arrays)
+                bridge, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
             else:
                 stable = {c.conversation_id: _stable(c) for c in snapshot.conversations}
                 prev_convs = {c.conversation_id: c for c in snapshot.conversations}
             body = self._keyframe_body(snapshot, header, arrays)
         else:
-            body, stable, prev_convs = self._delta_body(snapshot, arrays)
+            body, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
         self._changes = None  # it names the snapshot before: not kept past this frame
         frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body, bridge)
         self._seq += 1
         self._since_key = 0 if key else self._since_key + 1
         self._bytes_since_key = 0 if key else self._bytes_since_key + len(frame.payload)
         self._prev, self._prev_arrays, self._header = snapshot, arrays, header
+        self._prev_tiers = tiers
         self._prev_convs = prev_convs
         self._prev_stable = stable
         return frame
@@ -261,7 +313,7 @@ class StreamEncoder:
 
     def _arrays(self, snapshot: PoolSnapshot) -> dict[str, np.ndarray]:
         out = {}
-        for name in ARRAYS:
+        for name in WIRE_ARRAYS:
             a = getattr(snapshot, name)
             if a is None:
                 continue
@@ -288,11 +340,19 @@ class StreamEncoder:
             patches[name] = _patch(a if dense else a[index], None if dense else index)
         tables = [TablePatch(int(cid), 0, tuple(t)) for cid, t in snapshot.block_tables.items()]
         memory = None if snapshot.memory is None else _numbers(snapshot.memory, _MEMORY_FIELDS)
+        tier_patches = {}
+        for key, a in _tier_arrays(snapshot).items():
+            index = np.flatnonzero(a != 0)  # [non-blank]
+            if index.size:
+                dense = index.size * 4 > a.size
+                tier_patches[key] = _patch(a if dense else a[index], None if dense else index)
+        group_tables = [[TablePatch(int(cid), 0, tuple(t)) for cid, t in g.items()]
+                        for g in snapshot.group_block_tables]
         return Keyframe(header, int(snapshot.version), patches, tables,
                         [_full_patch(c) for c in snapshot.conversations],
-                        _numbers(snapshot.metrics, _METRIC_FIELDS), memory)
+                        _numbers(snapshot.metrics, _METRIC_FIELDS), memory, _by_tier(tier_patches), group_tables)
 
-    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray]) \
+    def _delta_body(self, snapshot: PoolSnapshot, arrays: dict[str, np.ndarray], tiers: dict[str, np.ndarray]) \
             -> tuple[Delta, dict[int, tuple], dict[int, ConversationInfo]]:
         """The delta from the last frame to ``snapshot``, and ``_stable()`` of each of its conversations and the
         conversations by id."""
@@ -305,7 +365,7 @@ class StreamEncoder:
             b = self._prev_arrays[name]
             if a is b:
                 continue
-            if masks is None:
+            if masks is None or name not in masks:
                 index = np.flatnonzero(a != b)  # [changed]
             else:  # only those: six arrays of 65,536 read in full, cold, were most of a frame's cost in the app
                 mask = masks[name]
@@ -396,8 +456,22 @@ class StreamEncoder:
             memory = _numbers(snapshot.memory, _MEMORY_FIELDS)
         elif snapshot.memory is not prev.memory and snapshot.memory != prev.memory:
             memory = _numbers(snapshot.memory, _MEMORY_FIELDS, prev.memory)
+        tier_patches = {}
+        old_tiers = self._prev_tiers
+        for key, a in tiers.items():
+            b = old_tiers[key]  # the header (so the tiers and their sizes) is the same as prev's
+            if a is b:
+                continue
+            index = np.flatnonzero(a != b)  # [changed]
+            if index.size:
+                tier_patches[key] = _patch(a[index], index)
+        group_tables = []
+        if snapshot.group_block_tables is not prev.group_block_tables and \
+                snapshot.group_block_tables != prev.group_block_tables:
+            group_tables = [GroupTables(*_tables_delta(o, g))
+                            for o, g in zip(prev.group_block_tables, snapshot.group_block_tables)]
         return Delta(int(snapshot.version), patches, tables, removed, order, convs, grown, dropped, conv_order,
-                     metrics, memory), new_stable, new_convs
+                     metrics, memory, _by_tier(tier_patches), group_tables), new_stable, new_convs
 
 
 def encode_keyframe(snapshot: PoolSnapshot, seq: int, stream_id: int, events: Sequence[BlockEvent] = ()) -> Frame:

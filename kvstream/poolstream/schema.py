@@ -17,9 +17,14 @@ from msgspec import UNSET, Raw, UnsetType
 from ..events import BlockEvent
 from ..views import BLOCK_ARRAYS, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, Status
 
-FORMAT_VERSION = 1  # bumped whenever a reader of the previous version could misread a message
+# 2: tiers and KV cache groups (a version-1 message reads as a one-group pool without tiers)
+FORMAT_VERSION = 2  # bumped whenever a reader of the previous version could misread a message
 MAGIC = "kvpool"  # first element of every message: what tells a pool-stream message from any other msgpack
 ARRAYS = BLOCK_ARRAYS  # the per-block arrays, in wire order
+GROUP_ARRAY = "block_group"  # the optional per-block array of a pool with KV cache groups (format 2)
+WIRE_ARRAYS = ARRAYS + (GROUP_ARRAY,)  # every per-block array a header may name
+TIER_ARRAYS = ("state", "block_hash", "last_access")  # each tier's per-slot arrays, in wire order
+TIER_NAMES = ("host", "disk")  # the tiers a pool may have, top down
 _BLANK = {"owner": -1}  # value of each per-block array in an empty pool (0 where not listed): keyframes send the rest
 # dtypes a per-block array, or its values on the wire, may have (little-endian; a foreign dtype is never built)
 _DTYPES = frozenset({"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8"})
@@ -52,6 +57,21 @@ class ArrayPatch(msgspec.Struct, array_like=True, frozen=True):
     values: Packed | int  # the new value of each index, or one value for all of them
 
 
+class GroupSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One KV cache group (KVCacheGroupInfo)."""
+
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int | None  # tokens a query reads back; None: all
+    layers: tuple[int, ...]  # the model's layer indices in the group
+
+
+class TierSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One lower tier: its size and the dtype of each of its per-slot arrays (TIER_ARRAYS)."""
+
+    num_blocks: int
+    dtypes: dict[str, str]
+
+
 class Header(msgspec.Struct, frozen=True):
     """What a pool is: sent in every keyframe (a subscriber may start at any of them) and in a recording's header."""
 
@@ -62,6 +82,9 @@ class Header(msgspec.Struct, frozen=True):
     device: str  # where the KV cache lives: "cpu", "cuda:0", ...
     max_model_len: int  # most tokens in one conversation; 0: unknown
     dtypes: dict[str, str]  # numpy dtype of each per-block array (block_hash absent: the source sends no hashes)
+    groups: tuple[GroupSpec, ...] = ()  # format 2: the KV cache groups (empty: a plain one-group pool)
+    group_tables: int = 0  # format 2: how many per-group table sets the frames carry (0, or one per group)
+    tiers: dict[str, TierSpec] = {}  # format 2: the lower tiers that are on, by name
 
 
 class TablePatch(msgspec.Struct, array_like=True, frozen=True):
@@ -70,6 +93,14 @@ class TablePatch(msgspec.Struct, array_like=True, frozen=True):
     conversation_id: int
     drop: Count  # ids removed from the end of the table the previous frame had (0 for a new table)
     tail: tuple[int, ...]  # physical block ids appended after the drop
+
+
+class GroupTables(msgspec.Struct, array_like=True, frozen=True):
+    """What changed in one KV cache group's block tables (entries may be -1: released by a sliding window)."""
+
+    tables: list[TablePatch]  # tables that changed or appeared
+    removed: list[int]  # conversations whose table in this group is gone
+    order: list[int] | None  # the table order, when it is not (kept ones, then new ones)
 
 
 SeqPatch = tuple[Count, tuple[int, ...]]  # (items dropped from the end, items appended): token ids, block ids
@@ -135,6 +166,8 @@ class Keyframe(msgspec.Struct, frozen=True, tag_field="kind", tag="keyframe"):
     conversations: list[ConvPatch]  # every conversation with every field, in the snapshot's order
     metrics: Numbers  # every EngineMetrics field
     memory: Numbers | None  # every MemoryStats field; None when the source has none
+    tiers: dict[str, dict[str, ArrayPatch]] = {}  # format 2: each tier's arrays as patches of an empty tier (all 0)
+    group_tables: list[list[TablePatch]] = []  # format 2: every group's tables (header.group_tables of them)
 
 
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="kind", tag="delta"):
@@ -151,6 +184,8 @@ class Delta(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="kind", t
     conversations_order: list[int] | None = None  # the order, when it is not (kept ones, then new ones)
     metrics: Numbers | None = None  # EngineMetrics fields that changed
     memory: Numbers | None | UnsetType = UNSET  # MemoryStats fields that changed; None: the source has none now
+    tiers: dict[str, dict[str, ArrayPatch]] = {}  # format 2: changed slots of each tier's arrays
+    group_tables: list[GroupTables] = []  # format 2: one per group when any group's tables changed; empty: none did
 
 
 Body = Keyframe | Delta
@@ -301,4 +336,7 @@ _conv_values = operator.attrgetter(*_CONV_NAMES)  # ConversationInfo -> its fiel
 _GROWING = ("output_token_ids", "output_text", "block_table", "num_computed_tokens")  # what a Grown entry changes
 _stable = operator.attrgetter(*[n for n in _CONV_NAMES if n not in _GROWING])  # the fields a Grown entry keeps
 _OUT_AT, _TEXT_OUT_AT, _COMPUTED_AT = (_CONV_NAMES.index(n) for n in _GROWING[:2] + _GROWING[3:])
-_BLANK_CONV = tuple(() if k == _SEQ else "" if k == _TEXT else None for k in _CONV_KINDS)  # before a new one's patch
+_BLANK_CONV = tuple(() if k == _SEQ or n == "group_block_tables" else "" if k == _TEXT else None
+                    for n, k in zip(_CONV_NAMES, _CONV_KINDS))
+_SOURCES_AT = _CONV_NAMES.index("prompt_token_sources")  # a dict: blank is a fresh {} per conversation
+_GROUPS_AT = _CONV_NAMES.index("group_block_tables")  # before a new one's patch

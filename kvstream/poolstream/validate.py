@@ -187,10 +187,14 @@ def check_snapshot(snap: PoolSnapshot, counts: TableCounts | None = None,
     h = snap.block_hash
     if h is not None and (not isinstance(h, np.ndarray) or h.shape != (n,)):
         _fail("hashes", f"block_hash is not an array of the pool's {n} blocks")
-    fresh = counts is None or counts.num_blocks != n or changed is None or counts.states is None
+    grouped = bool(snap.group_block_tables)
+    if grouped:
+        _check_groups(snap)
+    _check_tiers(snap)
+    fresh = counts is None or counts.num_blocks != n or changed is None or counts.states is None or grouped
     if fresh:
         counts = TableCounts(n)
-    touched = counts.update(snap.block_tables)
+    touched = counts.update(_all_groups(snap) if grouped else snap.block_tables)
     idx = None
     if not fresh:  # the changed blocks, each once (a mask: cheaper than sorting thousands of indices)
         mask = np.zeros(n, np.bool_)
@@ -202,6 +206,92 @@ def check_snapshot(snap: PoolSnapshot, counts: TableCounts | None = None,
     _check_tables(snap, counts)
     _check_memory(snap, counts, idx)
     return counts
+
+
+def _all_groups(snap: PoolSnapshot) -> dict[int, tuple[int, ...]]:
+    """Each conversation's blocks in every group, -1 holes left out: what ref counts and owners count."""
+    out: dict[int, list[int]] = {}
+    for tables in snap.group_block_tables:
+        for cid, t in tables.items():
+            out.setdefault(cid, []).extend(b for b in t if b != -1)
+    return {cid: tuple(t) for cid, t in out.items()}
+
+
+_SOURCES = frozenset({"device", "host", "disk", "computed"})
+
+
+def _check_groups(snap: PoolSnapshot) -> None:
+    """KV cache groups: one table set per group, group 0's is block_tables, -1 only as a sliding window's leading
+    holes, every block in one group's tables only and of that group (block_group), conversations agree."""
+    n = snap.num_blocks
+    groups = snap.kv_cache_groups
+    if len(snap.group_block_tables) != len(groups):
+        _fail("groups", f"{len(snap.group_block_tables)} group table sets for {len(groups)} KV cache groups")
+    bg = snap.block_group
+    if bg is not None:
+        if not isinstance(bg, np.ndarray) or bg.shape != (n,):
+            _fail("groups", f"block_group is not an array of the pool's {n} blocks")
+        used = snap.state != BlockState.FREE
+        bad = used & ((bg < 0) | (bg >= len(groups)))
+        if bad.any():
+            b = _first(bad)
+            _fail("groups", f"block {b} is in group {int(bg[b])}, outside 0..{len(groups) - 1}")
+    if dict(snap.group_block_tables[0]) != dict(snap.block_tables):
+        _fail("groups", "group 0's block tables are not the pool's block tables")
+    for g, (spec, tables) in enumerate(zip(groups, snap.group_block_tables)):
+        sliding = spec.kind == "sliding_window"
+        for cid, t in tables.items():
+            holes = 0
+            while holes < len(t) and t[holes] == -1:
+                holes += 1
+            live = t[holes:]
+            if -1 in live or (holes and not sliding):
+                _fail("groups", f"conversation {cid}'s table in group {g} has a -1 entry "
+                                f"{'after a block' if sliding else 'in a full-attention group'}")
+            if live and (min(live) < 0 or max(live) >= n):
+                _fail("groups", f"conversation {cid}'s table in group {g} names a block outside 0..{n - 1}")
+            if bg is not None and live:
+                wrong = [b for b in live if int(bg[b]) != g]
+                if wrong:
+                    _fail("groups", f"block {wrong[0]} is in conversation {cid}'s group {g} table but belongs to "
+                                    f"group {int(bg[wrong[0]])}")
+    for conv in snap.conversations:
+        cid = conv.conversation_id
+        if conv.group_block_tables:
+            want = tuple(tuple(tables.get(cid, ())) for tables in snap.group_block_tables)
+            if tuple(conv.group_block_tables) != want and any(cid in tables for tables in snap.group_block_tables):
+                _fail("groups", f"conversation {cid}'s group tables differ from the pool's tables for it")
+
+
+def _check_sources(snap: PoolSnapshot) -> None:
+    for conv in snap.conversations:
+        src = conv.prompt_token_sources
+        if src and (set(src) - _SOURCES or any(type(v) is not int or v < 0 for v in src.values())):
+            _fail("prompt sources", f"conversation {conv.conversation_id} has prompt token sources {dict(src)}")
+
+
+def _check_tiers(snap: PoolSnapshot) -> None:
+    """Every tier slot is FREE or CACHED, with a hash exactly when CACHED."""
+    _check_sources(snap)
+    for name, tier in snap.tiers.items():
+        if name not in ("host", "disk"):
+            _fail("tiers", f"a tier named {name!r} (tiers are host and disk)")
+        for a in (tier.state, tier.block_hash, tier.last_access):
+            if not isinstance(a, np.ndarray) or a.shape != (tier.num_blocks,):
+                _fail("tiers", f"tier {name}'s arrays do not have its {tier.num_blocks} slots")
+        st = tier.state
+        bad = (st != BlockState.FREE) & (st != BlockState.CACHED)
+        if bad.any():
+            b = _first(bad)
+            _fail("tiers", f"tier {name} slot {b} has state {int(st[b])}, not FREE or CACHED")
+        cached = st == BlockState.CACHED
+        bad = cached != (tier.block_hash != 0)
+        if bad.any():
+            b = _first(bad)
+            _fail("tiers", f"tier {name} slot {b} is {BlockState(int(st[b])).name} and "
+                           f"{'has' if tier.block_hash[b] else 'lacks'} a hash")
+        if (tier.last_access < 0).any():
+            _fail("tiers", f"tier {name} slot {_first(tier.last_access < 0)} was last used at a negative step")
 
 
 def _check_blocks(snap: PoolSnapshot, counts: TableCounts, idx: np.ndarray | None) -> None:

@@ -15,7 +15,8 @@ keeps the plugin's own time under ``PAGED_KV_EXPLORER_BUDGET`` (default 0.02, 2%
 runs; events between two frames travel with the later one, and a server that goes idle publishes its last state at
 once. Data-parallel ranks publish on the endpoint's port + rank (``ipc`` and ``inproc`` paths get ``_dp<rank>``).
 
-On a vLLM this plugin does not know (version or internals), on a model it cannot read (several KV cache groups), or
+On a vLLM this plugin does not know (version or internals), on a model it cannot read (KV cache groups other than
+full-attention and sliding-window ones, or block sizes that differ), or
 if anything in it fails, it logs one line and stays inert: the server runs exactly as without it.
 """
 from __future__ import annotations

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.views import (BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
-                            Status, frozen_array)
+from kvstream.views import (BlockState, ConversationInfo, EngineMetrics, FinishReason, KVCacheGroupInfo, MemoryStats,
+                            PoolSnapshot, Status, frozen_array)
 from kvstream.vllm.hash import hash64, key_hash64
 
 SUPPORTED_VERSIONS = ("0.32.",)  # vLLM releases whose v1 internals this tap was tested against (prefixes)
@@ -65,12 +65,16 @@ def check_supported(scheduler: Any, version: str, any_version: bool = False) -> 
     if kvm is None or managers is None or pool is None:
         raise UnsupportedVllm(f"vLLM {version}: the scheduler has no kv_cache_manager.coordinator.single_type_managers "
                               f"/ block_pool")
-    if len(managers) != 1:
-        raise UnsupportedVllm(f"vLLM {version}: {len(managers)} KV cache groups (a hybrid or sliding-window model); "
-                              f"the tap reads models with one full-attention group")
+    odd = [type(m).__name__ for m in managers if type(m).__name__ not in _MANAGER_KINDS]
+    if not managers or odd:
+        raise UnsupportedVllm(f"vLLM {version}: KV cache groups of kinds {', '.join(odd) or 'none'}; the tap reads "
+                              f"full-attention and sliding-window groups")
     manager = managers[0]
     missing += [f"BlockPool.{m}" for m in _POOL_METHODS if not callable(getattr(pool, m, None))]
-    missing += [f"{type(manager).__name__}.{m}" for m in _MANAGER_METHODS if not callable(getattr(manager, m, None))]
+    for m in managers:
+        missing += [f"{type(m).__name__}.{n}" for n in _MANAGER_METHODS if not callable(getattr(m, n, None))]
+        if _MANAGER_KINDS[type(m).__name__] and not callable(getattr(m, "remove_skipped_blocks", None)):
+            missing.append(f"{type(m).__name__}.remove_skipped_blocks")
     for obj, attr in ((pool, "blocks"), (pool, "num_gpu_blocks"), (pool, "null_block"), (pool, "enable_caching"),
                       (pool, "hash_block_size"), (manager, "req_to_blocks"), (manager, "block_size"),
                       (scheduler, "requests")):
@@ -78,9 +82,34 @@ def check_supported(scheduler: Any, version: str, any_version: bool = False) -> 
             missing.append(f"{type(obj).__name__}.{attr}")
     if missing:
         raise UnsupportedVllm(f"vLLM {version}: missing {', '.join(missing)}")
-    if manager.block_size != pool.hash_block_size:
-        raise UnsupportedVllm(f"vLLM {version}: hash block size {pool.hash_block_size} differs from block size "
-                              f"{manager.block_size} (partial-block prefix hits are not read)")
+    sizes = {int(m.block_size) for m in managers}
+    if sizes != {int(pool.hash_block_size)}:
+        raise UnsupportedVllm(f"vLLM {version}: hash block size {pool.hash_block_size} differs from the groups' block "
+                              f"sizes {sorted(sizes)} (partial-block prefix hits are not read)")
+
+
+_MANAGER_KINDS = {"FullAttentionManager": False, "SlidingWindowManager": True}  # the managers read: sliding or not
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # "model.layers.3.self_attn.attn" -> 3
+
+
+def _group_infos(scheduler: Any, managers: list) -> tuple[KVCacheGroupInfo, ...]:
+    """The KV cache groups as the views name them, from vLLM's kv_cache_config (window and layers per group)."""
+    try:
+        specs = list(scheduler.kv_cache_config.kv_cache_groups)
+    except Exception:
+        specs = []
+    out = []
+    for g, m in enumerate(managers):
+        sliding = _MANAGER_KINDS[type(m).__name__]
+        window = int(getattr(m, "sliding_window", 0) or 0) if sliding else None
+        names = list(getattr(specs[g], "layer_names", ())) if g < len(specs) else []
+        layers = []
+        for name in names:
+            match = _LAYER_INDEX.search(str(name))
+            if match is not None:
+                layers.append(int(match.group(1)))
+        out.append(KVCacheGroupInfo("sliding_window" if sliding else "full_attention", window, tuple(sorted(layers))))
+    return tuple(out)
 
 
 def _status(status: Any) -> tuple[Status, FinishReason | None]:
@@ -111,6 +140,7 @@ class _Tracked:
     computed: int  # num_computed_tokens as last read (prefix-hit tokens at admission: those were not computed)
     table: tuple[int, ...] = ()  # ids as a tuple, for the snapshot (rebuilt when ids change)
     now: int = 0  # num_computed_tokens read by the sync in progress
+    group: int = 0  # the KV cache group of this table
 
 
 @dataclass
@@ -176,7 +206,12 @@ class VllmPoolTap:
         check_supported(scheduler, version, any_version)
         self.version_string = version  # vLLM version read at attach
         self.scheduler = scheduler
-        self.manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        self.managers = list(scheduler.kv_cache_manager.coordinator.single_type_managers)  # one per KV cache group
+        self.manager = self.managers[0]
+        self.groups = _group_infos(scheduler, self.managers)  # what each group is (kind, window, layers)
+        # a pool with more than one group, or a sliding window, carries per-group tables (with -1 for vLLM's null
+        # block) and each block's group; a plain full-attention model stays as the one-group pool it always was
+        self.grouped = len(self.managers) > 1 or any(g.kind == "sliding_window" for g in self.groups)
         self.pool = scheduler.kv_cache_manager.block_pool
         self.block_size = int(self.manager.block_size)
         self.num_blocks = int(self.pool.num_gpu_blocks)
@@ -190,6 +225,10 @@ class VllmPoolTap:
         self._owner = np.full(n, -1, np.int32)  # first holder (used), last holder (cached), -1
         self._last = np.zeros(n, np.int64)  # step of the last change
         self._hash = np.zeros(n, np.uint64)  # hash64 of vLLM's hash, NO_HASH none
+        self._bgroup = np.zeros(n, np.int8)  # the KV cache group of each block (the last that held it)
+        self._group = 0  # group whose manager is working right now (attribution of pool calls)
+        self._reason = ""  # why blocks are freed right now: "sliding_window" inside remove_skipped_blocks
+        self._stale: set[tuple[int, str]] = set()  # (group, request) whose table vLLM changed in place
         self._counts = [0, 0, 0]  # blocks per BlockState
         self._filled_used = 0  # filled slots of USED blocks
         self._holders: dict[int, list[int]] = {}  # block id -> conversation ids holding it, in order of taking it
@@ -200,7 +239,8 @@ class VllmPoolTap:
         self._next_cid = 0  # conversation ids are handed out in order of arrival, never reused
         self._convs: dict[int, _Conv] = {}  # live (and not yet dropped) conversations
         self._first_sample: dict[str, int] = {}  # parent request id of n samples -> first sample's cid
-        self._tracked: dict[str, _Tracked] = {}  # requests holding blocks at the last frame
+        self._tracked_groups: list[dict[str, _Tracked]] = [{} for _ in self.managers]  # per group, as below
+        self._tracked = self._tracked_groups[0]  # requests holding blocks at the last frame (group 0)
         self._finished: deque[ConversationInfo] = deque(maxlen=finished_window)  # most recent finished / ended
         self._hit_tokens: dict[str, int] = {}  # request id -> prefix-hit tokens of its current admission
         self._c = _Counters()
@@ -254,21 +294,40 @@ class VllmPoolTap:
     def _install(self) -> None:
         tap, pool, manager, scheduler = self, self.pool, self.manager, self.scheduler
 
-        def for_request(original):  # the manager's per-request calls: pool calls inside are for that request
-            def wrapper(request_id, *args, **kwargs):
-                previous = tap._rid
-                tap._rid = request_id
-                try:
-                    return original(request_id, *args, **kwargs)
-                finally:
-                    tap._rid = previous
-            return wrapper
+        def for_request(group):  # the manager's per-request calls: pool calls inside are for that request, group
+            def make(original):
+                def wrapper(request_id, *args, **kwargs):
+                    previous = tap._rid, tap._group
+                    tap._rid, tap._group = request_id, group
+                    try:
+                        return original(request_id, *args, **kwargs)
+                    finally:
+                        tap._rid, tap._group = previous
+                return wrapper
+            return make
 
-        # allocate_new_blocks runs for every scheduled request every step: the wrapper is kept to three assignments.
+        def window_release(group):  # a sliding window's releases: the table keeps their places as the null block
+            def make(original):
+                def wrapper(request_id, *args, **kwargs):
+                    previous = tap._rid, tap._group, tap._reason
+                    tap._rid, tap._group, tap._reason = request_id, group, "sliding_window"
+                    try:
+                        return original(request_id, *args, **kwargs)
+                    finally:
+                        tap._rid, tap._group, tap._reason = previous
+                        tap._stale.add((group, request_id))  # replaced in place: the list object stays the same
+                return wrapper
+            return make
+
+        # allocate_new_blocks runs for every scheduled request every step: the wrapper is kept to a few assignments.
         # Not wrapped: cache_blocks (STORED events read the request from cache_full_blocks' own arguments),
-        # pop_blocks_for_free (no pool call inside), remove_skipped_blocks (frees nothing with full attention).
-        for name in ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks", "free"):
-            self._wrap(manager, name, for_request)
+        # pop_blocks_for_free (no pool call inside), a full-attention group's remove_skipped_blocks (frees nothing).
+        for g, m in enumerate(self.managers):
+            for name in ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks",
+                         "free"):
+                self._wrap(m, name, for_request(g))
+            if _MANAGER_KINDS[type(m).__name__]:
+                self._wrap(m, "remove_skipped_blocks", window_release(g))
 
         def get_new_blocks(original):
             def wrapper(*args, **kwargs):
@@ -384,6 +443,8 @@ class VllmPoolTap:
         return self._cids.get(self._rid, -1) if self._rid is not None else -1
 
     def _emit(self, kind: EventKind, **fields) -> None:
+        if self._group and "group" not in fields:
+            fields["group"] = self._group
         self._events.append(BlockEvent(step_id=self.step_id, kind=kind, **fields))
         self._changed = True
 
@@ -391,6 +452,7 @@ class VllmPoolTap:
         ids = tuple(b.block_id for b in blocks)
         if ids:
             self._dirty.update(ids)
+            self._bgroup[list(ids)] = self._group
             self._emit(EventKind.ALLOCATED, conversation_id=self._cid(), block_ids=ids)
 
     def _on_evicted(self, block, key) -> None:
@@ -410,7 +472,7 @@ class VllmPoolTap:
         ids = tuple(b.block_id for b in blocks if not b.is_null)
         if ids:
             self._dirty.update(ids)
-            if self._rid is not None:
+            if self._rid is not None and self._group == 0:  # every group shares the hit: count it once
                 self._hit_tokens[self._rid] = self._hit_tokens.get(self._rid, 0) + len(ids) * self.block_size
             self._emit(EventKind.SHARED, conversation_id=self._cid(), block_ids=ids, reason="prefix_hit")
 
@@ -432,7 +494,10 @@ class VllmPoolTap:
             else:
                 runs.append([kind, [b.block_id]])
         for kind, ids in runs:
-            self._emit(kind, conversation_id=cid, block_ids=tuple(ids))
+            if self._reason:
+                self._emit(kind, conversation_id=cid, block_ids=tuple(ids), reason=self._reason)
+            else:
+                self._emit(kind, conversation_id=cid, block_ids=tuple(ids))
 
     def _on_stored(self, request, blocks, start: int, end: int, before: list) -> None:
         run = []  # logical indices of newly hashed blocks, consecutive
@@ -483,10 +548,10 @@ class VllmPoolTap:
         self._emit(EventKind.CONVERSATION_ADDED, conversation_id=cid, **fields)
 
     def _on_preempted(self, request) -> None:
-        blocks = self.manager.req_to_blocks.get(request.request_id, ())
         self._c.preemptions += 1
-        self._emit(EventKind.PREEMPTED, conversation_id=self._cids.get(request.request_id, -1),
-                   block_ids=tuple(b.block_id for b in blocks if not b.is_null))
+        ids = tuple(b.block_id for m in self.managers for b in m.req_to_blocks.get(request.request_id, ())
+                    if not b.is_null)
+        self._emit(EventKind.PREEMPTED, conversation_id=self._cids.get(request.request_id, -1), block_ids=ids)
 
     def _on_finished(self, request) -> None:
         cid = self._cids.get(request.request_id, -1)
@@ -505,7 +570,7 @@ class VllmPoolTap:
             sample = _SAMPLE_ID.match(rid)
             if sample is not None and self._first_sample.get(sample.group(2)) == cid:
                 del self._first_sample[sample.group(2)]  # its siblings were all added with it
-            self._finished.append(self._info(conv, request, ()))
+            self._finished.append(self._info(conv, request, (), ((),) * len(self.managers) if self.grouped else ()))
 
     def _on_step_done(self) -> None:
         c = self._c
@@ -574,12 +639,23 @@ class VllmPoolTap:
         self._dirty.clear()
 
     def _sync_tables(self) -> list[_Tracked]:
-        """Bring the tracked block tables in line with vLLM's; returns the requests whose fill must be reread."""
-        current = self.manager.req_to_blocks
-        tracked, holders, dirty = self._tracked, self._holders, self._dirty
+        """Bring the tracked block tables of every group in line with vLLM's; returns the tables whose fill must be
+        reread."""
+        refill = []
+        stale, self._stale = self._stale, set()
+        for g, m in enumerate(self.managers):
+            refill += self._sync_group(g, m.req_to_blocks, self._tracked_groups[g],
+                                       {rid for sg, rid in stale if sg == g})
+        return refill
+
+    def _sync_group(self, g: int, current, tracked: dict, stale: set) -> list[_Tracked]:
+        """One group's tables (vLLM's null block read as -1: a place a sliding window released)."""
+        holders, dirty = self._holders, self._dirty
         for rid in [r for r, t in tracked.items() if current.get(r) is not t.blocks]:
             t = tracked.pop(rid)
             for b in t.ids:
+                if b == -1:
+                    continue
                 h = holders.get(b)
                 if h is not None:
                     try:
@@ -597,28 +673,37 @@ class VllmPoolTap:
             computed = int(getattr(request, "num_computed_tokens", 0)) if request is not None else 0
             if t is None:
                 cid = self._cids.get(rid, -1)
-                ids = [blk.block_id for blk in blocks]
-                t = tracked[rid] = _Tracked(cid, blocks, ids, self._hit_tokens.get(rid, 0), tuple(ids))
-                for b in ids:
+                ids = [-1 if blk.is_null else blk.block_id for blk in blocks]
+                t = tracked[rid] = _Tracked(cid, blocks, ids, self._hit_tokens.get(rid, 0), tuple(ids), group=g)
+                live = [b for b in ids if b != -1]
+                for b in live:
                     holders.setdefault(b, []).append(cid)
-                dirty.update(ids)
-                if request is not None:
+                dirty.update(live)
+                if live:
+                    self._bgroup[live] = g
+                if request is not None and g == 0:
                     self._admitted(rid, request, cid)
                 refill.append(t)
             else:
                 n = len(t.ids)
-                if len(blocks) != n or (n and blocks[-1].block_id != t.ids[-1]):
-                    new = [blk.block_id for blk in blocks]
+                if len(blocks) != n or (n and blocks[-1].block_id != t.ids[-1]) or rid in stale:
+                    new = [-1 if blk.is_null else blk.block_id for blk in blocks]
                     old = set(t.ids)
                     for b in set(new) - old:
-                        holders.setdefault(b, []).append(t.cid)
+                        if b != -1:
+                            holders.setdefault(b, []).append(t.cid)
                     for b in old - set(new):
                         h = holders.get(b)
                         if h is not None and t.cid in h:
                             h.remove(t.cid)
                             if not h:
                                 del holders[b]
-                    dirty.update(old.symmetric_difference(new))
+                    changed = old.symmetric_difference(new)
+                    changed.discard(-1)
+                    dirty.update(changed)
+                    added = [b for b in set(new) - old if b != -1]
+                    if added:
+                        self._bgroup[added] = g
                     t.ids, t.table = new, tuple(new)
                     refill.append(t)
                 elif computed != t.computed:
@@ -644,11 +729,11 @@ class VllmPoolTap:
             now = t.now
             lo = min(t.computed, now) // bs
             conv = self._convs.get(t.cid)
-            if conv is not None and now > t.computed:
+            if conv is not None and now > t.computed and t.group == 0:
                 prefill += max(0, min(now, len(conv.prompt)) - t.computed)
             for i in range(lo, len(t.ids)):
                 b = t.ids[i]
-                if state[b] == BlockState.USED and b != null:
+                if b != -1 and state[b] == BlockState.USED and b != null:
                     f = min(bs, max(0, now - i * bs))
                     old = int(filled[b])
                     if f != old:
@@ -660,10 +745,12 @@ class VllmPoolTap:
         self._c.last_step_prefill = prefill  # since the last frame: one step unless frames were rate-limited
 
     # ---- conversations ----------------------------------------------------------------------------------------
-    def _info(self, conv: _Conv, request, table: tuple[int, ...]) -> ConversationInfo:
+    def _info(self, conv: _Conv, request, table: tuple[int, ...],
+              group_tables: tuple[tuple[int, ...], ...] = ()) -> ConversationInfo:
         status, reason = _status(request.status)
         outputs = request.num_output_tokens
-        key = (status, int(request.num_computed_tokens), outputs, table, int(getattr(request, "num_preemptions", 0)))
+        key = (status, int(request.num_computed_tokens), outputs, table, int(getattr(request, "num_preemptions", 0)),
+               group_tables)
         if conv.info is not None and conv.key == key:
             return conv.info
         self._c.generated += max(0, outputs - conv.counted_outputs)
@@ -674,7 +761,8 @@ class VllmPoolTap:
             output_token_ids=tuple(request.output_token_ids), output_text="", prompt_text="", block_table=table,
             num_computed_tokens=key[1], num_cached_tokens=conv.num_cached_tokens, max_new_tokens=conv.max_new_tokens,
             temperature=conv.temperature, parent_id=conv.parent_id, num_preemptions=key[4],
-            arrival_step=conv.arrival_step, finish_reason=reason, turns=((0, len(conv.prompt)),), label=conv.label)
+            arrival_step=conv.arrival_step, finish_reason=reason, turns=((0, len(conv.prompt)),), label=conv.label,
+            group_block_tables=group_tables)
         return conv.info
 
     # ---- frames -----------------------------------------------------------------------------------------------
@@ -696,6 +784,8 @@ class VllmPoolTap:
         self._refill(refill)
         tables, infos, logical, contiguous, entries = {}, [], 0, 0, 0
         tracked = self._tracked
+        grouped = self.grouped
+        group_tables: list[dict[int, tuple[int, ...]]] = [{} for _ in self.managers] if grouped else []
         for rid, request in self.scheduler.requests.items():
             cid = self._cids.get(rid)
             conv = self._convs.get(cid) if cid is not None else None
@@ -709,7 +799,19 @@ class VllmPoolTap:
                 logical += min(int(request.num_computed_tokens), len(table) * self.block_size)
                 total = len(conv.prompt) + conv.max_new_tokens
                 contiguous += min(total, self.max_model_len) if self.max_model_len else total
-            infos.append(self._info(conv, request, table))
+            mine: tuple = ()
+            if grouped:
+                mine = []
+                for g, tg in enumerate(self._tracked_groups):
+                    tt = tg.get(rid)
+                    gt = tt.table if tt is not None else ()
+                    if gt:
+                        group_tables[g][cid] = gt
+                        if g:
+                            entries += len(gt)
+                    mine.append(gt)
+                mine = tuple(mine)
+            infos.append(self._info(conv, request, table, mine))
         live = {i.conversation_id for i in infos}
         infos.extend(i for i in self._finished if i.conversation_id not in live)
         infos.sort(key=lambda i: i.conversation_id)
@@ -739,7 +841,9 @@ class VllmPoolTap:
             state=frozen_array(self._state), owner=frozen_array(self._owner), last_access=frozen_array(self._last),
             block_tables=MappingProxyType(tables), conversations=tuple(infos), metrics=metrics, memory=memory,
             model_name=self.model_name, max_model_len=self.max_model_len, device=self.device,
-            block_hash=frozen_array(self._hash), version=self.version, source="vllm")
+            block_hash=frozen_array(self._hash), version=self.version, source="vllm", kv_cache_groups=self.groups,
+            group_block_tables=tuple(MappingProxyType(g) for g in group_tables),
+            block_group=frozen_array(self._bgroup) if grouped else None)
         return snap, events
 
     def request_id_of(self, conversation_id: int) -> str | None:

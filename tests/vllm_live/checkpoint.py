@@ -30,3 +30,36 @@ def make_checkpoint(out: Path) -> Path:
                          bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
+
+
+def make_hybrid_checkpoint(out: Path, kind: str, window: int = 64) -> Path:
+    """The same small model with sliding-window layers, as vLLM pages them in KV cache groups: ``kind`` "llama" is
+    a Llama whose config.json has ``layer_types`` alternating "sliding_attention" / "full_attention" (two groups),
+    "mistral" a Mistral with ``sliding_window`` on every layer (one sliding-window group)."""
+    import json
+
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    make_checkpoint(out)  # the tokenizer (and a Llama, replaced below)
+    config = json.loads((out / "config.json").read_text())
+    if kind == "llama":
+        config["num_hidden_layers"] = 4
+        config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+        config["sliding_window"] = window
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items()
+                                                 if k not in ("layer_types", "sliding_window", "architectures")}))
+        model.save_pretrained(out)
+        saved = json.loads((out / "config.json").read_text())
+        saved.update(layer_types=config["layer_types"], sliding_window=window)
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
+    elif kind == "mistral":
+        torch.manual_seed(0)
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+        MistralForCausalLM(MistralConfig(sliding_window=window, **{k: config[k] for k in keep})).save_pretrained(out)
+    else:
+        raise ValueError(kind)
+    return out
