@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     watching = bool(opts.open or opts.attach or opts.attach_kv_events)
     if not watching:  # the local engine's model (a demo takes the real one once fetched); watchers load no torch
+        from explorer.cli import build_parser
+        from explorer.feeds.demo_beyond import demo_settings
+        defaults = build_parser()
+        given = {name for name in ("model", "num_blocks", "block_size", "host_tier_blocks")
+                 if getattr(opts, name) != defaults.get_default(name)}
+        for name, value in demo_settings(opts.demo, given).items():  # what the tiers / window demo needs
+            setattr(opts, name, value)
         from explorer.feeds.demo import pick_model
         opts.model, model_note = pick_model(opts.model, opts.demo)
         if model_note:
