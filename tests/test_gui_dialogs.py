@@ -382,7 +382,7 @@ def test_restart_with_a_file_for_a_model_says_it_is_a_file(qtbot, make_window, t
     dialog.checkpoint.setChecked(True)
     dialog.path.setText(str(tmp_path / "model.safetensors"))
     dialog.try_accept()
-    assert "is a file; choose the checkpoint's directory" in dialog.error_text("model")
+    assert "is a file; choose a .gguf file or the checkpoint's directory" in dialog.error_text("model")
 
 
 def test_typing_goes_into_the_prompt_and_tab_moves_on(qtbot, make_window):
@@ -403,3 +403,46 @@ def test_typing_goes_into_the_prompt_and_tab_moves_on(qtbot, make_window):
         qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
         assert wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 1).conversations[0].prompt_text \
             == "Record me please."
+
+
+def test_restart_dialog_takes_model_names_and_gguf_files(qtbot, make_window, tmp_path, monkeypatch):
+    """Found with smollm2: the dialog said "No such directory: smollm2" (and "is a file" for a .gguf), and it
+    pre-fills "smollm2" while smollm2 runs, so OK failed without a change."""
+    import dataclasses
+
+    import engine
+    window = make_window(paused=True)
+
+    def accepted(model, cfg=window.config):
+        dialog = RestartDialog(cfg, window)
+        dialog.checkpoint.setChecked(True)
+        if model is not None:
+            dialog.path.setText(model)
+        dialog.try_accept()
+        return dialog
+
+    gguf = tmp_path / "model.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in ("builtin", str(gguf)):
+        dialog = accepted(model)
+        assert dialog.error_text("model") == "" and dialog.config.model == model
+    dialog = accepted(str(tmp_path / "missing.gguf"))
+    assert "No such GGUF file" in dialog.error_text("model") and dialog.config is None
+    # smollm2 not fetched (the tests' own cache is empty): the one command to run, at the field
+    dialog = accepted("smollm2")
+    assert "python main.py --fetch-model smollm2" in dialog.error_text("model") and dialog.config is None
+    # fetched, and running: the dialog opens on it and OK restarts with it
+    monkeypatch.setattr(engine, "fetched_model", lambda name: "SmolLM2-135M-Instruct")
+    dialog = accepted(None, dataclasses.replace(window.config, model="smollm2"))
+    assert dialog.path.text() == "smollm2" and dialog.checkpoint.isChecked()
+    assert dialog.error_text("model") == "" and dialog.config.model == "smollm2"
+
+
+def test_tests_never_see_a_fetched_model():
+    """A developer's fetched smollm2 must not change what the GUI tests run: the session has its own cache."""
+    import os
+
+    from engine.native import cache_dir
+    from explorer.feeds.demo import pick_model
+    assert os.environ.get("PAGED_KV_EXPLORER_CACHE") and "paged-kv-tests-" in str(cache_dir())
+    assert pick_model(None, "busy")[0] == "builtin"

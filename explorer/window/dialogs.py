@@ -401,9 +401,9 @@ class RestartDialog(_FormDialog):
         grid = QtWidgets.QGridLayout(model_box)
         grid.setContentsMargins(0, 0, 0, 0)
         self.builtin = QtWidgets.QRadioButton("built-in")
-        self.checkpoint = QtWidgets.QRadioButton("checkpoint:")
+        self.checkpoint = QtWidgets.QRadioButton("other:")
         self.path = QtWidgets.QLineEdit("" if current.model == "builtin" else current.model)
-        self.path.setPlaceholderText("directory with config.json and *.safetensors")
+        self.path.setPlaceholderText("smollm2, a .gguf file, or a folder with config.json and *.safetensors")
         self.path.setMinimumWidth(self.path.fontMetrics().horizontalAdvance(self.path.placeholderText()) + 24)
         self.browse = QtWidgets.QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
@@ -439,14 +439,7 @@ class RestartDialog(_FormDialog):
         self.errors["num_blocks"].show_error(err2)
         model, err3 = "builtin", ""
         if self.checkpoint.isChecked():
-            model = self.path.text().strip()
-            if not model:
-                err3 = "Choose a checkpoint directory (or pick built-in)."
-            elif os.path.isfile(model):
-                err3 = (f"{model} is a file; choose the checkpoint's directory (the folder holding config.json and "
-                        "the *.safetensors files).")
-            elif not os.path.isdir(model):
-                err3 = f"No such directory: {model}"
+            model, err3 = check_model_spec(self.path.text())
         self.errors["model"].show_error(err3)
         if err or err2 or err3:
             return
@@ -496,6 +489,33 @@ class RestartDialog(_FormDialog):
         self.loading = False
         self.set_busy("")
         self.accept()
+
+
+NAMED_MODELS = ("builtin", "smollm2")  # the model names EngineConfig(model=...) knows (README, --model, --fetch-model)
+
+
+def check_model_spec(text: str) -> tuple[str, str]:
+    """(the model spec, why it cannot be one or ''): a known name ("builtin", "smollm2"), a ``.gguf`` file, or a
+    checkpoint directory, as ``--model`` takes them. A named model that has not been fetched says the command to run
+    here, before a restart is tried."""
+    model = text.strip()
+    if not model:
+        return model, "Type a model name (smollm2), a .gguf file or a checkpoint directory (or pick built-in)."
+    if model in NAMED_MODELS:
+        if model != "builtin":
+            from engine import fetched_model
+            if fetched_model(model) is None:
+                return model, (f"{model} has not been fetched yet: run `python main.py --fetch-model {model}` once "
+                               "(about 93 MB), then restart.")
+        return model, ""
+    if model.lower().endswith(".gguf"):
+        return model, "" if os.path.isfile(model) else f"No such GGUF file: {model}"
+    if os.path.isfile(model):
+        return model, (f"{model} is a file; choose a .gguf file or the checkpoint's directory (the folder holding "
+                       "config.json and the *.safetensors files).")
+    if not os.path.isdir(model):
+        return model, f"No such directory: {model} (model names: {', '.join(NAMED_MODELS)})"
+    return model, ""
 
 
 def failure_field(message: str) -> str:
