@@ -158,6 +158,7 @@ class _MessageDialog(_FormDialog):
         self.num_blocks, self.block_size = snapshot.num_blocks, snapshot.block_size
         self.max_model_len = snapshot.max_model_len  # the model's positions; 0: no limit known
         self.request = None  # set when the dialog is accepted
+        self.counted_ids: tuple[int, ...] | None = None  # the ids the length check counted (text it tokenized)
         self.answer = None  # the engine's answer to ``submit`` (a conversation id), when the dialog sent it
         self._pending: Future | None = None  # the length check or the submission in flight
         self.mode = QtWidgets.QComboBox()
@@ -222,7 +223,8 @@ class _MessageDialog(_FormDialog):
         return f"Too long: {reason}.{hint}"
 
     def check_and_send(self, key: str, text: str, ids: tuple[int, ...] | None, history_tokens: int,
-                       max_new: int | None, make_request: Callable[[int], object]) -> None:
+                       max_new: int | None, make_request: Callable[[int], object],
+                       tokenized: Future | None = None) -> None:
         """Count the message's tokens (``ids``, or ``text`` through the engine's tokenizer, without blocking), show
         at field ``key`` why it cannot fit, and accept (or send) ``make_request(max_new)`` when every field is
         valid. ``max_new`` None: that field is invalid; the length is still checked, against one new token."""
@@ -235,7 +237,7 @@ class _MessageDialog(_FormDialog):
         if ids is not None:
             counted(len(ids))
             return
-        future = self._pending = self._tokenize(text)
+        future = self._pending = tokenized if tokenized is not None else self._tokenize(text)
         self.set_busy("Checking the length…")
 
         def answered(_=None) -> None:
@@ -244,7 +246,8 @@ class _MessageDialog(_FormDialog):
             self._pending = None
             self.set_busy("")
             try:
-                num_tokens = len(future.result())
+                self.counted_ids = tuple(future.result())  # what the request sends when the text became chat turns
+                num_tokens = len(self.counted_ids)
             except Exception as exc:  # the tokenizer refused the text (a checkpoint without one, say)
                 hint = f" Switch '{self.mode_label}' to token ids." if "token ids" in str(exc) else ""
                 self.errors[key].show_error(f"{exc}.{hint}" if hint else str(exc))
@@ -293,14 +296,17 @@ class AddRequest:
     temperature: float
     samples: int  # conversations to start from this prompt (Engine.add_samples n)
     prompt_token_ids: tuple[int, ...] | None = None  # the prompt as token ids instead of text (then prompt is "")
+    messages: tuple = ()  # a chat model's system / user turns that prompt_token_ids were rendered from
 
 
 class AddConversationDialog(_MessageDialog):
     """Prompt (text or token ids), generation settings, shared system prompt option and parallel samples."""
 
     def __init__(self, tokenize: Callable[[str], Future], watch: Callable, snapshot: PoolSnapshot,
-                 parent: QtWidgets.QWidget | None = None, submit: Callable[[AddRequest], Future] | None = None):
+                 parent: QtWidgets.QWidget | None = None, submit: Callable[[AddRequest], Future] | None = None,
+                 chat: Callable[[list], Future] | None = None):
         super().__init__("Add conversation", tokenize, watch, snapshot, parent, submit)
+        self._chat = chat  # messages -> Future of ids in the model's chat template (a chat model), or None
         self.prompt = self.add_message_rows("prompt", "Prompt:", "Type the user's message")
         self.prompt.setMinimumSize(300, 70)
         self.max_new_tokens = self.add_max_new_tokens_row()
@@ -337,6 +343,15 @@ class AddConversationDialog(_MessageDialog):
                 return
         elif not self.prompt.toPlainText().strip():
             self.errors["prompt"].show_error("The prompt is empty: type a message.")
+            return
+        if ids is None and self._chat is not None:
+            # a chat model: the shared system prompt is the system turn, the text the user's; ids as the template says
+            messages = (([{"role": "system", "content": SYSTEM_PROMPT.strip()}] if self.use_system.isChecked()
+                         else []) + [{"role": "user", "content": self.prompt.toPlainText()}])
+            self.check_and_send("prompt", "", None, 0, max_new,
+                                lambda new: AddRequest("", new, float(temperature), samples, self.counted_ids,
+                                                       tuple(messages)),
+                                tokenized=self._chat(messages))
             return
         prompt = "" if ids is not None else self.full_prompt()
         self.check_and_send("prompt", prompt, ids, 0, max_new,
