@@ -111,7 +111,7 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
-    feeds, engine = [], None
+    feeds, engine, traffic = [], None, None
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
             if opts.open:  # every frame decoded and checked first: a corrupt file is one line and exit 2
@@ -146,6 +146,13 @@ def run_headless_cli(opts, cfg) -> int:
                                       max_steps_per_second=speed)]
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
+            if opts.demo == "serve":  # served traffic never runs dry: until --quit-after or Ctrl+C
+                from .feeds.traffic import TrafficDriver
+                traffic = TrafficDriver(feeds[0]).start()
+                done = None
+                print("serving traffic (1 request/s); stop with Ctrl+C"
+                      + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
+                      file=sys.stderr, flush=True)
             if outputs:  # others are watching: keep publishing until --quit-after or Ctrl+C
                 done = None
                 print(f"publishing {' and '.join(outputs)}; stop with Ctrl+C"
@@ -163,6 +170,8 @@ def run_headless_cli(opts, cfg) -> int:
     try:
         status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done)
     finally:
+        if traffic is not None:
+            traffic.stop()
         for feed in feeds:
             feed.close()
     if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate

@@ -4,6 +4,9 @@
 count 2), one is forked (all its blocks shared until copy-on-write), one finishes early (its full blocks stay
 cached, muted), and every running conversation has a partially filled tail block.
 
+"serve" is a server's traffic that never runs dry (explorer.feeds.traffic); busy and crowd go on as served traffic
+once their first screen has played out (SERVED_AFTER).
+
 "crowd" oversubscribes the pool on purpose: each request asks for up to twice its fair share of the pool's slots,
 which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous
 max-length allocator of the same memory has to keep many waiting (the contiguous view shows both).
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
                  "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
+SERVED_AFTER = {"busy": True, "crowd": True, "serve": False}  # demo -> traffic waits for its first screen to end
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 MIN_NEW_TOKENS = 4  # a demo request never asks for fewer new tokens than this
 
@@ -143,4 +147,18 @@ def pick_model(requested: str | None, demo: str) -> tuple[str, str]:
     return "builtin", ""
 
 
-DEMOS = {"busy": seed_busy, "crowd": seed_crowd}  # --demo name -> what seeds a fresh engine (the lesson has no engine)
+def seed_serve(engine) -> Seeded:
+    """The serve demo's first requests (a few chats on the shared system prompts), so its first screen is not empty;
+    the served traffic (explorer.feeds.traffic) goes on from there."""
+    from .traffic import QUESTIONS, SYSTEM_PROMPTS
+    adder = _Adder(engine)
+    budget = adder.num_blocks * adder.block_size // 4
+    for i in range(4):
+        adder.add(QUESTIONS[i], (96, 200, 48, 400)[i], budget, system=SYSTEM_PROMPTS[i % 2] + " ", temperature=0.7,
+                  seed=i)
+        if i == 0:
+            engine.step()  # its system-prompt blocks are hashed before the next one arrives, so they are shared
+    return adder.result()
+
+
+DEMOS = {"busy": seed_busy, "crowd": seed_crowd, "serve": seed_serve}  # --demo name -> what seeds a fresh engine (the lesson has no engine)

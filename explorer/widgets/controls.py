@@ -18,6 +18,7 @@ class EngineControls(QtWidgets.QToolBar):
     stepRequested = QtCore.Signal()
     speedChanged = QtCore.Signal(object)  # steps/s, or None for unlimited
     restartRequested = QtCore.Signal()
+    rateChanged = QtCore.Signal(float)  # served traffic's arrivals, requests/s
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__("Engine", parent)
@@ -45,7 +46,39 @@ class EngineControls(QtWidgets.QToolBar):
         self.addWidget(self.speed)
         self.addSeparator()
         self.addAction(self.restart_action)
+        self._build_rate()
         self._syncing = False
+
+    def _build_rate(self) -> None:
+        """The served traffic's arrival rate (shown only while a demo serves traffic): 0 to 10 requests/s."""
+        box = QtWidgets.QWidget()
+        row = QtWidgets.QHBoxLayout(box)
+        row.setContentsMargins(6, 0, 0, 0)
+        self.rate = QtWidgets.QSlider(QtCore.Qt.Orientation.Horizontal)
+        self.rate.setRange(0, 100)  # tenths of a request per second
+        self.rate.setValue(10)
+        self.rate.setFixedWidth(120)
+        self.rate.setToolTip("Served traffic: new requests per second, Poisson arrivals (0: none arrive)")
+        self.rate_label = QtWidgets.QLabel()
+        self.rate_label.setMinimumWidth(self.rate_label.fontMetrics().horizontalAdvance("arrivals: 10.0/s") + 4)
+        row.addWidget(QtWidgets.QLabel("arrivals:"))
+        row.addWidget(self.rate)
+        row.addWidget(self.rate_label)
+        self.rate.valueChanged.connect(self._on_rate)
+        self._on_rate(self.rate.value(), emit=False)
+        self.rate_action = self.addWidget(box)
+        self.rate_action.setVisible(False)
+
+    def rate_value(self) -> float:
+        return self.rate.value() / 10.0
+
+    def _on_rate(self, value: int, emit: bool = True) -> None:
+        self.rate_label.setText(f"{value / 10:.1f}/s")
+        if emit:
+            self.rateChanged.emit(value / 10.0)
+
+    def show_rate(self, on: bool) -> None:
+        self.rate_action.setVisible(on)
 
     def _on_toggle(self, checked: bool) -> None:
         self.pause_action.setText("▶ Run" if checked else "❚❚ Pause")

@@ -87,6 +87,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.restart_dialog: RestartDialog | None = None  # the newest restart dialog opened
         self.demo_notes: tuple[str, ...] = ()  # what the running demo lowered to fit the pool, one note each
         self.outputs_note = ""  # what the last restart did to the outputs (publishing on, a recording ended)
+        self.traffic = None  # the served traffic (a TrafficDriver) of the running demo, or None
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
@@ -163,6 +164,7 @@ class MainWindow(QtWidgets.QMainWindow):
         controls.stepRequested.connect(lambda: self.source.submit("step_once"))
         controls.speedChanged.connect(lambda speed: self.source.submit("set_speed", speed))
         controls.restartRequested.connect(self.open_restart_dialog)
+        controls.rateChanged.connect(lambda rate: self.traffic is not None and self.traffic.set_rate(rate))
         self.conversations.selectionChanged.connect(self._on_conversation_selected)
         self.conversations.addRequested.connect(self.open_add_dialog)
         self.conversations.forkRequested.connect(self.fork_conversation)
@@ -339,6 +341,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_source_changed(self, feed: Feed) -> None:
         """A new feed took over the active source: every panel starts over, commands follow its capabilities."""
         self.commands.close_dialogs()
+        if self.traffic is not None and self.traffic.feed is not feed:  # traffic belongs to the engine it fed
+            self.stop_traffic()
         self._select_when_present = None
         self.pacer.reset()
         self.relocation.reset()
@@ -556,9 +560,29 @@ class MainWindow(QtWidgets.QMainWindow):
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried)
         self.engine_config = cfg
         self.source.set_feed(feed)
+        if demo:
+            self.start_traffic(demo)
         self.outputs_note = outputs_note(carried, ended)
         self.status.showMessage(f"Engine restarted: {cfg.model}, {cfg.num_blocks} blocks of {cfg.block_size}. "
                                 f"{self.outputs_note}".strip(), 15000 if self.outputs_note else 5000)
+
+    def start_traffic(self, demo: str) -> None:
+        """Served traffic for ``demo`` on the local engine: at once for serve, after the first screen for busy and
+        crowd (they keep living instead of going idle). The toolbar's arrivals slider sets its rate."""
+        from ..feeds.demo import SERVED_AFTER
+        from ..feeds.traffic import TrafficDriver
+        self.stop_traffic()
+        feed = self.source.feed
+        if demo not in SERVED_AFTER or not isinstance(feed, EngineFeed) or not feed.takes_text:
+            return
+        self.traffic = TrafficDriver(feed, rate=self.controls.rate_value(), wait_until_idle=SERVED_AFTER[demo]).start()
+        self.controls.show_rate(True)
+
+    def stop_traffic(self) -> None:
+        if self.traffic is not None:
+            self.traffic.stop()
+            self.traffic = None
+        self.controls.show_rate(False)
 
     def set_contiguous(self, on: bool) -> None:
         """View > Contiguous side by side, for every pane."""
@@ -624,6 +648,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.layout_memory.save(self)
         self._closed = True
         self.timer.stop()
+        if self.traffic is not None:
+            self.traffic.stop()
         self.metrics_backfill.stop()
         self.block_watch.stop()
         for source in self.sources:
