@@ -446,3 +446,36 @@ def test_tests_never_see_a_fetched_model():
     from explorer.feeds.demo import pick_model
     assert os.environ.get("PAGED_KV_EXPLORER_CACHE") and "paged-kv-tests-" in str(cache_dir())
     assert pick_model(None, "busy")[0] == "builtin"
+
+
+def test_long_validation_messages_are_never_cut(qtbot, make_window):
+    """Found in the X window: 'block size 4096 with 1,048,576 blocks' and a long prompt with Max new tokens 1024
+    were cut after two lines; the whole message must be readable (the label grows, and the dialog with it)."""
+    window = make_window(paused=True)
+    restart = window.open_restart_dialog()
+    qtbot.waitExposed(restart)
+    restart.block_size.setText("4096")
+    restart.num_blocks.setText("1048576")
+    restart.try_accept()
+    add = open_add_dialog(window, "a long prompt " * 40, max_new_tokens=1024)
+    qtbot.waitExposed(add)
+    add.try_accept()
+    qtbot.waitUntil(lambda: bool(add.error_text("prompt")), timeout=3000)
+    long = "Too long: " + "this sentence explains what went wrong and what to do about it; " * 6
+    restart.errors["model"].show_error(long)
+    for dialog in (restart, add):
+        for key, label in dialog.errors.items():
+            if label.message:
+                qtbot.waitUntil(lambda: label.height() >= label.heightForWidth(label.width()), timeout=2000)
+                bottom = label.mapTo(dialog, label.rect().bottomLeft()).y()
+                assert bottom <= dialog.height(), key  # inside the dialog, not under its edge
+    assert restart.errors["model"].height() > 3 * restart.errors["model"].fontMetrics().lineSpacing()
+
+
+def test_the_empty_prompt_error_clears_while_typing(qtbot, make_window):
+    window = make_window(paused=True)
+    dialog = open_add_dialog(window, "")
+    dialog.try_accept()
+    assert "empty" in dialog.error_text("prompt")
+    qtbot.keyClicks(dialog.prompt, "h")
+    assert dialog.error_text("prompt") == ""

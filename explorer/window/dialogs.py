@@ -34,14 +34,17 @@ TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
 
 class FieldError(QtWidgets.QLabel):
     """The red message under a field. Its height is reserved (``lines`` lines) whether or not there is an error,
-    so showing one never moves the fields below; a longer message is cut, and shown in full in the tooltip."""
+    so showing a short one never moves the fields below; a longer message makes the label (and the dialog) taller,
+    so the whole message can always be read (cut after two lines, "block size 4096 with 1,048,576 blocks" lost
+    its advice). The tooltip repeats it."""
 
     def __init__(self, lines: int = 2, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.setStyleSheet("color: #e0443e;")
         self.setWordWrap(True)
         self.setAlignment(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignTop)
-        self.setFixedHeight(lines * self.fontMetrics().lineSpacing() + 2)
+        self._reserved = lines * self.fontMetrics().lineSpacing() + 2
+        self.setFixedHeight(self._reserved)
         self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Fixed)
         self.message = ""  # the full message ("" while the field is valid)
 
@@ -49,6 +52,24 @@ class FieldError(QtWidgets.QLabel):
         self.message = text
         self.setText(text)
         self.setToolTip(text)
+        self._fit()
+
+    def needed_height(self) -> int:
+        """Pixels the whole message needs at the label's width."""
+        return self.heightForWidth(max(self.width(), 80)) if self.message else 0
+
+    def _fit(self) -> None:
+        height = max(self._reserved, self.needed_height())
+        if height != self.height() or height != self.minimumHeight():
+            self.setFixedHeight(height)
+            dialog = self.window()
+            if dialog is not self and dialog.isVisible():
+                dialog.adjustSize()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            self._fit()  # a narrower label needs more lines
 
 
 def parse_number(text: str, name: str, kind=int, low=None, high=None) -> tuple[object, str]:
@@ -178,6 +199,8 @@ class _MessageDialog(_FormDialog):
         send.activated.connect(self.try_accept)
         self._placeholder = placeholder
         self._message_editor = editor
+        # an error about the message ("The prompt is empty") is stale once the user types: it clears itself
+        editor.textChanged.connect(lambda: self.errors[key].message and self.errors[key].show_error(""))
         return editor
 
     def message_editor(self) -> QtWidgets.QPlainTextEdit:
