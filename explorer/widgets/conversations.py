@@ -340,6 +340,7 @@ class ConversationsPanel(QtWidgets.QWidget):
     """Table of conversations with add / fork / reply / end buttons; emits what the user asked for."""
 
     selectionChanged = QtCore.Signal(object)  # conversation id, or None
+    buttonsChanged = QtCore.Signal()  # a button was enabled or disabled (the menus' actions follow the buttons)
     addRequested = QtCore.Signal()
     forkRequested = QtCore.Signal(int)
     replyRequested = QtCore.Signal(int)
@@ -447,16 +448,20 @@ class ConversationsPanel(QtWidgets.QWidget):
             for button in self.buttons.values():
                 button.setEnabled(False)
                 button.setToolTip(f"Unavailable: {self.read_only_reason}")
+            self.buttonsChanged.emit()
             return
         for key, button in self.buttons.items():
             button.setToolTip(self._tips[key])
         cid = self.selected_conversation()
         info = self._snapshot.conversation(cid) if (cid is not None and self._snapshot) else None
         status = str(info.status) if info else ""
+        before = [b.isEnabled() for b in self.buttons.values()]
         self.buttons["add"].setEnabled(True)
         self.buttons["fork"].setEnabled(status in ("waiting", "running", "preempted"))
         self.buttons["reply"].setEnabled(status == "finished")
-        self.buttons["end"].setEnabled(status in ("waiting", "running", "preempted", "finished"))
+        self.buttons["end"].setEnabled(status in ("waiting", "running", "preempted"))  # a finished one holds nothing
+        if [b.isEnabled() for b in self.buttons.values()] != before:
+            self.buttonsChanged.emit()
 
     def _on_selection(self, *_):
         cid = self.selected_conversation()

@@ -166,6 +166,7 @@ class MainWindow(QtWidgets.QMainWindow):
         controls.restartRequested.connect(self.open_restart_dialog)
         controls.rateChanged.connect(lambda rate: self.traffic is not None and self.traffic.set_rate(rate))
         self.conversations.selectionChanged.connect(self._on_conversation_selected)
+        self.conversations.buttonsChanged.connect(self._sync_conversation_actions)
         self.conversations.addRequested.connect(self.open_add_dialog)
         self.conversations.forkRequested.connect(self.fork_conversation)
         self.conversations.replyRequested.connect(self.open_reply_dialog)
@@ -393,9 +394,17 @@ class MainWindow(QtWidgets.QMainWindow):
             widget.setEnabled(usable and not reason)
             _explain(widget, tip)
         self.conversations.set_read_only(reason)
+        self._sync_conversation_actions()
         self.window_actions.restart.setEnabled(True)
         self.window_actions.restart.setToolTip("Start a local engine (the current source is closed)" if reason else
                                        "Restart the engine with another configuration")
+
+    def _sync_conversation_actions(self) -> None:
+        """Fork, Reply and End (menus, Ctrl+F, Ctrl+R, Ctrl+E) are usable exactly when the conversation panel's
+        buttons are: a shortcut never offers what its greyed button refuses ("Command refused" on Ctrl+F)."""
+        actions = self.window_actions
+        for key, action in (("fork", actions.fork), ("reply", actions.reply), ("end", actions.end)):
+            action.setEnabled(self.conversations.buttons[key].isEnabled())
 
     # ---- selection ------------------------------------------------------------------------------------------
     def activate_pane(self, pane: PoolPane) -> None:
