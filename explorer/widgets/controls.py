@@ -23,11 +23,13 @@ class EngineControls(QtWidgets.QToolBar):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__("Engine", parent)
         self.setObjectName("engine-controls")
+        # not checkable: its text says what pressing it does ("❚❚ Pause" / "▶ Run"); a checkable action showed a
+        # checkbox beside the glyph in the Engine menu
         self.pause_action = QtGui.QAction("❚❚ Pause", self)
-        self.pause_action.setCheckable(True)
         self.pause_action.setShortcut(QtGui.QKeySequence("Space"))
         self.pause_action.setToolTip("Pause or run the engine (Space)")
-        self.pause_action.toggled.connect(self._on_toggle)
+        self.pause_action.triggered.connect(lambda _checked=False: self.set_paused(not self.paused))
+        self.paused = False
         self.step_action = QtGui.QAction("Step", self)
         self.step_action.setShortcut(QtGui.QKeySequence("Ctrl+."))
         self.step_action.setToolTip("Run exactly one engine step (Ctrl+.)")
@@ -80,17 +82,20 @@ class EngineControls(QtWidgets.QToolBar):
     def show_rate(self, on: bool) -> None:
         self.rate_action.setVisible(on)
 
-    def _on_toggle(self, checked: bool) -> None:
-        self.pause_action.setText("▶ Run" if checked else "❚❚ Pause")
-        if not self._syncing:
-            self.pauseToggled.emit(checked)
+    def set_paused(self, paused: bool) -> None:
+        """Show ``paused`` (the action then offers Run) and ask for it, unless syncing with the runner."""
+        changed = paused != self.paused
+        self.paused = paused
+        self.pause_action.setText("▶ Run" if paused else "❚❚ Pause")
+        if changed and not self._syncing:
+            self.pauseToggled.emit(paused)
 
     def sync(self, paused: bool, speed: float | None) -> None:
         """Reflect the runner's real state (it pauses itself after an engine failure) without emitting."""
         self._syncing = True
         try:
-            if self.pause_action.isChecked() != paused:
-                self.pause_action.setChecked(paused)
+            if self.paused != paused:
+                self.set_paused(paused)
             index = next((i for i, (_, v) in enumerate(SPEEDS) if v == speed), None)
             if index is not None and index != self.speed.currentIndex():
                 self.speed.blockSignals(True)
