@@ -563,7 +563,8 @@ class MainWindow(QtWidgets.QMainWindow):
         engine's run. The status bar says both, and Stop recording is disabled."""
         from ..feeds.demo import DEMO_SPEED
         old = self.source.feed
-        speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else None)
+        # a recording or a watched stream has no engine speed: the new engine takes the speed box's, as shown
+        speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else self.controls.speed.currentData())
         paused = old.paused if (old.capabilities.can_command and not demo) else False
         carried, ended = old.hand_over() if isinstance(old, EngineFeed) else ([], [])
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried)
