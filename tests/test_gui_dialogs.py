@@ -479,3 +479,23 @@ def test_the_empty_prompt_error_clears_while_typing(qtbot, make_window):
     assert "empty" in dialog.error_text("prompt")
     qtbot.keyClicks(dialog.prompt, "h")
     assert dialog.error_text("prompt") == ""
+
+
+def test_demos_are_disabled_for_a_model_without_a_tokenizer(qtbot, make_window, tmp_path):
+    """Found in the X window: picking a demo with a tokenizer-less model raised "Engine restart failed" speaking of
+    prompt_token_ids. The demos write text: they are disabled, and say why."""
+    from helpers import write_tiny_checkpoint
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")
+    window = make_window(paused=True)
+    demos = window.window_actions.demos
+    assert all(action.isEnabled() for action in demos.values())
+    old = window.runner
+    window.restart_engine(window.config.__class__(model=str(checkpoint), block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    for name in ("busy", "crowd", "serve"):
+        assert not demos[name].isEnabled() and "no tokenizer" in demos[name].toolTip(), name
+    assert demos["lesson"].isEnabled()  # the lesson has no engine
+    old = window.runner
+    window.restart_engine(window.config.__class__(model="builtin", block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    assert demos["busy"].isEnabled() and "no tokenizer" not in demos["busy"].toolTip()

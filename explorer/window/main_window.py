@@ -395,9 +395,27 @@ class MainWindow(QtWidgets.QMainWindow):
             _explain(widget, tip)
         self.conversations.set_read_only(reason)
         self._sync_conversation_actions()
+        self._enable_demos()
         self.window_actions.restart.setEnabled(True)
         self.window_actions.restart.setToolTip("Start a local engine (the current source is closed)" if reason else
                                        "Restart the engine with another configuration")
+
+    def _enable_demos(self) -> None:
+        """The demos write text prompts: with a model that has no tokenizer (a checkpoint without tokenizer.json)
+        they are disabled and say why, instead of a failed restart speaking of prompt_token_ids."""
+        feed = self.source.feed
+        textless = isinstance(feed, EngineFeed) and not feed.takes_text
+        why = (f"Unavailable: the demos write text prompts, and this model ({feed.config.model}) has no tokenizer "
+               "(no tokenizer.json). Restart with the built-in model (Engine > Restart) to run them." if textless
+               else "")
+        for name, action in self.window_actions.demos.items():
+            if name == "lesson":
+                continue
+            action.setEnabled(not textless)
+            if not hasattr(action, "usable_tip"):
+                action.usable_tip = action.toolTip()
+            action.setToolTip(why or action.usable_tip)
+            action.setStatusTip(why or action.usable_tip)
 
     def _sync_conversation_actions(self) -> None:
         """Fork, Reply and End (menus, Ctrl+F, Ctrl+R, Ctrl+E) are usable exactly when the conversation panel's
