@@ -499,3 +499,13 @@ def test_demos_are_disabled_for_a_model_without_a_tokenizer(qtbot, make_window, 
     window.restart_engine(window.config.__class__(model="builtin", block_size=4, num_blocks=64))
     qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
     assert demos["busy"].isEnabled() and "no tokenizer" not in demos["busy"].toolTip()
+
+
+def test_counts_are_singular_for_one_and_use_one_number_format(qtbot, make_window):
+    """"1 new tokens", "1 tokens"; "step 2,100" beside "step 2100": one way to say a count everywhere."""
+    from explorer.model.words import count
+    assert count(1, "new token") == "1 new token" and count(2100, "token") == "2,100 tokens"
+    window = make_window(paused=True, num_blocks=4, block_size=4)  # 16 slots
+    dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot, window)
+    message = dialog.fit_message(16, 8)  # 16 prompt tokens: one new token fits (the last needs no slot)
+    assert "at most 1 new token fit" in message

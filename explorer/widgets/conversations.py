@@ -13,6 +13,7 @@ separated from the reply being generated.
 from __future__ import annotations
 
 import numpy as np
+from ..model.words import count, number
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import ConversationInfo, PoolSnapshot
@@ -259,10 +260,12 @@ class ConversationDetail(QtWidgets.QWidget):
         self.title.setText(
             f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — "
             f"{status_text(info)}{turns}, "
-            f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens "
-            f"(at most {info.max_new_tokens} new)"
+            f"{number(len(info.prompt_token_ids))} prompt + {number(len(info.output_token_ids))} generated "
+            f"token{'s' if len(info.prompt_token_ids) + len(info.output_token_ids) != 1 else ''} "
+            f"(at most {number(info.max_new_tokens)} new)"
             + (f", forked from {info.parent_id}" if info.parent_id is not None else "")
-            + (f", {info.num_cached_tokens} prompt tokens from the prefix cache" if info.num_cached_tokens else ""))
+            + (f", {count(info.num_cached_tokens, 'prompt token')} from the prefix cache" if info.num_cached_tokens
+               else ""))
         if table:
             cells = []
             for i, (block, ref, fill) in enumerate(zip(table, refs, fills)):

@@ -27,6 +27,7 @@ from engine import EngineConfig, EngineError
 from kvstream.rules import fit_error
 from kvstream.views import PoolSnapshot
 
+from ..model.words import count
 from ..feeds.demo import SYSTEM_PROMPT  # the add dialog's "shared system prompt" is the demos' one
 
 TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
@@ -241,7 +242,7 @@ class _MessageDialog(_FormDialog):
             return ""
         most = most_new_tokens(num_tokens, block_size=self.block_size, num_blocks=self.num_blocks,
                                max_model_len=self.max_model_len)
-        hint = (f" With this prompt at most {most} new tokens fit." if most > 0 else
+        hint = (f" With this prompt at most {count(most, 'new token')} fit." if most > 0 else
                 " The prompt alone is too long.")
         return f"Too long: {reason}.{hint}"
 
