@@ -142,7 +142,7 @@ class StatusBar(QtWidgets.QStatusBar):
         feed = source.feed
         live = feed.status_text()
         if source.viewing is not None and source.view is not None:
-            live = f"◀ viewing step {source.view.step_id} · {live}"
+            live = f"◀ viewing step {source.view.step_id:,} · {live}"
         self._set("live", live)
         counts = None if source.capabilities.has_physical_pool else feed.stream_counts()
         if counts is not None:  # a KV-event source: no pool views, so its own counts instead of "waiting"
