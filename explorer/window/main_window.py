@@ -624,7 +624,17 @@ class MainWindow(QtWidgets.QMainWindow):
         self.source.set_feed(feed)
 
     # ---- errors and closing ----------------------------------------------------------------------------------
+    TRANSIENT_PROBLEMS = frozenset({"Attached pool silent"})  # states the pane's header shows, and clears itself
+
     def _on_problem(self, problem: Problem) -> None:
+        """A problem opens a message box, unless it is a passing state: an attached stream gone silent is said in
+        its pane's header ("↔ silent for 12 s"), which says "live" again once frames come, and briefly here; a
+        box stayed open after the stream had resumed."""
+        if problem.title in self.TRANSIENT_PROBLEMS:
+            for pane in self.panes:
+                pane.refresh_header()
+            self.status.showMessage(f"{problem.title}: {problem.text}", 8000)
+            return
         self.show_error(problem.title, problem.text, problem.details or None)
 
     def show_error(self, title: str, text: str, details: str | None = None) -> QtWidgets.QMessageBox:
