@@ -654,7 +654,15 @@ class MainWindow(QtWidgets.QMainWindow):
         super().showEvent(event)
         if not self._shown_once and self._fit_frame:
             QtCore.QTimer.singleShot(FRAME_FIT_MS, self.fit_frame_to_screen)
+        if not self._shown_once and not self.layout_restored:
+            # the arrangement made before the window was shown had no real dock sizes to share out (a 1600 x 1000
+            # first launch gave the conversations about four rows): made again once shown, as View > Reset layout
+            QtCore.QTimer.singleShot(0, self._first_layout)
         self._shown_once = True
+
+    def _first_layout(self) -> None:
+        if not self._closed and not self.layout_restored:
+            self.reset_layout()
 
     def fit_frame_to_screen(self) -> bool:
         """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
