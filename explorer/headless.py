@@ -36,11 +36,12 @@ def summary_line(snap) -> str:
 def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
     """'conversation 3 (finished: max new tokens, 40 tokens): <its output>' for each conversation of the view."""
     from .model.event_text import finish_words
+    from .model.words import count
     lines = []
     for c in snap.conversations:
         reason = f": {finish_words(c.finish_reason)}" if c.finish_reason is not None else ""
         text = c.output_text if len(c.output_text) <= limit else c.output_text[:limit] + "…"
-        lines.append(f"{c.name} ({c.status}{reason}, {len(c.output_token_ids)} tokens): {text!r}")
+        lines.append(f"{c.name} ({c.status}{reason}, {count(len(c.output_token_ids), 'token')}): {text!r}")
     return lines
 
 
@@ -178,6 +179,7 @@ def run_headless_cli(opts, cfg) -> int:
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started
         tokens = snap.metrics.num_generated_tokens
-        print(f"idle after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
+        ended = "stopped" if traffic is not None else "idle"  # served traffic never runs dry
+        print(f"{ended} after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
               f"({tokens / max(elapsed, 1e-9):.1f} tokens/s)")
     return status

@@ -136,3 +136,4 @@ def test_headless_serve_runs_until_quit_after():
     assert "serving traffic" in out.stderr
     steps = [int(line.split(":")[0].split()[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert steps and steps[-1] > 50
+    assert "stopped after" in out.stdout and " 1 tokens" not in out.stdout
