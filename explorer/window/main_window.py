@@ -663,6 +663,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _first_layout(self) -> None:
         if not self._closed and not self.layout_restored:
             self.reset_layout()
+            for key in self.docks_hidden_for_source:  # the arrangement shows every dock; a KV-event source has
+                self.docks[key].hide()  # nothing for these (they stay listed, to come back with a pool source)
 
     def fit_frame_to_screen(self) -> bool:
         """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
