@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     watching = bool(opts.open or opts.attach or opts.attach_kv_events)
     if not watching:  # the local engine's model (a demo takes the real one once fetched); watchers load no torch
         from explorer.cli import build_parser
-        from explorer.feeds.demo_beyond import demo_settings
+        from explorer.feeds.demo import demo_settings
         defaults = build_parser()
         given = {name for name in ("model", "num_blocks", "block_size", "host_tier_blocks")
                  if getattr(opts, name) != defaults.get_default(name)}

@@ -11,10 +11,10 @@ import os
 import re
 import sys
 
-DEMO_NAMES = ("busy", "crowd", "lesson", "none")
+DEMO_NAMES = ("busy", "crowd", "serve", "tiers", "window", "lesson", "none")
 
 USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
-               [--demo busy|crowd|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
+               [--demo busy|crowd|serve|tiers|window|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                [--make-keys DIR] [--fetch-model NAME] [--host-tier-blocks N] [--disk-tier-blocks N]
@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-blocks", type=int, default=128, help="physical blocks in the pool (default 128)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--demo", default="none", choices=DEMO_NAMES,
-                        help="busy: a few conversations sharing blocks; crowd: many, for large pools; lesson")
+                        help="busy: a few conversations sharing blocks; crowd: many, for large pools; serve: a server's "
+                             "traffic that never runs dry (busy and crowd go on as served traffic in the window); "
+                             "tiers: prefixes that come back from a host tier; window: a model with a sliding-window group; lesson")
     parser.add_argument("--headless", action="store_true", help="no window: print progress (or --json) instead")
     parser.add_argument("--json", action="store_true",
                         help="with --headless: one JSON object per line, about once a second and once at exit")

@@ -36,11 +36,12 @@ def summary_line(snap) -> str:
 def conversation_texts(snap, limit: int = TEXT_PREVIEW) -> list[str]:
     """'conversation 3 (finished: max new tokens, 40 tokens): <its output>' for each conversation of the view."""
     from .model.event_text import finish_words
+    from .model.words import count
     lines = []
     for c in snap.conversations:
         reason = f": {finish_words(c.finish_reason)}" if c.finish_reason is not None else ""
         text = c.output_text if len(c.output_text) <= limit else c.output_text[:limit] + "…"
-        lines.append(f"{c.name} ({c.status}{reason}, {len(c.output_token_ids)} tokens): {text!r}")
+        lines.append(f"{c.name} ({c.status}{reason}, {count(len(c.output_token_ids), 'token')}): {text!r}")
     return lines
 
 
@@ -111,7 +112,7 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
-    feeds, engine = [], None
+    feeds, engine, traffic = [], None, None
     try:
         if opts.open or opts.attach or opts.attach_kv_events:
             if opts.open:  # every frame decoded and checked first: a corrupt file is one line and exit 2
@@ -146,6 +147,13 @@ def run_headless_cli(opts, cfg) -> int:
                                       max_steps_per_second=speed)]
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
+            if opts.demo == "serve":  # served traffic never runs dry: until --quit-after or Ctrl+C
+                from .feeds.traffic import TrafficDriver
+                traffic = TrafficDriver(feeds[0]).start()
+                done = None
+                print("serving traffic (1 request/s); stop with Ctrl+C"
+                      + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
+                      file=sys.stderr, flush=True)
             if outputs:  # others are watching: keep publishing until --quit-after or Ctrl+C
                 done = None
                 print(f"publishing {' and '.join(outputs)}; stop with Ctrl+C"
@@ -163,12 +171,15 @@ def run_headless_cli(opts, cfg) -> int:
     try:
         status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done)
     finally:
+        if traffic is not None:
+            traffic.stop()
         for feed in feeds:
             feed.close()
     if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started
         tokens = snap.metrics.num_generated_tokens
-        print(f"idle after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
+        ended = "stopped" if traffic is not None else "idle"  # served traffic never runs dry
+        print(f"{ended} after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
               f"({tokens / max(elapsed, 1e-9):.1f} tokens/s)")
     return status

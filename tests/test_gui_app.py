@@ -149,9 +149,9 @@ def test_engine_exception_reaches_a_dialog_and_app_keeps_running(qtbot, make_win
     assert title == "Engine error" and "simulated kernel failure" in text
     box = window.message_boxes[-1]
     assert box.isVisible() and "RuntimeError" in box.detailedText()
-    qtbot.waitUntil(lambda: window.controls.pause_action.isChecked(), timeout=2000)  # runner paused itself
+    qtbot.waitUntil(lambda: window.controls.paused, timeout=2000)  # runner paused itself
     monkeypatch.undo()
-    window.controls.pause_action.setChecked(False)  # the user presses Run
+    window.controls.pause_action.trigger()  # the user presses Run
     before = window.snapshot.step_id
     wait_for_snapshot(qtbot, window, lambda s: s.step_id > before + 2)
     assert window.timer.isActive()
@@ -191,7 +191,19 @@ def test_pause_step_and_speed_controls(qtbot, make_window):
     assert window.snapshot.step_id == start + 1  # paused: exactly one step
     window.controls.speed.setCurrentIndex(window.controls.speed.findData(30.0))
     qtbot.waitUntil(lambda: window.runner.max_steps_per_second == 30.0, timeout=2000)
-    window.controls.pause_action.setChecked(False)
+    window.controls.pause_action.trigger()
     wait_for_snapshot(qtbot, window, lambda s: s.step_id > start + 3)
     qtbot.waitUntil(lambda: "live" in window.status_labels["live"].text(), timeout=2000)
     assert "steps/s" in window.status_labels["engine"].text() and "fps" in window.status_labels["gui"].text()
+
+
+def test_engine_pause_is_a_command_not_a_checkbox(qtbot, make_window):
+    """Engine > Pause showed a checkbox and a pause glyph: the action says what pressing it does instead."""
+    window = make_window(paused=True)
+    action = window.controls.pause_action
+    assert not action.isCheckable() and action.text() == "▶ Run" and window.controls.paused
+    action.trigger()
+    qtbot.waitUntil(lambda: not window.runner.paused, timeout=3000)
+    assert action.text() == "❚❚ Pause"
+    action.trigger()
+    qtbot.waitUntil(lambda: window.runner.paused, timeout=3000)

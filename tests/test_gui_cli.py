@@ -275,3 +275,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_negative_quit_after_exits_2():
+    """"--quit-after -1" was accepted (exit 0) while every other bad value exits 2."""
+    from explorer.cli import parse_or_exit
+    for bad in ("-1", "nan", "abc"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_or_exit(["--quit-after", bad])
+        assert exit_info.value.code == 2
+    assert parse_or_exit(["--quit-after", "0"]).quit_after == 0
+    assert parse_or_exit(["--demo", "serve", "--headless", "--quit-after", "20"]).demo == "serve"

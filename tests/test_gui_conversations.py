@@ -192,3 +192,35 @@ def test_an_old_conversation_leaving_the_window_keeps_selection_and_scroll(panel
     assert abs(bar.value() - scrolled) <= 1  # one row up at most: the row above it went
     panel.refresh(view([c for c in convs[1:] if c.conversation_id != 250] + [conv(300)]))
     assert panel.selected_conversation() is None and selected[-1:] == [None]  # its conversation left: said so
+
+
+def test_shortcuts_follow_the_buttons_rules(qtbot, make_window):  # noqa: F811
+    """Found in the X window: Ctrl+F on a finished conversation said "Command refused" while Fork was greyed, and
+    End was enabled for a finished conversation (which holds no blocks)."""
+    from PySide6 import QtCore
+    from test_gui_support import wait_for_snapshot
+
+    def setup(engine):
+        engine.add_conversation("Done soon.", max_new_tokens=1)
+        engine.add_conversation("Still going on here.", max_new_tokens=200, ignore_eos=True)
+        engine.step()
+    window = make_window(setup=setup, paused=True)
+    snap = wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 2)
+    done, live = sorted(c.conversation_id for c in snap.conversations)
+    assert str(snap.conversation(done).status) == "finished"
+    actions, buttons = window.window_actions, window.conversations.buttons
+    for cid, usable in ((done, {"fork": False, "reply": True, "end": False}),
+                        (live, {"fork": True, "reply": False, "end": True})):
+        window.conversations.select_conversation(cid)
+        qtbot.waitUntil(lambda: window.selected_conversation() == cid, timeout=2000)
+        for key, on in usable.items():
+            assert buttons[key].isEnabled() == on, (cid, key)
+            assert getattr(actions, key).isEnabled() == on, (cid, key)
+    window.conversations.select_conversation(done)
+    qtbot.waitUntil(lambda: not actions.fork.isEnabled(), timeout=2000)
+    qtbot.keyClick(window, "F", QtCore.Qt.KeyboardModifier.ControlModifier)
+    qtbot.wait(200)
+    assert window.errors == []
+
+
+from test_gui_support import make_window  # noqa: E402,F401  (fixture)

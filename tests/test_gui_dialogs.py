@@ -382,7 +382,7 @@ def test_restart_with_a_file_for_a_model_says_it_is_a_file(qtbot, make_window, t
     dialog.checkpoint.setChecked(True)
     dialog.path.setText(str(tmp_path / "model.safetensors"))
     dialog.try_accept()
-    assert "is a file; choose the checkpoint's directory" in dialog.error_text("model")
+    assert "is a file; choose a .gguf file or the checkpoint's directory" in dialog.error_text("model")
 
 
 def test_typing_goes_into_the_prompt_and_tab_moves_on(qtbot, make_window):
@@ -403,3 +403,109 @@ def test_typing_goes_into_the_prompt_and_tab_moves_on(qtbot, make_window):
         qtbot.waitUntil(lambda: dialog.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=3000)
         assert wait_for_snapshot(qtbot, window, lambda s: len(s.conversations) == 1).conversations[0].prompt_text \
             == "Record me please."
+
+
+def test_restart_dialog_takes_model_names_and_gguf_files(qtbot, make_window, tmp_path, monkeypatch):
+    """Found with smollm2: the dialog said "No such directory: smollm2" (and "is a file" for a .gguf), and it
+    pre-fills "smollm2" while smollm2 runs, so OK failed without a change."""
+    import dataclasses
+
+    import engine
+    window = make_window(paused=True)
+
+    def accepted(model, cfg=window.config):
+        dialog = RestartDialog(cfg, window)
+        dialog.checkpoint.setChecked(True)
+        if model is not None:
+            dialog.path.setText(model)
+        dialog.try_accept()
+        return dialog
+
+    gguf = tmp_path / "model.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in ("builtin", str(gguf)):
+        dialog = accepted(model)
+        assert dialog.error_text("model") == "" and dialog.config.model == model
+    dialog = accepted(str(tmp_path / "missing.gguf"))
+    assert "No such GGUF file" in dialog.error_text("model") and dialog.config is None
+    # smollm2 not fetched (the tests' own cache is empty): the one command to run, at the field
+    dialog = accepted("smollm2")
+    assert "python main.py --fetch-model smollm2" in dialog.error_text("model") and dialog.config is None
+    # fetched, and running: the dialog opens on it and OK restarts with it
+    monkeypatch.setattr(engine, "fetched_model", lambda name: "SmolLM2-135M-Instruct")
+    dialog = accepted(None, dataclasses.replace(window.config, model="smollm2"))
+    assert dialog.path.text() == "smollm2" and dialog.checkpoint.isChecked()
+    assert dialog.error_text("model") == "" and dialog.config.model == "smollm2"
+
+
+def test_tests_never_see_a_fetched_model():
+    """A developer's fetched smollm2 must not change what the GUI tests run: the session has its own cache."""
+    import os
+
+    from engine.native import cache_dir
+    from explorer.feeds.demo import pick_model
+    assert os.environ.get("PAGED_KV_EXPLORER_CACHE") and "paged-kv-tests-" in str(cache_dir())
+    assert pick_model(None, "busy")[0] == "builtin"
+
+
+def test_long_validation_messages_are_never_cut(qtbot, make_window):
+    """Found in the X window: 'block size 4096 with 1,048,576 blocks' and a long prompt with Max new tokens 1024
+    were cut after two lines; the whole message must be readable (the label grows, and the dialog with it)."""
+    window = make_window(paused=True)
+    restart = window.open_restart_dialog()
+    qtbot.waitExposed(restart)
+    restart.block_size.setText("4096")
+    restart.num_blocks.setText("1048576")
+    restart.try_accept()
+    add = open_add_dialog(window, "a long prompt " * 40, max_new_tokens=1024)
+    qtbot.waitExposed(add)
+    add.try_accept()
+    qtbot.waitUntil(lambda: bool(add.error_text("prompt")), timeout=3000)
+    long = "Too long: " + "this sentence explains what went wrong and what to do about it; " * 6
+    restart.errors["model"].show_error(long)
+    for dialog in (restart, add):
+        for key, label in dialog.errors.items():
+            if label.message:
+                qtbot.waitUntil(lambda: label.height() >= label.heightForWidth(label.width()), timeout=2000)
+                bottom = label.mapTo(dialog, label.rect().bottomLeft()).y()
+                assert bottom <= dialog.height(), key  # inside the dialog, not under its edge
+    assert restart.errors["model"].height() > 3 * restart.errors["model"].fontMetrics().lineSpacing()
+
+
+def test_the_empty_prompt_error_clears_while_typing(qtbot, make_window):
+    window = make_window(paused=True)
+    dialog = open_add_dialog(window, "")
+    dialog.try_accept()
+    assert "empty" in dialog.error_text("prompt")
+    qtbot.keyClicks(dialog.prompt, "h")
+    assert dialog.error_text("prompt") == ""
+
+
+def test_demos_are_disabled_for_a_model_without_a_tokenizer(qtbot, make_window, tmp_path):
+    """Found in the X window: picking a demo with a tokenizer-less model raised "Engine restart failed" speaking of
+    prompt_token_ids. The demos write text: they are disabled, and say why."""
+    from helpers import write_tiny_checkpoint
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")
+    window = make_window(paused=True)
+    demos = window.window_actions.demos
+    assert all(action.isEnabled() for action in demos.values())
+    old = window.runner
+    window.restart_engine(window.config.__class__(model=str(checkpoint), block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    for name in ("busy", "crowd", "serve"):
+        assert not demos[name].isEnabled() and "no tokenizer" in demos[name].toolTip(), name
+    assert demos["lesson"].isEnabled()  # the lesson has no engine
+    old = window.runner
+    window.restart_engine(window.config.__class__(model="builtin", block_size=4, num_blocks=64))
+    qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
+    assert demos["busy"].isEnabled() and "no tokenizer" not in demos["busy"].toolTip()
+
+
+def test_counts_are_singular_for_one_and_use_one_number_format(qtbot, make_window):
+    """"1 new tokens", "1 tokens"; "step 2,100" beside "step 2100": one way to say a count everywhere."""
+    from explorer.model.words import count
+    assert count(1, "new token") == "1 new token" and count(2100, "token") == "2,100 tokens"
+    window = make_window(paused=True, num_blocks=4, block_size=4)  # 16 slots
+    dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot, window)
+    message = dialog.fit_message(16, 8)  # 16 prompt tokens: one new token fits (the last needs no slot)
+    assert "at most 1 new token fit" in message

@@ -489,3 +489,25 @@ def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_
                                  view.geometry_)
         assert np.array_equal(view.image, whole), step
     assert view.partial_draws >= 20
+
+
+def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, small):
+    """Found in the X window: after a restart to a smaller pool the hover line kept describing block 7."""
+    from explorer.widgets.grid_view import HOVER_HINT, GridView
+    snap, _ = small
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    view.set_snapshot(snap)
+    view.render()
+    view._on_mouse_moved(view.view.mapToScene(view.cell_center(7)))
+    assert view.hover_label.text().startswith("block 7")
+    view.set_snapshot(make_snapshot(num_blocks=4))
+    view.render()
+    assert view.hover_label.text() == HOVER_HINT and view.hovered_block is None
+    view._on_mouse_moved(view.view.mapToScene(view.cell_center(3)))
+    assert view.hover_label.text().startswith("block 3")
+    view.reset_view()  # an engine restart
+    assert view.hover_label.text() == HOVER_HINT

@@ -127,7 +127,11 @@ def test_controls_get_their_own_tooltips_back_after_a_read_only_source(qtbot, tm
         assert not scramble.isEnabled() and scramble.toolTip().startswith("Unavailable: ")
         assert all(w.toolTip().startswith("Unavailable: ") for w in window.window_actions.commands + [speed])
         restart(qtbot, window, cfg)
+        acts = window.window_actions
         for widget in window.window_actions.commands + [scramble, speed]:
+            if widget in (acts.fork, acts.reply, acts.end):  # these follow the selected conversation: none now
+                assert not widget.isEnabled() and widget.toolTip() == tips[id(widget)], widget
+                continue
             assert widget.isEnabled() and widget.toolTip() == tips[id(widget)], widget
         assert window.errors == []
     finally:

@@ -200,3 +200,35 @@ def test_two_attached_pools_side_by_side_each_with_its_header(qtbot, tmp_path):
         window.close()
         for feed in feeds:
             feed.close()
+
+
+def test_restarting_after_opening_a_recording_keeps_the_speed_box(qtbot, make_window, tmp_path):
+    """Found in the X window: the speed box silently became "unlimited" when the engine restarted after a
+    recording had been opened."""
+    window = make_window(setup=lambda e: e.add_conversation("Keep my speed.", max_new_tokens=40), speed=30)
+    qtbot.waitUntil(lambda: window.controls.speed.currentData() == 30.0, timeout=3000)
+    path = str(tmp_path / "speed.kvpool")
+    assert files.start_recording(window, path)
+    recorder, joining = window.source.feed.recorders[-1]
+    qtbot.waitUntil(lambda: joining.primed and recorder.frames_written >= 2, timeout=5000)
+    assert files.stop_recording(window) == path
+    qtbot.wait(200)
+    config = window.config
+    assert files.open_recording(window, path)
+    qtbot.waitUntil(lambda: window.source.feed.kind == "recording", timeout=3000)
+    window.restart_engine(config)
+    qtbot.waitUntil(lambda: window.source.feed.kind == "engine", timeout=15000)
+    qtbot.wait(300)
+    assert window.source.feed.speed == 30.0 and window.controls.speed.currentData() == 30.0
+
+
+def test_while_recording_the_status_bar_names_the_file_and_its_size(qtbot, make_window, tmp_path):
+    window = make_window(setup=lambda e: e.add_conversation("Record me.", max_new_tokens=60), speed=30)
+    path = str(tmp_path / "shown.kvpool")
+    assert files.start_recording(window, path)
+    recorder, joining = window.source.feed.recorders[-1]
+    qtbot.waitUntil(lambda: recorder.frames_written >= 2, timeout=5000)
+    qtbot.waitUntil(lambda: "● REC shown.kvpool" in window.status_labels["live"].text(), timeout=3000)
+    assert "KiB" in window.status_labels["live"].text() or "MiB" in window.status_labels["live"].text()
+    assert files.stop_recording(window) == path
+    qtbot.waitUntil(lambda: "REC" not in window.status_labels["live"].text(), timeout=3000)

@@ -260,3 +260,10 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
     assert window.block_watch.block_id == new and moves
     relocated = [(b, s) for b, s in shown if s.version > before]
     assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]
+
+
+def test_step_numbers_are_written_one_way():
+    """"step 2,100" in the grid's header beside "step 2100" in the status bar: one number format everywhere."""
+    from explorer.model.pool_counts import PoolCounts
+    counts = PoolCounts(num_blocks=4, used=1, cached=1, free=2, filled_slots=3, allocated_slots=4)
+    assert counts.header_text(2100).startswith("step 2,100 ·")

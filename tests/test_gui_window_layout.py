@@ -195,3 +195,18 @@ def test_metric_plots_stay_inside_their_dock_and_readable(window_at, size):
     for plot, _ in metrics.plot_items:
         rect = plot.sceneBoundingRect()
         assert rect.width() >= MIN_PLOT_WIDTH * 0.8 and rect.height() >= MIN_PLOT_HEIGHT * 0.8, (plot, rect)
+
+
+@pytest.mark.parametrize("size", [(1024, 640), (1366, 768), (1600, 1000)])
+def test_first_launch_lays_the_docks_out_as_reset_layout_does(window_at, qtbot, size):
+    """Found in a real X window: a 1600x1000 first launch gave the conversations dock about four rows, while
+    View > Reset layout gave it its share."""
+    window = window_at(*size)
+    qtbot.wait(100)
+    docks = [window.docks[k] for k in window.right_docks + window.bottom_docks]
+    first = [(d.isVisible(), d.width(), d.height()) for d in docks]
+    window.reset_layout()
+    qtbot.wait(150)
+    again = [(d.isVisible(), d.width(), d.height()) for d in docks]
+    for (v1, w1, h1), (v2, w2, h2), dock in zip(first, again, docks):
+        assert v1 == v2 and abs(w1 - w2) <= 4 and abs(h1 - h2) <= 4, (dock.objectName(), (w1, h1), (w2, h2))

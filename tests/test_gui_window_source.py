@@ -32,7 +32,9 @@ def test_local_engine_source_says_what_it_can_do_and_delivers_views(qtbot, make_
     assert views and views[-1] is window.snapshot is window.grid.snapshot
     assert [v.step_id for v in views] == sorted(v.step_id for v in views)  # oldest first, never a stale one after
     assert "local engine: builtin, 64 blocks × 4 slots" in window.windowTitle()
-    assert all(action.isEnabled() for action in window.window_actions.commands if action is not window.window_actions.record)
+    acts = window.window_actions
+    selection_bound = (acts.record, acts.fork, acts.reply, acts.end)  # these follow the selected conversation: none
+    assert all(action.isEnabled() for action in acts.commands if action not in selection_bound)
 
 
 def test_restart_swaps_the_feed_and_panels_reset_through_the_signal(qtbot, make_window):

@@ -427,3 +427,19 @@ def test_on_a_screen_as_small_as_the_smallest_supported_the_frame_still_fits():
     assert framed_length(1000, room=1000, frame=26, smallest=640, needed=411) == 974  # as before
     assert framed_length(700, room=1000, frame=26, smallest=640, needed=411) == 700  # fits: untouched
     assert framed_length(600, room=1000, frame=26, smallest=640, needed=411) == 640  # the supported floor
+
+
+def test_an_attached_pool_gone_silent_opens_no_dialog(qtbot, make_window):
+    """Found in the X window: "Attached pool silent" was a message box that stayed open after the stream resumed;
+    the pane's header says the stream's state (and clears itself), the status bar says it once."""
+    from explorer.feeds.feed import Problem
+    window = make_window(paused=True)
+    window.source.problem.emit(Problem("Attached pool silent", "tcp://127.0.0.1:5599: silent for 3 s. The view "
+                                       "keeps the last state; it resumes by itself when frames come again."))
+    assert window.errors == [] and not any(box.isVisible() for box in window.message_boxes)
+    assert "Attached pool silent" in window.status.currentMessage()
+    window.source.problem.emit(Problem("Engine error", "a real failure"))
+    assert window.errors[-1][0] == "Engine error"
+
+
+from test_gui_support import make_window  # noqa: E402,F401  (fixture)

@@ -4,6 +4,9 @@
 count 2), one is forked (all its blocks shared until copy-on-write), one finishes early (its full blocks stay
 cached, muted), and every running conversation has a partially filled tail block.
 
+"serve" is a server's traffic that never runs dry (explorer.feeds.traffic); busy and crowd go on as served traffic
+once their first screen has played out (SERVED_AFTER).
+
 "crowd" oversubscribes the pool on purpose: each request asks for up to twice its fair share of the pool's slots,
 which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous
 max-length allocator of the same memory has to keep many waiting (the contiguous view shows both).
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
                  "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
+SERVED_AFTER = {"busy": True, "crowd": True, "serve": False}  # demo -> traffic waits for its first screen to end
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 MIN_NEW_TOKENS = 4  # a demo request never asks for fewer new tokens than this
 
@@ -143,4 +147,78 @@ def pick_model(requested: str | None, demo: str) -> tuple[str, str]:
     return "builtin", ""
 
 
-DEMOS = {"busy": seed_busy, "crowd": seed_crowd}  # --demo name -> what seeds a fresh engine (the lesson has no engine)
+def seed_serve(engine) -> Seeded:
+    """The serve demo's first requests (a few chats on the shared system prompts), so its first screen is not empty;
+    the served traffic (explorer.feeds.traffic) goes on from there."""
+    from .traffic import QUESTIONS, SYSTEM_PROMPTS
+    adder = _Adder(engine)
+    budget = adder.num_blocks * adder.block_size // 4
+    for i in range(4):
+        adder.add(QUESTIONS[i], (96, 200, 48, 400)[i], budget, system=SYSTEM_PROMPTS[i % 2] + " ", temperature=0.7,
+                  seed=i)
+        if i == 0:
+            engine.step()  # its system-prompt blocks are hashed before the next one arrives, so they are shared
+    return adder.result()
+
+
+# ---- beyond one pool: lower tiers ("tiers") and a sliding window ("window") ---------------------------------------
+# "tiers": a small device pool and a larger host tier. Three long conversations are answered first; a queue of other
+# long prompts then pushes their cached blocks out of the device pool into the host tier; last, each of the three
+# comes back with a follow-up on the same prefix, and its prefix is loaded back from the host tier instead of being
+# recomputed (the conversations table's "prompt from" column and the LOADED marks say so).
+# "window": the project's mixed checkpoint (the built-in weights, every other layer a 64-token sliding window), two
+# KV cache groups in one pool: long conversations keep a bounded number of sliding-group blocks while the
+# full-attention group's tables keep growing (a window drops KV the model never reads again; paging never does).
+
+TIERS_SETTINGS = {"num_blocks": 64, "host_tier_blocks": 1024}  # a device pool the queue overflows; a host tier
+#                                                                 that keeps what it evicts
+_TOPICS = ("the block table", "copy-on-write", "prefix caching", "preemption", "chunked prefill", "eviction",
+           "the free queue", "ref counts", "sliding windows")
+
+
+def _long_prompt(topic: str, n: int) -> str:
+    """A prompt of about ``n`` characters about ``topic`` (distinct from every other topic's first block on)."""
+    text = f"Notes on {topic}: "
+    while len(text) < n:
+        text += f"{topic} keeps the pool honest; "
+    return text[:n]
+
+
+def seed_tiers(engine) -> Seeded:
+    """Returning conversations whose prefix comes back from the host tier (see the module's docstring)."""
+    adder = _Adder(engine)
+    slots = adder.num_blocks * adder.block_size
+    prompt_len = max(adder.block_size * 4, slots // 6)  # each conversation's prefix: a sixth of the device pool
+    budget = prompt_len + 48
+    first = [adder.add(_long_prompt(t, prompt_len), 24, budget, temperature=0.0) for t in _TOPICS[:3]]
+    for t in _TOPICS[3:]:  # the queue that pushes the first three's cached blocks down to the host tier
+        adder.add(_long_prompt(t, prompt_len), 24, budget, temperature=0.0)
+    for t in _TOPICS[:3]:  # they come back: the same prefix, a new question after it
+        adder.add(_long_prompt(t, prompt_len) + " So what happens next?", 32, budget + 32, temperature=0.0)
+    del first
+    return adder.result()
+
+
+def seed_window(engine) -> Seeded:
+    """Long conversations on a model with a sliding-window group (see the module's docstring)."""
+    adder = _Adder(engine)
+    slots = adder.num_blocks * adder.block_size
+    for i, t in enumerate(_TOPICS[:4]):
+        adder.add(_long_prompt(t, 96), 700, max(slots // 2, 128), temperature=0.8, seed=i)
+    return adder.result()
+
+
+def demo_settings(demo: str, given: dict) -> dict:
+    """EngineConfig fields the demo needs, for those the user left at the command line's default (``given``: the
+    fields the user set). The window demo runs the project's mixed checkpoint unless a model was named."""
+    out = {}
+    if demo == "tiers":
+        out = {k: v for k, v in TIERS_SETTINGS.items() if k not in given}
+    elif demo == "window" and "model" not in given:
+        from engine import window_checkpoint
+        out["model"] = str(window_checkpoint())
+    return out
+
+
+DEMOS = {"busy": seed_busy, "crowd": seed_crowd, "serve": seed_serve, "tiers": seed_tiers,
+         "window": seed_window}  # --demo name -> what seeds a fresh engine (the lesson has no engine)

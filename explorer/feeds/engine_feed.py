@@ -131,6 +131,13 @@ class EngineFeed(Feed):
         return self.text.takes_text
 
     @property
+    def chats(self) -> bool:
+        return self.text.chats
+
+    def chat_prompt_ids(self, messages) -> Future:
+        return self.text.chat_prompt_ids(messages)
+
+    @property
     def detokenizer(self):
         return self.text.detokenize
 

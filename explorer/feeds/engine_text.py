@@ -19,6 +19,7 @@ class EngineText:
     def __init__(self, engine):
         self._engine = engine  # only its tokenizer methods are called
         self.takes_text = bool(engine.takes_text)  # False: a checkpoint without tokenizer.json takes token ids only
+        self.chats = getattr(engine, "chat_template", None) is not None  # prompts are chat turns (a chat model)
 
     def tokenize(self, text: str, continuation: bool = False) -> Future:
         """A finished Future of the token ids of ``text`` as a prompt takes them (a reply, ``continuation``, gets no
@@ -28,6 +29,16 @@ class EngineText:
         try:
             future.set_result(self._engine.tokenize(text, continuation))
         except (ValueError, TypeError) as exc:  # EngineError: no tokenizer, not text, empty
+            future.set_exception(exc)
+        return future
+
+    def chat_prompt_ids(self, messages) -> Future:
+        """A finished Future of the token ids of ``messages`` (system / user turns) in the model's chat template,
+        ending where the assistant answers, or of the engine's refusal (the template reads only the tokenizer)."""
+        future: Future = Future()
+        try:
+            future.set_result(self._engine.chat_prompt_ids(messages))
+        except (ValueError, TypeError) as exc:
             future.set_exception(exc)
         return future
 

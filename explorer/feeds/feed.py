@@ -100,6 +100,15 @@ class Feed:
         return None
 
     @property
+    def chats(self) -> bool:
+        """Whether the model has a chat template, so a prompt is a user turn (after an optional system turn)."""
+        return False
+
+    def chat_prompt_ids(self, messages) -> Future:
+        """Token ids of ``messages`` (system / user turns) in the model's chat template (a finished Future)."""
+        return self.tokenize("")
+
+    @property
     def takes_text(self) -> bool:
         """Whether prompts may be text (False: the model has no tokenizer, so only token ids)."""
         return True

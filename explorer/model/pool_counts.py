@@ -32,7 +32,7 @@ class PoolCounts:
 
     def header_text(self, step_id: int) -> str:
         """The grid header's words."""
-        return (f"step {step_id} · {self.used} used, {self.cached} cached, {self.free} free of "
+        return (f"step {step_id:,} · {self.used} used, {self.cached} cached, {self.free} free of "
                 f"{self.num_blocks} blocks")
 
     def status_text(self) -> str:

@@ -12,6 +12,7 @@ are rebuilt only when an index's version changed; expanded rows stay expanded ac
 """
 from __future__ import annotations
 
+from ..model.words import count
 from typing import Sequence
 
 import numpy as np
@@ -248,7 +249,7 @@ class _AcrossPane(QtWidgets.QWidget):
         target = [ix.name or f"instance {i}" for i, (ix, h) in enumerate(zip(self.indexes, held)) if h == best]
         verdict = (f"a KV-aware router sends it to {' or '.join(target)}" if best else "no instance holds its first "
                    "block: any instance will compute it from scratch")
-        self.route_label.setText(f"{len(ids)} tokens. Leading blocks cached: {'; '.join(parts)}. So {verdict}."
+        self.route_label.setText(f"{count(len(ids), 'token')}. Leading blocks cached: {'; '.join(parts)}. So {verdict}."
                                  + per_tier_route_text(self.indexes, ids))
 
 

@@ -13,6 +13,7 @@ separated from the reply being generated.
 from __future__ import annotations
 
 import numpy as np
+from ..model.words import count, number
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.views import ConversationInfo, PoolSnapshot
@@ -263,10 +264,12 @@ class ConversationDetail(QtWidgets.QWidget):
         self.title.setText(
             f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — "
             f"{status_text(info)}{turns}, "
-            f"{len(info.prompt_token_ids)} prompt + {len(info.output_token_ids)} generated tokens "
-            f"(at most {info.max_new_tokens} new)"
+            f"{number(len(info.prompt_token_ids))} prompt + {number(len(info.output_token_ids))} generated "
+            f"token{'s' if len(info.prompt_token_ids) + len(info.output_token_ids) != 1 else ''} "
+            f"(at most {number(info.max_new_tokens)} new)"
             + (f", forked from {info.parent_id}" if info.parent_id is not None else "")
-            + (f", {info.num_cached_tokens} prompt tokens from the prefix cache" if info.num_cached_tokens else "")
+            + (f", {count(info.num_cached_tokens, 'prompt token')} from the prefix cache" if info.num_cached_tokens
+               else "")
             + (f"; {sources_sentence(info)}" if sources_sentence(info) else ""))
         if table:
             cells = []
@@ -348,6 +351,7 @@ class ConversationsPanel(QtWidgets.QWidget):
     """Table of conversations with add / fork / reply / end buttons; emits what the user asked for."""
 
     selectionChanged = QtCore.Signal(object)  # conversation id, or None
+    buttonsChanged = QtCore.Signal()  # a button was enabled or disabled (the menus' actions follow the buttons)
     addRequested = QtCore.Signal()
     forkRequested = QtCore.Signal(int)
     replyRequested = QtCore.Signal(int)
@@ -455,16 +459,20 @@ class ConversationsPanel(QtWidgets.QWidget):
             for button in self.buttons.values():
                 button.setEnabled(False)
                 button.setToolTip(f"Unavailable: {self.read_only_reason}")
+            self.buttonsChanged.emit()
             return
         for key, button in self.buttons.items():
             button.setToolTip(self._tips[key])
         cid = self.selected_conversation()
         info = self._snapshot.conversation(cid) if (cid is not None and self._snapshot) else None
         status = str(info.status) if info else ""
+        before = [b.isEnabled() for b in self.buttons.values()]
         self.buttons["add"].setEnabled(True)
         self.buttons["fork"].setEnabled(status in ("waiting", "running", "preempted"))
         self.buttons["reply"].setEnabled(status == "finished")
-        self.buttons["end"].setEnabled(status in ("waiting", "running", "preempted", "finished"))
+        self.buttons["end"].setEnabled(status in ("waiting", "running", "preempted"))  # a finished one holds nothing
+        if [b.isEnabled() for b in self.buttons.values()] != before:
+            self.buttonsChanged.emit()
 
     def _on_selection(self, *_):
         cid = self.selected_conversation()

@@ -34,6 +34,7 @@ def cell_label(block_id: int, ref_count: int) -> str:
     return f"{block_id} ×{ref_count}" if ref_count > 1 else str(block_id)
 
 
+HOVER_HINT = "Hover a cell for details; click to inspect it."  # the hover line while no block is under the mouse
 HOVER_OWNERS = 2  # owners the hover line names before "and N more" (a prefix block may have hundreds)
 TOOLTIP_OWNERS = 8  # owners the tooltip lists, one a line
 
@@ -109,7 +110,7 @@ class GridView(QtWidgets.QWidget):
         self.box.addItem(self.highlight)
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
-        self.hover_label = ElidedLabel("Hover a cell for details; click to inspect it.")  # never widens the window
+        self.hover_label = ElidedLabel(HOVER_HINT)  # never widens the window
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -262,6 +263,7 @@ class GridView(QtWidgets.QWidget):
         """Forget the layout (after an engine restart) so the next render fits the new pool."""
         self.geometry_ = None
         self.hovered_block = None
+        self.hover_label.setText(HOVER_HINT)  # its block may not exist in the new pool (a restart to fewer blocks)
         self.selected_block = None
         self.selected_conversation = None
         self._dirty = True
@@ -309,15 +311,20 @@ class GridView(QtWidgets.QWidget):
         """The hover line follows the pool under a resting mouse: after a relocation or an end it said 'used,
         owners conv 1' of a block that was free by then."""
         block, snap = self.hovered_block, self.snapshot
-        if block is not None and snap is not None and block < snap.num_blocks:
-            text = describe_block(snap, block)
-            if self.hover_label.text() != text:
-                self.hover_label.setText(text)
+        if block is None or snap is None:
+            return
+        text = describe_block(snap, block) if block < snap.num_blocks else HOVER_HINT
+        if block >= snap.num_blocks:
+            self.hovered_block = None  # gone with a smaller pool: the line forgets it
+        if self.hover_label.text() != text:
+            self.hover_label.setText(text)
 
     def _on_mouse_moved(self, scene_pos: QtCore.QPointF) -> None:
         block = self.hovered_block = self.block_at_scene(scene_pos)
         if block is None or self.snapshot is None:
             QtWidgets.QToolTip.hideText()
+            if self.hover_label.text() != HOVER_HINT:
+                self.hover_label.setText(HOVER_HINT)
             return
         self.hover_label.setText(describe_block(self.snapshot, block))
         if QtWidgets.QToolTip.isVisible():  # a tooltip is up: follow the mouse to the next cell at once

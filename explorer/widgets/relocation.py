@@ -7,6 +7,7 @@ block tables, and what a contiguous max-length reservation would have taken.
 """
 from __future__ import annotations
 
+from ..model.words import count
 from PySide6 import QtCore, QtWidgets
 
 from kvstream.views import MemoryStats
@@ -30,7 +31,7 @@ def report_text(report, mode: str) -> str:
     if report.lookahead_steps and report.num_tokens_compared:
         same = "the same" if report.tokens_identical else "DIFFERENT"
         text += (f" The next {report.lookahead_steps} steps decoded from the old and from the new layout gave "
-                 f"{same} {report.num_tokens_compared} tokens.")
+                 f"{same} {count(report.num_tokens_compared, 'token')}.")
     return text
 
 

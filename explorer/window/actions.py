@@ -25,7 +25,9 @@ def _action(parent, text: str, shortcut: str | None, slot, tip: str = "") -> QtG
 
 DEMOS = (("busy", "Busy: shared prefixes, a fork, tails", "A few conversations that share system-prompt blocks, a "
           "fork and a short one that leaves cached blocks"),
-         ("crowd", "Crowd: many conversations", "Many conversations of mixed lengths, for large pools"))
+         ("crowd", "Crowd: many conversations", "Many conversations of mixed lengths, for large pools"),
+         ("serve", "Serve: traffic that never runs dry", "Requests arrive as at a server (the toolbar's arrivals "
+          "slider sets the rate): shared system prompts, follow-ups, parallel samples, long prompts, early stops"))
 
 
 class WindowActions:

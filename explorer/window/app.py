@@ -136,6 +136,8 @@ def run_gui(opts, cfg: EngineConfig) -> int:
                                 extra_sinks=sinks)
         window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
         window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
+        if demo in DEMOS:
+            window.start_traffic(demo)  # the demo keeps living: served traffic (busy, crowd: after the first screen)
     window.show()
     if demo == "lesson":
         window.open_lesson()

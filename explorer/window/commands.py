@@ -72,8 +72,10 @@ class Commands(QtCore.QObject):
         the prompt field; once the engine took it, the new conversation (the first sample) is selected."""
         if self._refuse("add a conversation"):
             return None
+        feed = self.source.feed
         dialog = AddConversationDialog(self._tokenize, self.source.futures.watch, self.source.live, self.window,
-                                       submit=self.send_add)
+                                       submit=self.send_add,
+                                       chat=feed.chat_prompt_ids if getattr(feed, "chats", False) else None)
         dialog.accepted.connect(lambda: self._select_answer(dialog.answer))
         self._ids_only(dialog)
         self.add_dialog = dialog

@@ -27,6 +27,7 @@ from engine import EngineConfig, EngineError
 from kvstream.rules import fit_error
 from kvstream.views import PoolSnapshot
 
+from ..model.words import count
 from ..feeds.demo import SYSTEM_PROMPT  # the add dialog's "shared system prompt" is the demos' one
 
 TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
@@ -34,14 +35,17 @@ TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
 
 class FieldError(QtWidgets.QLabel):
     """The red message under a field. Its height is reserved (``lines`` lines) whether or not there is an error,
-    so showing one never moves the fields below; a longer message is cut, and shown in full in the tooltip."""
+    so showing a short one never moves the fields below; a longer message makes the label (and the dialog) taller,
+    so the whole message can always be read (cut after two lines, "block size 4096 with 1,048,576 blocks" lost
+    its advice). The tooltip repeats it."""
 
     def __init__(self, lines: int = 2, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.setStyleSheet("color: #e0443e;")
         self.setWordWrap(True)
         self.setAlignment(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignTop)
-        self.setFixedHeight(lines * self.fontMetrics().lineSpacing() + 2)
+        self._reserved = lines * self.fontMetrics().lineSpacing() + 2
+        self.setFixedHeight(self._reserved)
         self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Fixed)
         self.message = ""  # the full message ("" while the field is valid)
 
@@ -49,6 +53,24 @@ class FieldError(QtWidgets.QLabel):
         self.message = text
         self.setText(text)
         self.setToolTip(text)
+        self._fit()
+
+    def needed_height(self) -> int:
+        """Pixels the whole message needs at the label's width."""
+        return self.heightForWidth(max(self.width(), 80)) if self.message else 0
+
+    def _fit(self) -> None:
+        height = max(self._reserved, self.needed_height())
+        if height != self.height() or height != self.minimumHeight():
+            self.setFixedHeight(height)
+            dialog = self.window()
+            if dialog is not self and dialog.isVisible():
+                dialog.adjustSize()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            self._fit()  # a narrower label needs more lines
 
 
 def parse_number(text: str, name: str, kind=int, low=None, high=None) -> tuple[object, str]:
@@ -158,6 +180,7 @@ class _MessageDialog(_FormDialog):
         self.num_blocks, self.block_size = snapshot.num_blocks, snapshot.block_size
         self.max_model_len = snapshot.max_model_len  # the model's positions; 0: no limit known
         self.request = None  # set when the dialog is accepted
+        self.counted_ids: tuple[int, ...] | None = None  # the ids the length check counted (text it tokenized)
         self.answer = None  # the engine's answer to ``submit`` (a conversation id), when the dialog sent it
         self._pending: Future | None = None  # the length check or the submission in flight
         self.mode = QtWidgets.QComboBox()
@@ -177,6 +200,8 @@ class _MessageDialog(_FormDialog):
         send.activated.connect(self.try_accept)
         self._placeholder = placeholder
         self._message_editor = editor
+        # an error about the message ("The prompt is empty") is stale once the user types: it clears itself
+        editor.textChanged.connect(lambda: self.errors[key].message and self.errors[key].show_error(""))
         return editor
 
     def message_editor(self) -> QtWidgets.QPlainTextEdit:
@@ -217,12 +242,13 @@ class _MessageDialog(_FormDialog):
             return ""
         most = most_new_tokens(num_tokens, block_size=self.block_size, num_blocks=self.num_blocks,
                                max_model_len=self.max_model_len)
-        hint = (f" With this prompt at most {most} new tokens fit." if most > 0 else
+        hint = (f" With this prompt at most {count(most, 'new token')} fit." if most > 0 else
                 " The prompt alone is too long.")
         return f"Too long: {reason}.{hint}"
 
     def check_and_send(self, key: str, text: str, ids: tuple[int, ...] | None, history_tokens: int,
-                       max_new: int | None, make_request: Callable[[int], object]) -> None:
+                       max_new: int | None, make_request: Callable[[int], object],
+                       tokenized: Future | None = None) -> None:
         """Count the message's tokens (``ids``, or ``text`` through the engine's tokenizer, without blocking), show
         at field ``key`` why it cannot fit, and accept (or send) ``make_request(max_new)`` when every field is
         valid. ``max_new`` None: that field is invalid; the length is still checked, against one new token."""
@@ -235,7 +261,7 @@ class _MessageDialog(_FormDialog):
         if ids is not None:
             counted(len(ids))
             return
-        future = self._pending = self._tokenize(text)
+        future = self._pending = tokenized if tokenized is not None else self._tokenize(text)
         self.set_busy("Checking the length…")
 
         def answered(_=None) -> None:
@@ -244,7 +270,8 @@ class _MessageDialog(_FormDialog):
             self._pending = None
             self.set_busy("")
             try:
-                num_tokens = len(future.result())
+                self.counted_ids = tuple(future.result())  # what the request sends when the text became chat turns
+                num_tokens = len(self.counted_ids)
             except Exception as exc:  # the tokenizer refused the text (a checkpoint without one, say)
                 hint = f" Switch '{self.mode_label}' to token ids." if "token ids" in str(exc) else ""
                 self.errors[key].show_error(f"{exc}.{hint}" if hint else str(exc))
@@ -293,14 +320,17 @@ class AddRequest:
     temperature: float
     samples: int  # conversations to start from this prompt (Engine.add_samples n)
     prompt_token_ids: tuple[int, ...] | None = None  # the prompt as token ids instead of text (then prompt is "")
+    messages: tuple = ()  # a chat model's system / user turns that prompt_token_ids were rendered from
 
 
 class AddConversationDialog(_MessageDialog):
     """Prompt (text or token ids), generation settings, shared system prompt option and parallel samples."""
 
     def __init__(self, tokenize: Callable[[str], Future], watch: Callable, snapshot: PoolSnapshot,
-                 parent: QtWidgets.QWidget | None = None, submit: Callable[[AddRequest], Future] | None = None):
+                 parent: QtWidgets.QWidget | None = None, submit: Callable[[AddRequest], Future] | None = None,
+                 chat: Callable[[list], Future] | None = None):
         super().__init__("Add conversation", tokenize, watch, snapshot, parent, submit)
+        self._chat = chat  # messages -> Future of ids in the model's chat template (a chat model), or None
         self.prompt = self.add_message_rows("prompt", "Prompt:", "Type the user's message")
         self.prompt.setMinimumSize(300, 70)
         self.max_new_tokens = self.add_max_new_tokens_row()
@@ -337,6 +367,15 @@ class AddConversationDialog(_MessageDialog):
                 return
         elif not self.prompt.toPlainText().strip():
             self.errors["prompt"].show_error("The prompt is empty: type a message.")
+            return
+        if ids is None and self._chat is not None:
+            # a chat model: the shared system prompt is the system turn, the text the user's; ids as the template says
+            messages = (([{"role": "system", "content": SYSTEM_PROMPT.strip()}] if self.use_system.isChecked()
+                         else []) + [{"role": "user", "content": self.prompt.toPlainText()}])
+            self.check_and_send("prompt", "", None, 0, max_new,
+                                lambda new: AddRequest("", new, float(temperature), samples, self.counted_ids,
+                                                       tuple(messages)),
+                                tokenized=self._chat(messages))
             return
         prompt = "" if ids is not None else self.full_prompt()
         self.check_and_send("prompt", prompt, ids, 0, max_new,
@@ -401,9 +440,9 @@ class RestartDialog(_FormDialog):
         grid = QtWidgets.QGridLayout(model_box)
         grid.setContentsMargins(0, 0, 0, 0)
         self.builtin = QtWidgets.QRadioButton("built-in")
-        self.checkpoint = QtWidgets.QRadioButton("checkpoint:")
+        self.checkpoint = QtWidgets.QRadioButton("other:")
         self.path = QtWidgets.QLineEdit("" if current.model == "builtin" else current.model)
-        self.path.setPlaceholderText("directory with config.json and *.safetensors")
+        self.path.setPlaceholderText("smollm2, a .gguf file, or a folder with config.json and *.safetensors")
         self.path.setMinimumWidth(self.path.fontMetrics().horizontalAdvance(self.path.placeholderText()) + 24)
         self.browse = QtWidgets.QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
@@ -439,14 +478,7 @@ class RestartDialog(_FormDialog):
         self.errors["num_blocks"].show_error(err2)
         model, err3 = "builtin", ""
         if self.checkpoint.isChecked():
-            model = self.path.text().strip()
-            if not model:
-                err3 = "Choose a checkpoint directory (or pick built-in)."
-            elif os.path.isfile(model):
-                err3 = (f"{model} is a file; choose the checkpoint's directory (the folder holding config.json and "
-                        "the *.safetensors files).")
-            elif not os.path.isdir(model):
-                err3 = f"No such directory: {model}"
+            model, err3 = check_model_spec(self.path.text())
         self.errors["model"].show_error(err3)
         if err or err2 or err3:
             return
@@ -496,6 +528,33 @@ class RestartDialog(_FormDialog):
         self.loading = False
         self.set_busy("")
         self.accept()
+
+
+NAMED_MODELS = ("builtin", "smollm2")  # the model names EngineConfig(model=...) knows (README, --model, --fetch-model)
+
+
+def check_model_spec(text: str) -> tuple[str, str]:
+    """(the model spec, why it cannot be one or ''): a known name ("builtin", "smollm2"), a ``.gguf`` file, or a
+    checkpoint directory, as ``--model`` takes them. A named model that has not been fetched says the command to run
+    here, before a restart is tried."""
+    model = text.strip()
+    if not model:
+        return model, "Type a model name (smollm2), a .gguf file or a checkpoint directory (or pick built-in)."
+    if model in NAMED_MODELS:
+        if model != "builtin":
+            from engine import fetched_model
+            if fetched_model(model) is None:
+                return model, (f"{model} has not been fetched yet: run `python main.py --fetch-model {model}` once "
+                               "(about 93 MB), then restart.")
+        return model, ""
+    if model.lower().endswith(".gguf"):
+        return model, "" if os.path.isfile(model) else f"No such GGUF file: {model}"
+    if os.path.isfile(model):
+        return model, (f"{model} is a file; choose a .gguf file or the checkpoint's directory (the folder holding "
+                       "config.json and the *.safetensors files).")
+    if not os.path.isdir(model):
+        return model, f"No such directory: {model} (model names: {', '.join(NAMED_MODELS)})"
+    return model, ""
 
 
 def failure_field(message: str) -> str:

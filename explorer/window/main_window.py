@@ -87,6 +87,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.restart_dialog: RestartDialog | None = None  # the newest restart dialog opened
         self.demo_notes: tuple[str, ...] = ()  # what the running demo lowered to fit the pool, one note each
         self.outputs_note = ""  # what the last restart did to the outputs (publishing on, a recording ended)
+        self.traffic = None  # the served traffic (a TrafficDriver) of the running demo, or None
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._panels_stale = False
@@ -163,7 +164,9 @@ class MainWindow(QtWidgets.QMainWindow):
         controls.stepRequested.connect(lambda: self.source.submit("step_once"))
         controls.speedChanged.connect(lambda speed: self.source.submit("set_speed", speed))
         controls.restartRequested.connect(self.open_restart_dialog)
+        controls.rateChanged.connect(lambda rate: self.traffic is not None and self.traffic.set_rate(rate))
         self.conversations.selectionChanged.connect(self._on_conversation_selected)
+        self.conversations.buttonsChanged.connect(self._sync_conversation_actions)
         self.conversations.addRequested.connect(self.open_add_dialog)
         self.conversations.forkRequested.connect(self.fork_conversation)
         self.conversations.replyRequested.connect(self.open_reply_dialog)
@@ -342,6 +345,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_source_changed(self, feed: Feed) -> None:
         """A new feed took over the active source: every panel starts over, commands follow its capabilities."""
         self.commands.close_dialogs()
+        if self.traffic is not None and self.traffic.feed is not feed:  # traffic belongs to the engine it fed
+            self.stop_traffic()
         self._select_when_present = None
         self.pacer.reset()
         self.relocation.reset()
@@ -392,9 +397,35 @@ class MainWindow(QtWidgets.QMainWindow):
             widget.setEnabled(usable and not reason)
             _explain(widget, tip)
         self.conversations.set_read_only(reason)
+        self._sync_conversation_actions()
+        self._enable_demos()
         self.window_actions.restart.setEnabled(True)
         self.window_actions.restart.setToolTip("Start a local engine (the current source is closed)" if reason else
                                        "Restart the engine with another configuration")
+
+    def _enable_demos(self) -> None:
+        """The demos write text prompts: with a model that has no tokenizer (a checkpoint without tokenizer.json)
+        they are disabled and say why, instead of a failed restart speaking of prompt_token_ids."""
+        feed = self.source.feed
+        textless = isinstance(feed, EngineFeed) and not feed.takes_text
+        why = (f"Unavailable: the demos write text prompts, and this model ({feed.config.model}) has no tokenizer "
+               "(no tokenizer.json). Restart with the built-in model (Engine > Restart) to run them." if textless
+               else "")
+        for name, action in self.window_actions.demos.items():
+            if name == "lesson":
+                continue
+            action.setEnabled(not textless)
+            if not hasattr(action, "usable_tip"):
+                action.usable_tip = action.toolTip()
+            action.setToolTip(why or action.usable_tip)
+            action.setStatusTip(why or action.usable_tip)
+
+    def _sync_conversation_actions(self) -> None:
+        """Fork, Reply and End (menus, Ctrl+F, Ctrl+R, Ctrl+E) are usable exactly when the conversation panel's
+        buttons are: a shortcut never offers what its greyed button refuses ("Command refused" on Ctrl+F)."""
+        actions = self.window_actions
+        for key, action in (("fork", actions.fork), ("reply", actions.reply), ("end", actions.end)):
+            action.setEnabled(self.conversations.buttons[key].isEnabled())
 
     # ---- selection ------------------------------------------------------------------------------------------
     def activate_pane(self, pane: PoolPane) -> None:
@@ -554,15 +585,36 @@ class MainWindow(QtWidgets.QMainWindow):
         engine's run. The status bar says both, and Stop recording is disabled."""
         from ..feeds.demo import DEMO_SPEED
         old = self.source.feed
-        speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else None)
+        # a recording or a watched stream has no engine speed: the new engine takes the speed box's, as shown
+        speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else self.controls.speed.currentData())
         paused = old.paused if (old.capabilities.can_command and not demo) else False
         carried, ended = old.hand_over() if isinstance(old, EngineFeed) else ([], [])
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried)
         self.engine_config = cfg
         self.source.set_feed(feed)
+        if demo:
+            self.start_traffic(demo)
         self.outputs_note = outputs_note(carried, ended)
         self.status.showMessage(f"Engine restarted: {cfg.model}, {cfg.num_blocks} blocks of {cfg.block_size}. "
                                 f"{self.outputs_note}".strip(), 15000 if self.outputs_note else 5000)
+
+    def start_traffic(self, demo: str) -> None:
+        """Served traffic for ``demo`` on the local engine: at once for serve, after the first screen for busy and
+        crowd (they keep living instead of going idle). The toolbar's arrivals slider sets its rate."""
+        from ..feeds.demo import SERVED_AFTER
+        from ..feeds.traffic import TrafficDriver
+        self.stop_traffic()
+        feed = self.source.feed
+        if demo not in SERVED_AFTER or not isinstance(feed, EngineFeed) or not feed.takes_text:
+            return
+        self.traffic = TrafficDriver(feed, rate=self.controls.rate_value(), wait_until_idle=SERVED_AFTER[demo]).start()
+        self.controls.show_rate(True)
+
+    def stop_traffic(self) -> None:
+        if self.traffic is not None:
+            self.traffic.stop()
+            self.traffic = None
+        self.controls.show_rate(False)
 
     def set_contiguous(self, on: bool) -> None:
         """View > Contiguous side by side, for every pane."""
@@ -576,7 +628,17 @@ class MainWindow(QtWidgets.QMainWindow):
         self.source.set_feed(feed)
 
     # ---- errors and closing ----------------------------------------------------------------------------------
+    TRANSIENT_PROBLEMS = frozenset({"Attached pool silent"})  # states the pane's header shows, and clears itself
+
     def _on_problem(self, problem: Problem) -> None:
+        """A problem opens a message box, unless it is a passing state: an attached stream gone silent is said in
+        its pane's header ("↔ silent for 12 s"), which says "live" again once frames come, and briefly here; a
+        box stayed open after the stream had resumed."""
+        if problem.title in self.TRANSIENT_PROBLEMS:
+            for pane in self.panes:
+                pane.refresh_header()
+            self.status.showMessage(f"{problem.title}: {problem.text}", 8000)
+            return
         self.show_error(problem.title, problem.text, problem.details or None)
 
     def show_error(self, title: str, text: str, details: str | None = None) -> QtWidgets.QMessageBox:
@@ -596,7 +658,17 @@ class MainWindow(QtWidgets.QMainWindow):
         super().showEvent(event)
         if not self._shown_once and self._fit_frame:
             QtCore.QTimer.singleShot(FRAME_FIT_MS, self.fit_frame_to_screen)
+        if not self._shown_once and not self.layout_restored:
+            # the arrangement made before the window was shown had no real dock sizes to share out (a 1600 x 1000
+            # first launch gave the conversations about four rows): made again once shown, as View > Reset layout
+            QtCore.QTimer.singleShot(0, self._first_layout)
         self._shown_once = True
+
+    def _first_layout(self) -> None:
+        if not self._closed and not self.layout_restored:
+            self.reset_layout()
+            for key in self.docks_hidden_for_source:  # the arrangement shows every dock; a KV-event source has
+                self.docks[key].hide()  # nothing for these (they stay listed, to come back with a pool source)
 
     def fit_frame_to_screen(self) -> bool:
         """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
@@ -628,6 +700,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.layout_memory.save(self)
         self._closed = True
         self.timer.stop()
+        if self.traffic is not None:
+            self.traffic.stop()
         self.metrics_backfill.stop()
         self.block_watch.stop()
         for source in self.sources:

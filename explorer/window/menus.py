@@ -38,7 +38,7 @@ def build_menus(window, actions) -> None:
     view.addAction(actions.reset_layout)
 
     demos = bar.addMenu("&Demos")
-    demos.addActions([actions.demos["busy"], actions.demos["crowd"]])
+    demos.addActions([actions.demos["busy"], actions.demos["crowd"], actions.demos["serve"]])
     demos.addSeparator()
     demos.addAction(actions.lesson)
 

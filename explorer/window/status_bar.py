@@ -7,6 +7,8 @@ Labels never ask for more width than they get: at 1024 pixels the line elides in
 """
 from __future__ import annotations
 
+import os
+
 import time
 
 from PySide6 import QtCore, QtGui, QtWidgets
@@ -142,7 +144,10 @@ class StatusBar(QtWidgets.QStatusBar):
         feed = source.feed
         live = feed.status_text()
         if source.viewing is not None and source.view is not None:
-            live = f"◀ viewing step {source.view.step_id} · {live}"
+            live = f"◀ viewing step {source.view.step_id:,} · {live}"
+        recording = recording_text(feed)
+        if recording:  # lasting, while it records: the transient "Recording to ..." message went after 5 s
+            live = f"{live} · {recording}"
         self._set("live", live)
         counts = None if source.capabilities.has_physical_pool else feed.stream_counts()
         if counts is not None:  # a KV-event source: no pool views, so its own counts instead of "waiting"
@@ -196,3 +201,17 @@ class StatusBar(QtWidgets.QStatusBar):
 
     def redraws_per_second(self, now: float | None = None) -> float:
         return self.redraws.per_second(now)
+
+
+def recording_text(feed) -> str:
+    """'● REC run.kvpool, 1.2 MiB' while ``feed`` records (File > Record, --record), else ''."""
+    recorders = [r for r, _ in getattr(feed, "recorders", ())] + [
+        o for o in getattr(feed, "outputs", ()) if hasattr(o, "bytes_written") and hasattr(o, "path")]
+    if not recorders:
+        return ""
+    parts = []
+    for recorder in recorders:
+        size = recorder.bytes_written
+        amount = f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.0f} KiB"
+        parts.append(f"{os.path.basename(recorder.path)}, {amount}")
+    return "● REC " + "; ".join(parts)
