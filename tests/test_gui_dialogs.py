@@ -306,7 +306,7 @@ def test_token_ids_in_the_add_and_reply_dialogs(qtbot, make_window):
     reply.message.setPlainText(" ".join(["5"] * 6))
     reply.max_new_tokens.setText("8")
     reply.try_accept()  # 250 history + 6 + 8 new: 66 blocks of 4 > 64
-    assert "Too long" in reply.error_text("message") and "at most 1 new tokens fit" in reply.error_text("message")
+    assert "Too long" in reply.error_text("message") and "at most 1 new token fit" in reply.error_text("message")
     reply.max_new_tokens.setText("1")
     reply.try_accept()
     assert reply.request.prompt_token_ids == (5,) * 6 and reply.request.message == ""

@@ -154,8 +154,11 @@ def seed_serve(engine) -> Seeded:
     adder = _Adder(engine)
     budget = adder.num_blocks * adder.block_size // 4
     for i in range(4):
-        adder.add(QUESTIONS[i], (96, 200, 48, 400)[i], budget, system=SYSTEM_PROMPTS[i % 2] + " ", temperature=0.7,
-                  seed=i)
+        try:
+            adder.add(QUESTIONS[i], (96, 200, 48, 400)[i], budget, system=SYSTEM_PROMPTS[i % 2] + " ",
+                      temperature=0.7, seed=i)
+        except ValueError:  # a pool too small for this prompt: the traffic's own requests are sized to fit
+            continue
         if i == 0:
             engine.step()  # its system-prompt blocks are hashed before the next one arrives, so they are shared
     return adder.result()
