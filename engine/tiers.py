@@ -27,6 +27,7 @@ logged, never raised, so a full disk never stops the engine.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import shutil
@@ -59,7 +60,7 @@ class TierHit:
     block_hash: int  # the block's prefix hash
 
 
-class Tier:
+class Tier(abc.ABC):
     """One tier's slots: FREE or CACHED, each CACHED slot holding one hashed block's K/V bytes.
 
     Subclasses store the bytes (:class:`HostTier`, :class:`DiskTier`); this class keeps the per-slot arrays (the
@@ -169,11 +170,13 @@ class Tier:
         return self._read_raw(slot)
 
     # ---- bytes (subclasses) -----------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _write_raw(self, slot: int, data: np.ndarray) -> None:
-        raise NotImplementedError
+        """Store ``data`` in ``slot`` (host memory or the disk file)."""
 
+    @abc.abstractmethod
     def _read_raw(self, slot: int) -> np.ndarray | None:
-        raise NotImplementedError
+        """The bytes in ``slot``, or None when they cannot be trusted."""
 
     def close(self) -> None:
         pass
