@@ -83,9 +83,15 @@ class ConversationInfo:
     turns: tuple[tuple[int, int], ...] = ()  # per turn: (position its user message starts, position its reply starts)
     label: str = ""  # the source's own name for it (a vLLM request id); "" for the project's engine
     group_block_tables: tuple[tuple[int, ...], ...] = ()  # one table per KV cache group (-1 where a sliding window
-    #                                                       released a block); () for a one-group pool (block_table)
+    #                    released a block); a one-group table is always (block_table,)
     prompt_token_sources: Mapping[str, int] = field(default_factory=dict, hash=False)  # last admission's prompt
     #                   tokens by where their K/V came from: "device", "host", "disk" (tiers) or "computed"; {}: unknown
+
+    def __post_init__(self) -> None:
+        # A plain pool has one KV cache group, whose table is block_table: every reader may index the groups the
+        # same way whatever the model (DESIGN.md), while producers and the pool stream carry no second copy.
+        if len(self.group_block_tables) <= 1:  # one group: its table is block_table (also after a replace())
+            object.__setattr__(self, "group_block_tables", (self.block_table,))
 
     @property
     def num_tokens(self) -> int:
@@ -223,9 +229,22 @@ class PoolSnapshot:
     tiers: Mapping[str, TierView] = field(default_factory=dict)  # "host", "disk": only the tiers that are on
     kv_cache_groups: tuple[KVCacheGroupInfo, ...] = ()  # () means one full-attention group
     group_block_tables: tuple[Mapping[int, tuple[int, ...]], ...] = ()  # one {conversation id: ids} per group, -1
-    #                                    where a window released a block; () for one group (block_tables is group 0's)
+    #                     where a window released a block; without block_group (one plain group) it is always
+    #                     (block_tables,), the very same mapping
     block_group: np.ndarray | None = None  # int8: the group of each non-free block (its last one for a free block);
     #                                        None for one group
+
+    def __post_init__(self) -> None:
+        # As ConversationInfo's: one plain group's tables are block_tables itself, so readers index the groups the
+        # same way for every model and the pool stream carries the tables once.
+        if self.block_group is None and len(self.group_block_tables) <= 1:  # also after a replace()
+            object.__setattr__(self, "group_block_tables", (self.block_tables,))
+
+    @property
+    def carries_group_tables(self) -> bool:
+        """Whether the per-group tables say more than block_tables (several groups, or a sliding window's holes):
+        only then does the pool stream carry them."""
+        return self.block_group is not None or len(self.group_block_tables) != 1
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)

@@ -151,7 +151,16 @@ def test_plain_model_keeps_the_plain_manager_and_layout(tmp_path):
     assert type(eng.manager).__name__ == "KVCacheManager"
     snap = eng.snapshot()
     assert snap.kv_cache_groups == (KVCacheGroupInfo("full_attention", None, (0, 1)),)
-    assert snap.group_block_tables == () and snap.block_group is None
+    assert snap.block_group is None
+    assert snap.group_block_tables == ({},)  # one group per KV cache group (DESIGN.md), none held yet
+    cid = eng.add_conversation(prompt_token_ids=list(range(1, 12)), max_new_tokens=3, ignore_eos=True)
+    eng.step()
+    snap = eng.snapshot()
+    assert len(snap.group_block_tables) == len(snap.kv_cache_groups) == 1
+    assert snap.group_block_tables[0] is snap.block_tables and snap.block_tables[cid]  # the one group's tables
+    info = eng.conversation(cid)
+    assert info.group_block_tables == (info.block_table,) and len(info.block_table) == 3
+    assert snap.conversation(cid).group_block_tables == (snap.block_tables[cid],)
 
 
 # ---- windows release ------------------------------------------------------------------------------------------

@@ -915,6 +915,24 @@ def test_a_v2_keyframe_names_the_groups_and_tiers_in_its_header():
     assert msgspec.msgpack.decode(frames[0].payload)[1] == FORMAT_VERSION == 2
 
 
+def test_a_plain_pool_has_one_group_table_set_and_carries_its_tables_once():
+    """DESIGN.md: one table set per KV cache group, so a plain model's is ``(block_tables,)``; the stream must not
+    carry that second copy (header group_tables 0, no conversation group tables), and the decoder rebuilds it."""
+    snaps = workload()[:60]
+    assert all(len(s.group_block_tables) == 1 and s.group_block_tables[0] is s.block_tables for s, _ in snaps)
+    assert all(c.group_block_tables == (c.block_table,) for s, _ in snaps for c in s.conversations)
+    _, frames = encode_all(snaps, keyframe_interval=7)
+    dec = StreamDecoder()
+    for (want, _), frame in zip(snaps, frames):
+        got, _, _ = dec.feed(frame.payload)
+        assert dec.header.group_tables == 0
+        body = _envelope(frame).body
+        assert not body.group_tables
+        assert all(not (p.group_block_tables or ()) for p in body.conversations), "a one-group table travelled twice"
+        assert got.group_block_tables[0] is got.block_tables and dict(got.block_tables) == dict(want.block_tables)
+        assert all(c.group_block_tables == (c.block_table,) for c in got.conversations)
+
+
 def test_a_version_1_recording_still_opens_as_a_one_group_pool_without_tiers():
     """tests/data/poolstream_v1.kvrec was written by the format-1 encoder (before tiers and groups)."""
     import json
@@ -932,9 +950,11 @@ def test_a_version_1_recording_still_opens_as_a_one_group_pool_without_tiers():
         assert [[c, list(t)] for c, t in snap.block_tables.items()] == w["tables"]
         assert [[c.conversation_id, c.status.value, list(c.prompt_token_ids), list(c.output_token_ids),
                  list(c.block_table), c.num_computed_tokens] for c in snap.conversations] == w["conversations"]
-        assert snap.kv_cache_groups == () and snap.group_block_tables == () and snap.block_group is None
+        assert snap.kv_cache_groups == () and snap.block_group is None
+        assert snap.group_block_tables == (snap.block_tables,)  # one group: block_tables itself
         assert dict(snap.tiers) == {}
-        assert all(c.group_block_tables == () and dict(c.prompt_token_sources) == {} for c in snap.conversations)
+        assert all(c.group_block_tables == (c.block_table,) and dict(c.prompt_token_sources) == {}
+                   for c in snap.conversations)
 
 
 def _rebuilt(snap: PoolSnapshot, **changes) -> PoolSnapshot:

@@ -193,7 +193,7 @@ def test_a_finished_conversations_sources_and_tables_survive_missing_fields():
                         num_filled=np.zeros(2, np.int32), state=np.zeros(2, np.int8),
                         owner=np.full(2, -1, np.int32), last_access=np.zeros(2, np.int64), block_tables={},
                         conversations=(old,))
-    assert snap.tiers == {} and snap.kv_cache_groups == () and snap.group_block_tables == ()
+    assert snap.tiers == {} and snap.kv_cache_groups == () and snap.group_block_tables == (snap.block_tables,)
     assert block_groups(snap).tolist() == [-1, -1] and group_tables_html(snap, old) == ""
     assert tier(2, {}).state.tolist() == [0, 0]
 

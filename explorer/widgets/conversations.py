@@ -254,7 +254,7 @@ class ConversationDetail(QtWidgets.QWidget):
         key = (info.conversation_id, str(info.status), info.finish_reason, len(info.prompt_token_ids),
                info.prompt_text, info.output_text, len(info.output_token_ids), info.turns, tuple(table), tuple(refs),
                tuple(fills), info.group_block_tables, tuple(sorted((info.prompt_token_sources or {}).items())),
-               snapshot.group_block_tables and conversation_group_tables(snapshot, info.conversation_id))
+               snapshot.carries_group_tables and conversation_group_tables(snapshot, info.conversation_id))
         if key == self._key:
             return
         self._key = key

@@ -187,7 +187,7 @@ class GridView(QtWidgets.QWidget):
         drawn, ids = self._drawn, None
         if drawn is not None and drawn[1:6] == settings and self.image is not None and not (
                 (self.color_by == "group" or self.group_filter is not None)  # a block may change group alone
-                and drawn[0].group_block_tables != snap.group_block_tables):
+                and snap.carries_group_tables and drawn[0].group_block_tables != snap.group_block_tables):
             ids = changed_blocks(drawn[0], snap, self.color_by, self.selected_conversation)
         owner = np.asarray(snap.owner)
         if ids is not None and book is not None:

@@ -19,7 +19,7 @@ from .schema import (_BLANK, _CONV_KINDS, _CONV_NAMES, _DTYPE_OK, _DTYPES, _ENCO
                      _NARROW_RANGES, _OUT_AT, _PLAIN_AT, _SEQ, _SEQ_AT, _TEXT, _TEXT_AT, ARRAYS, FORMAT_VERSION, MAGIC,
                      ArrayPatch, Body, ConvPatch, Delta, Frame, Grown, Header, Keyframe, Numbers, Packed, StreamError,
                      TablePatch, _BridgedEnvelope, _conv_values, _Envelope, _stable, _why, GROUP_ARRAY, TIER_ARRAYS,
-                     WIRE_ARRAYS, GroupSpec, GroupTables, TierSpec, _SOURCES_AT)
+                     WIRE_ARRAYS, GroupSpec, GroupTables, TierSpec, _GROUPS_AT, _SOURCES_AT)
 
 
 def _plain(kind: type, value: Any) -> int | float:
@@ -130,8 +130,14 @@ def _full_patch(info: ConversationInfo) -> ConvPatch:
         value = getattr(info, name)
         kw[name] = (0, tuple(value)) if kind == _SEQ else (0, value) if kind == _TEXT else value
     kw["prompt_token_sources"] = dict(info.prompt_token_sources)  # a Mapping (maybe read-only): msgpack takes dicts
-    kw["group_block_tables"] = tuple(tuple(t) for t in info.group_block_tables)
+    kw["group_block_tables"] = _wire_groups(info.group_block_tables)
     return ConvPatch(**kw)
+
+
+def _wire_groups(tables: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """A conversation's group tables as the stream carries them: () for one group, whose table is block_table
+    (ConversationInfo rebuilds it), so a plain pool's tables travel once."""
+    return () if len(tables) == 1 else tuple(tuple(t) for t in tables)
 
 
 def _diff_patch(old: ConversationInfo, new: ConversationInfo, grown: bool = False) -> ConvPatch | None:
@@ -151,7 +157,11 @@ def _diff_patch(old: ConversationInfo, new: ConversationInfo, grown: bool = Fals
             kw[_CONV_NAMES[i]] = _text_patch(ov[i], nv[i])
     for i in _PLAIN_AT:
         if ov[i] != nv[i]:
-            kw[_CONV_NAMES[i]] = dict(nv[i]) if i == _SOURCES_AT else nv[i]
+            if i == _GROUPS_AT:
+                if len(nv[i]) != 1 or len(ov[i]) != 1:  # one group's table moved with block_table above
+                    kw[_CONV_NAMES[i]] = _wire_groups(nv[i])
+            else:
+                kw[_CONV_NAMES[i]] = dict(nv[i]) if i == _SOURCES_AT else nv[i]
     return ConvPatch(conversation_id=new.conversation_id, **kw)
 
 
@@ -171,7 +181,7 @@ def _header(snapshot: PoolSnapshot) -> Header:
         tiers[str(name)] = TierSpec(int(tier.num_blocks), {n: getattr(tier, n).dtype.str for n in TIER_ARRAYS})
     return Header(str(snapshot.source), int(snapshot.num_blocks), int(snapshot.block_size), str(snapshot.model_name),
                   str(snapshot.device), int(snapshot.max_model_len), dtypes, groups,
-                  len(snapshot.group_block_tables), tiers)
+                  len(snapshot.group_block_tables) if snapshot.carries_group_tables else 0, tiers)
 
 
 def _tier_arrays(snapshot: PoolSnapshot) -> dict[str, np.ndarray]:
@@ -347,7 +357,7 @@ class StreamEncoder:
                 dense = index.size * 4 > a.size
                 tier_patches[key] = _patch(a if dense else a[index], None if dense else index)
         group_tables = [[TablePatch(int(cid), 0, tuple(t)) for cid, t in g.items()]
-                        for g in snapshot.group_block_tables]
+                        for g in snapshot.group_block_tables] if snapshot.carries_group_tables else []
         return Keyframe(header, int(snapshot.version), patches, tables,
                         [_full_patch(c) for c in snapshot.conversations],
                         _numbers(snapshot.metrics, _METRIC_FIELDS), memory, _by_tier(tier_patches), group_tables)
@@ -466,7 +476,7 @@ class StreamEncoder:
             if index.size:
                 tier_patches[key] = _patch(a[index], index)
         group_tables = []
-        if snapshot.group_block_tables is not prev.group_block_tables and \
+        if snapshot.carries_group_tables and snapshot.group_block_tables is not prev.group_block_tables and \
                 snapshot.group_block_tables != prev.group_block_tables:
             group_tables = [GroupTables(*_tables_delta(o, g))
                             for o, g in zip(prev.group_block_tables, snapshot.group_block_tables)]

@@ -187,7 +187,7 @@ def check_snapshot(snap: PoolSnapshot, counts: TableCounts | None = None,
     h = snap.block_hash
     if h is not None and (not isinstance(h, np.ndarray) or h.shape != (n,)):
         _fail("hashes", f"block_hash is not an array of the pool's {n} blocks")
-    grouped = bool(snap.group_block_tables)
+    grouped = snap.carries_group_tables
     if grouped:
         _check_groups(snap)
     _check_tiers(snap)
@@ -257,7 +257,7 @@ def _check_groups(snap: PoolSnapshot) -> None:
                                     f"group {int(bg[wrong[0]])}")
     for conv in snap.conversations:
         cid = conv.conversation_id
-        if conv.group_block_tables:
+        if len(conv.group_block_tables) > 1 or snap.carries_group_tables:
             want = tuple(tuple(tables.get(cid, ())) for tables in snap.group_block_tables)
             if tuple(conv.group_block_tables) != want and any(cid in tables for tables in snap.group_block_tables):
                 _fail("groups", f"conversation {cid}'s group tables differ from the pool's tables for it")
