@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from PySide6 import QtCore
 
@@ -203,3 +204,21 @@ def test_the_device_inspector_says_which_tiers_hold_the_same_content(qtbot):
                                    token_ids=(1, 2, 3, 4), token_texts=("a", "b", "c", "d"), positions=(0, 1, 2, 3),
                                    owners=((1, 0),), block_hash=H0, hash_note="", last_owner=1))
     assert inspector.fields["hash"].text() == f"{H0:016x}; also in host slot 2"
+
+
+def test_the_blocks_column_counts_every_groups_blocks_and_no_window_holes():
+    """Conversation 1 holds (0, 1, 2) in the full group and (-1, 3, 4) in the sliding one: five blocks, not
+    group 0's three; a window's -1 is a released place, not a block (nor a read of the pool's last block)."""
+    from explorer.widgets.conversations import ConversationsModel, conversation_row
+    snap = tiered_snapshot()
+    row = conversation_row(snap.conversation(1), snap)
+    assert row[4] == 5 and row[5] == 0 and row[6] == "2/4"
+    sliding_only = dataclasses.replace(snap, block_tables={1: (-1, 3, 4)},
+                                       group_block_tables=({1: (-1, 3, 4)},), kv_cache_groups=snap.kv_cache_groups[1:],
+                                       block_group=np.zeros(8, np.int8))
+    sliding_only.ref_count[7] = 2  # a shared block elsewhere: table[-1] read as an index would count it
+    row = conversation_row(sliding_only.conversation(1), sliding_only)
+    assert row[4] == 2 and row[5] == 0
+    model = ConversationsModel()
+    model.refresh(snap)
+    assert model.rows()[0][4] == 5

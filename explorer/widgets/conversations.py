@@ -49,13 +49,22 @@ def status_text(info: ConversationInfo) -> str:
     return reason if reason.startswith(str(info.status)) else f"{info.status} ({reason})"
 
 
+def held_blocks(snapshot: PoolSnapshot, conversation_id: int) -> tuple[int, ...]:
+    """Every device block the conversation holds, in every KV cache group, a sliding window's -1 places left out:
+    what its "blocks" cell counts (group 0's table alone undercounts a hybrid model and counts a window's holes)."""
+    if not snapshot.carries_group_tables:
+        return snapshot.block_tables.get(conversation_id, ())
+    return tuple(b for tables in snapshot.group_block_tables for b in tables.get(conversation_id, ()) if b >= 0)
+
+
 def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
-    """The table cells of one conversation, derived from the snapshot's block tables."""
-    table = snapshot.block_tables.get(info.conversation_id, ())
-    shared = int((np.asarray(snapshot.ref_count)[list(table)] > 1).sum()) if table else 0
-    tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table else "-"
+    """The table cells of one conversation, derived from the snapshot's block tables (every group's)."""
+    held = held_blocks(snapshot, info.conversation_id)
+    table = snapshot.block_tables.get(info.conversation_id, ())  # group 0's: where the conversation's tail is
+    shared = int((np.asarray(snapshot.ref_count)[list(held)] > 1).sum()) if held else 0
+    tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table and table[-1] >= 0 else "-"
     return (info.conversation_id, str(info.status), len(info.prompt_token_ids), len(info.output_token_ids),
-            len(table), shared, tail, stop_reason(info), sources_cell(info))
+            len(held), shared, tail, stop_reason(info), sources_cell(info))
 
 
 def ids_text(token_ids) -> str:
@@ -163,11 +172,11 @@ class ConversationsModel(RowsModel):
         last = self._made_from
         pool_same = last is not None and (last is snapshot or (
             np.array_equal(last.ref_count, snapshot.ref_count) and np.array_equal(last.num_filled, snapshot.num_filled)))
-        cache, tables = self._row_cache, snapshot.block_tables
+        cache = self._row_cache
         new_rows = []
         for info in snapshot.conversations:
             cid = info.conversation_id
-            table = tables.get(cid, ())
+            table = held_blocks(snapshot, cid)
             kept = cache.get(cid)
             if kept is not None and _same_row_input(kept[0], info) and kept[1] == table and (pool_same or not table):
                 new_rows.append(kept[2])
