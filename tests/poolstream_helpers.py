@@ -239,3 +239,29 @@ def synthetic_v2(frames: int = 60, seed: int = 0, num_blocks: int = 40, block_si
             a.setflags(write=False)
         out.append((snap, tuple(events)))
     return out
+
+
+def install_fake_tap(monkeypatch) -> None:
+    """Let ``kvstream.vllm.plugin.attach`` run without vLLM: a tap module whose tap hands out the shared workload's
+    first pool, so a test can look at what the plugin binds, logs and publishes."""
+    import sys
+    import types
+
+    class Tap:
+        num_blocks, block_size, pending, idle = 4, 16, False, True
+        after_step = _on_error = None
+        scheduler = None
+
+        def __init__(self, scheduler, **_):
+            self.scheduler = scheduler
+
+        def frame(self):
+            return workload()[0][0], []
+
+        def detach(self):
+            pass
+
+    fake_tap = types.ModuleType("kvstream.vllm.tap")
+    fake_tap.VllmPoolTap, fake_tap.UnsupportedVllm = Tap, RuntimeError
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-test"))
+    monkeypatch.setitem(sys.modules, "kvstream.vllm.tap", fake_tap)

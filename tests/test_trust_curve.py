@@ -17,7 +17,7 @@ from kvstream.curve import CurveError, make_keys
 from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.poolstream.transport import PublishError
-from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
+from tests.poolstream_helpers import assert_same_snapshot, encode_all, install_fake_tap, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,24 +124,7 @@ def test_the_plugin_takes_curve_from_its_environment(monkeypatch, caplog, keys):
     import types
 
     from kvstream.vllm import plugin
-
-    class Tap:
-        num_blocks, block_size, pending, idle = 4, 16, False, True
-        after_step = _on_error = None
-
-        def __init__(self, scheduler, **_):
-            self.scheduler = scheduler
-
-        def frame(self):
-            return workload()[0][0], []
-
-        def detach(self):
-            pass
-
-    fake_tap = types.ModuleType("kvstream.vllm.tap")
-    fake_tap.VllmPoolTap, fake_tap.UnsupportedVllm = Tap, RuntimeError
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-test"))
-    monkeypatch.setitem(sys.modules, "kvstream.vllm.tap", fake_tap)
+    install_fake_tap(monkeypatch)
     monkeypatch.setenv(plugin.ENV_ENDPOINT, "tcp://127.0.0.1:0")
     monkeypatch.setenv(plugin.ENV_CURVE, keys["directory"])
     with caplog.at_level("INFO", logger="vllm.paged_kv_explorer"):

@@ -16,7 +16,7 @@ from kvstream.poolstream import Frame, StreamDecoder, StreamEncoder, StreamError
 from kvstream.poolstream.schema import _ENCODER, FORMAT_VERSION, MAGIC, ArrayPatch, Body, Delta, Packed, _Envelope
 from kvstream.poolstream.validate import check_snapshot, set_max_blocks
 from kvstream.views import BlockState, frozen_array
-from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
+from tests.poolstream_helpers import assert_same_snapshot, encode_all, install_fake_tap, workload
 
 
 def _forge(frame: Frame, *, seq: int | None = None, body=None, header: dict | None = None, **delta) -> bytes:
@@ -273,28 +273,10 @@ def test_endpoints_are_checked_in_one_place():
 
 def test_the_plugin_logs_the_endpoint_it_bound(monkeypatch, caplog):
     """The plugin's log line names what was bound (port 0: the port chosen), not what it was given."""
-    from kvstream.vllm import plugin
-
-    class Tap:
-        num_blocks, block_size, pending, idle = 4, 16, False, True
-        after_step = _on_error = None
-        scheduler = None
-
-        def __init__(self, scheduler, **_):
-            self.scheduler = scheduler
-
-        def frame(self):
-            return workload()[0][0], []
-
-        def detach(self):
-            pass
-
-    import sys
     import types
-    fake_tap = types.ModuleType("kvstream.vllm.tap")
-    fake_tap.VllmPoolTap, fake_tap.UnsupportedVllm = Tap, RuntimeError
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-test"))
-    monkeypatch.setitem(sys.modules, "kvstream.vllm.tap", fake_tap)
+
+    from kvstream.vllm import plugin
+    install_fake_tap(monkeypatch)
     monkeypatch.setenv(plugin.ENV_ENDPOINT, "tcp://127.0.0.1:0")
     scheduler = types.SimpleNamespace()
     with caplog.at_level("INFO", logger="vllm.paged_kv_explorer"):
