@@ -298,3 +298,29 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
     qtbot.wait(1000)
     assert window.grid.frames_drawn - drawn >= 12  # nearly every tick's new frame (40 steps/s, 30 ticks/s), not 4
     assert window.errors == []
+
+
+def test_the_tiers_and_window_demos_start_from_the_menu_and_busy_goes_back_to_the_users_pool(qtbot, make_window):
+    """The Demos menu offers every demo the command line has: tiers starts its small device pool and host tier,
+    window the mixed sliding-window checkpoint (tiers off: a grouped pool refuses them), and busy afterwards runs
+    on the settings the user started with, not the last demo's."""
+    window = make_window(paused=True, num_blocks=96)
+    demos_menu = [a.menu() for a in window.menuBar().actions() if a.text() == "&Demos"][0]
+    offered = {name for name, action in window.window_actions.demos.items() if action in demos_menu.actions()}
+    assert {"busy", "crowd", "serve", "tiers", "window"} <= offered
+    user = window.engine_config
+    assert user.host_tier_blocks == 0 and user.num_blocks == 96
+    for demo in ("tiers", "window", "busy"):
+        old = window.runner
+        files.start_demo(window, demo, confirm=False)
+        qtbot.waitUntil(lambda: window.runner is not old and window.source.live is not None
+                        and window.source.live.num_blocks == window.engine_config.num_blocks, timeout=60000)
+        cfg, snap = window.engine_config, window.source.live
+        if demo == "tiers":
+            assert cfg.num_blocks == 64 and cfg.host_tier_blocks == 1024 and "host" in snap.tiers
+        elif demo == "window":
+            assert cfg.host_tier_blocks == 0 and not snap.tiers
+            assert {g.kind for g in snap.kv_cache_groups} == {"full_attention", "sliding_window"}
+        else:
+            assert (cfg.model, cfg.num_blocks, cfg.host_tier_blocks) == (user.model, user.num_blocks, 0)
+            assert window.config_before_demo is None

@@ -223,5 +223,21 @@ def demo_settings(demo: str, given: dict) -> dict:
     return out
 
 
+def menu_demo_config(current, demo: str, before_demo=None):
+    """(the EngineConfig a demo picked from the window's menu starts, the config to go back to once the user picks a
+    demo that needs nothing of its own; None when this demo changed nothing). ``before_demo``: that config, when the
+    engine runs a demo's settings now. The tiers demo needs its small device pool and host tier, the window demo the
+    mixed checkpoint (and no tiers: a grouped pool refuses them); busy, crowd and serve run on the user's own
+    settings, so picking one after the tiers demo undoes its pool, not keeps it."""
+    import dataclasses
+    base = before_demo if before_demo is not None else current
+    settings = demo_settings(demo, set())
+    if demo == "window":
+        settings.update(host_tier_blocks=0, disk_tier_blocks=0)
+    if not settings:
+        return base, None
+    return dataclasses.replace(base, **settings), base
+
+
 DEMOS = {"busy": seed_busy, "crowd": seed_crowd, "serve": seed_serve, "tiers": seed_tiers,
          "window": seed_window}  # --demo name -> what seeds a fresh engine (the lesson has no engine)

@@ -27,7 +27,11 @@ DEMOS = (("busy", "Busy: shared prefixes, a fork, tails", "A few conversations t
           "fork and a short one that leaves cached blocks"),
          ("crowd", "Crowd: many conversations", "Many conversations of mixed lengths, for large pools"),
          ("serve", "Serve: traffic that never runs dry", "Requests arrive as at a server (the toolbar's arrivals "
-          "slider sets the rate): shared system prompts, follow-ups, parallel samples, long prompts, early stops"))
+          "slider sets the rate): shared system prompts, follow-ups, parallel samples, long prompts, early stops"),
+         ("tiers", "Tiers: prefixes back from host memory", "A small device pool and a host tier: returning "
+          "conversations load their evicted prefix back from host memory instead of recomputing it"),
+         ("window", "Window: a sliding-window model", "A checkpoint whose layers alternate sliding-window and full "
+          "attention: the sliding group releases blocks the model will never read again"))
 
 
 class WindowActions:

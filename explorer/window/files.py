@@ -200,8 +200,9 @@ def start_demo(window, name: str, confirm: bool = True) -> None:
         window.demo_question = box
         box.open()
         return
-    cfg = window.config or window.engine_config
-    window.restart_engine(cfg, setup=DEMOS[name], demo=name)
+    from ..feeds.demo import menu_demo_config
+    cfg, before = menu_demo_config(window.config or window.engine_config, name, window.config_before_demo)
+    window.restart_engine(cfg, setup=DEMOS[name], demo=name, config_before_demo=before)
 
 
 def open_help(window):

@@ -77,6 +77,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if feed is None and runner is not None:
             feed = EngineFeed(runner, config or EngineConfig())
         self.engine_config = config or getattr(feed, "config", None) or EngineConfig()  # what a restart starts from
+        self.config_before_demo: EngineConfig | None = None  # the user's settings while a demo runs its own
         self.source = PoolSource(feed, self)
         self.panes = [PoolPane(self.source)] + [PoolPane(PoolSource(f, self)) for f in extra_feeds]
         self.errors: list[tuple[str, str]] = []  # (title, text) of every error shown, newest last
@@ -514,9 +515,10 @@ class MainWindow(QtWidgets.QMainWindow):
         return dialog
 
     def restart_engine(self, cfg: EngineConfig, setup=None, demo: str | None = None,
-                       dialog: RestartDialog | None = None) -> None:
+                       dialog: RestartDialog | None = None, config_before_demo: EngineConfig | None = None) -> None:
         """Build the new engine in a worker thread; swap it in only once it loaded, else keep the old feed.
-        ``dialog``: the restart dialog that asked, told how it went (else a failure is a message box)."""
+        ``dialog``: the restart dialog that asked, told how it went (else a failure is a message box).
+        ``config_before_demo``: the user's settings, when ``cfg`` is a demo's own (the next demo goes back to them)."""
         if self._loader is not None:
             if dialog is not None:
                 dialog.restart_failed("An engine is already being loaded; try again when it is up")
@@ -533,6 +535,7 @@ class MainWindow(QtWidgets.QMainWindow):
             if self._closed:  # a closed window must not start an engine thread that nothing would stop
                 return
             self.swap_engine(engine, cfg, demo=demo)
+            self.config_before_demo = config_before_demo
             self.show_demo_notes(loader.setup_result)
             if dialog is not None:
                 dialog.restart_succeeded()

@@ -38,7 +38,7 @@ def build_menus(window, actions) -> None:
     view.addAction(actions.reset_layout)
 
     demos = bar.addMenu("&Demos")
-    demos.addActions([actions.demos["busy"], actions.demos["crowd"], actions.demos["serve"]])
+    demos.addActions([actions.demos[name] for name in ("busy", "crowd", "serve", "tiers", "window")])
     demos.addSeparator()
     demos.addAction(actions.lesson)
 
