@@ -4,8 +4,8 @@ A demo that never runs dry must not grow without bound: the History has a byte b
 window a fixed size, the traffic a bounded queue. This runs the real window (on whatever display Qt is given: a real
 X server shows what a user sees; offscreen measures the same work without painting to a screen) through main.py's own
 entry point and prints, at the minutes asked for, the process's resident memory (VmRSS, and its high-water mark
-VmHWM), the window's GUI frames/s and grid redraws/s (the status bar's own counters), the engine step and the number
-of conversations served so far.
+VmHWM), the window's GUI frames/s and grid redraws/s (the status bar's own counters), the engine step, the number
+of conversations served so far and the bytes the timeline's History holds (it grows to its budget, then trims).
 
     python bench/soak.py [--minutes 60] [--marks 1 10 60] [--every 60] [-- main.py arguments (default --demo serve)]
 """
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = sorted(m * 60.0 for m in args.marks)
     print(f"soak: main.py {' '.join(app_args)} for {args.minutes:g} min, pid {os.getpid()}, "
           f"QT_QPA_PLATFORM={os.environ.get('QT_QPA_PLATFORM', '(display)')}", flush=True)
-    print("  minute   RSS MiB   peak MiB   GUI fps   redraws/s      step   conversations", flush=True)
+    print("  minute   RSS MiB   peak MiB   GUI fps   redraws/s      step   conversations   history MiB", flush=True)
 
     def window() -> MainWindow | None:
         for w in QtWidgets.QApplication.topLevelWidgets():
@@ -70,17 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - start
         rss, hwm = memory_kib()
         fps = redraws = float("nan")
-        step, convs = "-", "-"
+        step, convs, kept = "-", "-", float("nan")
         if w is not None:
             now = time.monotonic()
             fps = w.gui_fps(now)
             redraws = w.status.redraws.per_second(now)
             snap = getattr(getattr(w, "source", None), "live", None)  # the newest frame the window was given
+            history = getattr(getattr(w, "source", None), "history", None)
+            if history is not None:
+                kept = history.nbytes / 2 ** 20  # the timeline's frames, held up to its budget
             if snap is not None:
                 step = f"{snap.step_id:,}"
                 convs = f"{max((c.conversation_id for c in snap.conversations), default=-1) + 1:,}"
         print(f"{'*' if mark else ' '} {elapsed / 60:6.1f}  {rss / 1024:8.0f}  {hwm / 1024:9.0f}  {fps:8.1f}  "
-              f"{redraws:10.1f}  {step:>8}  {convs:>14}", flush=True)
+              f"{redraws:10.1f}  {step:>8}  {convs:>14}  {kept:12.0f}", flush=True)
         if elapsed >= args.minutes * 60.0 and w is not None:
             w.close()
 
