@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--marks", type=float, nargs="*", default=[1, 10, 60],
                         help="minutes at which to print a marked line (besides every --every seconds)")
     parser.add_argument("--every", type=float, default=60.0, help="seconds between lines")
+    parser.add_argument("--history-mib", type=int, default=None,
+                        help="the timeline History's budget once the window is up (default: the app's own), to reach "
+                             "its trimming sooner")
     parser.add_argument("app_args", nargs="*", help="main.py arguments after --")
     args = parser.parse_args(argv)
     app_args = args.app_args or ["--demo", "serve"]
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             redraws = w.status.redraws.per_second(now)
             snap = getattr(getattr(w, "source", None), "live", None)  # the newest frame the window was given
             history = getattr(getattr(w, "source", None), "history", None)
+            if history is not None and args.history_mib and history.budget_bytes != args.history_mib << 20:
+                history.budget_bytes = args.history_mib << 20
             if history is not None:
                 kept = history.nbytes / 2 ** 20  # the timeline's frames, held up to its budget
             if snap is not None:
