@@ -28,7 +28,7 @@ from kvstream.views import (BlockInfo, ConversationInfo, EngineMetrics, FinishRe
                             Status)
 
 from . import relocation
-from .attention import attend_batch, attend_batch_compiled
+from . import attention
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
@@ -117,7 +117,7 @@ class Engine:
         self.tiers = self._make_tiers(cfg)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
-                                  attend_batch_compiled if cfg.compile_attention else attend_batch)
+                                  attention.choose(cfg.compile_attention))
         self.runner.windows = [g.sliding_window for g in self.kv_cache_groups]
         self.views = PoolViews(self)
         self.seqs: dict[int, Sequence] = {}

@@ -603,10 +603,12 @@ def test_finished_window_bounds_views(ckpt):
 
 
 def test_compile_attention_is_per_engine(ckpt):
-    from engine.attention import attend_batch, attend_batch_compiled
+    from engine import attention
     compiled = make(ckpt, compile_attention=True)
     plain = make(ckpt)
-    assert compiled.runner.attend is attend_batch_compiled and plain.runner.attend is attend_batch
+    assert compiled.runner.attend is attention.COMPILED and plain.runner.attend is attention.DEFAULT
+    assert compiled.runner.attend.name == "compiled" and plain.runner.attend.name == "default"
+    assert (attention.attend_batch, attention.attend_batch_compiled) == (attention.DEFAULT, attention.COMPILED)
 
 
 def test_the_first_engine_freezes_the_startup_heap_and_is_still_collected_when_dropped():
