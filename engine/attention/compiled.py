@@ -142,8 +142,8 @@ class _AutoKernels:
     Nothing waits for a compile: the caller goes on eagerly while the "attention-compile" thread compiles (inductor
     keeps what it built in its on-disk cache, so a later run compiles again in a fraction of the time). The timing
     is done by the caller's own calls, which then take the two paths in turn (both give the same attention, to
-    rounding): a thread of its own runs torch's kernels at another speed (its own OpenMP team; 2x slower here while
-    the other team spins) and with another load, so only the caller measures what the caller gets. A compile that
+    rounding): a thread of its own runs torch's kernels at another speed (its own OpenMP team, slower while the
+    other team spins) and with another load, so only the caller measures what the caller gets. A compile that
     fails turns the fused kernel off for good (the eager path computes the same thing)."""
 
     def __init__(self):

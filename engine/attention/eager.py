@@ -15,8 +15,8 @@ from .plan import DecodeGroup, DecodePlan, _bucket
 
 
 def gather_kv(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-    """Copy a group's K (or V) into a padded contiguous tensor [n, length, kv_heads, dim]. (Gathering into reused
-    scratch tensors instead of fresh ones measured no faster in the engine.)"""
+    """Copy a group's K (or V) into a padded contiguous tensor [n, length, kv_heads, dim]. (Fresh tensors: reused
+    scratch ones measured no faster in the engine.)"""
     _, block_size, kv_heads, dim = cache.shape
     out = cache.index_select(0, group.rows)  # [n * num_blocks, block_size, kv_heads, dim]
     return out.view(group.end - group.start, group.num_blocks * block_size, kv_heads, dim)[:, : group.length]
@@ -27,14 +27,10 @@ CROSS_HEAD_MIN_SEQS = 32  # decode groups of at least this many sequences,
 CROSS_HEAD_MAX_HEAD_DIM = 32  # heads of at most this dim,
 CROSS_HEAD_MAX_COLUMNS = 1024  # at most this many context positions x kv_heads and
 CROSS_HEAD_MAX_WORK = 8192  # at most this many positions x head_dim per (sequence, KV head) attend by two batched
-#                              matmuls over all heads (_cross_head_attention); the others by SDPA. Alone, on 2
-#                              threads, 2-64 sequences (2026-12-01, SDPA time / matmuls time, a loaded machine): head
-#                              dim 32, 4 KV heads, context 96-256: 1.1-3x; head dim 64: 1.2x at context 64 but 0.8-0.9x
-#                              at 128 through paged_attention (bench/attention.py 32 x 128: 0.79-0.84x); 0.5-0.8x at
-#                              2,048 columns. Inside the engine (bench/peers.py against the tree before, 5-6 rounds; an
-#                              A/A run of that bench favours the --baseline worker by about 4%): the 3M model (head dim
-#                              32) at batch 64 1.06-1.09x, but 0.90x at batch 16, hence the minimum group. On one
-#                              thread SDPA was 10-45% faster everywhere.
+#                              matmuls over all heads (_cross_head_attention); the others by SDPA. The limits are where
+#                              the matmuls beat SDPA on several threads (small head dims, short contexts, groups big
+#                              enough); on one thread SDPA won everywhere. The measurements behind them:
+#                              docs/engine.md, "Figures behind the engine's choices"
 
 
 def _use_cross_head(num_seqs: int, length: int, kv_heads: int, head_dim: int, device: torch.device) -> bool:
@@ -96,12 +92,13 @@ def _paged_attention_eager(query, key_cache, value_cache, plan: DecodePlan, scal
     batched matmuls for short contexts, :func:`_cross_head_attention`; SDPA for longer ones).
 
     Gathering the whole batch first (the earlier default) wrote a copy as large as the batch's K/V and read it back
-    from memory: three passes over memory instead of one, 1.6-1.75x contiguous SDPA at batch 32, context 1024. A
-    group's copy is small enough to be read back from cache right after it is written, so memory is read about once.
+    from memory: three passes over memory instead of one. A group's copy is small enough to be read back from cache
+    right after it is written, so memory is read about once.
 
     The query heads that share a KV head go in as that head's "query positions" ([seqs, kv_heads, group, dim]):
     with no causal mask that is exactly grouped-query attention, and SDPA then reads each K/V row once per group
-    instead of expanding K/V for every query head (7-25% faster here than ``enable_gqa``)."""
+    instead of expanding K/V for every query head (faster than ``enable_gqa``). Figures: docs/engine.md,
+    "Figures behind the engine's choices"."""
     seqs, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     q = query.view(seqs, kv_heads, heads // kv_heads, dim)  # [seqs, kv_heads, group, dim]

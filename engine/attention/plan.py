@@ -86,10 +86,9 @@ def check_window(sliding_window) -> int | None:
     return int(sliding_window)
 
 
-
-GROUP_BYTES = 4 << 20  # K+V bytes one decode group gathers at most (CPU): 4 MiB stays in this machine's 32 MiB L3,
-#                       so SDPA reads the copy from cache, not memory (see _paged_attention_eager). 1, 2 and 4 MiB
-#                       were measured; 4 MiB was best at batch 256 in the engine (bench/scale.py) and at 32 x 1024
+GROUP_BYTES = 4 << 20  # K+V bytes one decode group gathers at most (CPU): a copy that stays in the last-level cache,
+#                       so SDPA reads it from cache, not memory (see _paged_attention_eager); the sizes tried are in
+#                       docs/engine.md, "Figures behind the engine's choices"
 
 
 @dataclass(frozen=True)
@@ -285,5 +284,6 @@ def bytes_per_token(cache: torch.Tensor) -> int:
 
 def _bucket(n: int) -> int:
     """Next power of two: batch sizes and table widths are padded to these, so a handful of static kernels serve
-    every step (kernels compiled for symbolic sizes ran about 2x slower here)."""
+    every step (kernels compiled for symbolic sizes ran slower: docs/engine.md, "Figures behind the engine's
+    choices")."""
     return 1 << max(0, n - 1).bit_length()
