@@ -119,10 +119,11 @@ def test_events_replay_to_the_pool_at_every_step(ckpt):
 
 def test_changed_blocks_record_covers_every_change(ckpt):
     """Each snapshot's change record says which blocks may differ from the snapshot before it
-    (Engine.change_record(snapshot).block_masks, from the block pool's record of what it wrote): through a long random workload (adds, forks, samples, replies,
-    ends, relocations, prefix-cache resets, preemption, eviction) with failed steps among them, every entry of
-    every array that differs lies inside the promise; the promise is made for most snapshots (the pool-stream
-    encoder's fast path is the common one), never across a rollback, and narrows to the blocks really written."""
+    (Engine.change_record(snapshot).block_masks, from the block pool's record of what it wrote): through a long
+    random workload (adds, forks, samples, replies, ends, relocations, prefix-cache resets, preemption, eviction)
+    with failed steps among them, every entry of every array that differs lies inside the record; a record is made
+    for most snapshots (the pool-stream encoder's fast path is the common one), never across a rollback, and narrows
+    to the blocks really written."""
     from kvstream.poolstream import ARRAYS
     eng = make(ckpt, num_blocks=24, block_size=3)
     prev = eng.snapshot()
