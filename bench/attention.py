@@ -5,11 +5,11 @@ sequence's blocks scattered over the pool. Variants, timed in alternating blocks
 - contiguous: SDPA on [batch, kv_heads, ctx, dim] K/V (the floor paging is measured against);
 - default: ``paged_attention`` as the engine runs it: on the CPU in float32, the native kernel (engine.native: K/V
   read in place through the tables); where that cannot be built, for long contexts the fused kernel where the
-  background compile measured it faster on that shape (engine.attention._AutoKernels; the bench waits for that
-  decision and prints it), the eager path everywhere else;
+  background compile measured it faster on that shape (engine.attention.compiled._AutoKernels: the bench waits
+  for its decision and prints it), the eager path everywhere else;
 - eager: the eager path alone (cache-sized groups: gather a few sequences, attend, repeat), the native kernel off;
 - sdpa: the default's groups, each attended by SDPA (the default before short contexts on several threads took
-  two batched matmuls instead, engine.attention._cross_head_attention): today's default against it;
+  two batched matmuls instead, engine.attention.eager._cross_head_attention): today's default against it;
 - previous: the earlier default (one gather of the whole batch's K/V, then one SDPA), kept here for comparison;
 - compiled: the opt-in torch.compile'd fused kernel (``EngineConfig(compile_attention=True)``), compiled first.
 Cold: a 64 MiB buffer is read before every call, so K/V come from memory as in a real decode step (each layer's
@@ -62,7 +62,7 @@ def previous_paged_attention(query, key_cache, value_cache, block_tables, seq_le
     return out.reshape(seqs, heads, dim)
 
 
-_CHOOSE_CROSS_HEAD = attention._use_cross_head
+_CHOOSE_CROSS_HEAD = attention.eager._use_cross_head
 
 
 def choose(variant: str) -> None:
@@ -71,7 +71,7 @@ def choose(variant: str) -> None:
     attention.use_compiled_attention(variant == "compiled")
     attention.use_auto_kernels(variant == "default")
     attention.use_native_kernel(variant == "default")
-    attention._use_cross_head = (lambda *args: False) if variant == "sdpa" else _CHOOSE_CROSS_HEAD
+    attention.eager._use_cross_head = (lambda *args: False) if variant == "sdpa" else _CHOOSE_CROSS_HEAD
 
 
 def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
@@ -132,8 +132,9 @@ def case(batch: int, ctx: int, repeat: int, rounds: int) -> dict:
             choose(name)
             err = max(err, (fns[name]() - ref).abs().max().item())
         choose("default")
-        decided = [v for k, v in attention._auto.decisions.items() if k[0] == attention._bucket(batch)
-                   and k[1] == attention._bucket(blocks_per_seq)]
+        bucket = attention.plan._bucket
+        decided = [v for k, v in attention.compiled._auto.decisions.items() if k[0] == bucket(batch)
+                   and k[1] == bucket(blocks_per_seq)]
         return {"cold": timed(True), "hot": timed(False), "err": err, "waited": waited,
                 "decision": decided[0] if decided else None}
 
@@ -167,7 +168,7 @@ def main() -> None:
                   f"{t['previous'] * 1e3:>9.3f} {t['previous'] / c:>6.2f} {t['compiled'] * 1e3:>9.3f} "
                   f"{t['compiled'] / c:>6.2f} {t['default'] / t['eager']:>14.2f} {t['default'] / t['previous']:>17.2f}")
         decision = result["decision"]
-        chose = "the native kernel" if attention.native.kernel() is not None else \
+        chose = "the native kernel" if attention.native.available() else \
             "eager (context below attention.AUTO_MIN_POSITIONS)" if decision is None else \
             f"{'fused' if decision[1] <= attention.AUTO_MARGIN * decision[0] else 'eager'} (compiled in the background, then " \
             f"timed by its calls: eager {decision[0] * 1e3:.3f} ms, fused {decision[1] * 1e3:.3f} ms; waited " \
@@ -175,7 +176,7 @@ def main() -> None:
         print(f"{'':>17} max abs error against contiguous: {result['err']:.1e}; the default path chose {chose}")
     print(f"largest default/eager ratio over all shapes: {worst_eager:.2f} (target <= 1.00)")
     print(f"largest default/previous ratio over all shapes: {worst:.2f} (target <= 1.00)")
-    if attention._compiled.failed:
+    if attention.compiled._compiled.failed:
         print("note: torch.compile failed on this machine; the compiled column is the eager fallback")
 
 

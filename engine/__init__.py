@@ -12,10 +12,10 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 def _keep_freed_memory() -> None:
     """glibc hands every allocation of 128 KiB or more (a step's activations) to the kernel with its own mmap and
     gives it back on free; heap memory freed at the top of an arena is given back too. The next step's tensors
-    then fault their pages in again, zeroed: a 512-token prefill step of the built-in model spent about a third of
-    its time in those faults (88 -> 50 ms with the thresholds below; bench/scale.py). Raising both thresholds keeps
-    freed memory in the heap for the next step. A caller's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_
-    win; elsewhere than glibc this does nothing."""
+    then fault their pages in again, zeroed: a large prefill step spent a good part of its time in those faults
+    (figures: docs/engine.md, "Figures behind the engine's choices"). Raising both thresholds keeps freed memory in
+    the heap for the next step. A caller's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ win; elsewhere than
+    glibc this does nothing."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
         return
     try:

@@ -15,6 +15,7 @@ import gc
 import os
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Sequence as Seq
@@ -24,11 +25,10 @@ import torch
 
 from kvstream.events import BlockEvent, EventKind
 from kvstream.rules import fit_error
-from kvstream.views import (BlockInfo, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot,
-                            Status)
+from kvstream.views import (BlockInfo, ChangeRecord, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
+                            PoolSnapshot, Status)
 
-from . import relocation
-from .attention import attend_batch, attend_batch_compiled
+from . import attention, relocation
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
@@ -37,7 +37,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_cache_groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
 from .loader import check_pool_fits_memory, load_model, read_model_config
 from .model_runner import ModelRunner
-from .pool_views import PoolViews
+from .pool_views import PoolViews, StepCounts
 from .relocation import RelocationReport
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -54,13 +54,13 @@ def _freeze_startup_heap() -> None:
     """Once per process, before the first engine is made: move every object alive then (the imported libraries'
     hundreds of thousands: modules, functions, classes) out of the cyclic garbage collector's sight, as vLLM's engine
     core does at its start (``gc.freeze``). Without it, a full collection every so often walked them all while a step
-    waited: 104 ms, once in six 64-conversation runs of bench/peers.py's 3M workload (172,849 objects tracked; 3,207
-    after). Frozen objects are still freed when their last reference goes; only cycles among them would stay, so it
-    runs before the engine exists (an engine is full of cycles, and one frozen would never be collected), and only
-    once: later engines are made while an earlier one may still be alive (the window's restart). A caller's own
-    cycles alive at that moment would never be collected either: ``PAGED_KV_FREEZE_HEAP=0`` turns it off. (A
-    recording opened in the window freezes the heap again and gives everything back when closed,
-    explorer/feeds/stream_feed.py; after that the heap stays unfrozen.)"""
+    waited (figures: docs/engine.md, "Figures behind the engine's choices"). Frozen objects are still freed when
+    their last reference goes; only cycles among them would stay, so it runs before the engine exists (an engine is
+    full of cycles, and one frozen would never be collected), and only once: later engines are made while an earlier
+    one may still be alive (the window's restart). A caller's own cycles alive at that moment would never be
+    collected either: ``PAGED_KV_FREEZE_HEAP=0`` turns it off. (A recording opened in the window freezes the heap
+    again and gives everything back when closed, explorer/feeds/stream_feed.py; after that the heap stays
+    unfrozen.)"""
     global _heap_frozen
     with _heap_lock:  # engines made on two threads at once: one freeze, before either exists
         if _heap_frozen or os.environ.get("PAGED_KV_FREEZE_HEAP", "1") == "0":
@@ -117,10 +117,14 @@ class Engine:
         self.tiers = self._make_tiers(cfg)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
-                                  attend_batch_compiled if cfg.compile_attention else attend_batch)
+                                  attention.choose(cfg.compile_attention))
         self.runner.windows = [g.sliding_window for g in self.kv_cache_groups]
-        self.views = PoolViews(self)
-        self.seqs: dict[int, Sequence] = {}
+        self.seqs: dict[int, Sequence] = {}  # changed in place only (the views read this dict)
+        self.finished: deque[int] = deque()  # ids of finished/ended conversations still shown, newest last (_finish)
+        self.views = PoolViews(cfg=cfg, pool=self.pool, manager=self.manager, scheduler=self.scheduler, kv=self.kv,
+                               seqs=self.seqs, tokenizer=self.tokenizer, kv_cache_groups=self.kv_cache_groups,
+                               finished=self.finished, counts=self._counts, model_name=self.model_name,
+                               device=self.device, max_model_len=self.max_model_len)
         self._next_id = 0
         self.step_id = 0
         self.version = 0  # bumped by every change; snapshots carry it
@@ -247,6 +251,11 @@ class Engine:
         """Mark that the open transaction changed something (a new version when it commits)."""
         self._dirty = True
 
+    def _counts(self) -> StepCounts:
+        """The clock and counters now, as the views read them."""
+        return StepCounts(self.step_id, self.version, self.num_steps, self.num_generated, self.num_prefill,
+                          self.last_step_seconds, self.last_step_tokens, self.last_step_prefill)
+
     def _checkpoint(self) -> dict:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return {
@@ -254,7 +263,7 @@ class Engine:
             "seqs": {s.seq_id: s.checkpoint() for s in live},
             "counters": (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated,
                          self.num_prefill, self.last_step_seconds, self.last_step_tokens, self.last_step_prefill),
-            "finished": list(self.views.finished), "kv": [], "stored": dict(self.seqs),
+            "finished": list(self.finished), "kv": [], "stored": dict(self.seqs),
         }
 
     def _touch(self, seq: Sequence) -> None:
@@ -280,7 +289,8 @@ class Engine:
     def _restore(self, txn: dict) -> None:
         for undo in reversed(txn["kv"]):  # newest first: the oldest copy of a slot is what stays
             undo()
-        self.seqs = txn["stored"]
+        self.seqs.clear()  # in place: the views hold this dict
+        self.seqs.update(txn["stored"])
         for seq_id, checkpoint in txn["seqs"].items():  # one created inside the transaction is dropped whole
             if seq_id in self.seqs:  # (add_samples touches its first sample when the others fork it)
                 self.seqs[seq_id].restore(checkpoint)
@@ -288,8 +298,8 @@ class Engine:
         self.manager.rollback(txn["manager"], self.seqs.values())
         (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated, self.num_prefill,
          self.last_step_seconds, self.last_step_tokens, self.last_step_prefill) = txn["counters"]
-        self.views.finished.clear()
-        self.views.finished.extend(txn["finished"])
+        self.finished.clear()
+        self.finished.extend(txn["finished"])
         self.views.clear()
 
     # ---- input checks -----------------------------------------------------------------------------------------
@@ -448,7 +458,7 @@ class Engine:
         self.scheduler.finish(seq, status, reason)
         kind = EventKind.CONVERSATION_ENDED if status == Status.ENDED else EventKind.CONVERSATION_FINISHED
         self.manager.emit(kind, seq.seq_id, reason=reason.value)
-        finished = self.views.finished
+        finished = self.finished
         if seq.seq_id in finished:
             finished.remove(seq.seq_id)
         finished.append(seq.seq_id)
@@ -479,8 +489,8 @@ class Engine:
         with self.transaction():
             self._touch(seq)
             seq.start_new_turn(ids, max_new_tokens, temperature, self.step_id)
-            if seq.seq_id in self.views.finished:
-                self.views.finished.remove(seq.seq_id)
+            if seq.seq_id in self.finished:
+                self.finished.remove(seq.seq_id)
             self.scheduler.add(seq)
             self.manager.emit(EventKind.CONVERSATION_CONTINUED, seq.seq_id)
             self.changed()
@@ -586,23 +596,53 @@ class Engine:
         """Move every used and cached block to another physical id (or, with ``compact``, pack them at the low ids
         in logical order), moving their K/V and fixing block tables and the prefix-cache map. Returns old id ->
         new id for every block that moved."""
-        return relocation.relocate(self, seed, compact)
+        seed = check_seed(seed, "relocation seed")
+        compact = check_bool(compact, "compact")
+        with self.transaction():
+            mapping = relocation.relocate(self.manager, self.kv, self.seqs.values(), self.scheduler.running, seed,
+                                          compact, self.on_rollback)
+            self.changed()
+        return mapping
 
     def relocate_and_verify(self, seed: int | None = None, compact: bool = False,
                             lookahead: int = 4) -> RelocationReport:
         """Relocate, and prove it: attention of every running conversation before and after the move, and the
         tokens of the next ``lookahead`` steps decoded from the old layout and from the new one (then rolled back,
         so the conversations carry on exactly once)."""
-        return relocation.relocate_and_verify(self, seed, compact, lookahead)
+        lookahead = check_int(lookahead, "lookahead", 0, 64)
+        seed = check_seed(seed, "relocation seed")
+        compact = check_bool(compact, "compact")
+        before, expected = self.probe_attention(), self._dry_run(lookahead)
+        mapping = self.relocate_blocks(seed, compact)
+        return relocation.report(before, self.probe_attention(), expected, self._dry_run(lookahead), mapping,
+                                 lookahead)
+
+    def _dry_run(self, steps: int) -> dict[int, list[int]]:
+        """Tokens each conversation would get in the next ``steps`` steps; afterwards the engine is as it was (the
+        steps run inside a transaction that is always rolled back)."""
+        if steps <= 0 or not self.has_work():
+            return {}
+        lengths = {i: s.num_tokens for i, s in self.seqs.items()}
+        with self.transaction(rollback=True):
+            for _ in range(steps):
+                if not self.has_work():
+                    break
+                self.step_unprotected()
+            return {i: s.token_ids[lengths[i]:] for i, s in self.seqs.items() if s.num_tokens > lengths.get(i, 0)}
 
     def probe_attention(self) -> dict[int, np.ndarray]:
         """Attention output of each running conversation's last computed token, every layer: [layers, heads, dim]."""
-        return relocation.probe_attention(self)
+        return relocation.probe_attention(self.runner, self.scheduler.running)
 
     # ---- views ------------------------------------------------------------------------------------------------
     def snapshot(self) -> PoolSnapshot:
         """An immutable copy of the pool and the conversations (the same object while nothing changed)."""
         return self.views.snapshot()
+
+    def change_record(self, snapshot: PoolSnapshot) -> ChangeRecord:
+        """What changed between the snapshot built before ``snapshot`` and it (the pool-stream encoder's fast path;
+        the runner hands it to observers beside the snapshot); nothing known for any but the latest snapshot."""
+        return self.views.changes(snapshot)
 
     def metrics(self) -> EngineMetrics:
         return self.views.metrics()

@@ -3,7 +3,8 @@
 All layers live in one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` so that copy-on-write and
 relocation move a block's K and V in every layer at once. Bulk copies go through row views of that tensor (one row
 per block of one layer's K or V, or per slot), because ``index_select`` / ``index_copy_`` along the leading dimension
-copy whole rows, while along an inner dimension they went element by element, 4-5x slower here.
+copy whole rows, while along an inner dimension they go element by element (several times slower: docs/engine.md,
+"Figures behind the engine's choices").
 """
 from __future__ import annotations
 

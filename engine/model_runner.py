@@ -8,13 +8,12 @@ chunk reaches their last token are sampled (a chunk in the middle of a long prom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from . import sampling
-from .attention import DecodePlan, bytes_per_token, group_bytes_for, plan_lists
+from .attention import Attention, DecodePlan, bytes_per_token, group_bytes_for, plan_lists
 from .kv_cache import KVCache
 from .model import BatchMetadata, CausalLM
 from .scheduler import ScheduledBatch
@@ -34,14 +33,14 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    """Owns nothing but references: the model, the K/V cache and the attention function the engine chose."""
+    """Owns nothing but references: the model, the K/V cache and the attention the engine chose."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, block_size: int, attend: Callable):
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, block_size: int, attend: Attention):
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = block_size
-        self.attend = attend  # engine.attention.attend_batch, or its compiled-kernel variant
+        self.attend = attend  # engine.attention's Attention object, chosen once from the engine's config
         self.windows: list[int | None] = [None]  # each KV cache group's sliding window (set by the engine)
 
     @property

@@ -7,23 +7,16 @@ from __future__ import annotations
 
 from collections import deque
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
-
-from kvstream.views import (NO_HASH, BlockInfo, BlockState, ConversationInfo, EngineMetrics, MemoryStats,
-                            PoolSnapshot, frozen_array, promise_changed_blocks,
-                            promise_output_prefixes)
-
-from kvstream.rules import hash_note
+from kvstream.views import (NO_CHANGE_RECORD, NO_HASH, BlockInfo, BlockState, ChangeRecord, ConversationInfo,
+                            EngineMetrics, MemoryStats, PoolSnapshot, block_masks, frozen_array, hash_reason)
 
 from .errors import EngineError
 from .sequence import Sequence
 from .validation import is_int
 
 _HAS_SOURCES = "prompt_token_sources" in ConversationInfo.__dataclass_fields__
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class _Built(NamedTuple):
@@ -36,14 +29,38 @@ class _Built(NamedTuple):
     prefix: tuple | None  # the previous info's outputs, which this one's start with (None: not known)
 
 
-class PoolViews:
-    """Builds the views of one engine."""
+class StepCounts(NamedTuple):
+    """The engine's clock and counters as they are now (read for every snapshot and metrics)."""
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    step_id: int
+    version: int  # bumped by every change: a snapshot is rebuilt only when it moved
+    num_steps: int
+    num_generated: int
+    num_prefill: int
+    last_step_seconds: float
+    last_step_tokens: int
+    last_step_prefill: int
+
+
+class PoolViews:
+    """Builds the views of one engine from the parts it reads: the pool and its manager, the K/V cache, the
+    scheduler's running list, the conversations, the tokenizer, and the finished-conversation window, which whoever
+    finishes conversations owns and this only reads (newest last). ``counts`` gives the clock and counters now.
+
+    ``seqs`` and ``finished`` are read at every call, so their owner must change them in place (a rollback
+    included); the lower tiers are read through the manager (``manager.tiers``: None once they are closed)."""
+
+    def __init__(self, *, cfg, pool, manager, scheduler, kv, seqs: Mapping[int, Sequence], tokenizer,
+                 kv_cache_groups, finished: deque, counts: Callable[[], StepCounts], model_name: str, device,
+                 max_model_len: int):
+        self.cfg, self.pool, self.manager, self.scheduler, self.kv = cfg, pool, manager, scheduler, kv
+        self.seqs, self.tokenizer, self.kv_cache_groups = seqs, tokenizer, kv_cache_groups
+        self.finished = finished  # read only here
+        self.counts = counts
+        self.model_name, self.device, self.max_model_len = model_name, device, max_model_len
         self._info_cache: dict[int, _Built] = {}  # seq id -> its info as last built
         self._snapshot: PoolSnapshot | None = None
-        self.finished: deque[int] = deque()  # ids of finished/ended conversations still in views, newest last
+        self._changes: ChangeRecord = NO_CHANGE_RECORD  # what changed between the snapshot before and _snapshot
         self._tiers: dict[str, tuple[int, object]] = {}  # tier name -> (its version, its TierView then)
 
     def forget(self, seq_id: int) -> None:
@@ -52,13 +69,14 @@ class PoolViews:
     def clear(self) -> None:
         self._info_cache.clear()
         self._snapshot = None
+        self._changes = NO_CHANGE_RECORD
 
     # ---- conversations --------------------------------------------------------------------------------------
     def info(self, seq: Sequence) -> ConversationInfo:
         cached = self._info_cache.get(seq.seq_id)
         if cached is not None and cached.version == seq.version:
             return cached.info
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         ids, n_prompt = seq.token_ids, seq.num_prompt_tokens
         previous = cached.info if cached is not None else None
         prefix = None  # previous.output_token_ids when these outputs are known to start with them
@@ -66,7 +84,7 @@ class PoolViews:
             prompt, prompt_text = previous.prompt_token_ids, previous.prompt_text  # a decode step: prompt unchanged
             # The same token list, only ever appended to in place (a fork's child gets a new list; a rollback
             # clears these views): its tokens up to its old length are the ones the previous info was built from,
-            # so the outputs are the previous ones plus the new tokens (the snapshot promises it: output_prefixes).
+            # so the outputs are the previous ones plus the new tokens (the change record says so: output_prefixes).
             if cached.tokens is ids and cached.length <= len(ids):
                 prefix = previous.output_token_ids
         else:
@@ -92,46 +110,45 @@ class PoolViews:
         support for it)."""
         if not _HAS_SOURCES:
             return {}
-        return {"prompt_token_sources": dict(self.engine.manager.prompt_sources.get(seq.seq_id, {}))}
+        return {"prompt_token_sources": dict(self.manager.prompt_sources.get(seq.seq_id, {}))}
 
     def _group_tables(self, seq: Sequence) -> tuple[tuple[int, ...], ...]:
         """Every KV cache group's table of ``seq`` (-1 where a window released a block); () for one plain group."""
-        manager = self.engine.manager
+        manager = self.manager
         if not hasattr(manager, "tables_of"):
             return ()
         return tuple(tuple(t) for t in manager.tables_of(seq))
 
     def conversations(self) -> tuple[ConversationInfo, ...]:
         """Live conversations and the most recent finished ones (the window), by id."""
-        seqs = self.engine.seqs
+        seqs = self.seqs
         shown = sorted([i for i, s in seqs.items() if not s.is_finished] + list(self.finished))
         return tuple(self.info(seqs[i]) for i in shown)
 
     # ---- pool -----------------------------------------------------------------------------------------------
-    def metrics(self) -> EngineMetrics:
-        eng = self.engine
-        s, m = eng.scheduler, eng.manager
+    def metrics(self, counts: StepCounts | None = None) -> EngineMetrics:
+        c = self.counts() if counts is None else counts
+        s, m = self.scheduler, self.manager
         return EngineMetrics(
-            num_steps=eng.num_steps, num_generated_tokens=eng.num_generated, num_prefill_tokens=eng.num_prefill,
+            num_steps=c.num_steps, num_generated_tokens=c.num_generated, num_prefill_tokens=c.num_prefill,
             num_preemptions=s.num_preemptions, num_cow_copies=m.num_cow_copies, prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits, last_step_seconds=eng.last_step_seconds,
-            last_step_tokens=eng.last_step_tokens, last_step_prefill_tokens=eng.last_step_prefill,
+            prefix_cache_hits=s.prefix_hits, last_step_seconds=c.last_step_seconds,
+            last_step_tokens=c.last_step_tokens, last_step_prefill_tokens=c.last_step_prefill,
             num_evictions=m.num_evictions)
 
     def memory_stats(self) -> MemoryStats:
-        eng = self.engine
-        pool, bs = eng.pool, eng.cfg.block_size
+        pool, bs = self.pool, self.cfg.block_size
         used = pool.state == BlockState.USED
         num_used = int(used.sum())
         filled = int(pool.num_filled[used].sum())
-        running = eng.scheduler.running
+        running = self.scheduler.running
         logical = sum(s.num_computed_tokens for s in running)
         entries = sum(len(s.block_table) for s in running)
-        per_block = eng.kv.bytes_per_block
+        per_block = self.kv.bytes_per_block
         return MemoryStats(
             bytes_per_block=per_block, bytes_per_token=per_block // bs, num_used_blocks=num_used,
             num_cached_blocks=pool.num_cached_blocks,
-            num_free_blocks=eng.cfg.num_blocks - num_used - pool.num_cached_blocks,
+            num_free_blocks=self.cfg.num_blocks - num_used - pool.num_cached_blocks,
             num_filled_slots=filled, num_allocated_slots=num_used * bs, num_tail_empty_slots=num_used * bs - filled,
             num_logical_slots=logical, num_slots_saved_by_sharing=logical - filled,
             num_contiguous_slots=sum(s.num_prompt_tokens + s.max_new_tokens for s in running),
@@ -139,33 +156,42 @@ class PoolViews:
 
     def snapshot(self) -> PoolSnapshot:
         """An immutable copy of the pool and the conversations; the same object while nothing changed."""
-        eng = self.engine
-        if self._snapshot is not None and self._snapshot.version == eng.version:
+        counts = self.counts()
+        if self._snapshot is not None and self._snapshot.version == counts.version:
             return self._snapshot
-        pool = eng.pool
-        base, changed = self._snapshot, eng.manager.take_changed_blocks()  # what may differ from base's arrays
+        pool, cfg = self.pool, self.cfg
+        base, changed = self._snapshot, self.manager.take_changed_blocks()  # what may differ from base's arrays
         conversations = self.conversations()
-        tables = MappingProxyType({s.seq_id: self.info(s).block_table for s in eng.scheduler.running})  # shared
+        tables = MappingProxyType({s.seq_id: self.info(s).block_table for s in self.scheduler.running})  # shared
         self._snapshot = PoolSnapshot(
-            step_id=eng.step_id, block_size=eng.cfg.block_size, num_blocks=eng.cfg.num_blocks,
+            step_id=counts.step_id, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
             ref_count=frozen_array(pool.ref_count), num_filled=frozen_array(pool.num_filled),
             state=frozen_array(pool.state), owner=frozen_array(pool.owner), last_access=frozen_array(pool.last_access),
-            block_tables=tables, conversations=conversations, metrics=self.metrics(),
-            memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
-            max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
+            block_tables=tables, conversations=conversations, metrics=self.metrics(counts),
+            memory=self.memory_stats(), model_name=self.model_name, device=str(self.device),
+            max_model_len=self.max_model_len, block_hash=frozen_array(pool.block_hash), version=counts.version,
             source="engine", tiers=self._tier_views(), **self._group_fields())
+        masks = None
         if base is not None and changed is not None:
-            promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
-        cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)
-        promise_output_prefixes(self._snapshot, {c.conversation_id: built.prefix for c in conversations
-                                                 if (built := cache.get(c.conversation_id)) is not None
-                                                 and built.info is c and built.prefix is not None})
+            masks = block_masks(self._snapshot, base, changed[0], last_access=changed[1])
+        cache = self._info_cache  # each info's prefix, noted when it was built (it may predate this snapshot)
+        prefixes = {c.conversation_id: built.prefix for c in conversations
+                    if (built := cache.get(c.conversation_id)) is not None and built.info is c
+                    and built.prefix is not None}
+        self._changes = NO_CHANGE_RECORD if masks is None and not prefixes else \
+            ChangeRecord(base if masks is not None else None, masks, MappingProxyType(prefixes))
         return self._snapshot
+
+    def changes(self, snapshot: PoolSnapshot) -> ChangeRecord:
+        """What changed between the snapshot built before ``snapshot`` and it (the pool-stream encoder's fast path):
+        the blocks the pool wrote and the outputs that only grew. Known only for the snapshot built last
+        (:data:`NO_CHANGE_RECORD` for any other: compare everything)."""
+        return self._changes if snapshot is self._snapshot else NO_CHANGE_RECORD
 
     def _tier_views(self) -> MappingProxyType:
         """Each lower tier that is on as a TierView, rebuilt only when that tier changed (a tier may hold 262,144
         slots: copying its arrays every step would cost more than the step's own bookkeeping)."""
-        tiers = self.engine.tiers
+        tiers = getattr(self.manager, "tiers", None)  # None: no lower tiers, or closed
         if tiers is None:
             return MappingProxyType({})
         out = {}
@@ -179,34 +205,32 @@ class PoolViews:
     def _group_fields(self) -> dict:
         """The snapshot's KV cache group fields: the groups always; per-group tables and each block's group only
         for a pool of several groups (or a window), where group 0's tables alone do not say everything."""
-        eng = self.engine
-        fields = {"kv_cache_groups": eng.kv_cache_groups}
-        manager = eng.manager
+        fields = {"kv_cache_groups": self.kv_cache_groups}
+        manager = self.manager
         if hasattr(manager, "tables_of"):
-            running = eng.scheduler.running
+            running = self.scheduler.running
             infos = {s.seq_id: self.info(s).group_block_tables for s in running}
             fields["group_block_tables"] = tuple(
                 MappingProxyType({cid: tables[g] for cid, tables in infos.items()})
-                for g in range(len(eng.kv_cache_groups)))
+                for g in range(len(self.kv_cache_groups)))
             fields["block_group"] = frozen_array(manager.block_group)
         return fields
 
     # ---- one block ------------------------------------------------------------------------------------------
     def inspect_block(self, block_id) -> BlockInfo:
-        eng = self.engine
-        n = eng.cfg.num_blocks
+        n = self.cfg.num_blocks
         if not is_int(block_id) or not 0 <= block_id < n:
             raise EngineError(f"no block {block_id!r}: block ids run from 0 to {n - 1}")
-        pool, bs, b = eng.pool, eng.cfg.block_size, int(block_id)
+        pool, bs, b = self.pool, self.cfg.block_size, int(block_id)
         state = BlockState(int(pool.state[b]))
         filled = int(pool.num_filled[b])
-        manager = eng.manager
+        manager = self.manager
         group = int(manager.block_group[b]) if hasattr(manager, "block_group") else 0
-        tables = {s.seq_id: s.group_table(group) for s in eng.scheduler.running}  # the block's group's tables
+        tables = {s.seq_id: s.group_table(group) for s in self.scheduler.running}  # the block's group's tables
         owners = manager.owners(b, tables)
         h = int(pool.block_hash[b])
         if owners:
-            seq, index = eng.seqs[owners[0][0]], owners[0][1]
+            seq, index = self.seqs[owners[0][0]], owners[0][1]
             positions = tuple(range(index * bs, index * bs + filled))
             tokens = tuple(seq.token_ids[p] for p in positions)
         elif h != NO_HASH and h in pool.hashed:
@@ -215,15 +239,16 @@ class PoolViews:
             positions = tuple(range(record.start, record.start + len(tokens)))
         else:
             tokens, positions = (), ()
-        note = hash_note(state, h != NO_HASH, filled, bs, pool.enable_prefix_caching)
-        keys, values = eng.kv.read_block(b, filled)
-        if len(eng.kv_cache_groups) > 1:  # the block's group's layers (its planes), in that group's layer order
-            planes = len(eng.kv_cache_groups[group].layers)
+        reason = hash_reason(state, h != NO_HASH, filled, bs, pool.enable_prefix_caching)
+        keys, values = self.kv.read_block(b, filled)
+        if len(self.kv_cache_groups) > 1:  # the block's group's layers (its planes), in that group's layer order
+            planes = len(self.kv_cache_groups[group].layers)
             keys, values = keys[:planes].copy(), values[:planes].copy()
         keys.setflags(write=False)
         values.setflags(write=False)
         return BlockInfo(
             block_id=b, state=state, ref_count=int(pool.ref_count[b]), num_filled=filled, block_size=bs,
-            token_ids=tuple(tokens), token_texts=tuple(eng.token_text(t) for t in tokens), positions=positions,
-            owners=tuple(owners), block_hash=h if h != NO_HASH else None, hash_note=note,
+            token_ids=tuple(tokens), token_texts=tuple(self.tokenizer.token_text(int(t)) for t in tokens),
+            positions=positions,
+            owners=tuple(owners), block_hash=h if h != NO_HASH else None, hash_reason=reason,
             last_owner=int(pool.owner[b]), keys=keys, values=values)

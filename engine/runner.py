@@ -24,7 +24,7 @@ from typing import Any, Callable
 from kvstream.events import BlockEvent
 from kvstream.rules import Rate
 
-from kvstream.views import PoolSnapshot, PoolUpdate, change_record
+from kvstream.views import PoolSnapshot, PoolUpdate
 
 from .engine import Engine
 
@@ -220,7 +220,7 @@ class EngineRunner:
         self._notify(snapshot, self.engine.take_events())
 
     def _notify(self, snapshot: PoolSnapshot, events: list[BlockEvent]) -> None:
-        update = PoolUpdate(snapshot, tuple(events), change_record(snapshot))  # one unit for every observer
+        update = PoolUpdate(snapshot, tuple(events), self.engine.change_record(snapshot))  # one unit for all
         for observer in list(self._observers):
             try:
                 observer(update)

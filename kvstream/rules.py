@@ -48,25 +48,6 @@ def owner_index(block_tables: Mapping[int, Sequence[int]]) -> dict[int, tuple[tu
     return {block: tuple(entries) for block, entries in index.items()}
 
 
-def hash_note(state: int, hashed: bool, num_filled: int, block_size: int,
-              prefix_caching: bool | None = None) -> str:
-    """Why a block has or has not a prefix hash, in words (the inspector's line). ``state`` is a BlockState value;
-    ``prefix_caching`` None: the source does not say whether it is on."""
-    if state == 0:
-        return "free: holds no reusable KV"
-    if hashed:
-        return ("full block, hashed with its prefix; a new prompt with the same prefix reuses it"
-                + (" (cached: free, evicted least-recently-used first)" if state == 2 else ""))
-    if num_filled < block_size:
-        return (f"partially filled ({num_filled}/{block_size}): only full blocks are hashed and shared through the "
-                f"prefix cache")
-    if prefix_caching is False:
-        return "full, but prefix caching is off"
-    if prefix_caching:
-        return "full, but the same prefix is already cached in another block"
-    return "full, but not hashed (prefix caching off, or the same prefix is cached in another block)"
-
-
 class Rate:
     """Events per second over a sliding window (frames drawn, engine steps, tokens): one helper for all of them.
 

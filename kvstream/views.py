@@ -10,7 +10,6 @@ numpy only: no torch, no Qt, so a recorder, a network publisher and a plugin ins
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -24,6 +23,34 @@ class BlockState(enum.IntEnum):
     FREE = 0  # no owner and no reusable content
     USED = 1  # referenced by at least one conversation's block table
     CACHED = 2  # no owner, but still holds a full block of KV that a matching prefix can reuse
+
+
+class HashReason(str, enum.Enum):
+    """Why a block has or has not a prefix hash: a fact the source states, which the explorer puts in words."""
+
+    FREE = "free"  # a free block holds no reusable K/V
+    HASHED = "hashed"  # full and hashed with its prefix: a prompt with the same prefix reuses it
+    PARTIAL = "partial"  # not full: only full blocks are hashed
+    CACHING_OFF = "caching_off"  # full, but prefix caching is off
+    DUPLICATE = "duplicate"  # full, but the same prefix is already cached in another block
+    NOT_HASHED = "not_hashed"  # full and not hashed; the source does not say whether caching is on
+
+
+def hash_reason(state: int, hashed: bool, num_filled: int, block_size: int,
+                prefix_caching: bool | None = None) -> HashReason:
+    """Why a block has or has not a prefix hash (every source states it the same way). ``state`` is a BlockState
+    value; ``prefix_caching`` None: the source does not say whether it is on."""
+    if state == BlockState.FREE:
+        return HashReason.FREE
+    if hashed:
+        return HashReason.HASHED
+    if num_filled < block_size:
+        return HashReason.PARTIAL
+    if prefix_caching is False:
+        return HashReason.CACHING_OFF
+    if prefix_caching:
+        return HashReason.DUPLICATE
+    return HashReason.NOT_HASHED
 
 
 class Status(str, enum.Enum):
@@ -126,7 +153,7 @@ class BlockInfo:
     positions: tuple[int, ...]  # position in its conversation of each filled slot
     owners: tuple[tuple[int, int], ...]  # (conversation id, logical block index) for each reference
     block_hash: int | None  # prefix-cache hash; None unless the block is full and hashed
-    hash_note: str  # why there is or is not a hash, in words
+    hash_reason: HashReason | None  # why there is or is not a hash (None: not said; the explorer words it)
     last_owner: int  # conversation that last wrote or used it (-1 never)
     keys: np.ndarray | None = field(default=None, repr=False)  # [layers, filled, kv_heads, head_dim] float32; None
     values: np.ndarray | None = field(default=None, repr=False)  # where the source keeps K/V to itself (vLLM)
@@ -275,20 +302,6 @@ class PoolSnapshot:
             object.__setattr__(self, "_owners", index)
         return index.get(block_id, ())
 
-    @property
-    def output_prefixes(self) -> Mapping[int, tuple[int, ...]]:
-        """What the producer noted about growth (:attr:`ChangeRecord.output_prefixes`; empty: nothing noted).
-        Consumers are handed it beside the snapshot (:class:`PoolUpdate`); this reads the producer's note."""
-        return change_record(self).output_prefixes
-
-    @property
-    def changed_blocks(self) -> "tuple[PoolSnapshot, Mapping[str, np.ndarray]] | None":
-        """What the producer noted about the per-block arrays: (:attr:`ChangeRecord.base`,
-        :attr:`ChangeRecord.block_masks`), or None. Consumers are handed it beside the snapshot (:class:`PoolUpdate`);
-        this reads the producer's note."""
-        record = change_record(self)
-        return None if record.block_masks is None else (record.base, record.block_masks)
-
     def hashes(self) -> np.ndarray:
         """block_hash, or all NO_HASH when the source sent none."""
         if self.block_hash is None:
@@ -307,7 +320,8 @@ class ChangeRecord:
     The pool-stream encoder, holding ``base``, compares only the masked blocks instead of six arrays of 65,536 in
     full, and takes a grown conversation's old outputs by identity instead of comparing them token by token. A
     wrong record corrupts every frame encoded from it: a producer makes one only from a record of every change
-    (the project's engine: its block pool notes each block it writes, its token lists are only appended to)."""
+    (the project's engine: its block pool notes each block it writes, its token lists are only appended to).
+    Build the masks with :func:`block_masks`, which checks them."""
 
     base: "PoolSnapshot | None" = None  # the earlier snapshot the masks compare against (None: nothing known)
     block_masks: "Mapping[str, np.ndarray] | None" = None  # per array of BLOCK_ARRAYS: bool over the pool, True
@@ -331,67 +345,26 @@ class PoolUpdate:
 
     @classmethod
     def of(cls, snapshot: "PoolSnapshot", events=()) -> "PoolUpdate":
-        """The update of ``snapshot`` with what its producer noted about it (:func:`change_record`)."""
-        return cls(snapshot, tuple(events), change_record(snapshot))
-
-
-# The producer's notes, until it hands them on (change_record): id(snapshot) -> [weak base, masks, prefixes], kept
-# while that snapshot lives (a finalizer drops its entry), never as an attribute of the frozen snapshot.
-_NOTES: dict[int, list] = {}
-
-
-def _note(snapshot: "PoolSnapshot") -> list:
-    key = id(snapshot)
-    note = _NOTES.get(key)
-    if note is None:
-        note = _NOTES[key] = [None, None, None]
-        weakref.finalize(snapshot, _NOTES.pop, key, None)
-    return note
-
-
-def change_record(snapshot: "PoolSnapshot") -> ChangeRecord:
-    """What the producer of ``snapshot`` noted with :func:`promise_changed_blocks` and
-    :func:`promise_output_prefixes` (:data:`NO_CHANGE_RECORD` when nothing, or when the base is gone)."""
-    note = _NOTES.get(id(snapshot))
-    if note is None:
-        return NO_CHANGE_RECORD
-    base = note[0]() if note[0] is not None else None
-    masks = note[1] if base is not None else None
-    prefixes = note[2] if note[2] is not None else _NO_PREFIXES
-    if base is None and not prefixes:
-        return NO_CHANGE_RECORD
-    return ChangeRecord(base if masks is not None else None, masks, prefixes)
-
-
-def promise_output_prefixes(snapshot: PoolSnapshot, prefixes: Mapping[int, tuple[int, ...]]) -> PoolSnapshot:
-    """Note :attr:`ChangeRecord.output_prefixes` for a snapshot its producer just built (before anyone else sees
-    it). A wrong promise corrupts every frame encoded from it: make one only where the outputs are known to have
-    been appended to, never rewritten (the project's engine: the same token list, only ever appended to)."""
-    _note(snapshot)[2] = MappingProxyType(prefixes if isinstance(prefixes, dict) else dict(prefixes))  # handed over
-    return snapshot
+        """The update of a snapshot handed on alone: nothing is known about what changed (compare everything)."""
+        return cls(snapshot, tuple(events))
 
 
 BLOCK_ARRAYS = ("state", "ref_count", "num_filled", "owner", "last_access", "block_hash")  # per-block, wire order
 
 
-def promise_changed_blocks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray,
-                           **wider: np.ndarray) -> PoolSnapshot:
-    """Note :attr:`ChangeRecord.block_masks` for a snapshot its producer just built: its arrays equal
-    ``base``'s wherever ``mask`` (bool, num_blocks entries, read-only) is False, or for an array named in ``wider``
-    (``last_access=``), wherever that array's own mask is. ``base`` is held weakly (a chain of snapshots must not
-    keep each other alive). A wrong promise corrupts the frames encoded from it: make one only from a record of
-    every change (the project's engine: its block pool notes each block it writes)."""
+def block_masks(snapshot: PoolSnapshot, base: PoolSnapshot, mask: np.ndarray,
+                **wider: np.ndarray) -> Mapping[str, np.ndarray]:
+    """:attr:`ChangeRecord.block_masks` for ``snapshot`` against ``base``: its arrays equal ``base``'s wherever
+    ``mask`` (bool, num_blocks entries, read-only) is False, or for an array named in ``wider`` (``last_access=``),
+    wherever that array's own mask is. Refuses masks that do not fit the pool (ValueError)."""
     unknown = set(wider) - set(BLOCK_ARRAYS)
     if unknown:
         raise ValueError(f"no per-block array named {', '.join(sorted(unknown))}")
     masks = {name: wider.get(name, mask) for name in BLOCK_ARRAYS}
     for m in masks.values():
         if m.shape != (snapshot.num_blocks,) or m.dtype != np.bool_ or base.num_blocks != snapshot.num_blocks:
-            raise ValueError("a changed-blocks promise needs bool masks over the pool, against a pool of the same "
-                             "size")
-    note = _note(snapshot)
-    note[0], note[1] = weakref.ref(base), MappingProxyType(masks)
-    return snapshot
+            raise ValueError("a change record needs bool masks over the pool, against a pool of the same size")
+    return MappingProxyType(masks)
 
 
 def frozen_array(array: np.ndarray, dtype=None) -> np.ndarray:

@@ -58,6 +58,16 @@ def _synthetic_events(step: int, before: PoolSnapshot, after: PoolSnapshot) -> l
 @functools.lru_cache(maxsize=None)
 def workload(frames: int = WORKLOAD_FRAMES, seed: int = 0) -> tuple[tuple[PoolSnapshot, tuple[BlockEvent, ...]], ...]:
     """(snapshot, events since the previous frame) after every step and every command that changed something."""
+    return tuple((snap, events) for snap, events, _ in _run(frames, seed))
+
+
+def workload_updates(frames: int = WORKLOAD_FRAMES, seed: int = 0) -> tuple[tuple, ...]:
+    """:func:`workload` with each frame's change record, as the runner hands them: (snapshot, events, record)."""
+    return _run(frames, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(frames: int, seed: int) -> tuple[tuple, ...]:  # one cache key however the caller spells the arguments
     from engine import Engine, EngineConfig, EngineError
 
     from tests.helpers import write_tiny_checkpoint
@@ -77,7 +87,7 @@ def workload(frames: int = WORKLOAD_FRAMES, seed: int = 0) -> tuple[tuple[PoolSn
         events = tuple(take()) if take is not None else tuple(_synthetic_events(snap.step_id, last, snap))
         if take is not None and not events and snap.version and snap.version == last.version:
             return  # nothing changed: the runner publishes no frame
-        out.append((snap, events))
+        out.append((snap, events, eng.change_record(snap)))
         last = snap
 
     while len(out) < frames:
@@ -105,8 +115,9 @@ def workload(frames: int = WORKLOAD_FRAMES, seed: int = 0) -> tuple[tuple[PoolSn
 
 
 def encode_all(snapshots, keyframe_interval: int = 16, **kwargs):
+    """Every frame of ``snapshots``: (snapshot, events) pairs, or (snapshot, events, change record) triples."""
     enc = StreamEncoder(keyframe_interval=keyframe_interval, **kwargs)
-    return enc, [enc.encode(snap, events) for snap, events in snapshots]
+    return enc, [enc.encode(*update) for update in snapshots]
 
 
 def count_keyframe_decodes(monkeypatch) -> list[int]:

@@ -33,13 +33,13 @@ def _scatter(keys_per_seq, values_per_seq, block_size, num_blocks, rng, pad_valu
 def decode_path(path: str):
     """Decode attention through one path: "native" (engine.native's kernel, the CPU default), or with the native
     kernel off, "sdpa" or "cross_head" (the eager path's two ways to attend a group)."""
-    chosen = attention._use_cross_head
+    chosen = attention.eager._use_cross_head
     previous = attention.use_native_kernel(path == "native")
-    attention._use_cross_head = lambda *args: path == "cross_head"
+    attention.eager._use_cross_head = lambda *args: path == "cross_head"
     try:
         yield
     finally:
-        attention._use_cross_head = chosen
+        attention.eager._use_cross_head = chosen
         attention.use_native_kernel(previous)
 
 
@@ -118,7 +118,7 @@ def test_compiled_fused_kernel_matches_dense():
     rng = np.random.default_rng(5)
     torch.manual_seed(5)
     try:
-        assert attention.use_compiled_attention(True) or attention._compiled.failed
+        assert attention.use_compiled_attention(True) or attention.compiled._compiled.failed
         for lens in ([5, 16, 1, 33], [64, 3], [7], [9, 2, 40]):  # ragged; 3 rows and odd widths get padded
             keys = [torch.randn(n, 2, 8) for n in lens]
             values = [torch.randn(n, 2, 8) for n in lens]
@@ -142,8 +142,9 @@ def test_compiled_kernel_limit_falls_back_to_eager(monkeypatch):
     torch.manual_seed(6)
     try:
         attention.use_compiled_attention(True)
-        monkeypatch.setattr(attention._compiled, "MAX_KERNELS", len(attention._compiled._kernels))
-        before = set(attention._compiled._kernels)
+        fused = attention.compiled._compiled
+        monkeypatch.setattr(fused, "MAX_KERNELS", len(fused._kernels))
+        before = set(attention.compiled._compiled._kernels)
         lens = [70, 3, 5, 12, 9]  # 5 rows of 3 kv heads: a shape no other test compiles
         keys = [torch.randn(n, 3, 8) for n in lens]
         values = [torch.randn(n, 3, 8) for n in lens]
@@ -152,7 +153,7 @@ def test_compiled_kernel_limit_falls_back_to_eager(monkeypatch):
         out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32))
         ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
         assert torch.allclose(out, ref, atol=1e-5)
-        assert attention._compiled._kernels == before and not attention._compiled.failed
+        assert attention.compiled._compiled._kernels == before and not attention.compiled._compiled.failed
     finally:
         attention.use_compiled_attention(False)
 
@@ -214,28 +215,28 @@ def test_decode_groups_cover_the_batch_and_equal_dense(lens, group_tokens, block
         assert g.length == max(members) and 2 * min(members) >= g.length
         assert len(members) == 1 or len(members) * g.length <= group_tokens
     query = torch.randn(len(lens), 4, 8)
-    old, attention.GROUP_BYTES = attention.GROUP_BYTES, group_tokens * per_token
+    old, attention.plan.GROUP_BYTES = attention.plan.GROUP_BYTES, group_tokens * per_token
     try:
         with decode_path("sdpa"):  # the groups are the eager path's
             out = paged_attention(query, key_cache, value_cache, tables, torch.tensor(lens))
     finally:
-        attention.GROUP_BYTES = old
+        attention.plan.GROUP_BYTES = old
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-# ---- the default path's per-shape choice of the fused kernel (engine.attention._AutoKernels) --------------------
+# ---- the default path's per-shape choice of the fused kernel (engine.attention.compiled._AutoKernels) ----------
 @pytest.fixture
 def auto(monkeypatch):
     """A fresh chooser as the one the default path uses, with a clock the test moves: the eager path costs 10 units
     a call and the fused kernel ``fused_cost[0]``."""
     from engine import attention
-    chooser = attention._AutoKernels()
-    monkeypatch.setattr(attention, "_auto", chooser)
-    monkeypatch.setattr(attention, "_native_enabled", False)  # the chooser serves where the native kernel does not
+    chooser = attention.compiled._AutoKernels()
+    monkeypatch.setattr(attention.compiled, "_auto", chooser)
+    monkeypatch.setattr(attention.native, "enabled", False)  # the chooser serves where the native kernel does not
     clock, fused_cost = [0.0], [1.0]
     chooser.timer = lambda: clock[0]
-    eager, fused = attention._paged_attention_eager, attention._try_compiled
+    eager, fused = attention.eager._paged_attention_eager, attention.compiled._try_compiled
     calls = {"eager": 0, "fused": 0}
 
     def timed_eager(*args):
@@ -249,8 +250,8 @@ def auto(monkeypatch):
             clock[0] += fused_cost[0]
             calls["fused"] += 1
         return out
-    monkeypatch.setattr(attention, "_paged_attention_eager", timed_eager)
-    monkeypatch.setattr(attention, "_try_compiled", timed_fused)
+    monkeypatch.setattr(attention.eager, "_paged_attention_eager", timed_eager)
+    monkeypatch.setattr(attention.compiled, "_try_compiled", timed_fused)
     chooser.fused_cost, chooser.calls = fused_cost, calls
     yield chooser
     chooser.wait(60)
@@ -279,7 +280,7 @@ def test_default_path_compiles_a_long_shape_in_the_background_then_times_both_an
             assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
         assert auto.calls == {"eager": attention.AUTO_MIN_CALLS, "fused": 0}
         assert auto.wait(300)
-        if attention._compiled.failed:
+        if attention.compiled._compiled.failed:
             pytest.skip("torch.compile cannot build kernels on this machine (no C++ compiler?)")
         (key,) = auto._choice
         assert auto.choice(key) == "trial"
@@ -313,15 +314,15 @@ def test_nothing_waits_for_a_compile_and_a_failed_one_leaves_the_eager_path(auto
     """While the background compile runs (here: held until the test lets it go) every call is answered eagerly and
     right; a compile that raises turns the fused kernel off for good, and the calls go on unharmed."""
     from engine import attention
-    monkeypatch.setattr(attention._compiled, "failed", False)
-    monkeypatch.setattr(attention._compiled, "enabled", False)
+    monkeypatch.setattr(attention.compiled._compiled, "failed", False)
+    monkeypatch.setattr(attention.compiled._compiled, "enabled", False)
     started, release = threading.Event(), threading.Event()
 
     def stuck_compile(self, *args):
         started.set()
         release.wait(60)
         raise RuntimeError("no C++ compiler here")
-    monkeypatch.setattr(attention._Compiled, "__call__", stuck_compile)
+    monkeypatch.setattr(attention.compiled._Compiled, "__call__", stuck_compile)
     inputs, ref = _long_case(8)
     with torch.inference_mode():
         for _ in range(attention.AUTO_MIN_CALLS):
@@ -332,7 +333,7 @@ def test_nothing_waits_for_a_compile_and_a_failed_one_leaves_the_eager_path(auto
         assert not auto.wait(0.05)
         release.set()
         assert auto.wait(60)
-        assert attention._compiled.failed and auto.choice(next(iter(auto._choice))) is False
+        assert attention.compiled._compiled.failed and auto.choice(next(iter(auto._choice))) is False
         for _ in range(3):
             assert torch.allclose(paged_attention(*inputs), ref, atol=1e-5)
     assert auto.calls["fused"] == 0
@@ -446,6 +447,49 @@ def test_fused_kernel_honours_the_window():
     query, key_cache, value_cache, tables, seq_lens, keys, values = _windowed_case(rng, lens, 7, 4)
     width = 16  # a multiple of the chunk
     tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]), value=-1)
-    out = attention._paged_attention_fused(query, key_cache, value_cache, tables, seq_lens, 8 ** -0.5, 8, 7)
+    out = attention.compiled._paged_attention_fused(query, key_cache, value_cache, tables, seq_lens, 8 ** -0.5, 8, 7)
     ref = torch.stack([dense_attention(query[s], keys[s], values[s]) for s in range(len(lens))])
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+# ---- the backends behind one object (engine.attention.Attention) --------------------------------------------------
+@pytest.mark.parametrize("window", [None, 5])
+def test_every_backend_object_decodes_a_planned_batch_as_the_dense_reference(window):
+    """Each named backend (the default order, compiled, eager, reference) answers the same decode batch, planned
+    as the engine plans it, with the dense result; a windowed one reads only the keys inside each window."""
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    lens = [9, 1, 23, 6]
+    keys = [torch.randn(n, 2, 8) for n in lens]
+    values = [torch.randn(n, 2, 8) for n in lens]
+    key_cache, value_cache, tables = _scatter(keys, values, 4, sum(-(-n // 4) for n in lens) + 3, rng, -1)
+    query = torch.randn(len(lens), 4, 8)
+    plan = attention.plan_decode(tables, torch.tensor(lens), 4, attention.group_bytes_for(key_cache),
+                                 attention.bytes_per_token(key_cache), window)
+    first = [0 if window is None else max(0, n - window) for n in lens]
+    ref = torch.stack([dense_attention(query[s], keys[s][first[s]:], values[s][first[s]:])
+                       for s in range(len(lens))])
+    assert set(attention.BACKENDS) == {"default", "compiled", "eager", "reference"}
+    for name, backend in attention.BACKENDS.items():
+        out = backend.decode(query, key_cache, value_cache, plan, 8 ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), name
+
+
+def test_only_the_default_backend_hands_decodes_to_the_native_kernel_and_only_while_it_is_on():
+    """The model asks its attention object whether to take the one-call native decode step: the default one says
+    yes while the kernel is built and switched on; compiled, eager and reference never do; a plain function is
+    not asked (False)."""
+    from engine import native
+    built = native.kernel() is not None
+    assert attention.DEFAULT.decodes_natively() is built
+    assert not any(attention.BACKENDS[n].decodes_natively() for n in ("compiled", "eager", "reference"))
+    previous = attention.use_native_kernel(False)
+    try:
+        assert not attention.DEFAULT.decodes_natively()
+    finally:
+        attention.use_native_kernel(previous)
+    assert attention.decodes_natively(attention.DEFAULT) is built
+    assert not attention.decodes_natively(lambda *args: None)
+    assert attention.choose(False) is attention.DEFAULT and attention.choose(True) is attention.COMPILED
+    with pytest.raises(ValueError, match="no attention backend"):
+        attention.Attention("fastest")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import BlockState, Engine, EngineConfig, EngineError, Status, relocation
+from engine import BlockState, Engine, EngineConfig, EngineError, Status
+from kvstream.views import HashReason
 from tests.helpers import write_tiny_checkpoint
 
 
@@ -149,7 +150,7 @@ def test_dry_run_rolls_back_everything(ckpt):
     eng.step()
     eng.fork_conversation(ids[0])
     before = _pool_state(eng), eng.kv.data.clone(), eng.step_id
-    ahead = relocation.dry_run(eng, 5)
+    ahead = eng._dry_run(5)
     assert _pool_state(eng) == before[0] and torch.equal(eng.kv.data, before[1]) and eng.step_id == before[2]
     eng.run_until_idle()
     assert len(ahead) == 4 and all(len(t) == 5 for t in ahead.values())
@@ -374,7 +375,7 @@ def test_inspect_block(ckpt):
     assert info.block_hash is not None
     assert info.keys.shape == (2, 4, 2, 12) and not info.keys.flags.writeable
     tail = eng.inspect_block(table[1])
-    assert tail.num_filled == 2 and tail.block_hash is None and "partially filled" in tail.hash_note
+    assert tail.num_filled == 2 and tail.block_hash is None and tail.hash_reason == HashReason.PARTIAL
     free = eng.inspect_block(100)
     assert free.state == BlockState.FREE and free.token_ids == () and free.keys.shape[1] == 0
 

@@ -117,12 +117,13 @@ def test_events_replay_to_the_pool_at_every_step(ckpt):
         assert kind in seen, f"the workload never produced {kind.value}"
 
 
-def test_changed_blocks_promise_covers_every_change(ckpt):
-    """Each snapshot promises which blocks may differ from the snapshot before it (PoolSnapshot.changed_blocks,
-    from the block pool's record of what it wrote): through a long random workload (adds, forks, samples, replies,
-    ends, relocations, prefix-cache resets, preemption, eviction) with failed steps among them, every entry of
-    every array that differs lies inside the promise; the promise is made for most snapshots (the pool-stream
-    encoder's fast path is the common one), never across a rollback, and narrows to the blocks really written."""
+def test_changed_blocks_record_covers_every_change(ckpt):
+    """Each snapshot's change record says which blocks may differ from the snapshot before it
+    (Engine.change_record(snapshot).block_masks, from the block pool's record of what it wrote): through a long
+    random workload (adds, forks, samples, replies, ends, relocations, prefix-cache resets, preemption, eviction)
+    with failed steps among them, every entry of every array that differs lies inside the record; a record is made
+    for most snapshots (the pool-stream encoder's fast path is the common one), never across a rollback, and narrows
+    to the blocks really written."""
     from kvstream.poolstream import ARRAYS
     eng = make(ckpt, num_blocks=24, block_size=3)
     prev = eng.snapshot()
@@ -136,9 +137,9 @@ def test_changed_blocks_promise_covers_every_change(ckpt):
         if snap is prev:
             return
         seen["snapshots"] += 1
-        promise = snap.changed_blocks
-        if promise is not None:
-            base, masks = promise
+        record = eng.change_record(snap)
+        if record.block_masks is not None:
+            base, masks = record.base, record.block_masks
             assert base is prev and set(masks) == set(ARRAYS)
             for name in ARRAYS:
                 mask = masks[name]
@@ -183,11 +184,12 @@ def test_a_pool_stepped_without_snapshots_keeps_a_bounded_record(ckpt):
     for _ in range(30):
         eng.step()
     assert eng.pool._all_changed and not eng.pool._touched and not eng.pool._changed
-    held = eng.snapshot()  # held, as an encoder holds the frame before (a promise names its base weakly)
-    assert held.changed_blocks is None
+    held = eng.snapshot()
+    assert eng.change_record(held).block_masks is None
     eng.step()
-    promise = eng.snapshot().changed_blocks  # from there on, one step a snapshot: promises again
-    assert promise is not None and promise[0] is held and 0 < promise[1]["last_access"].sum() < 64
+    record = eng.change_record(eng.snapshot())  # from there on, one step a snapshot: a record again
+    assert record.base is held and 0 < record.block_masks["last_access"].sum() < 64
+    assert eng.change_record(held).block_masks is None  # known only for the latest snapshot
 
 
 def test_events_name_the_step_and_conversation(ckpt):
@@ -603,10 +605,12 @@ def test_finished_window_bounds_views(ckpt):
 
 
 def test_compile_attention_is_per_engine(ckpt):
-    from engine.attention import attend_batch, attend_batch_compiled
+    from engine import attention
     compiled = make(ckpt, compile_attention=True)
     plain = make(ckpt)
-    assert compiled.runner.attend is attend_batch_compiled and plain.runner.attend is attend_batch
+    assert compiled.runner.attend is attention.COMPILED and plain.runner.attend is attention.DEFAULT
+    assert compiled.runner.attend.name == "compiled" and plain.runner.attend.name == "default"
+    assert (attention.attend_batch, attention.attend_batch_compiled) == (attention.DEFAULT, attention.COMPILED)
 
 
 def test_the_first_engine_freezes_the_startup_heap_and_is_still_collected_when_dropped():

@@ -17,7 +17,7 @@ def info(block_id, state=BlockState.USED, owners=((5, 2),), filled=4, block_size
     return BlockInfo(block_id=block_id, state=state, ref_count=len(owners), num_filled=filled, block_size=block_size,
                      token_ids=tokens,
                      token_texts=tuple(chr(97 + i) for i in range(filled)) if texts is None else texts,
-                     positions=tuple(range(8, 8 + filled)), owners=tuple(owners), block_hash=None, hash_note="",
+                     positions=tuple(range(8, 8 + filled)), owners=tuple(owners), block_hash=None, hash_reason=None,
                      last_owner=owners[0][0] if owners else -1, keys=kv, values=None if kv is None else -kv)
 
 

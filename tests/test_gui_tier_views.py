@@ -202,7 +202,7 @@ def test_the_device_inspector_says_which_tiers_hold_the_same_content(qtbot):
     inspector.select(0, snap)
     inspector.show_block(BlockInfo(block_id=0, state=BlockState.USED, ref_count=1, num_filled=4, block_size=4,
                                    token_ids=(1, 2, 3, 4), token_texts=("a", "b", "c", "d"), positions=(0, 1, 2, 3),
-                                   owners=((1, 0),), block_hash=H0, hash_note="", last_owner=1))
+                                   owners=((1, 0),), block_hash=H0, hash_reason=None, last_owner=1))
     assert inspector.fields["hash"].text() == f"{H0:016x}; also in host slot 2"
 
 

@@ -167,11 +167,11 @@ def test_engine_decode_uses_the_kernel(monkeypatch, one_call):
     """The engine's decode steps go through the kernel, from Python layer by layer or inside the one-call step (the
     eager path is not called for decodes)."""
     calls = {"native": 0, "stack": 0, "eager": 0}
-    decode, stack, eager = native.decode, native.decode_stack, attention._paged_attention_eager
+    decode, stack, eager = native.decode, native.decode_stack, attention.eager._paged_attention_eager
     monkeypatch.setattr(native, "decode", lambda *a: calls.__setitem__("native", calls["native"] + 1) or decode(*a))
     monkeypatch.setattr(native, "decode_stack",
                         lambda *a: calls.__setitem__("stack", calls["stack"] + 1) or (stack(*a) if one_call else None))
-    monkeypatch.setattr(attention, "_paged_attention_eager",
+    monkeypatch.setattr(attention.eager, "_paged_attention_eager",
                         lambda *a: calls.__setitem__("eager", calls["eager"] + 1) or eager(*a))
     eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=64))
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=5)

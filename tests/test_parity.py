@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(checkpoint, block_size, decode_path, monkey
     """Both decode attention paths (engine.attention picks one per group: by context length and thread count), so
     a one-thread machine still checks the one it would not pick."""
     from engine import attention
-    monkeypatch.setattr(attention, "_use_cross_head", lambda *args: decode_path == "cross_head")
+    monkeypatch.setattr(attention.eager, "_use_cross_head", lambda *args: decode_path == "cross_head")
     model, path = checkpoint
     expected = [_hf_greedy(model, p) for p in PROMPTS]
     eng = Engine(EngineConfig(model=str(path), block_size=block_size, num_blocks=256))

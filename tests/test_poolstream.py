@@ -22,7 +22,7 @@ from kvstream.poolstream import (FORMAT_VERSION, Frame, StreamDecoder, StreamEnc
                                  read_head)
 from kvstream.views import ConversationInfo, EngineMetrics, FinishReason, MemoryStats, PoolSnapshot, Status
 from tests.poolstream_helpers import (assert_same_snapshot, assert_scrubs_forward_through_bridges,
-                                      count_keyframe_decodes, encode_all, workload)
+                                      count_keyframe_decodes, encode_all, workload, workload_updates)
 
 
 # ---- round trips against the real engine -------------------------------------------------------------------------
@@ -41,7 +41,9 @@ def test_workload_exercises_every_kind_of_change():
 @pytest.mark.parametrize("interval", [1, 7, 256])
 def test_decoder_rebuilds_every_engine_snapshot(interval):
     snaps = workload()
-    enc, frames = encode_all(snaps, keyframe_interval=interval)
+    enc, frames = encode_all(workload_updates(), keyframe_interval=interval, stream_id=7)  # with change records
+    plain = encode_all(snaps, keyframe_interval=interval, stream_id=7)[1]  # without: everything compared
+    assert [f.payload for f in frames] == [f.payload for f in plain]  # the records change no byte
     dec = StreamDecoder()
     for i, ((want, events), frame) in enumerate(zip(snaps, frames)):
         got, got_events, seq = dec.feed(frame.payload)
@@ -55,15 +57,15 @@ def test_decoder_rebuilds_every_engine_snapshot(interval):
         assert np.median(deltas) < np.median(keys) / 2
 
 
-def test_output_prefix_promises_hold_through_the_workload_and_cover_decode_steps():
-    """The engine's snapshots promise, for each conversation whose outputs only grew, the tuple they start with
-    (PoolSnapshot.output_prefixes): every promise is true across forks, replies, ends, preemption and relocation,
+def test_output_prefix_records_hold_through_the_workload_and_cover_decode_steps():
+    """The engine's change record names, for each conversation whose outputs only grew, the tuple they start with
+    (ChangeRecord.output_prefixes): every one is true across forks, replies, ends, preemption and relocation,
     and nearly every conversation that grew in a frame has one, naming the previous frame's own tuple (so the
     encoder's identity check hits)."""
-    snaps = workload()
+    updates = workload_updates()
     grew = promised = named_previous = 0
-    for (prev, _), (snap, _) in zip(snaps, snaps[1:]):
-        for cid, prefix in snap.output_prefixes.items():
+    for (prev, _, _), (snap, _, changes) in zip(updates, updates[1:]):
+        for cid, prefix in changes.output_prefixes.items():
             conv = snap.conversation(cid)
             assert conv is not None and conv.output_token_ids[:len(prefix)] == prefix, f"step {snap.step_id}: {cid}"
         for conv in snap.conversations:
@@ -72,7 +74,7 @@ def test_output_prefix_promises_hold_through_the_workload_and_cover_decode_steps
                 continue
             if len(conv.output_token_ids) > len(old.output_token_ids):
                 grew += 1
-                prefix = snap.output_prefixes.get(conv.conversation_id)
+                prefix = changes.output_prefixes.get(conv.conversation_id)
                 promised += prefix is not None
                 named_previous += prefix is old.output_token_ids
     assert grew > 300 and promised >= 0.9 * grew and named_previous >= 0.9 * grew, (grew, promised, named_previous)
@@ -90,70 +92,71 @@ class _CountingTuple(tuple):
 
 
 @pytest.mark.parametrize("promise", [True, False])
-def test_encoder_takes_a_promised_prefix_instead_of_comparing_tokens(promise):
-    """With the producer's promise the encoder takes a grown conversation's old outputs as they are, by identity,
-    without slicing the new ones to compare them; without it, it compares. The frame decodes to the same snapshot
-    either way."""
-    from kvstream.views import promise_output_prefixes
-    snaps = workload()
-    prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
-                      if sum(p.conversation(cid) is not None and ps_schema._stable(p.conversation(cid)) ==
-                             ps_schema._stable(s.conversation(cid)) for cid in s.output_prefixes) >= 2)
-    # the conversations that only grew (nothing else of theirs changed) and are promised: theirs count slices
-    promised = {cid for cid in snap.output_prefixes
+def test_encoder_takes_a_recorded_prefix_instead_of_comparing_tokens(promise):
+    """With the producer's change record the encoder takes a grown conversation's old outputs as they are, by
+    identity, without slicing the new ones to compare them; without it, it compares. The frame decodes to the same
+    snapshot, in the same bytes, either way."""
+    from kvstream.views import ChangeRecord
+    updates = workload_updates()
+    prev, snap, changes = next((p, s, c) for (p, _, _), (s, _, c) in zip(updates, updates[1:])
+                               if sum(p.conversation(cid) is not None and ps_schema._stable(p.conversation(cid)) ==
+                                      ps_schema._stable(s.conversation(cid)) for cid in c.output_prefixes) >= 2)
+    # the conversations that only grew (nothing else of theirs changed) and are recorded: theirs count slices
+    promised = {cid for cid in changes.output_prefixes
                 if ps_schema._stable(prev.conversation(cid)) == ps_schema._stable(snap.conversation(cid))}
     convs = tuple(dataclasses.replace(c, output_token_ids=_CountingTuple(c.output_token_ids))
                   if c.conversation_id in promised else c for c in snap.conversations)
     grown = dataclasses.replace(snap, conversations=convs)
-    if promise:
-        promise_output_prefixes(grown, dict(snap.output_prefixes))
-    assert bool(grown.output_prefixes) == promise
+    record = ChangeRecord(output_prefixes=MappingProxyType(dict(changes.output_prefixes))) if promise else None
     enc, dec = StreamEncoder(), StreamDecoder()
     dec.feed(enc.encode(prev).payload)
     _CountingTuple.slices = 0
-    got, _, _ = dec.feed(enc.encode(grown).payload)
+    frame = enc.encode(grown, (), record)
+    got, _, _ = dec.feed(frame.payload)
     sliced = _CountingTuple.slices
     assert len(promised) >= 2 and ((sliced == 0) if promise else (sliced >= len(promised)))
     assert_same_snapshot(snap, got)
+    plain = StreamEncoder(stream_id=enc.stream_id)
+    plain.encode(prev)
+    assert plain.encode(snap).payload == frame.payload  # the record spares comparisons; the bytes are the same
 
 
 @pytest.mark.parametrize("promise", [True, False])
 def test_encoder_compares_only_the_blocks_the_producer_may_have_changed(promise):
     """Given the producer's record of the blocks that may have changed since the frame before
-    (PoolSnapshot.changed_blocks), the encoder compares those blocks only. To show that the record is what it
+    (ChangeRecord.block_masks), the encoder compares those blocks only. To show that the record is what it
     reads, the test changes a block outside it (which the engine never does: test_engine_core checks its record
     covers every change): with the record, that change is not carried; without it, every block is compared and it
     is. Every change inside the record is carried either way."""
-    from kvstream.views import frozen_array, promise_changed_blocks
-    snaps = workload()
-    prev, snap = next((p, s) for (p, _), (s, _) in zip(snaps, snaps[1:])
-                      if s.changed_blocks is not None and s.changed_blocks[0] is p
-                      and 0 < s.changed_blocks[1]["num_filled"].sum() < s.num_blocks
-                      and (s.num_filled != p.num_filled).any()
-                      and (~s.changed_blocks[1]["num_filled"] & (s.state == 1) & (s.num_filled > 0)).any())
-    mask = snap.changed_blocks[1]["num_filled"]
+    from kvstream.views import ChangeRecord, block_masks, frozen_array
+    updates = workload_updates()
+    prev, snap, changes = next((p, s, c) for (p, _, _), (s, _, c) in zip(updates, updates[1:])
+                               if c.block_masks is not None and c.base is p
+                               and 0 < c.block_masks["num_filled"].sum() < s.num_blocks
+                               and (s.num_filled != p.num_filled).any()
+                               and (~c.block_masks["num_filled"] & (s.state == 1) & (s.num_filled > 0)).any())
+    mask = changes.block_masks["num_filled"]
     outside = int(np.flatnonzero(~mask & (snap.state == 1) & (snap.num_filled > 0))[0])  # a possible change
     filled = snap.num_filled.copy()
     filled[outside] -= 1
     forged = dataclasses.replace(snap, num_filled=frozen_array(filled))
-    if promise:
-        promise_changed_blocks(forged, prev, mask)
-    assert (forged.changed_blocks is not None) == promise
+    record = ChangeRecord(prev, block_masks(forged, prev, mask)) if promise else None
     enc, dec = StreamEncoder(), StreamDecoder()
     dec.feed(enc.encode(prev).payload)
-    got, _, _ = dec.feed(enc.encode(forged).payload)
+    got, _, _ = dec.feed(enc.encode(forged, (), record).payload)
     want = snap.num_filled if promise else filled
     assert np.array_equal(got.num_filled, want)
     assert np.array_equal(got.num_filled[mask], snap.num_filled[mask])  # the real changes, carried either way
     with pytest.raises(ValueError, match="bool masks over the pool"):
-        promise_changed_blocks(forged, prev, mask[:-1])
+        block_masks(forged, prev, mask[:-1])
     with pytest.raises(ValueError, match="no per-block array named filled"):
-        promise_changed_blocks(forged, prev, mask, filled=mask)
+        block_masks(forged, prev, mask, filled=mask)
 
 
-def test_a_rolled_back_step_leaves_no_stale_promise(tmp_path):
+def test_a_rolled_back_step_leaves_no_stale_record(tmp_path):
     """A step that appends some conversations' tokens and then fails is rolled back (the token lists cut back);
-    what the engine promises afterwards is still true, and the encoded frames still rebuild every snapshot."""
+    what the engine's change record says afterwards is still true, and the encoded frames still rebuild every
+    snapshot."""
     from engine import Engine, EngineConfig
     from tests.helpers import write_tiny_checkpoint
     ckpt = write_tiny_checkpoint(tmp_path)
@@ -166,9 +169,10 @@ def test_a_rolled_back_step_leaves_no_stale_promise(tmp_path):
     def frame():
         nonlocal frames
         snap = eng.snapshot()
-        for cid, prefix in snap.output_prefixes.items():
+        changes = eng.change_record(snap)
+        for cid, prefix in changes.output_prefixes.items():
             assert snap.conversation(cid).output_token_ids[:len(prefix)] == prefix
-        got, _, _ = dec.feed(enc.encode(snap, eng.take_events()).payload)
+        got, _, _ = dec.feed(enc.encode(snap, eng.take_events(), changes).payload)
         assert_same_snapshot(snap, got, f"step {snap.step_id}")
         frames += 1
 
@@ -191,7 +195,7 @@ def test_a_rolled_back_step_leaves_no_stale_promise(tmp_path):
             del eng._append
             assert len(calls) == 2
             frame()
-    assert frames == 15 and any(eng.snapshot().output_prefixes.values())
+    assert frames == 15 and any(eng.change_record(eng.snapshot()).output_prefixes.values())
 
 
 def test_history_random_access_equals_engine_at_every_frame():

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvstream.rules import hash_note
-from kvstream.views import NO_HASH, BlockInfo, BlockState, PoolSnapshot
+from kvstream.views import NO_HASH, BlockInfo, BlockState, PoolSnapshot, hash_reason
 
 NO_KV_NOTE = "K/V values are not kept in history or sent over the stream"
 
@@ -62,4 +61,4 @@ def block_info_from_snapshot(snapshot: PoolSnapshot, block_id: int, history=None
     return BlockInfo(block_id=b, state=state, ref_count=int(snapshot.ref_count[b]), num_filled=filled, block_size=bs,
                      token_ids=tokens, token_texts=texts, positions=positions, owners=owners,
                      block_hash=block_hash if hashed else None,
-                     hash_note=hash_note(state, hashed, filled, bs), last_owner=last_owner, keys=None, values=None)
+                     hash_reason=hash_reason(state, hashed, filled, bs), last_owner=last_owner, keys=None, values=None)

@@ -24,6 +24,7 @@ from PySide6 import QtCore, QtWidgets
 
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 
+from ..model.block_words import hash_note
 from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
@@ -116,7 +117,7 @@ def summary_info(snapshot: PoolSnapshot, block_id: int, owners) -> BlockInfo:
     b = block_id
     return BlockInfo(block_id=b, state=BlockState(int(snapshot.state[b])), ref_count=int(snapshot.ref_count[b]),
                      num_filled=int(snapshot.num_filled[b]), block_size=snapshot.block_size, token_ids=(),
-                     token_texts=(), positions=(), owners=tuple(owners), block_hash=None, hash_note="",
+                     token_texts=(), positions=(), owners=tuple(owners), block_hash=None, hash_reason=None,
                      last_owner=int(snapshot.owner[b]), keys=None, values=None)
 
 
@@ -575,11 +576,12 @@ def _same_kv(a: BlockInfo, b: BlockInfo) -> bool:
 
 
 def _hash_text(info: BlockInfo) -> str:
-    """The prefix hash as 16 hex digits (with the engine's note, if any), or why there is none."""
+    """The prefix hash as 16 hex digits (with why, if the source said), or why there is none."""
+    note = hash_note(info)
     if info.block_hash is None:
-        return f"none — {info.hash_note}"
+        return f"none — {note}"
     digits = f"{info.block_hash & (2**64 - 1):016x}"
-    return f"{digits} ({info.hash_note})" if info.hash_note else digits
+    return f"{digits} ({note})" if note else digits
 
 
 def _also_in_tiers(snapshot: PoolSnapshot | None, block_hash: int | None) -> str:

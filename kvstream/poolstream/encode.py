@@ -14,7 +14,7 @@ import numpy as np
 from msgspec import UNSET
 
 from ..events import BlockEvent
-from ..views import ChangeRecord, ConversationInfo, PoolSnapshot, change_record
+from ..views import NO_CHANGE_RECORD, ChangeRecord, ConversationInfo, PoolSnapshot
 from .schema import (_BLANK, _CONV_KINDS, _CONV_NAMES, _DTYPE_OK, _DTYPES, _ENCODER, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _NARROW_RANGES, _OUT_AT, _PLAIN_AT, _SEQ, _SEQ_AT, _TEXT, _TEXT_AT, ARRAYS, FORMAT_VERSION, MAGIC,
                      ArrayPatch, Body, ConvPatch, Delta, Frame, Grown, Header, Keyframe, Numbers, Packed, StreamError,
@@ -141,7 +141,7 @@ def _wire_groups(tables: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], 
 
 
 def _diff_patch(old: ConversationInfo, new: ConversationInfo, grown: bool = False) -> ConvPatch | None:
-    """``grown``: the producer promised that new's outputs start with old's (PoolSnapshot.output_prefixes)."""
+    """``grown``: the producer's change record says new's outputs start with old's (ChangeRecord.output_prefixes)."""
     ov, nv = _conv_values(old), _conv_values(new)
     if ov == nv:
         return None
@@ -267,10 +267,11 @@ class StreamEncoder:
     def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = (),
                changes: ChangeRecord | None = None) -> Frame:
         """The next frame: ``snapshot`` plus the block events that led to it. ``changes``: what the producer knows
-        changed since the snapshot before (None: what it noted, :func:`kvstream.views.change_record`)."""
+        changed since the snapshot before (None: nothing known, every block and conversation is compared). The
+        frame's bytes are the same either way: the record only spares the comparisons."""
         if not isinstance(snapshot, PoolSnapshot):
             raise TypeError(f"encode() takes a PoolSnapshot, not {type(snapshot).__name__}")
-        self._changes = change_record(snapshot) if changes is None else changes  # read by _delta_body
+        self._changes = NO_CHANGE_RECORD if changes is None else changes  # read by _delta_body
         events = tuple(events)
         for e in events:
             if not isinstance(e, BlockEvent):
