@@ -63,9 +63,10 @@ class EngineFeed(Feed):
         self.outputs = list(outputs)  # the command line's sinks among the fanout's (--record, --publish)
         self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
         self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
-        if frames is None:  # a runner started without one: it joins now, from the runner's newest snapshot
-            frames = FrameBuffer()
-            runner.add_observer(frames).add_done_callback(lambda _f: frames.prime(runner.latest))  # engine thread
+        if frames is None:  # a runner started without one: it joins now, from the runner's newest snapshot (at
+            frames = FrameBuffer()  # once: the first poll has a frame); the events of what the runner publishes
+            frames.prime(runner.latest)  # before the engine thread adds the observer go to nobody
+            runner.add_observer(frames)
         self.frames = frames  # the runner's updates the window has not taken yet (poll)
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
                                          has_physical_pool=True, can_record=True)

@@ -69,7 +69,7 @@ class FrameBuffer:
 
     def prime(self, snapshot: PoolSnapshot | None) -> None:
         """Start from ``snapshot`` (the runner's newest, when the buffer joins a runner already running): the
-        window's first frame, with no events (those before it went to nobody)."""
+        window's first frame, with no events (those before it went to nobody). Ignored once an update came."""
         if snapshot is None:
             return
         with self._lock:
