@@ -34,8 +34,9 @@ class HistoryPanels(QtCore.QObject):
         self.story: BlockStory | None = None  # the selected block's story while live (extended frame by frame)
         self._story_seq: int | None = None  # newest frame whose events the story has seen
         self.recomputed = 0  # times the block's story was computed from every kept event (tests read it)
-        # Telling a block's story up to a past frame walks every kept event (0.3 s in a 10,000-step recording of
-        # 65,536 blocks): while the timeline moves it is told once the frame on view has rested SETTLE_MS.
+        # Telling a block's story up to a past frame walks every kept event (a large share of a second in a long
+        # recording: docs/performance.md, "Scrubbing"): while the timeline moves it is told once the frame on view
+        # has rested SETTLE_MS.
         self._settle = QtCore.QTimer(self)
         self._settle.setSingleShot(True)
         self._settle.setInterval(SETTLE_MS)
