@@ -46,3 +46,14 @@ def test_a_window_without_history_still_shows_every_frames_events(qtbot, make_wi
     new = dict(zip(arrived[-1].block_ids, arrived[-1].new_block_ids))[block]
     assert window.block_watch.block_id == new
     qtbot.waitUntil(lambda: window.block_history.list.count() > shown, timeout=3000)  # "moved from ..."
+
+
+def test_events_dropped_for_a_window_that_fell_behind_are_said(qtbot, make_window):
+    """The engine feed holds a bounded number of events for a window that does not take them; past that the oldest
+    go, and the window says how many, instead of a silent gap in the event log."""
+    window = make_window(setup=three_conversations, paused=True)
+    window.source.feed.frames.max_events = 2  # a tiny bound stands for a window stalled for a long time
+    for _ in range(3):
+        window.runner.step_once().result(timeout=10)
+    qtbot.waitUntil(lambda: window.source.events_dropped > 0, timeout=5000)
+    assert "events were dropped" in window.statusBar().currentMessage()

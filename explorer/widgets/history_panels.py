@@ -49,10 +49,12 @@ class HistoryPanels(QtCore.QObject):
         """Follow ``source`` (the window's active one) from now on."""
         if self.source is not None:
             self.source.eventsArrived.disconnect(self._on_events)
+            self.source.eventsDropped.disconnect(self._on_dropped)
             self.source.sourceChanged.disconnect(self._on_source_changed)
             self.source.viewingChanged.disconnect(self._on_viewing)
         self.source = source
         source.eventsArrived.connect(self._on_events)
+        source.eventsDropped.connect(self._on_dropped)
         source.sourceChanged.connect(self._on_source_changed)
         source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
@@ -81,6 +83,12 @@ class HistoryPanels(QtCore.QObject):
             self.refresh_block_history()
         elif added:
             self.block_history.add_lines(added, story.total)
+
+    def _on_dropped(self, count: int) -> None:
+        """The feed let events go because the window fell too far behind it: the log has a gap, said where the
+        user looks for it."""
+        self.window.statusBar().showMessage(f"{count:,} events were dropped: the window fell behind the engine "
+                                            f"({self.source.events_dropped:,} in all); the event log has a gap.", 8000)
 
     def _on_viewing(self, seq) -> None:
         if seq is None or self.block_watch.block_id is None:

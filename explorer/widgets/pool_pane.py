@@ -3,7 +3,8 @@ timeline under it.
 
 The pane is given its :class:`~explorer.widgets.source.PoolSource` and follows it alone: the grid shows whatever view the
 source says is current; the timeline (when the source keeps history) is fed the kept range, the event marks and
-the memory kept as the history grows (the source's ``eventsArrived``), and its moves become the source's seeks
+the memory kept as the history grows (the source's ``historyChanged``; the marks come with each frame's events,
+``eventsArrived``), and its moves become the source's seeks
 (its banner says "viewing step N of M" and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
 sources, each with its own header.
 """
