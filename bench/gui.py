@@ -128,8 +128,8 @@ def generated(runner) -> int:
 
 
 WARMUP_STEPS = 120  # steps from the runner's start to the first one measured: the window is built and shown, and its
-# pacer has settled (it takes 2-3 s to widen the gap between live frames from every tick to its cap at 256
-# conversations on 65,536 blocks), about 3 s at that scale
+# pacer has settled (it takes seconds to widen the gap between live frames from every tick to its cap at 256
+# conversations on 65,536 blocks: docs/performance.md, "Benchmark method"), about 3 s at that scale
 STEPS_PER_SECOND = 30  # steps measured per --seconds (so both sides time the very same steps)
 
 
@@ -191,7 +191,7 @@ def pump_events(duration: float) -> None:
 class LagMeter:
     """How late a Qt timer of ``period_ms`` fires: the GUI thread's responsiveness, in ms. The window's own frame
     period (33 ms) where the GUI thread's CPU time is measured too: a 10 ms timer's 100 Python calls a second took
-    about 2-3% of a core there, which the window does not spend."""
+    a share of a core there that the window does not spend (figures: docs/performance.md, "Benchmark method")."""
 
     def __init__(self, period_ms: int = 10):
         from PySide6 import QtCore

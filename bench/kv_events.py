@@ -154,12 +154,12 @@ def end_to_end(rounds: int, steps: int, d: str) -> None:
     (a watcher in another process follows both) and the other's publisher is set aside.
 
     Which engine publishes alternates by round, and which steps first every two rounds: two engines built one after
-    the other differ by 1-4% on their own (measured with neither publishing), which a fixed "on" engine would be
-    charged. A pair of rounds (A on, B on) gives one on / off figure, the geometric mean of its two ratios, in which
-    that difference cancels. Step by step pairing is what makes the figure steady on a shared machine: rounds of
-    blocks varied by +-30% here. Work that a send leaves to ZMQ's I/O thread may land in the other engine's step, so
-    the I/O thread's CPU time is measured too (from /proc) and printed as a share of the publishing steps' time; the
-    sum of the two excesses bounds the cost from above."""
+    the other differ by a few percent on their own (measured with neither publishing), which a fixed "on" engine would
+    be charged. A pair of rounds (A on, B on) gives one on / off figure, the geometric mean of its two ratios, in
+    which that difference cancels. Step by step pairing is what makes the figure steady on a shared machine: rounds
+    of blocks varied far more (figures: docs/performance.md, "Benchmark method"). Work that a send leaves to ZMQ's
+    I/O thread may land in the other engine's step, so the I/O thread's CPU time is measured too (from /proc) and
+    printed as a share of the publishing steps' time; the sum of the two excesses bounds the cost from above."""
     import subprocess
     rounds += rounds % 2  # whole pairs
     engines = [DecodeEngine(rounds * steps + 3, f"ipc://{d}/e2e{i}", f"ipc://{d}/e2er{i}") for i in range(2)]

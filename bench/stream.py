@@ -58,9 +58,10 @@ def heavy_engine(max_new_tokens: int) -> Engine:
 
 def bench_record(rounds: int, steps: int) -> None:
     """Two engines with the same 256 conversations take turns step by step; in each round one of them records
-    (encode + write to a file) and which one alternates, so the 1-4% by which two engines differ on their own
+    (encode + write to a file) and which one alternates, so the few percent by which two engines differ on their own
     cancels in each pair of rounds (geometric mean of its two ratios). Rounds of one engine switching recording on
-    and off varied by +-25% on this shared machine; step by step pairs vary by a few percent."""
+    and off varied far more on a shared machine than step by step pairs do (figures: docs/performance.md,
+    "Benchmark method")."""
     rounds += rounds % 2
     print(f"== record: {BIG['num_blocks']} blocks, {CONVERSATIONS} conversations decoding, two engines taking turns "
           f"step by step, {rounds} rounds of {steps} steps, one of them recording in each")

@@ -29,16 +29,15 @@ EVENT_OVERHEAD = 250  # bytes a decoded BlockEvent costs in memory beyond the pa
 _TRIM_TO = 7 / 8  # a trim brings the history down to this share of the budget (a trim re-keys, so not per frame)
 _SNAPSHOT_CACHE = 4  # rebuilt snapshots kept (the view and the frames next to it)
 _CHECKPOINT_EVERY = 8  # scrubbing back through a run of deltas, keep the decoder state every this many frames
-KEYFRAME_COST = 40  # decoding a keyframe costs about as much as this many deltas (65,536 blocks, 511 conversations:
-# 8.1 ms, against 0.2 ms a delta fast-forwarding). So a decoder up to this many frames before a bridged keyframe goes
-# on through the bridge rather than decoding the keyframe, and decode_cost counts a keyframe as this many frames
+KEYFRAME_COST = 40  # decoding a keyframe costs about as much as this many deltas fast-forwarding (figures:
+# docs/performance.md, "History decoding"). So a decoder up to this many frames before a bridged keyframe goes on
+# through the bridge rather than decoding the keyframe, and decode_cost counts a keyframe as this many frames
 _FORWARD_EVERY = 16  # a long decode (a jump) keeps the decoder state every this many frames on its way: the step
 # back that usually follows a jump then decodes at most this many frames, not the whole run from its keyframe again
-# (65,536 blocks, 256 conversations decoding: the first step back after a jump to a run's end took 28-30 ms median,
-# max 54-61 ms, against a copy of 0.3 ms and 0.25-0.35 ms a delta)
+# (a state copy costs about one delta; figures: docs/performance.md, "History decoding")
 _SCRUB_BACK = 64  # a move back of at most this many frames counts as scrubbing (checkpoints are kept on the way)
 _CHECKPOINTS = 16  # decoder states kept for jumps back (each holds one copy of the per-block arrays: 2 MB at 65,536
-# blocks); a step back decodes 4 deltas on average (0.7 ms each with 256 conversations) after a 0.8 ms copy
+# blocks); a step back decodes 4 deltas on average after a copy (figures: docs/performance.md, "History decoding")
 BUSY_COST = 10 ** 9  # decode_cost while another thread decodes
 _ENDS_CONTENT = frozenset({EventKind.ALLOCATED, EventKind.FREED, EventKind.EVICTED})  # the block's KV is gone
 
@@ -316,8 +315,9 @@ class History:
         every frame whose events name it, or name the ids its content had before relocations, plus every frame
         with a relocation or a reset of the prefix cache; oldest first. A subset of :meth:`events` that tells the
         block's story the same (explorer.model.block_history.block_events picks from it exactly what it picks from all),
-        read through the block index instead of every event: 451,232 events of a 10,000-frame recording took
-        0.3 s to walk, and held the collector busy for as long again."""
+        read through the block index instead of every event: walking every event of a long recording took a large
+        share of a second, and held the collector busy for as long again (figures: docs/performance.md, "History
+        decoding")."""
         with self._lock:
             if not self._seqs:
                 return []
@@ -364,7 +364,7 @@ class History:
             cached = self._decoder
             # a step or a short jump back from the cache: the user scrubs backwards, so checkpoints every 8 frames
             # will pay off; any other long decode keeps one every _FORWARD_EVERY frames, for the step back that
-            # follows (3 copies on a run of 59 deltas: +2.2 ms on the median jump to a run's end, 25.0 -> 27.2 ms)
+            # follows (a few copies on a long run: a small cost on the jump, docs/performance.md "History decoding")
             backward = (cached is not None and cached.stream_id == stream and floor <= seq < cached.seq
                         and cached.seq - seq <= _SCRUB_BACK)
             decoder = self._resume(seq, stream, floor)

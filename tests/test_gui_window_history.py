@@ -124,8 +124,9 @@ def test_selection_follows_a_relocation(qtbot, make_window):
 
 
 def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recompute(qtbot, make_window):
-    """The source reads each new frame's events once for the timeline, the event log, the inspector and the block
-    history; the selected block's history is extended with them while live, not computed again from every event."""
+    """The source hands each new frame's events out once for the timeline, the event log, the inspector and the
+    block history, as the feed's frame carried them: the History is not read for them (it serves the past only);
+    the selected block's history is extended with them while live, not computed again from every event."""
     from explorer.model.block_history import block_history
     window = make_window(setup=three_conversations, paused=True, history=True)
     source, history = window.source, window.source.history
@@ -146,7 +147,7 @@ def test_new_frames_are_read_once_and_the_block_history_grows_without_a_recomput
     qtbot.waitUntil(lambda: window.block_history.list.count() > shown, timeout=5000)
     qtbot.waitUntil(lambda: source.events_seq == history.last_seq, timeout=2000)
     assert panels.recomputed == computed  # extended frame by frame
-    assert len(reads) == len(emitted) > 0 and not any(restarted for _, restarted in emitted)
+    assert reads == [] and len(emitted) > 0 and not any(restarted for _, restarted in emitted)
     lines = block_history(events(), tail)
     assert [window.block_history.list.item(i).text() for i in range(window.block_history.list.count())] == \
         [f"step {line.step_id:,}: {line.text}" for line in lines]
@@ -165,7 +166,8 @@ def test_scrubbing_tells_the_block_story_once_the_timeline_rests(qtbot, make_win
     for _ in range(12):
         window.runner.step_once()
     snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 12)
-    qtbot.waitUntil(lambda: source.events_seq == history.last_seq, timeout=3000)
+    qtbot.waitUntil(lambda: source.events_seq == history.last_seq and timeline_caught_up(window, history),
+                    timeout=3000)
     block = sorted(snap.block_tables.items())[0][1][0]
     window.select_block(block)
     computed = panels.recomputed
@@ -226,9 +228,9 @@ def timeline_caught_up(window, history) -> bool:
 
 
 def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_frame(qtbot, make_window, monkeypatch):
-    """The grid's frame and its events come as one unit: while the relocation's events are still on their way to
-    the History (held here on the encoder's thread), the window keeps the frame before; it never shows the
-    relocated frame with the selection still on the old id (whose new contents belong to another block)."""
+    """The grid's frame and its events come as one unit: the window never shows the relocated frame with the
+    selection still on the old id (whose new contents belong to another block), and it does not wait for the
+    History for it (its frame is held here on the encoder's thread: the window follows the relocation first)."""
     import time
     window = make_window(setup=three_conversations, paused=True, history=True)
     window.runner.step_once()
@@ -242,7 +244,7 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
 
     def slow_write(frame):  # the encoder thread is late with the relocation's frame
         if any(e.kind == EventKind.RELOCATED for e in frame.events):
-            time.sleep(0.8)
+            time.sleep(2.0)
         write(frame)
     monkeypatch.setattr(history, "write", slow_write)
     shown = []  # (selected id, frame) of every summary the inspector was given
@@ -250,14 +252,17 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
     monkeypatch.setattr(window.inspector, "show_summary",
                         lambda snapshot, **kw: shown.append((window.block_watch.block_id, snapshot))
                         or summary(snapshot, **kw))
+    arrived = []  # the relocations the window was handed with their frames
+    window.source.eventsArrived.connect(
+        lambda pairs, _restarted: arrived.extend(e for _, e in pairs if e.kind == EventKind.RELOCATED))
     before = window.runner.latest.version
     window.relocate(False)  # scramble
     qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
-    moves = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))] or [None]
     qtbot.waitUntil(lambda: window.block_watch.block_id != block, timeout=5000)
-    moved = [e for _, e in history.events(kinds=(EventKind.RELOCATED,))][-1]
+    assert not [e for _, e in history.events(kinds=(EventKind.RELOCATED,))]  # still on its way to the History
+    moved = arrived[-1]
     new = dict(zip(moved.block_ids, moved.new_block_ids))[block]
-    assert window.block_watch.block_id == new and moves
+    assert window.block_watch.block_id == new
     relocated = [(b, s) for b, s in shown if s.version > before]
     assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]
 

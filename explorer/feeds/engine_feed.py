@@ -1,8 +1,10 @@
 """The local engine as a feed: the project's engine in this process, stepped by its EngineRunner thread.
 
-The only kind of source that takes commands and has K/V values. Its published snapshots also become pool-stream
-frames (one :class:`~kvstream.fanout.FrameFanout` observer of the runner) that go to a kvstream History, which gives
-it a timeline like a recording's, and to a recorder or publisher when the command line asks for them.
+The only kind of source that takes commands and has K/V values. The runner hands each published update (snapshot,
+events, change record) to a :class:`~explorer.feeds.frames.FrameBuffer`, which the window's poll takes as one
+frame with its events, and to a :class:`~kvstream.fanout.FrameFanout` that encodes it as a pool-stream frame for a
+kvstream History (the timeline's past, like a recording's) and for a recorder or publisher when the command line
+asks for them. The window's live view and events never wait for the History, and need none.
 
 Outputs are closed only once the engine thread has ended (it may be in a step that still writes a frame): a
 headless ``--record`` keeps its last frame. A restart hands the ``--publish`` publishers to the next engine (its
@@ -20,6 +22,7 @@ from kvstream.fanout import FrameFanout
 
 from .engine_text import EngineText
 from .feed import Capabilities, Feed, Problem
+from .frames import FeedFrame, FrameBuffer
 from .joining_fanout import JoiningFanout
 
 DEFAULT_HISTORY_BYTES = 256 << 20  # the timeline's default memory budget (issue 10: about 256 MiB)
@@ -52,7 +55,7 @@ class EngineFeed(Feed):
     kind = "engine"
 
     def __init__(self, runner: EngineRunner, config: EngineConfig, history=None, fanout: FrameFanout | None = None,
-                 outputs: Sequence[object] = ()):
+                 outputs: Sequence[object] = (), frames: FrameBuffer | None = None):
         self.runner = runner  # the engine thread; the only way to reach the engine (but for its tokenizer)
         self.config = config  # what it was started with (the restart dialog starts from it)
         self._history = history  # kvstream History the runner's frames go to, or None
@@ -60,6 +63,11 @@ class EngineFeed(Feed):
         self.outputs = list(outputs)  # the command line's sinks among the fanout's (--record, --publish)
         self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
         self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
+        if frames is None:  # a runner started without one: it joins now, from the runner's newest snapshot (at
+            frames = FrameBuffer()  # once: the first poll has a frame); the events of what the runner publishes
+            frames.prime(runner.latest)  # before the engine thread adds the observer go to nobody
+            runner.add_observer(frames)
+        self.frames = frames  # the runner's updates the window has not taken yet (poll)
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
                                          has_physical_pool=True, can_record=True)
         self._closed = False
@@ -73,9 +81,10 @@ class EngineFeed(Feed):
         history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
         fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
+        frames = FrameBuffer()  # observes from the first update, as the fanout: both number the frames alike
         runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
-                              observers=[fanout] if fanout is not None else None).start()
-        return cls(runner, config, history, fanout, outputs=extra_sinks)
+                              observers=[frames] + ([fanout] if fanout is not None else [])).start()
+        return cls(runner, config, history, fanout, outputs=extra_sinks, frames=frames)
 
     @property
     def title(self) -> str:
@@ -87,16 +96,13 @@ class EngineFeed(Feed):
         return self._history
 
     def latest(self):
-        return self.latest_frame()[0]
+        return self.runner.latest
 
-    def latest_frame(self):
-        """With a History: the newest snapshot whose frame it holds (the fanout's thread writes it a little after
-        the runner published it), so the snapshot never runs ahead of its events; without one, the runner's."""
-        written = self.fanout.written if self.fanout is not None and self._history is not None else None
-        if written is None:
-            return self.runner.latest, None
-        seq, snapshot = written
-        return snapshot, seq
+    def poll(self) -> FeedFrame | None:
+        """The runner's newest update since the last poll, with the events of every update since then, straight
+        from the engine thread (never through the History, which may trail it by the frames its encoder has not
+        written yet)."""
+        return self.frames.take()
 
     def take_problems(self) -> list[Problem]:
         problems = []

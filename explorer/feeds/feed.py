@@ -1,8 +1,10 @@
 """Feeds: the concrete sources of pool views (local engine, pool stream, recording, KV events), without Qt.
 
-A feed says what it can do (:class:`Capabilities`), hands out its newest immutable view, reports problems once,
-and takes commands when it can. The window drives feeds through :class:`explorer.widgets.source.PoolSource`; headless runs
-(``main.py --headless``) poll the very same feeds, so a recording or an attached stream reads the same in both.
+A feed says what it can do (:class:`Capabilities`), hands out its newest immutable view (:meth:`Feed.latest`) and,
+once per poll, its new frame with the events that led to it (:meth:`Feed.poll`, a
+:class:`~explorer.feeds.frames.FeedFrame`), reports problems once, and takes commands when it can. The window drives
+feeds through :class:`explorer.widgets.source.PoolSource`; headless runs (``main.py --headless``) poll the very same
+feeds, so a recording or an attached stream reads the same in both.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from kvstream.views import PoolSnapshot
 
+from .frames import FeedFrame, HistoryReader
 from .snapshot_block import block_info_from_snapshot
 
 
@@ -47,6 +50,8 @@ class Feed:
 
     kind = "none"  # short name: "engine", "stream", "recording", "kv-events"
     capabilities = Capabilities(False, False, False, False, "nothing is connected", "nothing is connected")
+    _polled_view: PoolSnapshot | None = None  # the view the last poll handed out (default poll)
+    _frame_reader: HistoryReader | None = None  # what of the history the default poll has handed out
 
     @property
     def title(self) -> str:
@@ -62,13 +67,28 @@ class Feed:
         """The newest view (cheap: a reference, never a copy)."""
         return None
 
-    def latest_frame(self) -> tuple[PoolSnapshot | None, int | None]:
-        """The newest view and the frame of the history it is, as one unit: the events of every frame up to that
-        one are in the history, and none of a later one belongs to the view (None: no history, or the view is
-        not one of its frames: its events are whatever the history holds). The window shows the view with those
-        events together, so the grid, the event log and the inspector's relocation-following agree."""
-        view, history = self.latest(), self.history
-        return view, (history.last_seq if view is not None and history is not None and len(history) else None)
+    def poll(self) -> FeedFrame | None:
+        """The newest frame since the last poll with the events of every frame up to it, as one unit (None: nothing
+        new). The window shows the snapshot with those events together, so the grid, the event log, the timeline's
+        marks and the inspector's relocation-following agree. Default: the newest view (:meth:`latest`) with the
+        events its history (the feed's own store of received frames) gained up to that view's frame."""
+        view = self.latest()
+        if view is None:
+            return None
+        if self._frame_reader is None:
+            self._frame_reader = HistoryReader()
+        first = self._polled_view is None
+        seq = self.frame_seq(view)
+        pairs, restarted = self._frame_reader.read(self.history, seq)
+        if view is self._polled_view and not pairs and not restarted:
+            return None
+        self._polled_view = view
+        return FeedFrame(view, seq, pairs, restarted or first)
+
+    def frame_seq(self, view: PoolSnapshot) -> int | None:
+        """The frame of the history that ``view`` is (None: no history): its events are those up to that frame."""
+        history = self.history
+        return history.last_seq if history is not None and len(history) else None
 
     def take_problems(self) -> list[Problem]:
         """Problems since the last call, each reported once."""

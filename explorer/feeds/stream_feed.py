@@ -1,7 +1,8 @@
 """Read-only feeds of the project's pool stream: a recording on disk (``--open``) and another process's stream
 (``--attach``: a ``--publish`` of this app, or a vLLM server with the plugin).
 
-Both are a kvstream History the timeline scrubs, and views rebuilt from it array for array; neither takes commands
+Both are a kvstream History the timeline scrubs, and views rebuilt from it array for array; each poll hands out the
+newest view with the events of the frames the History gained up to it (:meth:`Feed.poll`); neither takes commands
 nor has K/V values, and each says why in words the window shows on its disabled controls. Qt-free, so headless
 runs (``--open FILE --headless --json``) use the same feeds as the window.
 """
@@ -135,9 +136,10 @@ class AttachFeed(Feed):
                 self._latest, self._latest_seq = snapshot, status.last_seq
         return self._latest
 
-    def latest_frame(self):
-        view = self.latest()
-        return view, (self._latest_seq if view is not None else None)
+    def frame_seq(self, view):
+        """The frame the subscriber rebuilt ``view`` from: its events are those up to it (the History may hold a
+        newer frame already, whose events go out with its view at a later poll)."""
+        return self._latest_seq
 
     def take_problems(self) -> list[Problem]:
         status = self.subscriber.status

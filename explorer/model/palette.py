@@ -137,8 +137,8 @@ def conversation_colours(ids: np.ndarray, book: ColourBook | None = None) -> np.
 
 def owner_colours32(ids: np.ndarray, book: ColourBook | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each id, as uint32 pixels (the grid's form): its :func:`conversation_colours` entry, and the muted colour
-    of a cached block it last filled (a hint of that conversation). The colour book is asked once: 1.2 ms at 65,536
-    blocks against 5.5 ms for two [n, 4] lookups."""
+    of a cached block it last filled (a hint of that conversation). The colour book is asked once, not once per lookup
+    (figures: docs/performance.md, "Grid")."""
     slots = _ensure((BOOK if book is None else book).slots(ids))
     return _table32[slots], _muted32[slots]
 

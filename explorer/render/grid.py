@@ -235,7 +235,7 @@ def _tile_rows(snapshot: PoolSnapshot, color_by: str, selected_conversation: int
             lines = profile[holding][:, separator]  # [holding blocks, separator columns]
             profile[np.ix_(holding, separator)] = as_u32(palette.scale(as_rgba(lines), 0.7))
         return profile
-    # empty + (fill - empty) * filled / block_size, in integers (exact, and 4x faster than float32 at 65,536)
+    # empty + (fill - empty) * filled / block_size, in integers (exact, and faster than float32: docs/performance.md)
     bs = snapshot.block_size
     wide = np.uint16 if bs <= 257 else np.uint32  # 255 * block_size must fit
     k = np.clip(num_filled, 0, bs).astype(wide)[:, None]
@@ -293,7 +293,8 @@ def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, co
                   geometry: GridGeometry | None = None, book=None, group_filter: int | None = None) -> None:
     """Draw blocks ``ids`` of ``snapshot`` into ``image`` (an image of :func:`snapshot_to_rgba` with the same
     geometry), in place, exactly as snapshot_to_rgba would draw them: a step of a large pool changes a few hundred
-    blocks of 65,536, and drawing only those took a fraction of the whole image's 5-6 ms."""
+    blocks of tens of thousands, and drawing only those costs a fraction of the whole image (figures:
+    docs/performance.md, "Grid")."""
     geo = geometry or grid_geometry(snapshot.num_blocks, snapshot.block_size)
     t = geo.tile
     ids = np.asarray(ids, np.int64)

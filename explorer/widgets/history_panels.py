@@ -1,9 +1,11 @@
 """The window's history panels: the event log and the selected block's own history, fed from the active source.
 
-Both read what the source's kvstream History keeps, and the new frames' events the source reads once per poll
-(``PoolSource.eventsArrived``): the event log appends them (and starts over when the source, or the stream behind
-it, changes); the block history is computed from the kept events when the selection or the frame on view changes,
-and while live it is extended with the new events that concern the block (never recomputed from every kept event).
+Both follow the events that come with each new frame of the source (``PoolSource.eventsArrived``, the feed's
+frame and its events as one unit): the event log appends them (and starts over when the source, or the stream
+behind it, changes); the block history is computed when the selection or the frame on view changes (from the
+History for the past, and the events handed out for the newest frames), and while live it is extended with the new
+events that concern the block (never recomputed from every kept event). Without a History both still follow the
+live frames.
 A click on a line of either becomes a jump: the source shows that frame (the timeline follows) and what the line
 is about is selected.
 """
@@ -32,8 +34,9 @@ class HistoryPanels(QtCore.QObject):
         self.story: BlockStory | None = None  # the selected block's story while live (extended frame by frame)
         self._story_seq: int | None = None  # newest frame whose events the story has seen
         self.recomputed = 0  # times the block's story was computed from every kept event (tests read it)
-        # Telling a block's story up to a past frame walks every kept event (0.3 s in a 10,000-step recording of
-        # 65,536 blocks): while the timeline moves it is told once the frame on view has rested SETTLE_MS.
+        # Telling a block's story up to a past frame walks every kept event (a large share of a second in a long
+        # recording: docs/performance.md, "Scrubbing"): while the timeline moves it is told once the frame on view
+        # has rested SETTLE_MS.
         self._settle = QtCore.QTimer(self)
         self._settle.setSingleShot(True)
         self._settle.setInterval(SETTLE_MS)
@@ -46,10 +49,12 @@ class HistoryPanels(QtCore.QObject):
         """Follow ``source`` (the window's active one) from now on."""
         if self.source is not None:
             self.source.eventsArrived.disconnect(self._on_events)
+            self.source.eventsDropped.disconnect(self._on_dropped)
             self.source.sourceChanged.disconnect(self._on_source_changed)
             self.source.viewingChanged.disconnect(self._on_viewing)
         self.source = source
         source.eventsArrived.connect(self._on_events)
+        source.eventsDropped.connect(self._on_dropped)
         source.sourceChanged.connect(self._on_source_changed)
         source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
@@ -79,6 +84,12 @@ class HistoryPanels(QtCore.QObject):
         elif added:
             self.block_history.add_lines(added, story.total)
 
+    def _on_dropped(self, count: int) -> None:
+        """The feed let events go because the window fell too far behind it: the log has a gap, said where the
+        user looks for it."""
+        self.window.statusBar().showMessage(f"{count:,} events were dropped: the window fell behind the engine "
+                                            f"({self.source.events_dropped:,} in all); the event log has a gap.", 8000)
+
     def _on_viewing(self, seq) -> None:
         if seq is None or self.block_watch.block_id is None:
             self._settle.stop()
@@ -87,16 +98,16 @@ class HistoryPanels(QtCore.QObject):
             self._settle.start()
 
     def refresh_block_history(self) -> None:
-        """The selected block's own story, from the events history keeps up to the frame on view."""
-        history, block = self.source.history, self.block_watch.block_id
+        """The selected block's own story, up to the frame on view: from the History for the past, and while live
+        up to the newest frame whose events the source handed out (the History may trail it), so that the next
+        eventsArrived continues the story exactly; a source without a History tells it from the events it kept."""
+        block = self.block_watch.block_id
         self.story = None
-        if history is None or len(history) == 0 or block is None:
+        live = self.source.viewing is None
+        if block is None or (self.source.events_seq is None and live):
             self.block_history.set_block(block, ())
             return
-        live = self.source.viewing is None
-        # live: up to the frames the source handed out, so that the next eventsArrived continues the story exactly
-        upto = self.source.events_seq if live else self.source.viewing
-        pairs = [] if upto is None else history.block_events(block, upto)  # the frames that can concern it
+        pairs = self.source.block_events(block, None if live else self.source.viewing)  # can concern it
         story = BlockStory(block, pairs)
         self.recomputed += 1
         if live:
@@ -107,7 +118,10 @@ class HistoryPanels(QtCore.QObject):
     def jump_to(self, seq: int) -> bool:
         """Show history frame ``seq`` in every view (the timeline follows); False, with a message, if not kept."""
         history = self.source.history
-        if history is None or len(history) == 0 or not history.first_seq <= seq <= history.last_seq:
+        if history is None:
+            self.window.statusBar().showMessage("This source keeps no history to go back to.", 5000)
+            return False
+        if len(history) == 0 or not history.first_seq <= seq <= history.last_seq:
             self.window.statusBar().showMessage(f"Frame {seq} is no longer kept in history (memory budget).", 5000)
             return False
         self.source.seek(seq)

@@ -63,8 +63,8 @@ class MetricsBackfill(QtCore.QObject):
 
     def hold(self) -> None:
         """The user is scrubbing: read nothing until HOLD_MS after the last call. While a recording's metrics were
-        filled, its 8 ms slices took a quarter of the GUI thread from the scrubbing they ran beside
-        (bench/gui.py --sections scrub)."""
+        filled, its slices took a large share of the GUI thread from the scrubbing they ran beside
+        (bench/gui.py --sections scrub; figures: docs/performance.md, "Scrubbing")."""
         if self.history is not None:
             self.timer.stop()
             self._resume.start()  # (re)starts the wait

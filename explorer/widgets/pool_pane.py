@@ -3,7 +3,8 @@ timeline under it.
 
 The pane is given its :class:`~explorer.widgets.source.PoolSource` and follows it alone: the grid shows whatever view the
 source says is current; the timeline (when the source keeps history) is fed the kept range, the event marks and
-the memory kept as the history grows (the source's ``eventsArrived``), and its moves become the source's seeks
+the memory kept as the history grows (the source's ``historyChanged``; the marks come with each frame's events,
+``eventsArrived``), and its moves become the source's seeks
 (its banner says "viewing step N of M" and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
 sources, each with its own header.
 """
@@ -86,6 +87,7 @@ class PoolPane(QtWidgets.QWidget):
         source.sourceChanged.connect(self._on_source_changed)
         source.viewChanged.connect(self._on_view)
         source.eventsArrived.connect(self._on_events)
+        source.historyChanged.connect(self.sync_timeline)
         source.cursor.subscribe(self._on_cursor)
         self._on_source_changed(source.feed)
 
@@ -122,7 +124,8 @@ class PoolPane(QtWidgets.QWidget):
         self.timeline.set_kept(recording.num_bytes if recording is not None else history.nbytes, history.budget_bytes)
 
     def _on_events(self, pairs, restarted: bool) -> None:
-        """New frames in history (the source read their events once for every panel): range, marks, bytes."""
+        """A new frame's events (the source hands them out once for every panel): marks, and the range and bytes
+        the History keeps now (``historyChanged`` follows the History when it writes later than the frame came)."""
         if restarted:  # a new stream (a new feed, or the attached source restarted): its marks start over
             self.timeline.clear()
         self.sync_timeline()

@@ -13,11 +13,13 @@ A *feed* (:class:`~explorer.feeds.feed.Feed`, Qt-free so headless runs use the s
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from PySide6 import QtCore
 
+from kvstream.events import EventKind
 from kvstream.history import Cancelled
 from kvstream.poolstream import StreamError
 from kvstream.views import PoolSnapshot
@@ -47,11 +49,13 @@ def _timed(fn, *args):
     return out, start, time.perf_counter()
 
 
+KEPT_EVENTS = 10_000  # the newest events a source keeps for a panel that follows it later (the event log's rows)
 SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
-# worker (a frame far from the one decoded last: 30-50 ms at 65,536 blocks, longer than a frame of the window)
+# worker (a frame far from the one decoded last takes longer than a frame of the window on a large pool)
 SCRUB_PACE_S = 0.033  # the worker begins at most one decode per frame of the window (it shows no more than that),
 # and rests as long as its last decode took before the next: decoding back to back, it held the GIL the GUI thread
-# needs for drawing so much that a drag over a 10,000-step recording of 65,536 blocks ran at 18-20 frames/s
+# needs for drawing so much that a drag over a long recording of a large pool dropped well below 30 frames/s
+# (figures: docs/performance.md, "Scrubbing")
 
 
 class PoolSource(QtCore.QObject):
@@ -63,10 +67,13 @@ class PoolSource(QtCore.QObject):
     - ``frameArrived(snapshot)``: a new live frame, whether or not it is being shown (metrics, rates).
     - ``viewChanged(snapshot)``: what every view should show now (live frame, or the frame scrubbed to).
     - ``viewingChanged(seq)``: ``None`` when live, else the history sequence number being viewed.
-    - ``eventsArrived(pairs, restarted)``: the history grew; ``pairs`` are the (seq, BlockEvent) of the new frames,
-      oldest first, read once per poll for every panel (timeline marks, event log, block history, the
-      inspector's relocation check). ``restarted``: the history is a new stream (a new feed, an attached source
-      that restarted) and ``pairs`` are everything it keeps: start over. Emitted before ``frameArrived``.
+    - ``eventsArrived(pairs, restarted)``: a new frame came from the feed; ``pairs`` are the (seq, BlockEvent) of
+      every frame since the last one taken, oldest first, as the feed's frame carried them (never read back out of
+      the History), once for every panel (timeline marks, event log, block history, the inspector's relocation
+      check). ``restarted``: a new stream (a new feed, an attached source that restarted) and ``pairs`` are
+      everything it has: start over. Emitted before ``frameArrived`` and ``viewChanged`` of the same frame.
+    - ``eventsDropped(n)``: the feed let ``n`` events go because the window fell too far behind it.
+    - ``historyChanged()``: the History's kept frames changed (the timeline's range follows it).
     - ``problem(Problem)``: something to tell the user once (failures of the feed, refused commands).
     """
 
@@ -75,6 +82,8 @@ class PoolSource(QtCore.QObject):
     viewChanged = QtCore.Signal(object)
     viewingChanged = QtCore.Signal(object)
     eventsArrived = QtCore.Signal(object, bool)
+    eventsDropped = QtCore.Signal(int)
+    historyChanged = QtCore.Signal()
     problem = QtCore.Signal(object)
 
     def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
@@ -89,8 +98,10 @@ class PoolSource(QtCore.QObject):
         self.colours = ColourBook()  # its conversations' colours (ids are per source: one book each)
         self.cursor = StepCursor()  # the frame wanted on view, whoever moved it; the source follows it (_follow)
         self.cursor.subscribe(self._follow)
-        self._events_seq: int | None = None  # newest history frame whose events went out with eventsArrived
-        self._events_stream: int | None = None  # the history's stream id then
+        self._events_seq: int | None = None  # newest frame whose events went out with eventsArrived
+        self._recent: deque = deque(maxlen=KEPT_EVENTS)  # the newest (seq, event) handed out (kept_events)
+        self.events_dropped = 0  # events the feed dropped because the window fell too far behind
+        self._history_shape = None  # (stream id, first seq, last seq) of the history at the last poll
         # scrubbing (seek_soon): the frame wanted next, the decode under way (its Future), and a generation that
         # every other move (seek, go_live, a new feed) bumps so that a late decode is dropped
         self._scrub_wanted: int | None = None
@@ -135,7 +146,8 @@ class PoolSource(QtCore.QObject):
         self._drop_scrub()
         self.futures.clear()
         self.live = self.view = None
-        self._events_seq = self._events_stream = None
+        self._events_seq = self._history_shape = None
+        self._recent.clear()
         was_viewing = self.viewing is not None
         self.viewing = None
         if old is not feed:
@@ -158,20 +170,25 @@ class PoolSource(QtCore.QObject):
 
     # ---- the frame loop -----------------------------------------------------------------------------------
     def poll(self, live_gap: float = 0.0) -> bool:
-        """Deliver finished command answers, problems and the newest frame; returns whether the view changed.
+        """Deliver finished command answers, problems and the feed's new frame; returns whether the view changed.
 
-        ``live_gap``: a new live frame, and the events of the frames up to it, wait until that many seconds after
-        the last live frame went out (the window's budget, :class:`~explorer.model.pacer.LivePacer`); the newest frame
-        then goes out, with every event of the frames passed over. 0: at every poll."""
+        ``live_gap``: a new live frame waits until that many seconds after the last live frame went out (the
+        window's budget, :class:`~explorer.model.pacer.LivePacer`); the feed keeps it, and the events of every frame
+        it passes over, until then, and they go out together. 0: at every poll."""
         self.futures.poll()
         for problem in self.feed.take_problems():
             self.problem.emit(problem)
-        latest, seq = self.feed.latest_frame()  # the view and its events, as one unit
         if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
-            if latest is not None and latest is not self.live:
-                return self._keep_viewed_frame()
-        self._read_events(seq)
-        if latest is None or latest is self.live:
+            self._check_history()
+            return self._keep_viewed_frame()
+        frame = self.feed.poll()  # the view and its events, as one unit
+        if frame is not None:
+            self._hand_out_events(frame)
+        self._check_history()
+        if frame is None:
+            return self._keep_viewed_frame()
+        latest = frame.snapshot
+        if latest is self.live:
             return self._keep_viewed_frame()
         self.live = latest
         self._live_at = time.perf_counter()
@@ -182,36 +199,57 @@ class PoolSource(QtCore.QObject):
             return True
         return self._keep_viewed_frame()
 
-    def _read_events(self, upto: int | None = None) -> None:
-        """Hand out the events of the frames history gained since the last poll, up to frame ``upto`` (the live
-        view's; None: the newest kept), see ``eventsArrived``."""
+    def _hand_out_events(self, frame) -> None:
+        """The events that came with ``frame`` go out once for every panel (``eventsArrived``), and the newest are
+        kept for a panel that starts following this source later (:meth:`kept_events`)."""
+        if frame.restarted:
+            self._recent.clear()
+        self._recent.extend(frame.events)
+        if frame.seq is not None:
+            self._events_seq = frame.seq
+        if frame.dropped:
+            self.events_dropped += frame.dropped
+            self.eventsDropped.emit(frame.dropped)
+        self.eventsArrived.emit(list(frame.events), frame.restarted)
+
+    def _check_history(self) -> None:
+        """Say when the history's kept range changed (``historyChanged``): the timeline's range follows what the
+        History has written, which may trail the live frame by what its encoder has not written yet."""
         history = self.history
-        if history is None or len(history) == 0:
-            return
-        last, stream = history.last_seq, history.stream_id
-        if upto is not None:
-            last = min(last, upto)
-        restarted = stream != self._events_stream or self._events_seq is None
-        if not restarted and last <= self._events_seq:
-            return
-        first = history.first_seq
-        start = first if restarted else max(first, self._events_seq + 1)
-        pairs = history.events(start, last) if start <= last else []
-        self._events_seq, self._events_stream = last, stream
-        self.eventsArrived.emit(pairs, restarted)
+        shape = None if history is None else (history.stream_id, history.first_seq, history.last_seq)
+        if shape != self._history_shape:
+            self._history_shape = shape
+            if history is not None:
+                self.historyChanged.emit()
 
     @property
     def events_seq(self) -> int | None:
-        """The newest history frame whose events went out with ``eventsArrived`` (None: none yet)."""
+        """The newest frame whose events went out with ``eventsArrived`` (None: none yet)."""
         return self._events_seq
 
     def kept_events(self) -> list:
-        """(seq, event) of every kept frame already handed out by ``eventsArrived``: what a panel that starts
-        following this source now (another pane made active) reads once; later frames come with the signal."""
+        """(seq, event) of the newest events already handed out by ``eventsArrived`` (at most KEPT_EVENTS, as
+        many as the event log shows): what a panel that starts following this source now (another pane made
+        active) reads once; later frames come with the signal."""
+        return list(self._recent)
+
+    def block_events(self, block_id: int, upto: int | None = None) -> list:
+        """(seq, event) that can concern the block that is ``block_id`` at frame ``upto`` (None: the newest frame
+        whose events went out), oldest first: for its story (:class:`~explorer.model.block_history.BlockStory`).
+        The past is the History's; the newest frames, which the History may not have written yet (and a source
+        without one), come from the events handed out."""
         history = self.history
-        if history is None or self._events_seq is None or len(history) == 0:
-            return []
-        return history.events(history.first_seq, self._events_seq)
+        kept = history is not None and len(history) > 0
+        if upto is not None:
+            return history.block_events(block_id, upto) if kept else []
+        newest = self._events_seq
+        if not kept:
+            return list(self._recent)
+        last = history.last_seq if newest is None else min(newest, history.last_seq)
+        tail = [pair for pair in self._recent if pair[0] > last]
+        if any(e.kind == EventKind.RELOCATED for _, e in tail):  # the block had another id at ``last``
+            return history.events(history.first_seq, last) + tail
+        return history.block_events(block_id, last) + tail
 
     def _keep_viewed_frame(self) -> bool:
         """While viewing history, follow the viewed frame if the history dropped it (memory budget)."""

@@ -437,8 +437,8 @@ class Timeline(QtWidgets.QWidget):
             self.track.update()
 
     def add_event_markers(self, pairs: list[tuple[int, BlockEvent]]) -> None:
-        """Marks for (seq, event) pairs as a history hands them out, read in C-level passes: a recording's whole
-        history (450,000 events for 10,000 frames) took 0.5 s through :meth:`add_markers`."""
+        """Marks for (seq, event) pairs as a history hands them out, read in C-level passes: a long recording's
+        whole history took half a second through :meth:`add_markers` (figures: docs/performance.md, "Timeline")."""
         n = len(pairs)
         if not n:
             return

@@ -30,12 +30,13 @@ def application() -> QtWidgets.QApplication:
 
     Every paint of a pyqtgraph item calls into Python and must take the GIL; with the default 5 ms switch
     interval the GUI thread waits up to that long each time the engine thread holds it, and frames drop. A 1 ms
-    interval keeps the GUI above 25 frames/s without slowing decode measurably (bench/gui.py).
+    interval keeps the GUI's frame rate up without slowing decode measurably (bench/gui.py; figures:
+    docs/performance.md, "Threads").
 
     The collector's first generation is collected every GC_GEN0 new containers instead of 700: decoding history
-    makes and drops thousands a frame (token lists, conversation infos), and at 700 a 10,000-frame recording's scrub
-    spent 2 s of 10 in 3,300 young collections that each walked the live token lists (bench/gui.py --sections
-    scrub: 0.5 s, and 23 -> 32 frames shown a second).
+    makes and drops thousands a frame (token lists, conversation infos), and at 700 a long recording's scrub spent
+    a fifth of its time in young collections that each walked the live token lists (bench/gui.py --sections scrub;
+    figures: docs/performance.md, "Threads").
     """
     sys.setswitchinterval(0.001)
     threshold = gc.get_threshold()

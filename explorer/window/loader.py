@@ -5,7 +5,8 @@ engine running. The worker only constructs the engine (and optionally seeds it w
 other thread can see it); the GUI thread receives the finished object through a queued signal.
 
 There is one loader thread for the life of the process and it never exits: when a thread that ran torch ops
-exits, libgomp leaves its OpenMP workers spinning and the engine thread runs 10-100x slower.
+exits, libgomp leaves its OpenMP workers spinning and the engine thread runs many times slower (figures:
+docs/performance.md, "Threads").
 """
 from __future__ import annotations
 

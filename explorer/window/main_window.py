@@ -45,10 +45,9 @@ POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "even
 FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
 PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
 PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI thread's time (their painting then
-# costs about as much again, and more): with 256 conversations on 65,536 blocks a refresh takes 3 ms, and at 10 a
-# second the panels cost 4 points more of a core, which the engine's second torch thread waits for (bench/gui.py);
-# at this share they follow about 4 times a second there, and 10 times a second where a refresh takes under
-# 1.25 ms (64 conversations on 4,096 blocks: 1.0 ms)
+# costs about as much again, and more): on a large pool at 10 refreshes a second the panels take a core's share the
+# engine's second torch thread waits for (bench/gui.py); at this share they follow a few times a second there, and
+# 10 times a second on a small pool (figures: docs/performance.md, "Window panels")
 PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
 PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
 PLOTS_PER_GAP = 4  # while live frames are paced (explorer.model.pacer), the plots every 4 gaps: once a second at most

@@ -11,8 +11,9 @@ socket has a thread of its own. Each ZMQ socket is used by one thread at a time 
 
 The sockets live on a ZMQ context of the publishers' own whose I/O thread is ``SCHED_BATCH`` on Linux: a send wakes
 that thread, and at normal policy the wakeup preempted the decoding thread on a busy machine (2 cores, both in
-torch), which cost about 2% of a 4 ms decode step; as a batch thread it runs when a core frees up or at the next
-scheduler tick, without preempting (``bench/kv_events.py --e2e-only``).
+torch), which cost a measurable share of a decode step; as a batch thread it runs when a core frees up or at the
+next scheduler tick, without preempting (``bench/kv_events.py --e2e-only``; figures: docs/performance.md, "KV-event
+publishing").
 """
 from __future__ import annotations
 

@@ -42,19 +42,20 @@ def _gc_untrack():
 
 
 _UNTRACK = _gc_untrack()
-_UNTRACK_FROM = 16  # shorter tuples are left to the collector (at 64: 1.1 ms a jump instead of 1.7, collection 17 ms)
+_UNTRACK_FROM = 16  # shorter tuples are left to the collector (64 made jumps cheaper, collections dearer: see
+# docs/performance.md, "History decoding")
 
 
 def _ints(values) -> tuple:
     """``tuple(values)`` (token or block ids: ints only), left out of the cycle collector's young generation.
 
     The collector tracks every new tuple and lets one of ints go only after walking it once in a collection. A
-    history's checkpoints and rebuilt snapshots hold hundreds of thousands of such ids (65,536 blocks, 256
-    conversations: 2.4 million after 8 jumps), so the young collection that met them took 50-60 ms, inside one
-    jump. CPython untracks such tuples itself (they cannot be part of a cycle); this does it when they are made,
-    for 0.2-0.6 us a tuple, on tuples of at least _UNTRACK_FROM ids (in a jump to a run's end, 3,496 of the 4,668
-    tuples made, holding 99% of their ids; the jump costs about 1.7 ms more, and the young collection after 8 jumps
-    takes 5.9 ms). Only ever given ints: a tuple holding a container would then escape cycle collection."""
+    history's checkpoints and rebuilt snapshots of a large pool hold millions of such ids after a few jumps, so the
+    young collection that met them took longer than the jump itself. CPython untracks such tuples itself (they
+    cannot be part of a cycle); this does it when they are made, on tuples of at least _UNTRACK_FROM ids (most of
+    the tuples a jump makes, and nearly all of their ids), for a little more time in the jump and much shorter young
+    collections (figures: docs/performance.md, "History decoding"). Only ever given ints: a tuple holding a container
+    would then escape cycle collection."""
     out = tuple(values)
     if len(out) >= _UNTRACK_FROM and _UNTRACK is not None:
         _UNTRACK(out)
@@ -67,7 +68,8 @@ def read_head(payload: bytes, events: bool = True) -> FrameHead:
 
     ``events=False`` leaves the events out (``()``), for a reader that has them already."""
     # this version's envelope is told by its first 9 bytes (array header, magic, version); the full peek parses the
-    # whole message to skip what follows (0.7 ms for a keyframe of 65,536 blocks), so it runs only for anything else
+    # whole message to skip what follows (costly for a large keyframe: docs/performance.md), so it runs only for
+    # anything else
     if not (payload[:1] in _FIXARRAYS and payload[1:8] == _MAGIC_BYTES and payload[8:9] == _VERSION_BYTE):
         _check_version(payload)
     try:
@@ -391,8 +393,8 @@ class StreamDecoder:
             new.tables, new.tables_view = dict(state.tables), state.tables_view
             # Conversation rows become immutable (tuples, their token fields tuples too) and both decoders share
             # them; the next patch of a row in either makes it a list again (_row). Finished conversations never
-            # change, so a copy touches only the rows patched since the last one: a deep copy of every row took
-            # 10 ms at 256 conversations, and checkpoints are made every 8 frames of a scrub back.
+            # change, so a copy touches only the rows patched since the last one: a deep copy of every row cost
+            # more than a delta's decode (docs/performance.md), and checkpoints are made every 8 frames of a scrub back.
             convs = state.convs
             for cid, vals in convs.items():
                 if type(vals) is list:

@@ -1,0 +1,135 @@
+"""One frame, one unit (issue 29): every feed's poll returns its newest frame with the events of every frame since
+the previous poll, taken from the engine runner's updates (never read back out of the History). No Qt."""
+import threading
+
+from engine import Engine, EngineConfig
+from explorer.feeds.engine_feed import EngineFeed
+from explorer.feeds.frames import FeedFrame, FrameBuffer
+from explorer.feeds.stream_feed import RecordingFeed
+from kvstream.events import BlockEvent, EventKind
+from kvstream.recording import Recorder, open_recording
+from kvstream.views import BlockState, PoolUpdate
+
+
+def small_engine(tokens=30):
+    cfg = EngineConfig(model="builtin", num_blocks=64, block_size=4)
+    engine = Engine(cfg)
+    engine.add_conversation("Frames come with their events.", max_new_tokens=tokens, temperature=0.0,
+                            ignore_eos=True)
+    return engine, cfg
+
+
+def event(step, kind=EventKind.ALLOCATED, blocks=(1,)):
+    return BlockEvent(step_id=step, kind=kind, block_ids=tuple(blocks))
+
+
+def test_the_buffer_coalesces_snapshots_keeps_every_event_and_bounds_them():
+    snaps = [object() for _ in range(5)]
+    buffer = FrameBuffer(max_events=4)
+    assert buffer.take() is None
+    buffer(PoolUpdate(snaps[0], (event(0),)))
+    first = buffer.take()
+    assert first == FeedFrame(snaps[0], 0, ((0, event(0)),), restarted=True, dropped=0)
+    assert buffer.take() is None  # nothing new
+    buffer(PoolUpdate(snaps[1], (event(1), event(1, EventKind.STORED))))
+    buffer(PoolUpdate(snaps[2], ()))
+    frame = buffer.take()  # the newest snapshot, every event of the frames passed over
+    assert frame.snapshot is snaps[2] and frame.seq == 2 and not frame.restarted and frame.dropped == 0
+    assert [seq for seq, _ in frame.events] == [1, 1]
+    for i in (3, 4):  # the window fell behind: 6 events over a cap of 4
+        buffer(PoolUpdate(snaps[i], (event(i), event(i), event(i))))
+    frame = buffer.take()
+    assert frame.snapshot is snaps[4] and frame.seq == 4 and frame.dropped == 2
+    assert [seq for seq, _ in frame.events] == [3, 4, 4, 4]  # the newest kept
+
+
+def test_a_joining_buffer_starts_from_the_runner_snapshot_once():
+    buffer = FrameBuffer()
+    snap = object()
+    buffer.prime(snap)
+    buffer.prime(object())  # only the first
+    frame = buffer.take()
+    assert frame.snapshot is snap and frame.seq == 0 and frame.events == () and frame.restarted
+    buffer(PoolUpdate(object(), (event(1),)))
+    assert buffer.take().seq == 1
+
+
+def test_an_engine_feed_without_history_polls_frames_with_their_events():
+    """``history_bytes=None`` (no History at all): the poll still carries every event, with the frame it led to."""
+    engine, cfg = small_engine()
+    feed = EngineFeed.start(engine, cfg, start_paused=True, history_bytes=None)
+    try:
+        assert feed.history is None
+        seen = []
+        for _ in range(5):
+            feed.runner.step_once().result(timeout=10)
+            frame = feed.poll()
+            while frame is not None and frame.snapshot is not feed.runner.latest:  # the update follows the step
+                more = feed.poll()
+                frame = frame if more is None else FeedFrame(more.snapshot, more.seq, frame.events + more.events)
+            seen.append(frame)
+        assert all(f is not None for f in seen)
+        kinds = {e.kind for f in seen for _, e in f.events}
+        assert EventKind.ALLOCATED in kinds and EventKind.CONVERSATION_ADDED in kinds
+        for f in seen:
+            assert all(e.step_id <= f.snapshot.step_id for _, e in f.events)
+            for _, e in f.events:
+                if e.kind == EventKind.ALLOCATED and e.step_id == f.snapshot.step_id:
+                    assert all(f.snapshot.state[b] == BlockState.USED for b in e.block_ids)
+        assert feed.poll() is None  # taken once
+    finally:
+        feed.close()
+
+
+def test_an_engine_feeds_frame_numbers_are_its_history_frames():
+    """With a History, an event's seq is the History frame it is in (the timeline jumps there), though the window
+    took it from the runner's update and not from the History."""
+    engine, cfg = small_engine()
+    feed = EngineFeed.start(engine, cfg, start_paused=True)
+    try:
+        for _ in range(6):
+            feed.runner.step_once().result(timeout=10)
+        feed.fanout.flush(10)
+        frame = feed.poll()
+        history = feed.history
+        assert frame.seq == history.last_seq and frame.snapshot.step_id == history.step_of(frame.seq)
+        assert list(frame.events) == history.events()
+    finally:
+        feed.close()
+
+
+def test_the_buffer_stays_consistent_under_a_concurrent_engine():
+    """Updates on another thread while the GUI thread takes: no event lost or repeated, seqs ascending."""
+    buffer = FrameBuffer()
+    n = 2000
+
+    def produce():
+        for i in range(n):
+            buffer(PoolUpdate(i, (event(i),)))
+    thread = threading.Thread(target=produce)
+    thread.start()
+    taken = []
+    while thread.is_alive() or taken[-1:] != [n - 1]:
+        frame = buffer.take()
+        if frame is not None:
+            taken.extend(seq for seq, _ in frame.events)
+    thread.join()
+    assert taken == list(range(n))
+
+
+def test_a_recording_feed_hands_out_every_event_with_its_first_frame(tmp_path):
+    engine, cfg = small_engine()
+    recorder = Recorder(tmp_path / "frames.kvrec")
+    feed = EngineFeed.start(engine, cfg, start_paused=True, extra_sinks=[recorder], history_bytes=None)
+    for _ in range(4):
+        feed.runner.step_once().result(timeout=10)
+    feed.close()
+    recording = RecordingFeed(open_recording(recorder.path), str(recorder.path))
+    try:
+        frame = recording.poll()
+        history = recording.history
+        assert frame.restarted and frame.seq == history.last_seq and frame.snapshot is recording.latest()
+        assert list(frame.events) == history.events() and frame.events
+        assert recording.poll() is None
+    finally:
+        recording.close()
