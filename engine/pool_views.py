@@ -153,7 +153,8 @@ class PoolViews:
             block_tables=tables, conversations=conversations, metrics=self.metrics(),
             memory=self.memory_stats(), model_name=eng.model_name, device=str(eng.device),
             max_model_len=eng.max_model_len, block_hash=frozen_array(pool.block_hash), version=eng.version,
-            source="engine", tiers=self._tier_views(), **self._group_fields())
+            source="engine", tiers=self._tier_views(), tokenizer=eng.model_name if eng.takes_text else "",
+            **self._group_fields())
         if base is not None and changed is not None:
             promise_changed_blocks(self._snapshot, base, changed[0], last_access=changed[1])
         cache = self._info_cache  # each info's promise, made when it was built (it may predate this snapshot)

@@ -226,6 +226,8 @@ class PoolSnapshot:
     #                                    where a window released a block; () for one group (block_tables is group 0's)
     block_group: np.ndarray | None = None  # int8: the group of each non-free block (its last one for a free block);
     #                                        None for one group
+    tokenizer: str = ""  # what turns its token ids into text: "builtin", a model name ("smollm2"), a checkpoint
+    #                      directory or a .gguf path; "" where the source has none or does not say
 
     def conversation(self, conversation_id: int) -> ConversationInfo | None:
         index = self._by_id.get(conversation_id)
