@@ -36,6 +36,11 @@ class ByteTokens:
             return text
         return "".join(self._SPECIAL[i] if i >= 256 else bytes([i]).decode("utf-8", errors="replace") for i in ids)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (a plain list: callers take ``.ids`` of a tokenizers Encoding where there is one)."""
+        ids = list(text.encode("utf-8"))
+        return [256] + ids if add_special_tokens else ids
+
     def id_to_token(self, token_id: int) -> str | None:
         i = int(token_id)
         if i in self._SPECIAL:
