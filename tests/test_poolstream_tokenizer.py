@@ -102,3 +102,25 @@ def test_byte_tokens_read_as_the_engines_byte_tokenizer():
     for _ in range(50):
         ids = [rng.randrange(258) for _ in range(rng.randrange(1, 12))]
         assert tokens.decode(ids) == engine.decode(ids)
+
+
+def test_attaching_to_the_builtin_engine_shows_token_text(tmp_path):
+    """--attach of the project's own engine: the stream names 'builtin', so the viewer has text, not '<72>'."""
+    import time
+    from explorer.feeds.stream_feed import AttachFeed
+    from kvstream.poolstream.publisher import PoolStreamPublisher
+    engine = builtin_engine()
+    endpoint = f"ipc://{tmp_path}/pool"
+    encoder = StreamEncoder()
+    with PoolStreamPublisher(endpoint, heartbeat_seconds=0.2) as publisher:
+        feed = AttachFeed.connect(endpoint)
+        try:
+            deadline = time.monotonic() + 10
+            while feed.latest() is None and time.monotonic() < deadline:
+                publisher.write(encoder.encode(engine.snapshot()))
+                engine.step()
+                time.sleep(0.1)
+            assert feed.latest() is not None and feed.latest().tokenizer == "builtin"
+            assert feed.token_text(ord("H")) == "H" and feed.token_text(257) == "<eos>"
+        finally:
+            feed.close()
