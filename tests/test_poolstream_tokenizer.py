@@ -124,3 +124,16 @@ def test_attaching_to_the_builtin_engine_shows_token_text(tmp_path):
             assert feed.token_text(ord("H")) == "H" and feed.token_text(257) == "<eos>"
         finally:
             feed.close()
+
+
+
+def test_a_name_that_leads_nowhere_here_keeps_ids():
+    """A model not fetched here, a .gguf path (never converted by a viewer), an unknown name: no text, no error.
+    (A fetched model's own tokenizer: tests/test_real_model.py.)"""
+    from explorer.feeds.stream_feed import NamedTokenText, named_tokenizer
+    from types import SimpleNamespace
+    assert named_tokenizer("no-such-model") is None and named_tokenizer("/no/such/model.gguf") is None
+    assert named_tokenizer("smollm2") is None  # the tests' own cache is empty
+    text = NamedTokenText()
+    text.follow(SimpleNamespace(tokenizer="no-such-model"))
+    assert text(65) is None and text.name == "no-such-model"

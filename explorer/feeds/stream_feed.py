@@ -57,13 +57,20 @@ class NamedTokenText:
 
 def named_tokenizer(name: str):
     """The tokenizer a stream's ``tokenizer`` name stands for on this machine, or None (not here, or unreadable):
-    "builtin" (the byte tokenizer) or a checkpoint directory holding tokenizer.json. A known model's name
-    ("smollm2") or a .gguf path is only named: its converted tokenizer lives in the engine's cache, which the
-    explorer reaches through no public name of the engine."""
+    "builtin" (the byte tokenizer), a checkpoint directory holding tokenizer.json, or a known model ("smollm2")
+    that has been fetched here (its converted directory holds the tokenizer; nothing is downloaded for this). A
+    .gguf path is only named: converting it is minutes of work, not a viewer's to start."""
     try:
-        return load_tokenizer(name) if is_builtin_tokenizer(name) or os.path.isdir(name) else None
-    except (ValueError, OSError):
+        if is_builtin_tokenizer(name) or os.path.isdir(name):
+            return load_tokenizer(name)
+        if name.lower().endswith(".gguf"):
+            return None
+        from engine import fetch_model, fetched_model
+        if fetched_model(name):  # a known model, converted on this machine: fetch_model only finds its directory
+            return load_tokenizer(fetch_model(name, progress=lambda _message: None))
+    except Exception:  # noqa: BLE001  (a name that leads nowhere readable: ids stay ids)
         return None
+    return None
 
 
 class RecordingFeed(Feed):
