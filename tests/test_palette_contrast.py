@@ -90,3 +90,25 @@ def test_conversations_live_at_once_get_distinct_colours_up_to_the_palette_size(
             d = distance(colours[:, None], colours[None])
             np.fill_diagonal(d, np.inf)
             assert d.min() >= 30, (step, live)
+
+
+def test_past_sixteen_the_next_32_colours_stay_apart():
+    """A crowd of 21 live conversations: the 17th colour came from a hue walk at CIELAB distance 7 from the 16th
+    (two conversations read as one). The first 48 entries are at least 20 apart, and from the marks."""
+    colours = used_colours(48)
+    d = distance(colours[:, None], colours[None])
+    np.fill_diagonal(d, np.inf)
+    assert d.min() >= 20
+    marks = np.array([palette.FREE, palette.UNOWNED, palette.SHARED_RING, palette.SELECTED_RING, palette.BACKGROUND])
+    assert distance(colours[:, None], marks[None]).min() >= 20
+    assert (palette.lightness(colours) - palette.lightness(palette.cached(colours)) >= 10).all()
+
+
+def test_a_crowd_of_up_to_48_live_conversations_gets_distinct_colours():
+    book = palette.ColourBook()
+    convs = [SimpleNamespace(conversation_id=c, arrival_step=c, is_live=True) for c in range(48)]
+    book.observe(SimpleNamespace(conversations=convs, version=1))
+    colours = palette.conversation_colours(np.arange(48), book)
+    d = distance(colours[:, None], colours[None])
+    np.fill_diagonal(d, np.inf)
+    assert d.min() >= 20

@@ -5,7 +5,8 @@ function of the id). So colours are handed out, not computed: :class:`ColourBook
 is first seen live, the first of :data:`LIVE_COLOURS` (sixteen hues picked far apart in CIELAB, and far from the
 free, cached, shared and selected marks) that no other live conversation holds. A conversation keeps its colour
 for its whole life; once it has finished its colour may go to a newcomer (its cached blocks are drawn muted). Past
-sixteen live conversations, further colours come from a golden-ratio walk around the hue circle. Ids the book has
+sixteen live conversations, 32 more picked far apart (:data:`MORE_COLOURS`), then a golden-ratio walk around the hue
+circle. Ids the book has
 never seen live (a hand-built view, a recording opened at its end) use their id (modulo 1024) as the palette index.
 """
 from __future__ import annotations
@@ -42,6 +43,16 @@ LIVE_COLOURS = np.array([  # the first sixteen palette entries: min CIELAB dista
 ], np.uint8)  # every one at L* 48 or more, so its cached form can be darker than it and still lighter than free
 # (a deep blue, 51 51 255, and a violet, 136 65 217, were darker than their grey cached forms: cached looked brighter
 # than used, and the two read as one blue)
+MORE_COLOURS = np.array([  # entries 16-47: each the farthest (CIELAB) from all before it and from the marks, L* >= 48;
+    # min distance 21. The hue walk that followed entry 15 put entry 16 at distance 7 from it: a crowd of 21 live
+    # conversations showed two in the same colour.
+    [45, 135, 0], [120, 120, 45], [0, 255, 0], [45, 135, 90], [180, 105, 150], [150, 165, 0], [15, 120, 180],
+    [240, 90, 0], [165, 195, 165], [180, 90, 45], [180, 60, 195], [60, 195, 0], [0, 195, 120], [255, 195, 240],
+    [0, 135, 150], [180, 135, 105], [255, 255, 105], [165, 255, 255], [165, 255, 195], [120, 105, 180],
+    [135, 210, 90], [225, 195, 90], [255, 120, 180], [165, 195, 225], [255, 0, 0], [255, 255, 0], [210, 180, 180],
+    [180, 90, 90], [135, 180, 105], [150, 105, 225], [165, 45, 255], [255, 150, 105],
+], np.uint8)
+PICKED_COLOURS = np.concatenate([LIVE_COLOURS, MORE_COLOURS])  # the palette's first 48 entries
 
 
 class ColourBook:
@@ -148,7 +159,8 @@ def owner_colours32(ids: np.ndarray, book: ColourBook | None = None) -> tuple[np
 
 
 def _compute_colours(slots: np.ndarray) -> np.ndarray:
-    """Palette entries: LIVE_COLOURS first, then a golden-ratio hue walk, alternating saturation and value."""
+    """Palette entries: LIVE_COLOURS and MORE_COLOURS first, then a golden-ratio hue walk, alternating saturation and
+    value."""
     ids = slots
     hue = (ids * _GOLDEN + 0.08) % 1.0
     sat = np.where(ids % 2 == 0, 0.62, 0.48)
@@ -167,8 +179,8 @@ def _compute_colours(slots: np.ndarray) -> np.ndarray:
     rgba[:, 1] = np.round(g * 255)
     rgba[:, 2] = np.round(b * 255)
     rgba[:, 3] = 255
-    listed = ids < len(LIVE_COLOURS)
-    rgba[listed, :3] = LIVE_COLOURS[ids[listed]]
+    listed = ids < len(PICKED_COLOURS)
+    rgba[listed, :3] = PICKED_COLOURS[ids[listed]]
     return rgba
 
 
