@@ -170,7 +170,8 @@ class PoolViews:
             block_tables=tables, conversations=conversations, metrics=self.metrics(counts),
             memory=self.memory_stats(), model_name=self.model_name, device=str(self.device),
             max_model_len=self.max_model_len, block_hash=frozen_array(pool.block_hash), version=counts.version,
-            source="engine", tiers=self._tier_views(), **self._group_fields())
+            source="engine", tiers=self._tier_views(),
+            tokenizer=self.model_name if getattr(self.tokenizer, "takes_text", True) else "", **self._group_fields())
         masks = None
         if base is not None and changed is not None:
             masks = block_masks(self._snapshot, base, changed[0], last_access=changed[1])

@@ -203,12 +203,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if opts.open and os.path.abspath(opts.open) == os.path.abspath(opts.record):
             raise UsageError("--record would overwrite the file --open reads")
     _check_tiers(opts)
-    if opts.tokenizer is not None:
+    if opts.tokenizer is not None and not _builtin_tokenizer(opts.tokenizer):
         if not os.path.isdir(opts.tokenizer):
             raise UsageError(f"--tokenizer {opts.tokenizer}: no such directory")
         if not os.path.isfile(os.path.join(opts.tokenizer, "tokenizer.json")):
             raise UsageError(f"--tokenizer {opts.tokenizer} has no tokenizer.json")
     return opts
+
+
+def _builtin_tokenizer(path: str) -> bool:
+    """``--tokenizer builtin`` or ``--tokenizer resources/builtin``: the built-in byte tokenizer (no tokenizer.json)."""
+    from .feeds.stream_feed import is_builtin_tokenizer
+    return is_builtin_tokenizer(path)
 
 
 def parse_or_exit(argv: list[str] | None = None) -> argparse.Namespace:

@@ -260,6 +260,8 @@ class PoolSnapshot:
     #                     (block_tables,), the very same mapping
     block_group: np.ndarray | None = None  # int8: the group of each non-free block (its last one for a free block);
     #                                        None for one group
+    tokenizer: str = ""  # what turns its token ids into text: "builtin", a model name ("smollm2"), a checkpoint
+    #                      directory or a .gguf path; "" where the source has none or does not say
 
     def __post_init__(self) -> None:
         # As ConversationInfo's: one plain group's tables are block_tables itself, so readers index the groups the

@@ -134,3 +134,40 @@ def test_follows_a_live_stream_and_shows_its_status(qtbot, tokenizer):
                 assert "seq 3" in pane.status_label.text() and pane.status_label.text().startswith("Stream: live")
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_a_cached_blocks_prefix_is_copied_and_routed_from_the_tree(qtbot, tokenizer):
+    """Issue 33: the router box took typed token ids only. A row's menu copies the prefix it stands for (its
+    ancestors' tokens, then its own) and routes it across instances."""
+    from PySide6 import QtCore, QtWidgets
+    from explorer.widgets.content_view import copy_token_ids, prefix_token_ids
+    a, b = two_instances()
+    view = ContentView([a, b], tokenizer=tokenizer)
+    qtbot.addWidget(view)
+    pane = view.panes[0]
+    assert pane.tree.contextMenuPolicy() == QtCore.Qt.ContextMenuPolicy.CustomContextMenu
+    root = pane.model.index(0, 0)
+    child = next(pane.model.index(r, 0, root) for r in range(pane.model.rowCount(root))
+                 if pane.model.data(pane.model.index(r, 0, root)) == "sat on")
+    assert prefix_token_ids(child) == list(ids("the cat sat on"))
+    assert prefix_token_ids(child.siblingAtColumn(2)) == list(ids("the cat sat on"))  # any cell of the row
+    assert copy_token_ids(prefix_token_ids(child)) == "1 2 3 4" == QtWidgets.QApplication.clipboard().text()
+    view.route_prefix(prefix_token_ids(child))
+    assert view.tabs.currentWidget() is view.across and view.across.prompt.text() == "1 2 3 4"
+    assert "node-a: 2 blocks; node-b: 1 block" in view.across.route_label.text()
+    across = view.across  # the merged tree's rows carry their tokens too
+    first = across.model.index(0, 0)
+    assert prefix_token_ids(first) == list(ids("the cat"))
+
+
+def test_the_route_box_takes_text_with_the_builtin_tokenizer(qtbot):
+    """--tokenizer builtin (the project's byte tokenizer): text typed in the box is routed."""
+    index = KVCacheIndex("solo")
+    index.apply_batch(make_batch([stored([5], tuple(b"ab")), stored([6], tuple(b"cd"), parent=5)], 1.0), 0)
+    view = ContentView([index], tokenizer=load_tokenizer("builtin"))
+    qtbot.addWidget(view)
+    assert [t for t, _ in texts(view.panes[0].model)] == ["ab"]
+    view.across.prompt.setText("abcx")
+    assert "solo: 1 block" in view.across.route_label.text(), view.across.route_label.text()
+    view.across.prompt.setText("abcd")
+    assert "solo: 2 blocks" in view.across.route_label.text()

@@ -114,3 +114,34 @@ def test_linked_view_draws_at_the_grids_scale_whatever_its_width(qtbot):
     view.box.setRange(QtCore.QRectF(10, 6, 4, 4), padding=0)  # the user zooms the contiguous view ...
     view.box.sigRangeChangedManually.emit([True, True])  # ... with the mouse: the grid follows
     assert abs(scale(view.box) - scale(grid.box)) < 1e-6 and corner(view.box) == corner(grid.box)
+
+
+def test_side_by_side_shows_every_row_of_both_at_the_default_dock_height(qtbot):
+    """Issue 33: in the window, View > Contiguous side by side drew its memory at the grid's scale in a shorter box
+    (title, summary and legend above and below it): the bottom row was cut off. Both now zoom out to show all."""
+    from PySide6 import QtWidgets
+    from test_gui_support import make_config
+    from engine import Engine, EngineRunner
+    from explorer.window.main_window import MainWindow
+    for size in ((1600, 1000), (1024, 640)):
+        cfg = make_config(64, 4)
+        engine = Engine(cfg)
+        engine.add_conversation("Contiguous side by side.", max_new_tokens=60)
+        window = MainWindow(EngineRunner(engine, start_paused=True).start(), cfg, size=size)
+        qtbot.addWidget(window)
+        window.show()
+        qtbot.waitExposed(window)
+        qtbot.waitUntil(lambda: window.snapshot is not None, timeout=3000)
+        window.set_contiguous(True)
+        pane = window.pane
+        qtbot.waitUntil(lambda: pane.contiguous.geometry_ is not None, timeout=3000)
+        for _ in range(5):  # the frame timer renders and fits
+            qtbot.wait(60)
+            QtWidgets.QApplication.processEvents()
+        for box, geo in ((pane.contiguous.box, pane.contiguous.geometry_), (pane.grid.box, pane.grid.geometry_)):
+            rect = box.viewRect()
+            assert rect.top() <= 0 and rect.bottom() >= geo.rows, (size, rect, geo.rows)
+            assert rect.left() <= 0 and rect.right() >= geo.cols, (size, rect, geo.cols)
+        grid_scale = pane.grid.box.viewRect().width() / pane.grid.box.width()
+        assert abs(pane.contiguous.box.viewRect().width() / pane.contiguous.box.width() - grid_scale) < 1e-6
+        window.close()

@@ -51,8 +51,7 @@ def test_free_used_and_cached_colours(small):
     assert cell(image, geo, 0, mid, mid) == colour_of(1)  # full used block: its owner's colour
     cached = cell(image, geo, 3, mid, mid)
     assert cached != colour_of(1) and cached != tuple(palette.FREE[:3])
-    muted = tuple(int(c) for c in palette.mix(palette.conversation_colours(np.array([1]))[0], palette.UNOWNED,
-                                              palette.CACHED_MIX)[:3])
+    muted = tuple(int(c) for c in palette.cached(palette.conversation_colours(np.array([1]))[0])[:3])
     assert cached == muted  # muted, with a hint of the last owner
     assert cell(image, geo, 0, 0, 0) == tuple(palette.BACKGROUND[:3])  # gap between cells
 

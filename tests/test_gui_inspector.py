@@ -177,6 +177,42 @@ def test_select_with_moved_from_keeps_the_story(inspector):
     assert "moved from 35 to 12" in inspector.note.text() and "freed" not in inspector.note.text()
 
 
+# ---- a past step is described as of that step (issue 33) --------------------------------------------------------------
+def test_a_past_step_is_not_described_against_a_later_one(inspector):
+    """Issue 33: 'Block 62 has been freed: conversation 5 released it' at step 120, though conversation 5 arrived at
+    step 241. Seen live first, then a frame from before its owner came: the note says what the block was then."""
+    inspector.select(62, view({5: (62,)}))  # live: conversation 5 holds block 62
+    assert "in use by conversation 5" in inspector.note.text()
+    inspector.show_summary(view({}), seq=120)  # a frame from before conversation 5: block 62 is free
+    note = inspector.note.text()
+    assert "released" not in note and "freed" not in note and "conversation 5" not in note, note
+    assert note == "Block 62 is free: no conversation refers to it and it holds nothing reusable."
+    inspector.show_block(info(62, BlockState.FREE, owners=()))  # the frame's own details agree
+    assert "conversation 5" not in inspector.note.text()
+    inspector.show_summary(view({5: (62,)}), seq=130)  # forward again: now a change is news
+    assert "in use again, now by conversation 5" in inspector.note.text()
+    inspector.show_summary(view({}), seq=140)
+    assert "has been freed: conversation 5 released it" in inspector.note.text()
+    inspector.show_summary(view({}), seq=125)  # same facts as the note's, but of an earlier frame
+    assert inspector.note.text().startswith("Block 62 is free:"), inspector.note.text()
+
+
+def test_a_step_before_the_relocation_is_not_said_to_be_moved(inspector):
+    """Issue 33: 'moved from 13 by a relocation' shown at a step before the relocation. The frames from before the
+    relocation describe block 12 as it was then; the frames after it say the move again."""
+    inspector.select(35, view({5: (7, 9, 35)}))
+    assert inspector.follow_relocation({7: 40, 9: 3, 35: 12, 12: 50}, seq=500) == 12
+    inspector.show_summary(view({5: (40, 3, 12)}))  # live, after the move
+    assert "moved from 35 to 12" in inspector.note.text()
+    assert inspector.fields["block"].text() == "12 (moved from 35)"
+    inspector.show_summary(view({6: (12,)}), seq=300)  # before the relocation block 12 was conversation 6's
+    note = inspector.note.text()
+    assert "moved" not in note and "relocation" not in note and "in use by conversation 6" in note, note
+    assert inspector.fields["block"].text() == "12"
+    inspector.show_summary(view({5: (40, 3, 12)}), seq=500)  # the relocation's own frame
+    assert "moved from 35 to 12" in inspector.note.text() and inspector.fields["block"].text() == "12 (moved from 35)"
+
+
 # ---- the block's own history, in short, under the owners -------------------------------------------------------------
 def test_inspector_lists_the_newest_lines_of_the_blocks_history(qtbot, inspector):
     """Issue 10: "the inspector of a block lists the block's own history"; it lived only in the Block history dock,

@@ -272,3 +272,31 @@ def test_step_numbers_are_written_one_way():
     from explorer.model.pool_counts import PoolCounts
     counts = PoolCounts(num_blocks=4, used=1, cached=1, free=2, filled_slots=3, allocated_slots=4)
     assert counts.header_text(2100).startswith("step 2,100 ·")
+
+
+def test_the_inspector_describes_a_past_step_as_of_that_step(qtbot, make_window):
+    """Issue 33: a block selected live, then a jump to a step before its conversation arrived: the inspector said
+    'has been freed: conversation N released it' of a conversation that did not exist yet at that step."""
+    window = make_window(setup=lambda e: e.add_conversation("The first one.", max_new_tokens=80), paused=True,
+                         history=True)
+    history, timeline = window.source.history, window.pane.timeline
+    for _ in range(3):
+        window.runner.step_once().result(timeout=10)
+    later = window.runner.submit("add_conversation", "The second one arrives later.", max_new_tokens=80).result(
+        timeout=10)
+    for _ in range(3):
+        window.runner.step_once().result(timeout=10)
+    qtbot.waitUntil(lambda: timeline_caught_up(window, history), timeout=3000)
+    live = history.snapshot_at(history.last_seq)
+    block = live.block_tables[later][-1]  # its own block (the first is a shared prefix)
+    before = next(seq for seq in range(history.first_seq, history.last_seq + 1)
+                  if history.snapshot_at(seq).conversation(later) is None and history.snapshot_at(seq).block_tables
+                  and int(history.snapshot_at(seq).state[block]) == BlockState.FREE)
+    window.select_block(block)
+    qtbot.waitUntil(lambda: f"conversation {later}" in window.inspector.note.text(), timeout=3000)
+    timeline.seek(before)
+    qtbot.waitUntil(lambda: window.inspector.fields["state"].text() == "free", timeout=3000)
+    qtbot.wait(300)  # the frame's own details come too
+    note = window.inspector.note.text()
+    assert f"conversation {later}" not in note and "released" not in note and "freed" not in note, note
+    assert window.errors == []

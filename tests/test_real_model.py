@@ -327,3 +327,13 @@ def test_a_bad_reply_to_a_chat_conversation_changes_nothing(engine):
             engine.continue_conversation(cid, bad)
         assert engine.conversation(cid) == before
     engine.end_conversation(cid)
+
+
+def test_a_pool_stream_naming_smollm2_is_read_with_its_tokenizer(in_cache):
+    """Issue 33: the engine's snapshot names its tokenizer ('smollm2'); a viewer on a machine where the model is
+    fetched decodes the stream's token ids with the model's own tokenizer."""
+    from types import SimpleNamespace
+    from explorer.feeds.stream_feed import NamedTokenText
+    text = NamedTokenText()
+    text.follow(SimpleNamespace(tokenizer="smollm2"))
+    assert text(1) == "<|im_start|>" and text(2683) == "You" and text(359) == " are"

@@ -12,20 +12,66 @@ import gc
 import os
 import time
 
-from kvstream.tokens import piece_text
+from kvstream.tokens import ByteTokens, piece_text
 
 from .feed import Capabilities, Feed, Problem
 
 RECORDING_READ_ONLY = "a recording replays what was recorded; it takes no commands"
 ATTACH_READ_ONLY = "an attached pool belongs to another process; commands are not sent over the wire"
+BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "resources", "builtin")  # the built-in model's directory (no tokenizer.json in it)
 
 
 def _tokenizer_text(tokenizer):
-    """token id -> printable text with a ``tokenizers`` tokenizer (None without one)."""
+    """token id -> printable text with a ``tokenizers`` tokenizer, or the engine's built-in byte tokenizer (None
+    without one)."""
     if tokenizer is None:
         return None
-
     return lambda token_id: piece_text(tokenizer, token_id)
+
+
+class NamedTokenText:
+    """Token text for a stream that names its own tokenizer (the header's ``tokenizer``, PoolSnapshot.tokenizer):
+    the name is read from each newest view, and the tokenizer it names is loaded once, where this machine has it
+    ("builtin"; a known model already fetched; a checkpoint directory with tokenizer.json). Without one, ids
+    stay ids: the project's own engine watched through ``--attach`` showed ``<81>`` where its byte tokenizer is
+    known to every copy of this program."""
+
+    def __init__(self):
+        self.name = ""  # the tokenizer name of the stream, as last seen
+        self._text = None  # token id -> text for that name, or None
+        self._tried: set[str] = set()  # names already resolved (or found missing): never tried again per frame
+
+    def follow(self, snapshot) -> None:
+        name = str(getattr(snapshot, "tokenizer", "") or "") if snapshot is not None else ""
+        if name == self.name and (name in self._tried or not name):
+            return
+        self.name = name
+        self._text = None
+        if name:
+            self._tried.add(name)
+            self._text = _tokenizer_text(named_tokenizer(name))
+
+    def __call__(self, token_id: int) -> str | None:
+        return self._text(token_id) if self._text is not None else None
+
+
+def named_tokenizer(name: str):
+    """The tokenizer a stream's ``tokenizer`` name stands for on this machine, or None (not here, or unreadable):
+    "builtin" (the byte tokenizer), a checkpoint directory holding tokenizer.json, or a known model ("smollm2")
+    that has been fetched here (its converted directory holds the tokenizer; nothing is downloaded for this). A
+    .gguf path is only named: converting it is minutes of work, not a viewer's to start."""
+    try:
+        if is_builtin_tokenizer(name) or os.path.isdir(name):
+            return load_tokenizer(name)
+        if name.lower().endswith(".gguf"):
+            return None
+        from engine import fetch_model, fetched_model
+        if fetched_model(name):  # a known model, converted on this machine: fetch_model only finds its directory
+            return load_tokenizer(fetch_model(name, progress=lambda _message: None))
+    except Exception:  # noqa: BLE001  (a name that leads nowhere readable: ids stay ids)
+        return None
+    return None
 
 
 class RecordingFeed(Feed):
@@ -40,6 +86,7 @@ class RecordingFeed(Feed):
         self._history = history  # the read-only History open_recording built
         self.path = path  # the file
         self._token_text = _tokenizer_text(tokenizer)
+        self._named = NamedTokenText()  # the recording's own tokenizer, where it names one and --tokenizer does not
         self._latest = history.latest()
         info = getattr(history, "recording", None)
         self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
@@ -81,7 +128,10 @@ class RecordingFeed(Feed):
         return out
 
     def token_text(self, token_id: int) -> str | None:
-        return self._token_text(token_id) if self._token_text is not None else None
+        if self._token_text is not None:
+            return self._token_text(token_id)
+        self._named.follow(self._latest)
+        return self._named(token_id)
 
     def status_text(self) -> str:
         return "■ recording (read-only)"
@@ -106,6 +156,7 @@ class AttachFeed(Feed):
         self.subscriber = subscriber  # owns the socket and the thread
         self.endpoint = subscriber.endpoint
         self._token_text = _tokenizer_text(tokenizer)
+        self._named = NamedTokenText()  # the stream's own tokenizer, where it names one and --tokenizer does not
         self._latest = None
         self._latest_seq: int | None = None
         self._last_state = ""
@@ -160,7 +211,10 @@ class AttachFeed(Feed):
         return out
 
     def token_text(self, token_id: int) -> str | None:
-        return self._token_text(token_id) if self._token_text is not None else None
+        if self._token_text is not None:
+            return self._token_text(token_id)
+        self._named.follow(self._latest)
+        return self._named(token_id)
 
     def status_text(self) -> str:
         return f"↔ {self.subscriber.status.text}"
@@ -181,8 +235,13 @@ class AttachFeed(Feed):
 
 def load_tokenizer(directory):
     """The ``tokenizers`` tokenizer of ``directory``/tokenizer.json (``--tokenizer DIR``; a tokenizer.json itself
-    works too); a ValueError that says which file could not be read, and why, instead of the library's traceback."""
+    works too); a ValueError that says which file could not be read, and why, instead of the library's traceback.
+
+    The built-in model's byte tokenizer has no tokenizer.json: ``--tokenizer builtin`` and ``--tokenizer
+    resources/builtin`` (its directory) name it."""
     path = os.fspath(directory)
+    if is_builtin_tokenizer(path):
+        return ByteTokens()
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise ValueError(f"cannot read tokenizer {file}: no tokenizer.json in {path} (--tokenizer wants a "
@@ -193,6 +252,16 @@ def load_tokenizer(directory):
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"cannot read tokenizer {file}: not a tokenizer file the tokenizers library can read "
                          f"({exc})") from None
+
+
+def is_builtin_tokenizer(path: str) -> bool:
+    """Whether ``--tokenizer PATH`` names the built-in byte tokenizer: "builtin", or the built-in model's directory."""
+    if path == "builtin":
+        return True
+    try:
+        return os.path.isdir(path) and os.path.samefile(path, BUILTIN_MODEL_DIR)
+    except OSError:
+        return False
 
 
 def open_feeds(opts) -> list[Feed]:

@@ -5,7 +5,8 @@ function of the id). So colours are handed out, not computed: :class:`ColourBook
 is first seen live, the first of :data:`LIVE_COLOURS` (sixteen hues picked far apart in CIELAB, and far from the
 free, cached, shared and selected marks) that no other live conversation holds. A conversation keeps its colour
 for its whole life; once it has finished its colour may go to a newcomer (its cached blocks are drawn muted). Past
-sixteen live conversations, further colours come from a golden-ratio walk around the hue circle. Ids the book has
+sixteen live conversations, 32 more picked far apart (:data:`MORE_COLOURS`), then a golden-ratio walk around the hue
+circle. Ids the book has
 never seen live (a hand-built view, a recording opened at its end) use their id (modulo 1024) as the palette index.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ SELECTED_RING = np.array([255, 212, 0, 255], np.uint8)  # outline of the selecte
 STATE_USED = np.array([80, 200, 120, 255], np.uint8)
 STATE_CACHED = np.array([90, 130, 210, 255], np.uint8)
 EMPTY_SLOT_LEVEL = 0.30  # an empty slot of a used block: its colour at this brightness
-CACHED_MIX = 0.35  # a cached block: this much of its last owner's colour, the rest grey
+CACHED_MIX = 0.30  # a cached block: this much of its last owner's colour, the rest grey (then see below)
+CACHED_DARKER = 12.0  # a cached block is at least this much darker (CIELAB L*) than its owner's used blocks...
+CACHED_OVER_FREE = 12.0  # ...and at least this much lighter than a free block (when both cannot hold, this wins)
 DIM_LEVEL = 0.40  # blocks outside the selected conversation
 REF_COLOURS = np.array([  # ref count 0 (unused), 1, 2, 3, 4+
     [58, 60, 70, 255], [70, 150, 200, 255], [250, 160, 40, 255], [235, 70, 60, 255], [220, 60, 220, 255],
@@ -33,11 +36,23 @@ _GOLDEN = 0.618033988749895
 MAX_TRACKED_ID = 1 << 20  # ids the book keeps a dense entry for (8 MiB at most); larger ones use the fallback
 FALLBACK_PERIOD = 1024  # an id the book has not seen live uses palette entry id % this
 
-LIVE_COLOURS = np.array([  # the first sixteen palette entries: min CIELAB distance 33 (45 among the first 12)
-    [237, 149, 47], [51, 51, 255], [51, 255, 133], [255, 51, 173], [47, 123, 237], [255, 51, 65], [43, 217, 194],
+LIVE_COLOURS = np.array([  # the first sixteen palette entries: min CIELAB distance 32 (40 among the first 12)
+    [237, 149, 47], [116, 84, 252], [51, 255, 133], [255, 51, 173], [47, 123, 237], [255, 51, 65], [43, 217, 194],
     [212, 237, 142], [255, 153, 153], [187, 255, 51], [51, 201, 255], [241, 51, 255], [235, 153, 255],
-    [255, 207, 153], [136, 65, 217], [217, 65, 105],
+    [255, 207, 153], [168, 176, 248], [217, 65, 105],
+], np.uint8)  # every one at L* 48 or more, so its cached form can be darker than it and still lighter than free
+# (a deep blue, 51 51 255, and a violet, 136 65 217, were darker than their grey cached forms: cached looked brighter
+# than used, and the two read as one blue)
+MORE_COLOURS = np.array([  # entries 16-47: each the farthest (CIELAB) from all before it and from the marks, L* >= 48;
+    # min distance 21. The hue walk that followed entry 15 put entry 16 at distance 7 from it: a crowd of 21 live
+    # conversations showed two in the same colour.
+    [45, 135, 0], [120, 120, 45], [0, 255, 0], [45, 135, 90], [180, 105, 150], [150, 165, 0], [15, 120, 180],
+    [240, 90, 0], [165, 195, 165], [180, 90, 45], [180, 60, 195], [60, 195, 0], [0, 195, 120], [255, 195, 240],
+    [0, 135, 150], [180, 135, 105], [255, 255, 105], [165, 255, 255], [165, 255, 195], [120, 105, 180],
+    [135, 210, 90], [225, 195, 90], [255, 120, 180], [165, 195, 225], [255, 0, 0], [255, 255, 0], [210, 180, 180],
+    [180, 90, 90], [135, 180, 105], [150, 105, 225], [165, 45, 255], [255, 150, 105],
 ], np.uint8)
+PICKED_COLOURS = np.concatenate([LIVE_COLOURS, MORE_COLOURS])  # the palette's first 48 entries
 
 
 class ColourBook:
@@ -124,7 +139,7 @@ def _ensure(slots: np.ndarray) -> np.ndarray:
     top = int(slots.max()) + 1 if slots.size else 0
     if top > len(_table):
         _table = np.ascontiguousarray(_compute_colours(np.arange(max(top, 2 * len(_table), 64))))
-        _muted = np.ascontiguousarray(mix(_table, UNOWNED, CACHED_MIX))
+        _muted = np.ascontiguousarray(cached(_table))
         _table32, _muted32 = _table.view(np.uint32)[:, 0], _muted.view(np.uint32)[:, 0]
     return slots
 
@@ -144,7 +159,8 @@ def owner_colours32(ids: np.ndarray, book: ColourBook | None = None) -> tuple[np
 
 
 def _compute_colours(slots: np.ndarray) -> np.ndarray:
-    """Palette entries: LIVE_COLOURS first, then a golden-ratio hue walk, alternating saturation and value."""
+    """Palette entries: LIVE_COLOURS and MORE_COLOURS first, then a golden-ratio hue walk, alternating saturation and
+    value."""
     ids = slots
     hue = (ids * _GOLDEN + 0.08) % 1.0
     sat = np.where(ids % 2 == 0, 0.62, 0.48)
@@ -163,8 +179,8 @@ def _compute_colours(slots: np.ndarray) -> np.ndarray:
     rgba[:, 1] = np.round(g * 255)
     rgba[:, 2] = np.round(b * 255)
     rgba[:, 3] = 255
-    listed = ids < len(LIVE_COLOURS)
-    rgba[listed, :3] = LIVE_COLOURS[ids[listed]]
+    listed = ids < len(PICKED_COLOURS)
+    rgba[listed, :3] = PICKED_COLOURS[ids[listed]]
     return rgba
 
 
@@ -194,6 +210,42 @@ def _scale_table(level) -> np.ndarray:
     table = (np.arange(256, dtype=np.float32) * level).astype(np.uint8)
     table.setflags(write=False)
     return table
+
+
+def lightness(rgba: np.ndarray) -> np.ndarray:
+    """CIELAB L* (0 black .. 100 white) of sRGB colours [..., 3 or 4]: how light a colour looks."""
+    y = _linear(rgba) @ np.array([0.2126, 0.7152, 0.0722])
+    return np.where(y > (6 / 29) ** 3, 116 * np.cbrt(y) - 16, y * (29 / 3) ** 3)
+
+
+def cielab(rgba: np.ndarray) -> np.ndarray:
+    """CIELAB (D65) of sRGB colours [..., 3 or 4], [..., 3]: Euclidean distances there are perceptual distances."""
+    xyz = _linear(rgba) @ np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722],
+                                    [0.0193, 0.1192, 0.9505]]).T / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], -1)
+
+
+def _linear(rgba: np.ndarray) -> np.ndarray:
+    c = np.asarray(rgba, np.float64)[..., :3] / 255
+    return np.where(c > 0.04045, ((c + 0.055) / 1.055) ** 2.4, c / 12.92)
+
+
+def cached(rgba: np.ndarray) -> np.ndarray:
+    """The colour of a cached block whose last owner's colour is ``rgba`` [..., 4] uint8: mostly grey with a hint of
+    the owner, and never lighter than the owner's used blocks (a grey mix of a dark blue once looked brighter than
+    the blue itself): its L* is CACHED_DARKER under the owner's, but CACHED_OVER_FREE over a free block's."""
+    rgba = np.asarray(rgba, np.uint8)
+    muted = mix(rgba, UNOWNED, CACHED_MIX)
+    target = np.maximum(np.minimum(lightness(muted), lightness(rgba) - CACHED_DARKER),
+                        lightness(FREE) + CACHED_OVER_FREE)
+    # scaling sRGB values by s scales luminance by about s ** 2.2; L* -> luminance is exact
+    want = np.where(target > 8, ((target + 16) / 116) ** 3, target / (29 / 3) ** 3)
+    have = np.maximum(_linear(muted) @ np.array([0.2126, 0.7152, 0.0722]), 1e-6)
+    factor = (want / have) ** (1 / 2.2)
+    out = muted.copy()
+    out[..., :3] = np.clip(np.round(muted[..., :3] * factor[..., None]), 0, 255).astype(np.uint8)
+    return out
 
 
 def mix(rgba: np.ndarray, other: np.ndarray, amount: float) -> np.ndarray:

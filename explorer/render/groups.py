@@ -37,8 +37,7 @@ def group_fill32(snapshot: PoolSnapshot, ids: np.ndarray | None = None) -> np.nd
     colour = np.where(groups >= 0, colour, _UNKNOWN32)
     cached = state == BlockState.CACHED
     if cached.any():
-        muted = palette.mix(np.ascontiguousarray(colour[cached]).view(np.uint8).reshape(-1, 4), palette.UNOWNED,
-                            palette.CACHED_MIX)
+        muted = palette.cached(np.ascontiguousarray(colour[cached]).view(np.uint8).reshape(-1, 4))
         colour = colour.copy()
         colour[cached] = np.ascontiguousarray(muted).view(np.uint32)[:, 0]
     return np.where(state == BlockState.FREE, _FREE32, colour).astype(np.uint32)

@@ -56,7 +56,7 @@ class BlockWatch(QtCore.QObject):
         """The user picked a block (or nothing)."""
         self.block_id = None if block_id is None else int(block_id)
         self.moved_from = None
-        self.inspector.select(self.block_id, self.source.view)
+        self.inspector.select(self.block_id, self.source.view, seq=self.source.viewing)
         self._key = None
         self._due = self.block_id is not None
         self.selectionChanged.emit(self.block_id)
@@ -73,6 +73,7 @@ class BlockWatch(QtCore.QObject):
 
     def _on_viewing(self, _seq) -> None:
         self._key = None  # another frame: ask for its details again
+        self._pending = None  # an answer still on its way is of the frame left: never shown over this one
         self._due = self.block_id is not None
 
     def _on_view(self, snapshot) -> None:
@@ -83,7 +84,7 @@ class BlockWatch(QtCore.QObject):
             self.select(None)
             return
         owners = list(snapshot.owners_of(b))
-        self.inspector.show_summary(snapshot, owners=owners)
+        self.inspector.show_summary(snapshot, owners=owners, seq=self.source.viewing)  # of the frame viewed
         key = (self.source.viewing, int(snapshot.state[b]), int(snapshot.ref_count[b]), int(snapshot.num_filled[b]),
                int(snapshot.owner[b]), int(snapshot.last_access[b]), tuple(owners))
         if key != self._key:
@@ -95,7 +96,7 @@ class BlockWatch(QtCore.QObject):
         frames of a restarted stream are not news: they were there before the selection)."""
         if restarted or self.block_id is None or self.source.viewing is not None:
             return
-        for _, event in pairs:
+        for seq, event in pairs:
             if event.kind != EventKind.RELOCATED:
                 continue
             mapping = dict(zip(event.block_ids, event.new_block_ids))  # old id -> new id
@@ -105,7 +106,7 @@ class BlockWatch(QtCore.QObject):
             new = int(mapping[old])
             follow = getattr(self.inspector, "follow_relocation", None)
             if follow is not None:
-                follow(mapping)  # the inspector keeps its contents and says "moved from old to new"
+                follow(mapping, seq=seq)  # the inspector keeps its contents and says "moved from old to new"
             else:
                 self.inspector.select(new, self.source.view)
             self.block_id, self.moved_from = new, old

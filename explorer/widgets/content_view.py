@@ -31,6 +31,9 @@ TREE_COLUMNS = ("block tokens", "hash", "medium", "tokens", "stored at seq")
 MAX_TREE_ROWS = 3000  # rows built per tree; past that a last row says how many were left out
 HASH_CHARS = 16  # a hash column shows this many characters (the tooltip has all of it)
 HASH_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # item data: the block's hash text, to keep expansion across rebuilds
+TOKENS_ROLE = QtCore.Qt.ItemDataRole.UserRole + 2  # item data: the block's own token ids (its prefix: its ancestors')
+COPY_PREFIX = "Copy the prefix's token ids (first block to this one)"
+ROUTE_PREFIX = "Route this prefix across instances"
 STATUS_COLOURS = {"ok": "#50c878", "warn": "#f0a030", "bad": "#e0443e"}
 
 
@@ -142,6 +145,7 @@ class _InstancePane(QtWidgets.QWidget):
                  QtGui.QStandardItem(medium_text(block)), QtGui.QStandardItem(str(len(block.token_ids))),
                  QtGui.QStandardItem("-" if block.stored_seq is None else str(block.stored_seq))]
         items[0].setData(full_hash, HASH_ROLE)  # text: a uint64 does not fit Qt's integer types
+        items[0].setData(tuple(block.token_ids), TOKENS_ROLE)
         items[0].setToolTip(f"token ids: {list(block.token_ids)}\nparent: {hash_text(block.parent_hash)}"
                             + (f"\nLoRA: {block.lora_name}" if block.lora_name else ""))
         items[1].setToolTip(full_hash)
@@ -199,11 +203,13 @@ class _AcrossPane(QtWidgets.QWidget):
             header.setSectionResizeMode(column, QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.prompt = QtWidgets.QLineEdit()
         self.prompt.setPlaceholderText("a prompt (text with --tokenizer, else token ids: 1 2 3 ...)"
-                                       if tokenizer is not None else "token ids of a prompt: 1 2 3 ...")
+                                       if tokenizer is not None else "token ids of a prompt: 1 2 3 ... (or right-click a "
+                                       "cached block: route its prefix)")
         self.route_label = QtWidgets.QLabel("Route a prompt: enter it above to see how many of its leading blocks "
                                             "each instance holds.")
         self.route_label.setWordWrap(True)
         self.prompt.textChanged.connect(self.route)
+        _prefix_menu(self.tree, self.route_ids)
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(QtWidgets.QLabel("Prefixes cached on each instance, merged by token content (a block's "
@@ -225,6 +231,7 @@ class _AcrossPane(QtWidgets.QWidget):
             parent, node = stack.pop()
             items = [QtGui.QStandardItem(self.text_of(node.token_ids)),
                      QtGui.QStandardItem(f"{len(node.holders)} of {n}")]
+            items[0].setData(tuple(node.token_ids), TOKENS_ROLE)
             items += [QtGui.QStandardItem(holder_text(node, i)) for i in range(n)]
             parent.appendRow(items)
             rows += 1
@@ -232,6 +239,10 @@ class _AcrossPane(QtWidgets.QWidget):
         self.tree.expandToDepth(0)
         self.route()
         return True
+
+    def route_ids(self, ids) -> None:
+        """Route the prompt of token ``ids`` (a cached block's prefix, from a row's menu): the box shows them."""
+        self.prompt.setText(" ".join(str(int(t)) for t in ids))
 
     def route(self) -> None:
         text = self.prompt.text().strip()
@@ -305,8 +316,44 @@ def _token_ids(text: str, tokenizer) -> list[int] | None:
     if all(p.isdigit() for p in parts):
         return [int(p) for p in parts]
     if tokenizer is not None:
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        return list(getattr(encoded, "ids", encoded))  # a tokenizers Encoding, or the byte tokenizer's list
     return None
+
+
+def prefix_token_ids(index: QtCore.QModelIndex) -> list[int]:
+    """The token ids of the prefix a tree row stands for: its ancestors' blocks, then its own (a row holds only
+    its block's tokens; a router matches a prompt from its first block)."""
+    chain = []
+    index = index.siblingAtColumn(0)
+    while index.isValid():
+        chain.append(index.data(TOKENS_ROLE) or ())
+        index = index.parent()
+    return [int(t) for block in reversed(chain) for t in block]
+
+
+def _prefix_menu(tree: QtWidgets.QTreeView, route) -> None:
+    """A right click on a block's row offers to copy its prefix's token ids, or to route that prefix (``route``
+    takes the ids): the router box took typed ids only, with no way to bring a cached block's tokens to it."""
+    tree.setContextMenuPolicy(QtCore.Qt.ContextMenuPolicy.CustomContextMenu)
+
+    def menu_at(point: QtCore.QPoint) -> None:
+        index = tree.indexAt(point)
+        ids = prefix_token_ids(index) if index.isValid() else []
+        if not ids:
+            return
+        menu = QtWidgets.QMenu(tree)
+        menu.addAction(COPY_PREFIX, lambda: copy_token_ids(ids))
+        menu.addAction(ROUTE_PREFIX, lambda: route(ids))
+        menu.exec(tree.viewport().mapToGlobal(point))
+    tree.customContextMenuRequested.connect(menu_at)
+
+
+def copy_token_ids(ids) -> str:
+    """Put ``ids`` on the clipboard as the router box reads them ("1 2 3"); returns that text."""
+    text = " ".join(str(int(t)) for t in ids)
+    QtWidgets.QApplication.clipboard().setText(text)
+    return text
 
 
 class ContentView(QtWidgets.QWidget):
@@ -335,6 +382,8 @@ class ContentView(QtWidgets.QWidget):
         for i, (ix, pane) in enumerate(zip(self.indexes, self.panes)):
             self.tabs.addTab(pane, ix.name or f"instance {i}")
         self.tabs.addTab(self.across, "Across instances")
+        for pane in self.panes:
+            _prefix_menu(pane.tree, self.route_prefix)
         layout = QtWidgets.QVBoxLayout(self)
         layout.addWidget(self.placement_label)
         layout.addWidget(self.tabs, 1)
@@ -364,6 +413,11 @@ class ContentView(QtWidgets.QWidget):
         if self.subscriber is not None:
             self.set_status(self.subscriber.status())
         self.refresh()
+
+    def route_prefix(self, ids) -> None:
+        """Show where a router would send the prompt of token ``ids`` (an instance tree's row menu)."""
+        self.tabs.setCurrentWidget(self.across)
+        self.across.route_ids(ids)
 
     def _text_of_tokens(self, token_ids: tuple[int, ...]) -> str:
         if self.tokenizer is not None:

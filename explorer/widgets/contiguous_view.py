@@ -25,6 +25,7 @@ from ..model import palette
 from ..model.contiguous import GAP_SLOT, ContiguousAllocator, ContiguousLayout
 from ..render import grid
 from ..render.grid import GridGeometry, as_rgba, as_u32, grid_geometry, tile_masks
+from .grid_view import FIT_PAD
 
 GAP = np.array([214, 58, 48, 255], np.uint8)  # free slots between reservations: hatched with palette.FREE
 HATCH = 4  # pixels per period of the gap hatching (diagonal: half GAP, half FREE)
@@ -228,6 +229,29 @@ class ContiguousView(QtWidgets.QWidget):
                 _match_scale(self._grid_box, self.box)
             finally:
                 self._syncing = False
+
+    def fit_with_grid(self) -> None:
+        """Where this view, at the grid's scale, would cut off its last rows (its box is shorter than the grid's:
+        the title, summary and legend take room), zoom both out until every cell here shows, with the same margin
+        as a fitted grid. At the default dock height the side-by-side view clipped its bottom row."""
+        geo, grid_box = self.geometry_, self._grid_box
+        if geo is None or grid_box is None or self._syncing:
+            return
+        width, height = self.box.width(), self.box.height()
+        if width <= 0 or height <= 0 or grid_box.width() <= 0 or grid_box.viewRect().width() <= 0:
+            return
+        shared = grid_box.viewRect().width() / grid_box.width()  # cell units per pixel, both views
+        needed = max(geo.cols * FIT_PAD / width, geo.rows * FIT_PAD / height)
+        if needed <= shared * 1.001:
+            return
+        rect = QtCore.QRectF(geo.cols / 2 - width * needed / 2, geo.rows / 2 - height * needed / 2,
+                             width * needed, height * needed)
+        self._syncing = True
+        try:
+            self.box.setRange(rect, padding=0)
+            _match_scale(self.box, grid_box)
+        finally:
+            self._syncing = False
 
     def _lead_grid(self, *_) -> None:
         """The user panned or zoomed this view: move the grid the same way."""

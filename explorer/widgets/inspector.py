@@ -177,6 +177,8 @@ def conversation_names(snapshot: PoolSnapshot | None, cids) -> dict[int, str]:
     return out
 
 
+_LIVE = float("inf")  # the frame number of the newest (live) view: after every history frame
+
 DEFAULT_KV_REASON = ("this source keeps its K/V values to itself (they never leave its device or process); tokens, "
                      "owners and hashes above come from its block tables")
 
@@ -193,6 +195,9 @@ class Inspector(QtWidgets.QWidget):
         self.block_id: int | None = None
         self.info: BlockInfo | None = None
         self.moved_from: int | None = None  # the id the selected content had before the last relocation
+        self._moved_seq: int | None = None  # the history frame of that relocation (None: not known)
+        self._seq: float = _LIVE  # the history frame shown (_LIVE: the newest)
+        self._note_seq: float = _LIVE  # the frame whose facts the note describes
         self._snapshot: PoolSnapshot | None = None  # the last view seen, to tell "moved" from "released"
         self._note_facts: BlockInfo | None = None  # the facts the note describes (a frame's or an answer's)
         self._note_key: tuple | None = None  # (block, state, ref count, owners) of those facts
@@ -331,10 +336,12 @@ class Inspector(QtWidgets.QWidget):
         self.plot.getAxis("left").setTicks(_integer_ticks(self._block_size, height, MIN_TICK_PIXELS["left"]))
         self.plot.getAxis("bottom").setTicks(_integer_ticks(self._head_dim, width, MIN_TICK_PIXELS["bottom"]))
 
-    def select(self, block_id: int | None, snapshot: PoolSnapshot | None, *, moved_from: int | None = None) -> None:
+    def select(self, block_id: int | None, snapshot: PoolSnapshot | None, *, moved_from: int | None = None,
+               seq: int | None = None) -> None:
         """A new block was clicked: show the snapshot's view of it now; details follow from the engine.
 
-        ``moved_from``: the block is the selected content's new id after a relocation (its old id)."""
+        ``moved_from``: the block is the selected content's new id after a relocation (its old id). ``seq``: the
+        history frame ``snapshot`` is (None: the newest, live)."""
         if block_id != self.block_id and moved_from is None:
             self.info = None
             self._note_facts = self._note_key = None  # another block: its note starts afresh
@@ -345,6 +352,7 @@ class Inspector(QtWidgets.QWidget):
             self.heat.clear()
             self.heat_title.setText("")
         self.moved_from = moved_from
+        self._moved_seq = None
         self.block_id = block_id
         if block_id is None:
             self.note.setText("Click a cell in the grid to inspect its block.")
@@ -352,7 +360,7 @@ class Inspector(QtWidgets.QWidget):
                 label.setText("-")
             return
         if snapshot is not None and block_id < snapshot.num_blocks:
-            self.show_summary(snapshot)
+            self.show_summary(snapshot, seq=seq)
 
     # ---- the block's own history, in short ------------------------------------------------------------------
     def follow_history(self, view) -> None:
@@ -409,27 +417,34 @@ class Inspector(QtWidgets.QWidget):
         if self.history_view is not None:
             self.history_view.lineActivated.emit(seq, step)  # the dock's own jump: the timeline follows
 
-    def follow_relocation(self, mapping) -> int | None:
+    def follow_relocation(self, mapping, seq: int | None = None) -> int | None:
         """A relocation moved blocks (``mapping``: old id -> new id, as a RELOCATED event's block_ids ->
         new_block_ids): keep the selected content selected under its new id. Returns the new id, or None if the
-        selected block did not move (the caller moves the grid's highlight to it)."""
+        selected block did not move (the caller moves the grid's highlight to it).
+
+        ``seq``: the history frame that holds the relocation; a frame before it is described without the move
+        (the block had not moved yet then)."""
         old = self.block_id
         if old is None or old not in mapping or int(mapping[old]) == old:
             return None
         new = int(mapping[old])
         self.block_id = new
         self.moved_from = old
+        self._moved_seq = seq
         self.fields["block"].setText(f"{new} (moved from {old})")
         self.note.setText(f"Block {new} (moved from {old} to {new} by a relocation): the selection followed "
                           "its content to its new physical id.")
         return new
 
-    def show_summary(self, snapshot: PoolSnapshot, *, owners: list[tuple[int, int]] | None = None) -> None:
+    def show_summary(self, snapshot: PoolSnapshot, *, owners: list[tuple[int, int]] | None = None,
+                     seq: int | None = None) -> None:
         """Fields the snapshot already has; used for instant feedback between engine answers.
 
         ``owners``: the block's (conversation, logical block) pairs when the caller already has them from
-        ``snapshot.owners_of``; looked up here otherwise."""
+        ``snapshot.owners_of``; looked up here otherwise. ``seq``: the history frame ``snapshot`` is, when the
+        user views a past one (None: the newest); everything said is then of that frame."""
         self._snapshot = snapshot
+        self._seq = _LIVE if seq is None else seq
         b = self.block_id
         if b is None or b >= snapshot.num_blocks:
             return
@@ -452,19 +467,32 @@ class Inspector(QtWidgets.QWidget):
         if snapshot is not None and snapshot.conversations:
             self._names.update(conversation_names(snapshot, {c for c, _ in facts.owners} | {facts.last_owner}))
 
+    def _moved_from_here(self) -> int | None:
+        """The id the block had before a relocation, where the frame shown comes after that relocation: a frame
+        from before it shows the block as it was then, unmoved."""
+        if self.moved_from is None or self._moved_seq is None or self._seq >= self._moved_seq:
+            return self.moved_from
+        return None
+
     def _describe(self, facts: BlockInfo, snapshot: PoolSnapshot | None) -> None:
         """Write the note from the same facts the fields were just given (a frame's, or an answer's), whenever they
         differ from those it describes: the note and the fields never disagree. Written only from the fields'
-        own facts, it once kept an older answer's 'shared by 17 references' under a frame's 'ref count: 12'."""
-        key = (facts.block_id, facts.state, facts.ref_count, tuple(tuple(o) for o in facts.owners))
-        if key == self._note_key:
+        own facts, it once kept an older answer's 'shared by 17 references' under a frame's 'ref count: 12'.
+
+        What "happened" to the block is told only against facts of an earlier frame: viewing a past step after a
+        later one, the note says what the block is at that step ("has been freed: conversation 5 released it"
+        was once said at step 120 of a conversation that arrived at step 241)."""
+        moved_from = self._moved_from_here()
+        key = (facts.block_id, facts.state, facts.ref_count, tuple(tuple(o) for o in facts.owners), moved_from)
+        earlier = self._seq >= self._note_seq
+        if key == self._note_key and earlier:
             return
-        previous = self._note_facts
+        previous = self._note_facts if earlier else None
         elsewhere = content_elsewhere(previous, snapshot, facts.block_id) \
             if facts.state == BlockState.FREE else {}
-        self.note.setText(change_note(previous, facts, moved_from=self.moved_from, elsewhere=elsewhere,
+        self.note.setText(change_note(previous, facts, moved_from=moved_from, elsewhere=elsewhere,
                                       names=self._names))
-        self._note_facts, self._note_key = facts, key
+        self._note_facts, self._note_key, self._note_seq = facts, key, self._seq
 
     def show_block(self, info: BlockInfo) -> None:
         """The engine's answer to inspect_block for the selected block."""
@@ -495,7 +523,8 @@ class Inspector(QtWidgets.QWidget):
         self._draw_heatmap()
 
     def _block_text(self, block_id: int) -> str:
-        return f"{block_id} (moved from {self.moved_from})" if self.moved_from is not None else str(block_id)
+        moved_from = self._moved_from_here()
+        return f"{block_id} (moved from {moved_from})" if moved_from is not None else str(block_id)
 
     def set_kv_reason(self, reason: str) -> None:
         """Why blocks come without K/V values now (a history frame, a recording, another process); shown in place of

@@ -48,7 +48,7 @@ def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
     dark = palette.scale(example, palette.EMPTY_SLOT_LEVEL)
     rows: list[tuple[QtGui.QPixmap, str]] = [(_swatch(palette.FREE), "free block")]
     if mode == "owner":
-        cached = palette.mix(example, palette.UNOWNED, palette.CACHED_MIX)
+        cached = palette.cached(example)
         rows += [(_swatch(example), "used: one colour per conversation"),
                  (_swatch(example, dark, filled_fraction=0.25), "partial tail: filled slots bright, empty dark"),
                  (_swatch(cached), "cached: free but holds reusable prefix KV (hint of last owner)")]
@@ -64,7 +64,7 @@ def legend_entries(mode: str) -> list[tuple[QtGui.QPixmap, str]]:
         from ..render.groups import GROUP_COLOURS
         rows += [(_swatch(GROUP_COLOURS[g]), f"KV cache group {g}{note}")
                  for g, note in ((0, " (full attention)"), (1, " (sliding window)"))]
-        rows.append((_swatch(palette.mix(GROUP_COLOURS[1], palette.UNOWNED, palette.CACHED_MIX)), "cached"))
+        rows.append((_swatch(palette.cached(GROUP_COLOURS[1])), "cached"))
     else:
         rows += [(_swatch(palette.STATE_USED), "used"), (_swatch(palette.STATE_CACHED), "cached")]
     rows += [(_swatch(example, ring=palette.SHARED_RING),

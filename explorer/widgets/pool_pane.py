@@ -105,9 +105,12 @@ class PoolPane(QtWidgets.QWidget):
             drawn = self.contiguous.render() or drawn
         if self.follow_fit and self.grid.geometry_ is not None:
             size = self.grid.box.size()
-            if size != self._fitted_size and size.width() > 0 and size.height() > 0:
-                self._fitted_size = size
+            beside = self.contiguous.box.size() if self.contiguous is not None else None
+            if (size, beside) != self._fitted_size and size.width() > 0 and size.height() > 0:
+                self._fitted_size = (size, beside)
                 self.grid.fit_whole_pool()
+                if self.contiguous is not None:
+                    self.contiguous.fit_with_grid()  # its box is shorter: both zoom out until it shows whole
         return drawn
 
     def _user_moved_view(self, *_):

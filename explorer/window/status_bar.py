@@ -25,6 +25,8 @@ STREAM_STRETCH = {"live": 6, "engine": 4, "gui": 2, "pool": 5, "model": 0}  # a 
 # ("tcp://host:5557: live · seq 41 · lost 3 batches", one per instance) is the longest
 PERMANENT = ("model",)  # always shown; the others give way to a transient message while it shows
 MODEL_WIDTH = 320  # pixels the model label may take (a long checkpoint path is elided)
+WIDTH_STEP = 24  # a label's wanted width is its text's, rounded up to this: a rate's changing digits do not move it
+LEAST_WIDTH = 40  # what a label keeps when the texts do not all fit
 
 
 class CounterRate:
@@ -195,6 +197,37 @@ class StatusBar(QtWidgets.QStatusBar):
             label.setText(text)
             if key != "live":  # the live label's tooltip says whether commands reach the source
                 label.setToolTip(text)
+            self._fit_widths()
+
+    def minimumSizeHint(self) -> QtCore.QSize:
+        """As narrow as the least widths: the widths the texts want (:meth:`_fit_widths`) never keep the window
+        from being made narrower; a narrower bar sets them again."""
+        return QtCore.QSize(LEAST_WIDTH * len(KEYS), super().minimumSizeHint().height())
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._fit_widths()
+
+    def _fit_widths(self) -> None:
+        """Where the whole texts fit side by side, each label gets at least its text's width (the stretch shares
+        only what is left); where they do not (1024 px), the shares alone, and the labels elide. By the shares
+        alone, 'GUI 29 fps · 2 redraws/s · live frames 250 ms apart' was cut with '…' at 1600 px while the pool's
+        label had room to spare."""
+        keys = [k for k in KEYS if k not in PERMANENT]
+        want = {}
+        for key in keys:
+            label = self.labels[key]
+            margins = label.contentsMargins()
+            text = label.fontMetrics().horizontalAdvance(label.text()) + margins.left() + margins.right() + 2
+            want[key] = max(LEAST_WIDTH, -(-text // WIDTH_STEP) * WIDTH_STEP)
+        taken = sum(self.labels[k].sizeHint().width() for k in PERMANENT if self.labels[k].isVisible())
+        spacing = max(self.layout().spacing(), 0) if self.layout() is not None else 6
+        room = self.width() - taken - spacing * (len(KEYS) + 2) - 24  # 24: the size grip and the bar's margins
+        fits = sum(want.values()) <= room
+        for key in keys:
+            least = want[key] if fits else LEAST_WIDTH
+            if self.labels[key].minimumWidth() != least:
+                self.labels[key].setMinimumWidth(least)
 
     def gui_fps(self, now: float | None = None) -> float:
         return self.frames.per_second(now)

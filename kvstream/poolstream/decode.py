@@ -843,4 +843,5 @@ def _build(state: _State) -> PoolSnapshot:
         metrics=state.metrics, memory=state.memory, model_name=h.model_name, max_model_len=h.max_model_len,
         device=h.device, block_hash=arrays.get("block_hash"), version=state.version, source=h.source,
         kv_cache_groups=tuple(KVCacheGroupInfo(g.kind, g.sliding_window, tuple(g.layers)) for g in h.groups),
-        group_block_tables=state.group_view, block_group=arrays.get(GROUP_ARRAY), tiers=state.tier_frozen)
+        group_block_tables=state.group_view, block_group=arrays.get(GROUP_ARRAY), tiers=state.tier_frozen,
+        tokenizer=h.tokenizer)

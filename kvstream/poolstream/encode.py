@@ -181,7 +181,8 @@ def _header(snapshot: PoolSnapshot) -> Header:
         tiers[str(name)] = TierSpec(int(tier.num_blocks), {n: getattr(tier, n).dtype.str for n in TIER_ARRAYS})
     return Header(str(snapshot.source), int(snapshot.num_blocks), int(snapshot.block_size), str(snapshot.model_name),
                   str(snapshot.device), int(snapshot.max_model_len), dtypes, groups,
-                  len(snapshot.group_block_tables) if snapshot.carries_group_tables else 0, tiers)
+                  len(snapshot.group_block_tables) if snapshot.carries_group_tables else 0, tiers,
+                  tokenizer=str(snapshot.tokenizer))
 
 
 def _tier_arrays(snapshot: PoolSnapshot) -> dict[str, np.ndarray]:

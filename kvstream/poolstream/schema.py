@@ -85,6 +85,8 @@ class Header(msgspec.Struct, frozen=True):
     groups: tuple[GroupSpec, ...] = ()  # format 2: the KV cache groups (empty: a plain one-group pool)
     group_tables: int = 0  # format 2: how many per-group table sets the frames carry (0, or one per group)
     tiers: dict[str, TierSpec] = {}  # format 2: the lower tiers that are on, by name
+    tokenizer: str = ""  # what turns the stream's token ids into text (PoolSnapshot.tokenizer); "": not said. Added
+    # within format 2: a reader without the field skips it (a header is a map), and a header without it reads as ""
 
 
 class TablePatch(msgspec.Struct, array_like=True, frozen=True):

@@ -1,0 +1,33 @@
+"""Issue 33: status-bar fields were cut with '…' at 1600 px while others had room to spare (each label got a fixed
+share of the bar, whatever its text). At 1600 px every field shows whole; at 1024 px the bar still never widens
+the window."""
+from PySide6 import QtWidgets
+
+from test_gui_support import make_window  # noqa: F401  (fixture)
+
+
+def conversation(engine):
+    engine.add_conversation("The status bar at 1600 pixels.", max_new_tokens=200, ignore_eos=True)
+
+
+def shown_fields(window):
+    return {key: label for key, label in window.status.labels.items() if label.isVisible() and label.text()}
+
+
+def test_no_status_field_is_cut_at_1600_pixels(qtbot, make_window):
+    window = make_window(setup=conversation, speed=20, size=(1600, 1000), history=True)
+    qtbot.waitUntil(lambda: "fps" in window.status.labels["gui"].text()
+                    and "used" in window.status.labels["pool"].text(), timeout=8000)
+    window.status.clearMessage()
+    window.status.show_state(window.source, live_gap=0.25)  # the longest GUI field: '... live frames 250 ms apart'
+    QtWidgets.QApplication.processEvents()
+    assert window.width() == 1600
+    fields = shown_fields(window)
+    assert {"live", "engine", "gui", "pool", "model"} <= set(fields)
+    cut = {key: (label.text(), label.width()) for key, label in fields.items() if label.elided_text() != label.text()}
+    assert not cut, cut
+    window.resize(1024, 640)  # narrower: the fields elide again, and the bar does not hold the window wide
+    qtbot.waitUntil(lambda: window.width() == 1024, timeout=3000)
+    QtWidgets.QApplication.processEvents()
+    assert window.status.width() <= 1024
+    assert all(label.geometry().right() <= window.status.width() for label in shown_fields(window).values())
