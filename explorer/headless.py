@@ -144,7 +144,7 @@ def run_headless_cli(opts, cfg) -> int:
                 outputs.append(f"KV events on {opts.kv_events}" + (f" (replay on {replay})" if replay else ""))
             speed = DEMO_SPEED if outputs and opts.demo in DEMOS else None
             feeds = [EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0,
-                                      max_steps_per_second=speed)]
+                                      max_steps_per_second=speed, polled=False)]
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
             if opts.demo == "serve":  # served traffic never runs dry: until --quit-after or Ctrl+C

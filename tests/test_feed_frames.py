@@ -81,6 +81,36 @@ def test_an_engine_feed_without_history_polls_frames_with_their_events():
         feed.close()
 
 
+def test_a_feed_nobody_polls_keeps_no_events():
+    """The headless run reads ``latest()`` and never polls: a frame buffer there would hold every event of the run
+    (up to its cap) for nobody. ``polled=False`` starts the runner without one; the headless command line does."""
+    engine, cfg = small_engine()
+    feed = EngineFeed.start(engine, cfg, start_paused=True, history_bytes=0, polled=False)
+    try:
+        for _ in range(5):
+            feed.runner.step_once().result(timeout=10)
+        assert feed.latest() is not None and feed.frames is None
+        assert not any(isinstance(o, FrameBuffer) for o in feed.runner._observers)
+    finally:
+        feed.close()
+
+
+def test_the_headless_run_builds_no_frame_buffer(monkeypatch, capsys):
+    made = []
+
+    class Counting(FrameBuffer):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    import main as app
+    from explorer.feeds import engine_feed
+    monkeypatch.setattr(engine_feed, "FrameBuffer", Counting)
+    assert app.main(["--headless", "--demo", "busy", "--model", "builtin", "--num-blocks", "64",
+                     "--quit-after", "1"]) == 0
+    assert "step" in capsys.readouterr().out and made == []
+
+
 def test_an_engine_feeds_frame_numbers_are_its_history_frames():
     """With a History, an event's seq is the History frame it is in (the timeline jumps there), though the window
     took it from the runner's update and not from the History."""

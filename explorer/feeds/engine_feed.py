@@ -55,7 +55,7 @@ class EngineFeed(Feed):
     kind = "engine"
 
     def __init__(self, runner: EngineRunner, config: EngineConfig, history=None, fanout: FrameFanout | None = None,
-                 outputs: Sequence[object] = (), frames: FrameBuffer | None = None):
+                 outputs: Sequence[object] = (), frames: FrameBuffer | None = None, polled: bool = True):
         self.runner = runner  # the engine thread; the only way to reach the engine (but for its tokenizer)
         self.config = config  # what it was started with (the restart dialog starts from it)
         self._history = history  # kvstream History the runner's frames go to, or None
@@ -63,11 +63,11 @@ class EngineFeed(Feed):
         self.outputs = list(outputs)  # the command line's sinks among the fanout's (--record, --publish)
         self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
         self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
-        if frames is None:  # a runner started without one: it joins now, from the runner's newest snapshot (at
-            frames = FrameBuffer()  # once: the first poll has a frame); the events of what the runner publishes
-            frames.prime(runner.latest)  # before the engine thread adds the observer go to nobody
+        if frames is None and polled:  # a runner started without one: it joins now, from the runner's newest
+            frames = FrameBuffer()  # snapshot (at once: the first poll has a frame); the events of what the runner
+            frames.prime(runner.latest)  # publishes before the engine thread adds the observer go to nobody
             runner.add_observer(frames)
-        self.frames = frames  # the runner's updates the window has not taken yet (poll)
+        self.frames = frames  # the runner's updates the window has not taken yet (poll); None: nobody polls
         self.capabilities = Capabilities(can_command=True, has_kv_values=True, has_history=history is not None,
                                          has_physical_pool=True, can_record=True)
         self._closed = False
@@ -75,16 +75,19 @@ class EngineFeed(Feed):
     @classmethod
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
               start_paused: bool = False, extra_sinks: Sequence[object] = (),
-              history_bytes: int | None = DEFAULT_HISTORY_BYTES) -> "EngineFeed":
+              history_bytes: int | None = DEFAULT_HISTORY_BYTES, polled: bool = True) -> "EngineFeed":
         """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
-        ``extra_sinks`` (recorder, publisher: the feed's ``outputs``)."""
+        ``extra_sinks`` (recorder, publisher: the feed's ``outputs``). ``polled=False`` for a reader that never
+        calls :meth:`poll` (the headless run reads ``latest()``): no frame buffer then, whose events would pile up
+        to its cap for nobody."""
         history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
         fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
-        frames = FrameBuffer()  # observes from the first update, as the fanout: both number the frames alike
+        frames = FrameBuffer() if polled else None  # observes from the first update, as the fanout: both number
+        observers = [o for o in (frames, fanout) if o is not None]  # the frames alike
         runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
-                              observers=[frames] + ([fanout] if fanout is not None else [])).start()
-        return cls(runner, config, history, fanout, outputs=extra_sinks, frames=frames)
+                              observers=observers).start()
+        return cls(runner, config, history, fanout, outputs=extra_sinks, frames=frames, polled=polled)
 
     @property
     def title(self) -> str:
@@ -102,6 +105,8 @@ class EngineFeed(Feed):
         """The runner's newest update since the last poll, with the events of every update since then, straight
         from the engine thread (never through the History, which may trail it by the frames its encoder has not
         written yet)."""
+        if self.frames is None:
+            raise RuntimeError("this engine feed was started for a reader that does not poll (polled=False)")
         return self.frames.take()
 
     def take_problems(self) -> list[Problem]:
