@@ -252,7 +252,7 @@ def test_failed_step_leaves_every_tier_as_it_was(tmp_path, monkeypatch, where):
         raise fault
 
     if where == "device_read":
-        monkeypatch.setattr(eng.manager, "read_device_block", boom)
+        monkeypatch.setattr(eng.manager, "read_device_blocks", boom)
     elif where == "disk_write":
         monkeypatch.setattr(DiskTier, "_write_raw", boom)
     elif where == "host_write":
