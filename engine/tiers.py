@@ -450,6 +450,8 @@ class TierStore:
 
     def _release_staging(self) -> None:
         """The transaction is over: nothing reads the lent arrays any more; keep the largest for reuse."""
+        if not self._staging_lent:
+            return
         kept, total = [], 0
         for buf in sorted(self._staging_free + self._staging_lent, key=lambda b: -b.size):
             if total + buf.size <= STAGING_KEEP_BYTES:
