@@ -24,8 +24,9 @@
    size 1 (so that filling the device pool with cached blocks takes 65,536 prefill tokens, not a million; a 1 GiB
    host tier, allocated as pages are written) while 256 conversations decode over a pool full of cached blocks, so
    every step evicts 256 blocks and offloads them to host: GUI frames/s, the tier grids' GUI-thread milliseconds
-   per host-grid redraw (taking the snapshot, drawing), event-loop lag. One engine and one window; ``--rounds``
-   stretches of ``--seconds`` measured one after another. Target: 30 frames/s.
+   per host-grid redraw (taking the snapshot, drawing), event-loop lag. Beside it, the same window and workload with
+   the host tier off (what the tier grids add). Per side one engine and one window, ``--rounds`` stretches of
+   ``--seconds`` measured one after another, the tier side first. Target: 30 frames/s.
 
     QT_QPA_PLATFORM=offscreen python bench/gui.py [--sections grid scale arrangements scrub tiers] [--seconds 6]
                                                 [--rounds 2] [--recording FILE]
@@ -547,14 +548,15 @@ def bench_scrub(path: Path, seconds: float) -> None:
 TIER_DEVICE_BLOCKS, TIER_HOST_BLOCKS, TIER_BLOCK_SIZE = 65536, 262144, 1
 
 
-def make_tier_engine(conversations: int = 256):
+def make_tier_engine(conversations: int = 256, host: bool = True):
     """A 65,536-block device pool full of cached blocks (finished conversations of 256 tokens), a 262,144-block
     host tier, and ``conversations`` decoding: each step takes ``conversations`` new blocks, each evicting a cached
     one, which is offloaded to host (so the host tier grid changes every frame)."""
     from engine import Engine, EngineConfig
     from explorer.feeds.demo import seed_many
     cfg = EngineConfig(model="builtin", block_size=TIER_BLOCK_SIZE, num_blocks=TIER_DEVICE_BLOCKS,
-                       host_tier_blocks=TIER_HOST_BLOCKS, max_num_batched_tokens=16384, max_num_seqs=conversations)
+                       host_tier_blocks=TIER_HOST_BLOCKS if host else 0, max_num_batched_tokens=16384,
+                       max_num_seqs=conversations)
     engine = Engine(cfg)
     vocab, length = engine.vocab_size, 256
     fillers = TIER_DEVICE_BLOCKS * TIER_BLOCK_SIZE // length - conversations // 2
@@ -570,7 +572,7 @@ def make_tier_engine(conversations: int = 256):
     return engine, cfg
 
 
-def tier_app_rate(seconds: float, rounds: int = 1) -> list[dict]:
+def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[dict]:
     """Frames/s of the real window on the tiered engine, and the GUI-thread time the tier grids take per frame,
     over ``rounds`` stretches of ``seconds``."""
     import explorer  # noqa: F401
@@ -579,7 +581,7 @@ def tier_app_rate(seconds: float, rounds: int = 1) -> list[dict]:
     from explorer.widgets.tier_grids import TierGrids
     from explorer.window.main_window import FRAME_MS
     application()
-    engine, cfg = make_tier_engine()
+    engine, cfg = make_tier_engine(host=host)
     spent = {"set": 0.0, "render": 0.0}
     real_set, real_render = TierGrids.set_snapshot, TierGrids.render
 
@@ -601,20 +603,22 @@ def tier_app_rate(seconds: float, rounds: int = 1) -> list[dict]:
         for _ in range(rounds):
             lag = LagMeter(FRAME_MS)
             frames0, t0, step0 = window.grid.frames_drawn, time.perf_counter(), feed.runner.latest.step_id
-            evictions, offloaded = engine.manager.num_evictions, engine.tiers.num_offloaded
+            evictions = engine.manager.num_evictions
+            offloaded = engine.tiers.num_offloaded if host else 0
             spent.update(set=0.0, render=0.0)
-            host_frames0 = tiers.grids["host"].frames_drawn
-            partial0 = tiers.grids["host"].partial_draws
+            grid = tiers.grids.get("host")
+            host_frames0 = grid.frames_drawn if host else 0
+            partial0 = grid.partial_draws if host else 0
             pump_events(seconds)
             elapsed = time.perf_counter() - t0
-            host_frames = tiers.grids["host"].frames_drawn - host_frames0
+            host_frames = grid.frames_drawn - host_frames0 if host else 0
             results.append({"fps": window.gui_fps(), "redraws": (window.grid.frames_drawn - frames0) / elapsed,
                             "host_frames": host_frames / elapsed,
                             "tier_ms_per_host_frame": 1000 * (spent["set"] + spent["render"]) / max(host_frames, 1),
                             "steps": (feed.runner.latest.step_id - step0) / elapsed,
-                            "partial_host": tiers.grids["host"].partial_draws - partial0,
+                            "partial_host": grid.partial_draws - partial0 if host else 0,
                             "evicted": engine.manager.num_evictions - evictions,
-                            "offloaded": engine.tiers.num_offloaded - offloaded, **lag.stop()})
+                            "offloaded": engine.tiers.num_offloaded - offloaded if host else 0, **lag.stop()})
         window.close()
         pump_events(0.2)
     finally:
@@ -624,17 +628,22 @@ def tier_app_rate(seconds: float, rounds: int = 1) -> list[dict]:
 
 
 def bench_tiers(seconds: float, rounds: int) -> None:
-    runs = tier_app_rate(seconds, rounds)
-    for i, r in enumerate(runs):
-        print(f"  round {i + 1}: GUI {r['fps']:.1f} frames/s, device grid redraws {r['redraws']:.1f}/s, host grid "
-              f"redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI thread each, "
-              f"taking the snapshot and drawing; {r['partial_host']} of them partial), engine {r['steps']:.1f} steps/s, {r['offloaded']:,} blocks "
-              f"offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms", flush=True)
-    mean = lambda key: statistics.mean(r[key] for r in runs)  # noqa: E731
+    sides = {}
+    for host in (True, False):
+        sides[host] = runs = tier_app_rate(seconds, rounds, host)
+        for i, r in enumerate(runs):
+            print(f"  host tier {'on ' if host else 'off'}, round {i + 1}: GUI {r['fps']:.1f} frames/s, device grid "
+                  f"redraws {r['redraws']:.1f}/s, "
+                  + (f"host grid redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI "
+                     f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial), "
+                     if host else "") + f"{r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
+                  f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms",
+                  flush=True)
+    mean = lambda host, key: statistics.mean(r[key] for r in sides[host])  # noqa: E731
     print(f"window with a {TIER_HOST_BLOCKS:,}-block host tier beside {TIER_DEVICE_BLOCKS:,} device blocks x "
-          f"{TIER_BLOCK_SIZE} (offscreen), {rounds} rounds of {seconds:.0f} s: GUI {mean('fps'):.1f} frames/s "
-          f"(target >= 30), host tier grid {mean('tier_ms_per_host_frame'):.1f} ms per redraw, "
-          f"{mean('host_frames'):.1f} redraws/s")
+          f"{TIER_BLOCK_SIZE} (offscreen), {rounds} stretches of {seconds:.0f} s per side: GUI {mean(True, 'fps'):.1f} "
+          f"frames/s (target >= 30) against {mean(False, 'fps'):.1f} with the host tier off; host tier grid "
+          f"{mean(True, 'tier_ms_per_host_frame'):.1f} ms per redraw, {mean(True, 'host_frames'):.1f} redraws/s")
 
 
 def worker(args) -> None:
