@@ -636,7 +636,7 @@ def bench_tiers(seconds: float, rounds: int) -> None:
                   f"redraws {r['redraws']:.1f}/s, "
                   + (f"host grid redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI "
                      f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial), "
-                     if host else "") + f"{r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
+                     if host else "") + f"engine {r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
                   f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms",
                   flush=True)
     mean = lambda host, key: statistics.mean(r[key] for r in sides[host])  # noqa: E731
