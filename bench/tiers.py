@@ -80,7 +80,8 @@ def decode_rate(ckpt: str, tiers: bool, stream: bool, vocab: int, steps: int) ->
     eng.run_until_idle()
     # staggered lengths: every step or two, some conversation's next token starts a new block
     for i in range(batch):
-        eng.add_conversation(prompt_token_ids=_prompt(i, prompt + i, vocab), max_new_tokens=10 * steps,
+        eng.add_conversation(prompt_token_ids=_prompt(i, prompt + i, vocab),
+                             max_new_tokens=min(10 * steps, eng.max_model_len - prompt - batch),
                              ignore_eos=True)
     while eng.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running):
         eng.step()
