@@ -20,8 +20,16 @@
    events sent to the strip). GUI frames/s, moves asked for, frames put on view and grid redraws per second, and
    event-loop lag. Target (issue 10): 30 frames/s.
 
-    QT_QPA_PLATFORM=offscreen python bench/gui.py [--sections grid scale arrangements scrub] [--seconds 6] [--rounds 2]
-                                                [--recording FILE]
+5. tiers: the real window (offscreen) on a 65,536-block device pool with a 262,144-block host tier (issue 30), block
+   size 1 (so that filling the device pool with cached blocks takes 65,536 prefill tokens, not a million; a 1 GiB
+   host tier, allocated as pages are written) while 256 conversations decode over a pool full of cached blocks, so
+   every step evicts 256 blocks and offloads them to host: GUI frames/s, the tier grids' GUI-thread milliseconds
+   per host-grid redraw (taking the snapshot, drawing), event-loop lag. Beside it, the same window and workload with
+   the host tier off (what the tier grids add). Per side one engine and one window, ``--rounds`` stretches of
+   ``--seconds`` measured one after another, the tier side first. Target: 30 frames/s.
+
+    QT_QPA_PLATFORM=offscreen python bench/gui.py [--sections grid scale arrangements scrub tiers] [--seconds 6]
+                                                [--rounds 2] [--recording FILE]
 """
 from __future__ import annotations
 
@@ -536,6 +544,108 @@ def bench_scrub(path: Path, seconds: float) -> None:
     pump_events(0.2)
 
 
+# ---- 5. the window with a host tier --------------------------------------------------------------------------------
+TIER_DEVICE_BLOCKS, TIER_HOST_BLOCKS, TIER_BLOCK_SIZE = 65536, 262144, 1
+
+
+def make_tier_engine(conversations: int = 256, host: bool = True):
+    """A 65,536-block device pool full of cached blocks (finished conversations of 256 tokens), a 262,144-block
+    host tier, and ``conversations`` decoding: each step takes ``conversations`` new blocks, each evicting a cached
+    one, which is offloaded to host (so the host tier grid changes every frame)."""
+    from engine import Engine, EngineConfig
+    from explorer.feeds.demo import seed_many
+    cfg = EngineConfig(model="builtin", block_size=TIER_BLOCK_SIZE, num_blocks=TIER_DEVICE_BLOCKS,
+                       host_tier_blocks=TIER_HOST_BLOCKS if host else 0, max_num_batched_tokens=16384,
+                       max_num_seqs=conversations)
+    engine = Engine(cfg)
+    vocab, length = engine.vocab_size, 256
+    fillers = TIER_DEVICE_BLOCKS * TIER_BLOCK_SIZE // length - conversations // 2
+    for i in range(fillers):
+        engine.add_conversation(prompt_token_ids=[(i * 7919 + k * 104729) % (vocab - 3) + 2 for k in range(length)],
+                                max_new_tokens=1)
+    engine.run_until_idle()
+    seed_many(engine, conversations, max_new_tokens=900, ignore_eos=True)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    while engine.pool.free_queue:  # from here on every new block evicts (and offloads) a cached one
+        engine.step()
+    return engine, cfg
+
+
+def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[dict]:
+    """Frames/s of the real window on the tiered engine, and the GUI-thread time the tier grids take per frame,
+    over ``rounds`` stretches of ``seconds``."""
+    import explorer  # noqa: F401
+    from explorer.window.app import application
+    from explorer.feeds.engine_feed import EngineFeed
+    from explorer.widgets.tier_grids import TierGrids
+    from explorer.window.main_window import FRAME_MS
+    application()
+    engine, cfg = make_tier_engine(host=host)
+    spent = {"set": 0.0, "render": 0.0}
+    real_set, real_render = TierGrids.set_snapshot, TierGrids.render
+
+    def timed(key, fn):
+        def wrapper(self, *a):
+            start = time.perf_counter()
+            try:
+                return fn(self, *a)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return wrapper
+    TierGrids.set_snapshot, TierGrids.render = timed("set", real_set), timed("render", real_render)
+    try:
+        feed = EngineFeed.start(engine, cfg)
+        window = show_window(feed, cfg)
+        pump_events(2.0)  # the window settles (its pacer widens the gap between live frames)
+        tiers = window.pane.tier_grids
+        results = []
+        for _ in range(rounds):
+            lag = LagMeter(FRAME_MS)
+            frames0, t0, step0 = window.grid.frames_drawn, time.perf_counter(), feed.runner.latest.step_id
+            evictions = engine.manager.num_evictions
+            offloaded = engine.tiers.num_offloaded if host else 0
+            spent.update(set=0.0, render=0.0)
+            grid = tiers.grids.get("host")
+            host_frames0 = grid.frames_drawn if host else 0
+            partial0 = grid.partial_draws if host else 0
+            pump_events(seconds)
+            elapsed = time.perf_counter() - t0
+            host_frames = grid.frames_drawn - host_frames0 if host else 0
+            results.append({"fps": window.gui_fps(), "redraws": (window.grid.frames_drawn - frames0) / elapsed,
+                            "host_frames": host_frames / elapsed,
+                            "tier_ms_per_host_frame": 1000 * (spent["set"] + spent["render"]) / max(host_frames, 1),
+                            "steps": (feed.runner.latest.step_id - step0) / elapsed,
+                            "partial_host": grid.partial_draws - partial0 if host else 0,
+                            "evicted": engine.manager.num_evictions - evictions,
+                            "offloaded": engine.tiers.num_offloaded - offloaded if host else 0, **lag.stop()})
+        window.close()
+        pump_events(0.2)
+    finally:
+        TierGrids.set_snapshot, TierGrids.render = real_set, real_render
+    gc.collect()
+    return results
+
+
+def bench_tiers(seconds: float, rounds: int) -> None:
+    sides = {}
+    for host in (True, False):
+        sides[host] = runs = tier_app_rate(seconds, rounds, host)
+        for i, r in enumerate(runs):
+            print(f"  host tier {'on ' if host else 'off'}, round {i + 1}: GUI {r['fps']:.1f} frames/s, device grid "
+                  f"redraws {r['redraws']:.1f}/s, "
+                  + (f"host grid redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI "
+                     f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial), "
+                     if host else "") + f"engine {r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
+                  f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms",
+                  flush=True)
+    mean = lambda host, key: statistics.mean(r[key] for r in sides[host])  # noqa: E731
+    print(f"window with a {TIER_HOST_BLOCKS:,}-block host tier beside {TIER_DEVICE_BLOCKS:,} device blocks x "
+          f"{TIER_BLOCK_SIZE} (offscreen), {rounds} stretches of {seconds:.0f} s per side: GUI {mean(True, 'fps'):.1f} "
+          f"frames/s (target >= 30) against {mean(False, 'fps'):.1f} with the host tier off; host tier grid "
+          f"{mean(True, 'tier_ms_per_host_frame'):.1f} ms per redraw, {mean(True, 'host_frames'):.1f} redraws/s")
+
+
 def worker(args) -> None:
     def reply(**fields) -> None:
         print(MARK + json.dumps(fields), flush=True)
@@ -562,6 +672,8 @@ def worker(args) -> None:
         reply(app=rate)
     elif args.worker == "interleaved":
         reply(**interleaved_rates(n, blocks))
+    elif args.worker == "tiers":
+        reply(rounds=tier_app_rate(seconds, args.rounds))
     elif args.worker == "attach":
         from explorer.feeds.stream_feed import AttachFeed
         feed = AttachFeed.connect(args.endpoint, None)
@@ -571,7 +683,7 @@ def worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=["grid", "scale", "arrangements", "scrub"],
-                        choices=["grid", "scale", "arrangements", "scrub"])
+                        choices=["grid", "scale", "arrangements", "scrub", "tiers"])
     parser.add_argument("--recording", type=Path, help="scrub this recording (default: record one on the spot)")
     parser.add_argument("--scrub-steps", type=int, default=400, help="steps to record for the scrub section")
     parser.add_argument("--seconds", type=float, default=6.0, help="measuring time per side per round")
@@ -579,7 +691,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=64, help="for the arrangements (scale uses 256)")
     parser.add_argument("--num-blocks", type=int, default=4096, help="for the arrangements (scale uses 65,536)")
     parser.add_argument("--arrangements", nargs="+", default=list(ARRANGEMENTS), choices=list(ARRANGEMENTS))
-    parser.add_argument("--worker", choices=["headless", "app", "publish", "attach", "interleaved"],
+    parser.add_argument("--worker", choices=["headless", "app", "publish", "attach", "interleaved", "tiers"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -597,6 +709,8 @@ def main() -> None:
         bench_arrangements(args.seconds, args.rounds, args.conversations, args.num_blocks, args.arrangements)
     if "scrub" in args.sections:
         bench_scrub(args.recording or record_for_scrub(args.scrub_steps), args.seconds)
+    if "tiers" in args.sections:
+        bench_tiers(args.seconds, args.rounds)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,14 @@ On random weights of SmolLM2-135M's shape (bench/peers.py builds the checkpoint)
    the decoding ones cross a block boundary every step or two, so nearly every step evicts (and, with the host tier
    on, offloads) a block; against the same workload with the tiers off (evicting just as often, keeping nothing).
 
-Each measurement alternates its sides, ``--rounds`` times, and prints medians and the ratio of the medians.
+Each measurement alternates its sides, ``--rounds`` times, and prints medians and the ratio of the medians. The
+first-token times are also given in CPU seconds of this process (all its threads): on a shared machine the wall
+clock counts other processes' time too, the CPU time only this engine's work.
 
-    python bench/tiers.py [--rounds 2] [--model 135m|3m] [--prefix 2048]
+    python bench/tiers.py [--rounds 2] [--model 135m|3m] [--prefix 2048] [--steps 96]
+                          [--sections ttft decode stream] [--quick]
+
+``--quick``: the 3M-shape model, a 512-token prefix, 32 decode steps, 1 round (a smoke run, not the figures).
 """
 from __future__ import annotations
 
@@ -35,8 +40,9 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % (vocab - 2) + 1 for i in range(n)]
 
 
-def returning_ttft(ckpt: str, tier: str, prefix: int, vocab: int, tmp: Path) -> tuple[float, dict]:
-    """Seconds from the reply to its first token, for a conversation whose prefix was pushed out of the device."""
+def returning_ttft(ckpt: str, tier: str, prefix: int, vocab: int, tmp: Path) -> tuple[float, float, dict]:
+    """(Wall seconds, CPU seconds) from the reply to its first token, for a conversation whose prefix was pushed
+    out of the device, and where its prompt tokens came from."""
     blocks = -(-(prefix + 1) // BS) + 1
     kw = {}
     if tier == "host":
@@ -50,17 +56,18 @@ def returning_ttft(ckpt: str, tier: str, prefix: int, vocab: int, tmp: Path) -> 
     eng.add_conversation(prompt_token_ids=_prompt(2, prefix, vocab), max_new_tokens=1)  # evicts all of a's
     eng.run_until_idle()
     eng.continue_conversation(a, prompt_token_ids=[5], max_new_tokens=1)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     eng.step()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert len(eng.conversation(a).output_token_ids) == 1
     sources = eng.prompt_token_sources(a)
     eng.close()
-    return seconds, sources
+    return seconds, cpu, sources
 
 
-def decode_rate(ckpt: str, tiers: bool, stream: bool, vocab: int, steps: int) -> tuple[float, int]:
-    """Tokens/s of ``steps`` decode steps of 16 conversations; (rate, blocks evicted while measuring)."""
+def decode_rate(ckpt: str, tiers: bool, stream: bool, vocab: int, steps: int) -> tuple[float, float, int]:
+    """Tokens/s of ``steps`` decode steps of 16 conversations: (per wall second, per CPU second of this process,
+    blocks evicted while measuring)."""
     batch, prompt = 16, 96
     start_blocks = sum(-(-(prompt + i + 2) // BS) for i in range(batch))
     fillers = steps // 3 + 8 if stream else 0  # finished conversations, 3 cached blocks each: what new blocks evict
@@ -73,21 +80,62 @@ def decode_rate(ckpt: str, tiers: bool, stream: bool, vocab: int, steps: int) ->
     eng.run_until_idle()
     # staggered lengths: every step or two, some conversation's next token starts a new block
     for i in range(batch):
-        eng.add_conversation(prompt_token_ids=_prompt(i, prompt + i, vocab), max_new_tokens=10 * steps,
+        eng.add_conversation(prompt_token_ids=_prompt(i, prompt + i, vocab),
+                             max_new_tokens=min(10 * steps, eng.max_model_len - prompt - batch),
                              ignore_eos=True)
     while eng.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running):
         eng.step()
     while stream and eng.pool.free_queue:  # from here on every new block evicts a cached one
         eng.step()
     evictions = eng.manager.num_evictions
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         eng.step()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     evicted = eng.manager.num_evictions - evictions
     assert eng.scheduler.num_preemptions == 0 and len(eng.scheduler.running) == batch
     eng.close()
-    return batch * steps / seconds, evicted
+    return batch * steps / seconds, batch * steps / cpu, evicted
+
+
+def ttft_section(ckpt: str, prefix: int, vocab: int, tmp: Path, rounds: int) -> None:
+    ttft = {"off": [], "host": [], "disk": []}
+    cpu = {"off": [], "host": [], "disk": []}
+    for r in range(rounds):
+        for tier in ("off", "host", "disk") if r % 2 == 0 else ("disk", "host", "off"):
+            seconds, cpu_seconds, sources = returning_ttft(ckpt, tier, prefix, vocab, tmp)
+            ttft[tier].append(seconds)
+            cpu[tier].append(cpu_seconds)
+            print(f"  round {r + 1} {tier:>4}: first token {seconds * 1e3:8.1f} ms (CPU {cpu_seconds * 1e3:8.1f} ms)"
+                  f"   prompt from {sources}", flush=True)
+    for what, times in (("wall", ttft), ("CPU", cpu)):
+        off = statistics.median(times["off"])
+        for tier in ("host", "disk"):
+            med = statistics.median(times[tier])
+            ratios = [o / t for o, t in zip(times["off"], times[tier])]
+            print(f"TTFT ({what}), returning {prefix}-token prefix from {tier}: {med * 1e3:.1f} ms vs recompute "
+                  f"{off * 1e3:.1f} ms = {off / med:.1f}x faster (rounds {min(ratios):.1f}-{max(ratios):.1f}x)")
+
+
+def decode_section(ckpt: str, vocab: int, steps: int, rounds: int, stream: bool) -> None:
+    rates = {True: [], False: []}
+    cpu_rates = {True: [], False: []}
+    moved = {True: 0, False: 0}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            rate, cpu_rate, n = decode_rate(ckpt, on, stream, vocab, steps)
+            rates[on].append(rate)
+            cpu_rates[on].append(cpu_rate)
+            moved[on] = n
+            print(f"  round {r + 1} tiers {'on ' if on else 'off'}: {rate:.1f} tokens/s ({cpu_rate:.1f} per CPU "
+                  f"second), {n} evicted", flush=True)
+    what = (f"steady offload stream ({moved[True]} blocks evicted and offloaded in {steps} steps)"
+            if stream else f"nothing to offload ({moved[True]} evicted)")
+    for unit, got in (("tokens/s", rates), ("tokens per CPU second", cpu_rates)):
+        on_med, off_med = statistics.median(got[True]), statistics.median(got[False])
+        ratios = [a / b for a, b in zip(got[True], got[False])]
+        print(f"decode, tiers on vs off, {what}: {on_med:.1f} vs {off_med:.1f} {unit} = {on_med / off_med:.3f}x "
+              f"(rounds {min(ratios):.3f}-{max(ratios):.3f}x)", flush=True)
 
 
 def main() -> None:
@@ -95,44 +143,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="135m", choices=sorted(MODELS))
     ap.add_argument("--prefix", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=48, help="decode steps measured")
+    ap.add_argument("--steps", type=int, default=96, help="decode steps measured")
+    ap.add_argument("--sections", nargs="+", default=["ttft", "decode", "stream"],
+                    choices=["ttft", "decode", "stream"], help="ttft: first token from host/disk vs recompute; "
+                    "decode: tiers on with nothing to offload; stream: a steady offload stream")
+    ap.add_argument("--quick", action="store_true", help="3m model, 512-token prefix, 32 steps, 1 round")
     args = ap.parse_args()
+    if args.quick:
+        args.model, args.prefix, args.steps, args.rounds = "3m", 512, 32, 1
     tmp = Path(tempfile.mkdtemp(prefix="tiers-bench-"))
     ckpt = str(build_checkpoint(args.model, Path(tempfile.gettempdir()) / "paged-kv-bench"))
     vocab = MODELS[args.model]["vocab_size"]
     prefix = min(args.prefix, MODELS[args.model]["max_position_embeddings"] - 8)
-    print(f"model {args.model} (random weights), block size {BS}, prefix {prefix} tokens, {args.rounds} rounds")
+    print(f"model {args.model} (random weights), block size {BS}, prefix {prefix} tokens, {args.steps} decode steps, "
+          f"{args.rounds} rounds, sections {' '.join(args.sections)}", flush=True)
 
-    returning_ttft(ckpt, "off", prefix, vocab, tmp)  # warm-up (first engine of the process, caches, allocator)
-    decode_rate(ckpt, False, False, vocab, 8)
-    ttft = {"off": [], "host": [], "disk": []}
-    for r in range(args.rounds):
-        for tier in ("off", "host", "disk") if r % 2 == 0 else ("disk", "host", "off"):
-            seconds, sources = returning_ttft(ckpt, tier, prefix, vocab, tmp)
-            ttft[tier].append(seconds)
-            print(f"  round {r + 1} {tier:>4}: first token {seconds * 1e3:8.1f} ms   prompt from {sources}",
-                  flush=True)
-    off = statistics.median(ttft["off"])
-    for tier in ("host", "disk"):
-        med = statistics.median(ttft[tier])
-        ratios = [o / t for o, t in zip(ttft["off"], ttft[tier])]
-        print(f"TTFT, returning {prefix}-token prefix from {tier}: {med * 1e3:.1f} ms vs recompute "
-              f"{off * 1e3:.1f} ms = {off / med:.1f}x faster (rounds {min(ratios):.1f}-{max(ratios):.1f}x)")
-
-    for stream in (False, True):
-        rates = {True: [], False: []}
-        moved = {True: 0, False: 0}
-        for r in range(args.rounds):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                rate, n = decode_rate(ckpt, on, stream, vocab, args.steps)
-                rates[on].append(rate)
-                moved[on] = n
-        on_med, off_med = statistics.median(rates[True]), statistics.median(rates[False])
-        ratios = [a / b for a, b in zip(rates[True], rates[False])]
-        what = (f"steady offload stream ({moved[True]} blocks evicted and offloaded in {args.steps} steps)"
-                if stream else f"nothing to offload ({moved[True]} evicted)")
-        print(f"decode, tiers on vs off, {what}: {on_med:.1f} vs {off_med:.1f} tokens/s = {on_med / off_med:.3f}x "
-              f"(rounds {min(ratios):.3f}-{max(ratios):.3f}x)")
+    if "ttft" in args.sections:
+        returning_ttft(ckpt, "off", prefix, vocab, tmp)  # warm-up (first engine of the process, caches, allocator)
+        ttft_section(ckpt, prefix, vocab, tmp, args.rounds)
+    if "decode" in args.sections or "stream" in args.sections:
+        decode_rate(ckpt, False, False, vocab, 8)  # warm-up
+    if "decode" in args.sections:
+        decode_section(ckpt, vocab, args.steps, args.rounds, False)
+    if "stream" in args.sections:
+        decode_section(ckpt, vocab, args.steps, args.rounds, True)
 
 
 if __name__ == "__main__":

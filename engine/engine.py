@@ -707,19 +707,25 @@ class Engine:
             raise EngineError(f"a host tier of {cfg.host_tier_blocks:,} blocks needs {need / 2**30:.1f} GiB "
                               f"({per_block / 2**10:.0f} KiB per block) but only {have / 2**30:.1f} GiB of memory is "
                               f"available; use at most {int(0.9 * have // per_block):,} blocks")
-        tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block)
-        self.manager.attach_tiers(tiers, self.kv.read_block_bytes)
+        staging = min(cfg.num_blocks, -(-self.max_model_len // cfg.block_size))  # blocks one admission may load
+        tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging)
+        self.manager.attach_tiers(tiers, self.kv.read_blocks_bytes)
         import weakref
         weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine
         return tiers
 
     def _write_loads(self, loads: list) -> None:
-        """Blocks admitted from a lower tier: their bytes into the device pool (what they held saved for a
-        rollback first)."""
-        if loads:
-            blocks = [b for b, _ in loads]
-            self.on_rollback(partial(self.kv.restore_slots, self.kv.save_blocks(blocks)))
-            self.kv.write_blocks_bytes(blocks, [d for _, d in loads])
+        """Blocks admitted from a lower tier (engine.tiers.TierLoad): their bytes into the device pool, one scatter
+        per admission. What they held is saved for a rollback first; for blocks the admission evicted, that is
+        the copy their offload already read (nothing wrote them since), so only the others are read again."""
+        for load in loads:
+            if len(load.kept_blocks):
+                self.on_rollback(partial(self.kv.restore_slots, self.kv.saved_from_bytes(load.kept_blocks, load.kept)))
+            kept = set(load.kept_blocks)
+            rest = [b for b in load.blocks if b not in kept]
+            if rest:
+                self.on_rollback(partial(self.kv.restore_slots, self.kv.save_blocks(rest)))
+            self.kv.write_blocks_bytes(load.blocks, load.data)
 
     def prompt_token_sources(self, conversation_id: int) -> dict[str, int]:
         """Its last admission's prompt tokens by where their K/V came from: {"device", "host", "disk", "computed"}

@@ -124,7 +124,8 @@ class KVCache:
     def restore_slots(self, saved: SavedKV | None) -> None:
         """Put back what :meth:`save_slots` or :meth:`save_blocks` saved."""
         if saved is not None:
-            (self._slot_rows if saved.per_slot else self._block_rows).index_copy_(0, saved.rows, saved.data)
+            (self._slot_rows if saved.per_slot else self._block_rows).index_copy_(0, saved.rows,
+                                                                                  saved.data.to(self.data.device))
 
     def read_block(self, block: int, num_slots: int):
         """K and V of a block's filled slots: each [layers, slots, kv_heads, head_dim] float32 numpy."""
@@ -132,19 +133,52 @@ class KVCache:
         return kv[:, 0].copy(), kv[:, 1].copy()
 
     # ---- raw block bytes (the lower tiers) ------------------------------------------------------------------
+    def _block_major_rows(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Row ids of every plane of each block, block by block: [n * planes]. In this order the rows of ``n``
+        blocks are exactly ``n`` lower-tier blocks laid end to end, so one gather or one scatter moves them all."""
+        ids = self._ids(list(blocks))
+        planes = torch.arange(self.num_planes, device=ids.device)[None, :] * self.num_blocks  # [1, planes]
+        return (ids[:, None] + planes).reshape(-1)  # [n, planes] -> [n * planes]
+
     def read_block_bytes(self, block: int) -> np.ndarray:
         """Every layer's K and V of one block as raw bytes (uint8 numpy, bytes_per_block long, plane-major): what
         a lower tier keeps. Raw bytes, not values, so any dtype (bfloat16 too) goes down and comes back exact."""
-        rows = self._rows_of(self._ids([block]), self.num_blocks)
-        data = self._block_rows.index_select(0, rows)  # [planes, slots*heads*dim]
-        return data.view(torch.uint8).reshape(-1).cpu().numpy()
+        return self.read_blocks_bytes([block])[0]
 
-    def write_blocks_bytes(self, blocks: Sequence[int], data: Sequence[np.ndarray]) -> None:
-        """Put back what :meth:`read_block_bytes` read: ``data[i]`` into block ``blocks[i]``, K and V, every layer."""
+    def read_blocks_bytes(self, blocks: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`read_block_bytes` of several blocks in one gather: uint8 [n, bytes_per_block] (into ``out`` when
+        given, a C-contiguous array of that shape). One call, not one per block: an eviction that offloads a whole
+        conversation then costs one pass over its bytes."""
+        rows = self._block_major_rows(blocks)
+        if out is None:
+            out = np.empty((len(blocks), self.bytes_per_block), np.uint8)
+        if self.data.device.type == "cpu":
+            # numpy's take, one thread: a torch gather of a block's rows is large enough to run on the OpenMP
+            # pool, whose threads then spin beside the native decode kernels' own (the offload-stream decode ran
+            # ~0.7x of tiers off that way; raw bytes, so any dtype)
+            source = self._block_rows.view(torch.uint8).numpy()  # [planes * blocks, row bytes], no copy
+            np.take(source, rows.numpy(), axis=0, out=out.reshape(len(rows), -1))
+        else:
+            target = torch.from_numpy(out).view(self.data.dtype).reshape(len(rows), -1)  # [n * planes, row]
+            target.copy_(self._block_rows.index_select(0, rows))
+        return out
+
+    def write_blocks_bytes(self, blocks: Sequence[int], data) -> None:
+        """Put back what :meth:`read_blocks_bytes` read: ``data[i]`` (uint8 [n, bytes] or a sequence of
+        bytes_per_block arrays) into block ``blocks[i]``, K and V, every layer, in one scatter."""
         if not len(blocks):
             return
-        rows = self._rows_of(self._ids(list(blocks)), self.num_blocks)  # [planes * n], plane-major
-        raw = torch.from_numpy(np.stack([np.asarray(d, np.uint8) for d in data]))  # [n, bytes]
-        values = raw.view(self.data.dtype).reshape(len(blocks), self.num_planes, -1)  # [n, planes, row]
-        values = values.transpose(0, 1).reshape(len(rows), -1)  # [planes * n, row]
+        rows = self._block_major_rows(blocks)
+        raw = data if isinstance(data, np.ndarray) and data.ndim == 2 else np.stack([np.asarray(d, np.uint8) for d in data])
+        values = torch.from_numpy(np.ascontiguousarray(raw, np.uint8)).view(self.data.dtype)  # [n, bytes / itemsize]
+        values = values.reshape(len(rows), -1)  # [n, planes * row] -> [n * planes, row] (no copy)
         self._block_rows.index_copy_(0, rows, values.to(self.data.device))
+
+    def saved_from_bytes(self, blocks: Sequence[int], data: np.ndarray) -> SavedKV | None:
+        """A :class:`SavedKV` of ``blocks`` made from bytes already read (``data``: uint8 [n, bytes], what
+        :meth:`read_blocks_bytes` gave while the pool evicted them and nothing has written them since), so a load
+        into those blocks is undone without a second copy of what they held."""
+        if not len(blocks):
+            return None
+        values = torch.from_numpy(data).view(self.data.dtype).reshape(len(blocks) * self.num_planes, -1)
+        return SavedKV(self._block_major_rows(blocks), values, False)

@@ -23,7 +23,7 @@ from kvstream.views import NO_HASH, BlockState
 
 from .block_pool import BlockPool, HashedBlock
 from .sequence import Sequence
-from .tiers import TierHit, TierStore
+from .tiers import TierHit, TierLoad, TierStore
 
 MAX_PENDING_EVENTS = 200_000  # events nobody took; older ones are dropped and counted (a headless script that never
 #                               calls take_events() must not grow without bound)
@@ -42,8 +42,9 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.num_evictions = 0
         self.tiers: TierStore | None = None  # host / disk tiers (attach_tiers); None: evicted blocks are lost
-        self.read_device_block = None  # block id -> its raw K/V bytes (the engine's KVCache.read_block_bytes)
-        self.pending_loads: list[tuple[int, np.ndarray]] = []  # (device block, bytes) the caller must write (take_loads)
+        self.read_device_blocks = None  # block ids -> their raw K/V bytes, uint8 [n, bytes] (KVCache.read_blocks_bytes)
+        self.pending_loads: list[TierLoad] = []  # blocks admitted from a lower tier, for the caller to write (take_loads)
+        self._last_offload: tuple[list[int], np.ndarray] | None = None  # what _take_blocks' evictions read (_load)
         self.prompt_sources: dict[int, dict[str, int]] = {}  # seq id -> its last admission's prompt tokens by source
         self._sources_undo: list[tuple[int, dict | None]] | None = None  # (seq id, old value) in a transaction
 
@@ -143,12 +144,13 @@ class KVCacheManager:
             if evicted != NO_HASH:
                 evicted_blocks.append(block)
                 evicted_hashes.append(evicted)
+        self._last_offload = None
         if evicted_blocks:
             self.num_evictions += len(evicted_blocks)
             self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(evicted_blocks),
                       block_hashes=tuple(evicted_hashes))
             if self.tiers is not None:
-                self._offload(seq.seq_id, evicted_blocks, evicted_hashes)
+                self._last_offload = self._offload(seq.seq_id, evicted_blocks, evicted_hashes)
         return blocks
 
     def _allocate(self, seq: Sequence, n: int) -> list[int]:
@@ -162,9 +164,9 @@ class KVCacheManager:
         """Start (or restart) ``seq``: share its cached prefix blocks, then make room for its first
         ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``.
         Hits in a lower tier (:class:`TierHit`) get fresh blocks, filled from the tier (:meth:`take_loads`)."""
-        loads = self._read_tier_hits(seq, hits) if self.tiers is not None else []
-        if loads and len(loads[-1]) == 1:  # a tier block failed its checksum: the hits end before it
-            hits = hits[:loads.pop()[0]]
+        loads, data, bad = self._read_tier_hits(seq, hits) if self.tiers is not None else ([], None, None)
+        if bad is not None:  # a tier block failed its checksum: the hits end before it
+            hits = hits[:bad]
         device = [b for b in hits if not isinstance(b, TierHit)]
         for block in device:
             self.pool.add_ref(block, seq.seq_id)
@@ -173,7 +175,7 @@ class KVCacheManager:
             self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(device), reason="prefix_hit")
         seq.block_table = list(hits)
         if loads:
-            self._load(seq, loads)
+            self._load(seq, loads, data)
         seq.num_computed_tokens = len(hits) * self.block_size
         self._note_sources(seq, hits)
         return self.allocate_slots(seq, num_new_tokens)
@@ -338,60 +340,65 @@ class KVCacheManager:
             self.tiers.check_invariants()
 
     # ---- lower tiers (host memory, disk): engine.tiers ----------------------------------------------------------
-    def attach_tiers(self, tiers: TierStore, read_device_block) -> None:
-        """Keep evicted blocks in ``tiers``; ``read_device_block(block)`` gives a device block's raw K/V bytes (called
-        while the block is being taken, before anything overwrites it)."""
-        self.tiers, self.read_device_block = tiers, read_device_block
+    def attach_tiers(self, tiers: TierStore, read_device_blocks) -> None:
+        """Keep evicted blocks in ``tiers``; ``read_device_blocks(blocks, out)`` reads those device blocks' raw K/V
+        bytes into ``out`` (uint8 [n, bytes]; called while they are being taken, before anything overwrites them)."""
+        self.tiers, self.read_device_blocks = tiers, read_device_blocks
 
-    def take_loads(self) -> list[tuple[int, np.ndarray]]:
-        """(device block, bytes) of every block admitted from a lower tier since the last call: the caller writes
-        them into the device pool before the step's model run (they hold prefix K/V the step reads)."""
+    def take_loads(self) -> list[TierLoad]:
+        """Every group of blocks admitted from a lower tier since the last call: the caller writes them into the
+        device pool before the step's model run (they hold prefix K/V the step reads)."""
         loads, self.pending_loads = self.pending_loads, []
         return loads
 
-    def _offload(self, seq_id: int, blocks: list[int], hashes: list[int]) -> None:
-        """Evicted device blocks go to the top tier (their bytes are read now: nothing has overwritten them yet)."""
-        for block, h in zip(blocks, hashes):
-            record = self.pool.dropped_record(h)
-            if record is None:
-                continue
-            self.tiers.offload(h, record, lambda b=block: self.read_device_block(b), block, self.pool.clock,
-                               self.emit, seq_id)
+    def _offload(self, seq_id: int, blocks: list[int], hashes: list[int]) -> tuple[list[int], np.ndarray] | None:
+        """Evicted device blocks go to the top tier (their bytes are read now: nothing has overwritten them yet).
+        The blocks that need a copy are read in one gather; returns (those blocks, their bytes), or None when
+        none needed one."""
+        moves = [(b, h, r) for b, h in zip(blocks, hashes) if (r := self.pool.dropped_record(h)) is not None]
+        copied = [b for b, h, _ in moves if not self.tiers.holds_on_top(h)]
+        data = self.read_device_blocks(copied, self.tiers.staging(len(copied))) if copied else None
+        row = {b: i for i, b in enumerate(copied)}
+        for block, h, record in moves:
+            self.tiers.offload(h, record, lambda b=block: data[row[b]], block, self.pool.clock, self.emit, seq_id)
+        return (copied, data) if copied else None
 
-    def _read_tier_hits(self, seq: Sequence, hits: list) -> list[tuple]:
-        """(index, hit, bytes) of each tier hit, read now (a later eviction in this admission may move it on); a
-        final (index,) when the hit at ``index`` failed its checksum (dropped; the hits stop there)."""
-        out: list[tuple] = []
-        for index, hit in enumerate(hits):
-            if isinstance(hit, TierHit):
-                data = self.tiers.read(hit)
-                if data is None:
-                    self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
-                    out.append((index,))
-                    return out
-                out.append((index, hit, data))
-        return out
+    def _read_tier_hits(self, seq: Sequence, hits: list) -> tuple[list[tuple[int, TierHit]], np.ndarray | None,
+                                                                  int | None]:
+        """((index, hit) of each tier hit, their bytes as one uint8 [n, bytes] array, None), read now (a later
+        eviction in this admission may move them on). When the hit at index ``i`` fails its checksum it is
+        dropped and the hits stop there: (the ones before it, their bytes, ``i``)."""
+        found = [(index, hit) for index, hit in enumerate(hits) if isinstance(hit, TierHit)]
+        if not found:
+            return [], None, None
+        data = self.tiers.staging(len(found))
+        for row, (index, hit) in enumerate(found):
+            if not self.tiers.read_into(hit, data[row]):
+                self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
+                return found[:row], data[:row], index
+        return found, data, None
 
-    def _load(self, seq: Sequence, loads: list[tuple]) -> None:
+    def _load(self, seq: Sequence, loads: list[tuple[int, TierHit]], data: np.ndarray) -> None:
         """Fresh device blocks for the tier hits: taken (evictions may offload others; the hits' slots are pinned
         meanwhile), loaded (LOADED), full and hashed again (STORED, as if computed)."""
         bs, pool, table = self.block_size, self.pool, seq.block_table
-        self.tiers.pin(hit for _, hit, _ in loads)
+        self.tiers.pin(hit for _, hit in loads)
         blocks = self._take_blocks(seq, len(loads))
+        kept = self._last_offload  # what the evicted ones among them held, read for the offload just now
         self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
         hashes = seq.full_block_hashes(bs)
-        for (index, hit, data), block in zip(loads, blocks):
+        for (index, hit), block in zip(loads, blocks):
             table[index] = block
             self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
-            self.pending_loads.append((block, data))
             pool.set_filled(block, bs)
             info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
                                hashes[index - 1] if index else None)
             registered = pool.register_hash(block, hit.block_hash, info)
             assert registered, "a tier hit's hash was already on the device (it would have been a device hit)"
+        self.pending_loads.append(TierLoad(blocks, data, *(kept or ((), None))))
         self.tiers.unpin()
         run: list[int] = []
-        for index, *_ in loads:
+        for index, _ in loads:
             if run and index != run[-1] + 1:
                 self._emit_stored(seq, run, hashes)
                 run = []

@@ -45,6 +45,9 @@ from .errors import EngineError
 
 log = logging.getLogger(__name__)
 
+STAGING_KEEP_BYTES = 256 << 20  # staging arrays kept for reuse between transactions (see TierStore.staging): a
+#                                 fresh array of a conversation's blocks costs a page fault per 4 KiB on first touch,
+#                                 more than the copy itself; larger ones are allocated and freed each time
 FSYNC_EVERY = 256  # disk-tier writes between two fsyncs (and one at close): the file is a cache of this process,
 #                    read back only through checksums, so a crash loses nothing that matters; fsync bounds how much
 #                    dirty data the kernel holds for it
@@ -58,6 +61,16 @@ class TierHit:
     tier: str  # "host" | "disk"
     slot: int  # slot in that tier
     block_hash: int  # the block's prefix hash
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """Blocks one admission took from a lower tier, for the engine to write into the device pool (take_loads)."""
+
+    blocks: list[int]  # device blocks, freshly taken
+    data: np.ndarray  # uint8 [len(blocks), bytes per block]: what goes into them
+    kept_blocks: Any = ()  # those of ``blocks`` the taking evicted and offloaded (a subsequence, in order) ...
+    kept: np.ndarray | None = None  # ... and the bytes they held, read for that offload: the rollback copy
 
 
 class Tier(abc.ABC):
@@ -169,6 +182,15 @@ class Tier(abc.ABC):
         """The bytes in ``slot`` (a copy), or None when they cannot be trusted (see :class:`DiskTier`)."""
         return self._read_raw(slot)
 
+    def read_into(self, slot: int, out: np.ndarray) -> bool:
+        """Copy the bytes in ``slot`` into ``out`` (uint8, bytes_per_block, e.g. one row of a load's staging
+        array: one copy, no array per block); False when they cannot be trusted."""
+        data = self.read(slot)
+        if data is None:
+            return False
+        out[:] = data
+        return True
+
     # ---- bytes (subclasses) -----------------------------------------------------------------------------------
     @abc.abstractmethod
     def _write_raw(self, slot: int, data: np.ndarray) -> None:
@@ -252,6 +274,10 @@ class HostTier(Tier):
     def _read_raw(self, slot: int) -> np.ndarray | None:
         return self.data[slot].copy()
 
+    def read_into(self, slot: int, out: np.ndarray) -> bool:
+        np.copyto(out, self.data[slot])
+        return True
+
 
 class DiskTier(Tier):
     """Slots in one file at ``path``: slot i at offset i * bytes_per_block, with a CRC-32 per slot in memory."""
@@ -316,13 +342,22 @@ class DiskTier(Tier):
         return np.frombuffer(raw, np.uint8).copy() if len(raw) == self.bytes_per_block else None
 
     def read(self, slot: int) -> np.ndarray | None:
-        data = self._read_raw(slot)
-        if data is None or zlib.crc32(memoryview(data)) != int(self.crc[slot]):
+        data = np.empty(self.bytes_per_block, np.uint8)
+        return data if self.read_into(slot, data) else None
+
+    def read_into(self, slot: int, out: np.ndarray) -> bool:
+        """One ``preadv`` straight into ``out`` (no bytes object in between), then the checksum."""
+        try:
+            n = os.preadv(self.fd, [memoryview(out).cast("B")], slot * self.bytes_per_block)
+        except OSError as exc:
+            log.warning("disk tier: reading slot %d failed (%s)", slot, exc)
+            n = -1
+        if n != self.bytes_per_block or zlib.crc32(memoryview(out).cast("B")) != int(self.crc[slot]):
             self.num_corrupt += 1
             log.warning("disk tier: slot %d of %s failed its checksum; its tokens will be recomputed", slot,
                         self.path)
-            return None
-        return data
+            return False
+        return True
 
     def begin(self) -> None:
         super().begin()
@@ -360,13 +395,25 @@ class TierStore:
     The only caller is :class:`engine.kv_cache_manager.KVCacheManager`, which passes its ``emit`` so that every
     move is a block event in order with the device pool's own."""
 
-    def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int):
+    def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int,
+                 staging_blocks: int = 0):
+        """``staging_blocks``: the most blocks one admission may load (or evict); two staging arrays of that many
+        are allocated and touched now, as servers allocate their offload buffers at start, so that the first
+        returning conversation does not pay the page faults (bounded by :data:`STAGING_KEEP_BYTES`)."""
         self.order: list[Tier] = []
         if host_blocks:
             self.order.append(HostTier(host_blocks, bytes_per_block))
         if disk_blocks:
             self.order.append(DiskTier(disk_blocks, bytes_per_block, disk_path))
         self.tiers = {t.name: t for t in self.order}
+        self.bytes_per_block = bytes_per_block
+        self._staging_free: list[np.ndarray] = []  # staging arrays not lent out (reused: their pages are touched)
+        self._staging_lent: list[np.ndarray] = []  # lent out until the transaction ends (end / rollback)
+        per = min(staging_blocks, STAGING_KEEP_BYTES // 2 // max(bytes_per_block, 1)) * bytes_per_block
+        for _ in range(2 if per else 0):  # one for a load's bytes, one for what its evictions offload
+            buf = np.empty(per, np.uint8)
+            buf.fill(0)  # touch the pages now
+            self._staging_free.append(buf)
         self.num_offloaded = self.num_loaded = self.num_dropped = 0  # blocks moved (for metrics and benches)
         self._counters_saved: tuple | None = None
 
@@ -382,6 +429,39 @@ class TierStore:
     def read(self, hit: TierHit) -> np.ndarray | None:
         """The bytes of a hit (a copy), or None when they failed their checksum."""
         return self.tiers[hit.tier].read(hit.slot)
+
+    def read_into(self, hit: TierHit, out: np.ndarray) -> bool:
+        """The bytes of a hit copied into ``out``; False when they failed their checksum."""
+        return self.tiers[hit.tier].read_into(hit.slot, out)
+
+    def staging(self, n: int) -> np.ndarray:
+        """A uint8 [n, bytes_per_block] array for the bytes of one offload or load, lent until the transaction
+        ends (the engine keeps an offload's copy as the rollback copy of the blocks it evicted). Reused across
+        transactions: writing fresh pages costs more than the copy. Its contents are whatever was there."""
+        need = n * self.bytes_per_block
+        for i, buf in enumerate(self._staging_free):
+            if buf.size >= need:
+                del self._staging_free[i]
+                break
+        else:
+            buf = np.empty(need, np.uint8)
+        self._staging_lent.append(buf)
+        return buf[:need].reshape(n, self.bytes_per_block)
+
+    def _release_staging(self) -> None:
+        """The transaction is over: nothing reads the lent arrays any more; keep the largest for reuse."""
+        if not self._staging_lent:
+            return
+        kept, total = [], 0
+        for buf in sorted(self._staging_free + self._staging_lent, key=lambda b: -b.size):
+            if total + buf.size <= STAGING_KEEP_BYTES:
+                kept.append(buf)
+                total += buf.size
+        self._staging_free, self._staging_lent = kept, []
+
+    def holds_on_top(self, block_hash: int) -> bool:
+        """Whether the top tier already holds ``block_hash`` (an offload of it then copies nothing)."""
+        return bool(self.order) and self.order[0].lookup(block_hash) is not None
 
     def record(self, hit: TierHit):
         return self.tiers[hit.tier].records[hit.block_hash]
@@ -483,11 +563,13 @@ class TierStore:
 
     def end(self) -> None:
         self.unpin()
+        self._release_staging()
         for tier in self.order:
             tier.end()
 
     def rollback(self) -> None:
         self.unpin()
+        self._release_staging()
         if self._counters_saved is not None:
             self.num_offloaded, self.num_loaded, self.num_dropped = self._counters_saved
         for tier in self.order:

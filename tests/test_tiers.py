@@ -252,7 +252,7 @@ def test_failed_step_leaves_every_tier_as_it_was(tmp_path, monkeypatch, where):
         raise fault
 
     if where == "device_read":
-        monkeypatch.setattr(eng.manager, "read_device_block", boom)
+        monkeypatch.setattr(eng.manager, "read_device_blocks", boom)
     elif where == "disk_write":
         monkeypatch.setattr(DiskTier, "_write_raw", boom)
     elif where == "host_write":
@@ -325,6 +325,88 @@ def test_disk_full_drops_the_block_and_goes_on(tmp_path, monkeypatch, caplog):
     ref, ref_ids = _primed(tmp_path / "ref")
     ref.run_until_idle()
     assert _outputs(eng, ids) == _outputs(ref, ref_ids)
+
+
+# ---- copies: one pass each way ------------------------------------------------------------------------------------
+def _returning_over_cached(tmp_path, **kw) -> tuple[Engine, int]:
+    """A pool that holds one conversation: a's blocks went to host when b took the pool; a's return loads them back
+    into b's cached (evicted, offloaded) blocks. The engine stands before that step."""
+    eng = _engine(tmp_path, 4, num_blocks=8, host=16, **kw)
+    a, b = (eng.add_conversation(prompt_token_ids=p, max_new_tokens=2) for p in _prompts(2, 24))
+    eng.run_until_idle()  # a, then b (one at a time: 7 blocks each of 8)
+    eng.continue_conversation(a, prompt_token_ids=[9], max_new_tokens=2)
+    eng.take_events()
+    return eng, a
+
+
+def test_an_admission_reads_evicted_blocks_once_and_writes_loads_once(tmp_path, monkeypatch):
+    """The blocks an admission evicts are read from the device in one gather (not one per block), the tier hits
+    are written in one scatter, and the rollback copy of the evicted targets is that gather's copy: nothing of
+    theirs is read a second time (save_blocks only for targets that were not cached)."""
+    eng, a = _returning_over_cached(tmp_path)
+    reads, writes, saved = [], [], []
+    real_read, real_write, real_save = eng.manager.read_device_blocks, eng.kv.write_blocks_bytes, eng.kv.save_blocks
+    monkeypatch.setattr(eng.manager, "read_device_blocks", lambda blocks, out: (reads.append(list(blocks)),
+                                                                                  real_read(blocks, out))[1])
+    monkeypatch.setattr(eng.kv, "write_blocks_bytes", lambda blocks, data: (writes.append(list(blocks)),
+                                                                            real_write(blocks, data))[1])
+    monkeypatch.setattr(eng.kv, "save_blocks", lambda blocks: (saved.extend(blocks), real_save(blocks))[1])
+    eng.step()
+    events = eng.take_events()
+    loaded = [b for e in events if e.kind == EventKind.LOADED for b in e.block_ids]
+    evicted = [b for e in events if e.kind == EventKind.EVICTED for b in e.block_ids]
+    offloaded = [b for e in events if e.kind == EventKind.OFFLOADED and e.tier == "host" for b in e.block_ids]
+    assert eng.prompt_token_sources(a)["host"] >= 16 and len(loaded) >= 4
+    into_evicted = set(loaded) & set(evicted)
+    assert len(into_evicted) >= 4 and into_evicted <= set(offloaded)
+    # one gather per taking of blocks (the load's, the computed tokens'), not one per block
+    assert sorted(b for r in reads for b in r) == sorted(offloaded) and len(reads) <= 2 < len(offloaded)
+    assert writes == [loaded]  # one scatter for every hit of the admission
+    assert set(saved) == set(loaded) - into_evicted  # the evicted ones' rollback copy is the gather's
+
+
+def test_load_rolled_back_restores_the_evicted_and_the_never_used_targets(tmp_path, monkeypatch):
+    """A step that loaded into evicted blocks (restored from the offload's copy) and into a free block (restored
+    from save_blocks), then failed: the K/V tensor is exactly as before, free blocks' bytes included."""
+    eng, a = _returning_over_cached(tmp_path)
+    snap = eng.snapshot()
+    free_before = {int(b) for b in np.flatnonzero(snap.state == BlockState.FREE)}
+    cached_before = {int(b) for b in np.flatnonzero(snap.state == BlockState.CACHED)}
+    eng.kv.data[:, :, sorted(free_before)] = 7.0  # a free block holds something too; it must come back
+    kv, before = _kv(eng), _fingerprint(eng)
+    targets = []
+    real_write = eng.kv.write_blocks_bytes
+    monkeypatch.setattr(eng.kv, "write_blocks_bytes", lambda blocks, data: (targets.extend(blocks),
+                                                                            real_write(blocks, data))[1])
+
+    def boom(*_):
+        raise RuntimeError("injected fault after the load")
+    monkeypatch.setattr(eng.runner, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert set(targets) & free_before and len(set(targets) & cached_before) >= 4
+    assert torch.equal(_kv(eng), kv)
+    assert _fingerprint(eng) == before
+    eng.check_invariants()
+
+
+def test_staging_arrays_are_lent_per_transaction_and_reused(tmp_path):
+    """Two arrays lent in one transaction never share memory; after it ends the same memory is lent again
+    (allocated once, at start: the first returning conversation pays no page faults)."""
+    store = TierStore(4, 0, None, 64, staging_blocks=8)
+    kept = {buf.ctypes.data for buf in store._staging_free}
+    assert len(kept) == 2
+    store.begin()
+    x, y = store.staging(8), store.staging(8)
+    assert x.shape == (8, 64) and not np.shares_memory(x, y)
+    assert {x.ctypes.data, y.ctypes.data} == kept
+    store.end()
+    store.begin()
+    assert store.staging(3).ctypes.data in kept
+    big = store.staging(100)  # more than was allocated at start: a new array
+    assert big.shape == (100, 64) and big.ctypes.data not in kept
+    store.rollback()
+    assert len(store._staging_free) == 3  # all kept (under STAGING_KEEP_BYTES)
 
 
 # ---- events -------------------------------------------------------------------------------------------------------

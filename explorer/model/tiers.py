@@ -139,12 +139,17 @@ class ContentBook:
 class TierOwners:
     """The owner of every slot of one tier, kept up to date from one frame to the next: only slots whose hash
     changed, or whose hash the content book has just learnt an owner for, are looked up again (a 262,144-slot host
-    tier changes a few slots a step; looking all of them up each step cost tens of milliseconds)."""
+    tier changes a few slots a step; looking all of them up each step cost tens of milliseconds). The slots of the
+    newly learnt hashes are found through a hash -> slot map kept with the slots (a hash lives at most once in a
+    tier), not by searching the whole tier: the book learns owners every step, and ``np.isin`` over 262,144 slots
+    sorted them every frame."""
 
     def __init__(self):
         self.hashes: np.ndarray | None = None
         self.owner: np.ndarray | None = None
         self._book_version = 0
+        self._slot_of: dict[int, int] = {}  # hash -> the slot holding it (NO_HASH never)
+        self._unique = True  # no hash in two slots (a watched server's tier might): else the whole tier is searched
 
     def update(self, tier: TierView, book: ContentBook) -> bool:
         """Bring the owners up to date with ``tier`` and ``book``; returns whether any changed."""
@@ -153,9 +158,26 @@ class TierOwners:
         self._book_version = book.version
         if self.hashes is None or self.hashes.shape != hashes.shape or learnt is None:
             self.hashes, self.owner = hashes, book.owners(hashes)
+            held = np.nonzero(hashes != NO_HASH)[0]
+            self._slot_of = dict(zip(hashes[held].tolist(), held.tolist()))
+            self._unique = len(self._slot_of) == len(held)
             return True
         slots = np.nonzero(hashes != self.hashes)[0]
-        if learnt:
+        if len(slots):
+            slot_of = self._slot_of
+            for slot, old, new in zip(slots.tolist(), self.hashes[slots].tolist(), hashes[slots].tolist()):
+                if old != NO_HASH and slot_of.get(old) == slot:
+                    del slot_of[old]
+                if new != NO_HASH:
+                    prev = slot_of.get(new)
+                    if prev is not None and prev != slot and hashes[prev] == new:
+                        self._unique = False
+                    slot_of[new] = slot
+        if learnt and self._unique:
+            found = [slot for slot in map(self._slot_of.get, learnt) if slot is not None]
+            if found:
+                slots = np.union1d(slots, np.asarray(found, np.int64))
+        elif learnt:
             slots = np.union1d(slots, np.nonzero(np.isin(hashes, np.asarray(learnt, np.uint64)))[0])
         self.hashes = hashes
         if not len(slots):
