@@ -61,7 +61,7 @@ class FrameFanout:
 
     def __call__(self, update, events=None) -> None:
         """Take one :class:`PoolUpdate`; ``fanout(snapshot, events)``, from a producer that hands snapshots on
-        alone, takes what it noted about each (:meth:`PoolUpdate.of`)."""
+        alone, makes an update with no change record (:meth:`PoolUpdate.of`: the encoder compares everything)."""
         if events is not None or not isinstance(update, PoolUpdate):
             update = PoolUpdate.of(update, events or ())
         if self._queue is None:
