@@ -27,6 +27,7 @@ from kvstream.rules import Rate
 from kvstream.views import PoolSnapshot, PoolUpdate
 
 from .engine import Engine
+from .heap import HeapTrimmer
 
 Observer = Callable[[PoolUpdate], None]
 
@@ -78,6 +79,7 @@ class EngineRunner:
         self._max_steps_per_second = max_steps_per_second
         self._failures: queue.Queue[EngineFailure] = queue.Queue()
         self._steps = Rate(window=2.0)
+        self.heap = HeapTrimmer()  # gives freed heap back every few seconds, between steps
         self._observers: list[Observer] = list(observers or [])
         self.latest: PoolSnapshot = engine.snapshot()  # newest published snapshot (replaced, never mutated)
         self._published_version = self.latest.version
@@ -271,3 +273,4 @@ class EngineRunner:
                 self._fail(f"{type(exc).__name__}: {exc}")
             self._steps.tick()
             self._publish()
+            self.heap.maybe_trim()  # a long run's fragmented heap goes back to the system (engine/heap.py)

@@ -1,0 +1,49 @@
+"""The engine thread gives freed heap back to the system on a schedule (engine/heap.py): a long served run's
+resident memory creeps up from allocator fragmentation otherwise (bench/soak.py measures it)."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from engine import Engine, EngineConfig, EngineRunner
+from engine import heap
+
+
+def test_the_trimmer_trims_once_per_interval():
+    now = [100.0]
+    trimmer = heap.HeapTrimmer(every_s=10.0, clock=lambda: now[0])
+    assert not trimmer.maybe_trim()  # not before the first interval has passed
+    now[0] += 9.9
+    assert not trimmer.maybe_trim()
+    now[0] += 0.2
+    assert trimmer.maybe_trim() == heap.available()
+    assert not trimmer.maybe_trim()  # the next one waits a whole interval again
+    now[0] += 10.0
+    trimmer.maybe_trim()
+    assert trimmer.trims == (2 if heap.available() else 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim is a Linux call")
+def test_glibc_gives_freed_fragmented_heap_back():
+    assert heap.available()
+    keep, drop = [], []
+    for i in range(20000):  # interleaved: the dropped ones leave holes the allocator keeps without a trim
+        (keep if i % 64 == 0 else drop).append(np.empty(1000 + i % 97, np.uint8))
+    del drop
+    assert heap.trim_now()  # there were free pages to give back
+    assert len(keep) == 313
+
+
+def test_the_engine_thread_trims_between_steps():
+    engine = Engine(EngineConfig(model="builtin", num_blocks=64, block_size=4))
+    engine.add_conversation(prompt_token_ids=list(range(1, 20)), max_new_tokens=30, ignore_eos=True)
+    runner = EngineRunner(engine, start_paused=True).start()
+    try:
+        runner.heap = heap.HeapTrimmer(every_s=0.0)  # after every step, for the test
+        for _ in range(5):
+            runner.step_once().result(timeout=30)
+        assert runner.heap.trims >= (4 if heap.available() else 0)
+    finally:
+        runner.stop(timeout=10)
