@@ -400,8 +400,7 @@ class History:
         """The error for frame ``seq`` that cannot be shown because frame ``at`` (on the way to it) failed."""
         where = f"frame {seq:,}" + (f" (through frame {at:,})" if at != seq else "")
         if self.recording is not None:
-            from .recording import RecordingError  # recording.py imports this module: asked only here
-            return RecordingError(f"{self.recording.path}: {where} cannot be shown: {exc}")
+            return self.recording.error(f"{where} cannot be shown: {exc}")
         return StreamError(f"{where} cannot be shown: {exc}")
 
     def decode_cost(self, seq: int) -> int:

@@ -179,6 +179,10 @@ class RecordingInfo:
     truncated: bool  # the file ends inside a frame (the writer was killed): the frames before it opened
     note: str  # in words, for the window ("" when nothing is wrong)
 
+    def error(self, message: str) -> "RecordingError":
+        """An error about this recording (the History raises it without importing this module: no circle)."""
+        return RecordingError(f"{self.path}: {message}")
+
 
 class _Reader:
     """Reads payloads of an opened recording back from disk (one lock: the GUI and a trimming thread may ask)."""

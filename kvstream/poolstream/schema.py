@@ -208,8 +208,8 @@ class _Envelope(msgspec.Struct, array_like=True, frozen=True):
 
 class _BridgedEnvelope(_Envelope, array_like=True, frozen=True):
     """A periodic keyframe as encoded, with its bridge: the delta from frame seq - 1 to the same state, so that a
-    decoder moving forward applies a delta instead of rebuilding everything (a keyframe of 65,536 blocks and 1,700
-    conversations took 20-30 ms to decode, the bridge 0.3 ms). Readers that predate bridges stop at ``body``."""
+    decoder moving forward applies a delta instead of rebuilding everything (a large keyframe costs tens of times
+    its bridge to decode: docs/performance.md, "History decoding"). Readers that predate bridges stop at ``body``."""
 
     bridge: Delta
 
