@@ -131,6 +131,7 @@ def _build():
         "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
+        "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -352,7 +353,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     48p .. 48p + 47 side by side for each input (zeros past ``out``). None where the kernel is unavailable or the
     weight is not float32 on the CPU."""
     weight = weight.detach().contiguous()
-    if kernel() is None or weight.dim() != 2 or not _fits(weight):
+    if kernel() is None or weight.dim() != 2:
+        return None
+    if _fits_bf16(weight):
+        return _pack_panels_bf16(weight)
+    if not _fits(weight):
         return None
     n, k = weight.shape
     whole = n // PANEL
@@ -368,6 +373,8 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """``x W^T + b`` with W packed by :func:`pack_panels`: x [rows, in] -> [rows, out_features]. None where the
     kernel is unavailable or does not handle the tensors (autograd, another dtype, a view that is not contiguous)."""
     lib = kernel()
+    if lib is not None and x.dtype is torch.bfloat16:
+        return _panel_linear_bf16(lib, x, panels, out_features, bias) if _bf16_gemm_enabled else None
     if lib is None or x.dim() != 2 or x.requires_grad or not _fits(x) or panels.dim() != 3 or \
             x.shape[1] != panels.shape[1] or not 0 < out_features <= panels.shape[0] * PANEL or \
             (bias is not None and (not _fits(bias) or bias.numel() != out_features)):
@@ -375,6 +382,46 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     status = lib.panel_gemm_f32(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                                 out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+    return None if status else out
+
+
+_bf16_gemm_enabled = True  # the bfloat16 panel GEMM (small_gemm_bf16.c); off: oneDNN's packed GEMM or F.linear
+
+
+def use_bf16_gemm(enabled: bool = True) -> bool:
+    """Let bfloat16 linears of a decode step's few rows take csrc/small_gemm_bf16.c (True, the default) or oneDNN's
+    packed GEMM / F.linear (False: for benchmarks and parity checks comparing the two). Returns the previous
+    setting."""
+    global _bf16_gemm_enabled
+    previous, _bf16_gemm_enabled = _bf16_gemm_enabled, bool(enabled)
+    return previous
+
+
+PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (small_gemm_bf16.c's MAX_ROWS)
+
+
+def _pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_panels` of a bfloat16 weight [out, in], for csrc/small_gemm_bf16.c: [panels, ceil(in / 2), 48, 2],
+    each pair of inputs' 48 x 2 weights side by side (output o's two weights next to each other: the layout
+    vdpbf16ps multiplies), zeros past ``out`` and past ``in``."""
+    n, k = weight.shape
+    padded = torch.zeros((-(-n // PANEL) * PANEL, k + k % 2), dtype=weight.dtype)
+    padded[:n, :k] = weight
+    return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def _panel_linear_bf16(lib, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`panel_linear` of bfloat16 rows over :func:`_pack_panels_bf16`'s panels (float32 sums, the bias added
+    in float32, rounded to bfloat16 once): x [rows <= 64, in] -> [rows, out_features]."""
+    if x.dim() != 2 or x.requires_grad or not _fits_bf16(x, panels) or panels.dim() != 4 or \
+            not 0 < x.shape[0] <= PANEL_ROWS_BF16 or panels.shape[1] != -(-x.shape[1] // 2) or \
+            not 0 < out_features <= panels.shape[0] * PANEL or \
+            (bias is not None and (not _fits_bf16(bias) or bias.numel() != out_features)):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    status = lib.panel_gemm_bf16(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return None if status else out
 
 

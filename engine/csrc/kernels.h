@@ -32,6 +32,8 @@ int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *o
 int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads);
+int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                    int64_t n_len, int64_t k_len, int threads);
 int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
                      const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
