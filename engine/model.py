@@ -501,14 +501,16 @@ class CausalLM(nn.Module):
 
     def _stack_addresses(self) -> torch.Tensor | None:
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
-        where every linear has panels and every norm is float32 rows with one epsilon; else None. The addresses stay
+        where every linear has panels and every norm is rows of one dtype (float32, or bfloat16: decode_stack.c runs
+        either) with one epsilon; else None. The addresses stay
         valid: the InferenceLinears hold their panels, and ``_stack_norms`` the norms' weights as they are now (like
         the packed copies, a snapshot of the storage: weights changed in place are seen, weights given new storage
         need prepare_inference again)."""
         layers = self.model.layers
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(self.model.norm)
-        if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
+        fits = native._fits_bf16 if norms[0].weight.dtype is torch.bfloat16 else native._fits  # one dtype throughout
+        if not layers or any(n.eps != norms[0].eps or not fits(n.weight) for n in norms):
             return None
         if self.config.qk_norm:  # decode_stack.c has no per-head q/k norm
             return None
@@ -518,7 +520,7 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp  # the MLP's linears have no bias (prepare_inference makes none)
             linears = (attn.qkv, attn.out, mlp.gate_up, mlp.down)
             if any(m is None or m.panels is None for m in linears) or \
-                    any(m.bias is not None and not native._fits(m.bias) for m in linears):
+                    any(m.bias is not None and not fits(m.bias) for m in linears):
                 return None
             rows.append([self._stack_norms[2 * i].data_ptr(), attn.qkv.panels.data_ptr(), _address(attn.qkv.bias),
                          attn.out.panels.data_ptr(), _address(attn.out.bias), self._stack_norms[2 * i + 1].data_ptr(),

@@ -127,6 +127,7 @@ def _build():
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
         "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
+        "decode_stack_bf16": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
         "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
         "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
@@ -452,12 +453,15 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
     kernel ran out of scratch memory midway (x and the caches partly updated)."""
     lib = kernel()
     heads, kv_heads, dim, inter, block_size = shape
-    if lib is None or not _fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
+    bf16 = x.dtype is torch.bfloat16  # the bfloat16 kernels, where the layer-by-layer loop would take them all
+    fits = _fits_bf16 if bf16 else _fits
+    if lib is None or not fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
             weights.shape != (len(caches), STACK_FIELDS) or weights.dtype != torch.int64 or \
-            not weights.is_contiguous() or slots.dtype != torch.int64:
+            not weights.is_contiguous() or slots.dtype != torch.int64 or \
+            (bf16 and (not _bf16_enabled or not _bf16_gemm_enabled or x.shape[0] > PANEL_ROWS_BF16)):
         return None
     for key_cache, value_cache in caches:  # the layout the kernels index: [blocks, block_size, kv_heads, dim]
-        if not _fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
+        if not fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
                 key_cache.shape[1:] != (block_size, kv_heads, dim):
             return None
     tokens, hidden = x.shape
@@ -466,10 +470,11 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
     if tables.shape[0] != tokens or seq_lens.shape[0] != tokens or slots.shape[0] != tokens:
         return None
     addresses = torch.tensor([t.data_ptr() for pair in caches for t in pair], dtype=torch.int64)
-    scratch = torch.empty(tokens * (2 * hidden + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter))
+    scratch = torch.empty(tokens * (2 * hidden + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
+                          dtype=x.dtype)
     out = torch.empty_like(x)
     slots = slots.contiguous()
-    status = lib.decode_stack_f32(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
+    status = (lib.decode_stack_bf16 if bf16 else lib.decode_stack_f32)(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
                                   addresses.data_ptr(), weights.shape[0], final_norm.data_ptr(), cos.data_ptr(),
                                   sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                                   seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps,

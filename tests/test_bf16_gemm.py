@@ -128,3 +128,61 @@ def test_bfloat16_decode_batches_take_the_panel_gemm(monkeypatch):
     finally:
         native.use_bf16_gemm(previous)
     assert eng.num_steps > steps and rows == []
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """The row count of every call to ``native.<name>`` (which still runs)."""
+    rows: list[int] = []
+    real = getattr(native, name)
+    monkeypatch.setattr(native, name, lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    return rows
+
+
+@pytest.mark.parametrize("streamed,conversations", [(True, 12), (False, 50)])
+def test_the_bfloat16_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch, streamed,
+                                                                                            conversations):
+    """decode_stack_bf16 (decode_stack.c's walk over the bfloat16 kernels) runs the kernels the bfloat16 Python loop
+    runs, in the same order: the same tokens and the same K/V bits in every layer, with a block size that splits
+    blocks and a fork sharing a prefix; up to 16 rows (weights said to be larger than the cache) and up to 64."""
+    calls = _count_calls(monkeypatch, "decode_stack")
+    if streamed:
+        monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1 << 20)
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(conversations)] + [[5] * 40]
+    results = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(native, "decode_stack", lambda *a: None)
+        eng = Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512, dtype="bfloat16"))
+        assert eng.model.stack is not None and eng.model.panel_rows == (16 if streamed else 64)
+        tokens = eng.generate(prompts, max_new_tokens=10)
+        parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
+        eng.step()
+        eng.fork_conversation(parent)
+        eng.run_until_idle()
+        results.append((tokens, [c.output_token_ids for c in eng.snapshot().conversations], eng.kv.data.clone()))
+    assert calls and set(calls) <= set(range(1, eng.model.panel_rows + 1)) and conversations + 1 in calls
+    assert results[0][1] and results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
+
+
+@pytest.mark.parametrize("switch", ["use_bf16_gemm", "use_bf16_elementwise"])
+def test_the_bfloat16_one_call_decode_step_stands_aside_where_the_loop_would_take_torch(monkeypatch, switch):
+    """With the bfloat16 GEMM or the elementwise bfloat16 kernels turned off, the loop computes with torch's
+    operations: the one-call step answers None (nothing written) and the loop runs, so the bits stay the loop's."""
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128, dtype="bfloat16"))
+    calls = None
+    if switch == "use_bf16_elementwise":
+        calls, real = [], native._panel_linear_bf16
+        monkeypatch.setattr(native, "_panel_linear_bf16", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    stack = native.decode_stack
+    answers = []
+    monkeypatch.setattr(native, "decode_stack", lambda *a: answers.append(stack(*a)) or answers[-1])
+    previous = getattr(native, switch)(False)
+    try:
+        eng.generate([[1, 2, 3, 4, 5]] * 4, max_new_tokens=3)
+    finally:
+        getattr(native, switch)(previous)
+    assert answers == [None, None]
+    assert calls is None or 4 in calls  # the loop's linears still took the GEMM
+    answers.clear()
+    eng.generate([[1, 2, 3, 4, 5]] * 4, max_new_tokens=3)
+    assert len(answers) == 2 and all(a is not None and a.dtype == torch.bfloat16 for a in answers)
