@@ -192,35 +192,40 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _kind(t: torch.Tensor, elementwise: bool = False):
+    """(the check that tensors fit, the kernels' name suffix) for ``t``'s dtype: one table for the float32 kernels and
+    the bfloat16 ones (csrc/*_bf16.c), which take the same arguments with bfloat16 tensors. None for another dtype,
+    and for bfloat16 ``elementwise`` kernels while :func:`use_bf16_elementwise` has them off."""
+    if t.dtype is torch.bfloat16:
+        return None if elementwise and not _bf16_enabled else (_fits_bf16, "bf16")
+    return (_fits, "f32") if t.dtype is torch.float32 else None
+
+
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
            seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor | None:
     """Decode attention through the kernel: query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
     seq_lens int [seqs] -> [seqs, heads, dim]. ``window``: a sliding window (the query at position p reads keys at
-    positions > p - window; blocks wholly before that are not read, their entries may be -1). None where the kernel
-    is unavailable or does not handle the shape."""
+    positions > p - window; blocks wholly before that are not read, their entries may be -1; float32 only: a
+    bfloat16 query with a window is left to the eager path). None where the kernel is unavailable or does not handle
+    the shape. bfloat16 (csrc/paged_decode_bf16.c): K/V read in place and widened to float32, sums in float32, the
+    output rounded to bfloat16 once."""
     lib = kernel()
-    if lib is None:
+    kind = None if lib is None else _kind(query)
+    if kind is None or (window and kind[1] == "bf16"):
         return None
     query = query.contiguous()
-    if query.dtype is torch.bfloat16:
-        return _decode_bf16(lib, query, key_cache, value_cache, tables, seq_lens, scale)
-    if not _fits(query, key_cache, value_cache):
+    if not kind[0](query, key_cache, value_cache) or query.requires_grad:
         return None
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
-    if window:
-        status = lib.paged_decode_window_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                             tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-                                             seqs, heads, kv_heads, dim, block_size, scale, torch.get_num_threads(),
-                                             window)
-    else:
-        status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                      tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs,
-                                      heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+    args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size, scale,
+            torch.get_num_threads())
+    status = lib.paged_decode_window_f32(*args, window) if window else getattr(lib, "paged_decode_" + kind[1])(*args)
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out
@@ -229,25 +234,6 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
 def _fits_bf16(*tensors: torch.Tensor) -> bool:
     """:func:`_fits` for the bfloat16 kernels: bfloat16, on the CPU, contiguous."""
     return all(t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t in tensors)
-
-
-def _decode_bf16(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """:func:`decode` of a bfloat16 query over bfloat16 caches (csrc/paged_decode_bf16.c: K/V read in place and
-    widened to float32, sums in float32, the output rounded to bfloat16 once), [seqs, heads, dim] bfloat16."""
-    if not _fits_bf16(query, key_cache, value_cache) or query.requires_grad:
-        return None
-    seqs, heads, dim = query.shape
-    _, block_size, kv_heads, _ = key_cache.shape
-    tables = tables.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    out = torch.empty((seqs, heads, dim), dtype=torch.bfloat16)
-    status = lib.paged_decode_bf16(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-                                   tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim,
-                                   block_size, scale, torch.get_num_threads())
-    if status == 2:
-        raise MemoryError("paged attention: out of memory for the scores of the longest context")
-    return None if status else out
 
 
 _bf16_enabled = True  # the elementwise bfloat16 kernels (norm_act_bf16.c); off: torch's bfloat16 operations
@@ -261,58 +247,24 @@ def use_bf16_elementwise(enabled: bool = True) -> bool:
     return previous
 
 
-def _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads) -> torch.Tensor | None:
-    """:func:`rope_store` of bfloat16 tensors (csrc/norm_act_bf16.c), rounding where transformers does."""
-    if not _fits_bf16(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or qkv.requires_grad:
-        return None
-    tokens, dim = qkv.shape[0], key_cache.shape[-1]
-    q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
-    slots = slots.contiguous()
-    status = lib.rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                 key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
-                                 torch.get_num_threads())
-    return None if status else q
-
-
-def _add_rms_norm_bf16(lib, x, delta, weight, eps) -> torch.Tensor | None:
-    """:func:`add_rms_norm` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
-    tensors = (x, weight) if delta is None else (x, weight, delta)
-    if not _fits_bf16(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
-            (delta is not None and (delta.shape != x.shape or delta.requires_grad)):
-        return None
-    out = torch.empty_like(x)
-    status = lib.add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                   out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return None if status else out
-
-
-def _silu_mul_bf16(lib, gate_up) -> torch.Tensor | None:
-    """:func:`silu_mul` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
-    if not _fits_bf16(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
-        return None
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((rows, n), dtype=gate_up.dtype)
-    status = lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
-    return None if status else out
-
-
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
     caches [blocks, block_size, kv_heads, dim]: ``qkv`` [tokens, (heads + 2 kv_heads) * dim] from the fused
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
-    not handle the tensors (the caller does it in torch, with the same bits)."""
+    not handle the tensors (the caller does it in torch, with the same bits; bfloat16: rounding where transformers
+    does)."""
     lib = kernel()
-    if lib is not None and qkv.dtype is torch.bfloat16 and _bf16_enabled:
-        return _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads)
-    if lib is None or not _fits(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64:
+    kind = None if lib is None else _kind(qkv, elementwise=True)
+    if kind is None or not kind[0](qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or \
+            qkv.requires_grad:
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
     q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
     slots = slots.contiguous()
-    status = lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
-                                torch.get_num_threads())
+    status = getattr(lib, "rope_store_" + kind[1])(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                   q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tokens,
+                                                   heads, kv_heads, dim, torch.get_num_threads())
     return None if status else q
 
 
@@ -320,15 +272,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``x += delta`` (in place, when given), then the RMSNorm of ``x`` [rows, n] with ``weight`` [n], as a new
     tensor. None (and ``x`` untouched) where the kernel is unavailable or does not handle the tensors."""
     lib = kernel()
-    if lib is not None and x.dtype is torch.bfloat16 and _bf16_enabled:
-        return _add_rms_norm_bf16(lib, x, delta, weight, eps)
+    kind = None if lib is None else _kind(x, elementwise=True)
     tensors = (x, weight) if delta is None else (x, weight, delta)
-    if lib is None or not _fits(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
+    if kind is None or not kind[0](*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
             (delta is not None and (delta.shape != x.shape or delta.requires_grad)):  # autograd: the torch form
         return None
     out = torch.empty_like(x)
-    status = lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                  out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    status = getattr(lib, "add_rms_norm_" + kind[1])(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                                     weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                                                     torch.get_num_threads())
     return None if status else out
 
 
@@ -336,13 +288,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused projection's output [rows, 2 n] (gate, then up) -> [rows, n]. None where
     the kernel is unavailable or does not handle the tensor."""
     lib = kernel()
-    if lib is not None and gate_up.dtype is torch.bfloat16 and _bf16_enabled:
-        return _silu_mul_bf16(lib, gate_up)
-    if lib is None or not _fits(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
+    kind = None if lib is None else _kind(gate_up, elementwise=True)
+    if kind is None or not kind[0](gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype)
-    status = lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    status = getattr(lib, "silu_mul_" + kind[1])(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
     return None if status else out
 
 

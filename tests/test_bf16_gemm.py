@@ -1,6 +1,6 @@
 """The bfloat16 panel GEMM (engine/csrc/small_gemm_bf16.c through engine.native): its packed layout, its sums (float32,
-in vdpbf16ps's order, the bias added in float32, rounded to bfloat16 once), its independence from the batch and the
-threads, what it leaves to torch, and the engine's bfloat16 decode batches taking it."""
+in vdpbf16ps's order, the bias added in float32, rounded to bfloat16 once; its independence from the batch and the
+threads: tests/test_native.py), what it leaves to torch, and the engine's bfloat16 decode batches taking it."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -65,26 +65,6 @@ def test_bfloat16_panel_linear_is_f_linear_to_a_unit_in_the_last_place(n, k):
     assert float((got != want).float().mean()) < 1e-3
 
 
-def test_bfloat16_panel_linear_rows_do_not_depend_on_the_batch_or_the_threads():
-    """A row's result is the same bits alone, among others, and with one thread or two: a conversation's tokens do
-    not depend on who else is decoding."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(1376, 256, generator=g).bfloat16()
-    panels = native.pack_panels(w)
-    x = torch.randn(40, 256, generator=g).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        whole = native.panel_linear(x, panels, 1376, None)
-        torch.set_num_threads(1)
-        single = native.panel_linear(x, panels, 1376, None)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(whole, single)
-    for lo, hi in ((0, 1), (5, 21), (7, 8), (24, 40)):
-        assert torch.equal(native.panel_linear(x[lo:hi].contiguous(), panels, 1376, None), whole[lo:hi])
-
-
 def test_bfloat16_panel_linear_leaves_other_inputs_to_torch():
     w = torch.randn(50, 8).bfloat16()
     panels = native.pack_panels(w)
@@ -130,40 +110,6 @@ def test_bfloat16_decode_batches_take_the_panel_gemm(monkeypatch):
     assert eng.num_steps > steps and rows == []
 
 
-def _count_calls(monkeypatch, name: str) -> list[int]:
-    """The row count of every call to ``native.<name>`` (which still runs)."""
-    rows: list[int] = []
-    real = getattr(native, name)
-    monkeypatch.setattr(native, name, lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
-    return rows
-
-
-@pytest.mark.parametrize("streamed,conversations", [(True, 12), (False, 50)])
-def test_the_bfloat16_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch, streamed,
-                                                                                            conversations):
-    """decode_stack_bf16 (decode_stack.c's walk over the bfloat16 kernels) runs the kernels the bfloat16 Python loop
-    runs, in the same order: the same tokens and the same K/V bits in every layer, with a block size that splits
-    blocks and a fork sharing a prefix; up to 16 rows (weights said to be larger than the cache) and up to 64."""
-    calls = _count_calls(monkeypatch, "decode_stack")
-    if streamed:
-        monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1 << 20)
-    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(conversations)] + [[5] * 40]
-    results = []
-    for one_call in (True, False):
-        if not one_call:
-            monkeypatch.setattr(native, "decode_stack", lambda *a: None)
-        eng = Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512, dtype="bfloat16"))
-        assert eng.model.stack is not None and eng.model.panel_rows == (16 if streamed else 64)
-        tokens = eng.generate(prompts, max_new_tokens=10)
-        parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
-        eng.step()
-        eng.fork_conversation(parent)
-        eng.run_until_idle()
-        results.append((tokens, [c.output_token_ids for c in eng.snapshot().conversations], eng.kv.data.clone()))
-    assert calls and set(calls) <= set(range(1, eng.model.panel_rows + 1)) and conversations + 1 in calls
-    assert results[0][1] and results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
-
-
 @pytest.mark.parametrize("switch", ["use_bf16_gemm", "use_bf16_elementwise"])
 def test_the_bfloat16_one_call_decode_step_stands_aside_where_the_loop_would_take_torch(monkeypatch, switch):
     """With the bfloat16 GEMM or the elementwise bfloat16 kernels turned off, the loop computes with torch's
@@ -186,3 +132,29 @@ def test_the_bfloat16_one_call_decode_step_stands_aside_where_the_loop_would_tak
     answers.clear()
     eng.generate([[1, 2, 3, 4, 5]] * 4, max_new_tokens=3)
     assert len(answers) == 2 and all(a is not None and a.dtype == torch.bfloat16 for a in answers)
+
+
+def test_bfloat16_decode_with_a_window_is_left_to_the_eager_path_which_reads_only_the_window():
+    """csrc/paged_decode_bf16.c has no sliding window: a bfloat16 query with one gets None from native.decode (it
+    used to get attention over the whole context), and paged_attention's answer then attends over the window only,
+    as attention over the window's keys alone does."""
+    from engine import paged_attention
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size, length, window = 4, 2, 32, 4, 21, 6
+    key = torch.randn(8, block_size, kv_heads, dim, generator=gen).bfloat16()
+    value = torch.randn(8, block_size, kv_heads, dim, generator=gen).bfloat16()
+    query = torch.randn(1, heads, dim, generator=gen).bfloat16()
+    tables = torch.tensor([[6, 1, 4, 0, 7, 3]])
+    lens = torch.tensor([length])
+    assert native.decode(query, key, value, tables, lens, dim ** -0.5) is not None
+    assert native.decode(query, key, value, tables, lens, dim ** -0.5, window=window) is None
+    got = paged_attention(query, key, value, tables, lens, dim ** -0.5, sliding_window=window)
+    keys = key[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
+    values = value[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
+    whole = key[tables[0]].reshape(-1, kv_heads, dim)[:length], value[tables[0]].reshape(-1, kv_heads, dim)[:length]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=dim ** -0.5, enable_gqa=True)
+    unwindowed = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), whole[0].transpose(0, 1), whole[1].transpose(0, 1), scale=dim ** -0.5, enable_gqa=True)
+    assert (got[0].float() - want[:, 0].float()).abs().max() <= 0.02
+    assert (got[0].float() - unwindowed[:, 0].float()).abs().max() > 0.05

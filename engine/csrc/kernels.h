@@ -17,6 +17,10 @@ static inline int rope_store_takes(int heads, int kv_heads, int dim) {
     return dim >= 2 && dim % 2 == 0 && heads >= 1 && kv_heads >= 1;
 }
 
+/* one item of paged decode attention: KV heads [first, first + count) of sequence s, with a thread's scratch */
+typedef void (*decode_item)(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc);
+int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
+                       decode_item item, const void *ctx);
 int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
                      int dim, int block_size, float scale, int threads);
