@@ -9,8 +9,8 @@ what they replace, in one process, alternating rounds.
    one-call step over the panel GEMM), layer by layer from Python over the panel GEMM (``native.decode_stack``
    answering None), and oneDNN's GEMM (``native.use_bf16_gemm(False)``, which also turns the one-call step off).
    Prints each setting's median and fastest step and the ratios of the medians; the tokens of the three are
-   compared (the panel GEMM sums in another order than oneDNN: they may part where two logits are within a
-   rounding).
+   compared (no prefix cache: every run computes its prompts the same way; the panel GEMM sums in another order
+   than oneDNN, so those two may part where two logits are within a rounding).
 
     python bench/bf16_gemm.py [--model 135m|3m] [--batch 16] [--rounds 5] [--threads 0] [--rows 16]
 """
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as main.py sets it, before torch's OpenMP starts
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -75,7 +76,7 @@ def kernels(rows: int, rounds: int) -> None:
 def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = peers.build_checkpoint(model, Path(tmp))
-        eng = Engine(EngineConfig(model=str(path), block_size=16, dtype="bfloat16",
+        eng = Engine(EngineConfig(model=str(path), block_size=16, dtype="bfloat16", enable_prefix_caching=False,
                                   num_blocks=batch * (-(-(peers.PROMPT_LEN + new_tokens) // 16)) + 16))
     vocab = peers.MODELS[model]["vocab_size"]
     stack = native.decode_stack
@@ -115,7 +116,7 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
     for name, values in steps.items():
         med = statistics.median(values)
         print(f"  {name:<36} step median {med * 1e3:7.1f} ms  fastest {min(values) * 1e3:7.1f} ms  "
-              f"x all native {base / med:.2f}")
+              f"its time / all native's {med / base:.2f}")
     first = tokens[next(iter(settings))]
     print("  tokens equal to all native's: " + ", ".join(
         f"{name}: {sum(a == b for a, b in zip(first, tokens[name]))} of {len(first)} runs" for name in settings))
