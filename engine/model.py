@@ -231,7 +231,9 @@ class InferenceLinear:
     float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
-    (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows: a decode batch, or any step as small (a
+    (:func:`engine.native.panel_linear`: csrc/small_gemm.c in float32, csrc/small_gemm_bf16.c's ``vdpbf16ps`` walk in
+    bfloat16, where oneDNN's packed bfloat16 GEMM lost to it the same way: docs/engine.md) serves 1 to ``panel_rows``
+    rows: a decode batch, or any step as small (a
     short prefill, the logits of a few rows). Where the weights do not fit in the last-level cache (16 rows), a step
     streams every weight from memory once for a few multiply-adds each, and oneDNN did not overlap the stream with its
     arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two added up); the panel kernel

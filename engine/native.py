@@ -14,7 +14,10 @@ shared library and called through ctypes.
   the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
 - ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
   SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
-  transformers' bfloat16 operations round (docs/engine.md, "bfloat16").
+  transformers' bfloat16 operations round (docs/engine.md, "bfloat16"). They share the float32 kernels' walks
+  (``paged_decode_items``, ``row_walks.h``), and ``decode_stack.c`` is written once for both element types.
+- ``small_gemm_bf16.c``: the bfloat16 panel GEMM (:func:`pack_panels` and :func:`panel_linear` with bfloat16
+  tensors): ``vdpbf16ps`` on pairs of inputs, float32 sums rounded once.
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
