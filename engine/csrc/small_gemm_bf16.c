@@ -21,7 +21,7 @@
  * multiply-adds each; oneDNN's packed bfloat16 GEMM, like its float32 one (small_gemm.c), does not overlap that
  * stream with its arithmetic at a few rows. Here each tile of rows asks for its share of the panel block after
  * next (prefetch) through its arithmetic, the same schedule as small_gemm.c (a block of 64 pairs is 12 KiB, as
- * there). Figures: docs/performance.md, "bfloat16".
+ * there). Figures: docs/engine.md, "bfloat16".
  *
  * Without AVX-512 BF16 the same walk runs with the pair widened to float32 and the two products added in
  * vdpbf16ps's order (the odd input's first), in two fused multiply-adds: the products of two bfloat16 values are
