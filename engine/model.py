@@ -231,7 +231,9 @@ class InferenceLinear:
     float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
-    (:func:`engine.native.panel_linear`) serves 1 to ``panel_rows`` rows: a decode batch, or any step as small (a
+    (:func:`engine.native.panel_linear`: csrc/small_gemm.c in float32, csrc/small_gemm_bf16.c's ``vdpbf16ps`` walk in
+    bfloat16, where oneDNN's packed bfloat16 GEMM lost to it the same way: docs/engine.md) serves 1 to ``panel_rows``
+    rows: a decode batch, or any step as small (a
     short prefill, the logits of a few rows). Where the weights do not fit in the last-level cache (16 rows), a step
     streams every weight from memory once for a few multiply-adds each, and oneDNN did not overlap the stream with its
     arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two added up); the panel kernel
@@ -501,14 +503,16 @@ class CausalLM(nn.Module):
 
     def _stack_addresses(self) -> torch.Tensor | None:
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
-        where every linear has panels and every norm is float32 rows with one epsilon; else None. The addresses stay
+        where every linear has panels and every norm is rows of one dtype (float32, or bfloat16: decode_stack.c runs
+        either) with one epsilon; else None. The addresses stay
         valid: the InferenceLinears hold their panels, and ``_stack_norms`` the norms' weights as they are now (like
         the packed copies, a snapshot of the storage: weights changed in place are seen, weights given new storage
         need prepare_inference again)."""
         layers = self.model.layers
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(self.model.norm)
-        if not layers or any(n.eps != norms[0].eps or not native._fits(n.weight) for n in norms):
+        fits = native._fits_bf16 if norms[0].weight.dtype is torch.bfloat16 else native._fits  # one dtype throughout
+        if not layers or any(n.eps != norms[0].eps or not fits(n.weight) for n in norms):
             return None
         if self.config.qk_norm:  # decode_stack.c has no per-head q/k norm
             return None
@@ -518,7 +522,7 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp  # the MLP's linears have no bias (prepare_inference makes none)
             linears = (attn.qkv, attn.out, mlp.gate_up, mlp.down)
             if any(m is None or m.panels is None for m in linears) or \
-                    any(m.bias is not None and not native._fits(m.bias) for m in linears):
+                    any(m.bias is not None and not fits(m.bias) for m in linears):
                 return None
             rows.append([self._stack_norms[2 * i].data_ptr(), attn.qkv.panels.data_ptr(), _address(attn.qkv.bias),
                          attn.out.panels.data_ptr(), _address(attn.out.bias), self._stack_norms[2 * i + 1].data_ptr(),

@@ -14,7 +14,10 @@ shared library and called through ctypes.
   the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
 - ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
   SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
-  transformers' bfloat16 operations round (docs/engine.md, "bfloat16").
+  transformers' bfloat16 operations round (docs/engine.md, "bfloat16"). They share the float32 kernels' walks
+  (``paged_decode_items``, ``row_walks.h``), and ``decode_stack.c`` is written once for both element types.
+- ``small_gemm_bf16.c``: the bfloat16 panel GEMM (:func:`pack_panels` and :func:`panel_linear` with bfloat16
+  tensors): ``vdpbf16ps`` on pairs of inputs, float32 sums rounded once.
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -127,10 +130,12 @@ def _build():
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
         "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
+        "decode_stack_bf16": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
         "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
         "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
+        "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -190,35 +195,40 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _kind(t: torch.Tensor, elementwise: bool = False):
+    """(the check that tensors fit, the kernels' name suffix) for ``t``'s dtype: one table for the float32 kernels and
+    the bfloat16 ones (csrc/*_bf16.c), which take the same arguments with bfloat16 tensors. None for another dtype,
+    and for bfloat16 ``elementwise`` kernels while :func:`use_bf16_elementwise` has them off."""
+    if t.dtype is torch.bfloat16:
+        return None if elementwise and not _bf16_enabled else (_fits_bf16, "bf16")
+    return (_fits, "f32") if t.dtype is torch.float32 else None
+
+
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
            seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor | None:
     """Decode attention through the kernel: query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim];
     tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
     seq_lens int [seqs] -> [seqs, heads, dim]. ``window``: a sliding window (the query at position p reads keys at
-    positions > p - window; blocks wholly before that are not read, their entries may be -1). None where the kernel
-    is unavailable or does not handle the shape."""
+    positions > p - window; blocks wholly before that are not read, their entries may be -1; float32 only: a
+    bfloat16 query with a window is left to the eager path). None where the kernel is unavailable or does not handle
+    the shape. bfloat16 (csrc/paged_decode_bf16.c): K/V read in place and widened to float32, sums in float32, the
+    output rounded to bfloat16 once."""
     lib = kernel()
-    if lib is None:
+    kind = None if lib is None else _kind(query)
+    if kind is None or (window and kind[1] == "bf16"):
         return None
     query = query.contiguous()
-    if query.dtype is torch.bfloat16:
-        return _decode_bf16(lib, query, key_cache, value_cache, tables, seq_lens, scale)
-    if not _fits(query, key_cache, value_cache):
+    if not kind[0](query, key_cache, value_cache) or query.requires_grad:
         return None
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
-    if window:
-        status = lib.paged_decode_window_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                             tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-                                             seqs, heads, kv_heads, dim, block_size, scale, torch.get_num_threads(),
-                                             window)
-    else:
-        status = lib.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                      tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs,
-                                      heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+    args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size, scale,
+            torch.get_num_threads())
+    status = lib.paged_decode_window_f32(*args, window) if window else getattr(lib, "paged_decode_" + kind[1])(*args)
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out
@@ -227,25 +237,6 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
 def _fits_bf16(*tensors: torch.Tensor) -> bool:
     """:func:`_fits` for the bfloat16 kernels: bfloat16, on the CPU, contiguous."""
     return all(t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t in tensors)
-
-
-def _decode_bf16(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """:func:`decode` of a bfloat16 query over bfloat16 caches (csrc/paged_decode_bf16.c: K/V read in place and
-    widened to float32, sums in float32, the output rounded to bfloat16 once), [seqs, heads, dim] bfloat16."""
-    if not _fits_bf16(query, key_cache, value_cache) or query.requires_grad:
-        return None
-    seqs, heads, dim = query.shape
-    _, block_size, kv_heads, _ = key_cache.shape
-    tables = tables.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    out = torch.empty((seqs, heads, dim), dtype=torch.bfloat16)
-    status = lib.paged_decode_bf16(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-                                   tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim,
-                                   block_size, scale, torch.get_num_threads())
-    if status == 2:
-        raise MemoryError("paged attention: out of memory for the scores of the longest context")
-    return None if status else out
 
 
 _bf16_enabled = True  # the elementwise bfloat16 kernels (norm_act_bf16.c); off: torch's bfloat16 operations
@@ -259,58 +250,24 @@ def use_bf16_elementwise(enabled: bool = True) -> bool:
     return previous
 
 
-def _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads) -> torch.Tensor | None:
-    """:func:`rope_store` of bfloat16 tensors (csrc/norm_act_bf16.c), rounding where transformers does."""
-    if not _fits_bf16(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or qkv.requires_grad:
-        return None
-    tokens, dim = qkv.shape[0], key_cache.shape[-1]
-    q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
-    slots = slots.contiguous()
-    status = lib.rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                 key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
-                                 torch.get_num_threads())
-    return None if status else q
-
-
-def _add_rms_norm_bf16(lib, x, delta, weight, eps) -> torch.Tensor | None:
-    """:func:`add_rms_norm` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
-    tensors = (x, weight) if delta is None else (x, weight, delta)
-    if not _fits_bf16(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
-            (delta is not None and (delta.shape != x.shape or delta.requires_grad)):
-        return None
-    out = torch.empty_like(x)
-    status = lib.add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                   out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return None if status else out
-
-
-def _silu_mul_bf16(lib, gate_up) -> torch.Tensor | None:
-    """:func:`silu_mul` of bfloat16 rows (csrc/norm_act_bf16.c), rounding where transformers does."""
-    if not _fits_bf16(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
-        return None
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((rows, n), dtype=gate_up.dtype)
-    status = lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
-    return None if status else out
-
-
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
     caches [blocks, block_size, kv_heads, dim]: ``qkv`` [tokens, (heads + 2 kv_heads) * dim] from the fused
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
-    not handle the tensors (the caller does it in torch, with the same bits)."""
+    not handle the tensors (the caller does it in torch, with the same bits; bfloat16: rounding where transformers
+    does)."""
     lib = kernel()
-    if lib is not None and qkv.dtype is torch.bfloat16 and _bf16_enabled:
-        return _rope_store_bf16(lib, qkv, cos, sin, slots, key_cache, value_cache, heads, kv_heads)
-    if lib is None or not _fits(qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64:
+    kind = None if lib is None else _kind(qkv, elementwise=True)
+    if kind is None or not kind[0](qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or \
+            qkv.requires_grad:
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
     q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
     slots = slots.contiguous()
-    status = lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                key_cache.data_ptr(), value_cache.data_ptr(), tokens, heads, kv_heads, dim,
-                                torch.get_num_threads())
+    status = getattr(lib, "rope_store_" + kind[1])(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                   q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tokens,
+                                                   heads, kv_heads, dim, torch.get_num_threads())
     return None if status else q
 
 
@@ -318,15 +275,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``x += delta`` (in place, when given), then the RMSNorm of ``x`` [rows, n] with ``weight`` [n], as a new
     tensor. None (and ``x`` untouched) where the kernel is unavailable or does not handle the tensors."""
     lib = kernel()
-    if lib is not None and x.dtype is torch.bfloat16 and _bf16_enabled:
-        return _add_rms_norm_bf16(lib, x, delta, weight, eps)
+    kind = None if lib is None else _kind(x, elementwise=True)
     tensors = (x, weight) if delta is None else (x, weight, delta)
-    if lib is None or not _fits(*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
+    if kind is None or not kind[0](*tensors) or x.dim() != 2 or weight.shape != x.shape[1:] or x.requires_grad or \
             (delta is not None and (delta.shape != x.shape or delta.requires_grad)):  # autograd: the torch form
         return None
     out = torch.empty_like(x)
-    status = lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                  out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    status = getattr(lib, "add_rms_norm_" + kind[1])(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                                     weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                                                     torch.get_num_threads())
     return None if status else out
 
 
@@ -334,13 +291,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused projection's output [rows, 2 n] (gate, then up) -> [rows, n]. None where
     the kernel is unavailable or does not handle the tensor."""
     lib = kernel()
-    if lib is not None and gate_up.dtype is torch.bfloat16 and _bf16_enabled:
-        return _silu_mul_bf16(lib, gate_up)
-    if lib is None or not _fits(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
+    kind = None if lib is None else _kind(gate_up, elementwise=True)
+    if kind is None or not kind[0](gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.requires_grad:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype)
-    status = lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    status = getattr(lib, "silu_mul_" + kind[1])(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
     return None if status else out
 
 
@@ -352,7 +308,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     48p .. 48p + 47 side by side for each input (zeros past ``out``). None where the kernel is unavailable or the
     weight is not float32 on the CPU."""
     weight = weight.detach().contiguous()
-    if kernel() is None or weight.dim() != 2 or not _fits(weight):
+    if kernel() is None or weight.dim() != 2:
+        return None
+    if _fits_bf16(weight):
+        return _pack_panels_bf16(weight)
+    if not _fits(weight):
         return None
     n, k = weight.shape
     whole = n // PANEL
@@ -368,6 +328,8 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """``x W^T + b`` with W packed by :func:`pack_panels`: x [rows, in] -> [rows, out_features]. None where the
     kernel is unavailable or does not handle the tensors (autograd, another dtype, a view that is not contiguous)."""
     lib = kernel()
+    if lib is not None and x.dtype is torch.bfloat16:
+        return _panel_linear_bf16(lib, x, panels, out_features, bias) if _bf16_gemm_enabled else None
     if lib is None or x.dim() != 2 or x.requires_grad or not _fits(x) or panels.dim() != 3 or \
             x.shape[1] != panels.shape[1] or not 0 < out_features <= panels.shape[0] * PANEL or \
             (bias is not None and (not _fits(bias) or bias.numel() != out_features)):
@@ -375,6 +337,46 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     status = lib.panel_gemm_f32(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                                 out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+    return None if status else out
+
+
+_bf16_gemm_enabled = True  # the bfloat16 panel GEMM (small_gemm_bf16.c); off: oneDNN's packed GEMM or F.linear
+
+
+def use_bf16_gemm(enabled: bool = True) -> bool:
+    """Let bfloat16 linears of a decode step's few rows take csrc/small_gemm_bf16.c (True, the default) or oneDNN's
+    packed GEMM / F.linear (False: for benchmarks and parity checks comparing the two). Returns the previous
+    setting."""
+    global _bf16_gemm_enabled
+    previous, _bf16_gemm_enabled = _bf16_gemm_enabled, bool(enabled)
+    return previous
+
+
+PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (small_gemm_bf16.c's MAX_ROWS)
+
+
+def _pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_panels` of a bfloat16 weight [out, in], for csrc/small_gemm_bf16.c: [panels, ceil(in / 2), 48, 2],
+    each pair of inputs' 48 x 2 weights side by side (output o's two weights next to each other: the layout
+    vdpbf16ps multiplies), zeros past ``out`` and past ``in``."""
+    n, k = weight.shape
+    padded = torch.zeros((-(-n // PANEL) * PANEL, k + k % 2), dtype=weight.dtype)
+    padded[:n, :k] = weight
+    return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def _panel_linear_bf16(lib, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`panel_linear` of bfloat16 rows over :func:`_pack_panels_bf16`'s panels (float32 sums, the bias added
+    in float32, rounded to bfloat16 once): x [rows <= 64, in] -> [rows, out_features]."""
+    if x.dim() != 2 or x.requires_grad or not _fits_bf16(x, panels) or panels.dim() != 4 or \
+            not 0 < x.shape[0] <= PANEL_ROWS_BF16 or panels.shape[1] != -(-x.shape[1] // 2) or \
+            not 0 < out_features <= panels.shape[0] * PANEL or \
+            (bias is not None and (not _fits_bf16(bias) or bias.numel() != out_features)):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    status = lib.panel_gemm_bf16(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return None if status else out
 
 
@@ -405,12 +407,15 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
     kernel ran out of scratch memory midway (x and the caches partly updated)."""
     lib = kernel()
     heads, kv_heads, dim, inter, block_size = shape
-    if lib is None or not _fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
+    bf16 = x.dtype is torch.bfloat16  # the bfloat16 kernels, where the layer-by-layer loop would take them all
+    fits = _fits_bf16 if bf16 else _fits
+    if lib is None or not fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
             weights.shape != (len(caches), STACK_FIELDS) or weights.dtype != torch.int64 or \
-            not weights.is_contiguous() or slots.dtype != torch.int64:
+            not weights.is_contiguous() or slots.dtype != torch.int64 or \
+            (bf16 and (not _bf16_enabled or not _bf16_gemm_enabled or x.shape[0] > PANEL_ROWS_BF16)):
         return None
     for key_cache, value_cache in caches:  # the layout the kernels index: [blocks, block_size, kv_heads, dim]
-        if not _fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
+        if not fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
                 key_cache.shape[1:] != (block_size, kv_heads, dim):
             return None
     tokens, hidden = x.shape
@@ -419,10 +424,11 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
     if tables.shape[0] != tokens or seq_lens.shape[0] != tokens or slots.shape[0] != tokens:
         return None
     addresses = torch.tensor([t.data_ptr() for pair in caches for t in pair], dtype=torch.int64)
-    scratch = torch.empty(tokens * (2 * hidden + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter))
+    scratch = torch.empty(tokens * (2 * hidden + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
+                          dtype=x.dtype)
     out = torch.empty_like(x)
     slots = slots.contiguous()
-    status = lib.decode_stack_f32(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
+    status = (lib.decode_stack_bf16 if bf16 else lib.decode_stack_f32)(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
                                   addresses.data_ptr(), weights.shape[0], final_norm.data_ptr(), cos.data_ptr(),
                                   sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                                   seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps,

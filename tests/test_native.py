@@ -355,15 +355,17 @@ def test_panel_linear_is_x_w_t_plus_b(rows, n, k, with_bias, seed):
     assert float(((got.double() - want).abs() / scale.clamp_min(1e-30)).max()) <= (k + 1) * 2.0 ** -23
 
 
-def test_panel_linear_rows_do_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # small_gemm.c, small_gemm_bf16.c
+def test_panel_linear_rows_do_not_depend_on_the_batch_or_the_threads(dtype):
     """Every output is summed by one thread in k order: a row's result is the same bits alone, among 16 or 40 other
     rows, and with one thread or two (so a conversation's tokens do not depend on who else is decoding)."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(1376, 256, generator=g)
+    w = torch.randn(1376, 256, generator=g).to(dtype)
     panels = native.pack_panels(w)
-    x = torch.randn(40, 256, generator=g)
+    x = torch.randn(40, 256, generator=g).to(dtype)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         whole = native.panel_linear(x, panels, 1376, None)
         torch.set_num_threads(1)
         single = native.panel_linear(x, panels, 1376, None)
@@ -468,21 +470,24 @@ def _panelled_engine(monkeypatch, **kw):
     return Engine(EngineConfig(model="builtin", **{"block_size": 16, "num_blocks": 128, **kw}))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # decode_stack_f32 / decode_stack_bf16
 @pytest.mark.parametrize("streamed,conversations", [(True, 12), (False, 50)])
 def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch, streamed,
-                                                                                   conversations):
+                                                                                   conversations, dtype):
     """native.decode_stack runs the kernels the Python loop runs, in the same order: the same tokens, and the same
     K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix; for batches of up to
-    16 rows (weights larger than the cache) and up to 64 (weights in the cache)."""
+    16 rows (weights larger than the cache) and up to 64 (weights in the cache); in float32 and in bfloat16 (the
+    bfloat16 kernels: decode_stack.c's walk over them)."""
     calls = _rows_through(monkeypatch, "decode_stack")
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(conversations)] + [[5] * 40]
     results = []
     for one_call in (True, False):
         if not one_call:
             monkeypatch.setattr(native, "decode_stack", lambda *a: None)
-        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512) if streamed else \
-            Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512))
+        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512, dtype=dtype) if streamed else \
+            Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512, dtype=dtype))
         assert eng.model.stack is not None and eng.model.stack.shape == (len(eng.model.model.layers), 8)
+        assert eng.kv.data.dtype == getattr(torch, dtype) and eng.model.panel_rows == (16 if streamed else 64)
         tokens = eng.generate(prompts, max_new_tokens=10)
         parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
         eng.step()

@@ -66,14 +66,21 @@ def test_greedy_agrees_with_transformers_bfloat16(checkpoint):
 
 
 def test_bfloat16_linears_are_packed_and_give_f_linear_bits(checkpoint):
-    """oneDNN's packed bfloat16 GEMM serves the decode batches (it measured faster than F.linear: docs/engine.md),
-    with F.linear's exact bits."""
+    """oneDNN's packed bfloat16 GEMM serves the rows past the panel GEMM's (a prefill; it measured faster than
+    F.linear: docs/engine.md), with F.linear's exact bits; a decode batch takes the bfloat16 panel GEMM
+    (csrc/small_gemm_bf16.c), which sums in another order: within a unit in the last place of F.linear."""
     _, path, _ = checkpoint
     eng = Engine(EngineConfig(model=str(path), num_blocks=16, dtype="bfloat16"))
     linear = eng.model.model.layers[0].mlp.gate_up
-    assert linear.packed is not None
-    x = torch.randn(16, linear.weight.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert linear.packed is not None and linear.panels is not None and linear.panel_rows in (16, 64)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(linear.panel_rows + 1, linear.weight.shape[1], generator=gen).bfloat16()
     assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight))
+    x = x[:16]
+    got, want = linear(x), torch.nn.functional.linear(x, linear.weight)
+    assert torch.equal(got, native.panel_linear(x, linear.panels, linear.weight.shape[0], None))
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
 
 
 def _scattered(heads, kv_heads, dim, block_size, lens, seed=0):

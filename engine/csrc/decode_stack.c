@@ -29,35 +29,42 @@
 #include "kernels.h"
 
 #define FIELDS 8 /* addresses per layer in weights */
-#define F(p) ((float *)(intptr_t)(p))
 
-int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
-                     const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
-                     const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
-                     int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
-                     int threads) {
-    if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||
-        !paged_decode_takes(heads, kv_heads, dim, block_size))
-        return 1;
-    const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;
-    float *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;
-    float *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;
-    int status;
-#define RUN(call) if ((status = (call))) return status
-    for (int l = 0; l < layers; l++) {
-        const int64_t *w = weights + (int64_t)l * FIELDS;
-        float *key_cache = F(caches[2 * l]), *value_cache = F(caches[2 * l + 1]);
-        RUN(add_rms_norm_f32(x, l ? delta : 0, F(w[0]), h, tokens, hidden, eps, threads));
-        RUN(panel_gemm_f32(h, F(w[1]), F(w[2]), qkv, tokens, qkv_n, hidden, threads));
-        RUN(rope_store_f32(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads, dim, threads));
-        RUN(paged_decode_f32(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads, kv_heads, dim,
-                             block_size, scale, threads));
-        RUN(panel_gemm_f32(attn, F(w[3]), F(w[4]), delta, tokens, hidden, attn_n, threads));
-        RUN(add_rms_norm_f32(x, delta, F(w[5]), h, tokens, hidden, eps, threads));
-        RUN(panel_gemm_f32(h, F(w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads));
-        RUN(silu_mul_f32(gate_up, act, tokens, inter, threads));
-        RUN(panel_gemm_f32(act, F(w[7]), 0, delta, tokens, hidden, inter, threads));
-    }
-#undef RUN
-    return add_rms_norm_f32(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);
+/* One walk for both element types (float32: the _f32 kernels; bfloat16, stored as uint16_t: the _bf16 ones, which
+ * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). */
+#define DECODE_STACK(T, SUFFIX)                                                                                        \
+int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, const int64_t *caches, int layers,         \
+                          const T *final_norm, const T *cos, const T *sin, const int64_t *slots,                       \
+                          const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens,            \
+                          int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,          \
+                          float scale, int threads) {                                                                  \
+    if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||             \
+        !paged_decode_takes(heads, kv_heads, dim, block_size))                                                         \
+        return 1;                                                                                                      \
+    const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;                       \
+    T *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;               \
+    T *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;       \
+    int status;                                                                                                        \
+    for (int l = 0; l < layers; l++) {                                                                                 \
+        const int64_t *w = weights + (int64_t)l * FIELDS;                                                              \
+        T *key_cache = (T *)(intptr_t)caches[2 * l], *value_cache = (T *)(intptr_t)caches[2 * l + 1];                  \
+        RUN(add_rms_norm_##SUFFIX(x, l ? delta : 0, P(T, w[0]), h, tokens, hidden, eps, threads));                     \
+        RUN(panel_gemm_##SUFFIX(h, P(T, w[1]), P(T, w[2]), qkv, tokens, qkv_n, hidden, threads));                      \
+        RUN(rope_store_##SUFFIX(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads, dim,         \
+                                threads));                                                                             \
+        RUN(paged_decode_##SUFFIX(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads,          \
+                                  kv_heads, dim, block_size, scale, threads));                                         \
+        RUN(panel_gemm_##SUFFIX(attn, P(T, w[3]), P(T, w[4]), delta, tokens, hidden, attn_n, threads));                \
+        RUN(add_rms_norm_##SUFFIX(x, delta, P(T, w[5]), h, tokens, hidden, eps, threads));                             \
+        RUN(panel_gemm_##SUFFIX(h, P(T, w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads));                       \
+        RUN(silu_mul_##SUFFIX(gate_up, act, tokens, inter, threads));                                                  \
+        RUN(panel_gemm_##SUFFIX(act, P(T, w[7]), 0, delta, tokens, hidden, inter, threads));                           \
+    }                                                                                                                  \
+    return add_rms_norm_##SUFFIX(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);                \
 }
+
+#define P(T, address) ((T *)(intptr_t)(address))
+#define RUN(call) if ((status = (call))) return status
+
+DECODE_STACK(float, f32)
+DECODE_STACK(uint16_t, bf16)

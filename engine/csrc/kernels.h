@@ -17,6 +17,10 @@ static inline int rope_store_takes(int heads, int kv_heads, int dim) {
     return dim >= 2 && dim % 2 == 0 && heads >= 1 && kv_heads >= 1;
 }
 
+/* one item of paged decode attention: KV heads [first, first + count) of sequence s, with a thread's scratch */
+typedef void (*decode_item)(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc);
+int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
+                       decode_item item, const void *ctx);
 int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
                      int dim, int block_size, float scale, int threads);
@@ -32,10 +36,26 @@ int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *o
 int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads);
+int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                    int64_t n_len, int64_t k_len, int threads);
+int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                      const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t seqs,
+                      int heads, int kv_heads, int dim, int block_size, float scale, int threads);
+int rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                    uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
+                    int kv_heads, int dim, int threads);
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows, int n,
+                      float eps, int threads);
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int threads);
 int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
                      const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
                      int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
                      int threads);
+int decode_stack_bf16(uint16_t *x, uint16_t *out, uint16_t *scratch, const int64_t *weights, const int64_t *caches,
+                      int layers, const uint16_t *final_norm, const uint16_t *cos, const uint16_t *sin,
+                      const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                      int64_t tokens, int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,
+                      float scale, int threads);
 
 #endif

@@ -17,9 +17,9 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "row_walks.h"
 #include "simd.h"
 
-#define ROWS_PER_THREAD 64 /* fewer rows than this per thread: one thread (waking the other costs more) */
 
 __attribute__((optimize("fp-contract=off")))
 static void norm_row(float *restrict x, const float *restrict delta, const float *restrict weight,
@@ -47,15 +47,7 @@ static void norm_row(float *restrict x, const float *restrict delta, const float
     for (; i < n; i++) out[i] = (x[i] * inv) * weight[i];
 }
 
-int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
-                     int threads) {
-    if (n < 1) return 1;
-    if (rows < (int64_t)ROWS_PER_THREAD * 2) threads = 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        norm_row(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n, eps);
-    return 0;
-}
+ADD_RMS_NORM(float, f32, norm_row)
 
 static void silu_mul_row(const float *restrict gate, const float *restrict up, float *restrict out, int n) {
     int i = 0;
@@ -71,11 +63,4 @@ static void silu_mul_row(const float *restrict gate, const float *restrict up, f
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads) {
-    if (n < 1) return 1;
-    if (rows < (int64_t)ROWS_PER_THREAD * 2) threads = 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        silu_mul_row(gate_up + r * 2 * (int64_t)n, gate_up + r * 2 * (int64_t)n + n, out + r * (int64_t)n, n);
-    return 0;
-}
+SILU_MUL(float, f32, silu_mul_row)

@@ -14,9 +14,9 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "row_walks.h"
 #include "simd.h"
 
-#define ROWS_PER_THREAD_BF16 64 /* fewer rows than this per thread: one thread (waking the other costs more) */
 
 __attribute__((optimize("fp-contract=off")))
 static void norm_row_bf16(uint16_t *restrict x, const uint16_t *restrict delta, const uint16_t *restrict weight,
@@ -44,15 +44,7 @@ static void norm_row_bf16(uint16_t *restrict x, const uint16_t *restrict delta, 
     for (; i < n; i++) out[i] = narrow(round1(widen(x[i]) * inv) * widen(weight[i]));
 }
 
-int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows, int n,
-                      float eps, int threads) {
-    if (n < 1) return 1;
-    if (rows < (int64_t)ROWS_PER_THREAD_BF16 * 2) threads = 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        norm_row_bf16(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n, eps);
-    return 0;
-}
+ADD_RMS_NORM(uint16_t, bf16, norm_row_bf16)
 
 __attribute__((optimize("fp-contract=off")))
 static void silu_mul_row_bf16(const uint16_t *restrict gate, const uint16_t *restrict up, uint16_t *restrict out,
@@ -72,14 +64,7 @@ static void silu_mul_row_bf16(const uint16_t *restrict gate, const uint16_t *res
     }
 }
 
-int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int threads) {
-    if (n < 1) return 1;
-    if (rows < (int64_t)ROWS_PER_THREAD_BF16 * 2) threads = 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        silu_mul_row_bf16(gate_up + r * 2 * (int64_t)n, gate_up + r * 2 * (int64_t)n + n, out + r * (int64_t)n, n);
-    return 0;
-}
+SILU_MUL(uint16_t, bf16, silu_mul_row_bf16)
 
 __attribute__((optimize("fp-contract=off")))
 static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict cos, const uint16_t *restrict sin,
@@ -92,22 +77,4 @@ static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict cos
     }
 }
 
-int rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
-                    uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
-                    int kv_heads, int dim, int threads) {
-    if (!rope_store_takes(heads, kv_heads, dim)) return 1;
-    const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;
-    if (tokens < 64) threads = 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *row = qkv + t * width;
-        const uint16_t *c = cos + t * dim, *s = sin + t * dim;
-        for (int h = 0; h < heads; h++) rotate_bf16(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim);
-        uint16_t *k = key_cache + slots[t] * kv_heads * dim;
-        uint16_t *v = value_cache + slots[t] * kv_heads * dim;
-        for (int h = 0; h < kv_heads; h++) rotate_bf16(row + (heads + h) * dim, c, s, k + h * dim, dim);
-        const uint16_t *vsrc = row + (int64_t)(heads + kv_heads) * dim;
-        for (int i = 0; i < kv_heads * dim; i++) v[i] = vsrc[i];
-    }
-    return 0;
-}
+ROPE_STORE(uint16_t, bf16, rotate_bf16)

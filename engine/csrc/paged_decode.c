@@ -169,20 +169,18 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
                                    kv_heads, dim, block_size, scale, threads, 0);
 }
 
-/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out.
- * window > 0: a sliding window; a query at position p (= len - 1) reads the keys at positions > p - window. */
-int paged_decode_window_f32(const float *query, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
-                            int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int threads,
-                            int64_t window) {
-    if (!paged_decode_takes(heads, kv_heads, dim, block_size) || window < 0) return 1;
+/* The walk over the items shared with paged_decode_bf16.c: an item is a whole sequence (every KV head: its blocks
+ * read once, in order) unless there are too few sequences to keep the threads busy, then one KV head of a
+ * sequence; each thread has one scratch for the scores (the longest context's) and its items' q and sums.
+ * item(ctx, sequence, first KV head, KV heads, scores, q, acc) attends one. Returns 0, or 2 when scratch memory
+ * ran out. */
+int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
+                       decode_item item, const void *ctx) {
     const int group = heads / kv_heads;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++)
         if (lens[s] > longest) longest = lens[s];
     if (threads < 1) threads = 1;
-    /* an item is a whole sequence (every KV head: its blocks read once, in order) unless there are too few
-     * sequences to keep the threads busy, then one KV head of a sequence */
     const int per_item = seqs >= 4 * (int64_t)threads ? kv_heads : 1;
     const int64_t items = seqs * (kv_heads / per_item);
     if (items < threads) threads = (int)(items > 0 ? items : 1);
@@ -197,16 +195,41 @@ int paged_decode_window_f32(const float *query, const float *key_cache, const fl
             failed = 2;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
+        for (int64_t i = 0; i < items; i++) {
             if (!scores) continue;
-            const int64_t s = item / (kv_heads / per_item);
-            const int first = (int)(item % (kv_heads / per_item)) * per_item;
-            const int64_t begin = window > 0 && lens[s] > window ? lens[s] - window : 0;
-            attend_item(query + s * heads * dim, key_cache, value_cache, tables + s * table_stride, lens[s], begin,
-                        out + s * heads * dim, scores, scores + score_floats, scores + score_floats + head_floats,
-                        group, kv_heads, first, per_item, dim, block_size, scale);
+            item(ctx, i / (kv_heads / per_item), (int)(i % (kv_heads / per_item)) * per_item, per_item, scores,
+                 scores + score_floats, scores + score_floats + head_floats);
         }
         free(scores);
     }
     return failed;
+}
+
+struct decode_f32 { /* paged_decode_window_f32's arguments, for its items */
+    const float *query, *key_cache, *value_cache;
+    const int64_t *tables, *lens;
+    int64_t table_stride, window;
+    float *out;
+    int heads, kv_heads, dim, block_size;
+    float scale;
+};
+
+static void decode_item_f32(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc) {
+    const struct decode_f32 *a = ctx;
+    const int64_t begin = a->window > 0 && a->lens[s] > a->window ? a->lens[s] - a->window : 0;
+    attend_item(a->query + s * a->heads * a->dim, a->key_cache, a->value_cache, a->tables + s * a->table_stride,
+                a->lens[s], begin, a->out + s * a->heads * a->dim, scores, q, acc, a->heads / a->kv_heads,
+                a->kv_heads, first, count, a->dim, a->block_size, a->scale);
+}
+
+/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out.
+ * window > 0: a sliding window; a query at position p (= len - 1) reads the keys at positions > p - window. */
+int paged_decode_window_f32(const float *query, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
+                            int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int threads,
+                            int64_t window) {
+    if (!paged_decode_takes(heads, kv_heads, dim, block_size) || window < 0) return 1;
+    const struct decode_f32 args = {query, key_cache, value_cache, tables, lens, table_stride, window, out, heads,
+                                    kv_heads, dim, block_size, scale};
+    return paged_decode_items(lens, seqs, heads, kv_heads, dim, threads, decode_item_f32, &args);
 }

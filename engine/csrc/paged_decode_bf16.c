@@ -133,39 +133,29 @@ static void attend_item_bf16(const uint16_t *restrict query, const uint16_t *res
     }
 }
 
-/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out. */
+struct decode_bf16 { /* paged_decode_bf16's arguments, for its items */
+    const uint16_t *query, *key_cache, *value_cache;
+    const int64_t *tables, *lens;
+    int64_t table_stride;
+    uint16_t *out;
+    int heads, kv_heads, dim, block_size;
+    float scale;
+};
+
+static void decode_item_bf16(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc) {
+    const struct decode_bf16 *a = ctx;
+    attend_item_bf16(a->query + s * a->heads * a->dim, a->key_cache, a->value_cache, a->tables + s * a->table_stride,
+                     a->lens[s], a->out + s * a->heads * a->dim, scores, q, acc, a->heads / a->kv_heads, a->kv_heads,
+                     first, count, a->dim, a->block_size, a->scale);
+}
+
+/* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out. The
+ * items and their threads are paged_decode.c's (paged_decode_items). */
 int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                       const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t seqs,
                       int heads, int kv_heads, int dim, int block_size, float scale, int threads) {
     if (!paged_decode_takes(heads, kv_heads, dim, block_size)) return 1;
-    const int group = heads / kv_heads;
-    int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; s++)
-        if (lens[s] > longest) longest = lens[s];
-    if (threads < 1) threads = 1;
-    const int per_item = seqs >= 4 * (int64_t)threads ? kv_heads : 1;
-    const int64_t items = seqs * (kv_heads / per_item);
-    if (items < threads) threads = (int)(items > 0 ? items : 1);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        const size_t score_floats = (size_t)((longest + 15) / 16 * 16 + 16) * per_item * group;
-        const size_t head_floats = (size_t)per_item * group * dim;
-        float *scores = malloc(sizeof(float) * (score_floats + 2 * head_floats));
-        if (!scores) {
-#pragma omp atomic write
-            failed = 2;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            if (!scores) continue;
-            const int64_t s = item / (kv_heads / per_item);
-            const int first = (int)(item % (kv_heads / per_item)) * per_item;
-            attend_item_bf16(query + s * heads * dim, key_cache, value_cache, tables + s * table_stride, lens[s],
-                             out + s * heads * dim, scores, scores + score_floats, scores + score_floats + head_floats,
-                             group, kv_heads, first, per_item, dim, block_size, scale);
-        }
-        free(scores);
-    }
-    return failed;
+    const struct decode_bf16 args = {query, key_cache, value_cache, tables, lens, table_stride, out, heads, kv_heads,
+                                     dim, block_size, scale};
+    return paged_decode_items(lens, seqs, heads, kv_heads, dim, threads, decode_item_bf16, &args);
 }

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "row_walks.h"
 
 __attribute__((optimize("fp-contract=off")))
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
@@ -32,22 +33,4 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
     }
 }
 
-int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
-                   float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
-                   int threads) {
-    if (!rope_store_takes(heads, kv_heads, dim)) return 1;
-    const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;
-    if (tokens < 64) threads = 1;  /* waking a second thread costs more than a few tokens' work */
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *row = qkv + t * width;
-        const float *c = cos + t * dim, *s = sin + t * dim;
-        for (int h = 0; h < heads; h++) rotate(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim);
-        float *k = key_cache + slots[t] * kv_heads * dim;
-        float *v = value_cache + slots[t] * kv_heads * dim;
-        for (int h = 0; h < kv_heads; h++) rotate(row + (heads + h) * dim, c, s, k + h * dim, dim);
-        const float *vsrc = row + (int64_t)(heads + kv_heads) * dim;
-        for (int i = 0; i < kv_heads * dim; i++) v[i] = vsrc[i];
-    }
-    return 0;
-}
+ROPE_STORE(float, f32, rotate)

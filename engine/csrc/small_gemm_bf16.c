@@ -1,0 +1,168 @@
+/* y = x W^T (+ bias) in bfloat16 with W pre-packed into panels of 48 outputs: the bfloat16 path's linear layers at a
+ * decode step's few rows (small_gemm.c's walk for float32). Built with engine/native.py, with the other kernels here.
+ *
+ * Layouts (bfloat16 stored as uint16_t, contiguous):
+ *   x       [M, K]
+ *   panels  [P, K2, 48, 2] with K2 = ceil(K / 2): panel p holds W's rows 48p .. 48p + 47 (outputs); for each pair of
+ *           inputs (2j, 2j + 1) the 48 outputs' two weights sit side by side, w[o][2j] then w[o][2j + 1] (zeros past
+ *           N and past K), made once by engine/native.py's pack_panels_bf16: the layout vdpbf16ps reads, 16 outputs
+ *           by 2 inputs in one register
+ *   bias    [N] or null
+ *   y       [M, N]
+ *
+ * How: as small_gemm.c, for one panel and up to 8 rows of x, 24 float32 accumulators of 16 lanes stay in registers
+ * while a block of K passes; each step reads the panel's 48 x 2 weights of one pair of inputs (three vectors) and
+ * broadcasts each row's (x[2j], x[2j + 1]); vdpbf16ps adds both products to the float32 sums. Every sum runs over
+ * K in one fixed order, whatever the thread count or the other rows of the batch; the result, with the bias added
+ * in float32, is rounded to bfloat16 once, as oneDNN's bfloat16 GEMM (what F.linear reaches on the CPU) does.
+ * Threads split the panels.
+ *
+ * Why: a decode step of a model larger than the last-level cache streams every weight from memory once for a few
+ * multiply-adds each; oneDNN's packed bfloat16 GEMM, like its float32 one (small_gemm.c), does not overlap that
+ * stream with its arithmetic at a few rows. Here each tile of rows asks for its share of the panel block after
+ * next (prefetch) through its arithmetic, the same schedule as small_gemm.c (a block of 64 pairs is 12 KiB, as
+ * there). Figures: docs/engine.md, "bfloat16".
+ *
+ * Without AVX-512 BF16 the same walk runs with the pair widened to float32 and the two products added in
+ * vdpbf16ps's order (the odd input's first), in two fused multiply-adds: the products of two bfloat16 values are
+ * exact in float32, so each step rounds as vdpbf16ps does (denormal inputs aside, which vdpbf16ps flushes).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "simd.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+#define WIDTH 48   /* outputs in a panel: three vectors */
+#define ROWS 8     /* rows of x in a tile */
+#define K_BLOCK 64 /* pairs of a panel (12 KiB) kept in L1 while the tiles of x pass over them */
+#define DIST 2     /* blocks between the one summed and the one asked for */
+#define MAX_ROWS 64 /* most rows of x (the decode batches it serves: engine/model.py's PANEL_ROWS_CACHED) */
+#define MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
+
+typedef uint32_t v16w __attribute__((vector_size(64), aligned(2))); /* a row of 16 pairs, anywhere */
+
+/* the weights of one pair of inputs for 16 outputs, ready for pair_madd */
+#if HAVE_DPBF16
+typedef __m512bh wpair;
+static inline wpair load_pair(const uint16_t *w) { return (wpair)_mm512_loadu_si512(w); }
+static inline v16 pair_madd(v16 acc, wpair w, uint32_t pair) {
+    return (v16)_mm512_dpbf16_ps((__m512)acc, w, (__m512bh)_mm512_set1_epi32((int)pair));
+}
+#else
+typedef struct { v16 even, odd; } wpair;
+static inline wpair load_pair(const uint16_t *w) {
+    const v16w raw = *(const v16w *)w;
+    return (wpair){(v16)(raw << 16), (v16)(raw & 0xffff0000u)};
+}
+static inline v16 pair_madd(v16 acc, wpair w, uint32_t pair) {
+    acc += w.odd * widen((uint16_t)(pair >> 16)); /* exact products: each addition rounds once, as vdpbf16ps's */
+    return acc + w.even * widen((uint16_t)pair);
+}
+#endif
+
+/* mt rows of x (k2 pairs each, row stride x_stride values) against pairs j0..j1 of one panel, into the float32
+ * sums acc_out [mt, WIDTH] (started at zero when j0 == 0). Tile t of nt asks for its share of the block at
+ * `ahead`, as small_gemm.c's tile. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *restrict x, int64_t x_stride,
+                                                            const uint16_t *restrict panel, int64_t j0, int64_t j1,
+                                                            float *restrict sums, const uint16_t *ahead,
+                                                            const int64_t t, const int64_t nt, const int mt) {
+    v16 acc[ROWS][3];
+    if (j0 == 0)
+        for (int m = 0; m < mt; m++) acc[m][0] = acc[m][1] = acc[m][2] = (v16){0};
+    else
+        for (int m = 0; m < mt; m++)
+            for (int v = 0; v < 3; v++) acc[m][v] = *(const v16 *)(sums + m * WIDTH + 16 * v);
+    const int64_t lines = 3 * (j1 - j0); /* 64-byte lines in this block of the panel */
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t i = j - j0;
+        for (int64_t l = (lines * t + 3 * i) / nt; l < (lines * t + 3 * i + 3) / nt; l++)
+            __builtin_prefetch(ahead + 32 * l, 0, 3);
+        const uint16_t *p = panel + j * 2 * WIDTH;
+        const wpair w0 = load_pair(p), w1 = load_pair(p + 32), w2 = load_pair(p + 64);
+        for (int m = 0; m < mt; m++) {
+            uint32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * j, sizeof pair);
+            acc[m][0] = pair_madd(acc[m][0], w0, pair);
+            acc[m][1] = pair_madd(acc[m][1], w1, pair);
+            acc[m][2] = pair_madd(acc[m][2], w2, pair);
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int v = 0; v < 3; v++) *(v16 *)(sums + m * WIDTH + 16 * v) = acc[m][v];
+}
+
+static void panel_rows_bf16(const uint16_t *restrict x, int64_t x_stride, const uint16_t *restrict panel,
+                            const uint16_t *restrict bias, uint16_t *restrict y, int64_t m_len, int64_t n_len,
+                            int64_t k2, int64_t n0) {
+    float sums[MAX_ROWS * WIDTH] __attribute__((aligned(64)));
+    const int64_t tiles = (m_len + ROWS - 1) / ROWS;
+    for (int64_t j0 = 0; j0 < k2; j0 += K_BLOCK) {
+        const int64_t j1 = k2 - j0 < K_BLOCK ? k2 : j0 + K_BLOCK;
+        /* the panels of one thread lie one after another: past this panel's end, ahead is the next one's start */
+        const uint16_t *ahead = panel + (j0 + DIST * K_BLOCK) * 2 * WIDTH;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * ROWS;
+            const int mt = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
+            const uint16_t *xm = x + m0 * x_stride;
+            float *s = sums + m0 * WIDTH;
+            switch (mt) {  /* each row count its own inlined copy, loops unrolled */
+                case 8: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 8); break;
+                case 7: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 7); break;
+                case 6: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 6); break;
+                case 5: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 5); break;
+                case 4: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 4); break;
+                case 3: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 3); break;
+                case 2: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 2); break;
+                default: tile_bf16(xm, x_stride, panel, j0, j1, s, ahead, t, tiles, 1); break;
+            }
+        }
+    }
+    const int cols = n_len - n0 < WIDTH ? (int)(n_len - n0) : WIDTH;
+    float b[WIDTH] __attribute__((aligned(64))) = {0};
+    if (bias)
+        for (int c = 0; c < cols; c++) b[c] = widen(bias[n0 + c]);
+    for (int64_t m = 0; m < m_len; m++) {
+        const float *s = sums + m * WIDTH;
+        uint16_t *out = y + m * n_len + n0;
+        if (cols == WIDTH) {
+            for (int v = 0; v < 3; v++) narrow16(out + 16 * v, *(const v16 *)(s + 16 * v) + *(const v16 *)(b + 16 * v));
+        } else {
+            for (int c = 0; c < cols; c++) out[c] = narrow(s[c] + b[c]);
+        }
+    }
+}
+
+/* Returns 0 on success, 1 for shapes it does not take, 2 when scratch memory ran out. */
+int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                    int64_t n_len, int64_t k_len, int threads) {
+    if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH, k2 = (k_len + 1) / 2;
+    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
+    if (threads > num_panels) threads = (int)num_panels;
+    /* an odd K: the rows copied with a zero after each, so that every pair read is whole */
+    uint16_t *padded = 0;
+    int64_t x_stride = k_len;
+    if (k_len % 2) {
+        padded = calloc((size_t)(m_len * 2 * k2), sizeof *padded);
+        if (!padded) return 2;
+        for (int64_t m = 0; m < m_len; m++) memcpy(padded + m * 2 * k2, x + m * k_len, sizeof *x * (size_t)k_len);
+        x = padded;
+        x_stride = 2 * k2;
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < num_panels; p++)
+        panel_rows_bf16(x, x_stride, panels + p * k2 * 2 * WIDTH, bias, y, m_len, n_len, k2, p * WIDTH);
+    free(padded);
+    return 0;
+}

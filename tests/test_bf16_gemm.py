@@ -1,0 +1,160 @@
+"""The bfloat16 panel GEMM (engine/csrc/small_gemm_bf16.c through engine.native): its packed layout, its sums (float32,
+in vdpbf16ps's order, the bias added in float32, rounded to bfloat16 once; its independence from the batch and the
+threads: tests/test_native.py), what it leaves to torch, and the engine's bfloat16 decode batches taking it."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine import Engine, EngineConfig, native
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b as the kernel sums it: per output one float32 sum over the pairs of inputs in order, the odd input's
+    product added before the even one's (vdpbf16ps's order; each product of two bfloat16 values is exact in
+    float32), the bias added in float32, then one rounding to bfloat16."""
+    xf, wf = x.float(), w.float()
+    k = x.shape[1]
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for pair in range(0, k, 2):
+        for i in ((pair + 1, pair) if pair + 1 < k else (pair,)):
+            acc = acc + xf[:, i:i + 1] * wf[:, i][None, :]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.bfloat16()
+
+
+def test_bfloat16_weights_are_packed_in_pairs_of_inputs_for_each_of_48_outputs():
+    w = torch.randn(50, 5).bfloat16()
+    panels = native.pack_panels(w)
+    assert panels is not None and panels.dtype == torch.bfloat16 and panels.shape == (2, 3, 48, 2)
+    for p in range(2):
+        for j in range(3):
+            for o in range(48):
+                for t in range(2):
+                    row, col = 48 * p + o, 2 * j + t
+                    want = w[row, col] if row < 50 and col < 5 else 0
+                    assert panels[p, j, o, t] == want, (p, j, o, t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 64), n=st.sampled_from([1, 47, 48, 100, 258]),
+       k=st.sampled_from([1, 2, 33, 64, 65, 128, 129, 200]), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_bfloat16_panel_linear_sums_in_float32_and_rounds_once(rows, n, k, with_bias, seed):
+    """The same bits as one float32 sum per output in vdpbf16ps's order, rounded once: for any row count (tiles of 8
+    and a partial one), outputs that fill no whole panel, odd input widths and widths around its blocks of 64
+    pairs, with and without a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(got, _reference(x, w, bias))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (1376, 256)])
+def test_bfloat16_panel_linear_is_f_linear_to_a_unit_in_the_last_place(n, k):
+    """Against F.linear (oneDNN's bfloat16 GEMM, what transformers' bfloat16 run reaches), which sums in another
+    order: at most one unit in the last place apart, and in few outputs (measured: 0.002-0.02%)."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(16, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    want = torch.nn.functional.linear(x, w, bias)
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert float((got != want).float().mean()) < 1e-3
+
+
+def test_bfloat16_panel_linear_leaves_other_inputs_to_torch():
+    w = torch.randn(50, 8).bfloat16()
+    panels = native.pack_panels(w)
+    x = torch.randn(3, 8).bfloat16()
+    assert native.panel_linear(x, panels, 50, None) is not None
+    assert native.panel_linear(torch.randn(65, 8).bfloat16(), panels, 50, None) is None  # more rows than it takes
+    assert native.panel_linear(x.float(), panels, 50, None) is None  # float32 rows, bfloat16 panels
+    assert native.panel_linear(x, native.pack_panels(w.float()), 50, None) is None  # bfloat16 rows, float32 panels
+    assert native.panel_linear(torch.randn(8, 3).bfloat16().t(), panels, 50, None) is None  # not contiguous
+    assert native.panel_linear(torch.randn(3, 10).bfloat16(), panels, 50, None) is None  # another input width
+    assert native.panel_linear(torch.randn(3, 8).bfloat16().requires_grad_(), panels, 50, None) is None
+    assert native.panel_linear(x, panels, 97, None) is None  # more outputs than the panels hold
+    assert native.panel_linear(x, panels, 50, torch.randn(49).bfloat16()) is None  # a bias of another length
+    assert native.panel_linear(x, panels, 50, torch.randn(50)) is None  # a float32 bias
+    previous = native.use_bf16_gemm(False)
+    try:
+        assert native.panel_linear(x, panels, 50, None) is None  # turned off: oneDNN / F.linear serve
+    finally:
+        native.use_bf16_gemm(previous)
+
+
+def test_bfloat16_decode_batches_take_the_panel_gemm(monkeypatch):
+    """A bfloat16 engine's decode steps run every linear through the bfloat16 panel GEMM (the built-in model fits in
+    the cache: up to 64 rows), and its prefill (more rows) through oneDNN or F.linear; greedy tokens are those of
+    the engine with the kernel turned off, for this model's 12 tokens."""
+    rows: list[int] = []
+    real = native._panel_linear_bf16
+    monkeypatch.setattr(native, "_panel_linear_bf16", lambda lib, x, *a: rows.append(x.shape[0]) or real(lib, x, *a))
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 80]
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128, dtype="bfloat16"))
+    linears = [eng.model.head] + [m for layer in eng.model.model.layers for m in
+                                  (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+    assert all(m.panels is not None and m.panels.dtype == torch.bfloat16 and m.panel_rows == 64 for m in linears)
+    with_kernel = eng.generate(prompts, max_new_tokens=12)
+    assert 13 in rows and set(rows) <= set(range(1, 65))
+    steps = eng.num_steps
+    previous = native.use_bf16_gemm(False)
+    try:
+        rows.clear()
+        assert eng.generate(prompts, max_new_tokens=12) == with_kernel
+    finally:
+        native.use_bf16_gemm(previous)
+    assert eng.num_steps > steps and rows == []
+
+
+@pytest.mark.parametrize("switch", ["use_bf16_gemm", "use_bf16_elementwise"])
+def test_the_bfloat16_one_call_decode_step_stands_aside_where_the_loop_would_take_torch(monkeypatch, switch):
+    """With the bfloat16 GEMM or the elementwise bfloat16 kernels turned off, the loop computes with torch's
+    operations: the one-call step answers None (nothing written) and the loop runs, so the bits stay the loop's."""
+    eng = Engine(EngineConfig(model="builtin", block_size=16, num_blocks=128, dtype="bfloat16"))
+    calls = None
+    if switch == "use_bf16_elementwise":
+        calls, real = [], native._panel_linear_bf16
+        monkeypatch.setattr(native, "_panel_linear_bf16", lambda lib, x, *a: calls.append(x.shape[0]) or real(lib, x, *a))
+    stack = native.decode_stack
+    answers = []
+    monkeypatch.setattr(native, "decode_stack", lambda *a: answers.append(stack(*a)) or answers[-1])
+    previous = getattr(native, switch)(False)
+    try:
+        eng.generate([[1, 2, 3, 4, 5]] * 4, max_new_tokens=3)
+    finally:
+        getattr(native, switch)(previous)
+    assert answers == [None, None]
+    assert calls is None or 4 in calls  # the loop's linears still took the GEMM
+    answers.clear()
+    eng.generate([[1, 2, 3, 4, 5]] * 4, max_new_tokens=3)
+    assert len(answers) == 2 and all(a is not None and a.dtype == torch.bfloat16 for a in answers)
+
+
+def test_bfloat16_decode_with_a_window_is_left_to_the_eager_path_which_reads_only_the_window():
+    """csrc/paged_decode_bf16.c has no sliding window: a bfloat16 query with one gets None from native.decode (it
+    used to get attention over the whole context), and paged_attention's answer then attends over the window only,
+    as attention over the window's keys alone does."""
+    from engine import paged_attention
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size, length, window = 4, 2, 32, 4, 21, 6
+    key = torch.randn(8, block_size, kv_heads, dim, generator=gen).bfloat16()
+    value = torch.randn(8, block_size, kv_heads, dim, generator=gen).bfloat16()
+    query = torch.randn(1, heads, dim, generator=gen).bfloat16()
+    tables = torch.tensor([[6, 1, 4, 0, 7, 3]])
+    lens = torch.tensor([length])
+    assert native.decode(query, key, value, tables, lens, dim ** -0.5) is not None
+    assert native.decode(query, key, value, tables, lens, dim ** -0.5, window=window) is None
+    got = paged_attention(query, key, value, tables, lens, dim ** -0.5, sliding_window=window)
+    keys = key[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
+    values = value[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
+    whole = key[tables[0]].reshape(-1, kv_heads, dim)[:length], value[tables[0]].reshape(-1, kv_heads, dim)[:length]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=dim ** -0.5, enable_gqa=True)
+    unwindowed = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), whole[0].transpose(0, 1), whole[1].transpose(0, 1), scale=dim ** -0.5, enable_gqa=True)
+    assert (got[0].float() - want[:, 0].float()).abs().max() <= 0.02
+    assert (got[0].float() - unwindowed[:, 0].float()).abs().max() > 0.05
