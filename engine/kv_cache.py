@@ -154,8 +154,8 @@ class KVCache:
             out = np.empty((len(blocks), self.bytes_per_block), np.uint8)
         if self.data.device.type == "cpu":
             # numpy's take, one thread: a torch gather of a block's rows is large enough to run on the OpenMP
-            # pool, whose threads then spin beside the native decode kernels' own (the offload-stream decode ran
-            # ~0.7x of tiers off that way; raw bytes, so any dtype)
+            # pool, whose threads then spin beside the native decode kernels' own (the offload-stream decode slowed:
+            # docs/tier_views.md; raw bytes, so any dtype)
             source = self._block_rows.view(torch.uint8).numpy()  # [planes * blocks, row bytes], no copy
             np.take(source, rows.numpy(), axis=0, out=out.reshape(len(rows), -1))
         else:

@@ -226,9 +226,9 @@ PANEL_ROWS_CACHED = 64  # and where they do
 class InferenceLinear:
     """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
-    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran 2.2x faster than ``F.linear`` here for 16 to 4096
-    rows; packing is checked against ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA,
-    float16).
+    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran faster than ``F.linear`` here for 16 to 4096 rows
+    (docs/engine.md, "Figures behind the engine's choices"); packing is checked against ``F.linear`` once and
+    skipped wherever it is unavailable (no oneDNN, CUDA, float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
     (:func:`engine.native.panel_linear`: csrc/small_gemm.c in float32, csrc/small_gemm_bf16.c's ``vdpbf16ps`` walk in
@@ -236,11 +236,10 @@ class InferenceLinear:
     rows: a decode batch, or any step as small (a
     short prefill, the logits of a few rows). Where the weights do not fit in the last-level cache (16 rows), a step
     streams every weight from memory once for a few multiply-adds each, and oneDNN did not overlap the stream with its
-    arithmetic (the 135M shape's linears at 16 rows: 20-23 GB/s, the time of the two added up); the panel kernel
-    prefetches the stream through its arithmetic and ran those 121 linears 1.2-1.35x faster at 1-16 rows, and slower
-    from 32 rows (a prefill's hundreds: 1.3-1.5x slower). Where they fit (64 rows), it ran the 3M config's linears
-    1.49x faster than oneDNN at 16 rows and 0.93x at 64, where the one-call decode step it allows saves more
-    (docs/engine.md). More rows keep oneDNN."""
+    arithmetic (the time of the two added up); the panel kernel prefetches the stream through its arithmetic, so it
+    wins at decode's few rows and loses at a prefill's hundreds. Where the weights fit (64 rows), the one-call decode
+    step it allows saves more than its own speed. More rows keep oneDNN. The measurements: docs/engine.md, "Figures
+    behind the engine's choices"."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
 
