@@ -155,7 +155,7 @@ class KVCache:
         if self.data.device.type == "cpu":
             # numpy's take, one thread: a torch gather of a block's rows is large enough to run on the OpenMP
             # pool, whose threads then spin beside the native decode kernels' own (the offload-stream decode slowed:
-            # docs/tier_views.md; raw bytes, so any dtype)
+            # docs/engine.md, "Figures behind the engine's choices"; raw bytes, so any dtype)
             source = self._block_rows.view(torch.uint8).numpy()  # [planes * blocks, row bytes], no copy
             np.take(source, rows.numpy(), axis=0, out=out.reshape(len(rows), -1))
         else:
