@@ -456,7 +456,8 @@ def record_for_scrub(steps: int, conversations: int = 256, num_blocks: int = 655
     with Recorder(path) as recorder:
         for step in range(steps):
             engine.step()
-            recorder.write(encoder.encode(engine.snapshot(), engine.take_events()))
+            snap = engine.snapshot()
+            recorder.write(encoder.encode(snap, engine.take_events(), engine.change_record(snap)))
             if step % 8 == 0:
                 live = sum(c.is_live for c in engine.conversations())
                 for _ in range(conversations - live):

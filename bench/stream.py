@@ -70,7 +70,8 @@ def bench_record(rounds: int, steps: int) -> None:
     encoders = [StreamEncoder() for _ in engines]
     recorders = [Recorder(d / f"record{i}.kvpool") for i in range(2)]
     for engine, encoder, recorder in zip(engines, encoders, recorders):
-        recorder.write(encoder.encode(engine.snapshot(), take_events(engine)))
+        snap = engine.snapshot()
+        recorder.write(encoder.encode(snap, take_events(engine), engine.change_record(snap)))
     pending = [[], []]  # events since a quiet engine's last frame (its next frame carries them: as a live source)
     ratios, rec_ms, base_ms, encode_ms, write_ms, sizes = [], [], [], [], [], []
     for r in range(rounds):
@@ -86,7 +87,7 @@ def bench_record(rounds: int, steps: int) -> None:
                 events = take_events(engine)
                 if i == on:
                     t0 = time.perf_counter()
-                    frame = encoders[i].encode(snap, pending[i] + events)
+                    frame = encoders[i].encode(snap, pending[i] + events, engine.change_record(snap))  # as the app
                     t1 = time.perf_counter()
                     recorders[i].write(frame)
                     t2 = time.perf_counter()
@@ -174,7 +175,7 @@ def record_jump_workload(num_steps: int) -> Path:
             engine.step()
             snap, events = engine.snapshot(), take_events(engine)
             t0 = time.perf_counter()
-            recorder.write(encoder.encode(snap, events))
+            recorder.write(encoder.encode(snap, events, engine.change_record(snap)))
             cost.append(time.perf_counter() - t0)
             snap_convs = {c.conversation_id: c for c in engine.conversations()} if step % 8 == 0 else None
             if snap_convs is not None:
@@ -250,7 +251,8 @@ def bench_bytes(max_steps: int) -> None:
                 if not engine.has_work():
                     break
                 engine.step()
-                frame = encoder.encode(engine.snapshot(), take_events(engine))
+                snap = engine.snapshot()
+                frame = encoder.encode(snap, take_events(engine), engine.change_record(snap))
                 recorder.write(frame)
                 (keys if frame.keyframe else deltas).append(len(frame.payload))
         frames = len(deltas) + len(keys)
