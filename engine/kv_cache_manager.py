@@ -13,6 +13,7 @@ copies it asks for are returned to the caller, which owns the tensors.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterable
 
 import numpy as np
@@ -359,8 +360,17 @@ class KVCacheManager:
         copied = [b for b, h, _ in moves if not self.tiers.holds_on_top(h)]
         data = self.read_device_blocks(copied, self.tiers.staging(len(copied))) if copied else None
         row = {b: i for i, b in enumerate(copied)}
+
+        def read(block: int) -> np.ndarray:
+            i = row.get(block)
+            if i is not None:
+                return data[i]
+            # its hash was on the top tier when the gather was planned, but making room for an earlier block of
+            # this eviction pushed it down: read this block on its own (nothing has overwritten it yet)
+            return self.read_device_blocks([block], np.empty((1, self.tiers.bytes_per_block), np.uint8))[0]
+
         for block, h, record in moves:
-            self.tiers.offload(h, record, lambda b=block: data[row[b]], block, self.pool.clock, self.emit, seq_id)
+            self.tiers.offload(h, record, partial(read, block), block, self.pool.clock, self.emit, seq_id)
         return (copied, data) if copied else None
 
     def _read_tier_hits(self, seq: Sequence, hits: list) -> tuple[list[tuple[int, TierHit]], np.ndarray | None,
