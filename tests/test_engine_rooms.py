@@ -11,6 +11,7 @@ import pytest
 from engine import Engine, EngineConfig, EngineError
 from engine.pool_views import PoolViews
 from tests.helpers import write_tiny_checkpoint
+from tests.test_layering import circles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,24 +38,6 @@ def engine_imports() -> dict[str, set[str]]:
                 found.update(a.name for a in node.names)
         graph[name] = {m for m in found if m in names} - {name}
     return graph
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    found, done = [], set()
-
-    def visit(module, stack):
-        if module in stack:
-            found.append(stack[stack.index(module):] + [module])
-            return
-        if module in done:
-            return
-        for target in sorted(graph[module]):
-            visit(target, stack + [module])
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
-    return found
 
 
 def test_no_engine_modules_import_each_other():
