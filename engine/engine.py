@@ -74,11 +74,30 @@ _heap_frozen = False
 _heap_lock = threading.Lock()
 
 
+def _collect_dropped_engines() -> None:
+    """Before a second engine is made in a process: collect the garbage cycles, where an engine dropped earlier (the
+    window's restart, a benchmark's next round) may still hold its weights and KV cache. An engine is full of cycles
+    (closures over itself, rollback partials), so its memory goes back only when the cyclic collector reaches the
+    oldest generation, which counts objects, not bytes: a benchmark making one 135M-shape engine after another held
+    about 2.2 GB more with each and was killed at 24 GB (docs/performance.md, "Resident memory of a long run"). A
+    full collection takes tens of milliseconds; making an engine takes seconds. The first engine skips it (the
+    startup freeze collects once already)."""
+    global _engines_made
+    with _heap_lock:
+        made, _engines_made = _engines_made, _engines_made + 1
+    if made:
+        gc.collect()
+
+
+_engines_made = 0
+
+
 class Engine:
     """Owns the model, the physical KV cache, the block pool and the conversations."""
 
     def __new__(cls, *args, **kwargs):
         _freeze_startup_heap()
+        _collect_dropped_engines()
         return super().__new__(cls)
 
     def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None):

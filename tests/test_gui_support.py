@@ -1,4 +1,5 @@
 """Shared fixtures for the GUI tests: a main window around a real engine (small pool, built-in model)."""
+import dataclasses
 import time
 
 import pytest
@@ -14,12 +15,13 @@ def make_config(num_blocks=64, block_size=4):
 
 @pytest.fixture
 def make_window(qtbot):
-    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4, history=False)
-    -> MainWindow. ``history``: the engine's frames also go to a History (the timeline and event log work)."""
+    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4, history=False,
+    **fields) -> MainWindow. ``history``: the engine's frames also go to a History (the timeline and event log work);
+    ``fields``: more EngineConfig fields (a host tier, say)."""
     windows = []
 
-    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4, history=False, size=None):
-        cfg = make_config(num_blocks, block_size)
+    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4, history=False, size=None, **fields):
+        cfg = dataclasses.replace(make_config(num_blocks, block_size), **fields)
         engine = Engine(cfg)
         if setup is not None:
             setup(engine)

@@ -4,8 +4,10 @@
 count 2), one is forked (all its blocks shared until copy-on-write), one finishes early (its full blocks stay
 cached, muted), and every running conversation has a partially filled tail block.
 
-"serve" is a server's traffic that never runs dry (explorer.feeds.traffic); busy and crowd go on as served traffic
-once their first screen has played out (SERVED_AFTER).
+"serve" is a server's traffic that never runs dry (explorer.feeds.traffic); every other demo goes on as served
+traffic once its first screen has played out (SERVED_AFTER), so the window never sits idle: on the tiers demo's
+small device pool the follow-ups keep coming back from the host tier, and on the window demo's mixed checkpoint the
+sliding-window group keeps releasing blocks.
 
 "crowd" oversubscribes the pool on purpose: each request asks for up to twice its fair share of the pool's slots,
 which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 
 SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
                  "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
-SERVED_AFTER = {"busy": True, "crowd": True, "serve": False}  # demo -> traffic waits for its first screen to end
+SERVED_AFTER = {"busy": True, "crowd": True, "serve": False, "tiers": True,
+                "window": True}  # demo -> traffic waits for its first screen to end
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 MIN_NEW_TOKENS = 4  # a demo request never asks for fewer new tokens than this
 

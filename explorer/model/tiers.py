@@ -111,6 +111,10 @@ class ContentBook:
                 if per:
                     self._tokens[int(h)] = tuple(e.token_ids[i * per:(i + 1) * per])
 
+    def __len__(self) -> int:
+        """Hashes whose owner is known."""
+        return len(self._owner)
+
     def owner(self, h: int) -> int:
         return self._owner.get(int(h), -1)
 
@@ -254,6 +258,10 @@ class TierStories:
 
     def __init__(self):
         self._lines: OrderedDict[int, list[tuple[int, str]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Hashes whose story is kept."""
+        return len(self._lines)
 
     def clear(self) -> None:
         self._lines.clear()

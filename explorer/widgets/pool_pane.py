@@ -134,7 +134,7 @@ class PoolPane(QtWidgets.QWidget):
         self.sync_timeline()
         if pairs:
             self.timeline.add_event_markers(pairs)
-            self.tier_grids.add_events(pairs)
+            self.tier_grids.add_events(pairs, self.source.events_snapshot)
 
     def _seek(self, seq: int) -> None:
         try:

@@ -92,6 +92,7 @@ class PoolSource(QtCore.QObject):
         self.feed.started()
         self.futures = FutureWatcher(on_error=self._command_refused)
         self.live: PoolSnapshot | None = None  # newest frame delivered by the feed
+        self.events_snapshot: PoolSnapshot | None = None  # the snapshot the events handed out last came with
         self._live_at = 0.0  # when it was delivered (perf_counter)
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
         self.viewing: int | None = None  # history seq being viewed; None while live
@@ -212,6 +213,7 @@ class PoolSource(QtCore.QObject):
         if frame.dropped:
             self.events_dropped += frame.dropped
             self.eventsDropped.emit(frame.dropped)
+        self.events_snapshot = frame.snapshot  # handed out before ``live`` moves: a panel may ask what pool it is
         self.eventsArrived.emit(list(frame.events), frame.restarted)
 
     def _check_history(self) -> None:

@@ -103,8 +103,15 @@ class TierGrids(QtWidgets.QWidget):
         self.inspector.setText("Click a slot of a tier to inspect it.")
         self.setVisible(False)
 
-    def add_events(self, pairs) -> None:
-        """(seq, BlockEvent) pairs of new frames: owners and tokens of stored content, and each content's story."""
+    def add_events(self, pairs, snapshot: PoolSnapshot | None = None) -> None:
+        """(seq, BlockEvent) pairs of new frames: owners and tokens of stored content, and each content's story.
+
+        Only a pool with a tier needs them (nothing else reads the book or the stories): the events of a pool
+        without one (``snapshot``, the frame they came with, or else the one shown) are not kept, or an hour of
+        served traffic would fill both with every block ever stored (tens of MiB)."""
+        pool = snapshot if snapshot is not None else self.snapshot
+        if pool is not None and not pool.tiers:
+            return
         events = [e for _, e in pairs]
         self.book.add_events(events)
         self.stories.add_events(events)

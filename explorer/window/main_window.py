@@ -601,8 +601,8 @@ class MainWindow(QtWidgets.QMainWindow):
                                 f"{self.outputs_note}".strip(), 15000 if self.outputs_note else 5000)
 
     def start_traffic(self, demo: str) -> None:
-        """Served traffic for ``demo`` on the local engine: at once for serve, after the first screen for busy and
-        crowd (they keep living instead of going idle). The toolbar's arrivals slider sets its rate."""
+        """Served traffic for ``demo`` on the local engine: at once for serve, after the first screen for the others
+        (they keep living instead of going idle). The toolbar's arrivals slider sets its rate."""
         from ..feeds.demo import SERVED_AFTER
         from ..feeds.traffic import TrafficDriver
         self.stop_traffic()
