@@ -10,6 +10,8 @@ process's resident memory creeps up for hours without any object being kept
 returns the free pages of every arena. It walks the heaps, and the step after it faults in what it gave back, so it
 runs on a schedule, between steps, not every step: the thresholds keep their speed for the steps in between.
 Where the C library has no ``malloc_trim`` (not glibc), nothing is done.
+
+The opposite need, pages faulted in ahead of their first use, is :class:`Populator`'s (the host tier's buffer).
 """
 from __future__ import annotations
 
@@ -63,3 +65,69 @@ class HeapTrimmer:
         trim_now()
         self.trims += 1
         return True
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
+POPULATE_CHUNK = 16 << 20  # bytes per madvise call: the thread checks for a stop between chunks
+
+
+def _load_madvise():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _load_madvise()
+
+
+class Populator:
+    """Faults a large buffer's pages in on a thread of its own, ahead of their first use.
+
+    The host tier is one zeroed array whose pages the kernel hands out when first written: without this, the first
+    pass over the tier paid for every page fault inside the offloads of decode steps, where a fresh page can cost
+    far more than the copy into it (on a virtual machine above all: docs/performance.md, "Tiers and fresh pages").
+    vLLM allocates its CPU offloading buffer pinned, all at start; this does the same work without holding the
+    engine up: ``MADV_POPULATE_WRITE`` maps each page writable but never changes a byte, so it is safe beside the
+    offloads writing the same array. Where the kernel or the C library lacks it, nothing happens (the pages fault
+    in on first write, as before)."""
+
+    def __init__(self, array):
+        import threading
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        self.populated = 0  # bytes faulted in so far
+        self.supported = _MADVISE is not None
+        self._array = array  # kept alive until the thread is done
+        self._thread = threading.Thread(target=self._run, name="tier-populate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            array = self._array
+            if _MADVISE is None or array.nbytes == 0:
+                return
+            page = 4096
+            start = array.ctypes.data
+            first = -(-start // page) * page  # madvise wants a page-aligned start; the partial page is left
+            end = start + array.nbytes
+            at = first
+            while at < end and not self._stop.is_set():
+                size = min(POPULATE_CHUNK, end - at)
+                if _MADVISE(at, size, MADV_POPULATE_WRITE) != 0:
+                    self.supported = False  # EINVAL before Linux 5.14: first writes fault the pages in instead
+                    return
+                at += size
+                self.populated = at - first
+        finally:
+            self._array = None
+            self.done.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop between chunks and wait for the thread (so the buffer may go)."""
+        self._stop.set()
+        self._thread.join(timeout)

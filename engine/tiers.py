@@ -263,10 +263,15 @@ class HostTier(Tier):
 
     def __init__(self, num_blocks: int, bytes_per_block: int):
         try:
-            self.data = np.zeros((num_blocks, bytes_per_block), np.uint8)  # pages are touched when first written
+            self.data = np.zeros((num_blocks, bytes_per_block), np.uint8)
         except (MemoryError, ValueError) as exc:
             raise EngineError(f"cannot allocate the host tier of {num_blocks:,} blocks: {exc}") from None
         super().__init__(num_blocks, bytes_per_block)
+        from .heap import Populator
+        self.populator = Populator(self.data)  # its pages faulted in now, off the steps (engine.heap.Populator)
+
+    def close(self) -> None:
+        self.populator.stop()
 
     def _write_raw(self, slot: int, data: np.ndarray) -> None:
         self.data[slot] = data
@@ -409,8 +414,11 @@ class TierStore:
         self.bytes_per_block = bytes_per_block
         self._staging_free: list[np.ndarray] = []  # staging arrays not lent out (reused: their pages are touched)
         self._staging_lent: list[np.ndarray] = []  # lent out until the transaction ends (end / rollback)
+        self._staging_used = 0  # bytes of the last lent array handed out so far (the next lending goes on there)
         per = min(staging_blocks, STAGING_KEEP_BYTES // 2 // max(bytes_per_block, 1)) * bytes_per_block
+        self.num_staging_made = 0  # staging arrays allocated (made at the start or, when those are lent, later)
         for _ in range(2 if per else 0):  # one for a load's bytes, one for what its evictions offload
+            self.num_staging_made += 1
             buf = np.empty(per, np.uint8)
             buf.fill(0)  # touch the pages now
             self._staging_free.append(buf)
@@ -437,15 +445,25 @@ class TierStore:
     def staging(self, n: int) -> np.ndarray:
         """A uint8 [n, bytes_per_block] array for the bytes of one offload or load, lent until the transaction
         ends (the engine keeps an offload's copy as the rollback copy of the blocks it evicted). Reused across
-        transactions: writing fresh pages costs more than the copy. Its contents are whatever was there."""
+        transactions: writing fresh pages costs more than the copy. Its contents are whatever was there.
+
+        A lending goes on in the last array lent while it has room: a returning conversation's admission lends
+        once for its loads and once for each eviction it makes (two, when it takes blocks for its loads and then
+        for the rest), and those fit the two arrays made at the start instead of faulting a third in."""
         need = n * self.bytes_per_block
+        if self._staging_lent and self._staging_lent[-1].size - self._staging_used >= need:
+            buf, used = self._staging_lent[-1], self._staging_used
+            self._staging_used = used + need
+            return buf[used:used + need].reshape(n, self.bytes_per_block)
         for i, buf in enumerate(self._staging_free):
             if buf.size >= need:
                 del self._staging_free[i]
                 break
         else:
             buf = np.empty(need, np.uint8)
+            self.num_staging_made += 1
         self._staging_lent.append(buf)
+        self._staging_used = need
         return buf[:need].reshape(n, self.bytes_per_block)
 
     def _release_staging(self) -> None:
@@ -457,7 +475,7 @@ class TierStore:
             if total + buf.size <= STAGING_KEEP_BYTES:
                 kept.append(buf)
                 total += buf.size
-        self._staging_free, self._staging_lent = kept, []
+        self._staging_free, self._staging_lent, self._staging_used = kept, [], 0
 
     def holds_on_top(self, block_hash: int) -> bool:
         """Whether the top tier already holds ``block_hash`` (an offload of it then copies nothing)."""

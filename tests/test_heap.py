@@ -70,3 +70,46 @@ def test_an_engine_dropped_in_a_cycle_is_collected_before_the_next_one_is_made()
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _resident_bytes(array: np.ndarray) -> int:
+    """Resident bytes of the mappings that hold ``array`` (/proc/self/smaps; the kernel may split one allocation
+    into several mappings)."""
+    lo_array, hi_array = array.ctypes.data, array.ctypes.data + array.nbytes
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < hi_array and hi > lo_array
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE and /proc/self/smaps are Linux's")
+def test_the_populator_faults_a_buffer_in_without_changing_a_byte():
+    """The host tier's pages are faulted in on a thread of their own, ahead of the offloads that write them, and
+    writes made meanwhile are kept (MADV_POPULATE_WRITE maps pages, it never writes them)."""
+    array = np.zeros((64, 1 << 20), np.uint8)  # 64 MiB, untouched: hardly any of it resident
+    assert _resident_bytes(array) < 8 << 20
+    array[3, :4096] = 7  # a write before the thread starts ...
+    populator = heap.Populator(array)
+    array[40, 100:200] = 9  # ... and one while it runs
+    assert populator.done.wait(60)
+    if not populator.supported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert populator.populated >= array.nbytes - 4096
+    assert _resident_bytes(array) >= array.nbytes - (1 << 20)
+    assert (array[3, :4096] == 7).all() and (array[40, 100:200] == 9).all()
+    assert int(array.sum(dtype=np.int64)) == 7 * 4096 + 9 * 100
+
+
+def test_a_host_tier_faults_its_pages_in_and_stops_with_the_engine():
+    eng = Engine(EngineConfig(model="builtin", num_blocks=32, block_size=4, host_tier_blocks=256))
+    host = eng.tiers.order[0]
+    assert host.name == "host" and host.populator.done.wait(60)
+    assert not host.populator.supported or host.populator.populated >= host.data.nbytes - 4096
+    eng.close()
+    assert not host.populator._thread.is_alive()
