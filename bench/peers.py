@@ -209,6 +209,7 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
     full: dict[str, list[float]] = {s: [] for s in workers}
     decode: dict[str, list[float]] = {s: [] for s in workers}
     same: dict[str, list[bool]] = {s: [] for s in workers}
+    agreed: dict[str, list[int]] = {s: [] for s in workers}  # each round: the shortest run of equal first tokens
     order = list(workers)
     try:
         for r in range(rounds):
@@ -223,6 +224,7 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
                 outputs[system] = all_["tokens"]
             for system in workers:
                 same[system].append(outputs[system] == outputs.get("engine", outputs[system]))
+                agreed[system].append(agreed_prefix(outputs[system], outputs.get("engine", outputs[system])))
     finally:
         for worker in workers.values():
             worker.close()
@@ -239,7 +241,7 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
     print(f"  its arithmetic at {flops / 1e9:.0f} GFLOP/s (this machine's best {dtype} matmul rate, measured now) "
           f"bounds it at {compute:.0f} tok/s; the roof, the lower of the two, is {roof:.0f} tok/s")
     print(f"  {'system':<28} {'tok/s':>8} {'decode tok/s':>13} {'of bound':>9} {'of roof':>8} "
-          f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12}")
+          f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12} {'agree for':>10}")
     for system in workers:
         tps = [tokens / t for t in full[system]]
         dps = [decoded / t for t in decode[system]]
@@ -248,7 +250,19 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
         print(f"  {LABELS[system]:<28} {statistics.median(tps):>8.0f} {statistics.median(dps):>13.0f} "
               f"{statistics.median(dps) / bound:>9.0%} {statistics.median(dps) / roof:>8.0%} "
               f"{statistics.median(ratio):>6.2f} ({spread(ratio)}) "
-              f"{statistics.median(dratio):>5.2f} ({spread(dratio)}) {sum(same[system]):>4}/{rounds} rounds")
+              f"{statistics.median(dratio):>5.2f} ({spread(dratio)}) {sum(same[system]):>4}/{rounds} rounds "
+              f"{min(agreed[system]):>6} tok")
+    print("  agree for: the fewest first tokens any sequence of any round shares with the engine's (a bfloat16 run "
+          "may part where two logits are within a rounding; the target is at least 32)")
+
+
+def agreed_prefix(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """The fewest leading tokens any sequence of ``outputs`` shares with the same sequence of ``reference``."""
+    shortest = None
+    for got, want in zip(outputs, reference):
+        n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        shortest = n if shortest is None else min(shortest, n)
+    return shortest or 0
 
 
 def main() -> None:

@@ -78,10 +78,12 @@ def _collect_dropped_engines() -> None:
     """Before a second engine is made in a process: collect the garbage cycles, where an engine dropped earlier (the
     window's restart, a benchmark's next round) may still hold its weights and KV cache. An engine is full of cycles
     (closures over itself, rollback partials), so its memory goes back only when the cyclic collector reaches the
-    oldest generation, which counts objects, not bytes: a benchmark making one 135M-shape engine after another held
-    about 2.2 GB more with each and was killed at 24 GB (docs/performance.md, "Resident memory of a long run"). A
-    full collection takes tens of milliseconds; making an engine takes seconds. The first engine skips it (the
-    startup freeze collects once already)."""
+    oldest generation, which counts objects, not bytes: a benchmark making one engine after another held every
+    earlier one until the OOM killer stopped it (docs/performance.md, "Resident memory of a long run"). A full
+    collection takes tens of milliseconds; making an engine takes seconds. It runs on the thread that makes the
+    engine (the window's loader thread), so a dropped engine's finalizers (its tiers' close) run there. It frees what
+    it can: not an engine a recording's heap freeze holds (explorer/feeds/stream_feed.py), and nothing when another
+    thread is collecting at that moment. The first engine skips it (the startup freeze collects once already)."""
     global _engines_made
     with _heap_lock:
         made, _engines_made = _engines_made, _engines_made + 1
@@ -730,7 +732,7 @@ class Engine:
         tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging)
         self.manager.attach_tiers(tiers, self.kv.read_blocks_bytes)
         import weakref
-        weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine
+        self._tiers_finalizer = weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine
         return tiers
 
     def _write_loads(self, loads: list) -> None:
@@ -753,9 +755,9 @@ class Engine:
 
     def _close_tiers(self) -> None:
         if self.tiers is not None:
-            self.tiers.close()
             self.manager.tiers = None
             self.tiers = None
+            self._tiers_finalizer()  # closes them once and lets go of them (the host tier's memory goes now)
 
     @property
     def kv_events_endpoints(self) -> tuple[str, str | None] | None:

@@ -68,7 +68,9 @@ class HeapTrimmer:
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
-POPULATE_CHUNK = 16 << 20  # bytes per madvise call: the thread checks for a stop between chunks
+POPULATE_CHUNK = 2 << 20  # bytes per madvise call: small, because each holds the process's memory-map lock (other
+#                           threads' mmap and page faults wait behind it), and the thread checks for a stop between
+POPULATE_LIMIT = 1 << 30  # bytes faulted in at most: the first slots handed out; the rest fault in when first written
 
 
 def _load_madvise():
@@ -86,40 +88,57 @@ _MADVISE = _load_madvise()
 
 
 class Populator:
-    """Faults a large buffer's pages in on a thread of its own, ahead of their first use.
+    """Faults the first ``limit`` bytes of a large buffer in on a thread of its own, ahead of their first use.
 
     The host tier is one zeroed array whose pages the kernel hands out when first written: without this, the first
     pass over the tier paid for every page fault inside the offloads of decode steps, where a fresh page can cost
     far more than the copy into it (on a virtual machine above all: docs/performance.md, "Tiers and fresh pages").
-    vLLM allocates its CPU offloading buffer pinned, all at start; this does the same work without holding the
-    engine up: ``MADV_POPULATE_WRITE`` maps each page writable but never changes a byte, so it is safe beside the
-    offloads writing the same array. Where the kernel or the C library lacks it, nothing happens (the pages fault
-    in on first write, as before)."""
+    vLLM allocates its CPU offloading buffer pinned, all at start; this does that work without holding the engine
+    up: ``MADV_POPULATE_WRITE`` maps each page writable but never changes a byte, so it is safe beside the offloads
+    writing the same array. Only the start of the buffer (:data:`POPULATE_LIMIT`): a tier hands its free slots out
+    in order, so those are the ones used first, and a tier sized near the machine's free memory is not made resident
+    all at once (a restart builds the new engine while the old one still holds its tier). Where the kernel or the C
+    library lacks the call, nothing happens (the pages fault in on first write, as before)."""
 
-    def __init__(self, array):
+    def __init__(self, array, limit: int = POPULATE_LIMIT, start: bool = True):
         import threading
         self._stop = threading.Event()
         self.done = threading.Event()
         self.populated = 0  # bytes faulted in so far
         self.supported = _MADVISE is not None
+        self.error = ""  # why it stopped early, when it did
         self._array = array  # kept alive until the thread is done
+        self._limit = int(limit)
         self._thread = threading.Thread(target=self._run, name="tier-populate", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> "Populator":
         self._thread.start()
+        return self
 
     def _run(self) -> None:
+        import errno
+        import mmap
         try:
             array = self._array
             if _MADVISE is None or array.nbytes == 0:
                 return
-            page = 4096
+            page = mmap.PAGESIZE
             start = array.ctypes.data
             first = -(-start // page) * page  # madvise wants a page-aligned start; the partial page is left
-            end = start + array.nbytes
+            end = min(start + array.nbytes, first + self._limit)
             at = first
             while at < end and not self._stop.is_set():
                 size = min(POPULATE_CHUNK, end - at)
                 if _MADVISE(at, size, MADV_POPULATE_WRITE) != 0:
-                    self.supported = False  # EINVAL before Linux 5.14: first writes fault the pages in instead
+                    code = ctypes.get_errno()
+                    if code == errno.EINTR:
+                        continue  # interrupted by a signal: ask again
+                    if code in (errno.EINVAL, errno.ENOSYS):  # before Linux 5.14: first writes fault pages in
+                        self.supported = False
+                    else:  # ENOMEM and the like: stop here; the rest faults in when first written
+                        self.error = errno.errorcode.get(code, str(code))
                     return
                 at += size
                 self.populated = at - first
@@ -130,4 +149,5 @@ class Populator:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop between chunks and wait for the thread (so the buffer may go)."""
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -268,10 +268,12 @@ class HostTier(Tier):
             raise EngineError(f"cannot allocate the host tier of {num_blocks:,} blocks: {exc}") from None
         super().__init__(num_blocks, bytes_per_block)
         from .heap import Populator
-        self.populator = Populator(self.data)  # its pages faulted in now, off the steps (engine.heap.Populator)
+        # its first pages faulted in off the steps (engine.heap.Populator); started once the whole store is made
+        self.populator = Populator(self.data, start=False)
 
     def close(self) -> None:
         self.populator.stop()
+        self.data = np.zeros((0, self.bytes_per_block), np.uint8)  # the tier is off: its memory goes now
 
     def _write_raw(self, slot: int, data: np.ndarray) -> None:
         self.data[slot] = data
@@ -424,6 +426,9 @@ class TierStore:
             self._staging_free.append(buf)
         self.num_offloaded = self.num_loaded = self.num_dropped = 0  # blocks moved (for metrics and benches)
         self._counters_saved: tuple | None = None
+        for tier in self.order:  # every part made: the host tier's pages may start faulting in
+            if isinstance(tier, HostTier):
+                tier.populator.start()
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def lookup(self, block_hash: int) -> TierHit | None:
@@ -611,5 +616,12 @@ class TierStore:
         return tuple(out)
 
     def close(self) -> None:
+        """Close every tier, each even when one before it failed to (the disk tier's sync and close must run)."""
+        failure = None
         for tier in self.order:
-            tier.close()
+            try:
+                tier.close()
+            except Exception as exc:  # noqa: BLE001 - raised below, once every tier was closed
+                failure = failure or exc
+        if failure is not None:
+            raise failure

@@ -6,8 +6,8 @@ cached, muted), and every running conversation has a partially filled tail block
 
 "serve" is a server's traffic that never runs dry (explorer.feeds.traffic); every other demo goes on as served
 traffic once its first screen has played out (SERVED_AFTER), so the window never sits idle: on the tiers demo's
-small device pool the follow-ups keep coming back from the host tier, and on the window demo's mixed checkpoint the
-sliding-window group keeps releasing blocks.
+small device pool, evictions keep offloading to the host tier and a follow-up whose prefix left the device loads it
+back; on the window demo's mixed checkpoint the sliding-window group keeps releasing blocks.
 
 "crowd" oversubscribes the pool on purpose: each request asks for up to twice its fair share of the pool's slots,
 which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous

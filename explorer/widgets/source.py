@@ -146,7 +146,7 @@ class PoolSource(QtCore.QObject):
         self.feed = feed
         self._drop_scrub()
         self.futures.clear()
-        self.live = self.view = None
+        self.live = self.view = self.events_snapshot = None
         self._events_seq = self._history_shape = None
         self._recent.clear()
         was_viewing = self.viewing is not None
