@@ -22,7 +22,7 @@
 
 5. tiers: the real window (offscreen) on a 65,536-block device pool with a 262,144-block host tier (issue 30), block
    size 1 (so that filling the device pool with cached blocks takes 65,536 prefill tokens, not a million; a 1 GiB
-   host tier, allocated as pages are written) while 256 conversations decode over a pool full of cached blocks, so
+   host tier, faulted in by the engine's populator thread while the pool fills) while 256 conversations decode over a pool full of cached blocks, so
    every step evicts 256 blocks and offloads them to host: GUI frames/s, the tier grids' GUI-thread milliseconds
    per host-grid redraw (taking the snapshot, drawing), event-loop lag. Beside it, the same window and workload with
    the host tier off (what the tier grids add). Per side one engine and one window, ``--rounds`` stretches of
