@@ -268,6 +268,10 @@ def test_sglang_publisher_tiers(sockdir):
                                 buffer_steps=100)
     try:
         with KVEventSubscriber([KVEventEndpoint(f"ipc://{sockdir}/s", f"ipc://{sockdir}/r")]) as sub:
+            # slow joiner: both batches published before the subscription reached the publisher were lost with no
+            # later batch to show the gap (the full suite timed out here once); connect first
+            wait_until(lambda: sub.status()[0].connected)
+            time.sleep(0.2)
             pub.publish(sgl.KVEventBatch(ts=time.time(), events=[
                 sgl.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[5, 6, 7, 8], block_size=2,
                                 lora_id=None, medium=medium.GPU)]))
