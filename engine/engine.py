@@ -50,56 +50,50 @@ _SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed sta
 __all__ = ["Engine", "RelocationReport"]
 
 
-def _freeze_startup_heap() -> None:
-    """Once per process, before the first engine is made: move every object alive then (the imported libraries'
-    hundreds of thousands: modules, functions, classes) out of the cyclic garbage collector's sight, as vLLM's engine
-    core does at its start (``gc.freeze``). Without it, a full collection every so often walked them all while a step
+def _prepare_heap() -> None:
+    """Before each engine is made: the first time in a process, freeze the heap; every later time, collect the
+    cycles of engines dropped since.
+
+    The freeze, once, before the first engine exists: every object alive then (the imported libraries' hundreds of
+    thousands: modules, functions, classes) moves out of the cyclic garbage collector's sight, as vLLM's engine core
+    does at its start (``gc.freeze``). Without it, a full collection every so often walked them all while a step
     waited (figures: docs/engine.md, "Figures behind the engine's choices"). Frozen objects are still freed when
     their last reference goes; only cycles among them would stay, so it runs before the engine exists (an engine is
     full of cycles, and one frozen would never be collected), and only once: later engines are made while an earlier
     one may still be alive (the window's restart). A caller's own cycles alive at that moment would never be
     collected either: ``PAGED_KV_FREEZE_HEAP=0`` turns it off. (A recording opened in the window freezes the heap
     again and gives everything back when closed, explorer/feeds/stream_feed.py; after that the heap stays
-    unfrozen.)"""
-    global _heap_frozen
-    with _heap_lock:  # engines made on two threads at once: one freeze, before either exists
-        if _heap_frozen or os.environ.get("PAGED_KV_FREEZE_HEAP", "1") == "0":
-            return
-        _heap_frozen = True
-        gc.collect()
-        gc.freeze()
+    unfrozen.)
 
-
-_heap_frozen = False
-_heap_lock = threading.Lock()
-
-
-def _collect_dropped_engines() -> None:
-    """Before a second engine is made in a process: collect the garbage cycles, where an engine dropped earlier (the
-    window's restart, a benchmark's next round) may still hold its weights and KV cache. An engine is full of cycles
-    (closures over itself, rollback partials), so its memory goes back only when the cyclic collector reaches the
-    oldest generation, which counts objects, not bytes: a benchmark making one engine after another held every
-    earlier one until the OOM killer stopped it (docs/performance.md, "Resident memory of a long run"). A full
-    collection takes tens of milliseconds; making an engine takes seconds. It runs on the thread that makes the
-    engine (the window's loader thread), so a dropped engine's finalizers (its tiers' close) run there. It frees what
-    it can: not an engine a recording's heap freeze holds (explorer/feeds/stream_feed.py), and nothing when another
-    thread is collecting at that moment. The first engine skips it (the startup freeze collects once already)."""
+    The collection, before every later engine: an engine dropped earlier (the window's restart, a benchmark's next
+    round) may still hold its weights and KV cache, because its cycles (closures over itself, rollback partials) go
+    only when the collector reaches its oldest generation, which counts objects, not bytes: a benchmark making one
+    engine after another held every earlier one until the OOM killer stopped it (docs/performance.md, "Resident
+    memory of a long run"). A full collection takes tens of milliseconds; making an engine takes seconds. It runs on
+    the thread that makes the engine (the window's loader thread), so a dropped engine's finalizers (its tiers'
+    close) run there. It frees what it can: not an engine a recording's heap freeze holds, and nothing when another
+    thread is collecting at that moment."""
     global _engines_made
-    with _heap_lock:
-        made, _engines_made = _engines_made, _engines_made + 1
-    if made:
-        gc.collect()
+    with _heap_lock:  # engines made on two threads at once: one freeze, before either exists
+        first = _engines_made == 0
+        _engines_made += 1
+        if first:
+            if os.environ.get("PAGED_KV_FREEZE_HEAP", "1") != "0":
+                gc.collect()
+                gc.freeze()
+            return
+    gc.collect()
 
 
-_engines_made = 0
+_engines_made = 0  # engines made in this process so far
+_heap_lock = threading.Lock()
 
 
 class Engine:
     """Owns the model, the physical KV cache, the block pool and the conversations."""
 
     def __new__(cls, *args, **kwargs):
-        _freeze_startup_heap()
-        _collect_dropped_engines()
+        _prepare_heap()
         return super().__new__(cls)
 
     def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None):

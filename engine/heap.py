@@ -22,19 +22,17 @@ import time
 TRIM_EVERY_S = 10.0  # wall-clock seconds between trims (each takes a few milliseconds on a heap of hundreds of MiB)
 
 
-def _load_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none."""
+def _libc_function(name: str, argtypes: list, restype, use_errno: bool = False):
+    """glibc's function ``name`` with its C signature, or None where the C library has none (not glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=use_errno), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, restype
+    return function
 
 
-_TRIM = _load_trim()
+_TRIM = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def available() -> bool:
@@ -73,18 +71,8 @@ POPULATE_CHUNK = 2 << 20  # bytes per madvise call: small, because each holds th
 POPULATE_LIMIT = 1 << 30  # bytes faulted in at most: the first slots handed out; the rest fault in when first written
 
 
-def _load_madvise():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_MADVISE = _load_madvise()
+_MADVISE = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int,
+                          use_errno=True)
 
 
 class Populator:

@@ -5,7 +5,7 @@ count 2), one is forked (all its blocks shared until copy-on-write), one finishe
 cached, muted), and every running conversation has a partially filled tail block.
 
 "serve" is a server's traffic that never runs dry (explorer.feeds.traffic); every other demo goes on as served
-traffic once its first screen has played out (SERVED_AFTER), so the window never sits idle: on the tiers demo's
+traffic once its first screen has played out (SERVED_AT_ONCE says which do not wait), so the window never sits idle: on the tiers demo's
 small device pool, evictions keep offloading to the host tier and a follow-up whose prefix left the device loads it
 back; on the window demo's mixed checkpoint the sliding-window group keeps releasing blocks.
 
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 SYSTEM_PROMPT = ("You are a careful assistant. Answer in short, plain sentences, keep each step clear, and say when "
                  "you are unsure. ")  # long enough to fill several full blocks that prefix caching can share
-SERVED_AFTER = {"busy": True, "crowd": True, "serve": False, "tiers": True,
-                "window": True}  # demo -> traffic waits for its first screen to end
+SERVED_AT_ONCE = {"serve"}  # demos whose traffic starts at once; every other one's waits for its first screen
 DEMO_SPEED = 10.0  # steps/s for "busy", slow enough to watch blocks fill
 MIN_NEW_TOKENS = 4  # a demo request never asks for fewer new tokens than this
 

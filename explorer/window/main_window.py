@@ -603,13 +603,14 @@ class MainWindow(QtWidgets.QMainWindow):
     def start_traffic(self, demo: str) -> None:
         """Served traffic for ``demo`` on the local engine: at once for serve, after the first screen for the others
         (they keep living instead of going idle). The toolbar's arrivals slider sets its rate."""
-        from ..feeds.demo import SERVED_AFTER
+        from ..feeds.demo import DEMOS, SERVED_AT_ONCE
         from ..feeds.traffic import TrafficDriver
         self.stop_traffic()
         feed = self.source.feed
-        if demo not in SERVED_AFTER or not isinstance(feed, EngineFeed) or not feed.takes_text:
+        if demo not in DEMOS or not isinstance(feed, EngineFeed) or not feed.takes_text:
             return
-        self.traffic = TrafficDriver(feed, rate=self.controls.rate_value(), wait_until_idle=SERVED_AFTER[demo]).start()
+        self.traffic = TrafficDriver(feed, rate=self.controls.rate_value(),
+                                     wait_until_idle=demo not in SERVED_AT_ONCE).start()
         self.controls.show_rate(True)
 
     def stop_traffic(self) -> None:
