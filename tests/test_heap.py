@@ -153,3 +153,38 @@ def test_closing_an_engine_stops_its_host_tier_populating_and_lets_its_memory_go
     eng.close()
     assert host.populator.done.is_set() and 0 < host.populator.populated < 16 << 20
     assert host.data.nbytes == 0 and eng.tiers is None
+
+
+@pytest.mark.parametrize("code, unsupported", [(22, True), (12, False)])  # EINVAL (before Linux 5.14), ENOMEM
+def test_a_refused_madvise_stops_the_populator_and_says_why(monkeypatch, code, unsupported):
+    """An injected failure of the call: EINVAL means the kernel lacks it (supported False, no error); anything else
+    stops populating with its name (the rest of the pages fault in on first write); the bytes are untouched."""
+    import ctypes
+    calls = []
+
+    def refusing(address, size, advice):
+        calls.append(size)
+        if len(calls) < 3:
+            return 0
+        monkeypatch.setattr(ctypes, "get_errno", lambda: code)
+        return -1
+    monkeypatch.setattr(heap, "_MADVISE", refusing)
+    monkeypatch.setattr(heap, "POPULATE_CHUNK", 1 << 16)
+    array = np.full(1 << 20, 5, np.uint8)
+    populator = heap.Populator(array)
+    assert populator.done.wait(10) and len(calls) == 3
+    assert populator.supported is not unsupported
+    assert populator.error == ("" if unsupported else "ENOMEM")
+    assert populator.populated == 2 << 16 and (array == 5).all()
+
+
+def test_the_disk_tier_is_closed_even_when_the_host_tier_fails_to_close(tmp_path, monkeypatch):
+    from engine.tiers import HostTier, TierStore
+
+    def broken(self):
+        raise RuntimeError("injected: the host tier failed to close")
+    store = TierStore(8, 8, str(tmp_path / "tier.bin"), 64, staging_blocks=2)
+    monkeypatch.setattr(HostTier, "close", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        store.close()
+    assert store.tiers["disk"].fd == -1  # synced and closed all the same
