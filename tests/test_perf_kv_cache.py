@@ -76,3 +76,22 @@ def test_save_and_restore_slots_and_blocks(seed, n):
         assert torch.equal(kv.data.flatten(2, 3)[:, :, slots], before.flatten(2, 3)[:, :, slots])
         assert torch.equal(kv.data[:, :, blocks], before[:, :, blocks])
     assert kv.save_slots(torch.empty(0, dtype=torch.long)) is None and kv.save_blocks([]) is None
+
+
+def test_an_offload_gather_writes_straight_into_its_staging_without_a_temporary_copy():
+    """read_blocks_bytes gathers an eviction's blocks into the staging it is given. numpy's take buffers its whole
+    output in a fresh temporary unless told the indices need no check (mode="raise", its default): for the
+    135M shape's 126-block eviction that was 93 MB of fresh pages a step, and the first token of a conversation
+    loaded back from the host tier took 0.74 s instead of 0.1 s. The gather's own allocations must stay small."""
+    import tracemalloc
+    kv = _cache(num_blocks=64, block_size=16, layers=4, kv_heads=4, dim=32)  # 64 KiB a block
+    blocks = list(range(63, 0, -2))
+    staging = np.empty((len(blocks), kv.bytes_per_block), np.uint8)
+    tracemalloc.start()
+    try:
+        kv.read_blocks_bytes(blocks, out=staging)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < staging.nbytes // 16, f"the gather allocated {peak:,} bytes for a {staging.nbytes:,}-byte result"
+    assert np.array_equal(staging, np.stack([kv.read_block_bytes(b) for b in blocks]))
