@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import sampling
+from . import native, sampling
 from .attention import Attention, DecodePlan, bytes_per_token, group_bytes_for, plan_lists
 from .kv_cache import KVCache
 from .model import BatchMetadata, CausalLM
@@ -135,7 +135,9 @@ class ModelRunner:
     def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Greedy where temperature is 0, else a draw from softmax(logits / temperature) with the conversation's
         own random stream (engine.sampling: its seed and the position of the token drawn), all rows at once."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = native.argmax_rows(logits)
+        if tokens is None:
+            tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, seq in enumerate(seqs) if seq.temperature > 0]
         if rows:
             drawn = [seqs[i] for i in rows]

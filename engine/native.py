@@ -136,6 +136,7 @@ def _build():
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
+        "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -298,6 +299,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((rows, n), dtype=gate_up.dtype)
     status = getattr(lib, "silu_mul_" + kind[1])(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
     return None if status else out
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """``logits.argmax(dim=-1).tolist()`` for float32 logits [rows, vocab] on the CPU (csrc/argmax.c: the same
+    answer, NaN rows included, in a vectorised walk). None where the kernel is unavailable or does not take the
+    tensor."""
+    lib = kernel()
+    if lib is None or logits.dim() != 2 or not _fits(logits) or logits.requires_grad or not logits.shape[1]:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if not logits.shape[0]:
+        return []
+    status = lib.argmax_rows_f32(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+                                 torch.get_num_threads())
+    return None if status else out.tolist()
 
 
 PANEL = 48  # outputs per panel of a packed weight (small_gemm.c's WIDTH)

@@ -622,3 +622,35 @@ def test_windowed_engines_decode_natively_but_not_in_one_call(monkeypatch, tmp_p
                               num_blocks=64))
     eng.generate([list(range(1, 20))], max_new_tokens=6)
     assert 8 in windows and None in windows and not stacks
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), n=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       specials=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 69),
+                                   st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 9.0])),
+                         max_size=6))
+def test_argmax_rows_answers_as_torch_argmax_with_ties_and_nans(rows, n, seed, specials):
+    """Greedy decoding's argmax (csrc/argmax.c): the first index of each row's largest value, the first NaN's where a
+    row holds one, as torch.argmax(dim=-1). Values are drawn from a few levels, so ties are common."""
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.integers(-3, 4, (rows, n)).astype(np.float32))
+    for r, c, value in specials:
+        if r < rows and c < n:
+            logits[r, c] = value
+    assert native.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_at_a_vocabulary_and_where_it_declines():
+    logits = torch.randn(16, 49152)
+    logits[3, 40000] = logits[3, 7] = logits.max() + 1  # a tie across vectors: the earlier wins
+    logits[9, 30001] = float("nan")
+    assert native.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    for n in (15, 16, 17, 33, 48):  # one NaN, or one largest value, at every place of a row (vector lanes, tail)
+        for place in range(n):
+            for value in (float("nan"), 5.0):
+                row = torch.zeros(2, n)
+                row[1, place] = value
+                assert native.argmax_rows(row) == row.argmax(dim=-1).tolist(), (n, place, value)
+    assert native.argmax_rows(torch.zeros(0, 5)) == []
+    for other in (logits.double(), logits.to(torch.bfloat16), logits[:, ::2], logits[0]):
+        assert native.argmax_rows(other) is None  # another dtype, a strided view, one row: torch's argmax answers

@@ -36,6 +36,7 @@ int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *o
 int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads);
+int argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t n, int threads);
 int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                     int64_t n_len, int64_t k_len, int threads);
 int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
