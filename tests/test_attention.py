@@ -493,3 +493,56 @@ def test_only_the_default_backend_hands_decodes_to_the_native_kernel_and_only_wh
     assert attention.choose(False) is attention.DEFAULT and attention.choose(True) is attention.COMPILED
     with pytest.raises(ValueError, match="no attention backend"):
         attention.Attention("fastest")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,count,heads,kv_heads", [(16, 64, 8, 4), (1, 5, 9, 3), (4, 13, 4, 4)])
+def test_fresh_prompts_attended_in_one_batch_give_the_bits_of_one_at_a_time(dtype, block_size, count, heads,
+                                                                            kv_heads):
+    """Several fresh prompts of one length go to one batched SDPA (a step admitting 64 prompts made 64 calls a
+    layer): each prompt's attention must be bit for bit what attending it alone gives."""
+    from engine.attention import fresh_prefill_attention, paged_prefill_attention
+    torch.manual_seed(count)
+    seqs, dim = 6, 16
+    width = -(-count // block_size)
+    key_cache = torch.randn(seqs * width + 5, block_size, kv_heads, dim).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    order = torch.randperm(key_cache.shape[0])
+    tables = [order[s * width:(s + 1) * width] for s in range(seqs)]
+    query = torch.randn(seqs * count, heads, dim).to(dtype)
+    together = fresh_prefill_attention(query, key_cache, value_cache, tables, count, 0.3)
+    alone = torch.cat([paged_prefill_attention(query[s * count:(s + 1) * count], key_cache, value_cache, tables[s],
+                                               0, 0.3) for s in range(seqs)])
+    assert torch.equal(together, alone)
+
+
+def test_prefill_runs_join_only_fresh_adjacent_chunks_of_one_length_inside_the_window():
+    from engine.attention.backend import _prefill_runs
+    t = [torch.tensor([i]) for i in range(8)]
+    chunks = [(0, 4, t[0], 0), (4, 4, t[1], 0), (8, 4, t[2], 0),  # three fresh prompts of 4: one run
+              (12, 3, t[3], 0),  # another length: a run of its own
+              (15, 3, t[4], 8),  # a later chunk (start 8): alone, and nothing joins it
+              (18, 3, t[5], 0), (21, 3, t[6], 0)]  # fresh again: a run of two
+    runs = [(first, count, [int(x) for x in tables], start) for first, count, tables, start in
+            _prefill_runs(chunks, None)]
+    assert runs == [(0, 4, [0, 1, 2], 0), (12, 3, [3], 0), (15, 3, [4], 8), (18, 3, [5, 6], 0)]
+    # with a window of 3, prompts of 4 need the windowed path: each alone; prompts of 3 still join
+    runs = [(first, count, len(tables)) for first, count, tables, _ in _prefill_runs(chunks, 3)]
+    assert runs == [(0, 4, 1), (4, 4, 1), (8, 4, 1), (12, 3, 1), (15, 3, 1), (18, 3, 2)]
+
+
+def test_an_engine_step_admitting_prompts_of_one_length_attends_them_in_one_call(monkeypatch):
+    """The engine's step hands side-by-side fresh prompts to the batched call, with the tokens of the per-prompt
+    path."""
+    from engine import Engine, EngineConfig
+    from engine.attention import eager
+    prompts = [[(7 * s + i) % 200 + 3 for i in range(20)] for s in range(5)]
+    calls = []
+    real = eager.fresh_prefill_attention
+    monkeypatch.setattr(eager, "fresh_prefill_attention",
+                        lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    batched = Engine(EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=256)).generate(prompts, 6)
+    assert calls and calls[0] == 5 * 20  # five prompts in one call per layer
+    monkeypatch.setattr(eager, "fresh_prefill_attention", lambda *a: (_ for _ in ()).throw(AssertionError))
+    alone = [Engine(EngineConfig(block_size=4, num_blocks=64)).generate([p], 6)[0] for p in prompts]
+    assert batched == alone

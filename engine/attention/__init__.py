@@ -14,7 +14,7 @@ from .backend import (BACKENDS, COMPILED, DEFAULT, EAGER, REFERENCE, Attention, 
                       paged_attention, paged_decode)
 from .compiled import (AUTO_MARGIN, AUTO_MIN_CALLS, AUTO_MIN_POSITIONS, AUTO_TIMING_CALLS, AUTO_WARMUP_CALLS,
                        CHUNK_BLOCKS, kernel_key, use_auto_kernels, use_compiled_attention, wait_for_kernels)
-from .eager import gather_kv, paged_prefill_attention
+from .eager import fresh_prefill_attention, gather_kv, paged_prefill_attention
 from .native import use_native_kernel
 from .plan import (DecodeGroup, DecodePlan, bytes_per_token, check_window, group_bytes_for, plan_decode,
                    plan_lists)
@@ -27,7 +27,7 @@ __all__ = [
     "AUTO_MARGIN", "AUTO_MIN_CALLS", "AUTO_MIN_POSITIONS", "AUTO_TIMING_CALLS", "AUTO_WARMUP_CALLS", "Attention",
     "BACKENDS", "CHUNK_BLOCKS", "COMPILED", "DEFAULT", "DecodeGroup", "DecodePlan", "EAGER", "REFERENCE",
     "attend_batch", "attend_batch_compiled", "bytes_per_token", "check_window", "choose", "compiled",
-    "decodes_natively", "dense_attention", "eager", "gather_kv", "group_bytes_for", "kernel_key", "native",
+    "decodes_natively", "dense_attention", "eager", "fresh_prefill_attention", "gather_kv", "group_bytes_for", "kernel_key", "native",
     "paged_attention", "paged_decode", "paged_prefill_attention", "plan", "plan_decode", "plan_lists", "reference",
     "use_auto_kernels", "use_compiled_attention", "use_native_kernel", "wait_for_kernels",
 ]

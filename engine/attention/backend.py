@@ -75,10 +75,33 @@ class Attention:
             out[: meta.num_decode] = self.decode(q[: meta.num_decode], key_cache, value_cache, meta.decode_plan,
                                                  scale)
         window = getattr(meta, "sliding_window", None)
-        for first, count, table, start in meta.prefills:
-            out[first:first + count] = eager.paged_prefill_attention(q[first:first + count], key_cache, value_cache,
-                                                                     table, start, scale, window)
+        for first, count, tables, start in _prefill_runs(meta.prefills, window):
+            if len(tables) > 1:  # several fresh prompts of one length, side by side: one batched call
+                end = first + len(tables) * count
+                out[first:end] = eager.fresh_prefill_attention(q[first:end], key_cache, value_cache, tables, count,
+                                                               scale)
+            else:
+                out[first:first + count] = eager.paged_prefill_attention(q[first:first + count], key_cache,
+                                                                         value_cache, tables[0], start, scale, window)
         return out
+
+
+def _prefill_runs(prefills, window: int | None):
+    """The step's prefill chunks as (first, count, tables, start) runs: consecutive chunks that start at position 0
+    with the same length, next to each other in the batch and within the window (so plain causal attention is
+    theirs), make one run; every other chunk is a run of its own."""
+    runs: list[tuple[int, int, list, int]] = []
+    joinable = False  # whether the last run is of fresh chunks
+    for first, count, table, start in prefills:
+        fresh = start == 0 and (window is None or count <= window)
+        if fresh and joinable:
+            last_first, last_count, tables, _ = runs[-1]
+            if count == last_count and first == last_first + len(tables) * count:
+                tables.append(table)
+                continue
+        runs.append((first, count, [table], start))
+        joinable = fresh
+    return runs
 
 
 DEFAULT = Attention("default")
