@@ -23,12 +23,17 @@ a machine with few cores at batch 16 that bound is the lower one; the "roof" col
 ``--dtype bfloat16`` runs every system in bfloat16 (weights, activations, KV cache; vLLM's default on a CPU): the
 bounds then count two bytes a weight and a K/V value, and the arithmetic bound uses the best bfloat16 matmul rate.
 
+Scheduling: vLLM's LLM class on a CPU lets a step compute up to 4,096 tokens (max_num_batched_tokens), so all of
+a workload's prompts are prefilled in one step; the engine's own default is 384, made for the window (short steps
+while conversations arrive). The engine's workers take vLLM's budget unless ``--engine-budget`` says otherwise
+(0: the engine's default), and the header says which.
+
 Targets (issue 12, float32): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M
 config and at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape. Issue 34 (bfloat16): 1.5x
 vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound.
 
     python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16] [--systems engine hf hf-cb vllm]
-                          [--dtype float32|bfloat16]
+                          [--dtype float32|bfloat16] [--engine-budget 4096]
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "@@PEERS "  # prefix of a worker's reply line (everything else on its stdout is the system's own chatter)
 PROMPT_LEN = 64
+VLLM_CPU_BUDGET = 4096  # vLLM's max_num_batched_tokens for its LLM class on a CPU (engine/arg_utils.py, 0.32)
 SYSTEMS = ("engine", "hf", "hf-cb", "vllm", "baseline")
 LABELS = {"engine": "engine", "hf": "transformers generate", "hf-cb": "transformers generate_batch",
           "vllm": "vLLM", "baseline": "engine (--baseline tree)"}
@@ -278,6 +284,10 @@ def main() -> None:
                              "runs as one more system, for before/after figures in one run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="every system's weights, activations and KV cache (default float32)")
+    parser.add_argument("--engine-budget", type=int, default=VLLM_CPU_BUDGET,
+                        help=f"the engine's max_num_batched_tokens (default {VLLM_CPU_BUDGET}: what vLLM's LLM class "
+                             "takes on a CPU, so both schedule a step alike; 0: the engine's own default, made for "
+                             "the window's short steps)")
     parser.add_argument("--engine-threads", type=int, default=0,
                         help="intra-op threads of the engine's workers (0: torch's default)")
     parser.add_argument("--omp-wait-policy", choices=("default", "PASSIVE", "ACTIVE"), default="default",
@@ -290,6 +300,8 @@ def main() -> None:
     if args.worker:
         return worker_main(args)
     env = dict(os.environ)
+    if args.engine_budget:
+        env["PEERS_ENGINE_BUDGET"] = str(args.engine_budget)  # read by the engine workers only
     if args.engine_threads:
         env["PEERS_ENGINE_THREADS"] = str(args.engine_threads)  # read by the engine workers only
     if args.omp_wait_policy != "default":
@@ -303,7 +315,8 @@ def main() -> None:
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
           f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}, engine threads "
-          f"{args.engine_threads or 'torch default'}, {args.dtype}")
+          f"{args.engine_threads or 'torch default'}, engine budget "
+          f"{args.engine_budget or 'its default'} tokens a step, {args.dtype}")
     bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or Path(tmp)
@@ -358,7 +371,9 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
         if os.environ.get("PEERS_ENGINE_THREADS"):
             torch.set_num_threads(int(os.environ["PEERS_ENGINE_THREADS"]))
         num_blocks = batch * (-(-(PROMPT_LEN + 256) // 16)) + 16
-        eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks, dtype=dtype))
+        budget = {"max_num_batched_tokens": int(os.environ["PEERS_ENGINE_BUDGET"])} \
+            if os.environ.get("PEERS_ENGINE_BUDGET") else {}
+        eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks, dtype=dtype, **budget))
         return (lambda p, n: eng.generate(p, max_new_tokens=n)), \
             f"torch {torch.__version__}, {torch.get_num_threads()} threads", vocab
     if system in ("hf", "hf-cb"):
