@@ -22,6 +22,7 @@ from ..model import palette
 from ..render import grid
 from ..render.grid import GridGeometry, changed_blocks, grid_geometry, redraw_blocks, snapshot_to_rgba
 from .elided_label import ElidedLabel
+from .painting import cache_painting
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
@@ -388,6 +389,7 @@ class GridView(QtWidgets.QWidget):
             font.setPointSize(7)
             label.setFont(font)
             label.setZValue(20)
+            cache_painting(label)  # drawn again only when its text or the zoom changes, not each grid repaint
             self.box.addItem(label)
             self._labels.append(label)
             self._label_texts.append("")

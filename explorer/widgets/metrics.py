@@ -14,6 +14,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from kvstream.views import PoolSnapshot
 
 from ..model.metrics_history import MetricsHistory
+from .painting import cache_plot_axes
 
 EMPTY_STEPS = 10  # x span of a plot before any sample (and the least span after), so axes read as steps
 PLOTS = (  # title, [(series, label, colour)]
@@ -60,6 +61,7 @@ class MetricsPanel(QtWidgets.QWidget):
                 plot.getAxis(side).enableAutoSIPrefix(False)
             self.plot_items.append((plot, [name for name, _, _ in series]))
             plot.showGrid(x=True, y=True, alpha=0.2)
+            cache_plot_axes(plot)  # (with the grid, each axis spans the plot: replayed on every repaint before)
             plot.setMenuEnabled(False)
             if len(series) > 1:
                 plot.addLegend(offset=(4, 4), labelTextSize="7pt", brush=pg.mkBrush(0, 0, 0, 170))  # over curves

@@ -12,6 +12,7 @@ import pyqtgraph as pg
 from PySide6 import QtWidgets
 
 from ..model.tier_stats import MEASURE_TITLES, MEASURES, BlockDurations, HitRates, histogram
+from .painting import cache_plot_axes
 
 TIER_PENS = {"device": "#50c878", "host": "#5aa0f0", "disk": "#c08040", "computed": "#9a9aa6"}
 HEIGHT = 170  # pixels of the row of tier plots
@@ -44,6 +45,7 @@ class TierMetrics(QtWidgets.QWidget):
     def _plot(self, title: str, col: int, x_label: str) -> pg.PlotItem:
         plot = self.plots.addPlot(row=0, col=col, title=f"<span style='font-size:9pt'>{title}</span>")
         plot.showGrid(x=True, y=True, alpha=0.2)
+        cache_plot_axes(plot)
         plot.setMenuEnabled(False)
         plot.getAxis("bottom").setLabel(x_label)
         for side in ("left", "bottom"):
