@@ -216,6 +216,7 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
     decode: dict[str, list[float]] = {s: [] for s in workers}
     same: dict[str, list[bool]] = {s: [] for s in workers}
     agreed: dict[str, list[int]] = {s: [] for s in workers}  # each round: the shortest run of equal first tokens
+    among: dict[tuple[str, str], list[int]] = {}  # the same between two peers (how far the peers agree at all)
     order = list(workers)
     try:
         for r in range(rounds):
@@ -231,6 +232,10 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
             for system in workers:
                 same[system].append(outputs[system] == outputs.get("engine", outputs[system]))
                 agreed[system].append(agreed_prefix(outputs[system], outputs.get("engine", outputs[system])))
+            peers = [p for p in ("hf", "vllm", "hf-cb") if p in outputs]
+            for i, a in enumerate(peers):
+                for b in peers[i + 1:]:
+                    among.setdefault((a, b), []).append(agreed_prefix(outputs[a], outputs[b]))
     finally:
         for worker in workers.values():
             worker.close()
@@ -260,6 +265,8 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
               f"{min(agreed[system]):>6} tok")
     print("  agree for: the fewest first tokens any sequence of any round shares with the engine's (a bfloat16 run "
           "may part where two logits are within a rounding; the target is at least 32)")
+    for (a, b), runs in among.items():
+        print(f"  the peers among themselves: {LABELS[a]} and {LABELS[b]} agree for {min(runs)} tok")
 
 
 def agreed_prefix(outputs: list[list[int]], reference: list[list[int]]) -> int:
