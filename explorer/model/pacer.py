@@ -5,7 +5,7 @@ With hundreds of conversations decoding on a large pool the engine steps many ti
 costs the GUI thread several milliseconds (the grid's image, the event log and timeline marks, the readouts, Qt's
 painting). On a 2-core machine the engine thread and its second torch thread give up whatever the window takes.
 Showing fewer of those frames (the newest one each time, with every event of the frames in between) keeps the GUI
-thread within its budget, and the window's timer, so mouse, keys and scrubbing, keeps its 30 ticks a second.
+thread within its budget, and the window's timer, so mouse, keys and scrubbing, keeps its 30-33 ticks a second.
 
 The budget is the window's whole cost to decoding less what pacing cannot lower (the History's encoder thread turns
 every step into a frame, however few the window shows). How the budget was chosen, and what it gives, measured with

@@ -39,7 +39,8 @@ from .actions import WindowActions
 from .menus import build_menus
 from .status_bar import StatusBar
 
-FRAME_MS = 33
+FRAME_MS = 30  # the frame timer: 33 ticks a second, so that a late tick on a busy machine still leaves 30 (at 33 ms
+#                the rate could not pass 30.3, and any late tick showed below 30: docs/gui.md)
 POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "events", "block-history")  # docks that
 # show a physical pool's blocks, conversations or history: empty for a source without one
 FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
