@@ -3,7 +3,7 @@
 1. grid: median time to turn a 65,536-block snapshot into the RGBA grid image and hand it to the ImageItem (also
    with the ImageItem's conversion to a QImage, which Qt does at paint time). Target <= 10 ms.
 2. scale: the real window (offscreen) while 256 conversations decode on a 65,536-block pool: GUI frames/s, grid
-   redraws/s, event-loop lag (how late a 33 ms timer fires: p95 and max), and engine decode tokens/s with the
+   redraws/s, event-loop lag (how late a timer at the window's frame period fires: p95 and max), and engine decode tokens/s with the
    window against headless (the same runner without a window), in alternating rounds, both timing the same steps
    (WARMUP_STEPS to WARMUP_STEPS + seconds * STEPS_PER_SECOND after the start: same work, the window settled).
    Then the same comparison interleaved on one engine (interleaved_rates): the window on and off every 0.5 s,
@@ -198,7 +198,7 @@ def pump_events(duration: float) -> None:
 
 class LagMeter:
     """How late a Qt timer of ``period_ms`` fires: the GUI thread's responsiveness, in ms. The window's own frame
-    period (33 ms) where the GUI thread's CPU time is measured too: a 10 ms timer's 100 Python calls a second took
+    period (30 ms; 33 ms before 2026-12-03, 18:00) where the GUI thread's CPU time is measured too: a 10 ms timer's 100 Python calls a second took
     a share of a core there that the window does not spend (figures: docs/performance.md, "Benchmark method")."""
 
     def __init__(self, period_ms: int = 10):
@@ -286,6 +286,7 @@ def app_rate(conversations: int, num_blocks: int, seconds: float, threads: int |
 
 # ---- 2. the window at scale ---------------------------------------------------------------------------------------
 def bench_scale(seconds: float, rounds: int, conversations: int = 256, num_blocks: int = 65536) -> None:
+    from explorer.window.main_window import FRAME_MS
     headless, app = [], []
     for _ in range(rounds):  # alternate, so drift in machine load hits both sides alike
         headless.append(headless_rate(conversations, num_blocks, seconds))
@@ -295,7 +296,7 @@ def bench_scale(seconds: float, rounds: int, conversations: int = 256, num_block
     print(f"window with {conversations} conversations decoding on {num_blocks:,} blocks x 16, {rounds} rounds of "
           f"{seconds:.0f} s: GUI {mean('fps'):.1f} frames/s (target >= 30), grid redraws {mean('redraws'):.1f}/s, "
           f"event-loop lag p95 {mean('lag_p95_ms'):.0f} ms, max {max(a['lag_max_ms'] for a in app):.0f} ms; "
-          f"GUI thread {100 * mean('gui_cpu'):.1f}% of a core (with this bench's 33 ms lag timer), live frames "
+          f"GUI thread {100 * mean('gui_cpu'):.1f}% of a core (with this bench's {FRAME_MS} ms lag timer), live frames "
           f"{mean('gap_ms'):.0f} ms apart at the end (explorer.model.pacer; 0: every tick)")
     print(f"engine decode: headless {statistics.median(headless):.0f} tokens/s, with the window "
           f"{statistics.median(a['app'] for a in app):.0f} tokens/s, ratio {statistics.median(ratios):.2f} "

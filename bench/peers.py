@@ -28,6 +28,10 @@ a workload's prompts are prefilled in one step; the engine's own default is 384,
 while conversations arrive). The engine's workers take vLLM's budget unless ``--engine-budget`` says otherwise
 (0: the engine's default), and the header says which.
 
+Tokens: "agree for" is the fewest first tokens any sequence of any round shares with the engine's; a line under
+each table gives the same for the peers among themselves (transformers against vLLM), which says how early two
+other implementations part on these weights.
+
 Targets (issue 12, float32): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M
 config and at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape. Issue 34 (bfloat16): 1.5x
 vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound.
@@ -52,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "@@PEERS "  # prefix of a worker's reply line (everything else on its stdout is the system's own chatter)
 PROMPT_LEN = 64
 VLLM_CPU_BUDGET = 4096  # vLLM's max_num_batched_tokens for its LLM class on a CPU (engine/arg_utils.py, 0.32)
+ENGINE_MAX_NUM_SEQS = 256  # EngineConfig's default max_num_seqs, which a step budget may not be under
 SYSTEMS = ("engine", "hf", "hf-cb", "vllm", "baseline")
 LABELS = {"engine": "engine", "hf": "transformers generate", "hf-cb": "transformers generate_batch",
           "vllm": "vLLM", "baseline": "engine (--baseline tree)"}
@@ -304,6 +309,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine_budget < 0 or 0 < args.engine_budget < ENGINE_MAX_NUM_SEQS:
+        parser.error(f"--engine-budget must be 0 (the engine's default) or at least {ENGINE_MAX_NUM_SEQS} (the "
+                     f"engine's max_num_seqs: every running conversation computes a token each step)")
     if args.worker:
         return worker_main(args)
     env = dict(os.environ)

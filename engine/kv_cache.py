@@ -149,6 +149,9 @@ class KVCache:
         """:meth:`read_block_bytes` of several blocks in one gather: uint8 [n, bytes_per_block] (into ``out`` when
         given, a C-contiguous array of that shape). One call, not one per block: an eviction that offloads a whole
         conversation then costs one pass over its bytes."""
+        if len(blocks) and (min(blocks) < 0 or max(blocks) >= self.num_blocks):  # (the gather below does not check)
+            raise IndexError(f"read_blocks_bytes: block ids must be in 0..{self.num_blocks - 1}, got "
+                             f"{min(blocks)}..{max(blocks)}")
         rows = self._block_major_rows(blocks)
         if out is None:
             out = np.empty((len(blocks), self.bytes_per_block), np.uint8)

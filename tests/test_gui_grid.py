@@ -547,3 +547,34 @@ def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change
     qtbot.waitUntil(lambda: bool(images), timeout=2000)
     qtbot.wait(50)
     assert drawn == []
+
+
+def test_cached_cell_labels_keep_their_dark_box(qtbot):
+    """Found on screen at 1920 x 1080: with the labels cached, pyqtgraph's first paint of a TextItem moved the
+    painter, so the box landed outside the cache and white ids stood bare on bright cells. The pixels just inside a
+    label's box must be darker than the same cell away from the label."""
+    from PySide6 import QtCore
+    from explorer.widgets.grid_view import GridView
+    snap = make_snapshot(num_blocks=16, block_size=16, used=[(b, 1, 16, 1) for b in range(16)],
+                         tables={1: tuple(range(16))})
+    view = GridView()
+    qtbot.addWidget(view)
+    view.resize(500, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    view.set_snapshot(snap)
+    view.render()
+    view.box.setRange(QtCore.QRectF(0, 0, 3, 3), padding=0)
+    view.render()
+    qtbot.waitUntil(lambda: "5" in view.label_texts(), timeout=2000)
+    qtbot.wait(100)
+    image = view.view.viewport().grab().toImage()
+    geo = view.geometry_
+    x, y = geo.cell_origin(5)
+
+    def pixel(dx, dy):
+        point = view.view.mapFromScene(view.box.mapViewToScene(QtCore.QPointF(x + dx, y + dy)))
+        colour = image.pixelColor(point)
+        return colour.red() + colour.green() + colour.blue()
+    inside_box, away = pixel(0.07, 0.07), pixel(0.8, 0.8)  # the box's corner (its margin: no glyph there)
+    assert inside_box < away - 60, (inside_box, away)

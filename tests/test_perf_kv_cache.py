@@ -95,3 +95,14 @@ def test_an_offload_gather_writes_straight_into_its_staging_without_a_temporary_
         tracemalloc.stop()
     assert peak < staging.nbytes // 16, f"the gather allocated {peak:,} bytes for a {staging.nbytes:,}-byte result"
     assert np.array_equal(staging, np.stack([kv.read_block_bytes(b) for b in blocks]))
+
+
+@pytest.mark.parametrize("bad", [-1, 64])
+def test_a_gather_of_a_block_outside_the_pool_raises_instead_of_reading_a_neighbour(bad):
+    """The gather no longer checks its rows (mode="clip" clamps them), so the block ids are checked first: a wrong
+    id must raise, never hand the tier another block's bytes under a fresh checksum."""
+    kv = _cache(num_blocks=64, block_size=4)
+    staging = np.zeros((2, kv.bytes_per_block), np.uint8)
+    with pytest.raises(IndexError, match="block ids"):
+        kv.read_blocks_bytes([3, bad], out=staging)
+    assert not staging.any()

@@ -171,7 +171,7 @@ def fresh_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     query [seqs * count, heads, dim], the sequences' tokens one after another; each one's K/V already written to the
     cache at positions 0..count-1 through its table in ``block_tables`` -> [seqs * count, heads, dim]. Each
     sequence's attention is computed exactly as :func:`paged_prefill_attention` computes it alone (SDPA works each
-    (sequence, head) apart)."""
+    (sequence, head) apart; tested on the CPU)."""
     seqs = len(block_tables)
     _, heads, dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]

@@ -383,7 +383,7 @@ class GridView(QtWidgets.QWidget):
 
     def _label(self, index: int) -> pg.TextItem:
         while len(self._labels) <= index:
-            label = pg.TextItem(color=(255, 255, 255), anchor=(0, 0), fill=pg.mkBrush(0, 0, 0, 130))
+            label = _CellLabel(color=(255, 255, 255), anchor=(0, 0), fill=pg.mkBrush(0, 0, 0, 130))
             font = label.textItem.font()
             font.setBold(True)
             font.setPointSize(7)
@@ -394,3 +394,20 @@ class GridView(QtWidgets.QWidget):
             self._labels.append(label)
             self._label_texts.append("")
         return self._labels[index]
+
+
+class _CellLabel(pg.TextItem):
+    """A cell label whose box can live in Qt's item cache (:func:`explorer.widgets.painting.cache_painting`).
+
+    pyqtgraph's ``TextItem.paint``, on an item's first paint, sets the painter's transform to the item's scene
+    transform. Painting into a cache pixmap, Qt hands over a painter already moved to the pixmap's origin, so that
+    reset put the box outside the pixmap: cached labels showed their text without its dark box, unreadable on bright
+    cells. Here the box is drawn in the item's own coordinates; the transform that keeps the text upright and
+    unscaled is kept up to date by ``viewTransformChanged`` (pyqtgraph calls it whenever the view's transform
+    changes)."""
+
+    def paint(self, p, *args):
+        p.setPen(self.border)
+        p.setBrush(self.fill)
+        p.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing, True)
+        p.drawPolygon(self.textItem.mapToParent(self.textItem.boundingRect()))

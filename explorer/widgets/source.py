@@ -52,7 +52,7 @@ def _timed(fn, *args):
 KEPT_EVENTS = 10_000  # the newest events a source keeps for a panel that follows it later (the event log's rows)
 SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
 # worker (a frame far from the one decoded last takes longer than a frame of the window on a large pool)
-SCRUB_PACE_S = 0.033  # the worker begins at most one decode per frame of the window (it shows no more than that),
+SCRUB_PACE_S = 0.033  # the worker begins at most one decode per 33 ms, about a frame of the window (it shows no more),
 # and rests as long as its last decode took before the next: decoding back to back, it held the GIL the GUI thread
 # needs for drawing so much that a drag over a long recording of a large pool dropped well below 30 frames/s
 # (figures: docs/performance.md, "Scrubbing")
