@@ -512,14 +512,10 @@ def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, small):
     assert view.hover_label.text() == HOVER_HINT
 
 
-def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change(qtbot, monkeypatch):
-    """Each cell label (block id, ×N) was drawn anew on every repaint of the grid: 128 labels at 10 redraws a second
-    were a tenth of the GUI thread in the serve demo. A new frame that changes colours but no label must take the
-    labels from Qt's cache."""
-    import pyqtgraph as pg
+def _zoomed_grid(qtbot, snap, cells: int):
+    """A shown GridView of ``snap``, zoomed to ``cells`` x ``cells`` cells (so the cells carry labels)."""
     from PySide6 import QtCore
     from explorer.widgets.grid_view import GridView
-    snap = make_snapshot(num_blocks=64, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)], tables={2: (33,)})
     view = GridView()
     qtbot.addWidget(view)
     view.resize(500, 400)
@@ -527,13 +523,23 @@ def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change
     qtbot.waitExposed(view)
     view.set_snapshot(snap)
     view.render()
-    view.box.setRange(QtCore.QRectF(0, 0, 4, 4), padding=0)
+    view.box.setRange(QtCore.QRectF(0, 0, cells, cells), padding=0)
     view.render()
+    return view
+
+
+def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change(qtbot, monkeypatch):
+    """Each cell label (block id, ×N) was drawn anew on every repaint of the grid: 128 labels at 10 redraws a second
+    were a tenth of the GUI thread in the serve demo. A new frame that changes colours but no label must take the
+    labels from Qt's cache."""
+    import pyqtgraph as pg
+    view = _zoomed_grid(qtbot, make_snapshot(num_blocks=64, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)],
+                                             tables={2: (33,)}), 4)
     labels = [label for label in view._labels if label.isVisible()]
     assert labels
     drawn = []
     for label in labels:
-        monkeypatch.setattr(label, "paint", lambda *a, label=label: drawn.append(label) or pg.TextItem.paint(label, *a))
+        monkeypatch.setattr(label, "paint", lambda *a, label=label: drawn.append(label) or type(label).paint(label, *a))
     view.view.viewport().update()
     qtbot.waitUntil(lambda: set(drawn) == set(labels), timeout=2000)  # each drawn once (into its cache)
     qtbot.wait(100)
@@ -554,18 +560,8 @@ def test_cached_cell_labels_keep_their_dark_box(qtbot):
     painter, so the box landed outside the cache and white ids stood bare on bright cells. The pixels just inside a
     label's box must be darker than the same cell away from the label."""
     from PySide6 import QtCore
-    from explorer.widgets.grid_view import GridView
-    snap = make_snapshot(num_blocks=16, block_size=16, used=[(b, 1, 16, 1) for b in range(16)],
-                         tables={1: tuple(range(16))})
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
-    view.set_snapshot(snap)
-    view.render()
-    view.box.setRange(QtCore.QRectF(0, 0, 3, 3), padding=0)
-    view.render()
+    view = _zoomed_grid(qtbot, make_snapshot(num_blocks=16, block_size=16, used=[(b, 1, 16, 1) for b in range(16)],
+                                             tables={1: tuple(range(16))}), 3)
     qtbot.waitUntil(lambda: "5" in view.label_texts(), timeout=2000)
     qtbot.wait(100)
     image = view.view.viewport().grab().toImage()
