@@ -308,9 +308,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     lib = kernel()
     if lib is None or logits.dim() != 2 or not _fits(logits) or logits.requires_grad or not logits.shape[1]:
         return None
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
     if not logits.shape[0]:
         return []
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
     status = lib.argmax_rows_f32(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
                                  torch.get_num_threads())
     return None if status else out.tolist()
