@@ -80,17 +80,21 @@ class BlockStory:
     def extend(self, pairs: Iterable[tuple[int, BlockEvent]]) -> list[HistoryLine] | None:
         """Add newer (seq, event) pairs, oldest first; returns the lines added, or None (nothing changed) when one
         of them relocates this block (compute the story again for the id it moved to)."""
-        pairs = list(pairs)
         b = self.block_id
-        for _, e in pairs:
-            if not isinstance(e, BlockEvent):
+        mine = []  # the pairs that name this block (or every block), checked in one pass before anything changes
+        for pair in pairs:
+            e = pair[1]
+            if type(e) is not BlockEvent and not isinstance(e, BlockEvent):
                 raise TypeError(f"a block's story takes (seq, BlockEvent) pairs, not {type(e).__name__}")
-            if e.kind == EventKind.RELOCATED and (b in e.block_ids or b in e.new_block_ids):
-                return None
+            if e.kind is EventKind.RELOCATED:
+                if b in e.block_ids or b in e.new_block_ids:
+                    return None
+                mine.append(pair)
+            elif e.kind is EventKind.CLEARED or b in e.block_ids or b in e.new_block_ids:
+                mine.append(pair)
         before = len(self.lines)
-        for seq, e in pairs:
-            if e.kind in (EventKind.RELOCATED, EventKind.CLEARED) or b in e.block_ids or b in e.new_block_ids:
-                self._add(seq, e, b)
+        for seq, e in mine:
+            self._add(seq, e, b)
         added = self.lines[before:]
         self._trim()
         return added

@@ -10,7 +10,6 @@ block's own history uses). Qt-free, so tests and headless tools can use it; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Iterable, Sequence
 
 from kvstream.events import BlockEvent, EventKind
@@ -278,38 +277,60 @@ def block_phrase(event: BlockEvent, block_id: int, hashed: bool | None = None) -
     return "" if phrase is None else phrase.block(event, int(block_id), hashed)
 
 
-@dataclass(frozen=True)
 class EventLine:
     """One line of the event log: a single event, or the few events of one frame that tell one story.
 
     A fork (CONVERSATION_ADDED "fork" + SHARED "fork") and a finish, end or preemption with the releases it caused
     are one line each; the line keeps its events so a filter on any of their kinds, conversations or blocks
     still finds it. Its words and block list are made on first use: a busy engine reports far more events than
-    anyone reads, and most lines are filtered out or dropped unseen.
+    anyone reads, and most lines are filtered out or dropped unseen. A plain class with slots, not a dataclass: a
+    busy pool makes thousands of lines a frame, and a frozen dataclass's constructor took four times as long.
+    Lines are never changed once made.
     """
 
-    step_id: int  # the step of its first event
-    kind: EventKind  # the kind the line is about (its first event's, or the lifecycle event's)
-    kinds: frozenset  # EventKind of every event in the line
-    conversation_id: int  # the conversation it is about; -1 for pool-wide lines (relocation, reset)
-    conversation_ids: frozenset  # every conversation it names (its own, a fork's parent)
-    events: tuple  # the BlockEvents it stands for, in arrival order (the lead event first)
+    __slots__ = ("step_id", "kind", "kinds", "conversation_id", "conversation_ids", "events", "_text", "_block_ids")
 
-    @cached_property
+    def __init__(self, step_id: int, kind: EventKind, kinds: frozenset, conversation_id: int,
+                 conversation_ids: frozenset, events: tuple):
+        self.step_id = step_id  # the step of its first event
+        self.kind = kind  # the kind the line is about (its first event's, or the lifecycle event's)
+        self.kinds = kinds  # EventKind of every event in the line
+        self.conversation_id = conversation_id  # the conversation it is about; -1 for pool-wide lines
+        self.conversation_ids = conversation_ids  # every conversation it names (its own, a fork's parent)
+        self.events = events  # the BlockEvents it stands for, in arrival order (the lead event first)
+        self._text: str | None = None
+        self._block_ids: tuple | None = None
+
+    def __repr__(self) -> str:
+        return f"EventLine({self.step_id}, {self.kind.name}, {len(self.events)} events)"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, EventLine) and (self.step_id, self.kind, self.conversation_id, self.events) == (
+            other.step_id, other.kind, other.conversation_id, other.events)
+
+    def __hash__(self) -> int:
+        return hash((self.step_id, self.kind, self.conversation_id, self.events))
+
+    @property
     def text(self) -> str:
         """The sentence without the "step N: " prefix."""
-        return _event_text(self.events[0]) if len(self.events) == 1 else _group_text(self.events)
+        if self._text is None:
+            self._text = _event_text(self.events[0]) if len(self.events) == 1 else _group_text(self.events)
+        return self._text
 
-    @cached_property
+    @property
     def block_ids(self) -> tuple:
         """Every block it names, first mention first (relocation and copy targets included)."""
-        if len(self.events) == 1 and not self.events[0].new_block_ids:
-            return tuple(dict.fromkeys(self.events[0].block_ids))
-        blocks: dict[int, None] = {}  # an ordered set
-        for e in self.events:
-            blocks.update(dict.fromkeys(e.block_ids))
-            blocks.update(dict.fromkeys(e.new_block_ids))
-        return tuple(blocks)
+        if self._block_ids is None:
+            if len(self.events) == 1 and not self.events[0].new_block_ids:
+                self._block_ids = tuple(dict.fromkeys(self.events[0].block_ids))
+            else:
+                blocks: dict[int, None] = {}  # an ordered set
+                for e in self.events:
+                    blocks.update(dict.fromkeys(e.block_ids))
+                    blocks.update(dict.fromkeys(e.new_block_ids))
+                self._block_ids = tuple(blocks)
+        return self._block_ids
 
     @property
     def sentence(self) -> str:
@@ -326,12 +347,27 @@ class EventLine:
         return self.block_ids[0] if self.block_ids else -1
 
 
+_KIND_SETS = {k: frozenset((k,)) for k in EventKind}  # a single event's ``kinds``, shared by every such line
+_NOBODY = frozenset()
+# kinds that lead a merged line (a fork's CONVERSATION_ADDED, the lifecycle events): a frame without any of them
+# is one line per event, made without looking for stories
+_LEAD_KINDS = frozenset((EventKind.CONVERSATION_ADDED, *_LIFECYCLE_KINDS))
+
+
+def _single(e: BlockEvent) -> EventLine:
+    """The line of one event on its own: the common case (a busy engine sends thousands a frame), kept cheap."""
+    cid, other = e.conversation_id, e.other_id
+    if other < 0 or other == cid:
+        ids = frozenset((cid,)) if cid >= 0 else _NOBODY
+    else:
+        ids = frozenset((cid, other)) if cid >= 0 else frozenset((other,))
+    return EventLine(e.step_id, e.kind, _KIND_SETS[e.kind], cid, ids, (e,))
+
+
 def _line(events: Sequence[BlockEvent]) -> EventLine:
     main = events[0]
-    if len(events) == 1:  # the common case, kept cheap
-        ids = {main.conversation_id, main.other_id} - {-1}
-        return EventLine(main.step_id, main.kind, frozenset((main.kind,)), main.conversation_id,
-                         frozenset(i for i in ids if i >= 0), (main,))
+    if len(events) == 1:
+        return _single(main)
     conversations = {e.conversation_id for e in events if e.conversation_id >= 0}
     conversations |= {e.other_id for e in events if e.other_id >= 0}
     return EventLine(main.step_id, main.kind, frozenset(e.kind for e in events), main.conversation_id,
@@ -355,9 +391,13 @@ def group(events: Iterable[BlockEvent]) -> list[EventLine]:
     Everything else is a line of its own.
     """
     events = list(events)
+    kinds = set()
     for e in events:
-        if not isinstance(e, BlockEvent):
+        if type(e) is not BlockEvent and not isinstance(e, BlockEvent):
             raise TypeError(f"group() takes kvstream.events.BlockEvent items, not {type(e).__name__}")
+        kinds.add(e.kind)
+    if kinds.isdisjoint(_LEAD_KINDS):  # nothing to merge: no fork, no finish, end or preemption
+        return [_single(e) for e in events]
     attached: dict[int, list[int]] = {}  # index of a lead event -> indices of the events merged into it
     taken: set[int] = set()
     forks = {e.conversation_id: i for i, e in enumerate(events)

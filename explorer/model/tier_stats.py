@@ -116,8 +116,11 @@ class BlockDurations:
         self._tiers: dict[str, dict[int, _Slot]] = {}
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
+        handlers = self._handlers
         for e in events:
-            self._apply(e)
+            handler = handlers.get(e.kind)
+            if handler is not None:
+                handler(self, e)
 
     def _end(self, tier: str, slots: dict[int, _Slot], key: int, step: int, idle: bool) -> None:
         slot = slots.pop(key, None)
@@ -127,53 +130,76 @@ class BlockDurations:
         if idle:
             self.durations.add(tier, "idle", step - slot.touched)
 
-    def _apply(self, e: BlockEvent) -> None:
-        k, step, dev = e.kind, e.step_id, self._device
-        if k == EventKind.ALLOCATED:
-            for b in e.block_ids:
-                dev[b] = _Slot(step, step)
-        elif k == EventKind.COPIED_ON_WRITE and e.new_block_ids:
+    # one handler per kind (a table, not a chain of comparisons: a busy pool sends thousands of events a frame)
+    def _allocated(self, e: BlockEvent) -> None:
+        step, dev = e.step_id, self._device
+        for b in e.block_ids:
+            dev[b] = _Slot(step, step)
+
+    def _copied(self, e: BlockEvent) -> None:
+        step, dev = e.step_id, self._device
+        if e.new_block_ids:
             dev[e.new_block_ids[0]] = _Slot(step, step)
             if e.block_ids and e.block_ids[0] in dev:
                 dev[e.block_ids[0]].touched = step
-        elif k == EventKind.SHARED:
-            for b in e.block_ids:
-                slot = dev.setdefault(b, _Slot(step, step))
-                if e.reason == "prefix_hit":
-                    self.durations.add("device", "reuse_gap", step - slot.touched)
-                slot.touched, slot.cached = step, False
-        elif k in (EventKind.STORED, EventKind.RELEASED, EventKind.CACHED):
-            for b in e.block_ids:
-                if b in dev:
-                    dev[b].touched = step
-                    dev[b].cached = k == EventKind.CACHED or (dev[b].cached and k == EventKind.STORED)
-        elif k == EventKind.FREED:
-            for b in e.block_ids:
-                self._end("device", dev, b, step, idle=False)
-        elif k == EventKind.EVICTED:
-            for b in e.block_ids:
-                self._end("device", dev, b, step, idle=True)
-        elif k == EventKind.RELOCATED:
-            self._device = {new: dev[old] for old, new in zip(e.block_ids, e.new_block_ids) if old in dev}
-        elif k == EventKind.CLEARED:  # every cached block freed: its content is gone
-            for b in [b for b, slot in dev.items() if slot.cached]:
-                self._end("device", dev, b, step, idle=False)
-        elif k == EventKind.OFFLOADED:
-            slots = self._tiers.setdefault(e.tier, {})
-            for s in tier_slots_of(e):
-                slots[s] = _Slot(step, step)
-        elif k == EventKind.LOADED:
-            slots = self._tiers.setdefault(e.tier, {})
-            for s in tier_slots_of(e):
-                slot = slots.setdefault(s, _Slot(step, step))
-                self.durations.add(e.tier, "reuse_gap", step - slot.touched)
+
+    def _shared(self, e: BlockEvent) -> None:
+        step, dev = e.step_id, self._device
+        for b in e.block_ids:
+            slot = dev.setdefault(b, _Slot(step, step))
+            if e.reason == "prefix_hit":
+                self.durations.add("device", "reuse_gap", step - slot.touched)
+            slot.touched, slot.cached = step, False
+
+    def _touched(self, e: BlockEvent) -> None:  # STORED, RELEASED, CACHED
+        step, dev, k = e.step_id, self._device, e.kind
+        for b in e.block_ids:
+            slot = dev.get(b)
+            if slot is not None:
                 slot.touched = step
-            for b in e.block_ids:  # the content starts a life in the device pool
-                dev[b] = _Slot(step, step)
-        elif k == EventKind.DROPPED:
-            slots = self._tiers.setdefault(e.tier, {})
-            for s in tier_slots_of(e):
-                self._end(e.tier, slots, s, step, idle=True)
+                slot.cached = k is EventKind.CACHED or (slot.cached and k is EventKind.STORED)
+
+    def _freed(self, e: BlockEvent) -> None:
+        for b in e.block_ids:
+            self._end("device", self._device, b, e.step_id, idle=False)
+
+    def _evicted(self, e: BlockEvent) -> None:
+        for b in e.block_ids:
+            self._end("device", self._device, b, e.step_id, idle=True)
+
+    def _relocated(self, e: BlockEvent) -> None:
+        dev = self._device
+        self._device = {new: dev[old] for old, new in zip(e.block_ids, e.new_block_ids) if old in dev}
+
+    def _cleared(self, e: BlockEvent) -> None:  # every cached block freed: its content is gone
+        dev = self._device
+        for b in [b for b, slot in dev.items() if slot.cached]:
+            self._end("device", dev, b, e.step_id, idle=False)
+
+    def _offloaded(self, e: BlockEvent) -> None:
+        step, slots = e.step_id, self._tiers.setdefault(e.tier, {})
+        for s in tier_slots_of(e):
+            slots[s] = _Slot(step, step)
+
+    def _loaded(self, e: BlockEvent) -> None:
+        step, slots = e.step_id, self._tiers.setdefault(e.tier, {})
+        for s in tier_slots_of(e):
+            slot = slots.setdefault(s, _Slot(step, step))
+            self.durations.add(e.tier, "reuse_gap", step - slot.touched)
+            slot.touched = step
+        for b in e.block_ids:  # the content starts a life in the device pool
+            self._device[b] = _Slot(step, step)
+
+    def _dropped(self, e: BlockEvent) -> None:
+        slots = self._tiers.setdefault(e.tier, {})
+        for s in tier_slots_of(e):
+            self._end(e.tier, slots, s, e.step_id, idle=True)
+
+    _handlers = {EventKind.ALLOCATED: _allocated, EventKind.COPIED_ON_WRITE: _copied, EventKind.SHARED: _shared,
+                 EventKind.STORED: _touched, EventKind.RELEASED: _touched, EventKind.CACHED: _touched,
+                 EventKind.FREED: _freed, EventKind.EVICTED: _evicted, EventKind.RELOCATED: _relocated,
+                 EventKind.CLEARED: _cleared, EventKind.OFFLOADED: _offloaded, EventKind.LOADED: _loaded,
+                 EventKind.DROPPED: _dropped}
 
 
 def histogram(samples: np.ndarray, bins: int = 20) -> tuple[np.ndarray, np.ndarray]:

@@ -254,47 +254,57 @@ def place_text(place: tuple[str, int]) -> str:
 
 class TierStories:
     """What happened to each piece of content (by hash) across tiers: stored, evicted from the device, offloaded,
-    loaded back, dropped. Fed every block event once; keeps the newest lines of the most recent hashes."""
+    loaded back, dropped. Fed every block event once; keeps the newest moves of the most recent hashes, as facts
+    (step, kind, tier, slot, device block, reason), worded only when asked for (:meth:`story`): a busy pool moves
+    thousands of blocks a frame, and nobody reads most of their stories."""
 
     def __init__(self):
-        self._lines: OrderedDict[int, list[tuple[int, str]]] = OrderedDict()
+        self._moves: OrderedDict[int, list[tuple]] = OrderedDict()
 
     def __len__(self) -> int:
         """Hashes whose story is kept."""
-        return len(self._lines)
+        return len(self._moves)
 
     def clear(self) -> None:
-        self._lines.clear()
+        self._moves.clear()
 
-    def _add(self, h: int, step: int, text: str) -> None:
-        lines = self._lines.get(h)
-        if lines is None:
-            lines = self._lines[h] = []
-            if len(self._lines) > MAX_STORIES:
-                self._lines.popitem(last=False)
+    def _add(self, h: int, move: tuple) -> None:
+        moves = self._moves.get(h)
+        if moves is None:
+            moves = self._moves[h] = []
+            if len(self._moves) > MAX_STORIES:
+                self._moves.popitem(last=False)
         else:
-            self._lines.move_to_end(h)
-        lines.append((step, text))
-        del lines[:-STORY_LINES]
+            self._moves.move_to_end(h)
+            if len(moves) >= STORY_LINES:
+                del moves[0]
+        moves.append(move)
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
         for e in events:
-            if e.kind in TIER_KINDS:
-                slots = tier_slots_of(e)
+            kind = e.kind
+            if kind in TIER_KINDS:
+                slots, blocks = tier_slots_of(e), e.block_ids
                 for i, h in enumerate(e.block_hashes):
-                    slot = slots[i] if i < len(slots) else None
-                    block = e.block_ids[i] if i < len(e.block_ids) else None
-                    self._add(int(h), e.step_id, _tier_move_text(e.kind, e.tier, slot, block, e.reason))
-            elif e.kind in (EventKind.STORED, EventKind.EVICTED):
+                    self._add(int(h), (e.step_id, kind, e.tier, slots[i] if i < len(slots) else None,
+                                       blocks[i] if i < len(blocks) else None, e.reason))
+            elif kind is EventKind.STORED or kind is EventKind.EVICTED:
+                blocks = e.block_ids
                 for i, h in enumerate(e.block_hashes):
-                    block = e.block_ids[i] if i < len(e.block_ids) else "?"
-                    text = (f"stored in device block {block}" if e.kind == EventKind.STORED
-                            else f"evicted from device block {block}")
-                    self._add(int(h), e.step_id, text)
+                    self._add(int(h), (e.step_id, kind, "", None, blocks[i] if i < len(blocks) else "?", ""))
 
     def story(self, h: int) -> list[tuple[int, str]]:
         """(step, what happened) for content ``h``, oldest first."""
-        return list(self._lines.get(int(h), ()))
+        return [(step, _move_text(kind, tier, slot, block, reason))
+                for step, kind, tier, slot, block, reason in self._moves.get(int(h), ())]
+
+
+def _move_text(kind: EventKind, tier: str, slot, block, reason: str) -> str:
+    if kind is EventKind.STORED:
+        return f"stored in device block {block}"
+    if kind is EventKind.EVICTED:
+        return f"evicted from device block {block}"
+    return _tier_move_text(kind, tier, slot, block, reason)
 
 
 def _tier_move_text(kind: EventKind, tier: str, slot, block, reason: str) -> str:
