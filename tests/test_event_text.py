@@ -156,6 +156,28 @@ def test_lone_events_keep_their_own_lines_and_order():
     assert [line.events[0] for line in lines] == [e for e in events if any(line.events[0] is e for line in lines)]
 
 
+def test_a_frame_without_stories_gives_the_same_lines_as_one_searched_for_them():
+    """A frame with no fork or lifecycle event skips the search for stories (a busy pool sends thousands of such
+    events a frame): its lines must be what the search would have made, conversations of forks and samples
+    included, and a bad item is still refused."""
+    lone = [e for e, _ in EXAMPLES if e.kind not in (K.CONVERSATION_ADDED, K.PREEMPTED, K.CONVERSATION_FINISHED,
+                                                       K.CONVERSATION_ENDED)]
+    lone += [BlockEvent(9, K.SHARED, -1, (4,), other_id=3, reason="fork"),  # no conversation of its own
+             BlockEvent(9, K.SHARED, 3, (4,), other_id=3, reason="fork")]  # the parent named twice
+    fast = group(lone)
+    searched = group(lone + [BlockEvent(10**6, K.CONVERSATION_ENDED, 10**6)])[:-1]  # a lead: the search runs
+    assert len(fast) == len(lone) == len(searched)
+    for a, b in zip(fast, searched):
+        assert (a.step_id, a.kind, a.kinds, a.conversation_id, a.conversation_ids, a.events, a.text, a.block_ids) \
+            == (b.step_id, b.kind, b.kinds, b.conversation_id, b.conversation_ids, b.events, b.text, b.block_ids)
+    assert fast[-2].conversation_ids == {3} and fast[-1].conversation_ids == {3}
+    for line, e in zip(fast, lone):
+        assert line.events == (e,) and line.kinds == {e.kind} and line.text == describe(e, step=False)
+        assert line.conversation_ids == {e.conversation_id, e.other_id} - {-1}
+    with pytest.raises(TypeError, match="BlockEvent"):
+        group([BlockEvent(1, K.ALLOCATED, 1, (4,)), "allocated"])
+
+
 def test_line_targets():
     cow = line_of(BlockEvent(230, K.COPIED_ON_WRITE, 7, (17,), (42,)))
     assert cow.block_id == 42 and cow.block_ids == (17, 42) and cow.conversation_id == 7
