@@ -707,12 +707,8 @@ class Engine:
         """The host and disk tiers the config asks for (None when both are off), wired into the manager."""
         if not (cfg.host_tier_blocks or cfg.disk_tier_blocks):
             return None
-        if not isinstance(self.manager, KVCacheManager) or type(self.manager) is not KVCacheManager:
-            # A tier keeps a block's bytes under its prefix hash; a grouped pool keys its cache by (hash, group) and
-            # releases window blocks on its own schedule, which the tiers do not follow yet: refused, not guessed.
-            raise EngineError(f"host and disk tiers need a model with one full-attention KV cache group; this one "
-                              f"has {len(self.kv_cache_groups)} group(s) "
-                              f"({', '.join(g.kind for g in self.kv_cache_groups)})")
+        # A grouped pool (engine.kv_cache_groups) offloads and loads each group's blocks under its group's cache key:
+        # a block id is one slot in every layer plane, so a block of any group has the same bytes per block.
         from .loader import available_memory
         from .tiers import TierStore
         per_block = self.kv.bytes_per_block

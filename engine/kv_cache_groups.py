@@ -26,26 +26,15 @@ from typing import Iterable
 import numpy as np
 
 from kvstream.events import WINDOW_REASON, EventKind
-from kvstream.rules import cdiv
+from kvstream.rules import cdiv, group_key, raw_hash  # noqa: F401 (re-exported)
 from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
 from .block_pool import BlockPool, HashedBlock, hash_block_tokens
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence
+from .tiers import TierHit, TierLoad
 
 ABSENT = -1  # a table entry whose block a sliding window released
-_GROUP_SALT = 0x9E3779B97F4A7C15  # mixed into the prefix hash of groups 1.. (cache keys differ per group)
-_MASK64 = (1 << 64) - 1
-
-
-def group_key(block_hash: int, group: int) -> int:
-    """The prefix-cache key of a block of ``group`` holding the prefix ``block_hash`` (group 0: the hash itself).
-    Reversible (:func:`raw_hash`), so events and KV events carry the plain hash and the group, as vLLM sends them."""
-    return block_hash if group == 0 else (block_hash ^ (_GROUP_SALT * group & _MASK64)) or 1
-
-
-def raw_hash(key: int, group: int) -> int:
-    return key if group == 0 else key ^ (_GROUP_SALT * group & _MASK64)
 
 
 class GroupHits(list):
@@ -96,9 +85,14 @@ class GroupedKVCacheManager(KVCacheManager):
         bs = self.block_size
         hashes = seq.full_block_hashes(bs)
         length = (seq.num_tokens - 1) // bs
-        found = []  # per group: block holding each of the first `length` prefixes, or None
+        found = []  # per group: block (or TierHit) holding each of the first `length` prefixes, or None
+        lookup, tiers = self.pool.lookup, self.tiers
         for g in range(self.num_groups):
-            found.append([self.pool.lookup(group_key(h, g)) for h in hashes[:length]])
+            keys = [group_key(h, g) for h in hashes[:length]]
+            blocks = [lookup(k) for k in keys]
+            if tiers is not None:  # a block the device evicted may wait in a lower tier: loaded at admit
+                blocks = [tiers.lookup(k) if b is None else b for b, k in zip(blocks, keys)]
+            found.append(blocks)
         changed = True
         while changed and length:
             changed = False
@@ -133,7 +127,7 @@ class GroupedKVCacheManager(KVCacheManager):
             tables = hits.tables if isinstance(hits, GroupHits) else [list(hits)] * self.num_groups
             for table in tables:
                 need += max(0, cdiv(computed + num_new_tokens, bs) - len(table))
-                need += sum(1 for b in table if b != ABSENT and ref[b] == 0)
+                need += sum(1 for b in table if isinstance(b, TierHit) or (b != ABSENT and ref[b] == 0))
             return need
         computed = seq.num_computed_tokens
         index = computed // bs
@@ -176,26 +170,121 @@ class GroupedKVCacheManager(KVCacheManager):
             self.block_group[block] = group
             blocks.append(block)
             if key != NO_HASH:
-                evicted.setdefault(old, []).append((block, raw_hash(key, old)))
+                evicted.setdefault(old, []).append((block, key))
+        self._last_offload = None
+        kept_blocks: list[int] = []
+        kept_bytes: list[np.ndarray] = []
         for old, pairs in evicted.items():
             self.num_evictions += len(pairs)
             self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(b for b, _ in pairs),
-                      block_hashes=tuple(h for _, h in pairs), group=old)
+                      block_hashes=tuple(raw_hash(k, old) for _, k in pairs), group=old)
+            if self.tiers is not None:  # kept under their cache keys, each with the group it held
+                offloaded = self._offload(seq.seq_id, [b for b, _ in pairs], [k for _, k in pairs], old)
+                if offloaded is not None:
+                    kept_blocks += offloaded[0]
+                    kept_bytes.append(offloaded[1])
+        if kept_blocks:  # what these evictions read, for a load into the same blocks (_load_tier_hits)
+            self._last_offload = (kept_blocks, kept_bytes[0] if len(kept_bytes) == 1 else np.concatenate(kept_bytes))
         return blocks
 
     def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> list[tuple[int, int, int]]:
+        """As :meth:`KVCacheManager.admit`, for every group: device hits shared, lower-tier hits
+        (:class:`TierHit`) loaded into fresh blocks of their group."""
         self._ensure_tables(seq)
+        loads, data = [], None
+        if self.tiers is not None:
+            hits, loads, data = self._read_tier_hits_of_groups(seq, hits, num_new_tokens)
         tables = hits.tables if isinstance(hits, GroupHits) else [list(hits)] + [[] for _ in range(self.num_groups - 1)]
         for g, table in enumerate(tables):
-            held = [b for b in table if b != ABSENT]
+            held = [b for b in table if b != ABSENT and not isinstance(b, TierHit)]
             for block in held:
                 self.pool.add_ref(block, seq.seq_id)
                 self.holders.setdefault(block, set()).add(seq.seq_id)
             if held:
                 self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(held), reason="prefix_hit", group=g)
             seq.set_group_table(g, list(table))
+        if loads:
+            self._load_tier_hits(seq, loads, data)
         seq.num_computed_tokens = len(hits) * self.block_size
+        self._note_group_sources(seq, tables, len(hits))
         return self.allocate_slots(seq, num_new_tokens)
+
+    # ---- lower tiers ----------------------------------------------------------------------------------------
+    def _read_tier_hits_of_groups(self, seq: Sequence, hits: list, num_new_tokens: int):
+        """(hits, [(group, index, TierHit)] group by group, their bytes as one uint8 [n, bytes] array), read now
+        (a later eviction in this admission may move them on). A block that fails its checksum is dropped and the
+        hits are looked up again without it (every group must agree on the prefix, so they are not just cut); if
+        the shorter hits need more blocks than the pool has free, none are used."""
+        while True:
+            tables = hits.tables if isinstance(hits, GroupHits) else [list(hits)]
+            found = [(g, index, hit) for g, table in enumerate(tables) for index, hit in enumerate(table)
+                     if isinstance(hit, TierHit)]
+            if not found:
+                return hits, [], None
+            data = self.tiers.staging(len(found))
+            for row, (_, _, hit) in enumerate(found):
+                if not self.tiers.read_into(hit, data[row]):
+                    self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
+                    break
+            else:
+                return hits, found, data
+            hits = self.prefix_hits(seq)  # the dropped slot is gone
+            if not self.pool.can_allocate(self.num_blocks_for(seq, num_new_tokens, hits)):
+                hits = GroupHits()
+                hits.tables = [[] for _ in range(self.num_groups)]
+
+    def _load_tier_hits(self, seq: Sequence, loads: list[tuple[int, int, TierHit]], data: np.ndarray) -> None:
+        """Fresh device blocks of each hit's group, filled from the tiers (LOADED), full and hashed under their
+        group's key again (STORED, as if computed); one :class:`TierLoad` per group. Every hit's slot is pinned
+        until all are taken, so making room for one group's blocks never pushes another's hit away."""
+        bs, pool = self.block_size, self.pool
+        hashes = seq.full_block_hashes(bs)
+        self.tiers.pin(hit for _, _, hit in loads)
+        start = 0
+        while start < len(loads):
+            g = loads[start][0]
+            end = start
+            while end < len(loads) and loads[end][0] == g:
+                end += 1
+            mine = loads[start:end]
+            blocks = self._take_group_blocks(seq, len(mine), g)
+            kept = self._last_offload  # what the evicted ones among them held, read for the offload just now
+            self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks), group=g)
+            table = list(seq.group_table(g))
+            for (_, index, hit), block in zip(mine, blocks):
+                table[index] = block
+                self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
+                pool.set_filled(block, bs)
+                info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
+                                   hashes[index - 1] if index else None)
+                registered = pool.register_hash(block, group_key(hashes[index], g), info)
+                assert registered, "a tier hit's key was already on the device (it would have been a device hit)"
+            seq.set_group_table(g, table)
+            self.pending_loads.append(TierLoad(blocks, data[start:end], *(kept or ((), None))))
+            run: list[int] = []
+            for _, index, _ in mine:
+                if run and index != run[-1] + 1:
+                    self._emit_group_stored(seq, run, hashes, table, g)
+                    run = []
+                run.append(index)
+            self._emit_group_stored(seq, run, hashes, table, g)
+            start = end
+        self.tiers.unpin()
+
+    def _note_group_sources(self, seq: Sequence, tables: list[list], num_hits: int) -> None:
+        """Where each hit block's K/V came from: the lowest place any group loaded it from (a block one group
+        shared on the device and another loaded from disk counts as disk: its tokens waited for the disk)."""
+        rank = {"device": 0, "host": 1, "disk": 2}
+        counts = dict.fromkeys(("device", "host", "disk"), 0)
+        bs = self.block_size
+        for index in range(num_hits):
+            where = "device"
+            for table in tables:
+                entry = table[index] if index < len(table) else ABSENT
+                if isinstance(entry, TierHit) and rank[entry.tier] > rank[where]:
+                    where = entry.tier
+            counts[where] += bs
+        self._set_sources(seq.seq_id, {**counts, "computed": seq.num_tokens - num_hits * bs})
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int, int]]:
         self._ensure_tables(seq)
@@ -304,6 +393,8 @@ class GroupedKVCacheManager(KVCacheManager):
                 self.emit(EventKind.SHARED, child.seq_id, block_ids=tuple(held), other_id=parent.seq_id,
                           reason="fork", group=g)
         child.num_computed_tokens = parent.num_computed_tokens
+        if parent.seq_id in self.prompt_sources:  # it shares the parent's prompt K/V, wherever that came from
+            self._set_sources(child.seq_id, dict(self.prompt_sources[parent.seq_id]))
 
     # ---- release --------------------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:

@@ -352,10 +352,11 @@ class KVCacheManager:
         loads, self.pending_loads = self.pending_loads, []
         return loads
 
-    def _offload(self, seq_id: int, blocks: list[int], hashes: list[int]) -> tuple[list[int], np.ndarray] | None:
-        """Evicted device blocks go to the top tier (their bytes are read now: nothing has overwritten them yet).
-        The blocks that need a copy are read in one gather; returns (those blocks, their bytes), or None when
-        none needed one."""
+    def _offload(self, seq_id: int, blocks: list[int], hashes: list[int],
+                 group: int = 0) -> tuple[list[int], np.ndarray] | None:
+        """Evicted device blocks (of KV cache ``group``; ``hashes``: their cache keys) go to the top tier (their
+        bytes are read now: nothing has overwritten them yet). The blocks that need a copy are read in one gather;
+        returns (those blocks, their bytes), or None when none needed one."""
         moves = [(b, h, r) for b, h in zip(blocks, hashes) if (r := self.pool.dropped_record(h)) is not None]
         copied = [b for b, h, _ in moves if not self.tiers.holds_on_top(h)]
         data = self.read_device_blocks(copied, self.tiers.staging(len(copied))) if copied else None
@@ -370,7 +371,7 @@ class KVCacheManager:
             return self.read_device_blocks([block], np.empty((1, self.tiers.bytes_per_block), np.uint8))[0]
 
         for block, h, record in moves:
-            self.tiers.offload(h, record, partial(read, block), block, self.pool.clock, self.emit, seq_id)
+            self.tiers.offload(h, record, partial(read, block), block, self.pool.clock, self.emit, seq_id, group)
         return (copied, data) if copied else None
 
     def _read_tier_hits(self, seq: Sequence, hits: list) -> tuple[list[tuple[int, TierHit]], np.ndarray | None,

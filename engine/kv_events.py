@@ -41,7 +41,7 @@ def to_kv_events(events: Sequence[BlockEvent], block_size: int, groups: Sequence
         elif e.kind == EventKind.CLEARED:
             out.append(AllBlocksCleared())
         elif e.kind in (EventKind.OFFLOADED, EventKind.DROPPED):
-            out.append(_tier_kv_event(e, block_size))
+            out.append(_tier_kv_event(e, block_size, groups))
     return out
 
 
@@ -49,17 +49,21 @@ MEDIUM_STORAGE = "STORAGE"  # vLLM's medium for a disk tier (SGLang says "DISK")
 TIER_MEDIUM = {"host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}  # the lower tiers as vLLM's offloading connector names them
 
 
-def _tier_kv_event(e: BlockEvent, block_size: int) -> KVEvent:
+def _tier_kv_event(e: BlockEvent, block_size: int, groups: Sequence | None = None) -> KVEvent:
     """A block kept in (OFFLOADED) or let go by (DROPPED) a lower tier, as vLLM's offloading connector reports it
     in its self-describing mode: a full ``BlockStored`` (tokens, parent, block size) on medium "CPU" / "STORAGE",
     or a ``BlockRemoved`` there. A load back into the device needs no event of its own: the device block's STORED
     (medium "GPU") follows it."""
     medium = TIER_MEDIUM[e.tier]
     if e.kind == EventKind.OFFLOADED:
+        spec = {} if groups is None else {
+            "group_idx": e.group, "kv_cache_spec_kind": groups[e.group].kind,
+            "kv_cache_spec_sliding_window": groups[e.group].sliding_window}
         return BlockStored(block_hashes=tuple(e.block_hashes), parent_block_hash=e.parent_hash,
                            token_ids=tuple(e.token_ids), block_size=block_size, lora_id=None, medium=medium,
-                           lora_name=None)
-    return BlockRemoved(block_hashes=tuple(e.block_hashes), medium=medium)
+                           lora_name=None, **spec)
+    return BlockRemoved(block_hashes=tuple(e.block_hashes), medium=medium,
+                        group_idx=None if groups is None else e.group)
 
 
 def split_by_step(events: Sequence[BlockEvent]) -> list[list[BlockEvent]]:

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvstream.events import EventKind
+from kvstream.rules import group_key, raw_hash
 from kvstream.views import NO_HASH, BlockState, TierView
 
 from .errors import EngineError
@@ -60,7 +61,8 @@ class TierHit:
 
     tier: str  # "host" | "disk"
     slot: int  # slot in that tier
-    block_hash: int  # the block's prefix hash
+    block_hash: int  # the block's cache key: its prefix hash, mixed with its KV cache group past group 0
+    group: int = 0  # the KV cache group the block belongs to (kvstream.rules.group_key)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class Tier(abc.ABC):
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.state = np.zeros(num_blocks, np.int8)  # BlockState: FREE or CACHED
-        self.block_hash = np.zeros(num_blocks, np.uint64)  # prefix hash held; NO_HASH where free
+        self.block_hash = np.zeros(num_blocks, np.uint64)  # cache key held (kvstream.rules.group_key); NO_HASH: free
+        self.group = np.zeros(num_blocks, np.int8)  # KV cache group of the block held (0 where free)
         self.last_access = np.zeros(num_blocks, np.int64)  # step of the last write or read
         self.queued_at = np.arange(num_blocks, dtype=np.int64)  # LRU stamp (free slots: the order they are taken)
         self._stamp = num_blocks
@@ -118,7 +121,7 @@ class Tier(abc.ABC):
         if self._saved is not None and slot not in self._saved:
             h = int(self.block_hash[slot])
             self._saved[slot] = (int(self.state[slot]), h, int(self.last_access[slot]), int(self.queued_at[slot]),
-                                 self.records.get(h) if h != NO_HASH else None)
+                                 self.records.get(h) if h != NO_HASH else None, int(self.group[slot]))
         self.version += 1
 
     def _restamp(self, slot: int) -> None:
@@ -143,12 +146,14 @@ class Tier(abc.ABC):
                 return slot
         return None
 
-    def put(self, slot: int, block_hash: int, record, clock: int) -> None:
-        """``slot`` (FREE, its bytes just written) now holds ``block_hash``, most recently used."""
+    def put(self, slot: int, block_hash: int, record, clock: int, group: int = 0) -> None:
+        """``slot`` (FREE, its bytes just written) now holds ``block_hash`` (a cache key) of KV cache ``group``,
+        most recently used."""
         self._save(slot)
         self._free.pop(slot)
         self.state[slot] = BlockState.CACHED
         self.block_hash[slot] = block_hash
+        self.group[slot] = group
         self.last_access[slot] = clock
         self._restamp(slot)
         self._lru[slot] = None
@@ -164,6 +169,7 @@ class Tier(abc.ABC):
         self.records.pop(h, None)
         self.state[slot] = BlockState.FREE
         self.block_hash[slot] = NO_HASH
+        self.group[slot] = 0
         self.last_access[slot] = clock
         self._restamp(slot)
         self._free[slot] = None
@@ -219,8 +225,8 @@ class Tier(abc.ABC):
             except OSError as exc:  # the checksum of the restored bookkeeping no longer matches: never loaded
                 log.warning("%s tier: could not put back slot %d after a rollback (%s); it will be recomputed",
                             self.name, slot, exc)
-        for slot, (state, h, last, queued, record) in saved.items():
-            self.state[slot], self.block_hash[slot] = state, h
+        for slot, (state, h, last, queued, record, group) in saved.items():
+            self.state[slot], self.block_hash[slot], self.group[slot] = state, h, group
             self.last_access[slot], self.queued_at[slot] = last, queued
             if record is not None:
                 self.records[h] = record
@@ -250,10 +256,16 @@ class Tier(abc.ABC):
         assert not free & lru and len(free) + len(lru) == self.num_blocks, f"{self.name}: queues disagree"
         assert lru == set(np.flatnonzero(self.state == BlockState.CACHED).tolist()), f"{self.name}: LRU != CACHED"
         assert (self.block_hash[self.state == BlockState.FREE] == NO_HASH).all(), f"{self.name}: free slot hashed"
+        assert (self.group[self.state == BlockState.FREE] == 0).all(), f"{self.name}: free slot in a group"
         held = np.flatnonzero(self.state == BlockState.CACHED)
         assert self.hash_to_slot == dict(zip(self.block_hash[held].tolist(), held.tolist())), \
             f"{self.name}: hash map disagrees with the slots"
         assert set(self.records) == set(self.hash_to_slot), f"{self.name}: records disagree with the slots"
+        from .block_pool import hash_block_tokens
+        for slot in held.tolist():  # each key is its content's hash in the slot's group (kvstream.rules.group_key)
+            key, record = int(self.block_hash[slot]), self.records[int(self.block_hash[slot])]
+            assert key == group_key(hash_block_tokens(record.parent_hash, record.token_ids), int(self.group[slot])), \
+                f"{self.name}: slot {slot}'s key is not its content's in group {int(self.group[slot])}"
 
 
 class HostTier(Tier):
@@ -432,11 +444,11 @@ class TierStore:
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def lookup(self, block_hash: int) -> TierHit | None:
-        """The highest tier holding ``block_hash``."""
+        """The highest tier holding ``block_hash`` (a cache key)."""
         for tier in self.order:
             slot = tier.lookup(block_hash)
             if slot is not None:
-                return TierHit(tier.name, slot, block_hash)
+                return TierHit(tier.name, slot, block_hash, int(tier.group[slot]))
         return None
 
     def read(self, hit: TierHit) -> np.ndarray | None:
@@ -494,14 +506,15 @@ class TierStore:
 
     # ---- moves ------------------------------------------------------------------------------------------------
     def offload(self, block_hash: int, record, read: Callable[[], np.ndarray], device_block: int, clock: int,
-                emit: Emit, conversation_id: int = -1) -> None:
-        """A device block holding ``block_hash`` is about to be reused: keep its bytes (``read()``) in the top tier.
-        A tier that already holds the hash only marks it used (no copy)."""
+                emit: Emit, conversation_id: int = -1, group: int = 0) -> None:
+        """A device block of KV cache ``group`` holding ``block_hash`` (its cache key) is about to be reused: keep
+        its bytes (``read()``) in the top tier. A tier that already holds the key only marks it used (no copy).
+        Events name the plain prefix hash and the group, as the device pool's own do."""
         if self.order:
-            self._store(0, block_hash, record, read, device_block, "", clock, emit, conversation_id)
+            self._store(0, block_hash, record, read, device_block, "", clock, emit, conversation_id, group)
 
     def _store(self, index: int, block_hash: int, record, read: Callable[[], np.ndarray], device_block: int | None,
-               source: str, clock: int, emit: Emit, cid: int) -> bool:
+               source: str, clock: int, emit: Emit, cid: int, group: int = 0) -> bool:
         """Put a block into tier ``index``, making room first; False when it could not be kept there."""
         tier = self.order[index]
         slot = tier.lookup(block_hash)
@@ -517,11 +530,11 @@ class TierStore:
         except OSError as exc:  # only a disk tier writes to a device that can fail: drop the block, go on
             log.warning("%s tier: writing a block failed (%s); the block is dropped", tier.name, exc)
             return False
-        tier.put(slot, block_hash, record, clock)
+        tier.put(slot, block_hash, record, clock, group)
         self.num_offloaded += 1
-        emit(EventKind.OFFLOADED, cid, tier=tier.name, block_hashes=(block_hash,), tier_slots=(slot,),
+        emit(EventKind.OFFLOADED, cid, tier=tier.name, block_hashes=(raw_hash(block_hash, group),), tier_slots=(slot,),
              block_ids=() if device_block is None else (device_block,), reason=source,
-             parent_hash=record.parent_hash, token_ids=tuple(record.token_ids))
+             parent_hash=record.parent_hash, token_ids=tuple(record.token_ids), group=group)
         return True
 
     def _make_room(self, index: int, clock: int, emit: Emit, cid: int) -> int | None:
@@ -534,29 +547,31 @@ class TierStore:
         slot = tier.victim()
         if slot is None:
             return None
-        h = int(tier.block_hash[slot])
+        h, group = int(tier.block_hash[slot]), int(tier.group[slot])
         record = tier.records[h]
         moved = False
         if index + 1 < len(self.order):
-            moved = self._store(index + 1, h, record, lambda: tier.read(slot), None, tier.name, clock, emit, cid)
+            moved = self._store(index + 1, h, record, lambda: tier.read(slot), None, tier.name, clock, emit, cid,
+                                group)
         tier.drop(slot, clock)
         self.num_dropped += 0 if moved else 1
-        emit(EventKind.DROPPED, cid, tier=tier.name, block_hashes=(h,), tier_slots=(slot,),
-             reason=self.order[index + 1].name if moved else "")
+        emit(EventKind.DROPPED, cid, tier=tier.name, block_hashes=(raw_hash(h, group),), tier_slots=(slot,),
+             reason=self.order[index + 1].name if moved else "", group=group)
         return slot
 
     def loaded(self, hit: TierHit, device_block: int, clock: int, emit: Emit, cid: int) -> None:
         """A hit's bytes went into ``device_block``: the tier keeps its copy, now most recently used."""
         self.tiers[hit.tier].touch(hit.slot, clock)
         self.num_loaded += 1
-        emit(EventKind.LOADED, cid, tier=hit.tier, block_hashes=(hit.block_hash,), tier_slots=(hit.slot,),
-             block_ids=(device_block,))
+        emit(EventKind.LOADED, cid, tier=hit.tier, block_hashes=(raw_hash(hit.block_hash, hit.group),),
+             tier_slots=(hit.slot,), block_ids=(device_block,), group=hit.group)
 
     def drop_corrupt(self, hit: TierHit, clock: int, emit: Emit, cid: int) -> None:
         """A hit whose bytes failed their checksum: forget it (its tokens are recomputed)."""
         self.tiers[hit.tier].drop(hit.slot, clock)
         self.num_dropped += 1
-        emit(EventKind.DROPPED, cid, tier=hit.tier, block_hashes=(hit.block_hash,), tier_slots=(hit.slot,))
+        emit(EventKind.DROPPED, cid, tier=hit.tier, block_hashes=(raw_hash(hit.block_hash, hit.group),),
+             tier_slots=(hit.slot,), group=hit.group)
 
     def clear(self, clock: int, emit: Emit) -> None:
         """Drop every block of every tier (a reset of the prefix cache)."""
@@ -564,11 +579,16 @@ class TierStore:
             slots = list(tier._lru)
             if not slots:
                 continue
-            hashes = tuple(int(tier.block_hash[s]) for s in slots)
+            by_group: dict[int, list[int]] = {}  # one event per KV cache group (an event names one group)
+            for s in slots:
+                by_group.setdefault(int(tier.group[s]), []).append(s)
+            held = {s: (int(tier.block_hash[s]), int(tier.group[s])) for s in slots}
             for s in slots:
                 tier.drop(s, clock)
             self.num_dropped += len(slots)
-            emit(EventKind.DROPPED, -1, tier=tier.name, block_hashes=hashes, tier_slots=tuple(slots))
+            for group, members in sorted(by_group.items()):
+                emit(EventKind.DROPPED, -1, tier=tier.name, block_hashes=tuple(raw_hash(*held[s]) for s in members),
+                     tier_slots=tuple(members), group=group)
 
     def pin(self, hits) -> None:
         for hit in hits:
@@ -610,7 +630,8 @@ class TierStore:
         for tier in self.order:
             held = np.flatnonzero(tier.state == BlockState.CACHED).tolist()
             contents = tuple(bytes(tier._read_raw(s)) for s in held)
-            out.append((tier.name, tier.state.tobytes(), tier.block_hash.tobytes(), tier.last_access.tobytes(),
+            out.append((tier.name, tier.state.tobytes(), tier.block_hash.tobytes(), tier.group.tobytes(),
+                        tier.last_access.tobytes(),
                         tuple(int(x) for x in np.argsort(tier.queued_at, kind="stable")), contents,
                         tuple(sorted(tier.records))))
         return tuple(out)

@@ -13,6 +13,8 @@ import enum
 import msgspec
 import numpy as np
 
+from .rules import group_key
+
 
 class EventKind(str, enum.Enum):
     """What happened. The comment says which fields the kind fills in and what it does to the pool."""
@@ -89,7 +91,8 @@ class PoolModel:
         self.state = np.zeros(num_blocks, np.int8)  # BlockState values: 0 free, 1 used, 2 cached
         self.ref_count = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
-        # each lower tier's hash per slot (0: free), rebuilt from OFFLOADED / DROPPED (and checked by LOADED)
+        # each lower tier's cache key per slot (0: free; kvstream.rules.group_key of the hash and group the events
+        # name), rebuilt from OFFLOADED / DROPPED (and checked by LOADED)
         self.tier_hash = {name: np.zeros(n, np.uint64) for name, n in (tier_blocks or {}).items()}
 
     def apply(self, event: BlockEvent) -> None:
@@ -147,6 +150,7 @@ def _apply_tier_event(model: PoolModel, event: BlockEvent) -> None:
     assert slots is not None, f"an event names tier {event.tier!r}, which is not on: {event}"
     assert len(event.tier_slots) == len(event.block_hashes), f"tier slots and hashes do not align: {event}"
     for slot, h in zip(event.tier_slots, event.block_hashes):
+        h = group_key(h, event.group)  # a tier holds cache keys, as the pool does (one per group of a hash)
         if event.kind == EventKind.OFFLOADED:
             assert int(slots[slot]) == 0 and not (slots == np.uint64(h)).any(), f"offloaded into a taken slot, or a hash held twice: {event}"
             slots[slot] = h

@@ -15,6 +15,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_GROUP_SALT = 0x9E3779B97F4A7C15  # mixed into the prefix hash of KV cache groups 1.. (cache keys differ per group)
+_MASK64 = (1 << 64) - 1
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a block of KV cache ``group`` holding the prefix ``block_hash`` (group 0: the hash
+    itself). A grouped engine's pool and tiers are keyed by it (a snapshot's ``block_hash`` and a tier's are keys),
+    while events carry the plain hash and the group, as vLLM sends them; :func:`raw_hash` undoes it."""
+    return block_hash if group == 0 else (block_hash ^ (_GROUP_SALT * group & _MASK64)) or 1
+
+
+def raw_hash(key: int, group: int) -> int:
+    return key if group == 0 else key ^ (_GROUP_SALT * group & _MASK64)
+
+
 def blocks_needed(num_tokens: int, max_new_tokens: int, block_size: int) -> int:
     """Blocks a conversation of ``num_tokens`` prompt tokens holds once it has generated ``max_new_tokens``: K/V is
     stored for every token but the last one sampled."""

@@ -302,7 +302,7 @@ def test_live_frames_are_paced_to_the_gui_budget_and_no_event_is_lost(qtbot, mak
 
 def test_the_tiers_and_window_demos_start_from_the_menu_and_busy_goes_back_to_the_users_pool(qtbot, make_window):
     """The Demos menu offers every demo the command line has: tiers starts its small device pool and host tier,
-    window the mixed sliding-window checkpoint (tiers off: a grouped pool refuses them), and busy afterwards runs
+    window the mixed sliding-window checkpoint (tiers off: its story is the window's releases), and busy afterwards runs
     on the settings the user started with, not the last demo's."""
     window = make_window(paused=True, num_blocks=96)
     demos_menu = [a.menu() for a in window.menuBar().actions() if a.text() == "&Demos"][0]

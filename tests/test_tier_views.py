@@ -187,6 +187,30 @@ def test_where_content_is_held_and_a_tier_slots_facts():
     assert any(f.startswith("tokens not known") for f in unknown) and "held now by disk slot 1" in unknown
 
 
+def test_a_group_ones_tier_slot_is_known_under_its_groups_key():
+    """A grouped engine's pool and tiers hold cache keys (kvstream.rules.group_key), its events the plain hash and
+    the group: the book and the stories file what they learn under the key the slot shows, so a group-1 slot's
+    tokens and story are known, and the same hash in group 0 stays another piece of content."""
+    from kvstream.rules import group_key
+    key = group_key(H0, 1)
+    events = [BlockEvent(4, EventKind.STORED, 2, (6,), block_hashes=(H0,), token_ids=(7, 8, 9, 10), group=1),
+              BlockEvent(9, EventKind.EVICTED, 3, (6,), block_hashes=(H0,), group=1),
+              BlockEvent(9, EventKind.OFFLOADED, 3, (6,), block_hashes=(H0,), tier="host", tier_slots=(1,),
+                         group=1)]
+    book, stories = ContentBook(), TierStories()
+    book.add_events(events)
+    stories.add_events(events)
+    assert book.tokens(key) == (7, 8, 9, 10) and book.owner(key) == 2
+    assert book.tokens(H0) is None and book.owner(H0) == -1
+    assert [text for _, text in stories.story(key)] == [
+        "stored in device block 6", "evicted from device block 6", "offloaded to host slot 1 from device block 6"]
+    assert stories.story(H0) == []
+    snap = tiered_snapshot(host=tier(4, {1: key}))
+    facts = tier_block_facts(snap, "host", 1, book, stories)
+    assert "tokens 7 8 9 10" in facts and "content of conversation 2" in facts
+    assert facts[-1] == "step 9: offloaded to host slot 1 from device block 6"
+
+
 def test_a_finished_conversations_sources_and_tables_survive_missing_fields():
     old = conversation(4, Status.FINISHED)  # a source that says nothing of tiers or groups
     snap = PoolSnapshot(step_id=1, block_size=4, num_blocks=2, ref_count=np.zeros(2, np.int32),

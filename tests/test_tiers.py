@@ -16,6 +16,7 @@ from engine.kv_events import to_kv_events
 from engine.tiers import DiskTier, HostTier, TierStore
 from kvstream.events import EventKind, PoolModel
 from kvstream.kv_events.codec import BlockRemoved, BlockStored, decode_batch, encode_batch, make_batch
+from kvstream.rules import group_key, raw_hash
 from kvstream.summary import json_summary
 from kvstream.views import NO_HASH
 
@@ -24,10 +25,33 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return [[(7 * i + 13 * k) % 250 + 2 for i in range(length)] for k in range(n)]
 
 
+_MODEL = ["builtin"]  # the model _engine builds (the ``model`` fixture switches it to a grouped checkpoint)
+
+
+@pytest.fixture(scope="module")
+def grouped_checkpoint(tmp_path_factory) -> str:
+    """Two KV cache groups (sliding-window layers 0 and 2, full attention layer 1; a window of 8 tokens), with the
+    built-in model's vocabulary size, so the same prompts run on it."""
+    from tests.test_groups import write_mixed_checkpoint
+    return str(write_mixed_checkpoint(tmp_path_factory.mktemp("grouped"), vocab_size=258))
+
+
+@pytest.fixture(params=["builtin", "grouped"])
+def model(request, grouped_checkpoint):
+    """Runs a test on the built-in model (one KV cache group) and on a checkpoint of two groups, whose pool
+    offloads and loads each group's blocks under its own cache key (twice the device and tier blocks: each
+    conversation holds a table per group, and both groups' blocks go down)."""
+    _MODEL[0] = "builtin" if request.param == "builtin" else grouped_checkpoint
+    yield request.param
+    _MODEL[0] = "builtin"
+
+
 def _engine(tmp_path, block_size=4, num_blocks=None, host=0, disk=0, name="tier.bin", **kw) -> Engine:
     path = str(tmp_path / name) if disk else None
-    return Engine(EngineConfig(model="builtin", block_size=block_size, num_blocks=num_blocks or max(8, 64 // block_size),
-                               host_tier_blocks=host, disk_tier_blocks=disk, disk_tier_path=path,
+    blocks = num_blocks or max(8, 64 // block_size)
+    scale = 1 if _MODEL[0] == "builtin" else 2
+    return Engine(EngineConfig(model=_MODEL[0], block_size=block_size, num_blocks=scale * blocks,
+                               host_tier_blocks=scale * host, disk_tier_blocks=scale * disk, disk_tier_path=path,
                                max_num_batched_tokens=128, max_num_seqs=4, seed=0, **kw))
 
 
@@ -58,7 +82,7 @@ def _count(events, kind, tier) -> int:
 # ---- tokens -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size, host, disk, n, length", [(1, 32, 128, 4, 24), (4, 8, 32, 4, 24),
                                                                (16, 3, 8, 4, 48)])
-def test_tokens_identical_with_tiers_on_and_off(tmp_path, block_size, host, disk, n, length):
+def test_tokens_identical_with_tiers_on_and_off(model, tmp_path, block_size, host, disk, n, length):
     """Greedy and sampled conversations give the same tokens whether their prefixes come back from host and disk
     or are recomputed; and blocks really went down to both tiers and came back from both."""
     off = _engine(tmp_path, block_size)
@@ -99,22 +123,30 @@ def test_prompt_token_sources_count_each_tier(tmp_path):
 
 
 # ---- bytes --------------------------------------------------------------------------------------------------------
-def test_loaded_kv_is_bit_identical_to_what_was_offloaded(tmp_path):
+def test_loaded_kv_is_bit_identical_to_what_was_offloaded(model, tmp_path):
     """Every device block's bytes are noted while it is cached (what an eviction will take); every block loaded
-    back holds exactly the bytes its hash had then, and inspect_block shows the same K/V."""
+    back holds exactly the bytes its hash had then, and inspect_block shows the same K/V. In a grouped pool a block
+    id is a slot in every layer plane and a group of fewer layers leaves the last planes unused (what an earlier
+    owner left there, never read): the K/V compared are its group's planes."""
     eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=12, dtype="bfloat16")
+    groups = eng.snapshot().kv_cache_groups
     seen: dict[int, bytes] = {}
     checked = 0
+
+    def kv_of(data: np.ndarray, group: int) -> bytes:
+        used = 2 * len(groups[group].layers) if len(groups) > 1 else eng.kv.num_planes  # K and V per layer
+        return data.reshape(eng.kv.num_planes, -1)[:used].tobytes()
 
     def note():
         nonlocal checked
         snap = eng.snapshot()
         for b in np.flatnonzero(snap.state == BlockState.CACHED):
-            seen.setdefault(int(snap.block_hash[b]), eng.kv.read_block_bytes(int(b)).tobytes())
+            group = int(snap.block_group[b]) if snap.block_group is not None else 0
+            seen.setdefault(int(snap.block_hash[b]), kv_of(eng.kv.read_block_bytes(int(b)), group))
         for e in eng.take_events():
             if e.kind == EventKind.LOADED:
-                for b, h in zip(e.block_ids, e.block_hashes):
-                    assert eng.kv.read_block_bytes(b).tobytes() == seen[h]
+                for b, h in zip(e.block_ids, e.block_hashes):  # events: the plain hash; the pool: its group's key
+                    assert kv_of(eng.kv.read_block_bytes(b), e.group) == seen[group_key(h, e.group)]
                     checked += 1
 
     prompts = _prompts(4, 20)
@@ -132,15 +164,48 @@ def test_loaded_kv_is_bit_identical_to_what_was_offloaded(tmp_path):
         note()
     assert checked > 0
     # what the tiers hold is what the device held
+    compared = 0
     for tier in eng.tiers.order:
         for slot in np.flatnonzero(tier.state == BlockState.CACHED):
             h = int(tier.block_hash[slot])
             if h in seen:
-                assert tier.read(int(slot)).tobytes() == seen[h]
+                assert kv_of(tier.read(int(slot)), int(tier.group[slot])) == seen[h]
+                compared += 1
+    assert compared > 0
+
+
+def test_a_grouped_pool_loads_every_full_attention_block_and_only_the_windows_sliding_blocks(tmp_path,
+                                                                                            grouped_checkpoint):
+    """A returning conversation whose blocks all went to the host tier: the full-attention group loads every block
+    of its prefix, the sliding group (window 8) only the two blocks its next token's window reads; the blocks
+    before stay -1 in its table, never loaded. Its prompt tokens all came from host."""
+    eng = Engine(EngineConfig(model=grouped_checkpoint, block_size=4, num_blocks=24, host_tier_blocks=64,
+                              max_num_batched_tokens=128, max_num_seqs=4, seed=0))
+    a = eng.add_conversation(prompt_token_ids=_prompts(1, 32)[0], max_new_tokens=2)
+    eng.run_until_idle()
+    for prompt in _prompts(4, 32)[1:]:  # push a's blocks out of the device pool
+        eng.add_conversation(prompt_token_ids=prompt, max_new_tokens=2)
+        eng.run_until_idle()
+    events = eng.take_events()
+    mine = {(h, e.group) for e in events if e.kind == EventKind.STORED and e.conversation_id == a
+            for h in e.block_hashes}
+    assert len(mine) == 16  # 8 full blocks (33 tokens computed) in each group
+    snap = eng.snapshot()
+    assert not {group_key(h, g) for h, g in mine} & set(snap.block_hash.tolist())  # none left on the device
+    eng.continue_conversation(a, prompt_token_ids=[9], max_new_tokens=2)  # 35 tokens: a hit of 8 blocks
+    eng.step()
+    loaded = [e for e in eng.take_events() if e.kind == EventKind.LOADED and e.conversation_id == a]
+    by_group = {g: sum(len(e.block_ids) for e in loaded if e.group == g) for g in (0, 1)}
+    assert by_group == {0: 8, 1: 2}
+    sliding = eng.conversation(a).group_block_tables[1]  # after the step's 3 tokens the window starts in block 7
+    assert sliding[:7] == (-1,) * 7 and -1 not in sliding[7:] and len(sliding) == 9
+    assert eng.prompt_token_sources(a) == {"device": 0, "host": 32, "disk": 0, "computed": 3}
+    eng.run_until_idle()
+    eng.check_invariants()
 
 
 # ---- damaged disk blocks ------------------------------------------------------------------------------------------
-def test_corrupt_disk_block_is_recomputed_with_identical_tokens(tmp_path, caplog):
+def test_corrupt_disk_block_is_recomputed_with_identical_tokens(model, tmp_path, caplog):
     def run(eng, damage):
         ids = []
         for p in _prompts(3, 24):
@@ -215,7 +280,8 @@ def _primed(tmp_path) -> tuple[Engine, list[int]]:
     for p in _prompts(4, 16):
         ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
         eng.run_until_idle()
-    assert eng.tiers.tiers["host"].num_cached == 4 and eng.tiers.tiers["disk"].num_cached > 0
+    host = eng.tiers.tiers["host"]
+    assert host.num_cached == host.num_blocks and eng.tiers.tiers["disk"].num_cached > 0
     eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
     return eng, ids
 
@@ -230,7 +296,7 @@ def _next_step_moves(tmp_path) -> dict:
     return kinds
 
 
-def test_primed_step_moves_blocks_every_way(tmp_path):
+def test_primed_step_moves_blocks_every_way(model, tmp_path):
     """The fault tests below fail the step that loads from both tiers, offloads and moves host blocks to disk."""
     kinds = _next_step_moves(tmp_path)
     for key in ((EventKind.LOADED, "host"), (EventKind.LOADED, "disk"), (EventKind.OFFLOADED, "host"),
@@ -243,7 +309,7 @@ def _kv(eng):
 
 
 @pytest.mark.parametrize("where", ["device_read", "disk_write", "load_copy", "forward", "host_write"])
-def test_failed_step_leaves_every_tier_as_it_was(tmp_path, monkeypatch, where):
+def test_failed_step_leaves_every_tier_as_it_was(model, tmp_path, monkeypatch, where):
     eng, ids = _primed(tmp_path)
     before, kv = _fingerprint(eng), _kv(eng)
     fault = RuntimeError(f"injected fault in {where}")
@@ -283,7 +349,7 @@ def test_failed_step_leaves_every_tier_as_it_was(tmp_path, monkeypatch, where):
     assert _fingerprint(eng)[0] == _fingerprint(ref)[0]
 
 
-def test_failed_generate_rolls_back_tiers(tmp_path, monkeypatch):
+def test_failed_generate_rolls_back_tiers(model, tmp_path, monkeypatch):
     """A multi-step operation (generate) that fails late undoes the moves of its earlier steps too."""
     eng, _ = _primed(tmp_path)
     eng.run_until_idle()
@@ -437,7 +503,7 @@ def _replay(eng: Engine, events) -> PoolModel:
     return model
 
 
-def test_events_replay_every_tier(tmp_path):
+def test_events_replay_every_tier(model, tmp_path):
     eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=8)
     ids, events = _returning_workload(eng, n=4, length=20)
     eng.relocate_blocks(seed=3)
@@ -472,24 +538,33 @@ def test_replay_refuses_impossible_tier_events(tmp_path):
         model.apply(dropped)  # the slot holds another hash
 
 
-def test_kv_events_carry_every_medium(tmp_path):
+def test_kv_events_carry_every_medium(model, tmp_path):
     """The engine's block events as vLLM-format KV events, through the codec: a subscriber rebuilds the hashes of
-    the device pool ("GPU"), the host tier ("CPU") and the disk tier ("STORAGE") exactly; tier stores carry the
-    full payload (tokens, parent, block size)."""
+    the device pool ("GPU"), the host tier ("CPU") and the disk tier ("STORAGE") exactly, per KV cache group;
+    tier stores carry the full payload (tokens, parent, block size) and name their group as the device's do."""
     eng = _engine(tmp_path, 4, num_blocks=12, host=4, disk=8)
     _ids, events = _returning_workload(eng, n=4, length=20)
-    decoded = decode_batch(encode_batch(make_batch(to_kv_events(events, 4), 0.0)))
-    held: dict[str, set] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    groups = eng.snapshot().kv_cache_groups
+    decoded = decode_batch(encode_batch(make_batch(to_kv_events(events, 4, groups), 0.0)))
+    held: dict[str, set] = {"GPU": set(), "CPU": set(), "STORAGE": set()}  # (plain hash, group) per medium
     for ev in decoded.events:
         if isinstance(ev, BlockStored):
-            held[ev.medium].update(ev.block_hashes)
+            held[ev.medium].update((h, ev.group_idx) for h in ev.block_hashes)
             assert ev.block_size == 4 and len(ev.token_ids) == 4 * len(ev.block_hashes)
+            assert ev.kv_cache_spec_kind == groups[ev.group_idx].kind
         elif isinstance(ev, BlockRemoved):
-            held[ev.medium].difference_update(ev.block_hashes)
+            held[ev.medium].difference_update((h, ev.group_idx) for h in ev.block_hashes)
     snap = eng.snapshot()
-    assert held["GPU"] == set(int(h) for h in snap.block_hash if h != NO_HASH)
-    assert held["CPU"] == set(int(h) for h in snap.tiers["host"].block_hash if h != NO_HASH) != set()
-    assert held["STORAGE"] == set(int(h) for h in snap.tiers["disk"].block_hash if h != NO_HASH) != set()
+    block_group = snap.block_group if snap.block_group is not None else np.zeros(snap.num_blocks, np.int8)
+    assert held["GPU"] == {(raw_hash(int(k), int(g)), int(g)) for k, g in zip(snap.block_hash, block_group)
+                           if k != NO_HASH}
+    for medium, name in (("CPU", "host"), ("STORAGE", "disk")):
+        tier = eng.tiers.tiers[name]  # the engine's own tier: the group of each slot
+        expect = {(raw_hash(int(k), int(g)), int(g)) for k, g in zip(snap.tiers[name].block_hash, tier.group)
+                  if k != NO_HASH}
+        assert held[medium] == expect != set(), medium
+    if model == "grouped":
+        assert {g for _, g in held["CPU"] | held["STORAGE"]} == {0, 1}  # both groups went down
     stores = [ev for ev in decoded.events if isinstance(ev, BlockStored) and ev.medium != "GPU"]
     by_hash = {}
     for e in events:
@@ -588,27 +663,33 @@ def test_disk_file_synced_and_closed(tmp_path, monkeypatch):
 
 def test_tier_store_without_engine(tmp_path):
     """The bookkeeping alone (no torch): LRU order down the tiers, a hash once per tier, pinned slots kept."""
-    from engine.block_pool import HashedBlock
+    from engine.block_pool import HashedBlock, hash_block_tokens
     events = []
 
     def emit(kind, cid=-1, **f):
         events.append((kind, f.get("tier"), f.get("block_hashes"), f.get("reason")))
     store = TierStore(2, 2, str(tmp_path / "t.bin"), 8)
-    rec = HashedBlock((1, 2), 0, None)
-    for h in (11, 12, 13):
-        store.offload(h, rec, lambda h=h: np.full(8, h, np.uint8), 0, 1, emit)
+    rec = {i: HashedBlock((i, 2), 0, None) for i in range(11, 16)}  # content i: tokens (i, 2)
+    key = {i: hash_block_tokens(None, (i, 2)) for i in rec}  # its prefix hash (the key, in group 0)
+    held = lambda tier: {i for i in rec if key[i] in tier.hash_to_slot}  # noqa: E731
+    for i in (11, 12, 13):
+        store.offload(key[i], rec[i], lambda i=i: np.full(8, i, np.uint8), 0, 1, emit)
     host, disk = store.tiers["host"], store.tiers["disk"]
-    assert set(host.hash_to_slot) == {12, 13} and set(disk.hash_to_slot) == {11}
-    assert disk.read(disk.lookup(11)).tolist() == [11] * 8
-    store.offload(12, rec, lambda: pytest.fail("a hash the host holds is not copied again"), 0, 2, emit)
-    store.pin([store.lookup(13)])
-    store.offload(14, rec, lambda: np.full(8, 14, np.uint8), 0, 3, emit)  # 13 is the LRU one, but pinned
-    assert set(host.hash_to_slot) == {13, 14} and set(disk.hash_to_slot) == {11, 12}
+    assert held(host) == {12, 13} and held(disk) == {11}
+    assert disk.read(disk.lookup(key[11])).tolist() == [11] * 8
+    store.offload(key[12], rec[12], lambda: pytest.fail("a hash the host holds is not copied again"), 0, 2, emit)
+    store.pin([store.lookup(key[13])])
+    store.offload(key[14], rec[14], lambda: np.full(8, 14, np.uint8), 0, 3, emit)  # 13 is the LRU one, but pinned
+    assert held(host) == {13, 14} and held(disk) == {11, 12}
     store.unpin()
-    store.offload(15, rec, lambda: np.full(8, 15, np.uint8), 0, 4, emit)  # disk full: its LRU (11) is dropped
-    assert set(host.hash_to_slot) == {14, 15} and set(disk.hash_to_slot) == {12, 13}
-    assert (EventKind.DROPPED, "disk", (11,), "") in events and (EventKind.DROPPED, "host", (13,), "disk") in events
+    store.offload(key[15], rec[15], lambda: np.full(8, 15, np.uint8), 0, 4, emit)  # disk full: its LRU (11) goes
+    assert held(host) == {14, 15} and held(disk) == {12, 13}
+    assert (EventKind.DROPPED, "disk", (key[11],), "") in events
+    assert (EventKind.DROPPED, "host", (key[13],), "disk") in events
     store.check_invariants()
+    host.records[key[14]] = rec[13]  # a slot whose key is not its content's
+    with pytest.raises(AssertionError, match="not its content's"):
+        store.check_invariants()
     store.close()
 
 

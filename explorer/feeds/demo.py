@@ -229,7 +229,7 @@ def menu_demo_config(current, demo: str, before_demo=None):
     """(the EngineConfig a demo picked from the window's menu starts, the config to go back to once the user picks a
     demo that needs nothing of its own; None when this demo changed nothing). ``before_demo``: that config, when the
     engine runs a demo's settings now. The tiers demo needs its small device pool and host tier, the window demo the
-    mixed checkpoint (and no tiers: a grouped pool refuses them); busy, crowd and serve run on the user's own
+    mixed checkpoint (and no tiers: its story is what the window lets go of, on the device); busy, crowd and serve run on the user's own
     settings, so picking one after the tiers demo undoes its pool, not keeps it."""
     import dataclasses
     base = before_demo if before_demo is not None else current

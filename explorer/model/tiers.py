@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from kvstream.events import TIER_KINDS, BlockEvent, EventKind
+from kvstream.rules import group_key
 from kvstream.views import NO_HASH, BlockState, PoolSnapshot, TierView
 
 TIERS = ("host", "disk")  # the lower tiers, top to bottom (the device pool is above them)
@@ -101,15 +102,18 @@ class ContentBook:
             self._learn(h, o)
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
-        """Learn owners and tokens from STORED events (the tokens of a block are known only from these)."""
+        """Learn owners and tokens from STORED events (the tokens of a block are known only from these), under
+        the cache key the pool and its tiers show (the plain hash for group 0; kvstream.rules.group_key)."""
         for e in events:
-            if e.kind != EventKind.STORED or not e.block_hashes:
+            if e.kind is not EventKind.STORED or not e.block_hashes:
                 continue
             per = len(e.token_ids) // len(e.block_hashes) if e.token_ids else 0
+            group = e.group
             for i, h in enumerate(e.block_hashes):
-                self._learn(int(h), int(e.conversation_id))
+                key = group_key(int(h), group) if group else int(h)
+                self._learn(key, int(e.conversation_id))
                 if per:
-                    self._tokens[int(h)] = tuple(e.token_ids[i * per:(i + 1) * per])
+                    self._tokens[key] = tuple(e.token_ids[i * per:(i + 1) * per])
 
     def __len__(self) -> int:
         """Hashes whose owner is known."""
@@ -281,17 +285,20 @@ class TierStories:
         moves.append(move)
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
+        """Each move under the cache key the pool and its tiers show (events name the plain hash and the group)."""
         for e in events:
-            kind = e.kind
+            kind, group = e.kind, e.group
             if kind in TIER_KINDS:
                 slots, blocks = tier_slots_of(e), e.block_ids
                 for i, h in enumerate(e.block_hashes):
-                    self._add(int(h), (e.step_id, kind, e.tier, slots[i] if i < len(slots) else None,
-                                       blocks[i] if i < len(blocks) else None, e.reason))
+                    self._add(group_key(int(h), group) if group else int(h),
+                              (e.step_id, kind, e.tier, slots[i] if i < len(slots) else None,
+                               blocks[i] if i < len(blocks) else None, e.reason))
             elif kind is EventKind.STORED or kind is EventKind.EVICTED:
                 blocks = e.block_ids
                 for i, h in enumerate(e.block_hashes):
-                    self._add(int(h), (e.step_id, kind, "", None, blocks[i] if i < len(blocks) else "?", ""))
+                    self._add(group_key(int(h), group) if group else int(h),
+                              (e.step_id, kind, "", None, blocks[i] if i < len(blocks) else "?", ""))
 
     def story(self, h: int) -> list[tuple[int, str]]:
         """(step, what happened) for content ``h``, oldest first."""
