@@ -718,7 +718,8 @@ class Engine:
             raise EngineError(f"a host tier of {cfg.host_tier_blocks:,} blocks needs {need / 2**30:.1f} GiB "
                               f"({per_block / 2**10:.0f} KiB per block) but only {have / 2**30:.1f} GiB of memory is "
                               f"available; use at most {int(0.9 * have // per_block):,} blocks")
-        staging = min(cfg.num_blocks, -(-self.max_model_len // cfg.block_size))  # blocks one admission may load
+        # blocks one admission may load: a prefix's blocks in every KV cache group
+        staging = min(cfg.num_blocks, -(-self.max_model_len // cfg.block_size) * len(self.kv_cache_groups))
         tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging)
         self.manager.attach_tiers(tiers, self.kv.read_blocks_bytes)
         import weakref

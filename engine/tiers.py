@@ -71,8 +71,9 @@ class TierLoad:
 
     blocks: list[int]  # device blocks, freshly taken
     data: np.ndarray  # uint8 [len(blocks), bytes per block]: what goes into them
-    kept_blocks: Any = ()  # those of ``blocks`` the taking evicted and offloaded (a subsequence, in order) ...
-    kept: np.ndarray | None = None  # ... and the bytes they held, read for that offload: the rollback copy
+    kept_blocks: Any = ()  # those of ``blocks`` the taking evicted and offloaded (a grouped pool lists them group
+    #                        by group, not in the order taken) ...
+    kept: np.ndarray | None = None  # ... and the bytes they held, row i for kept_blocks[i]: the rollback copy
 
 
 class Tier(abc.ABC):
