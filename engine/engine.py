@@ -530,12 +530,13 @@ class Engine:
             steps += 1
         return steps
 
-    def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int = 8) -> list[list[int]]:
+    def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int = 8, ignore_eos: bool = False) -> list[list[int]]:
         """Greedy outputs for a batch of token-id prompts, decoded together. Atomic: a bad prompt anywhere, or a
-        failure while decoding, leaves the engine as it was."""
+        failure while decoding, leaves the engine as it was. ``ignore_eos``: every output is ``max_new_tokens``
+        long, an end-of-sequence token taken like any other (vLLM's ignore_eos; benchmarks compare that way)."""
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             raise EngineError("generate takes a list of token-id prompts")
-        requests = [self._request(None, p, max_new_tokens, 0.0, None, False) for p in prompts]
+        requests = [self._request(None, p, max_new_tokens, 0.0, None, ignore_eos) for p in prompts]
         with self.transaction():
             seqs = [self._add(*r) for r in requests]
             while any(not s.is_finished for s in seqs):

@@ -401,6 +401,12 @@ def test_ignore_eos_keeps_decoding(tmp_path):
     eng.run_until_idle()
     assert eng.conversation(cid).output_token_ids[0] == first and len(eng.conversation(cid).output_token_ids) == 6
     assert len(eng.conversation(kid).output_token_ids) == 6
+    # generate: stops at the end-of-sequence token unless told to take it like any other (benchmarks do)
+    assert eng.generate([prompt(5)], max_new_tokens=6) == [[first]]
+    out = eng.generate([prompt(5)], max_new_tokens=6, ignore_eos=True)[0]
+    assert out[0] == first and len(out) == 6
+    with pytest.raises(EngineError, match="ignore_eos"):
+        eng.generate([prompt(5)], max_new_tokens=6, ignore_eos="yes")
 
 
 def _checkpoint_with(tmp_path, ckpt, name, config=None, generation=None, tokenizer_vocab=None):
