@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -220,6 +221,33 @@ class LagMeter:
         self.timer.stop()
         lags = sorted(self.lags) or [0.0]
         return {"lag_p95_ms": lags[int(0.95 * (len(lags) - 1))], "lag_max_ms": lags[-1]}
+
+
+class GcMeter:
+    """The cyclic collector's pauses while it runs, by generation and thread (gc.callbacks): a long event-loop
+    lag that lines up with a full collection is the collector's, not painting's."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float, bool]] = []  # (generation, ms, on the GUI thread)
+        self._start = {}
+        self._gui = threading.get_ident()
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            self._start[me] = time.perf_counter()
+        elif me in self._start:
+            self.pauses.append((info["generation"], 1000 * (time.perf_counter() - self._start.pop(me)),
+                                me == self._gui))
+
+    def stop(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        full = [ms for gen, ms, _ in self.pauses if gen == 2]
+        gui = [ms for _, ms, on_gui in self.pauses if on_gui]
+        return {"gc_full": len(full), "gc_full_max_ms": max(full, default=0.0),
+                "gc_gui_ms": sum(gui), "gc_max_ms": max((ms for _, ms, _ in self.pauses), default=0.0),
+                "gc_count": len(self.pauses)}
 
 
 def show_window(feed, cfg):
@@ -603,7 +631,7 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
         tiers = window.pane.tier_grids
         results = []
         for _ in range(rounds):
-            lag = LagMeter(FRAME_MS)
+            lag, collector = LagMeter(FRAME_MS), GcMeter()
             frames0, t0, step0 = window.grid.frames_drawn, time.perf_counter(), feed.runner.latest.step_id
             evictions = engine.manager.num_evictions
             offloaded = engine.tiers.num_offloaded if host else 0
@@ -620,7 +648,8 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
                             "steps": (feed.runner.latest.step_id - step0) / elapsed,
                             "partial_host": grid.partial_draws - partial0 if host else 0,
                             "evicted": engine.manager.num_evictions - evictions,
-                            "offloaded": engine.tiers.num_offloaded - offloaded if host else 0, **lag.stop()})
+                            "offloaded": engine.tiers.num_offloaded - offloaded if host else 0, **lag.stop(),
+                            **collector.stop()})
         window.close()
         pump_events(0.2)
     finally:
@@ -639,7 +668,9 @@ def bench_tiers(seconds: float, rounds: int) -> None:
                   + (f"host grid redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI "
                      f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial), "
                      if host else "") + f"engine {r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
-                  f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms",
+                  f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms; "
+                  f"collector: {r['gc_count']} collections, {r['gc_full']} full (longest {r['gc_full_max_ms']:.0f} ms), "
+                  f"longest {r['gc_max_ms']:.0f} ms, {r['gc_gui_ms']:.0f} ms on the GUI thread",
                   flush=True)
     mean = lambda host, key: statistics.mean(r[key] for r in sides[host])  # noqa: E731
     print(f"window with a {TIER_HOST_BLOCKS:,}-block host tier beside {TIER_DEVICE_BLOCKS:,} device blocks x "

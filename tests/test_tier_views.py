@@ -5,6 +5,8 @@ tests/tier_view_helpers.py); tests against a real engine with tiers and groups c
 """
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 from explorer.model import palette
@@ -121,6 +123,34 @@ def test_device_reuse_gap_and_relocation_follow_the_content():
                   BlockEvent(10, K.SHARED, 2, (5,), reason="prefix_hit"), BlockEvent(11, K.FREED, 2, (5,))])
     assert d.durations.of("device", "reuse_gap").tolist() == [7]
     assert d.durations.of("device", "lifetime").tolist() == [10]
+
+
+def test_followed_slots_and_stories_leave_nothing_for_the_collector_to_walk():
+    """A 262,144-slot host tier followed by one object per slot, and stories kept as lists of facts holding enum
+    members, were most of what a full collection walked while the GUI thread waited (docs/performance.md, "The
+    collector"); once collections have seen them, none of it is tracked."""
+    K = EventKind
+    d, stories = BlockDurations(), TierStories()
+    events = [BlockEvent(1, K.ALLOCATED, 1, tuple(range(64))),
+              BlockEvent(2, K.STORED, 1, tuple(range(64)), block_hashes=tuple(range(100, 164))),
+              BlockEvent(3, K.CACHED, 1, tuple(range(64))),
+              BlockEvent(4, K.EVICTED, 1, tuple(range(64)), block_hashes=tuple(range(100, 164))),
+              BlockEvent(4, K.OFFLOADED, -1, tuple(range(64)), block_hashes=tuple(range(100, 164)), tier="host",
+                         tier_slots=tuple(range(64))),
+              BlockEvent(5, K.LOADED, 2, (70,), block_hashes=(100,), tier="host", tier_slots=(0,))]
+    d.add_events(events)
+    stories.add_events(events)
+    gc.collect()
+    gc.collect()  # a tuple is untracked once its items are: a story's facts on one pass, the story on the next
+    followed = list(d._device.values()) + [v for slots in d._tiers.values() for v in slots.values()]
+    assert len(followed) == 1 + 64  # device block 70 (the evicted ones ended), host slots 0-63
+    assert not [v for v in followed if gc.is_tracked(v)]
+    kept = [stories._moves[h] for h in range(100, 164)]
+    assert not [v for v in kept if gc.is_tracked(v)]
+    assert stories.story(100) == [(2, "stored in device block 0"), (4, "evicted from device block 0"),
+                                  (4, "offloaded to host slot 0 from device block 0"),
+                                  (5, "loaded from host slot 0 into device block 70")]
+    assert d.durations.of("host", "reuse_gap").tolist() == [1]
 
 
 def test_histogram_bins_are_whole_steps_from_zero():

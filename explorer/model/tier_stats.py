@@ -71,11 +71,11 @@ class HitRates:
         return np.asarray(self.steps, float), np.asarray(self.rates[source], float)
 
 
-@dataclass
-class _Slot:
-    born: int  # step the content arrived here
-    touched: int  # step it was last written, read, shared or released
-    cached: bool = False  # a device block released to the prefix cache (no holder, KV kept)
+# A followed block or slot is a plain tuple (born, touched, cached): the step its content arrived, the step it was
+# last written, read, shared or released, and whether it is a device block released to the prefix cache (no
+# holder, KV kept). A tuple of ints and a bool is something the cyclic collector stops tracking, where an object
+# per slot was not: a 262,144-slot host tier held a quarter of a million objects that every full collection walked
+# while the GUI thread waited (docs/performance.md, "The collector").
 
 
 @dataclass
@@ -112,8 +112,8 @@ class BlockDurations:
 
     def clear(self) -> None:
         self.durations = Durations()
-        self._device: dict[int, _Slot] = {}
-        self._tiers: dict[str, dict[int, _Slot]] = {}
+        self._device: dict[int, tuple[int, int, bool]] = {}  # block id -> (born, touched, cached)
+        self._tiers: dict[str, dict[int, tuple[int, int, bool]]] = {}  # tier -> slot -> the same
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
         handlers = self._handlers
@@ -122,42 +122,42 @@ class BlockDurations:
             if handler is not None:
                 handler(self, e)
 
-    def _end(self, tier: str, slots: dict[int, _Slot], key: int, step: int, idle: bool) -> None:
+    def _end(self, tier: str, slots: dict[int, tuple], key: int, step: int, idle: bool) -> None:
         slot = slots.pop(key, None)
         if slot is None:
             return
-        self.durations.add(tier, "lifetime", step - slot.born)
+        self.durations.add(tier, "lifetime", step - slot[0])
         if idle:
-            self.durations.add(tier, "idle", step - slot.touched)
+            self.durations.add(tier, "idle", step - slot[1])
 
     # one handler per kind (a table, not a chain of comparisons: a busy pool sends thousands of events a frame)
     def _allocated(self, e: BlockEvent) -> None:
         step, dev = e.step_id, self._device
         for b in e.block_ids:
-            dev[b] = _Slot(step, step)
+            dev[b] = (step, step, False)
 
     def _copied(self, e: BlockEvent) -> None:
         step, dev = e.step_id, self._device
         if e.new_block_ids:
-            dev[e.new_block_ids[0]] = _Slot(step, step)
-            if e.block_ids and e.block_ids[0] in dev:
-                dev[e.block_ids[0]].touched = step
+            dev[e.new_block_ids[0]] = (step, step, False)
+            old = dev.get(e.block_ids[0]) if e.block_ids else None
+            if old is not None:
+                dev[e.block_ids[0]] = (old[0], step, old[2])
 
     def _shared(self, e: BlockEvent) -> None:
         step, dev = e.step_id, self._device
         for b in e.block_ids:
-            slot = dev.setdefault(b, _Slot(step, step))
+            born, touched, _ = dev.get(b) or (step, step, False)
             if e.reason == "prefix_hit":
-                self.durations.add("device", "reuse_gap", step - slot.touched)
-            slot.touched, slot.cached = step, False
+                self.durations.add("device", "reuse_gap", step - touched)
+            dev[b] = (born, step, False)
 
     def _touched(self, e: BlockEvent) -> None:  # STORED, RELEASED, CACHED
         step, dev, k = e.step_id, self._device, e.kind
         for b in e.block_ids:
             slot = dev.get(b)
             if slot is not None:
-                slot.touched = step
-                slot.cached = k is EventKind.CACHED or (slot.cached and k is EventKind.STORED)
+                dev[b] = (slot[0], step, k is EventKind.CACHED or (slot[2] and k is EventKind.STORED))
 
     def _freed(self, e: BlockEvent) -> None:
         for b in e.block_ids:
@@ -173,22 +173,22 @@ class BlockDurations:
 
     def _cleared(self, e: BlockEvent) -> None:  # every cached block freed: its content is gone
         dev = self._device
-        for b in [b for b, slot in dev.items() if slot.cached]:
+        for b in [b for b, slot in dev.items() if slot[2]]:
             self._end("device", dev, b, e.step_id, idle=False)
 
     def _offloaded(self, e: BlockEvent) -> None:
         step, slots = e.step_id, self._tiers.setdefault(e.tier, {})
         for s in tier_slots_of(e):
-            slots[s] = _Slot(step, step)
+            slots[s] = (step, step, False)
 
     def _loaded(self, e: BlockEvent) -> None:
         step, slots = e.step_id, self._tiers.setdefault(e.tier, {})
         for s in tier_slots_of(e):
-            slot = slots.setdefault(s, _Slot(step, step))
-            self.durations.add(e.tier, "reuse_gap", step - slot.touched)
-            slot.touched = step
+            born, touched, cached = slots.get(s) or (step, step, False)
+            self.durations.add(e.tier, "reuse_gap", step - touched)
+            slots[s] = (born, step, cached)
         for b in e.block_ids:  # the content starts a life in the device pool
-            self._device[b] = _Slot(step, step)
+            self._device[b] = (step, step, False)
 
     def _dropped(self, e: BlockEvent) -> None:
         slots = self._tiers.setdefault(e.tier, {})

@@ -260,10 +260,15 @@ class TierStories:
     """What happened to each piece of content (by hash) across tiers: stored, evicted from the device, offloaded,
     loaded back, dropped. Fed every block event once; keeps the newest moves of the most recent hashes, as facts
     (step, kind, tier, slot, device block, reason), worded only when asked for (:meth:`story`): a busy pool moves
-    thousands of blocks a frame, and nobody reads most of their stories."""
+    thousands of blocks a frame, and nobody reads most of their stories.
+
+    A story is a tuple of facts and a fact a tuple of plain values (the kind by its value, not the enum member), so
+    that the cyclic collector stops tracking them: 65,536 stories as lists of tuples holding enum members were a
+    third of the objects each full collection walked while the GUI thread waited (docs/performance.md, "The
+    collector")."""
 
     def __init__(self):
-        self._moves: OrderedDict[int, list[tuple]] = OrderedDict()
+        self._moves: OrderedDict[int, tuple[tuple, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         """Hashes whose story is kept."""
@@ -275,14 +280,12 @@ class TierStories:
     def _add(self, h: int, move: tuple) -> None:
         moves = self._moves.get(h)
         if moves is None:
-            moves = self._moves[h] = []
+            self._moves[h] = (move,)
             if len(self._moves) > MAX_STORIES:
                 self._moves.popitem(last=False)
         else:
             self._moves.move_to_end(h)
-            if len(moves) >= STORY_LINES:
-                del moves[0]
-        moves.append(move)
+            self._moves[h] = (moves[1:] if len(moves) >= STORY_LINES else moves) + (move,)
 
     def add_events(self, events: Iterable[BlockEvent]) -> None:
         """Each move under the cache key the pool and its tiers show (events name the plain hash and the group)."""
@@ -292,17 +295,17 @@ class TierStories:
                 slots, blocks = tier_slots_of(e), e.block_ids
                 for i, h in enumerate(e.block_hashes):
                     self._add(group_key(int(h), group) if group else int(h),
-                              (e.step_id, kind, e.tier, slots[i] if i < len(slots) else None,
+                              (e.step_id, kind.value, e.tier, slots[i] if i < len(slots) else None,
                                blocks[i] if i < len(blocks) else None, e.reason))
             elif kind is EventKind.STORED or kind is EventKind.EVICTED:
                 blocks = e.block_ids
                 for i, h in enumerate(e.block_hashes):
                     self._add(group_key(int(h), group) if group else int(h),
-                              (e.step_id, kind, "", None, blocks[i] if i < len(blocks) else "?", ""))
+                              (e.step_id, kind.value, "", None, blocks[i] if i < len(blocks) else "?", ""))
 
     def story(self, h: int) -> list[tuple[int, str]]:
         """(step, what happened) for content ``h``, oldest first."""
-        return [(step, _move_text(kind, tier, slot, block, reason))
+        return [(step, _move_text(EventKind(kind), tier, slot, block, reason))
                 for step, kind, tier, slot, block, reason in self._moves.get(int(h), ())]
 
 
