@@ -612,8 +612,8 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
     from explorer.window.main_window import FRAME_MS
     application()
     engine, cfg = make_tier_engine(host=host)
-    spent = {"set": 0.0, "render": 0.0}
-    real_set, real_render = TierGrids.set_snapshot, TierGrids.render
+    spent = {"set": 0.0, "render": 0.0, "add": 0.0}
+    real_set, real_render, real_add = TierGrids.set_snapshot, TierGrids.render, TierGrids.add_events
 
     def timed(key, fn):
         def wrapper(self, *a):
@@ -624,6 +624,7 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
                 spent[key] += time.perf_counter() - start
         return wrapper
     TierGrids.set_snapshot, TierGrids.render = timed("set", real_set), timed("render", real_render)
+    TierGrids.add_events = timed("add", real_add)
     try:
         feed = EngineFeed.start(engine, cfg)
         window = show_window(feed, cfg)
@@ -635,7 +636,7 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
             frames0, t0, step0 = window.grid.frames_drawn, time.perf_counter(), feed.runner.latest.step_id
             evictions = engine.manager.num_evictions
             offloaded = engine.tiers.num_offloaded if host else 0
-            spent.update(set=0.0, render=0.0)
+            spent.update(set=0.0, render=0.0, add=0.0)
             grid = tiers.grids.get("host")
             host_frames0 = grid.frames_drawn if host else 0
             partial0 = grid.partial_draws if host else 0
@@ -645,6 +646,7 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
             results.append({"fps": window.gui_fps(), "redraws": (window.grid.frames_drawn - frames0) / elapsed,
                             "host_frames": host_frames / elapsed,
                             "tier_ms_per_host_frame": 1000 * (spent["set"] + spent["render"]) / max(host_frames, 1),
+                            "tier_books_ms_per_s": 1000 * spent["add"] / elapsed,
                             "steps": (feed.runner.latest.step_id - step0) / elapsed,
                             "partial_host": grid.partial_draws - partial0 if host else 0,
                             "evicted": engine.manager.num_evictions - evictions,
@@ -653,7 +655,7 @@ def tier_app_rate(seconds: float, rounds: int = 1, host: bool = True) -> list[di
         window.close()
         pump_events(0.2)
     finally:
-        TierGrids.set_snapshot, TierGrids.render = real_set, real_render
+        TierGrids.set_snapshot, TierGrids.render, TierGrids.add_events = real_set, real_render, real_add
     gc.collect()
     return results
 
@@ -666,7 +668,8 @@ def bench_tiers(seconds: float, rounds: int) -> None:
             print(f"  host tier {'on ' if host else 'off'}, round {i + 1}: GUI {r['fps']:.1f} frames/s, device grid "
                   f"redraws {r['redraws']:.1f}/s, "
                   + (f"host grid redraws {r['host_frames']:.1f}/s ({r['tier_ms_per_host_frame']:.1f} ms of the GUI "
-                     f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial), "
+                     f"thread each, taking the snapshot and drawing; {r['partial_host']} of them partial; the content book and "
+                     f"stories {r['tier_books_ms_per_s']:.0f} ms a second), "
                      if host else "") + f"engine {r['steps']:.1f} steps/s, {r['evicted']:,} evicted, "
                   f"{r['offloaded']:,} offloaded, lag p95 {r['lag_p95_ms']:.0f} ms max {r['lag_max_ms']:.0f} ms; "
                   f"collector: {r['gc_count']} collections, {r['gc_full']} full (longest {r['gc_full_max_ms']:.0f} ms), "

@@ -224,3 +224,15 @@ def test_real_engine_events_read_as_sentences():
     # A finish's own releases name exactly the blocks it held: none twice, none from another step.
     assert finishes and all(len(set(line.block_ids)) == len(line.block_ids) for line in finishes)
     assert all({e.step_id for e in line.events} == {line.step_id} for line in merged)
+
+
+def test_a_blocks_story_names_the_group_of_a_hash_beyond_the_first():
+    """The same plain hash is two pieces of content in two KV cache groups: a block's history line says which, as
+    the inspector's hash field does ("…, group 1")."""
+    from explorer.model.event_text import block_phrase
+    h = 0x1111_2222_3333_4444
+    stored = BlockEvent(4, EventKind.STORED, 2, (6,), block_hashes=(h,), group=1)
+    assert f"(hash {h:016x}, group 1)" in block_phrase(stored, 6)
+    assert f"(hash {h:016x})" in block_phrase(BlockEvent(4, EventKind.STORED, 2, (5,), block_hashes=(h,)), 5)
+    loaded = BlockEvent(9, EventKind.LOADED, 3, (6,), block_hashes=(h,), tier="host", tier_slots=(1,), group=1)
+    assert f"host slot 1 (hash {h:016x}, group 1)" in block_phrase(loaded, 6)

@@ -24,7 +24,7 @@ from explorer.widgets.timeline import Timeline
 from explorer.widgets.tier_grids import TierGrids
 from explorer.widgets.tier_metrics import TierMetrics
 from kvstream.events import EventKind
-from tests.tier_view_helpers import H0, HA, tier, tier_events, tiered_snapshot
+from tests.tier_view_helpers import H0, H5, HA, tier, tier_events, tiered_snapshot
 
 LEFT = QtCore.Qt.MouseButton.LeftButton
 K = EventKind
@@ -39,7 +39,7 @@ def tiers(qtbot):
     widget = TierGrids()
     qtbot.addWidget(widget)
     widget.resize(300, 600)
-    widget.add_events([(i, e) for i, e in enumerate(tier_events())])
+    widget.add_events([(i, e) for i, e in enumerate(tier_events())], tiered_snapshot())
     widget.set_snapshot(tiered_snapshot())
     widget.show()
     qtbot.waitExposed(widget)
@@ -80,7 +80,7 @@ def test_clicking_a_tier_slot_inspects_it(qtbot, tiers):
     qtbot.mouseClick(host.view.viewport(), LEFT, pos=host.cell_center(2))
     assert clicked == [("host", 2)] and host.selected_block == 2
     text = tiers.inspector_text()
-    assert text.startswith(f"host slot 2: cached\nhash {H0:016x}")
+    assert text.startswith(f"host slot 2: cached\nhash {H0:016x}, group 0\n")
     assert "content of conversation 1" in text and "tokens 1 2 3 4" in text
     assert "held now by device block 0, host slot 2" in text
     assert "step 15: offloaded to host slot 2 from device block 7" in text
@@ -203,7 +203,27 @@ def test_the_device_inspector_says_which_tiers_hold_the_same_content(qtbot):
     inspector.show_block(BlockInfo(block_id=0, state=BlockState.USED, ref_count=1, num_filled=4, block_size=4,
                                    token_ids=(1, 2, 3, 4), token_texts=("a", "b", "c", "d"), positions=(0, 1, 2, 3),
                                    owners=((1, 0),), block_hash=H0, hash_reason=None, last_owner=1))
-    assert inspector.fields["hash"].text() == f"{H0:016x}; also in host slot 2"
+    assert inspector.fields["hash"].text() == f"{H0:016x}, group 0; also in host slot 2"
+
+
+def test_the_device_inspector_names_a_group_ones_hash_as_its_events_do(qtbot):
+    """A grouped engine keys a group-1 block by its group's cache key (kvstream.rules.group_key); its events, and
+    the event log, name the plain hash and the group. The inspector names it the same way, not by the key."""
+    import dataclasses
+    from explorer.widgets.inspector import Inspector
+    from kvstream.rules import group_key
+    from kvstream.views import BlockInfo, BlockState
+    inspector = Inspector()
+    qtbot.addWidget(inspector)
+    snap = tiered_snapshot()
+    hashes = np.asarray(snap.block_hash).copy()
+    hashes[3] = key = group_key(H5, 1)
+    snap = dataclasses.replace(snap, block_hash=hashes)
+    inspector.select(3, snap)
+    inspector.show_block(BlockInfo(block_id=3, state=BlockState.USED, ref_count=1, num_filled=4, block_size=4,
+                                   token_ids=(1, 2, 3, 4), token_texts=("a", "b", "c", "d"), positions=(4, 5, 6, 7),
+                                   owners=((1, 1),), block_hash=key, hash_reason=None, last_owner=1))
+    assert inspector.fields["hash"].text() == f"{H5:016x}, group 1"
 
 
 def test_the_blocks_column_counts_every_groups_blocks_and_no_window_holes():

@@ -12,14 +12,14 @@ import numpy as np
 from explorer.model import palette
 from explorer.render.grid import block_colours, grid_geometry
 from explorer.model.conversation_text import group_tables_html, sources_cell, sources_sentence
-from explorer.model.groups import block_groups, group_counts, window_saving_text
+from explorer.model.groups import block_group_of, block_groups, group_counts, hash_words, window_saving_text
 from explorer.model.tier_stats import BlockDurations, HitRates, histogram
 from explorer.model.tiers import ContentBook, TierStories, tier_block_facts, tier_snapshot, where_held
 from explorer.render.groups import GROUP_COLOURS
 from explorer.render.tiers import tier_rgba
 from kvstream.events import BlockEvent, EventKind
 from kvstream.views import BlockState, PoolSnapshot, Status
-from tests.tier_view_helpers import H0, HA, HB, conversation, tier, tier_events, tiered_snapshot
+from tests.tier_view_helpers import H0, H5, HA, HB, conversation, tier, tier_events, tiered_snapshot
 
 
 # ---- groups ---------------------------------------------------------------------------------------------------
@@ -202,10 +202,10 @@ def test_where_content_is_held_and_a_tier_slots_facts():
     assert where_held(snap, H0) == [("device", 0), ("host", 2)]
     book, stories = ContentBook(), TierStories()
     book.observe(snap)
-    book.add_events(tier_events())
+    book.add_events(tier_events(), grouped=True)
     stories.add_events(tier_events())
     facts = tier_block_facts(snap, "host", 2, book, stories)
-    assert facts[:3] == ["host slot 2: cached", f"hash {H0:016x}", "last written or read at step 15"]
+    assert facts[:3] == ["host slot 2: cached", f"hash {H0:016x}, group 0", "last written or read at step 15"]
     assert "content of conversation 1" in facts and "tokens 1 2 3 4" in facts
     assert "held now by device block 0, host slot 2" in facts
     assert facts[-4:] == ["step 13: stored in device block 7", "step 15: evicted from device block 7",
@@ -213,7 +213,9 @@ def test_where_content_is_held_and_a_tier_slots_facts():
                           "step 18: loaded from host slot 2 into device block 0"]
     assert tier_block_facts(snap, "host", 1, book, stories)[0] == "host slot 1: free"
     unknown = tier_block_facts(snap, "disk", 1, book, stories)
-    assert unknown[:2] == ["disk slot 1: cached", f"hash {HB:016x}"]
+    assert unknown[:2] == ["disk slot 1: cached", f"hash {HB:016x} (cache key; its KV cache group is not known here)"]
+    plain = tier_block_facts(tiered_snapshot(groups=False), "disk", 1, book, stories)
+    assert plain[1] == f"hash {HB:016x}"  # one group: the key is the hash
     assert any(f.startswith("tokens not known") for f in unknown) and "held now by disk slot 1" in unknown
 
 
@@ -228,7 +230,7 @@ def test_a_group_ones_tier_slot_is_known_under_its_groups_key():
               BlockEvent(9, EventKind.OFFLOADED, 3, (6,), block_hashes=(H0,), tier="host", tier_slots=(1,),
                          group=1)]
     book, stories = ContentBook(), TierStories()
-    book.add_events(events)
+    book.add_events(events, grouped=True)
     stories.add_events(events)
     assert book.tokens(key) == (7, 8, 9, 10) and book.owner(key) == 2
     assert book.tokens(H0) is None and book.owner(H0) == -1
@@ -238,7 +240,24 @@ def test_a_group_ones_tier_slot_is_known_under_its_groups_key():
     snap = tiered_snapshot(host=tier(4, {1: key}))
     facts = tier_block_facts(snap, "host", 1, book, stories)
     assert "tokens 7 8 9 10" in facts and "content of conversation 2" in facts
+    assert facts[1] == f"hash {H0:016x}, group 1"  # as the events name it, not the key the slot holds
     assert facts[-1] == "step 9: offloaded to host slot 1 from device block 6"
+
+
+def test_a_hash_is_named_as_the_events_name_it_with_its_group():
+    import dataclasses
+    from kvstream.rules import group_key
+    snap = tiered_snapshot()
+    hashes = np.asarray(snap.block_hash).copy()
+    hashes[3] = group_key(H5, 1)  # a group-1 block of the sliding window's table (-1, 3, 4)
+    snap = dataclasses.replace(snap, block_hash=hashes)
+    assert block_group_of(snap, 3) == 1 and block_group_of(snap, 0) == 0 and block_group_of(snap, 99) is None
+    assert hash_words(snap, int(hashes[3]), 1) == f"{H5:016x}, group 1"
+    assert hash_words(snap, H0, 0) == f"{H0:016x}, group 0"
+    vllm = dataclasses.replace(snap, source="vllm")  # vLLM's tap sends the plain hash already
+    assert hash_words(vllm, H5, 1) == f"{H5:016x}, group 1"
+    assert hash_words(tiered_snapshot(groups=False), H0, 0) == f"{H0:016x}"
+    assert hash_words(snap, HB, None) == f"{HB:016x} (cache key; its KV cache group is not known here)"
 
 
 def test_a_finished_conversations_sources_and_tables_survive_missing_fields():

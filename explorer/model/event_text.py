@@ -119,9 +119,14 @@ def _stored(e: BlockEvent) -> str:
     return f"{blocks_phrase(e.block_ids)}{owner} full and hashed"
 
 
+def _group_words(e: BlockEvent) -> str:
+    """', group 1' for an event of a KV cache group other than the first (the inspector names the hash so too)."""
+    return f", group {e.group}" if e.group else ""
+
+
 def _stored_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
     k = e.block_ids.index(bid)
-    digest = f" (hash {e.block_hashes[k]:016x})" if k < len(e.block_hashes) else ""
+    digest = f" (hash {e.block_hashes[k]:016x}{_group_words(e)})" if k < len(e.block_hashes) else ""
     owner = f" for {_conv(e.conversation_id)}" if e.conversation_id >= 0 else ""
     return f"full and hashed{owner}{digest}: a prompt with this prefix can reuse it"
 
@@ -204,7 +209,7 @@ def _dropped(e: BlockEvent) -> str:
 def _tier_block(e: BlockEvent, bid: int, hashed: bool | None) -> str:
     k = e.block_ids.index(bid) if bid in e.block_ids else -1
     slot = f" slot {e.tier_slots[k]}" if 0 <= k < len(e.tier_slots) else ""
-    digest = f" (hash {int(e.block_hashes[k]):016x})" if 0 <= k < len(e.block_hashes) else ""
+    digest = f" (hash {int(e.block_hashes[k]):016x}{_group_words(e)})" if 0 <= k < len(e.block_hashes) else ""
     if e.kind == EventKind.OFFLOADED:
         return f"its KV{digest} offloaded to {e.tier or 'a tier'}{slot}"
     if e.kind == EventKind.LOADED:

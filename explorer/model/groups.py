@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
+from kvstream.rules import raw_hash
 from kvstream.views import BlockState, KVCacheGroupInfo, PoolSnapshot
 
 HOLE = -1  # a table entry whose block the sliding window released (vLLM's null block)
@@ -116,3 +117,29 @@ def window_saving_text(snapshot: PoolSnapshot) -> str:
         lines.append(f"the window saved {saved:,} block{'s' if saved != 1 else ''} against full attention "
                      f"({held:,} held, {full:,} with every layer reading everything: {100 * saved / full:.0f}% less)")
     return "\n".join(lines)
+
+
+def hash_words(snapshot: PoolSnapshot | None, key: int, group: int | None) -> str:
+    """A block's prefix hash as the event log and KV events name it: 16 hex digits, then its KV cache group when the
+    pool has several ("…, group 1").
+
+    The project's engine keys a group's blocks (in the pool and in its tiers) by the group's cache key
+    (:func:`kvstream.rules.group_key`: the hash itself for group 0), while its events carry the plain hash and the
+    group, as vLLM's do; vLLM's tap sends the plain hash already (``source`` "vllm"). Shown as the key, a group-1
+    block's "hash" would match no line of the event log. ``group`` None: not known (then the key is shown as what it
+    is)."""
+    key = int(key) & 0xFFFF_FFFF_FFFF_FFFF
+    if snapshot is None or len(groups_of(snapshot)) <= 1:
+        return f"{key:016x}"
+    if group is None or group < 0:
+        return f"{key:016x} (cache key; its KV cache group is not known here)"
+    plain = raw_hash(key, group) if snapshot.source != "vllm" else key
+    return f"{plain:016x}, group {group}"
+
+
+def block_group_of(snapshot: PoolSnapshot | None, block_id: int) -> int | None:
+    """The KV cache group of device block ``block_id`` (None where the snapshot cannot say)."""
+    if snapshot is None or not 0 <= block_id < snapshot.num_blocks:
+        return None
+    g = int(block_groups(snapshot)[block_id])
+    return g if g >= 0 else None

@@ -19,6 +19,8 @@ from kvstream.events import TIER_KINDS, BlockEvent, EventKind
 from kvstream.rules import group_key
 from kvstream.views import NO_HASH, BlockState, PoolSnapshot, TierView
 
+from .groups import hash_words
+
 TIERS = ("host", "disk")  # the lower tiers, top to bottom (the device pool is above them)
 SOURCES = ("device", "host", "disk", "computed")  # where an admission's prompt tokens came from
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}  # vLLM's names of the same places
@@ -50,6 +52,7 @@ class ContentBook:
     def clear(self) -> None:
         self._owner: OrderedDict[int, int] = OrderedDict()
         self._tokens: dict[int, tuple[int, ...]] = {}
+        self._group: OrderedDict[int, int] = OrderedDict()  # key -> KV cache group, learnt from events (grouped pools)
         self._index: tuple[np.ndarray, np.ndarray] | None = None
         self._seen: tuple[object, int] | None = None
         self._device: tuple[np.ndarray, np.ndarray] | None = None  # (hashes, owners) of the pool observed last
@@ -101,11 +104,23 @@ class ContentBook:
         for h, o in zip(hashes[at].tolist(), owner[at].tolist()):
             self._learn(h, o)
 
-    def add_events(self, events: Iterable[BlockEvent]) -> None:
+    def add_events(self, events: Iterable[BlockEvent], grouped: bool = False) -> None:
         """Learn owners and tokens from STORED events (the tokens of a block are known only from these), under
-        the cache key the pool and its tiers show (the plain hash for group 0; kvstream.rules.group_key)."""
+        the cache key the pool and its tiers show (the plain hash for group 0; kvstream.rules.group_key). In a
+        pool of several KV cache groups (``grouped``) also each key's group, from STORED and tier events, so that
+        a tier slot's hash can be named as the events name it (:meth:`group`)."""
+        groups = self._group
         for e in events:
-            if e.kind is not EventKind.STORED or not e.block_hashes:
+            kind = e.kind
+            if grouped and e.block_hashes and (kind is EventKind.STORED or kind in TIER_KINDS):
+                group = e.group
+                for h in e.block_hashes:
+                    key = group_key(int(h), group) if group else int(h)
+                    groups[key] = group
+                    groups.move_to_end(key)
+                while len(groups) > MAX_CONTENTS:
+                    groups.popitem(last=False)
+            if kind is not EventKind.STORED or not e.block_hashes:
                 continue
             per = len(e.token_ids) // len(e.block_hashes) if e.token_ids else 0
             group = e.group
@@ -114,6 +129,10 @@ class ContentBook:
                 self._learn(key, int(e.conversation_id))
                 if per:
                     self._tokens[key] = tuple(e.token_ids[i * per:(i + 1) * per])
+
+    def group(self, h: int) -> int | None:
+        """The KV cache group of the content under key ``h``, as its events said (None: not heard of)."""
+        return self._group.get(int(h))
 
     def __len__(self) -> int:
         """Hashes whose owner is known."""
@@ -338,7 +357,7 @@ def tier_block_facts(snapshot: PoolSnapshot, tier: str, slot: int, book: Content
     h = int(view.block_hash[slot])
     if state != BlockState.CACHED or h == NO_HASH:
         return [f"{tier} slot {slot}: free", f"last used at step {int(view.last_access[slot]):,}"]
-    facts = [f"{tier} slot {slot}: cached", f"hash {h:016x}",
+    facts = [f"{tier} slot {slot}: cached", f"hash {hash_words(snapshot, h, book.group(h))}",
              f"last written or read at step {int(view.last_access[slot]):,}"]
     owner = book.owner(h)
     if owner >= 0:

@@ -25,6 +25,7 @@ from PySide6 import QtCore, QtWidgets
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 
 from ..model.block_words import hash_note
+from ..model.groups import block_group_of, hash_words
 from .table_model import RowsModel
 
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
@@ -509,7 +510,7 @@ class Inspector(QtWidgets.QWidget):
         self.fields["state"].setText(info.state.name.lower())
         self.fields["ref count"].setText(str(info.ref_count))
         self.fields["filled"].setText(f"{info.num_filled} of {info.block_size} slots")
-        self.fields["hash"].setText(_hash_text(info) + _also_in_tiers(self._snapshot, info.block_hash))
+        self.fields["hash"].setText(_hash_text(info, self._snapshot) + _also_in_tiers(self._snapshot, info.block_hash))
         self.fields["owners"].setText(_owners_text(info.owners, names=self._names))
         self.slots.set_block(info)
         if previous is not None and not moved and previous.num_filled == info.num_filled \
@@ -604,12 +605,13 @@ def _same_kv(a: BlockInfo, b: BlockInfo) -> bool:
     return a.keys.shape == b.keys.shape and np.array_equal(a.keys, b.keys)
 
 
-def _hash_text(info: BlockInfo) -> str:
-    """The prefix hash as 16 hex digits (with why, if the source said), or why there is none."""
+def _hash_text(info: BlockInfo, snapshot: PoolSnapshot | None = None) -> str:
+    """The prefix hash as 16 hex digits, as the event log names it (and its KV cache group in a pool of several),
+    with why, if the source said; or why there is none."""
     note = hash_note(info)
     if info.block_hash is None:
         return f"none — {note}"
-    digits = f"{info.block_hash & (2**64 - 1):016x}"
+    digits = hash_words(snapshot, info.block_hash, block_group_of(snapshot, info.block_id))
     return f"{digits} ({note})" if note else digits
 
 

@@ -113,7 +113,7 @@ class TierGrids(QtWidgets.QWidget):
         if pool is not None and not pool.tiers:
             return
         events = [e for _, e in pairs]
-        self.book.add_events(events)
+        self.book.add_events(events, grouped=pool is not None and len(pool.kv_cache_groups) > 1)
         self.stories.add_events(events)
 
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
