@@ -24,7 +24,8 @@
    size 1 (so that filling the device pool with cached blocks takes 65,536 prefill tokens, not a million; a 1 GiB
    host tier, faulted in by the engine's populator thread while the pool fills) while 256 conversations decode over a pool full of cached blocks, so
    every step evicts 256 blocks and offloads them to host: GUI frames/s, the tier grids' GUI-thread milliseconds
-   per host-grid redraw (taking the snapshot, drawing), event-loop lag. Beside it, the same window and workload with
+   per host-grid redraw (taking the snapshot, drawing) and a second (the content book and stories), event-loop lag,
+   and the cyclic collector's runs (full ones, their longest pause, time on the GUI thread). Beside it, the same window and workload with
    the host tier off (what the tier grids add). Per side one engine and one window, ``--rounds`` stretches of
    ``--seconds`` measured one after another, the tier side first. Target: 30 frames/s.
 
