@@ -125,15 +125,16 @@ def hash_words(snapshot: PoolSnapshot | None, key: int, group: int | None) -> st
 
     The project's engine keys a group's blocks (in the pool and in its tiers) by the group's cache key
     (:func:`kvstream.rules.group_key`: the hash itself for group 0), while its events carry the plain hash and the
-    group, as vLLM's do; vLLM's tap sends the plain hash already (``source`` "vllm"). Shown as the key, a group-1
-    block's "hash" would match no line of the event log. ``group`` None: not known (then the key is shown as what it
-    is)."""
+    group, as vLLM's do; vLLM's tap sends the plain hash already (``source`` "vllm"), and so does any other source:
+    only a snapshot of the project's engine (``source`` "engine", live, attached or recorded) has its keys turned
+    back. Shown as the key, a group-1 block's "hash" would match no line of the event log. ``group`` None: not known
+    (then the key is shown as what it is)."""
     key = int(key) & 0xFFFF_FFFF_FFFF_FFFF
     if snapshot is None or len(groups_of(snapshot)) <= 1:
         return f"{key:016x}"
     if group is None or group < 0:
         return f"{key:016x} (cache key; its KV cache group is not known here)"
-    plain = raw_hash(key, group) if snapshot.source != "vllm" else key
+    plain = raw_hash(key, group) if snapshot.source == "engine" else key
     return f"{plain:016x}, group {group}"
 
 
