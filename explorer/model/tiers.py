@@ -111,21 +111,21 @@ class ContentBook:
         a tier slot's hash can be named as the events name it (:meth:`group`)."""
         groups = self._group
         for e in events:
-            kind = e.kind
-            if grouped and e.block_hashes and (kind is EventKind.STORED or kind in TIER_KINDS):
-                group = e.group
-                for h in e.block_hashes:
-                    key = group_key(int(h), group) if group else int(h)
+            kind, group = e.kind, e.group
+            stored = kind is EventKind.STORED
+            if not e.block_hashes or not (stored or (grouped and kind in TIER_KINDS)):
+                continue
+            keys = [group_key(int(h), group) if group else int(h) for h in e.block_hashes]  # each once
+            if grouped:
+                for key in keys:
                     groups[key] = group
                     groups.move_to_end(key)
                 while len(groups) > MAX_CONTENTS:
                     groups.popitem(last=False)
-            if kind is not EventKind.STORED or not e.block_hashes:
+            if not stored:
                 continue
             per = len(e.token_ids) // len(e.block_hashes) if e.token_ids else 0
-            group = e.group
-            for i, h in enumerate(e.block_hashes):
-                key = group_key(int(h), group) if group else int(h)
+            for i, key in enumerate(keys):
                 self._learn(key, int(e.conversation_id))
                 if per:
                     self._tokens[key] = tuple(e.token_ids[i * per:(i + 1) * per])

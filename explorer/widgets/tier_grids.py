@@ -15,6 +15,7 @@ from PySide6 import QtCore, QtWidgets
 from kvstream.views import PoolSnapshot, TierView
 
 from .grid_view import GridView
+from ..model.groups import groups_of
 from ..model.tiers import (ContentBook, TierOwners, TierStories, same_tier, tier_block_facts, tier_names,
                            tier_snapshot)
 
@@ -113,7 +114,7 @@ class TierGrids(QtWidgets.QWidget):
         if pool is not None and not pool.tiers:
             return
         events = [e for _, e in pairs]
-        self.book.add_events(events, grouped=pool is not None and len(pool.kv_cache_groups) > 1)
+        self.book.add_events(events, grouped=pool is not None and len(groups_of(pool)) > 1)
         self.stories.add_events(events)
 
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
