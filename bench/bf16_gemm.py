@@ -55,7 +55,18 @@ def kernels(rows: int, rounds: int) -> None:
         for w, p in zip(weights, panels):
             native.panel_linear(xs[w.shape[1]], p, w.shape[0], None)
 
-    runs = {"oneDNN packed bf16 GEMM": onednn, "panel GEMM (small_gemm_bf16.c)": panel}
+    def walk(amx: bool):
+        def run():
+            previous = native.use_bf16_amx(amx)
+            try:
+                panel()
+            finally:
+                native.use_bf16_amx(previous)
+        return run
+
+    runs = {"oneDNN packed bf16 GEMM": onednn, "panel GEMM, vdpbf16ps walk": walk(False)}
+    if native.bf16_amx():
+        runs["panel GEMM, AMX walk"] = walk(True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds + 1):  # round 0 warms up, untimed
         for name in (list(runs) if r % 2 else list(runs)[::-1]):
@@ -80,9 +91,12 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
                                   num_blocks=batch * (-(-(peers.PROMPT_LEN + new_tokens) // 16)) + 16))
     vocab = peers.MODELS[model]["vocab_size"]
     stack = native.decode_stack
-    settings = {"all native (one call, panel GEMM)": (True, stack),
-                "layer by layer, panel GEMM": (True, lambda *a: None),
-                "oneDNN GEMM, layer by layer": (False, stack)}
+    amx = native.bf16_amx()
+    settings = {"all native (one call, panel GEMM)": (True, stack, amx),
+                "layer by layer, panel GEMM": (True, lambda *a: None, amx),
+                "oneDNN GEMM, layer by layer": (False, stack, amx)}
+    if amx:
+        settings["all native, vdpbf16ps walk"] = (True, stack, False)
     steps: dict[str, list[float]] = {name: [] for name in settings}
     tokens: dict[str, list] = {}
     real_step = eng.step_unprotected
@@ -98,14 +112,15 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
         prompts = peers.prompts(300 + r, batch, vocab)
         order = list(settings)
         for name in order[r % len(order):] + order[: r % len(order)]:
-            gemm, decode_stack = settings[name]
-            previous = native.use_bf16_gemm(gemm)
+            gemm, decode_stack, walk_amx = settings[name]
+            previous, previous_amx = native.use_bf16_gemm(gemm), native.use_bf16_amx(walk_amx)
             native.decode_stack = decode_stack
             current.clear()
             try:
                 tokens.setdefault(name, []).append(eng.generate(prompts, max_new_tokens=new_tokens))
             finally:
                 native.use_bf16_gemm(previous)
+                native.use_bf16_amx(previous_amx)
                 native.decode_stack = stack
             if r:
                 steps[name].extend(current)

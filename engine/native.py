@@ -17,7 +17,8 @@ shared library and called through ctypes.
   transformers' bfloat16 operations round (docs/engine.md, "bfloat16"). They share the float32 kernels' walks
   (``paged_decode_items``, ``row_walks.h``), and ``decode_stack.c`` is written once for both element types.
 - ``small_gemm_bf16.c``: the bfloat16 panel GEMM (:func:`pack_panels` and :func:`panel_linear` with bfloat16
-  tensors): ``vdpbf16ps`` on pairs of inputs, float32 sums rounded once.
+  tensors): ``vdpbf16ps`` on pairs of inputs, or AMX tiles where the CPU has them (:func:`use_bf16_amx`), float32
+  sums rounded once.
 
 Why native: decode attention in torch's eager ops must copy each sequence's scattered blocks into a contiguous
 tensor (``index_select``) before SDPA or a matmul can read them: that copy was 24% of a decode step of the built-in
@@ -136,6 +137,7 @@ def _build():
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
+        "bf16_amx": [i32],  # csrc/small_gemm_bf16.c
         "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
     for name, argtypes in signatures.items():
@@ -366,6 +368,25 @@ def use_bf16_gemm(enabled: bool = True) -> bool:
     global _bf16_gemm_enabled
     previous, _bf16_gemm_enabled = _bf16_gemm_enabled, bool(enabled)
     return previous
+
+
+def use_bf16_amx(enabled: bool = True) -> bool:
+    """Let the bfloat16 panel GEMM sum in the machine's AMX tiles where it has them (True, the default: its AMX walk,
+    for input widths that are a multiple of 32) or only with ``vdpbf16ps`` (False: for benchmarks and tests of both
+    walks). Returns the previous setting: whether the AMX walk served (False where the machine, the build or Linux
+    offers no AMX)."""
+    lib = kernel()
+    if lib is None:
+        return False
+    previous = bool(lib.bf16_amx(-1))
+    lib.bf16_amx(1 if enabled else 0)
+    return previous
+
+
+def bf16_amx() -> bool:
+    """Whether the bfloat16 panel GEMM takes its AMX walk now (csrc/small_gemm_bf16.c's ``bf16_amx``)."""
+    lib = kernel()
+    return bool(lib is not None and lib.bf16_amx(-1))
 
 
 PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (small_gemm_bf16.c's MAX_ROWS)

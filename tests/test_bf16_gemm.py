@@ -1,11 +1,27 @@
 """The bfloat16 panel GEMM (engine/csrc/small_gemm_bf16.c through engine.native): its packed layout, its sums (float32,
-in vdpbf16ps's order, the bias added in float32, rounded to bfloat16 once; its independence from the batch and the
-threads: tests/test_native.py), what it leaves to torch, and the engine's bfloat16 decode batches taking it."""
+the bias added in float32, rounded to bfloat16 once: in vdpbf16ps's order, or in AMX tiles where the machine has
+them, which give oneDNN's bits; its independence from the batch and the threads: tests/test_native.py), what it
+leaves to torch, and the engine's bfloat16 decode batches taking it."""
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from engine import Engine, EngineConfig, native
+
+needs_amx = pytest.mark.skipif(not native.bf16_amx(), reason="the AMX walk needs a CPU with AMX-BF16 (lscpu: "
+                               "amx_bf16) and Linux 5.16 or later")
+
+
+@contextlib.contextmanager
+def _walk(amx: bool):
+    """The panel GEMM's AMX walk on (where there is one) or off, for the block."""
+    previous = native.use_bf16_amx(amx)
+    try:
+        yield
+    finally:
+        native.use_bf16_amx(previous)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -40,25 +56,76 @@ def test_bfloat16_weights_are_packed_in_pairs_of_inputs_for_each_of_48_outputs()
 @given(rows=st.integers(1, 64), n=st.sampled_from([1, 47, 48, 100, 258]),
        k=st.sampled_from([1, 2, 33, 64, 65, 128, 129, 200]), with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_bfloat16_panel_linear_sums_in_float32_and_rounds_once(rows, n, k, with_bias, seed):
-    """The same bits as one float32 sum per output in vdpbf16ps's order, rounded once: for any row count (tiles of 8
-    and a partial one), outputs that fill no whole panel, odd input widths and widths around its blocks of 64
-    pairs, with and without a bias."""
+    """The vdpbf16ps walk: the same bits as one float32 sum per output in vdpbf16ps's order, rounded once: for any
+    row count (tiles of 8 and a partial one), outputs that fill no whole panel, odd input widths and widths around
+    its blocks of 64 pairs, with and without a bias."""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    with _walk(False):
+        got = native.panel_linear(x, native.pack_panels(w), n, bias)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert torch.equal(got, _reference(x, w, bias))
 
 
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 64), k=st.sampled_from([1, 2, 33, 65, 200]), seed=st.integers(0, 2**16))
+def test_widths_the_amx_walk_does_not_take_keep_the_vdpbf16ps_walk(rows, k, seed):
+    """With the AMX walk on (the default), inputs whose pairs are not a whole number of its 16-pair steps are summed
+    by the vdpbf16ps walk: its bits exactly."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(100, k, generator=g) * 0.1).bfloat16()
+    with _walk(True):
+        got = native.panel_linear(x, native.pack_panels(w), 100, None)
+    assert torch.equal(got, _reference(x, w, None))
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 32), n=st.sampled_from([1, 47, 48, 100, 258, 960]),
+       k=st.sampled_from([31, 32, 63, 64, 96, 576, 1536]), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_amx_walk_gives_f_linears_bits_at_decode_rows(rows, n, k, with_bias, seed):
+    """The AMX walk sums each row's 16-pair steps in order in the tile unit, as oneDNN's AMX GEMM (what F.linear and
+    so transformers' bfloat16 run reach on such a machine) does at a decode step's rows: up to 32 rows (a whole tile
+    and one padded from a copy), odd widths (a zero input after the last), outputs that fill no whole panel, with
+    and without a bias, the same bits as F.linear. (Above 32 rows oneDNN blocks differently: a few outputs part by
+    one unit in the last place.)"""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    with _walk(True):
+        got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    assert torch.equal(got, torch.nn.functional.linear(x, w, bias))
+
+
+@needs_amx
+def test_the_amx_walk_can_be_turned_off_and_on():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 576, generator=g).bfloat16(), (torch.randn(960, 576, generator=g) * 0.1).bfloat16()
+    panels = native.pack_panels(w)
+    assert native.bf16_amx()
+    assert native.use_bf16_amx(False) is True and not native.bf16_amx()
+    try:
+        vdp = native.panel_linear(x, panels, 960, None)
+    finally:
+        assert native.use_bf16_amx(True) is False
+    assert native.bf16_amx()
+    assert torch.equal(vdp, _reference(x, w, None))
+    amx = native.panel_linear(x, panels, 960, None)
+    assert not torch.equal(amx, vdp)  # another order of sums: some outputs part by a unit in the last place
+    assert torch.equal(amx, torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (1376, 256)])
-def test_bfloat16_panel_linear_is_f_linear_to_a_unit_in_the_last_place(n, k):
-    """Against F.linear (oneDNN's bfloat16 GEMM, what transformers' bfloat16 run reaches), which sums in another
-    order: at most one unit in the last place apart, and in few outputs (measured: 0.002-0.02%)."""
+def test_bfloat16_panel_linear_is_f_linear_to_a_unit_in_the_last_place(n, k, amx):
+    """Against F.linear (oneDNN's bfloat16 GEMM, what transformers' bfloat16 run reaches), which may sum in another
+    order: at most one unit in the last place apart, and in few outputs (measured: 0.002-0.02%), by either walk."""
     g = torch.Generator().manual_seed(n + k)
     x, w = torch.randn(16, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.02).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    got = native.panel_linear(x, native.pack_panels(w), n, bias)
+    with _walk(amx):
+        got = native.panel_linear(x, native.pack_panels(w), n, bias)
     want = torch.nn.functional.linear(x, w, bias)
     ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
     assert bool(((got.float() - want.float()).abs() <= ulp).all())

@@ -26,7 +26,16 @@
  * Without AVX-512 BF16 the same walk runs with the pair widened to float32 and the two products added in
  * vdpbf16ps's order (the odd input's first), in two fused multiply-adds: the products of two bfloat16 values are
  * exact in float32, so each step rounds as vdpbf16ps does (denormal inputs aside, which vdpbf16ps flushes).
+ *
+ * With AMX (Intel's tile unit: lscpu's amx_bf16; the build's -march=native defines __AMX_BF16__, and Linux must
+ * grant the tile state at run time) the sums are made in tiles instead, wherever the input pairs are a whole number
+ * of 16 (every linear of the models here): the same packed panels, one tile instruction per 16 rows x 16 pairs x
+ * 16 outputs. The arithmetic stays at the speed of the weights' stream where vdpbf16ps, at 16 rows on two cores,
+ * could not keep up with it (docs/engine.md, "bfloat16": the 135M shape's linears 1.5x faster). The tile unit adds
+ * its products in an order of its own, not vdpbf16ps's; it is the order oneDNN's AMX GEMM gets too, so at up to 32
+ * rows these are F.linear's bits (tested). bf16_amx(0) keeps to the vdpbf16ps walk.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission */
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -40,6 +49,14 @@
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
+#endif
+
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
 #endif
 
 #define WIDTH 48   /* outputs in a panel: three vectors */
@@ -102,12 +119,90 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *rest
         for (int v = 0; v < 3; v++) *(v16 *)(sums + m * WIDTH + 16 * v) = acc[m][v];
 }
 
+#if HAVE_AMX
+/* The AMX walk (the machine's tile unit: tdpbf16ps multiplies a tile of up to 16 rows x 16 pairs of inputs by one
+ * of 16 pairs x 16 outputs into 16 x 16 float32 sums, 512 multiply-adds of one row in one instruction where
+ * vdpbf16ps does 32). Tiles: 0-2 the sums of 16 rows x the panel's 48 outputs, 3 the rows of x (16 pairs), 4-6 the
+ * panel's 16 pairs x 48 outputs: the packed panel is already the tile's layout (one pair of 16 outputs is 64
+ * bytes), read with a row stride of 48 outputs. Used where K is a whole number of 16-pair steps (every linear of
+ * the models here); other widths take the vdpbf16ps walk. */
+#define AMX_PAIRS 16     /* pairs of inputs per tile step */
+#define AMX_ROWS 16      /* rows of x per tile */
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 12288  /* bytes of the panel asked for ahead of the step summed (four steps) */
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_granted = -1; /* -1: not asked yet; 0: the kernel refused the tile state; 1: granted */
+static int amx_wanted = 1;   /* bf16_amx(0) turns the AMX walk off (benchmarks, tests of both walks) */
+
+/* Linux gives a process the 8 KiB tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, since 5.16); without
+ * it the first tile instruction kills the process. Asked once; a refusal leaves the vdpbf16ps walk. */
+static int amx_usable(void) {
+    int granted = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) {
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    return granted && __atomic_load_n(&amx_wanted, __ATOMIC_RELAXED);
+}
+
+static void amx_configure(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; } /* sums and x: rows x 64 bytes */
+    for (int t = 4; t < 7; t++) { c.rows[t] = AMX_PAIRS; c.colsb[t] = 64; }     /* weights: 16 pairs x 64 bytes */
+    _tile_loadconfig(&c);
+}
+
+/* one tile of rows (as configured) of x against all k2 pairs of one panel, into sums [rows, WIDTH] */
+static void amx_tile(const uint16_t *restrict x, int64_t x_stride, const uint16_t *restrict panel, int64_t k2,
+                     float *restrict sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t j = 0; j < k2; j += AMX_PAIRS) {
+        const uint16_t *p = panel + j * 2 * WIDTH;
+        const char *ahead = (const char *)p + AMX_AHEAD; /* past the panel: the next one, the thread's next */
+        for (int l = 0; l < AMX_PAIRS * 2 * WIDTH * 2 / 64; l++) __builtin_prefetch(ahead + 64 * l, 0, 3);
+        _tile_loadd(3, x + 2 * j, x_stride * 2);
+        _tile_loadd(4, p, 2 * WIDTH * 2);
+        _tile_loadd(5, p + 32, 2 * WIDTH * 2);
+        _tile_loadd(6, p + 64, 2 * WIDTH * 2);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, sums, WIDTH * 4);
+    _tile_stored(1, sums + 16, WIDTH * 4);
+    _tile_stored(2, sums + 32, WIDTH * 4);
+}
+#endif
+
+/* x's rows against one panel: float32 sums by the AMX walk (amx: x's rows past the last whole tile of 16 are read
+ * from tail, a copy padded to 16 rows) or the vdpbf16ps one, then the bias and one rounding to bfloat16 */
 static void panel_rows_bf16(const uint16_t *restrict x, int64_t x_stride, const uint16_t *restrict panel,
                             const uint16_t *restrict bias, uint16_t *restrict y, int64_t m_len, int64_t n_len,
-                            int64_t k2, int64_t n0) {
+                            int64_t k2, int64_t n0, int amx, const uint16_t *tail) {
     float sums[MAX_ROWS * WIDTH] __attribute__((aligned(64)));
-    const int64_t tiles = (m_len + ROWS - 1) / ROWS;
-    for (int64_t j0 = 0; j0 < k2; j0 += K_BLOCK) {
+#if HAVE_AMX
+    if (amx) {
+        for (int64_t m0 = 0; m0 < m_len; m0 += AMX_ROWS) {
+            const int whole = m_len - m0 >= AMX_ROWS || m0 == 0; /* a first tile of fewer rows is configured so */
+            amx_tile(whole ? x + m0 * x_stride : tail, x_stride, panel, k2, sums + m0 * WIDTH);
+        }
+    }
+#else
+    (void)tail;
+#endif
+    const int64_t tiles = amx ? 0 : (m_len + ROWS - 1) / ROWS;
+    for (int64_t j0 = 0; tiles && j0 < k2; j0 += K_BLOCK) {
         const int64_t j1 = k2 - j0 < K_BLOCK ? k2 : j0 + K_BLOCK;
         /* the panels of one thread lie one after another: past this panel's end, ahead is the next one's start */
         const uint16_t *ahead = panel + (j0 + DIST * K_BLOCK) * 2 * WIDTH;
@@ -151,7 +246,7 @@ int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *b
     if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
     if (threads > num_panels) threads = (int)num_panels;
     /* an odd K: the rows copied with a zero after each, so that every pair read is whole */
-    uint16_t *padded = 0;
+    uint16_t *padded = 0, *tail = 0;
     int64_t x_stride = k_len;
     if (k_len % 2) {
         padded = calloc((size_t)(m_len * 2 * k2), sizeof *padded);
@@ -160,9 +255,46 @@ int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *b
         x = padded;
         x_stride = 2 * k2;
     }
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t p = 0; p < num_panels; p++)
-        panel_rows_bf16(x, x_stride, panels + p * k2 * 2 * WIDTH, bias, y, m_len, n_len, k2, p * WIDTH);
+    int amx = 0, tile_rows = 0;
+#if HAVE_AMX
+    if (k2 % AMX_PAIRS == 0 && amx_usable()) {
+        amx = 1;
+        tile_rows = m_len < AMX_ROWS ? (int)m_len : AMX_ROWS;
+        const int64_t left = m_len % AMX_ROWS;
+        if (m_len > AMX_ROWS && left) { /* the last rows, padded to a whole tile with zero rows */
+            tail = calloc((size_t)(AMX_ROWS * x_stride), sizeof *tail);
+            if (!tail) { free(padded); return 2; }
+            memcpy(tail, x + (m_len - left) * x_stride, sizeof *x * (size_t)(left * x_stride));
+        }
+    }
+#endif
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#if HAVE_AMX
+        if (amx) amx_configure(tile_rows);
+#endif
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++)
+            panel_rows_bf16(x, x_stride, panels + p * k2 * 2 * WIDTH, bias, y, m_len, n_len, k2, p * WIDTH, amx,
+                            tail);
+#if HAVE_AMX
+        if (amx) _tile_release(); /* the 8 KiB tile state need not follow the thread through context switches */
+#endif
+    }
+    (void)tile_rows;
     free(padded);
+    free(tail);
     return 0;
+}
+
+/* mode 0: the vdpbf16ps walk only; 1: the AMX walk where it serves (the default); any other: unchanged. Returns
+ * whether the AMX walk serves now (0 on machines or builds without AMX, or where Linux refused the tile state). */
+int bf16_amx(int mode) {
+#if HAVE_AMX
+    if (mode == 0 || mode == 1) __atomic_store_n(&amx_wanted, mode, __ATOMIC_RELAXED);
+    return amx_usable();
+#else
+    (void)mode;
+    return 0;
+#endif
 }
