@@ -28,9 +28,8 @@
  * exact in float32, so each step rounds as vdpbf16ps does (denormal inputs aside, which vdpbf16ps flushes).
  *
  * With AMX (Intel's tile unit: lscpu's amx_bf16; the build's -march=native defines __AMX_BF16__, and Linux must
- * grant the tile state at run time) the sums are made in tiles instead, wherever the input pairs are a whole number
- * of 16 (every linear of the models here): the same packed panels, one tile instruction per 16 rows x 16 pairs x
- * 16 outputs. The arithmetic stays at the speed of the weights' stream where vdpbf16ps, at 16 rows on two cores,
+ * grant the tile state at run time) the sums are made in tiles instead: the same packed panels, one tile
+ * instruction per 16 rows x 16 pairs x 16 outputs, zeros past K in the last step. The arithmetic stays at the speed of the weights' stream where vdpbf16ps, at 16 rows on two cores,
  * could not keep up with it (docs/engine.md, "bfloat16": the 135M shape's linears 1.5x faster). The tile unit adds
  * its products in an order of its own, not vdpbf16ps's; it is the order oneDNN's AMX GEMM gets too, so at up to 32
  * rows these are F.linear's bits (tested). bf16_amx(0) keeps to the vdpbf16ps walk.
@@ -124,8 +123,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *rest
  * of 16 pairs x 16 outputs into 16 x 16 float32 sums, 512 multiply-adds of one row in one instruction where
  * vdpbf16ps does 32). Tiles: 0-2 the sums of 16 rows x the panel's 48 outputs, 3 the rows of x (16 pairs), 4-6 the
  * panel's 16 pairs x 48 outputs: the packed panel is already the tile's layout (one pair of 16 outputs is 64
- * bytes), read with a row stride of 48 outputs. Used where K is a whole number of 16-pair steps (every linear of
- * the models here); other widths take the vdpbf16ps walk. */
+ * bytes), read with a row stride of 48 outputs. */
 #define AMX_PAIRS 16     /* pairs of inputs per tile step */
 #define AMX_ROWS 16      /* rows of x per tile */
 #ifndef AMX_AHEAD
@@ -161,23 +159,40 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-/* one tile of rows (as configured) of x against all k2 pairs of one panel, into sums [rows, WIDTH] */
+/* one step: 16 pairs of the tile of x at column 2j against the panel's 16 pairs at p (rows 2 * WIDTH apart) */
+static inline __attribute__((always_inline)) void amx_step(const uint16_t *x, int64_t x_stride, int64_t j,
+                                                           const uint16_t *p) {
+    _tile_loadd(3, x + 2 * j, x_stride * 2);
+    _tile_loadd(4, p, 2 * WIDTH * 2);
+    _tile_loadd(5, p + 32, 2 * WIDTH * 2);
+    _tile_loadd(6, p + 64, 2 * WIDTH * 2);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+}
+
+/* one tile of rows (as configured) of x against all k2 pairs of one panel, into sums [rows, WIDTH]; x's rows are
+ * read to the next whole step (zeros past K: the caller pads them), and a last partial step of the panel is
+ * copied with zero pairs after it, so that the tile adds nothing but zero products past K, as a tile configured
+ * to fewer pairs would (oneDNN's tail) */
 static void amx_tile(const uint16_t *restrict x, int64_t x_stride, const uint16_t *restrict panel, int64_t k2,
                      float *restrict sums) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
-    for (int64_t j = 0; j < k2; j += AMX_PAIRS) {
+    const int64_t whole = k2 - k2 % AMX_PAIRS;
+    for (int64_t j = 0; j < whole; j += AMX_PAIRS) {
         const uint16_t *p = panel + j * 2 * WIDTH;
         const char *ahead = (const char *)p + AMX_AHEAD; /* past the panel: the next one, the thread's next */
         for (int l = 0; l < AMX_PAIRS * 2 * WIDTH * 2 / 64; l++) __builtin_prefetch(ahead + 64 * l, 0, 3);
-        _tile_loadd(3, x + 2 * j, x_stride * 2);
-        _tile_loadd(4, p, 2 * WIDTH * 2);
-        _tile_loadd(5, p + 32, 2 * WIDTH * 2);
-        _tile_loadd(6, p + 64, 2 * WIDTH * 2);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_dpbf16ps(2, 3, 6);
+        amx_step(x, x_stride, j, p);
+    }
+    if (whole < k2) {
+        uint16_t last[AMX_PAIRS * 2 * WIDTH] __attribute__((aligned(64)));
+        const size_t used = (size_t)(k2 - whole) * 2 * WIDTH;
+        memcpy(last, panel + whole * 2 * WIDTH, used * sizeof *last);
+        memset(last + used, 0, sizeof last - used * sizeof *last);
+        amx_step(x, x_stride, whole, last);
     }
     _tile_stored(0, sums, WIDTH * 4);
     _tile_stored(1, sums + 16, WIDTH * 4);
@@ -245,20 +260,27 @@ int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *b
     const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH, k2 = (k_len + 1) / 2;
     if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
     if (threads > num_panels) threads = (int)num_panels;
-    /* an odd K: the rows copied with a zero after each, so that every pair read is whole */
-    uint16_t *padded = 0, *tail = 0;
-    int64_t x_stride = k_len;
-    if (k_len % 2) {
-        padded = calloc((size_t)(m_len * 2 * k2), sizeof *padded);
-        if (!padded) return 2;
-        for (int64_t m = 0; m < m_len; m++) memcpy(padded + m * 2 * k2, x + m * k_len, sizeof *x * (size_t)k_len);
-        x = padded;
-        x_stride = 2 * k2;
-    }
     int amx = 0, tile_rows = 0;
 #if HAVE_AMX
-    if (k2 % AMX_PAIRS == 0 && amx_usable()) {
-        amx = 1;
+    amx = amx_usable();
+    const int64_t row_pairs = amx ? (k2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS : k2;
+#else
+    const int64_t row_pairs = k2;
+#endif
+    /* an odd K (or, for the AMX walk, one of no whole number of 16-pair steps): the rows copied with zeros after
+     * each, so that every pair (step) read is whole */
+    uint16_t *padded = 0, *tail = 0;
+    int64_t x_stride = k_len;
+    if (2 * row_pairs != k_len) {
+        padded = calloc((size_t)(m_len * 2 * row_pairs), sizeof *padded);
+        if (!padded) return 2;
+        for (int64_t m = 0; m < m_len; m++)
+            memcpy(padded + m * 2 * row_pairs, x + m * k_len, sizeof *x * (size_t)k_len);
+        x = padded;
+        x_stride = 2 * row_pairs;
+    }
+#if HAVE_AMX
+    if (amx) {
         tile_rows = m_len < AMX_ROWS ? (int)m_len : AMX_ROWS;
         const int64_t left = m_len % AMX_ROWS;
         if (m_len > AMX_ROWS && left) { /* the last rows, padded to a whole tile with zero rows */
