@@ -242,6 +242,10 @@ class InferenceLinear:
     behind the engine's choices"."""
 
     MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
+    # most rows for oneDNN's packed bfloat16 GEMM: it gives F.linear's bits at a decode batch's rows but not always
+    # at a prefill's (the 135M shape's output projection at 1,024 rows: 32 of 589,824 outputs a unit off), where
+    # F.linear, which transformers' bfloat16 run takes, costs the same (docs/engine.md, "bfloat16")
+    PACKED_ROWS_BF16 = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  panel_rows: int = 0):
@@ -258,7 +262,8 @@ class InferenceLinear:
                 out = native.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
                 if out is not None:
                     return out
-            if self.packed is not None and rows >= self.MIN_ROWS:
+            if self.packed is not None and rows >= self.MIN_ROWS and \
+                    (rows <= self.PACKED_ROWS_BF16 or self.weight.dtype is not torch.bfloat16):
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

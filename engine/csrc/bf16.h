@@ -9,6 +9,8 @@
 
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
 
 /* sixteen bfloat16 values widened to float32 */
 static inline v16 widen16(const uint16_t *p) {
