@@ -248,9 +248,13 @@ class InferenceLinear:
     PACKED_ROWS_BF16 = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
-                 panel_rows: int = 0):
+                 panel_rows: int = 0, parts: tuple[int, ...] = ()):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
+        # a fused projection's parts (q, k, v; gate, up): a bfloat16 prefill computes each with F.linear as
+        # transformers does, since oneDNN sums a fused one differently at some row counts (q|k|v of the 135M shape
+        # at 256 and 384 rows, gate|up at 2,048: a few outputs a unit apart)
+        self.parts = parts if weight.dtype == torch.bfloat16 and len(parts) > 1 else ()
         self.packed = _pack_weight(self.weight) if pack else None
         self.panels = native.pack_panels(self.weight) if pack and panel_rows else None
         self.panel_rows = panel_rows if self.panels is not None else 0  # most rows the panel kernel serves
@@ -265,6 +269,10 @@ class InferenceLinear:
             if self.packed is not None and rows >= self.MIN_ROWS and \
                     (rows <= self.PACKED_ROWS_BF16 or self.weight.dtype is not torch.bfloat16):
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self.parts and rows > self.PACKED_ROWS_BF16:
+                weights = self.weight.split(self.parts)
+                biases = self.bias.split(self.parts) if self.bias is not None else (None,) * len(self.parts)
+                return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -360,7 +368,7 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
-        self.qkv = InferenceLinear(weight, bias, pack, panel_rows)
+        self.qkv = InferenceLinear(weight, bias, pack, panel_rows, parts=tuple(p.weight.shape[0] for p in projs))
         self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panel_rows)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
@@ -424,7 +432,8 @@ class MLP(nn.Module):
 
     def prepare_inference(self, pack: bool, panel_rows: int = 0) -> None:
         self.gate_up = InferenceLinear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]),
-                                       pack=pack, panel_rows=panel_rows)
+                                       pack=pack, panel_rows=panel_rows,
+                                       parts=(self.gate_proj.weight.shape[0], self.up_proj.weight.shape[0]))
         self.down = InferenceLinear(self.down_proj.weight, pack=pack, panel_rows=panel_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

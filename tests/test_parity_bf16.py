@@ -184,3 +184,37 @@ def test_native_bfloat16_norm_activation_and_rotary_round_where_torch_does():
     flat_k, flat_v = (c.view(-1, kv_heads, dim) for c in caches)
     assert torch.equal(flat_k[slots], apply_rotary(parts[:, heads:heads + kv_heads], cos, sin))
     assert torch.equal(flat_v[slots], parts[:, heads + kv_heads:])
+
+
+def test_with_transformers_decode_attention_the_bfloat16_engine_is_transformers_to_the_bit(checkpoint, monkeypatch):
+    """Where the panel GEMM sums in AMX tiles (oneDNN's order, F.linear's bits: tests/test_bf16_gemm.py), everything
+    of a bfloat16 step but the native decode attention rounds exactly as transformers' bfloat16 run: the prefill
+    (F.linear, each part of a fused projection apart, torch's SDPA), the norms (torch's sum order), SwiGLU, the rotary
+    embedding, the output head. So with decode attention computed as transformers computes it (torch's SDPA over each
+    sequence's K/V, grouped-query, no mask, read from the pool), greedy tokens equal transformers' in every
+    sequence, 64 tokens long: what remains between the engine and transformers in bfloat16 is
+    csrc/paged_decode_bf16.c's rounding (docs/engine.md, "bfloat16")."""
+    model, path, prompts = checkpoint
+    if native.kernel() is None or not native.bf16_amx():
+        pytest.skip("needs the AMX walk (a CPU with AMX-BF16), whose sums are F.linear's")
+    eng = Engine(EngineConfig(model=str(path), block_size=16, num_blocks=len(prompts) * 16 + 8, dtype="bfloat16",
+                              enable_prefix_caching=False, max_num_batched_tokens=4096))  # one prefill, as
+    # transformers: oneDNN's sums depend on the row count, so a prefill in chunks rounds otherwise
+    monkeypatch.setattr(native, "decode_stack", lambda *a: None)  # the layer loop, whose attention is replaced
+    real = eng.runner.attend
+
+    def transformers_decode_attention(q, key_cache, value_cache, meta, scale, block_size):
+        out = real(q, key_cache, value_cache, meta, scale, block_size)
+        plan = meta.decode_plan
+        for i in range(meta.num_decode):
+            length = plan.lens[i]
+            blocks = plan.tables[i, : -(-length // block_size)].long()
+            keys, values = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None]
+                            for c in (key_cache, value_cache))
+            out[i] = torch.nn.functional.scaled_dot_product_attention(
+                q[i][None, :, None], keys, values, scale=scale, enable_gqa=True)[0, :, 0]
+        return out
+    monkeypatch.setattr(eng.runner, "attend", transformers_decode_attention)
+    expected = _hf_greedy(model, prompts, 64)
+    got = eng.generate(prompts, max_new_tokens=64, ignore_eos=True)
+    assert [first_difference(a, b) for a, b in zip(got, expected)] == [None] * len(prompts)
