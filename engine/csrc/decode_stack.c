@@ -25,13 +25,18 @@
  * scratch memory ran out in a kernel (x and the caches are then partly updated: the caller raises).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
+#include "team.h"
 
 #define FIELDS 8 /* addresses per layer in weights */
+#define STACK_MAX_ROWS 64 /* most tokens: the bfloat16 panel GEMM's (small_gemm_bf16.c's MAX_ROWS) */
 
 /* One walk for both element types (float32: the _f32 kernels; bfloat16, stored as uint16_t: the _bf16 ones, which
- * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). */
+ * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). The whole step is one
+ * OpenMP region: each kernel's part for this thread, then a barrier (team.h) before the next kernel reads what the
+ * team wrote; a failure any thread meets (scratch memory) stops all of them at that barrier. */
 #define DECODE_STACK(T, SUFFIX)                                                                                        \
 int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, const int64_t *caches, int layers,         \
                           const T *final_norm, const T *cos, const T *sin, const int64_t *slots,                       \
@@ -39,32 +44,47 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
                           int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,          \
                           float scale, int threads) {                                                                  \
     if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||             \
-        !paged_decode_takes(heads, kv_heads, dim, block_size))                                                         \
+        !paged_decode_takes(heads, kv_heads, dim, block_size) || tokens > STACK_MAX_ROWS)                              \
         return 1;                                                                                                      \
     const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;                       \
     T *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;               \
     T *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;       \
-    int status;                                                                                                        \
-    for (int l = 0; l < layers; l++) {                                                                                 \
-        const int64_t *w = weights + (int64_t)l * FIELDS;                                                              \
-        T *key_cache = (T *)(intptr_t)caches[2 * l], *value_cache = (T *)(intptr_t)caches[2 * l + 1];                  \
-        RUN(add_rms_norm_##SUFFIX(x, l ? delta : 0, P(T, w[0]), h, tokens, hidden, eps, threads));                     \
-        RUN(panel_gemm_##SUFFIX(h, P(T, w[1]), P(T, w[2]), qkv, tokens, qkv_n, hidden, threads));                      \
-        RUN(rope_store_##SUFFIX(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads, dim,         \
-                                threads));                                                                             \
-        RUN(paged_decode_##SUFFIX(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads,          \
-                                  kv_heads, dim, block_size, scale, threads));                                         \
-        RUN(panel_gemm_##SUFFIX(attn, P(T, w[3]), P(T, w[4]), delta, tokens, hidden, attn_n, threads));                \
-        RUN(add_rms_norm_##SUFFIX(x, delta, P(T, w[5]), h, tokens, hidden, eps, threads));                             \
-        RUN(panel_gemm_##SUFFIX(h, P(T, w[6]), 0, gate_up, tokens, 2 * inter, hidden, threads));                       \
-        RUN(silu_mul_##SUFFIX(gate_up, act, tokens, inter, threads));                                                  \
-        RUN(panel_gemm_##SUFFIX(act, P(T, w[7]), 0, delta, tokens, hidden, inter, threads));                           \
+    int64_t *next = calloc((size_t)(layers > 0 ? layers : 1), sizeof *next); /* each layer's attention items */       \
+    if (!next) return 2;                                                                                               \
+    team_barrier barrier = {0, 0, 0, 0};                                                                               \
+    int status = 0;                                                                                                    \
+    if (threads < 1) threads = 1;                                                                                      \
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")                                                      \
+    {                                                                                                                  \
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                               \
+        int failed = 0;                                                                                                \
+        for (int l = 0; l < layers && !failed; l++) {                                                                  \
+            const int64_t *w = weights + (int64_t)l * FIELDS;                                                          \
+            T *key_cache = (T *)(intptr_t)caches[2 * l], *value_cache = (T *)(intptr_t)caches[2 * l + 1];              \
+            STEP(add_rms_norm_##SUFFIX##_part(x, l ? delta : 0, P(T, w[0]), h, tokens, hidden, eps, t, nt));           \
+            STEP(panel_gemm_##SUFFIX##_part(h, P(T, w[1]), P(T, w[2]), qkv, tokens, qkv_n, hidden, t, nt));            \
+            STEP(rope_store_##SUFFIX##_part(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads,  \
+                                            dim, t, nt));                                                              \
+            STEP(paged_decode_##SUFFIX##_part(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens,     \
+                                              heads, kv_heads, dim, block_size, scale, next + l, t, nt));              \
+            STEP(panel_gemm_##SUFFIX##_part(attn, P(T, w[3]), P(T, w[4]), delta, tokens, hidden, attn_n, t, nt));      \
+            STEP(add_rms_norm_##SUFFIX##_part(x, delta, P(T, w[5]), h, tokens, hidden, eps, t, nt));                   \
+            STEP(panel_gemm_##SUFFIX##_part(h, P(T, w[6]), 0, gate_up, tokens, 2 * inter, hidden, t, nt));             \
+            STEP(silu_mul_##SUFFIX##_part(gate_up, act, tokens, inter, t, nt));                                        \
+            STEP(panel_gemm_##SUFFIX##_part(act, P(T, w[7]), 0, delta, tokens, hidden, inter, t, nt));                 \
+        }                                                                                                              \
+        if (!failed)                                                                                                   \
+            failed = team_wait(&barrier, nt, add_rms_norm_##SUFFIX##_part(x, layers ? delta : 0, final_norm, out,     \
+                                                                          tokens, hidden, eps, t, nt));                \
+        if (failed && t == 0) status = failed;                                                                         \
     }                                                                                                                  \
-    return add_rms_norm_##SUFFIX(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, threads);                \
+    free(next);                                                                                                        \
+    return status;                                                                                                     \
 }
 
 #define P(T, address) ((T *)(intptr_t)(address))
-#define RUN(call) if ((status = (call))) return status
+/* this thread's part, then the team's barrier; every thread leaves the layer loop together when one failed */
+#define STEP(call) if ((failed = team_wait(&barrier, nt, (call)))) break
 
 DECODE_STACK(float, f32)
 DECODE_STACK(uint16_t, bf16)

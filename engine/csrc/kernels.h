@@ -60,4 +60,33 @@ int decode_stack_bf16(uint16_t *x, uint16_t *out, uint16_t *scratch, const int64
                       int64_t tokens, int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,
                       float scale, int threads);
 
+
+/* Each kernel's part for thread t of a team of nt (team.h): what the exported kernel runs in a region of its own,
+ * and decode_stack.c runs one after another in the single region of a decode step. */
+int add_rms_norm_f32_part(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n,
+                          float eps, int t, int nt);
+int silu_mul_f32_part(const float *gate_up, float *out, int64_t rows, int n, int t, int nt);
+int rope_store_f32_part(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
+                        float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim, int t,
+                        int nt);
+int panel_gemm_f32_part(const float *x, const float *panels, const float *bias, float *y, int64_t m_len,
+                        int64_t n_len, int64_t k_len, int t, int nt);
+int paged_decode_f32_part(const float *query, const float *key_cache, const float *value_cache,
+                          const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out, int64_t seqs,
+                          int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next, int t, int nt);
+int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, decode_item item,
+                            const void *ctx, int64_t *next, int t, int nt);
+int add_rms_norm_bf16_part(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows,
+                           int n, float eps, int t, int nt);
+int silu_mul_bf16_part(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int t, int nt);
+int rope_store_bf16_part(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                         uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
+                         int kv_heads, int dim, int t, int nt);
+int panel_gemm_bf16_part(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                         int64_t n_len, int64_t k_len, int t, int nt);
+int paged_decode_bf16_part(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                           const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out,
+                           int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next,
+                           int t, int nt);
+
 #endif

@@ -23,6 +23,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 /* a . b over dim floats: sixteen partial sums in one vector, added up as a tree of shuffles (`omp simd reduction`
  * made GCC add the sixteen lanes one after another through the stack, most of what a score cost). */
@@ -174,35 +175,36 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
  * sequence; each thread has one scratch for the scores (the longest context's) and its items' q and sums.
  * item(ctx, sequence, first KV head, KV heads, scores, q, acc) attends one. Returns 0, or 2 when scratch memory
  * ran out. */
-int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
-                       decode_item item, const void *ctx) {
+/* Thread t's part of the items (sequences, or KV heads of sequences when they are few), which the team's threads
+ * take one at a time from the shared counter *next (zero at the start of the call: schedule(dynamic, 1)). */
+int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, decode_item item,
+                            const void *ctx, int64_t *next, int t, int nt) {
     const int group = heads / kv_heads;
+    const int per_item = seqs >= 4 * (int64_t)nt ? kv_heads : 1;
+    const int64_t items = seqs * (kv_heads / per_item);
+    if (t >= items) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++)
         if (lens[s] > longest) longest = lens[s];
+    const size_t score_floats = (size_t)((longest + 15) / 16 * 16 + 16) * per_item * group;
+    const size_t head_floats = (size_t)per_item * group * dim;
+    float *scores = malloc(sizeof(float) * (score_floats + 2 * head_floats));
+    if (!scores) return 2;
+    for (int64_t i; (i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < items;)
+        item(ctx, i / (kv_heads / per_item), (int)(i % (kv_heads / per_item)) * per_item, per_item, scores,
+             scores + score_floats, scores + score_floats + head_floats);
+    free(scores);
+    return 0;
+}
+
+int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
+                       decode_item item, const void *ctx) {
     if (threads < 1) threads = 1;
     const int per_item = seqs >= 4 * (int64_t)threads ? kv_heads : 1;
     const int64_t items = seqs * (kv_heads / per_item);
-    if (items < threads) threads = (int)(items > 0 ? items : 1);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        const size_t score_floats = (size_t)((longest + 15) / 16 * 16 + 16) * per_item * group;
-        const size_t head_floats = (size_t)per_item * group * dim;
-        float *scores = malloc(sizeof(float) * (score_floats + 2 * head_floats));
-        if (!scores) {
-#pragma omp atomic write
-            failed = 2;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < items; i++) {
-            if (!scores) continue;
-            item(ctx, i / (kv_heads / per_item), (int)(i % (kv_heads / per_item)) * per_item, per_item, scores,
-                 scores + score_floats, scores + score_floats + head_floats);
-        }
-        free(scores);
-    }
-    return failed;
+    int64_t next = 0;
+    TEAM_RUN(items < threads ? (int)items : threads,
+             paged_decode_items_part(lens, seqs, heads, kv_heads, dim, item, ctx, &next, t, nt));
 }
 
 struct decode_f32 { /* paged_decode_window_f32's arguments, for its items */
@@ -220,6 +222,16 @@ static void decode_item_f32(const void *ctx, int64_t s, int first, int count, fl
     attend_item(a->query + s * a->heads * a->dim, a->key_cache, a->value_cache, a->tables + s * a->table_stride,
                 a->lens[s], begin, a->out + s * a->heads * a->dim, scores, q, acc, a->heads / a->kv_heads,
                 a->kv_heads, first, count, a->dim, a->block_size, a->scale);
+}
+
+/* paged_decode_f32's part for thread t of a team (decode_stack.c); *next: the items' shared counter, zero */
+int paged_decode_f32_part(const float *query, const float *key_cache, const float *value_cache,
+                          const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out, int64_t seqs,
+                          int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next, int t, int nt) {
+    if (!paged_decode_takes(heads, kv_heads, dim, block_size)) return 1;
+    const struct decode_f32 args = {query, key_cache, value_cache, tables, lens, table_stride, 0, out, heads,
+                                    kv_heads, dim, block_size, scale};
+    return paged_decode_items_part(lens, seqs, heads, kv_heads, dim, decode_item_f32, &args, next, t, nt);
 }
 
 /* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out.

@@ -149,6 +149,17 @@ static void decode_item_bf16(const void *ctx, int64_t s, int first, int count, f
                      first, count, a->dim, a->block_size, a->scale);
 }
 
+/* paged_decode_bf16's part for thread t of a team (decode_stack.c); *next: the items' shared counter, zero */
+int paged_decode_bf16_part(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                           const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out,
+                           int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next,
+                           int t, int nt) {
+    if (!paged_decode_takes(heads, kv_heads, dim, block_size)) return 1;
+    const struct decode_bf16 args = {query, key_cache, value_cache, tables, lens, table_stride, out, heads, kv_heads,
+                                     dim, block_size, scale};
+    return paged_decode_items_part(lens, seqs, heads, kv_heads, dim, decode_item_bf16, &args, next, t, nt);
+}
+
 /* Returns 0 on success, 1 when a shape is outside what this kernel handles, 2 when scratch memory ran out. The
  * items and their threads are paged_decode.c's (paged_decode_items). */
 int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,

@@ -31,6 +31,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 #define WIDTH 48   /* outputs in a panel: three vectors */
 #define ROWS 8     /* rows of x in a tile */
@@ -121,19 +122,34 @@ static void panel_rows(const float *restrict x, const float *restrict panel, con
             for (int c = 0; c < cols; c++) y[m * n_len + n0 + c] = staged[m * WIDTH + c];
 }
 
+/* threads a product of this size takes: one where the work is small, at most one per panel */
+static int gemm_users(int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
+    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
+    return threads > num_panels ? (int)num_panels : threads;
+}
+
+/* thread t's part: its block of panels (the last, when partial, summed in a scratch tile [m_len, WIDTH]) */
+int panel_gemm_f32_part(const float *x, const float *panels, const float *bias, float *y, int64_t m_len,
+                        int64_t n_len, int64_t k_len, int t, int nt) {
+    if (m_len < 1 || n_len < 1 || k_len < 1) return 1;
+    const int users = gemm_users(m_len, n_len, k_len, nt);
+    if (t >= users) return 0;
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
+    int64_t lo, hi;
+    team_share(num_panels, t, users, &lo, &hi);
+    float *scratch = n_len % WIDTH && hi == num_panels ? malloc(sizeof(float) * (size_t)m_len * WIDTH) : 0;
+    if (n_len % WIDTH && hi == num_panels && !scratch) return 2;
+    for (int64_t p = lo; p < hi; p++)
+        panel_rows(x, panels + p * k_len * WIDTH, bias, y, m_len, n_len, k_len, p * WIDTH, scratch);
+    free(scratch);
+    return 0;
+}
+
 /* Returns 0 on success, 1 for shapes it does not take, 2 when scratch memory ran out. */
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads) {
     if (m_len < 1 || n_len < 1 || k_len < 1) return 1;
-    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
-    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
-    if (threads > num_panels) threads = (int)num_panels;
-    /* the last panel, when partial, is summed in a scratch tile [m_len, WIDTH] */
-    float *scratch = n_len % WIDTH ? malloc(sizeof(float) * (size_t)m_len * WIDTH) : 0;
-    if (n_len % WIDTH && !scratch) return 2;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t p = 0; p < num_panels; p++)
-        panel_rows(x, panels + p * k_len * WIDTH, bias, y, m_len, n_len, k_len, p * WIDTH, scratch);
-    free(scratch);
-    return 0;
+    TEAM_RUN(gemm_users(m_len, n_len, k_len, threads),
+             panel_gemm_f32_part(x, panels, bias, y, m_len, n_len, k_len, t, nt));
 }

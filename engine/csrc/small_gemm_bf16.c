@@ -42,6 +42,7 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -253,13 +254,23 @@ static void panel_rows_bf16(const uint16_t *restrict x, int64_t x_stride, const 
     }
 }
 
-/* Returns 0 on success, 1 for shapes it does not take, 2 when scratch memory ran out. */
-int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
-                    int64_t n_len, int64_t k_len, int threads) {
-    if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
-    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH, k2 = (k_len + 1) / 2;
+/* threads a product of this size takes: one where the work is small, at most one per panel */
+static int gemm_users_bf16(int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
     if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
-    if (threads > num_panels) threads = (int)num_panels;
+    return threads > num_panels ? (int)num_panels : threads;
+}
+
+/* thread t's part: its block of panels. Copies of x that the walk needs (zero columns past an odd K or, for the AMX
+ * walk, to a whole step; zero rows past the last whole tile) are the thread's own: x is a decode batch's few rows. */
+int panel_gemm_bf16_part(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                         int64_t n_len, int64_t k_len, int t, int nt) {
+    if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
+    const int users = gemm_users_bf16(m_len, n_len, k_len, nt);
+    if (t >= users) return 0;
+    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH, k2 = (k_len + 1) / 2;
+    int64_t lo, hi;
+    team_share(num_panels, t, users, &lo, &hi);
     int amx = 0, tile_rows = 0;
 #if HAVE_AMX
     amx = amx_usable();
@@ -288,25 +299,26 @@ int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *b
             if (!tail) { free(padded); return 2; }
             memcpy(tail, x + (m_len - left) * x_stride, sizeof *x * (size_t)(left * x_stride));
         }
+        amx_configure(tile_rows);
     }
 #endif
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
+    for (int64_t p = lo; p < hi; p++)
+        panel_rows_bf16(x, x_stride, panels + p * k2 * 2 * WIDTH, bias, y, m_len, n_len, k2, p * WIDTH, amx, tail);
 #if HAVE_AMX
-        if (amx) amx_configure(tile_rows);
+    if (amx) _tile_release(); /* the 8 KiB tile state need not follow the thread through context switches */
 #endif
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++)
-            panel_rows_bf16(x, x_stride, panels + p * k2 * 2 * WIDTH, bias, y, m_len, n_len, k2, p * WIDTH, amx,
-                            tail);
-#if HAVE_AMX
-        if (amx) _tile_release(); /* the 8 KiB tile state need not follow the thread through context switches */
-#endif
-    }
     (void)tile_rows;
     free(padded);
     free(tail);
     return 0;
+}
+
+/* Returns 0 on success, 1 for shapes it does not take, 2 when scratch memory ran out. */
+int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
+                    int64_t n_len, int64_t k_len, int threads) {
+    if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
+    TEAM_RUN(gemm_users_bf16(m_len, n_len, k_len, threads),
+             panel_gemm_bf16_part(x, panels, bias, y, m_len, n_len, k_len, t, nt));
 }
 
 /* mode 0: the vdpbf16ps walk only; 1: the AMX walk where it serves (the default); any other: unchanged. Returns
