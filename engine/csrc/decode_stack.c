@@ -51,7 +51,7 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
     T *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;       \
     int64_t *next = calloc((size_t)(layers > 0 ? layers : 1), sizeof *next); /* each layer's attention items */       \
     if (!next) return 2;                                                                                               \
-    team_barrier barrier = {0, 0, 0, 0};                                                                               \
+    team_barrier barrier = {0};                                                                                        \
     int status = 0;                                                                                                    \
     if (threads < 1) threads = 1;                                                                                      \
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")                                                      \

@@ -37,7 +37,9 @@ static inline void team_share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi
  * last arrival, which overwrites it, needs every thread to have arrived there first, so no one reads it late. */
 typedef struct {
     int arrived, generation, failed, result;
-} team_barrier;
+    char own_line[64 - 4 * sizeof(int)]; /* a cache line of its own: the waiting thread polls it while the working
+                                           * one writes the stack around it (false sharing slowed the step 5%) */
+} __attribute__((aligned(64))) team_barrier;
 
 static inline int team_wait(team_barrier *b, int nt, int status) {
     if (status) {
