@@ -138,6 +138,7 @@ def _build():
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
         "bf16_amx": [i32],  # csrc/small_gemm_bf16.c
+        "kernels_fail_scratch": [i32],  # csrc/decode_stack.c (tests)
         "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
     for name, argtypes in signatures.items():

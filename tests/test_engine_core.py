@@ -268,6 +268,33 @@ def test_failed_step_changes_nothing(ckpt, where, monkeypatch):
     assert finish(eng) == expected
 
 
+def test_a_thread_out_of_scratch_memory_in_the_one_call_step_stops_the_team_and_changes_nothing(ckpt, monkeypatch):
+    """The one-call decode step runs every kernel in one OpenMP region, a barrier between kernels (csrc/team.h).
+    When one thread's attention scratch cannot be had, every thread leaves at the next barrier (none waits there
+    for it forever), the step reports it and raises MemoryError, and the engine is as it was; what follows is what
+    a run without the fault produces."""
+    from engine import native
+    lib = native.kernel()
+    if lib is None:
+        pytest.skip(f"no native kernel here: {native.error()}")
+    clean = busy_engine(ckpt)
+    expected = finish(clean)
+    eng = busy_engine(ckpt)
+    before = state_of(eng)
+    answers, real = [], native.decode_stack
+    monkeypatch.setattr(native, "decode_stack", lambda *a: answers.append(1) or real(*a))
+    lib.kernels_fail_scratch(2)  # layer 0's attention: the second thread's scratch (the first's with one thread: layer 1's)
+    try:
+        with pytest.raises(MemoryError, match="scratch"):
+            eng.step()
+    finally:
+        lib.kernels_fail_scratch(0)
+    assert answers  # the fault was met in the one-call step
+    monkeypatch.undo()
+    assert_same(state_of(eng), before)
+    assert finish(eng) == expected
+
+
 def test_failed_step_after_the_draw_draws_the_same_again(ckpt, monkeypatch):
     """The sampler has drawn every sampled row's token, then the step fails: nothing of the draw is kept (there is
     no sampler state to restore), and the retried step draws the same tokens as a run without the fault."""

@@ -82,6 +82,20 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
     return status;                                                                                                     \
 }
 
+static int scratch_countdown; /* 0: allocations succeed; n > 0: the n-th from now fails (once) */
+
+int kernels_fail_scratch(int n) {
+    __atomic_store_n(&scratch_countdown, n > 0 ? n : 0, __ATOMIC_RELAXED);
+    return 0;
+}
+
+void *team_scratch(size_t bytes) {
+    if (__atomic_load_n(&scratch_countdown, __ATOMIC_RELAXED) > 0 &&
+        __atomic_sub_fetch(&scratch_countdown, 1, __ATOMIC_RELAXED) == 0)
+        return 0;
+    return malloc(bytes);
+}
+
 #define P(T, address) ((T *)(intptr_t)(address))
 /* this thread's part, then the team's barrier; every thread leaves the layer loop together when one failed */
 #define STEP(call) if ((failed = team_wait(&barrier, nt, (call)))) break

@@ -188,7 +188,7 @@ int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv
         if (lens[s] > longest) longest = lens[s];
     const size_t score_floats = (size_t)((longest + 15) / 16 * 16 + 16) * per_item * group;
     const size_t head_floats = (size_t)per_item * group * dim;
-    float *scores = malloc(sizeof(float) * (score_floats + 2 * head_floats));
+    float *scores = team_scratch(sizeof(float) * (score_floats + 2 * head_floats));
     if (!scores) return 2;
     for (int64_t i; (i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < items;)
         item(ctx, i / (kv_heads / per_item), (int)(i % (kv_heads / per_item)) * per_item, per_item, scores,

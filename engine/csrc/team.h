@@ -12,6 +12,7 @@
 
 #include <omp.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -60,6 +61,10 @@ static inline int team_wait(team_barrier *b, int nt, int status) {
     }
     return b->result;
 }
+
+/* scratch memory for a kernel's thread (decode_stack.c): malloc, or null where kernels_fail_scratch asked the n-th
+ * allocation from then on to fail (tests: a failure on one thread of the one-call step) */
+void *team_scratch(size_t bytes);
 
 /* The exported form of a kernel: PART (an expression of t and nt, the thread and the team's size) on `users`
  * threads of a region of its own; returns the first nonzero status a thread's part gave, else 0. */
