@@ -60,7 +60,9 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
             __builtin_prefetch(ahead + 16 * l, 0, 3);
         const float *p = panel + k * WIDTH;
         v16 w0 = *(const v16 *)p, w1 = *(const v16 *)(p + 16), w2 = *(const v16 *)(p + 32);
+#ifdef __AVX512F__ /* (a 64-byte vector fits one register only there; elsewhere GCC splits it, and the build failed) */
         __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2)); /* held in registers: GCC otherwise reloads them per product */
+#endif
         for (int m = 0; m < mt; m++) {
             const float s = x[m * k_len + k];
             acc[m][0] += s * w0;
