@@ -390,7 +390,7 @@ def bf16_amx() -> bool:
     return bool(lib is not None and lib.bf16_amx(-1))
 
 
-PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (small_gemm_bf16.c's MAX_ROWS)
+PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (csrc/kernels.h's PANEL_ROWS_BF16)
 
 
 def _pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:

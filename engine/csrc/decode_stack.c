@@ -31,7 +31,6 @@
 #include "team.h"
 
 #define FIELDS 8 /* addresses per layer in weights */
-#define STACK_MAX_ROWS 64 /* most tokens: the bfloat16 panel GEMM's (small_gemm_bf16.c's MAX_ROWS) */
 
 /* One walk for both element types (float32: the _f32 kernels; bfloat16, stored as uint16_t: the _bf16 ones, which
  * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). The whole step is one
@@ -44,7 +43,7 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
                           int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,          \
                           float scale, int threads) {                                                                  \
     if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||             \
-        !paged_decode_takes(heads, kv_heads, dim, block_size) || tokens > STACK_MAX_ROWS)                              \
+        !paged_decode_takes(heads, kv_heads, dim, block_size) || tokens > PANEL_ROWS_BF16)                             \
         return 1;                                                                                                      \
     const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;                       \
     T *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;               \

@@ -9,6 +9,18 @@
 
 #define MAX_HEADS 256 /* query heads of one sequence paged_decode_f32 handles (more: the caller goes eager) */
 
+#define PANEL_WIDTH 48 /* outputs in a panel of the packed GEMMs (small_gemm.c, small_gemm_bf16.c): three vectors */
+#define PANEL_ROWS_BF16 64 /* most rows of x panel_gemm_bf16 (and so decode_stack) takes: engine/native.py's
+                            * PANEL_ROWS_BF16, the decode batches of engine/model.py's PANEL_ROWS_CACHED */
+#define PANEL_MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
+
+/* threads a packed GEMM of this size takes: one where the work is small, at most one per panel */
+static inline int panel_gemm_users(int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    const int64_t num_panels = (n_len + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * PANEL_MIN_WORK_PER_THREAD) threads = 1;
+    return threads > num_panels ? (int)num_panels : threads;
+}
+
 static inline int paged_decode_takes(int heads, int kv_heads, int dim, int block_size) {
     return kv_heads >= 1 && heads % kv_heads == 0 && heads <= MAX_HEADS && dim >= 1 && block_size >= 1;
 }

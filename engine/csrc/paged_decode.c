@@ -175,13 +175,20 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
  * sequence; each thread has one scratch for the scores (the longest context's) and its items' q and sums.
  * item(ctx, sequence, first KV head, KV heads, scores, q, acc) attends one. Returns 0, or 2 when scratch memory
  * ran out. */
-/* Thread t's part of the items (sequences, or KV heads of sequences when they are few), which the team's threads
- * take one at a time from the shared counter *next (zero at the start of the call: schedule(dynamic, 1)). */
+/* the items for a team of nt: whole sequences (*per_item = kv_heads) when there are enough to share, else one KV
+ * head each */
+static int64_t decode_items(int64_t seqs, int kv_heads, int nt, int *per_item) {
+    *per_item = seqs >= 4 * (int64_t)nt ? kv_heads : 1;
+    return seqs * (kv_heads / *per_item);
+}
+
+/* Thread t's part of the items, which the team's threads take one at a time from the shared counter *next (zero at
+ * the start of the call: schedule(dynamic, 1)). */
 int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, decode_item item,
                             const void *ctx, int64_t *next, int t, int nt) {
     const int group = heads / kv_heads;
-    const int per_item = seqs >= 4 * (int64_t)nt ? kv_heads : 1;
-    const int64_t items = seqs * (kv_heads / per_item);
+    int per_item;
+    const int64_t items = decode_items(seqs, kv_heads, nt, &per_item);
     if (t >= items) return 0;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++)
@@ -200,8 +207,8 @@ int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv
 int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
                        decode_item item, const void *ctx) {
     if (threads < 1) threads = 1;
-    const int per_item = seqs >= 4 * (int64_t)threads ? kv_heads : 1;
-    const int64_t items = seqs * (kv_heads / per_item);
+    int per_item;
+    const int64_t items = decode_items(seqs, kv_heads, threads, &per_item);
     int64_t next = 0;
     TEAM_RUN(items < threads ? (int)items : threads,
              paged_decode_items_part(lens, seqs, heads, kv_heads, dim, item, ctx, &next, t, nt));

@@ -12,13 +12,17 @@
 #define ROWS_PER_THREAD 64 /* fewer rows than this per thread: one thread */
 #define ROPE_TOKENS_PER_THREAD 64 /* fewer tokens than this in all: one thread */
 
+/* threads a walk over rows takes (the norm, SwiGLU), and over tokens (the rotary pass) */
+static inline int row_users(int64_t rows, int threads) { return rows < (int64_t)ROWS_PER_THREAD * 2 ? 1 : threads; }
+static inline int rope_users(int64_t tokens, int threads) { return tokens < ROPE_TOKENS_PER_THREAD ? 1 : threads; }
+
 /* x += delta (when given), out = the RMSNorm of x, row by row: ROW(x, delta, weight, out, n, eps); few rows on
  * one thread of the team */
 #define ADD_RMS_NORM(T, SUFFIX, ROW)                                                                                   \
     int add_rms_norm_##SUFFIX##_part(T *x, const T *delta, const T *weight, T *out, int64_t rows, int n, float eps,   \
                                      int t, int nt) {                                                                \
         if (n < 1) return 1;                                                                                         \
-        const int users = rows < (int64_t)ROWS_PER_THREAD * 2 ? 1 : nt;                                              \
+        const int users = row_users(rows, nt);                                              \
         if (t >= users) return 0;                                                                                    \
         int64_t lo, hi;                                                                                              \
         team_share(rows, t, users, &lo, &hi);                                                                        \
@@ -28,7 +32,7 @@
     int add_rms_norm_##SUFFIX(T *x, const T *delta, const T *weight, T *out, int64_t rows, int n, float eps,         \
                               int threads) {                                                                         \
         if (n < 1) return 1;                                                                                         \
-        TEAM_RUN(rows < (int64_t)ROWS_PER_THREAD * 2 ? 1 : threads,                                                  \
+        TEAM_RUN(row_users(rows, threads),                                                  \
                  add_rms_norm_##SUFFIX##_part(x, delta, weight, out, rows, n, eps, t, nt));                          \
     }
 
@@ -36,7 +40,7 @@
 #define SILU_MUL(T, SUFFIX, ROW)                                                                                       \
     int silu_mul_##SUFFIX##_part(const T *gate_up, T *out, int64_t rows, int n, int t, int nt) {                     \
         if (n < 1) return 1;                                                                                         \
-        const int users = rows < (int64_t)ROWS_PER_THREAD * 2 ? 1 : nt;                                              \
+        const int users = row_users(rows, nt);                                              \
         if (t >= users) return 0;                                                                                    \
         int64_t lo, hi;                                                                                              \
         team_share(rows, t, users, &lo, &hi);                                                                        \
@@ -46,7 +50,7 @@
     }                                                                                                                \
     int silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int n, int threads) {                              \
         if (n < 1) return 1;                                                                                         \
-        TEAM_RUN(rows < (int64_t)ROWS_PER_THREAD * 2 ? 1 : threads, silu_mul_##SUFFIX##_part(gate_up, out, rows, n,  \
+        TEAM_RUN(row_users(rows, threads), silu_mul_##SUFFIX##_part(gate_up, out, rows, n,  \
                                                                                              t, nt));                \
     }
 
@@ -57,7 +61,7 @@
                                    T *key_cache, T *value_cache, int64_t tokens, int heads, int kv_heads, int dim,   \
                                    int t, int nt) {                                                                  \
         if (!rope_store_takes(heads, kv_heads, dim)) return 1;                                                       \
-        const int users = tokens < ROPE_TOKENS_PER_THREAD ? 1 : nt;                                                  \
+        const int users = rope_users(tokens, nt);                                                  \
         if (t >= users) return 0;                                                                                    \
         const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;                                                 \
         int64_t lo, hi;                                                                                              \
@@ -77,7 +81,7 @@
     int rope_store_##SUFFIX(const T *qkv, const T *cos, const T *sin, const int64_t *slots, T *q_out, T *key_cache,  \
                             T *value_cache, int64_t tokens, int heads, int kv_heads, int dim, int threads) {         \
         if (!rope_store_takes(heads, kv_heads, dim)) return 1;                                                       \
-        TEAM_RUN(tokens < ROPE_TOKENS_PER_THREAD ? 1 : threads,                                                      \
+        TEAM_RUN(rope_users(tokens, threads),                                                      \
                  rope_store_##SUFFIX##_part(qkv, cos, sin, slots, q_out, key_cache, value_cache, tokens, heads,      \
                                             kv_heads, dim, t, nt));                                                  \
     }

@@ -33,11 +33,10 @@
 #include "simd.h"
 #include "team.h"
 
-#define WIDTH 48   /* outputs in a panel: three vectors */
+#define WIDTH PANEL_WIDTH
 #define ROWS 8     /* rows of x in a tile */
 #define K_BLOCK 64 /* rows of a panel (12 KiB) kept in L1 while the tiles of x pass over them */
 #define DIST 2     /* blocks between the one summed and the one asked for (24 KiB ahead) */
-#define MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
 
 /* mt rows of x against k0..k1 of one panel; mt is a constant where it is inlined (see the switch below). Tile t of
  * nt (the tiles of rows that pass over this block) asks for lines t/nt .. (t+1)/nt of the block at `ahead`, spread
@@ -124,18 +123,11 @@ static void panel_rows(const float *restrict x, const float *restrict panel, con
             for (int c = 0; c < cols; c++) y[m * n_len + n0 + c] = staged[m * WIDTH + c];
 }
 
-/* threads a product of this size takes: one where the work is small, at most one per panel */
-static int gemm_users(int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
-    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
-    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
-    return threads > num_panels ? (int)num_panels : threads;
-}
-
 /* thread t's part: its block of panels (the last, when partial, summed in a scratch tile [m_len, WIDTH]) */
 int panel_gemm_f32_part(const float *x, const float *panels, const float *bias, float *y, int64_t m_len,
                         int64_t n_len, int64_t k_len, int t, int nt) {
     if (m_len < 1 || n_len < 1 || k_len < 1) return 1;
-    const int users = gemm_users(m_len, n_len, k_len, nt);
+    const int users = panel_gemm_users(m_len, n_len, k_len, nt);
     if (t >= users) return 0;
     const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
     int64_t lo, hi;
@@ -152,6 +144,6 @@ int panel_gemm_f32_part(const float *x, const float *panels, const float *bias, 
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads) {
     if (m_len < 1 || n_len < 1 || k_len < 1) return 1;
-    TEAM_RUN(gemm_users(m_len, n_len, k_len, threads),
+    TEAM_RUN(panel_gemm_users(m_len, n_len, k_len, threads),
              panel_gemm_f32_part(x, panels, bias, y, m_len, n_len, k_len, t, nt));
 }

@@ -59,12 +59,11 @@
 #define HAVE_AMX 0
 #endif
 
-#define WIDTH 48   /* outputs in a panel: three vectors */
+#define WIDTH PANEL_WIDTH
 #define ROWS 8     /* rows of x in a tile */
 #define K_BLOCK 64 /* pairs of a panel (12 KiB) kept in L1 while the tiles of x pass over them */
 #define DIST 2     /* blocks between the one summed and the one asked for */
-#define MAX_ROWS 64 /* most rows of x (the decode batches it serves: engine/model.py's PANEL_ROWS_CACHED) */
-#define MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
+#define MAX_ROWS PANEL_ROWS_BF16
 
 typedef uint32_t v16w __attribute__((vector_size(64), aligned(2))); /* a row of 16 pairs, anywhere */
 
@@ -254,19 +253,12 @@ static void panel_rows_bf16(const uint16_t *restrict x, int64_t x_stride, const 
     }
 }
 
-/* threads a product of this size takes: one where the work is small, at most one per panel */
-static int gemm_users_bf16(int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
-    const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH;
-    if (threads < 1 || m_len * n_len * k_len < (int64_t)threads * MIN_WORK_PER_THREAD) threads = 1;
-    return threads > num_panels ? (int)num_panels : threads;
-}
-
 /* thread t's part: its block of panels. Copies of x that the walk needs (zero columns past an odd K or, for the AMX
  * walk, to a whole step; zero rows past the last whole tile) are the thread's own: x is a decode batch's few rows. */
 int panel_gemm_bf16_part(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                          int64_t n_len, int64_t k_len, int t, int nt) {
     if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
-    const int users = gemm_users_bf16(m_len, n_len, k_len, nt);
+    const int users = panel_gemm_users(m_len, n_len, k_len, nt);
     if (t >= users) return 0;
     const int64_t num_panels = (n_len + WIDTH - 1) / WIDTH, k2 = (k_len + 1) / 2;
     int64_t lo, hi;
@@ -317,7 +309,7 @@ int panel_gemm_bf16_part(const uint16_t *x, const uint16_t *panels, const uint16
 int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                     int64_t n_len, int64_t k_len, int threads) {
     if (m_len < 1 || m_len > MAX_ROWS || n_len < 1 || k_len < 1) return 1;
-    TEAM_RUN(gemm_users_bf16(m_len, n_len, k_len, threads),
+    TEAM_RUN(panel_gemm_users(m_len, n_len, k_len, threads),
              panel_gemm_bf16_part(x, panels, bias, y, m_len, n_len, k_len, t, nt));
 }
 
