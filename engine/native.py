@@ -138,6 +138,7 @@ def _build():
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
         "bf16_amx": [i32],  # csrc/small_gemm_bf16.c
+        "bf16_decode_torch_order": [i32],  # csrc/paged_decode_bf16.c
         "kernels_fail_scratch": [i32],  # csrc/decode_stack.c (tests)
         "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
@@ -215,8 +216,9 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     seq_lens int [seqs] -> [seqs, heads, dim]. ``window``: a sliding window (the query at position p reads keys at
     positions > p - window; blocks wholly before that are not read, their entries may be -1; float32 only: a
     bfloat16 query with a window is left to the eager path). None where the kernel is unavailable or does not handle
-    the shape. bfloat16 (csrc/paged_decode_bf16.c): K/V read in place and widened to float32, sums in float32, the
-    output rounded to bfloat16 once."""
+    the shape. bfloat16 (csrc/paged_decode_bf16.c): K/V read in place; with AVX-512 BF16 and a head size that is a
+    multiple of 32, torch's own CPU flash attention operation for operation (its bits: greedy tokens stay with
+    transformers'), else widened to float32 and summed in float32, the output rounded to bfloat16 once."""
     lib = kernel()
     kind = None if lib is None else _kind(query)
     if kind is None or (window and kind[1] == "bf16"):
@@ -388,6 +390,24 @@ def bf16_amx() -> bool:
     """Whether the bfloat16 panel GEMM takes its AMX walk now (csrc/small_gemm_bf16.c's ``bf16_amx``)."""
     lib = kernel()
     return bool(lib is not None and lib.bf16_amx(-1))
+
+
+def use_bf16_torch_order(enabled: bool = True) -> bool:
+    """Let bfloat16 decode attention add in torch's own order where the machine has AVX-512 BF16 (True, the default:
+    csrc/paged_decode_bf16.c's copy of torch's CPU flash attention for one query row, so that greedy tokens stay with
+    transformers') or widen K/V to float32 and sum in the kernel's own order (False: for benchmarks and tests of
+    both). Returns the previous setting: whether torch's order served."""
+    lib = kernel()
+    if lib is None:
+        return False
+    return bool(lib.bf16_decode_torch_order(1 if enabled else 0))
+
+
+def bf16_torch_order() -> bool:
+    """Whether bfloat16 decode attention adds in torch's order now (csrc/paged_decode_bf16.c's
+    ``bf16_decode_torch_order``; never on a machine without AVX-512 BF16)."""
+    lib = kernel()
+    return bool(lib is not None and lib.bf16_decode_torch_order(-1))
 
 
 PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (csrc/kernels.h's PANEL_ROWS_BF16)

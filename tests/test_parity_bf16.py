@@ -186,35 +186,96 @@ def test_native_bfloat16_norm_activation_and_rotary_round_where_torch_does():
     assert torch.equal(flat_v[slots], parts[:, heads + kv_heads:])
 
 
-def test_with_transformers_decode_attention_the_bfloat16_engine_is_transformers_to_the_bit(checkpoint, monkeypatch):
-    """Where the panel GEMM sums in AMX tiles (oneDNN's order, F.linear's bits: tests/test_bf16_gemm.py), everything
-    of a bfloat16 step but the native decode attention rounds exactly as transformers' bfloat16 run: the prefill
-    (F.linear, each part of a fused projection apart, torch's SDPA), the norms (torch's sum order), SwiGLU, the rotary
-    embedding, the output head. So with decode attention computed as transformers computes it (torch's SDPA over each
-    sequence's K/V, grouped-query, no mask, read from the pool), greedy tokens equal transformers' in every
-    sequence, 64 tokens long: what remains between the engine and transformers in bfloat16 is
-    csrc/paged_decode_bf16.c's rounding (docs/engine.md, "bfloat16")."""
+def test_the_bfloat16_engine_is_transformers_to_the_bit(checkpoint):
+    """Where the panel GEMM sums in AMX tiles (oneDNN's order, F.linear's bits: tests/test_bf16_gemm.py) and the
+    decode attention adds in torch's order (AVX-512 BF16: csrc/paged_decode_bf16.c), every part of a bfloat16 step
+    rounds exactly as transformers' bfloat16 run: the prefill (F.linear, each part of a fused projection apart,
+    torch's SDPA), the norms (torch's sum order), SwiGLU, the rotary embedding, the decode attention read through the
+    block tables, the output head. So greedy tokens equal transformers' in every sequence, 64 tokens long. With the
+    attention's own float32 order instead (bf16_decode_torch_order off) they parted at tokens 35 (3M), 51 and 43
+    (135M shape)."""
     model, path, prompts = checkpoint
-    if native.kernel() is None or not native.bf16_amx():
-        pytest.skip("needs the AMX walk (a CPU with AMX-BF16), whose sums are F.linear's")
+    if native.kernel() is None or not native.bf16_amx() or not native.bf16_torch_order():
+        pytest.skip("needs the AMX walk (a CPU with AMX-BF16), whose sums are F.linear's, and AVX-512 BF16")
     eng = Engine(EngineConfig(model=str(path), block_size=16, num_blocks=len(prompts) * 16 + 8, dtype="bfloat16",
                               enable_prefix_caching=False, max_num_batched_tokens=4096))  # one prefill, as
     # transformers: oneDNN's sums depend on the row count, so a prefill in chunks rounds otherwise
-    monkeypatch.setattr(native, "decode_stack", lambda *a: None)  # the layer loop, whose attention is replaced
-    real = eng.runner.attend
-
-    def transformers_decode_attention(q, key_cache, value_cache, meta, scale, block_size):
-        out = real(q, key_cache, value_cache, meta, scale, block_size)
-        plan = meta.decode_plan
-        for i in range(meta.num_decode):
-            length = plan.lens[i]
-            blocks = plan.tables[i, : -(-length // block_size)].long()
-            keys, values = (c.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)[None]
-                            for c in (key_cache, value_cache))
-            out[i] = torch.nn.functional.scaled_dot_product_attention(
-                q[i][None, :, None], keys, values, scale=scale, enable_gqa=True)[0, :, 0]
-        return out
-    monkeypatch.setattr(eng.runner, "attend", transformers_decode_attention)
     expected = _hf_greedy(model, prompts, 64)
     got = eng.generate(prompts, max_new_tokens=64, ignore_eos=True)
     assert [first_difference(a, b) for a, b in zip(got, expected)] == [None] * len(prompts)
+
+
+def _order_probes(dim: int, keys: int, probes: int, block_size: int = 16, seed: int = 0):
+    """Sequences (one head) whose attention output shows the order a sum was taken in: a score made of the products
+    +2^24, -2^24 and +1 at three random dims (the 1 survives only where it joins after the two cancel, as
+    2^24 + 1 rounds back to 2^24 and -2^24 + 1 does not), or, with equal scores, a weighted V made of +2^24, -2^24
+    and +1 at three random keys (for every other such probe, three of eight neighbouring keys). Returns decode's arguments, contiguous K/V placed in the pool through the tables."""
+    gen = torch.Generator().manual_seed(seed)
+    per = -(-keys // block_size)
+    key = torch.zeros(probes * per, block_size, 1, dim)
+    value = torch.zeros(probes * per, block_size, 1, dim)
+    query = torch.zeros(probes, 1, dim)
+    tables = torch.randperm(probes * per, generator=gen).reshape(probes, per)
+    for i in range(probes):
+        k, v = torch.zeros(per * block_size, dim), torch.zeros(per * block_size, dim)
+        if i % 2 == 0:  # the score's sum over dims
+            a, b, c = torch.randperm(dim, generator=gen)[:3].tolist()
+            query[i, 0, [a, b, c]] = torch.tensor([2.0 ** 12, 2.0 ** 12, 1.0])
+            k[0, [a, b, c]] = torch.tensor([2.0 ** 12, -2.0 ** 12, 1.0])
+            v[0, 0] = 1.0
+        else:  # the weighted V's sum over keys: anywhere, or (every other one) within eight neighbouring keys
+            start = int(torch.randint(0, keys - 8, (), generator=gen)) if i % 4 == 3 else 0
+            a, b, c = (start + torch.randperm(8 if i % 4 == 3 else keys, generator=gen)[:3]).tolist()
+            v[[a, b, c], 0] = torch.tensor([2.0 ** 24, -2.0 ** 24, 1.0])
+        key[tables[i]] = k.reshape(per, block_size, 1, dim)
+        value[tables[i]] = v.reshape(per, block_size, 1, dim)
+    return query.bfloat16(), key.bfloat16(), value.bfloat16(), tables, torch.full((probes,), keys)
+
+
+@pytest.mark.parametrize("dim,keys", [(64, 80), (32, 150), (64, 1030)])
+def test_native_bfloat16_decode_adds_in_torch_order(dim, keys):
+    """Random inputs rarely show the order of a float32 sum in a bfloat16 output, so this asks it directly
+    (_order_probes): for each probe the kernel's output is torch's SDPA's bit for bit, both where the scores are
+    summed over dims and where V is summed over keys (past 512 keys: torch's chunks, rescaled). Adding the last
+    lanes of a score in another order, or a key pair's products in another, fails it."""
+    if native.kernel() is None or not native.bf16_torch_order():
+        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
+    query, key, value, tables, lens = _order_probes(dim, keys, 120)
+    out = native.decode(query, key, value, tables, lens, 1.0)
+    # all probes in one call, as transformers' batch: torch then spreads (sequence, head) items over its threads and
+    # each GEMM runs on one (a lone item's GEMM would be split over the threads, its sums in halves)
+    k = key[tables].flatten(1, 2)[:, :keys].transpose(1, 2)  # [probes, 1, keys, dim]
+    v = value[tables].flatten(1, 2)[:, :keys].transpose(1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(query[:, :, None], k, v, scale=1.0)[:, :, 0]
+    differ = [i for i in range(len(lens)) if not torch.equal(out[i].view(torch.int16), ref[i].view(torch.int16))]
+    assert differ == []
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 64, 5),
+                                                           (2, 1, 128, 32), (6, 2, 96, 1)])
+def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_heads, dim, block_size):
+    """With AVX-512 BF16, csrc/paged_decode_bf16.c reads K/V through the block tables and gives torch's SDPA bits
+    (its CPU flash attention, transformers' bfloat16 path) for every head of every sequence: contexts of 1 to 512
+    keys (torch's first chunk), odd and even counts, block sizes that split a pair of keys, grouped queries. Off
+    (bf16_decode_torch_order(0)), the float32 walk differs in some outputs: the test sees that the switch switches."""
+    if native.kernel() is None or not native.bf16_torch_order():
+        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
+    lens = [1, 2, 15, 33, 64, 65, 100, 129, 192, 257, 511, 512]
+    query, key, value, tables, seq_lens = _scattered(heads, kv_heads, dim, block_size, lens)
+    scale = dim ** -0.5
+    ref = []
+    for s, n in enumerate(lens):
+        blocks = tables[s, : -(-n // block_size)]
+        k = key[blocks].flatten(0, 1)[:n].transpose(0, 1)  # [kv_heads, n, dim]
+        v = value[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        ref.append(torch.nn.functional.scaled_dot_product_attention(query[s][None, :, None], k[None], v[None],
+                                                                    scale=scale, enable_gqa=True)[0, :, 0])
+    ref = torch.stack(ref)
+    out = native.decode(query, key, value, tables, seq_lens, scale)
+    assert out is not None and torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    previous = native.use_bf16_torch_order(False)
+    try:
+        widened = native.decode(query, key, value, tables, seq_lens, scale)
+    finally:
+        native.use_bf16_torch_order(previous)
+    assert not torch.equal(widened.view(torch.int16), ref.view(torch.int16))

@@ -1,7 +1,6 @@
 /* Paged decode attention over a bfloat16 pool, reading K/V straight from the blocks through the block tables:
  * paged_decode.c's walk (one item is a sequence, or one KV head of a sequence when there are few; scores, softmax,
- * weighted V; each K and V row read once for all the query heads that share it), with bfloat16 rows widened to
- * float32 as they are read and every sum kept in float32.
+ * weighted V; each K and V row read once for all the query heads that share it).
  *
  * Layouts (bfloat16 stored as uint16_t, contiguous):
  *   query      [seqs, heads, dim]
@@ -10,11 +9,21 @@
  *   lens       int64 [seqs]: context length, the query's own position included
  *   out        [seqs, heads, dim]
  *
- * The rounding follows torch's CPU attention for bfloat16 (the flash-attention kernel that transformers' SDPA
- * reaches), so that the engine's greedy tokens stay with transformers' bfloat16 run: scores are float32 dot products
- * of the bfloat16 q and k, scaled after; the softmax's exponentials are summed in float32 but rounded to bfloat16
- * before they weight V (torch feeds them to a bfloat16 matmul); the weighted sum is float32, divided by the sum and
- * rounded to bfloat16 once at the end.
+ * With AVX-512 BF16 the arithmetic is torch's own CPU flash attention for one query row (the kernel transformers'
+ * SDPA reaches in bfloat16), operation for operation, so that a greedy decode keeps transformers' tokens: a model
+ * with random weights has near-ties in its logits, and one unit in the last place of an attention output was enough
+ * to change a token within the first few (docs/engine.md, "bfloat16"). What torch does there, read off its output
+ * bits with inputs built so that each way of ordering a sum gives a different answer (2^24 + 1 - 2^24):
+ *   - a score is the bfloat16 q . k by vdpbf16ps, 32 dims a step into one sixteen-lane sum, whose lanes are then
+ *     added as (i, i + 8), then neighbours, then pairs of those, then the two halves; scaled after, in float32;
+ *   - the keys go in chunks of 512 (torch's kvSplitSize); in each, e^(score - max) by ATen's fexp_u20 for whole
+ *     vectors of sixteen and the C library's expf for the rest, summed in one sixteen-lane vector reduced by ATen's
+ *     shuffle tree, then the scalars; each rounded to bfloat16 before it weights V;
+ *   - the weighted V is vdpbf16ps over pairs of consecutive keys, each eight keys summed from zero and then added
+ *     to the total; a later chunk rescales the total by expf(old max - new max) first, and adds its own sum to it;
+ *   - the output is the total times 1 / the sum, rounded to bfloat16 once.
+ * Without AVX-512 BF16 the rows are widened to float32 and summed in float32 in an order of this file's own (the
+ * same rounding steps, not the same bits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +50,160 @@ static inline float dot_bf16(const float *restrict q, const uint16_t *restrict k
 static inline void prefetch_row(const uint16_t *row, int values) {
     for (int f = 0; f < values; f += 32) __builtin_prefetch(row + f);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TORCH_ORDER 1
+#define KV_SPLIT 512 /* torch's kvSplitSize: keys per chunk of its online softmax */
+
+typedef uint16_t v32h __attribute__((vector_size(64), aligned(2)));
+
+/* ATen's fexp_u20 (Vectorized<float>, AVX-512): 2^(x log2 e) from a cubic in the fraction, the result's bits made
+ * by one fused multiply-add and a truncation; below ln(FLT_MIN) 0. The operations and their fusing are torch's. */
+static inline __m512 fexp_u20(__m512 x) {
+    const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32((int)0xc2aeac50)), _CMP_LT_OS);
+    const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
+    __m512 y = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2(e) */
+    const __m512 fraction = _mm512_sub_ps(y, _mm512_floor_ps(y));
+    __m512 poly = _mm512_fmadd_ps(fraction, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    poly = _mm512_fmadd_ps(fraction, poly, _mm512_set1_ps(0.30354260500649682f));
+    poly = _mm512_fmadd_ps(fraction, poly, _mm512_set1_ps(0.00010703434948458272f));
+    y = _mm512_sub_ps(y, poly);
+    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), y, _mm512_set1_ps(8388608.0f * 127.0f)));
+    bits = _mm512_mask_mov_epi32(bits, below, _mm512_setzero_si512());
+    bits = _mm512_mask_mov_epi32(bits, above, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(bits);
+}
+
+/* one score's sixteen lanes added as torch's bfloat16 GEMM for one row adds them: (i, i + 8), neighbours, pairs */
+static inline float score_lanes(__m512 lanes) {
+    const v16 l = (v16)lanes;
+    const v8 t = __builtin_shufflevector(l, l, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(l, l, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 u = __builtin_shufflevector(t, t, 0, 2, 4, 6) + __builtin_shufflevector(t, t, 1, 3, 5, 7);
+    return (u[0] + u[1]) + (u[2] + u[3]);
+}
+
+/* ATen's vec_reduce_all for a sum of sixteen lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1 */
+static inline float aten_sum(__m512 lanes) {
+    const v16 l = (v16)lanes;
+    const v8 t = __builtin_shufflevector(l, l, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(l, l, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+/* The row of key t (KV head 0 of the item's first) in a cache: slot t % block_size of block table[t / block_size] */
+static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *table, int64_t t, int block_size,
+                                      int64_t row, int first, int dim) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * row + (int64_t)first * dim;
+}
+
+/* One item in torch's order (the header): KV heads [first, first + count) of one sequence, dim a multiple of 32.
+ * Scratch: scores of at least (min(len, 512) rounded up to 16) * count * group floats (each head's row holds its
+ * bfloat16 weights after the softmax, written over the scores as they are read), part of count * group * dim
+ * floats (unused), acc the same. */
+__attribute__((optimize("fp-contract=off")))
+static void attend_item_torch(const uint16_t *restrict query, const uint16_t *restrict key_cache,
+                              const uint16_t *restrict value_cache, const int64_t *restrict table, int64_t len,
+                              uint16_t *restrict out, float *restrict scores, float *restrict acc, int group,
+                              int kv_heads, int first, int count, int dim, int block_size, float scale) {
+    const int heads = count * group;
+    const int64_t row = (int64_t)kv_heads * dim;
+    const int steps = dim / 32, vectors = dim / 16;
+    const uint16_t *query_item = query + (int64_t)first * group * dim;
+    float top[MAX_HEADS], total[MAX_HEADS];
+    memset(acc, 0, sizeof(float) * heads * dim);
+    for (int64_t begin = 0; begin < len; begin += KV_SPLIT) {
+        const int64_t n = len - begin < KV_SPLIT ? len - begin : KV_SPLIT;
+        const int64_t stride = (n + 15) / 16 * 16;
+        float chunk_top[MAX_HEADS];
+        for (int h = 0; h < heads; h++) chunk_top[h] = -INFINITY;
+        /* pass 1: scores [heads, n] */
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *k = key_row(key_cache, table, begin + t, block_size, row, first, dim);
+            if (t + 1 < n) prefetch_row(key_row(key_cache, table, begin + t + 1, block_size, row, first, dim), count * dim);
+            for (int c = 0; c < count; c++) {
+                for (int g = 0; g < group; g++) {
+                    const int h = c * group + g;
+                    const uint16_t *q = query_item + h * dim;
+                    __m512 lanes = _mm512_setzero_ps();
+                    for (int j = 0; j < steps; j++)
+                        lanes = _mm512_dpbf16_ps(lanes, (__m512bh)_mm512_loadu_si512(k + c * dim + 32 * j),
+                                                 (__m512bh)_mm512_loadu_si512(q + 32 * j));
+                    const float v = score_lanes(lanes) * scale;
+                    scores[h * stride + t] = v;
+                    if (v > chunk_top[h]) chunk_top[h] = v;
+                }
+            }
+        }
+        /* the softmax's weights, as bfloat16 over each head's scores; the running maximum and sum */
+        for (int h = 0; h < heads; h++) {
+            const float top_now = begin == 0 || chunk_top[h] > top[h] ? chunk_top[h] : top[h];
+            float *s = scores + h * stride;
+            uint16_t *p = (uint16_t *)s;
+            const __m512 m = _mm512_set1_ps(top_now);
+            __m512 lanes = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= n; i += 16) {
+                const __m512 e = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+                lanes = _mm512_add_ps(lanes, e);
+                narrow16(p + i, (v16)e);
+            }
+            float sum = aten_sum(lanes);
+            for (; i < n; i++) {
+                const float e = expf(s[i] - top_now);
+                sum += e;
+                p[i] = narrow(e);
+            }
+            p[n] = 0; /* the pair of an odd last key */
+            if (begin == 0) {
+                total[h] = sum;
+            } else {
+                const float rescale = expf(top[h] - top_now);
+                total[h] = sum + rescale * total[h];
+                for (int d = 0; d < dim; d++) acc[h * dim + d] *= rescale;
+            }
+            top[h] = top_now;
+        }
+        /* pass 2: the weighted V, eight keys (four pairs) at a time summed from zero, then added to the total */
+        for (int64_t g8 = 0; g8 < n; g8 += 8) {
+            const int pairs = (int)((n - g8 < 8 ? n - g8 : 8) + 1) / 2;
+            const uint16_t *v[8];
+            for (int t = 0; t < 2 * pairs; t++)
+                v[t] = g8 + t < n ? key_row(value_cache, table, begin + g8 + t, block_size, row, first, dim) : NULL;
+            for (int c = 0; c < count; c++) {
+                for (int dv = 0; dv < vectors; dv++) {
+                    __m512i pv[4];
+                    for (int j = 0; j < pairs; j++) {
+                        const v16h a = *(const v16h *)(v[2 * j] + c * dim + 16 * dv);
+                        const v16h b = v[2 * j + 1] ? *(const v16h *)(v[2 * j + 1] + c * dim + 16 * dv) : (v16h){0};
+                        pv[j] = (__m512i)__builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                                                 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
+                                                                 29, 14, 30, 15, 31);
+                    }
+                    for (int g = 0; g < group; g++) {
+                        const int h = c * group + g;
+                        const uint32_t *w = (const uint32_t *)(scores + h * stride) + g8 / 2;
+                        __m512 part = _mm512_setzero_ps();
+                        for (int j = 0; j < pairs; j++)
+                            part = _mm512_dpbf16_ps(part, (__m512bh)pv[j], (__m512bh)_mm512_set1_epi32((int)w[j]));
+                        float *a = acc + h * dim + 16 * dv;
+                        _mm512_storeu_ps(a, _mm512_add_ps(part, _mm512_loadu_ps(a)));
+                    }
+                }
+            }
+        }
+    }
+    uint16_t *dst = out + (int64_t)first * group * dim;
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / total[h];
+        for (int d = 0; d < dim; d++) dst[h * dim + d] = narrow(acc[h * dim + d] * inv);
+    }
+}
+#else
+#define TORCH_ORDER 0
+#endif
 
 /* One item: KV heads [first, first + count) of one sequence. Scratch: scores of at least (len rounded up to 16)
  * * count * group floats, q and acc of count * group * dim floats each. */
@@ -133,6 +296,16 @@ static void attend_item_bf16(const uint16_t *restrict query, const uint16_t *res
     }
 }
 
+static int torch_order = 1; /* bf16_decode_torch_order(0): the float32-widening walk, to compare the two */
+
+/* mode 1: decode attention in torch's order where the build has AVX-512 BF16 (the default); 0: the widening walk;
+ * -1: no change. Returns whether torch's order served before the call (never without AVX-512 BF16). */
+int bf16_decode_torch_order(int mode) {
+    const int previous = TORCH_ORDER && __atomic_load_n(&torch_order, __ATOMIC_RELAXED);
+    if (mode >= 0) __atomic_store_n(&torch_order, mode ? 1 : 0, __ATOMIC_RELAXED);
+    return previous;
+}
+
 struct decode_bf16 { /* paged_decode_bf16's arguments, for its items */
     const uint16_t *query, *key_cache, *value_cache;
     const int64_t *tables, *lens;
@@ -144,6 +317,14 @@ struct decode_bf16 { /* paged_decode_bf16's arguments, for its items */
 
 static void decode_item_bf16(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc) {
     const struct decode_bf16 *a = ctx;
+#if TORCH_ORDER
+    if (a->dim % 32 == 0 && __atomic_load_n(&torch_order, __ATOMIC_RELAXED)) {
+        attend_item_torch(a->query + s * a->heads * a->dim, a->key_cache, a->value_cache,
+                          a->tables + s * a->table_stride, a->lens[s], a->out + s * a->heads * a->dim, scores, acc,
+                          a->heads / a->kv_heads, a->kv_heads, first, count, a->dim, a->block_size, a->scale);
+        return;
+    }
+#endif
     attend_item_bf16(a->query + s * a->heads * a->dim, a->key_cache, a->value_cache, a->tables + s * a->table_stride,
                      a->lens[s], a->out + s * a->heads * a->dim, scores, q, acc, a->heads / a->kv_heads, a->kv_heads,
                      first, count, a->dim, a->block_size, a->scale);
