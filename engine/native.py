@@ -139,6 +139,7 @@ def _build():
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
         "bf16_amx": [i32],  # csrc/small_gemm_bf16.c
         "bf16_decode_torch_order": [i32],  # csrc/paged_decode_bf16.c
+        "bf16_softmax_row": [ptr, i64, ptr, ptr, ptr],  # csrc/paged_decode_bf16.c (tests)
         "kernels_fail_scratch": [i32],  # csrc/decode_stack.c (tests)
         "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }

@@ -4,6 +4,7 @@ bfloat16 keeps 8 bits of mantissa, so two correct implementations that round in 
 random weights the logits are nearly flat and one flipped argmax changes every token after it. The rule (issue 34):
 greedy tokens agree with transformers' bfloat16 run for at least the first 32 tokens of every sequence. Where they
 first differ over longer runs is in docs/engine.md ("bfloat16"). float32 stays exact (tests/test_parity.py)."""
+import ctypes
 import math
 
 import pytest
@@ -232,6 +233,45 @@ def _order_probes(dim: int, keys: int, probes: int, block_size: int = 16, seed: 
     return query.bfloat16(), key.bfloat16(), value.bfloat16(), tables, torch.full((probes,), keys)
 
 
+def test_native_bfloat16_decode_sums_the_softmax_in_torch_order():
+    """The softmax's denominator rarely shows in a bfloat16 output (SmolLM2's real weights showed it in about one
+    layer step in 30, a token later), but torch's flash attention also returns its log-sum-exp, max + log(sum), in
+    float32: with the maximum at 0 and the other weights small the sum stays below 2.5, where that log resolves a
+    unit in the sum's last place. So the kernel's softmax is
+    checked against it (bf16_softmax_row: the kernel's softmax_chunk and joined_sum over a row) for rows of 1 to
+    1,500 scores, exact scores built as score = q . k with q one-hot, the maximum last so that every later chunk of
+    512 rescales the sum so far. Summing every vector into one accumulator (torch's source reads so; its build adds
+    in two) fails it, and so does joining the chunks' sums without the fused multiply-add."""
+    lib = native.kernel()
+    if lib is None or not native.bf16_torch_order():
+        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
+    logf = ctypes.CDLL(None).logf
+    logf.restype, logf.argtypes = ctypes.c_float, [ctypes.c_float]
+    gen = torch.Generator().manual_seed(3)
+    differ = []
+    for n in [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 100, 129, 200, 257, 300, 511, 512, 600, 1030,
+              1500]:
+        scores = -6.0 - 8.0 * torch.rand(4, n, generator=gen)  # weights below 2.5e-3 ...
+        scores[:, -1] = 0.0  # ... and one of 1, the maximum, last: every later chunk rescales the earlier ones
+        scores[:, : n - 1: 512] = -2.0  # (each chunk's own maximum higher than its neighbours')
+        keys = torch.zeros(4, 1, n, 64)
+        keys[:, 0, :, 0] = scores
+        keys = keys.bfloat16()
+        query = torch.zeros(4, 1, 1, 64, dtype=torch.bfloat16)
+        query[..., 0] = 1.0
+        lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, keys, scale=1.0)[1]
+        for row in range(4):
+            exact = keys[row, 0, :, 0].float().contiguous()
+            weights = torch.empty(min(n, 512) + 1, dtype=torch.bfloat16)
+            total, top = ctypes.c_float(), ctypes.c_float()
+            assert lib.bf16_softmax_row(exact.data_ptr(), n, weights.data_ptr(), ctypes.byref(total),
+                                        ctypes.byref(top)) == 0 and top.value == 0.0
+            mine = torch.tensor(logf(total.value), dtype=torch.float32)  # max (0) + log(sum), as torch
+            if not torch.equal(mine, lse[row, 0, 0].float()):
+                differ.append((n, row))
+    assert differ == []
+
+
 @pytest.mark.parametrize("dim,keys", [(64, 80), (32, 150), (64, 1030)])
 def test_native_bfloat16_decode_adds_in_torch_order(dim, keys):
     """Random inputs rarely show the order of a float32 sum in a bfloat16 output, so this asks it directly
@@ -255,12 +295,13 @@ def test_native_bfloat16_decode_adds_in_torch_order(dim, keys):
                                                            (2, 1, 128, 32), (6, 2, 96, 1)])
 def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_heads, dim, block_size):
     """With AVX-512 BF16, csrc/paged_decode_bf16.c reads K/V through the block tables and gives torch's SDPA bits
-    (its CPU flash attention, transformers' bfloat16 path) for every head of every sequence: contexts of 1 to 512
-    keys (torch's first chunk), odd and even counts, block sizes that split a pair of keys, grouped queries. Off
+    (its CPU flash attention, transformers' bfloat16 path) for every head of every sequence: contexts of 1 to 1,030
+    keys (torch's chunks of 512, rescaled), odd and even counts, block sizes that split a pair of keys, grouped
+    queries. Off
     (bf16_decode_torch_order(0)), the float32 walk differs in some outputs: the test sees that the switch switches."""
     if native.kernel() is None or not native.bf16_torch_order():
         pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
-    lens = [1, 2, 15, 33, 64, 65, 100, 129, 192, 257, 511, 512]
+    lens = [1, 2, 15, 33, 64, 65, 100, 129, 192, 257, 511, 512, 600, 1030]
     query, key, value, tables, seq_lens = _scattered(heads, kv_heads, dim, block_size, lens)
     scale = dim ** -0.5
     ref = []

@@ -53,6 +53,7 @@ int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *b
                     int64_t n_len, int64_t k_len, int threads);
 int bf16_amx(int mode);
 int bf16_decode_torch_order(int mode); /* paged_decode_bf16.c */
+int bf16_softmax_row(const float *scores, int64_t n, uint16_t *weights, float *sum, float *top); /* tests */
 int kernels_fail_scratch(int n);
 int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                       const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t seqs,

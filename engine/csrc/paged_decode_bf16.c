@@ -12,15 +12,18 @@
  * With AVX-512 BF16 the arithmetic is torch's own CPU flash attention for one query row (the kernel transformers'
  * SDPA reaches in bfloat16), operation for operation, so that a greedy decode keeps transformers' tokens: a model
  * with random weights has near-ties in its logits, and one unit in the last place of an attention output was enough
- * to change a token within the first few (docs/engine.md, "bfloat16"). What torch does there, read off its output
- * bits with inputs built so that each way of ordering a sum gives a different answer (2^24 + 1 - 2^24):
+ * to change a token within the first few (docs/engine.md, "bfloat16"). What torch 2.13 does there was read off its
+ * output bits, with inputs built so that each order of a sum gives another answer (2^24 + 1 - 2^24), and off the
+ * instructions of its build (its two GEMMs are MKL's bfloat16 gemv kernels):
  *   - a score is the bfloat16 q . k by vdpbf16ps, 32 dims a step into one sixteen-lane sum, whose lanes are then
  *     added as (i, i + 8), then neighbours, then pairs of those, then the two halves; scaled after, in float32;
  *   - the keys go in chunks of 512 (torch's kvSplitSize); in each, e^(score - max) by ATen's fexp_u20 for whole
- *     vectors of sixteen and the C library's expf for the rest, summed in one sixteen-lane vector reduced by ATen's
- *     shuffle tree, then the scalars; each rounded to bfloat16 before it weights V;
+ *     vectors of sixteen, summed as torch's build sums them (two vectors at a time into two accumulators, a last
+ *     whole vector into a third, then (first + third) + second, then ATen's shuffle tree), and by the C library's
+ *     exp in double for the rest, added one by one after; each rounded to bfloat16 before it weights V;
  *   - the weighted V is vdpbf16ps over pairs of consecutive keys, each eight keys summed from zero and then added
- *     to the total; a later chunk rescales the total by expf(old max - new max) first, and adds its own sum to it;
+ *     to the total; a later chunk rescales the total by expf(old max - new max) first, and its sum of
+ *     exponentials joins the old one by a fused multiply-add;
  *   - the output is the total times 1 / the sum, rounded to bfloat16 once.
  * Without AVX-512 BF16 the rows are widened to float32 and summed in float32 in an order of this file's own (the
  * same rounding steps, not the same bits).
@@ -57,6 +60,10 @@ static inline void prefetch_row(const uint16_t *row, int values) {
 #define KV_SPLIT 512 /* torch's kvSplitSize: keys per chunk of its online softmax */
 
 typedef uint16_t v32h __attribute__((vector_size(64), aligned(2)));
+/* the weights are written over the float32 scores they come from, and read back as pairs: types that may alias */
+typedef uint16_t u16a __attribute__((may_alias));
+typedef uint32_t u32a __attribute__((may_alias));
+typedef uint16_t v16ha __attribute__((vector_size(32), aligned(2), may_alias));
 
 /* ATen's fexp_u20 (Vectorized<float>, AVX-512): 2^(x log2 e) from a cubic in the fraction, the result's bits made
  * by one fused multiply-add and a truncation; below ln(FLT_MIN) 0. The operations and their fusing are torch's. */
@@ -92,6 +99,47 @@ static inline float aten_sum(__m512 lanes) {
     const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
     return (u[0] + u[2]) + (u[1] + u[3]);
 }
+
+/* sixteen float32 values rounded to bfloat16 (bf16.h's narrow16, as a value) */
+static inline v16ha narrow16v(v16 x) {
+    const v16u u = (v16u)x;
+    return __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v16ha);
+}
+
+/* e^(s - top) over one chunk's n scores, as torch's build computes them: ATen's fexp_u20 for whole vectors of
+ * sixteen, summed two vectors at a time into two accumulators and a last whole vector into a third, then (first +
+ * third) + second and ATen's shuffle tree; the C library's exp in double for the rest, added one by one. Writes
+ * each weight rounded to bfloat16 to p, which may be s itself (a weight is written after its score is read, and
+ * never over a score still to be read); returns the float32 sum of the unrounded weights. */
+static float softmax_chunk(const float *s, u16a *p, int64_t n, float top) {
+    const __m512 m = _mm512_set1_ps(top);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(), last = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 e0 = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        const __m512 e1 = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16), m));
+        even = _mm512_add_ps(even, e0);
+        odd = _mm512_add_ps(odd, e1);
+        *(v16ha *)(p + i) = narrow16v((v16)e0);
+        *(v16ha *)(p + i + 16) = narrow16v((v16)e1);
+    }
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        last = _mm512_add_ps(last, e);
+        *(v16ha *)(p + i) = narrow16v((v16)e);
+    }
+    float sum = aten_sum(_mm512_add_ps(_mm512_add_ps(even, last), odd));
+    for (; i < n; i++) { /* torch calls exp on the float: the double one */
+        const float e = (float)exp((double)(s[i] - top));
+        sum += e;
+        p[i] = narrow(e);
+    }
+    return sum;
+}
+
+/* A later chunk's sum of weights joined to the earlier chunks' (rescaled to the new maximum by rescale): one fused
+ * multiply-add, as torch's build computes qk_sum = tmp_sum + exp_tmp * qk_sum */
+static inline float joined_sum(float total, float rescale, float sum) { return fmaf(rescale, total, sum); }
 
 /* The row of key t (KV head 0 of the item's first) in a cache: slot t % block_size of block table[t / block_size] */
 static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *table, int64_t t, int block_size,
@@ -141,27 +189,14 @@ static void attend_item_torch(const uint16_t *restrict query, const uint16_t *re
         for (int h = 0; h < heads; h++) {
             const float top_now = begin == 0 || chunk_top[h] > top[h] ? chunk_top[h] : top[h];
             float *s = scores + h * stride;
-            uint16_t *p = (uint16_t *)s;
-            const __m512 m = _mm512_set1_ps(top_now);
-            __m512 lanes = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= n; i += 16) {
-                const __m512 e = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-                lanes = _mm512_add_ps(lanes, e);
-                narrow16(p + i, (v16)e);
-            }
-            float sum = aten_sum(lanes);
-            for (; i < n; i++) {
-                const float e = expf(s[i] - top_now);
-                sum += e;
-                p[i] = narrow(e);
-            }
+            u16a *p = (u16a *)s;
+            const float sum = softmax_chunk(s, p, n, top_now);
             p[n] = 0; /* the pair of an odd last key */
             if (begin == 0) {
                 total[h] = sum;
             } else {
                 const float rescale = expf(top[h] - top_now);
-                total[h] = sum + rescale * total[h];
+                total[h] = joined_sum(total[h], rescale, sum);
                 for (int d = 0; d < dim; d++) acc[h * dim + d] *= rescale;
             }
             top[h] = top_now;
@@ -184,7 +219,7 @@ static void attend_item_torch(const uint16_t *restrict query, const uint16_t *re
                     }
                     for (int g = 0; g < group; g++) {
                         const int h = c * group + g;
-                        const uint32_t *w = (const uint32_t *)(scores + h * stride) + g8 / 2;
+                        const u32a *w = (const u32a *)(scores + h * stride) + g8 / 2;
                         __m512 part = _mm512_setzero_ps();
                         for (int j = 0; j < pairs; j++)
                             part = _mm512_dpbf16_ps(part, (__m512bh)pv[j], (__m512bh)_mm512_set1_epi32((int)w[j]));
@@ -304,6 +339,32 @@ int bf16_decode_torch_order(int mode) {
     const int previous = TORCH_ORDER && __atomic_load_n(&torch_order, __ATOMIC_RELAXED);
     if (mode >= 0) __atomic_store_n(&torch_order, mode ? 1 : 0, __ATOMIC_RELAXED);
     return previous;
+}
+
+/* The softmax's denominator over a whole row of n scores as the kernel computes it in torch's order: chunks of 512
+ * (softmax_chunk), each later one joined to the sum so far (joined_sum); the bfloat16 weights of the last chunk in
+ * weights, the sum in *sum and the maximum in *top. For tests against torch's logsumexp. Returns 1 where torch's
+ * order is not built (no AVX-512 BF16), else 0. */
+int bf16_softmax_row(const float *scores, int64_t n, uint16_t *weights, float *sum, float *top) {
+#if TORCH_ORDER
+    float total = 0.0f, best = -INFINITY;
+    for (int64_t begin = 0; begin < n; begin += KV_SPLIT) {
+        const int64_t count = n - begin < KV_SPLIT ? n - begin : KV_SPLIT;
+        float chunk_top = -INFINITY;
+        for (int64_t i = 0; i < count; i++)
+            if (scores[begin + i] > chunk_top) chunk_top = scores[begin + i];
+        const float top_now = begin == 0 || chunk_top > best ? chunk_top : best;
+        const float chunk = softmax_chunk(scores + begin, (u16a *)weights, count, top_now);
+        total = begin == 0 ? chunk : joined_sum(total, expf(best - top_now), chunk);
+        best = top_now;
+    }
+    *sum = total;
+    *top = best;
+    return 0;
+#else
+    (void)scores, (void)n, (void)weights, (void)sum, (void)top;
+    return 1;
+#endif
 }
 
 struct decode_bf16 { /* paged_decode_bf16's arguments, for its items */
