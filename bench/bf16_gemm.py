@@ -7,7 +7,9 @@ what they replace, in one process, alternating rounds.
 2. Engine: bench/peers.py's checkpoint of ``--model`` in bfloat16, one engine, decode steps timed one by one
    (``--batch`` sequences, 64-token prompts) with three settings in turn: everything native (the default: the
    one-call step over the panel GEMM), layer by layer from Python over the panel GEMM (``native.decode_stack``
-   answering None), and oneDNN's GEMM (``native.use_bf16_gemm(False)``, which also turns the one-call step off).
+   answering None), and oneDNN's GEMM (``native.use_bf16_gemm(False)``, which also turns the one-call step off);
+   where the machine has them, the ``vdpbf16ps`` walk instead of AMX tiles, and decode attention in its own float32
+   order instead of torch's (``native.use_bf16_torch_order(False)``).
    Prints each setting's median and fastest step and the ratios of the medians; the tokens of the three are
    compared (no prefix cache: every run computes its prompts the same way; the panel GEMM sums in another order
    than oneDNN, so those two may part where two logits are within a rounding).
@@ -92,11 +94,14 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
     vocab = peers.MODELS[model]["vocab_size"]
     stack = native.decode_stack
     amx = native.bf16_amx()
-    settings = {"all native (one call, panel GEMM)": (True, stack, amx),
-                "layer by layer, panel GEMM": (True, lambda *a: None, amx),
-                "oneDNN GEMM, layer by layer": (False, stack, amx)}
+    order = native.bf16_torch_order()
+    settings = {"all native (one call, panel GEMM)": (True, stack, amx, order),
+                "layer by layer, panel GEMM": (True, lambda *a: None, amx, order),
+                "oneDNN GEMM, layer by layer": (False, stack, amx, order)}
     if amx:
-        settings["all native, vdpbf16ps walk"] = (True, stack, False)
+        settings["all native, vdpbf16ps walk"] = (True, stack, False, order)
+    if order:
+        settings["all native, attention's own order"] = (True, stack, amx, False)
     steps: dict[str, list[float]] = {name: [] for name in settings}
     tokens: dict[str, list] = {}
     real_step = eng.step_unprotected
@@ -112,8 +117,9 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
         prompts = peers.prompts(300 + r, batch, vocab)
         order = list(settings)
         for name in order[r % len(order):] + order[: r % len(order)]:
-            gemm, decode_stack, walk_amx = settings[name]
+            gemm, decode_stack, walk_amx, torch_order = settings[name]
             previous, previous_amx = native.use_bf16_gemm(gemm), native.use_bf16_amx(walk_amx)
+            previous_order = native.use_bf16_torch_order(torch_order)
             native.decode_stack = decode_stack
             current.clear()
             try:
@@ -121,6 +127,7 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
             finally:
                 native.use_bf16_gemm(previous)
                 native.use_bf16_amx(previous_amx)
+                native.use_bf16_torch_order(previous_order)
                 native.decode_stack = stack
             if r:
                 steps[name].extend(current)
@@ -130,7 +137,7 @@ def engine_steps(model: str, batch: int, rounds: int, new_tokens: int) -> None:
     base = statistics.median(steps[next(iter(settings))])
     for name, values in steps.items():
         med = statistics.median(values)
-        print(f"  {name:<36} step median {med * 1e3:7.1f} ms  fastest {min(values) * 1e3:7.1f} ms  "
+        print(f"  {name:<38} step median {med * 1e3:7.1f} ms  fastest {min(values) * 1e3:7.1f} ms  "
               f"its time / all native's {med / base:.2f}")
     first = tokens[next(iter(settings))]
     print("  tokens equal to all native's: " + ", ".join(
