@@ -86,6 +86,17 @@ def _cpu() -> str:
     return platform.machine() + platform.processor()
 
 
+def _vendor() -> str:
+    """The processor's vendor as Linux names it (GenuineIntel, AuthenticAMD, ...), or "" where it does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _writable(directory: Path) -> Path:
     """``directory``, made if needed; where it cannot be written (a read-only home), a folder of this user's in the
     temporary directory instead."""
@@ -183,6 +194,11 @@ def kernel():
                 except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
                     _state["error"] = str(exc)
                     log.warning("native paged attention unavailable (%s); using the eager path", exc)
+                if lib is not None and _vendor() != "GenuineIntel":
+                    # bfloat16 decode attention in torch's order copies the sums of MKL's Intel kernels, which
+                    # torch's build calls on Intel processors (docs/engine.md, "torch's decode attention, read off
+                    # its bits"); MKL may take other code elsewhere, so there the kernel keeps its own order
+                    lib.bf16_decode_torch_order(0)
             _state["lib"] = lib
     return _state["lib"]
 
@@ -394,10 +410,10 @@ def bf16_amx() -> bool:
 
 
 def use_bf16_torch_order(enabled: bool = True) -> bool:
-    """Let bfloat16 decode attention add in torch's own order where the machine has AVX-512 BF16 (True, the default:
-    csrc/paged_decode_bf16.c's copy of torch's CPU flash attention for one query row, so that greedy tokens stay with
-    transformers') or widen K/V to float32 and sum in the kernel's own order (False: for benchmarks and tests of
-    both). Returns the previous setting: whether torch's order served."""
+    """Let bfloat16 decode attention add in torch's own order where the machine has AVX-512 BF16 (True, the default on
+    Intel processors: csrc/paged_decode_bf16.c's copy of torch's CPU flash attention for one query row, so that
+    greedy tokens stay with transformers') or widen K/V to float32 and sum in the kernel's own order (False: for
+    benchmarks and tests of both). Returns the previous setting: whether torch's order served."""
     lib = kernel()
     if lib is None:
         return False

@@ -28,6 +28,19 @@ SHAPES = {  # bench/peers.py's MODELS, with fewer sequences for the 135M shape (
 }
 
 
+TORCH_ORDER_VERSION = "2.13.0"  # the torch build whose decode attention csrc/paged_decode_bf16.c copies
+
+
+def _needs_torch_order() -> None:
+    """Skip, saying why, where the kernel's copy of torch's order cannot be compared: no kernel, no AVX-512 BF16 or
+    not an Intel processor (the order is off there), or another torch than the one whose build was read."""
+    if native.kernel() is None or not native.bf16_torch_order():
+        pytest.skip("torch's order is built for Intel processors with AVX-512 BF16 (vdpbf16ps, what MKL's bfloat16 "
+                    "gemv kernels sum with)")
+    if torch.__version__.split("+")[0] != TORCH_ORDER_VERSION:
+        pytest.skip(f"the kernel copies torch {TORCH_ORDER_VERSION}'s build; this is torch {torch.__version__}")
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first token where two outputs differ; None where they agree."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
@@ -196,8 +209,9 @@ def test_the_bfloat16_engine_is_transformers_to_the_bit(checkpoint):
     attention's own float32 order instead (bf16_decode_torch_order off) they parted at tokens 35 (3M), 51 and 43
     (135M shape)."""
     model, path, prompts = checkpoint
-    if native.kernel() is None or not native.bf16_amx() or not native.bf16_torch_order():
-        pytest.skip("needs the AMX walk (a CPU with AMX-BF16), whose sums are F.linear's, and AVX-512 BF16")
+    if native.kernel() is None or not native.bf16_amx():
+        pytest.skip("needs the AMX walk (a CPU with AMX-BF16), whose sums are F.linear's")
+    _needs_torch_order()
     eng = Engine(EngineConfig(model=str(path), block_size=16, num_blocks=len(prompts) * 16 + 8, dtype="bfloat16",
                               enable_prefix_caching=False, max_num_batched_tokens=4096))  # one prefill, as
     # transformers: oneDNN's sums depend on the row count, so a prefill in chunks rounds otherwise
@@ -242,9 +256,8 @@ def test_native_bfloat16_decode_sums_the_softmax_in_torch_order():
     1,500 scores, exact scores built as score = q . k with q one-hot, the maximum last so that every later chunk of
     512 rescales the sum so far. Summing every vector into one accumulator (torch's source reads so; its build adds
     in two) fails it, and so does joining the chunks' sums without the fused multiply-add."""
+    _needs_torch_order()
     lib = native.kernel()
-    if lib is None or not native.bf16_torch_order():
-        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
     logf = ctypes.CDLL(None).logf
     logf.restype, logf.argtypes = ctypes.c_float, [ctypes.c_float]
     gen = torch.Generator().manual_seed(3)
@@ -278,8 +291,7 @@ def test_native_bfloat16_decode_adds_in_torch_order(dim, keys):
     (_order_probes): for each probe the kernel's output is torch's SDPA's bit for bit, both where the scores are
     summed over dims and where V is summed over keys (past 512 keys: torch's chunks, rescaled). Adding the last
     lanes of a score in another order, or a key pair's products in another, fails it."""
-    if native.kernel() is None or not native.bf16_torch_order():
-        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
+    _needs_torch_order()
     query, key, value, tables, lens = _order_probes(dim, keys, 120)
     out = native.decode(query, key, value, tables, lens, 1.0)
     # all probes in one call, as transformers' batch: torch then spreads (sequence, head) items over its threads and
@@ -299,8 +311,7 @@ def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_he
     keys (torch's chunks of 512, rescaled), odd and even counts, block sizes that split a pair of keys, grouped
     queries. Off
     (bf16_decode_torch_order(0)), the float32 walk differs in some outputs: the test sees that the switch switches."""
-    if native.kernel() is None or not native.bf16_torch_order():
-        pytest.skip("needs AVX-512 BF16 (vdpbf16ps), the instruction torch's bfloat16 GEMM sums with")
+    _needs_torch_order()
     lens = [1, 2, 15, 33, 64, 65, 100, 129, 192, 257, 511, 512, 600, 1030]
     query, key, value, tables, seq_lens = _scattered(heads, kv_heads, dim, block_size, lens)
     scale = dim ** -0.5
@@ -320,3 +331,26 @@ def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_he
     finally:
         native.use_bf16_torch_order(previous)
     assert not torch.equal(widened.view(torch.int16), ref.view(torch.int16))
+
+
+def test_torch_order_is_kept_to_intel_processors(monkeypatch):
+    """The order copied is that of MKL's Intel kernels, which torch's build calls on Intel processors; on another
+    vendor's engine/native.py turns it off when the kernels load, and the attention keeps its own order."""
+    if native.kernel() is None:
+        pytest.skip(f"no native kernel here: {native.error()}")
+    before = native.bf16_torch_order()
+    saved = dict(native._state)
+    try:
+        native.use_bf16_torch_order(True)
+        built = native.bf16_torch_order()  # whether this build has the order at all (AVX-512 BF16)
+        native._state.clear()
+        monkeypatch.setattr(native, "_vendor", lambda: "GenuineIntel")
+        assert native.kernel() is not None and native.bf16_torch_order() == built  # kept on
+        native._state.clear()
+        monkeypatch.setattr(native, "_vendor", lambda: "AuthenticAMD")
+        assert native.kernel() is not None and not native.bf16_torch_order()  # turned off
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+        native.use_bf16_torch_order(before)
+    assert native.bf16_torch_order() == before

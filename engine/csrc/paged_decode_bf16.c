@@ -25,8 +25,9 @@
  *     to the total; a later chunk rescales the total by expf(old max - new max) first, and its sum of
  *     exponentials joins the old one by a fused multiply-add;
  *   - the output is the total times 1 / the sum, rounded to bfloat16 once.
- * Without AVX-512 BF16 the rows are widened to float32 and summed in float32 in an order of this file's own (the
- * same rounding steps, not the same bits).
+ * Without AVX-512 BF16, for a head size that is not a multiple of 32, and on processors other than Intel's (where
+ * MKL may run other code: engine/native.py turns the order off there), the rows are widened to float32 and summed
+ * in float32 in an order of this file's own (the same rounding steps, not the same bits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -149,8 +150,8 @@ static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *tabl
 
 /* One item in torch's order (the header): KV heads [first, first + count) of one sequence, dim a multiple of 32.
  * Scratch: scores of at least (min(len, 512) rounded up to 16) * count * group floats (each head's row holds its
- * bfloat16 weights after the softmax, written over the scores as they are read), part of count * group * dim
- * floats (unused), acc the same. */
+ * bfloat16 weights after the softmax, written over the scores as they are read) and acc of count * group * dim
+ * floats (paged_decode.c's q scratch goes unused: q stays bfloat16). */
 __attribute__((optimize("fp-contract=off")))
 static void attend_item_torch(const uint16_t *restrict query, const uint16_t *restrict key_cache,
                               const uint16_t *restrict value_cache, const int64_t *restrict table, int64_t len,
