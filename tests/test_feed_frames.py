@@ -1,5 +1,6 @@
 """One frame, one unit (issue 29): every feed's poll returns its newest frame with the events of every frame since
 the previous poll, taken from the engine runner's updates (never read back out of the History). No Qt."""
+import time
 import threading
 
 from engine import Engine, EngineConfig
@@ -117,9 +118,14 @@ def test_an_engine_feeds_frame_numbers_are_its_history_frames():
     engine, cfg = small_engine()
     feed = EngineFeed.start(engine, cfg, start_paused=True)
     try:
-        for _ in range(6):
+        target = feed.runner.latest.step_id + 6
+        for _ in range(6):  # a step_once future resolves when the command is taken, before its step runs ...
             feed.runner.step_once().result(timeout=10)
-        feed.fanout.flush(10)
+        deadline = time.monotonic() + 10
+        while feed.runner.latest.step_id < target and time.monotonic() < deadline:
+            time.sleep(0.01)
+        feed.runner.pause().result(timeout=10)  # ... so wait for the steps, and for the engine thread to have
+        feed.fanout.flush(10)  # handed the last one to the fanout (a command is taken after a step's publishing)
         frame = feed.poll()
         history = feed.history
         assert frame.seq == history.last_seq and frame.snapshot.step_id == history.step_of(frame.seq)
