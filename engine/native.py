@@ -75,26 +75,24 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpuinfo(*keys: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of ``keys``; None where Linux does not list one."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(keys)), None)
+    except OSError:
+        return None
+
+
 def _cpu() -> str:
     """What -march=native builds for: the processor's feature flags where Linux lists them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return platform.machine() + line
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
+    flags = _cpuinfo("flags", "Features")
+    return platform.machine() + (flags if flags is not None else platform.processor())
 
 
 def _vendor() -> str:
     """The processor's vendor as Linux names it (GenuineIntel, AuthenticAMD, ...), or "" where it does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def _writable(directory: Path) -> Path:
@@ -390,23 +388,29 @@ def use_bf16_gemm(enabled: bool = True) -> bool:
     return previous
 
 
+def _switch(name: str, enabled: bool | None) -> bool:
+    """A kernel setting through its C function (mode 1 on, 0 off, -1 ask): whether it served before; where ``enabled``
+    is not None it is set so. False without the kernels."""
+    lib = kernel()
+    if lib is None:
+        return False
+    previous = bool(getattr(lib, name)(-1))
+    if enabled is not None:
+        getattr(lib, name)(1 if enabled else 0)
+    return previous
+
+
 def use_bf16_amx(enabled: bool = True) -> bool:
     """Let the bfloat16 panel GEMM sum in the machine's AMX tiles where it has them (True, the default: its AMX walk,
     for input widths that are a multiple of 32) or only with ``vdpbf16ps`` (False: for benchmarks and tests of both
     walks). Returns the previous setting: whether the AMX walk served (False where the machine, the build or Linux
     offers no AMX)."""
-    lib = kernel()
-    if lib is None:
-        return False
-    previous = bool(lib.bf16_amx(-1))
-    lib.bf16_amx(1 if enabled else 0)
-    return previous
+    return _switch("bf16_amx", enabled)
 
 
 def bf16_amx() -> bool:
     """Whether the bfloat16 panel GEMM takes its AMX walk now (csrc/small_gemm_bf16.c's ``bf16_amx``)."""
-    lib = kernel()
-    return bool(lib is not None and lib.bf16_amx(-1))
+    return _switch("bf16_amx", None)
 
 
 def use_bf16_torch_order(enabled: bool = True) -> bool:
@@ -414,17 +418,13 @@ def use_bf16_torch_order(enabled: bool = True) -> bool:
     Intel processors: csrc/paged_decode_bf16.c's copy of torch's CPU flash attention for one query row, so that
     greedy tokens stay with transformers') or widen K/V to float32 and sum in the kernel's own order (False: for
     benchmarks and tests of both). Returns the previous setting: whether torch's order served."""
-    lib = kernel()
-    if lib is None:
-        return False
-    return bool(lib.bf16_decode_torch_order(1 if enabled else 0))
+    return _switch("bf16_decode_torch_order", enabled)
 
 
 def bf16_torch_order() -> bool:
     """Whether bfloat16 decode attention adds in torch's order now (csrc/paged_decode_bf16.c's
     ``bf16_decode_torch_order``; never on a machine without AVX-512 BF16)."""
-    lib = kernel()
-    return bool(lib is not None and lib.bf16_decode_torch_order(-1))
+    return _switch("bf16_decode_torch_order", None)
 
 
 PANEL_ROWS_BF16 = 64  # most rows panel_gemm_bf16 takes (csrc/kernels.h's PANEL_ROWS_BF16)

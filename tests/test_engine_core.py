@@ -283,7 +283,8 @@ def test_a_thread_out_of_scratch_memory_in_the_one_call_step_stops_the_team_and_
     before = state_of(eng)
     answers, real = [], native.decode_stack
     monkeypatch.setattr(native, "decode_stack", lambda *a: answers.append(1) or real(*a))
-    lib.kernels_fail_scratch(2)  # layer 0's attention: the second thread's scratch (the first's with one thread: layer 1's)
+    # layer 0's attention: the second thread's scratch (the first's with one thread: layer 1's)
+    lib.kernels_fail_scratch(2)
     try:
         with pytest.raises(MemoryError, match="scratch"):
             eng.step()

@@ -224,7 +224,8 @@ def _order_probes(dim: int, keys: int, probes: int, block_size: int = 16, seed: 
     """Sequences (one head) whose attention output shows the order a sum was taken in: a score made of the products
     +2^24, -2^24 and +1 at three random dims (the 1 survives only where it joins after the two cancel, as
     2^24 + 1 rounds back to 2^24 and -2^24 + 1 does not), or, with equal scores, a weighted V made of +2^24, -2^24
-    and +1 at three random keys (for every other such probe, three of eight neighbouring keys). Returns decode's arguments, contiguous K/V placed in the pool through the tables."""
+    and +1 at three random keys (for every other such probe, three of eight neighbouring keys). Returns decode's
+    arguments, contiguous K/V placed in the pool through the tables."""
     gen = torch.Generator().manual_seed(seed)
     per = -(-keys // block_size)
     key = torch.zeros(probes * per, block_size, 1, dim)
@@ -248,14 +249,14 @@ def _order_probes(dim: int, keys: int, probes: int, block_size: int = 16, seed: 
 
 
 def test_native_bfloat16_decode_sums_the_softmax_in_torch_order():
-    """The softmax's denominator rarely shows in a bfloat16 output (SmolLM2's real weights showed it in about one
-    layer step in 30, a token later), but torch's flash attention also returns its log-sum-exp, max + log(sum), in
-    float32: with the maximum at 0 and the other weights small the sum stays below 2.5, where that log resolves a
-    unit in the sum's last place. So the kernel's softmax is
-    checked against it (bf16_softmax_row: the kernel's softmax_chunk and joined_sum over a row) for rows of 1 to
-    1,500 scores, exact scores built as score = q . k with q one-hot, the maximum last so that every later chunk of
-    512 rescales the sum so far. Summing every vector into one accumulator (torch's source reads so; its build adds
-    in two) fails it, and so does joining the chunks' sums without the fused multiply-add."""
+    """The softmax's denominator rarely shows in a bfloat16 output (SmolLM2's real weights showed it in about one layer
+    step in 30, a token later), but torch's flash attention also returns its log-sum-exp, max + log(sum), in float32:
+    with the maximum at 0 and the other weights small the sum stays below 2.5, where that log resolves a unit in the
+    sum's last place. So the kernel's softmax is checked against it (bf16_softmax_row: softmax_join, what the kernel
+    runs for each chunk, over a row) for rows of 1 to 1,500 scores, exact scores built as score = q . k with q one-hot,
+    the maximum last so that every later chunk of 512 rescales the sum so far. Summing every vector into one accumulator
+    (torch's source reads so; its build adds in two) fails it, and so does joining the chunks' sums without the fused
+    multiply-add."""
     _needs_torch_order()
     lib = native.kernel()
     logf = ctypes.CDLL(None).logf

@@ -69,34 +69,40 @@ typedef uint16_t v16ha __attribute__((vector_size(32), aligned(2), may_alias));
 /* ATen's fexp_u20 (Vectorized<float>, AVX-512): 2^(x log2 e) from a cubic in the fraction, the result's bits made
  * by one fused multiply-add and a truncation; below ln(FLT_MIN) 0. The operations and their fusing are torch's. */
 static inline __m512 fexp_u20(__m512 x) {
-    const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32((int)0xc2aeac50)), _CMP_LT_OS);
+    const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32((int)0xc2aeac50)),
+                                               _CMP_LT_OS);
     const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
     __m512 y = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2(e) */
     const __m512 fraction = _mm512_sub_ps(y, _mm512_floor_ps(y));
-    __m512 poly = _mm512_fmadd_ps(fraction, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    __m512 poly = _mm512_fmadd_ps(fraction, _mm512_set1_ps(-0.079204240219773236f),
+                                  _mm512_set1_ps(-0.22433836478672356f));
     poly = _mm512_fmadd_ps(fraction, poly, _mm512_set1_ps(0.30354260500649682f));
     poly = _mm512_fmadd_ps(fraction, poly, _mm512_set1_ps(0.00010703434948458272f));
     y = _mm512_sub_ps(y, poly);
-    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), y, _mm512_set1_ps(8388608.0f * 127.0f)));
+    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), y,
+                                                       _mm512_set1_ps(8388608.0f * 127.0f)));
     bits = _mm512_mask_mov_epi32(bits, below, _mm512_setzero_si512());
     bits = _mm512_mask_mov_epi32(bits, above, _mm512_set1_epi32(0x7f800000));
     return _mm512_castsi512_ps(bits);
 }
 
+/* sixteen lanes folded to eight, lane i with lane i + 8: the first step of both sums below */
+static inline v8 fold8(__m512 lanes) {
+    const v16 l = (v16)lanes;
+    return __builtin_shufflevector(l, l, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(l, l, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 /* one score's sixteen lanes added as torch's bfloat16 GEMM for one row adds them: (i, i + 8), neighbours, pairs */
 static inline float score_lanes(__m512 lanes) {
-    const v16 l = (v16)lanes;
-    const v8 t = __builtin_shufflevector(l, l, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(l, l, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 t = fold8(lanes);
     const v4 u = __builtin_shufflevector(t, t, 0, 2, 4, 6) + __builtin_shufflevector(t, t, 1, 3, 5, 7);
     return (u[0] + u[1]) + (u[2] + u[3]);
 }
 
 /* ATen's vec_reduce_all for a sum of sixteen lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1 */
 static inline float aten_sum(__m512 lanes) {
-    const v16 l = (v16)lanes;
-    const v8 t = __builtin_shufflevector(l, l, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(l, l, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 t = fold8(lanes);
     const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
     return (u[0] + u[2]) + (u[1] + u[3]);
 }
@@ -138,9 +144,24 @@ static float softmax_chunk(const float *s, u16a *p, int64_t n, float top) {
     return sum;
 }
 
-/* A later chunk's sum of weights joined to the earlier chunks' (rescaled to the new maximum by rescale): one fused
- * multiply-add, as torch's build computes qk_sum = tmp_sum + exp_tmp * qk_sum */
-static inline float joined_sum(float total, float rescale, float sum) { return fmaf(rescale, total, sum); }
+/* One chunk of a head's softmax, starting at key `begin` of the row, with the row's running maximum *top and sum
+ * *total (both unset before the first chunk): the chunk's weights over its scores (softmax_chunk), the maximum so
+ * far, and the sum joined as torch's build joins it (qk_sum = tmp_sum + exp_tmp * qk_sum, one fused multiply-add).
+ * Returns the factor the weighted V so far is to be scaled by (1 for the first chunk). */
+static float softmax_join(const float *s, u16a *p, int64_t n, int64_t begin, float chunk_top, float *top,
+                          float *total) {
+    const float top_now = begin == 0 || chunk_top > *top ? chunk_top : *top;
+    const float sum = softmax_chunk(s, p, n, top_now);
+    float rescale = 1.0f;
+    if (begin == 0) {
+        *total = sum;
+    } else {
+        rescale = expf(*top - top_now);
+        *total = fmaf(rescale, *total, sum);
+    }
+    *top = top_now;
+    return rescale;
+}
 
 /* The row of key t (KV head 0 of the item's first) in a cache: slot t % block_size of block table[t / block_size] */
 static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *table, int64_t t, int block_size,
@@ -169,9 +190,11 @@ static void attend_item_torch(const uint16_t *restrict query, const uint16_t *re
         float chunk_top[MAX_HEADS];
         for (int h = 0; h < heads; h++) chunk_top[h] = -INFINITY;
         /* pass 1: scores [heads, n] */
+        const uint16_t *next = key_row(key_cache, table, begin, block_size, row, first, dim);
         for (int64_t t = 0; t < n; t++) {
-            const uint16_t *k = key_row(key_cache, table, begin + t, block_size, row, first, dim);
-            if (t + 1 < n) prefetch_row(key_row(key_cache, table, begin + t + 1, block_size, row, first, dim), count * dim);
+            const uint16_t *k = next; /* this key's row, found a key ahead to be fetched */
+            if (t + 1 < n) prefetch_row(next = key_row(key_cache, table, begin + t + 1, block_size, row, first, dim),
+                                        count * dim);
             for (int c = 0; c < count; c++) {
                 for (int g = 0; g < group; g++) {
                     const int h = c * group + g;
@@ -188,19 +211,11 @@ static void attend_item_torch(const uint16_t *restrict query, const uint16_t *re
         }
         /* the softmax's weights, as bfloat16 over each head's scores; the running maximum and sum */
         for (int h = 0; h < heads; h++) {
-            const float top_now = begin == 0 || chunk_top[h] > top[h] ? chunk_top[h] : top[h];
             float *s = scores + h * stride;
-            u16a *p = (u16a *)s;
-            const float sum = softmax_chunk(s, p, n, top_now);
-            p[n] = 0; /* the pair of an odd last key */
-            if (begin == 0) {
-                total[h] = sum;
-            } else {
-                const float rescale = expf(top[h] - top_now);
-                total[h] = joined_sum(total[h], rescale, sum);
+            const float rescale = softmax_join(s, (u16a *)s, n, begin, chunk_top[h], &top[h], &total[h]);
+            ((u16a *)s)[n] = 0; /* the pair of an odd last key */
+            if (begin > 0)
                 for (int d = 0; d < dim; d++) acc[h * dim + d] *= rescale;
-            }
-            top[h] = top_now;
         }
         /* pass 2: the weighted V, eight keys (four pairs) at a time summed from zero, then added to the total */
         for (int64_t g8 = 0; g8 < n; g8 += 8) {
@@ -343,24 +358,18 @@ int bf16_decode_torch_order(int mode) {
 }
 
 /* The softmax's denominator over a whole row of n scores as the kernel computes it in torch's order: chunks of 512
- * (softmax_chunk), each later one joined to the sum so far (joined_sum); the bfloat16 weights of the last chunk in
+ * (softmax_join, what the kernel runs for each chunk of each head); the bfloat16 weights of the last chunk in
  * weights, the sum in *sum and the maximum in *top. For tests against torch's logsumexp. Returns 1 where torch's
  * order is not built (no AVX-512 BF16), else 0. */
 int bf16_softmax_row(const float *scores, int64_t n, uint16_t *weights, float *sum, float *top) {
 #if TORCH_ORDER
-    float total = 0.0f, best = -INFINITY;
     for (int64_t begin = 0; begin < n; begin += KV_SPLIT) {
         const int64_t count = n - begin < KV_SPLIT ? n - begin : KV_SPLIT;
         float chunk_top = -INFINITY;
         for (int64_t i = 0; i < count; i++)
             if (scores[begin + i] > chunk_top) chunk_top = scores[begin + i];
-        const float top_now = begin == 0 || chunk_top > best ? chunk_top : best;
-        const float chunk = softmax_chunk(scores + begin, (u16a *)weights, count, top_now);
-        total = begin == 0 ? chunk : joined_sum(total, expf(best - top_now), chunk);
-        best = top_now;
+        softmax_join(scores + begin, (u16a *)weights, count, begin, chunk_top, top, sum);
     }
-    *sum = total;
-    *top = best;
     return 0;
 #else
     (void)scores, (void)n, (void)weights, (void)sum, (void)top;

@@ -8,13 +8,13 @@
  *   bias    [N] or null
  *   y       [M, N]
  *
- * How: for one panel and up to 8 rows of x, 24 accumulators of 16 lanes (8 rows x 48 outputs) stay in registers
- * while a block of K passes; each step reads the panel's 48 weights for that k (three vectors) and broadcasts each
- * row's x[k] into fused multiply-adds (simd.h's fma16: the ISO C build would not fuse them itself, and a multiply
- * and an add took both of the core's multiply-add units for one product; fused, the 3M config's 17 linears at 64
- * rows on one core went from 94 to 138 GFLOP/s). With more than 8 rows, the next 8 pass over the same block of the panel, now in L1. Threads split the
- * panels, so every output is summed by one thread in one fixed order (k ascending): a row's result depends neither
- * on the thread count nor on the other rows of the batch.
+ * How: for one panel and up to 8 rows of x, 24 accumulators of 16 lanes (8 rows x 48 outputs) stay in registers while a
+ * block of K passes; each step reads the panel's 48 weights for that k (three vectors) and broadcasts each row's x[k]
+ * into fused multiply-adds (simd.h's fma16: the ISO C build would not fuse them itself, and a multiply and an add took
+ * both of the core's multiply-add units for one product; fused, the 3M config's 17 linears at 64 rows on one core went
+ * from 94 to 138 GFLOP/s). With more than 8 rows, the next 8 pass over the same block of the panel, now in L1. Threads
+ * split the panels, so every output is summed by one thread in one fixed order (k ascending): a row's result depends
+ * neither on the thread count nor on the other rows of the batch.
  *
  * Why: a decode step of a model larger than the last-level cache streams every weight from memory once, and at 16
  * rows each weight feeds 16 multiply-adds: the step is as long as the stream or the arithmetic, whichever is

@@ -27,12 +27,13 @@
  * vdpbf16ps's order (the odd input's first), in two fused multiply-adds: the products of two bfloat16 values are
  * exact in float32, so each step rounds as vdpbf16ps does (denormal inputs aside, which vdpbf16ps flushes).
  *
- * With AMX (Intel's tile unit: lscpu's amx_bf16; the build's -march=native defines __AMX_BF16__, and Linux must
- * grant the tile state at run time) the sums are made in tiles instead: the same packed panels, one tile
- * instruction per 16 rows x 16 pairs x 16 outputs, zeros past K in the last step. The arithmetic stays at the speed of the weights' stream where vdpbf16ps, at 16 rows on two cores,
- * could not keep up with it (docs/engine.md, "bfloat16": the 135M shape's linears 1.5x faster). The tile unit adds
- * its products in an order of its own, not vdpbf16ps's; it is the order oneDNN's AMX GEMM gets too, so at up to 32
- * rows these are F.linear's bits (tested). bf16_amx(0) keeps to the vdpbf16ps walk.
+ * With AMX (Intel's tile unit: lscpu's amx_bf16; the build's -march=native defines __AMX_BF16__, and Linux must grant
+ * the tile state at run time) the sums are made in tiles instead: the same packed panels, one tile instruction per 16
+ * rows x 16 pairs x 16 outputs, zeros past K in the last step. The arithmetic stays at the speed of the weights' stream
+ * where vdpbf16ps, at 16 rows on two cores, could not keep up with it (docs/engine.md, "bfloat16": the 135M shape's
+ * linears 1.5x faster). The tile unit adds its products in an order of its own, not vdpbf16ps's; it is the order
+ * oneDNN's AMX GEMM gets too, so at up to 32 rows these are F.linear's bits (tested). bf16_amx(0) keeps to the
+ * vdpbf16ps walk.
  */
 #define _GNU_SOURCE /* syscall(), for the AMX permission */
 #include <stdint.h>
