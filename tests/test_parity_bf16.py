@@ -355,3 +355,33 @@ def test_torch_order_is_kept_to_intel_processors(monkeypatch):
         native._state.update(saved)
         native.use_bf16_torch_order(before)
     assert native.bf16_torch_order() == before
+
+
+def test_a_thread_out_of_scratch_in_torch_order_attention_raises_and_changes_nothing(checkpoint):
+    """The attention in torch's order (head size 32 here) takes its scratch where the widening walk did: a thread
+    that cannot have it makes the one-call step raise MemoryError, the engine is exactly as it was, and what follows
+    is what a run without the fault produces."""
+    from tests.test_engine_core import assert_same, finish, state_of
+    model, path, prompts = checkpoint
+    if model.config.hidden_size != 256:
+        pytest.skip("the 3M config is enough (its head size, 32, takes torch's order)")
+    _needs_torch_order()
+
+    def busy():
+        eng = Engine(EngineConfig(model=str(path), block_size=16, num_blocks=64, dtype="bfloat16"))
+        for p in prompts[:4]:
+            eng.add_conversation(prompt_token_ids=p, max_new_tokens=12)
+        while any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()  # every prompt prefilled: the next step is a decode step, the one-call step's
+        return eng
+    expected = finish(busy())
+    eng = busy()
+    before = state_of(eng)
+    native.kernel().kernels_fail_scratch(2)  # layer 0's attention, the second thread's scratch
+    try:
+        with pytest.raises(MemoryError, match="scratch"):
+            eng.step()
+    finally:
+        native.kernel().kernels_fail_scratch(0)
+    assert_same(state_of(eng), before)
+    assert finish(eng) == expected
