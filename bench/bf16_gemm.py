@@ -1,4 +1,4 @@
-"""The bfloat16 panel GEMM (engine/csrc/small_gemm_bf16.c) and the bfloat16 one-call decode step, side by side with
+"""The bfloat16 panel GEMM (engine/native/csrc/small_gemm_bf16.c) and the bfloat16 one-call decode step, side by side with
 what they replace, in one process, alternating rounds.
 
 1. Kernels: a 135M-shape decode step's 121 linears (30 layers' q|k|v, o, gate|up, down and the tied head) at

@@ -68,7 +68,7 @@ def generate_engine(prompts, seeds) -> dict[tuple[int, int], tuple[list[int], bo
 @torch.no_grad()
 def generate_dense(model, prompts, seeds) -> dict[tuple[int, int], tuple[list[int], bool]]:
     """Same figures with a plain sampling loop over forward_dense (for use without the Engine)."""
-    from engine.tokenizer import ByteTokenizer
+    from engine.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     out = {}
@@ -89,7 +89,7 @@ def generate_dense(model, prompts, seeds) -> dict[tuple[int, int], tuple[list[in
 
 
 def word_in_corpus(outputs, vocabulary: set[str], prompts, seeds, show: bool = True) -> float:
-    from engine.tokenizer import ByteTokenizer
+    from engine.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     per_seed = []
@@ -128,7 +128,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     t = time.perf_counter()
     loaded = load_model("builtin", torch.float32, torch.device("cpu"), seed=0)

@@ -66,7 +66,7 @@ def run_engine(path: Path, batch: int) -> tuple[float, list[list[int]]]:
 
 def choices(args) -> None:
     """The engine's bfloat16 paths side by side (see the module docstring)."""
-    import engine.model as engine_model
+    import engine.model.causal_lm as engine_model
     from engine import native
     from engine.attention import use_native_kernel
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -97,7 +97,7 @@ def build_checkpoint(model: str, directory: Path) -> Path:
     "smollm2", the real model's converted checkpoint in the cache (EngineError when it was not fetched)."""
     if model == "smollm2":
         sys.path.insert(0, str(ROOT))
-        from engine.gguf_model import resolve_model_spec
+        from engine.model.gguf_model import resolve_model_spec
         return resolve_model_spec("smollm2")
     path = directory / f"llama-{model}"
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):

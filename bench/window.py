@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import Engine, EngineConfig  # noqa: E402
 from engine import attention  # noqa: E402
-from engine.kv_cache_groups import ABSENT  # noqa: E402
-from engine.model import CausalLM, ModelConfig  # noqa: E402
+from engine.kv.groups import ABSENT  # noqa: E402
+from engine.model.causal_lm import CausalLM, ModelConfig  # noqa: E402
 
 CONTEXT, WINDOW = 4096, 512
 

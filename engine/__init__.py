@@ -33,10 +33,10 @@ from .attention import dense_attention, paged_attention
 from .config import EngineConfig
 from .engine import Engine
 from .errors import EngineError
-from .gguf_model import fetch_model, fetched_model
-from .window_model import window_checkpoint
+from .model.gguf_model import fetch_model, fetched_model
+from .model.window_model import window_checkpoint
 from .lesson import ToyPagedSequence
-from .relocation import RelocationReport
+from .kv.relocation import RelocationReport
 from .runner import EngineFailure, EngineRunner, RunnerStopped
 from kvstream.views import (BlockInfo, BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
                             PoolSnapshot, Status)

@@ -7,7 +7,7 @@ deterministic for a seed, and atomic: every public operation runs in a transacti
 
 Its parts, one concept each: :class:`KVCacheManager` (the only writer of the pool, every change a block event),
 :class:`Scheduler` (who computes what), :class:`ModelRunner` (tensors, forward, sampling), :class:`PoolViews`
-(snapshots and inspection), :mod:`engine.relocation` (moving blocks, and proving attention did not change).
+(snapshots and inspection), :mod:`engine.kv.relocation` (moving blocks, and proving attention did not change).
 """
 from __future__ import annotations
 
@@ -28,24 +28,25 @@ from kvstream.rules import fit_error
 from kvstream.views import (BlockInfo, ChangeRecord, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
                             PoolSnapshot, Status)
 
-from . import attention, relocation
-from .block_pool import BlockPool
+from . import attention
+from .kv import relocation
+from .kv.pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
-from .kv_cache import KVCache
-from .kv_cache_manager import KVCacheManager
-from .kv_cache_groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
-from .loader import check_pool_fits_memory, load_model, read_model_config
-from .model_runner import ModelRunner
+from .kv.cache import KVCache
+from .kv.manager import KVCacheManager
+from .kv.groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
+from .model.loader import check_pool_fits_memory, load_model, read_model_config
+from .model.runner import ModelRunner
 from .pool_views import PoolViews, StepCounts
-from .relocation import RelocationReport
+from .kv.relocation import RelocationReport
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .validation import (MAX_SEED, check_bool, check_int, check_max_new_tokens, check_seed, check_temperature,
                          check_text, check_token_ids, is_int)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay below it (engine.sampling mixes 64 bits)
+_SEED_MODULUS = 2**63  # per-conversation seeds derived from the engine seed stay below it (engine.model.sampling mixes 64 bits)
 
 __all__ = ["Engine", "RelocationReport"]
 
@@ -152,7 +153,7 @@ class Engine:
         self._dirty = False  # something changed inside the open transaction
         self._kv_events = None
         if cfg.kv_events_endpoint:
-            from .kv_events import KVEventsOut  # only when asked for: binds a socket
+            from .kv.kv_events import KVEventsOut  # only when asked for: binds a socket
             self._kv_events = KVEventsOut(cfg, self.kv_cache_groups)
         self.background_errors: list[str] = []  # failures outside any operation (publishing); the runner reports
 
@@ -198,7 +199,7 @@ class Engine:
 
     @property
     def chat_template(self):
-        """The model's chat template (engine/chat.py), or None for a model that reads plain text (the built-in one)."""
+        """The model's chat template (engine/model/chat.py), or None for a model that reads plain text (the built-in one)."""
         return getattr(self.tokenizer, "chat_template", None)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
@@ -703,15 +704,15 @@ class Engine:
             self._kv_events = None
         self._close_tiers()
 
-    # ---- lower tiers (engine.tiers) ---------------------------------------------------------------------------
+    # ---- lower tiers (engine.kv.tiers) ---------------------------------------------------------------------------
     def _make_tiers(self, cfg: EngineConfig):
         """The host and disk tiers the config asks for (None when both are off), wired into the manager."""
         if not (cfg.host_tier_blocks or cfg.disk_tier_blocks):
             return None
-        # A grouped pool (engine.kv_cache_groups) offloads and loads each group's blocks under its group's cache key:
+        # A grouped pool (engine.kv.groups) offloads and loads each group's blocks under its group's cache key:
         # a block id is one slot in every layer plane, so a block of any group has the same bytes per block.
-        from .loader import available_memory
-        from .tiers import TierStore
+        from .model.loader import available_memory
+        from .kv.tiers import TierStore
         per_block = self.kv.bytes_per_block
         need = cfg.host_tier_blocks * per_block
         have = available_memory(torch.device("cpu"))
@@ -728,7 +729,7 @@ class Engine:
         return tiers
 
     def _write_loads(self, loads: list) -> None:
-        """Blocks admitted from a lower tier (engine.tiers.TierLoad): their bytes into the device pool, one scatter
+        """Blocks admitted from a lower tier (engine.kv.tiers.TierLoad): their bytes into the device pool, one scatter
         per admission. What they held is saved for a rollback first; for blocks the admission evicted, that is
         the copy their offload already read (nothing wrote them since), so only the others are read again."""
         for load in loads:

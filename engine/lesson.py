@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from .attention import paged_attention
-from .block_pool import BlockPool, random_cycle
-from .kv_cache_manager import KVCacheManager
+from .kv.pool import BlockPool, random_cycle
+from .kv.manager import KVCacheManager
 from .sequence import Sequence
 from kvstream.views import BlockState
 

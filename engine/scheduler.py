@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvstream.views import FinishReason, Status
 
-from .kv_cache_manager import KVCacheManager
+from .kv.manager import KVCacheManager
 from .sequence import Sequence
 
 

@@ -1,7 +1,7 @@
 """A conversation: its tokens, how many have K/V in the pool, its block table, and its sampling settings."""
 from __future__ import annotations
 
-from .block_pool import hash_block_tokens
+from .kv.pool import hash_block_tokens
 from kvstream.views import FinishReason, Status
 
 
@@ -15,7 +15,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
-        self.seed = seed  # with a token's position, its draw when sampled (engine.sampling)
+        self.seed = seed  # with a token's position, its draw when sampled (engine.model.sampling)
         self.ignore_eos = ignore_eos  # keep going past end-of-sequence (benchmarks that need a steady load)
         self.arrival_step = arrival_step
         self.parent_id = parent_id

@@ -22,7 +22,7 @@ class ByteTokens:
     """The built-in model's byte tokenizer as a reader of its streams needs it, with the two methods of a
     ``tokenizers.Tokenizer`` that :func:`piece_text` and the content view call: token id = byte value (0..255),
     256 BOS, 257 EOS. A viewer has it without the engine (which keeps the same rule in
-    ``engine.tokenizer.ByteTokenizer``; a test holds the two to the same text for every id)."""
+    ``engine.model.tokenizer.ByteTokenizer``; a test holds the two to the same text for every id)."""
 
     vocab_size = 258
     _SPECIAL = {256: "<bos>", 257: "<eos>"}

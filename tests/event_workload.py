@@ -59,7 +59,7 @@ def grouped_engine_frames(directory):
     """(engine, [(seq, BlockEvent)]) of a workload on a model of two KV cache groups (the window demo's
     checkpoint with a window of 8, blocks of 4): sliding-window releases (reason "sliding_window", group 1), per-group
     prefix hits, a fork with copy-on-write in both groups, a relocation, a preemption and finishes."""
-    from engine.window_model import write_window_checkpoint
+    from engine.model.window_model import write_window_checkpoint
     path = write_window_checkpoint(directory / "window-8", window=8)
     eng = Engine(EngineConfig(model=str(path), block_size=4, num_blocks=34, enable_prefix_caching=True, seed=0,
                               max_num_batched_tokens=64, max_num_seqs=8))

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model import CausalLM, ModelConfig
+from engine.model.causal_lm import CausalLM, ModelConfig
 
 
 def write_tiny_checkpoint(path: Path, *, vocab_size: int = 97, seed: int = 0, std: float = 0.3,

@@ -1,4 +1,4 @@
-"""The bfloat16 panel GEMM (engine/csrc/small_gemm_bf16.c through engine.native): its packed layout, its sums (float32,
+"""The bfloat16 panel GEMM (engine/native/csrc/small_gemm_bf16.c through engine.native): its packed layout, its sums (float32,
 the bias added in float32, rounded to bfloat16 once: in vdpbf16ps's order, or in AMX tiles where the machine has
 them, which give oneDNN's bits; its independence from the batch and the threads: tests/test_native.py), what it
 leaves to torch, and the engine's bfloat16 decode batches taking it."""

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, EngineError
-from engine import loader
-from engine.kv_cache import KVCache
+from engine.model import loader
+from engine.kv.cache import KVCache
 
 PROMPTS = ("Pages are not addresses.", "Blocks of four slots each.", "A table maps logical to physical.")
 

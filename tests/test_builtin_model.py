@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from engine import Engine, EngineConfig
-from engine.loader import load_model
-from engine.tokenizer import ByteTokenizer
+from engine.model.loader import load_model
+from engine.model.tokenizer import ByteTokenizer
 from tools import corpus
 from tools.train_builtin import bits_per_byte, held_out_windows
 

@@ -299,7 +299,7 @@ def test_a_thread_out_of_scratch_memory_in_the_one_call_step_stops_the_team_and_
 def test_failed_step_after_the_draw_draws_the_same_again(ckpt, monkeypatch):
     """The sampler has drawn every sampled row's token, then the step fails: nothing of the draw is kept (there is
     no sampler state to restore), and the retried step draws the same tokens as a run without the fault."""
-    from engine import sampling
+    from engine.model import sampling
     clean = busy_engine(ckpt)
     expected = finish(clean)
     eng = busy_engine(ckpt)

@@ -46,7 +46,7 @@ def test_no_engine_modules_import_each_other():
     assert not circles({"a": {"b"}, "b": {"a"}}) == []  # the walk finds a circle where there is one
     found = circles(graph)
     assert not found, "engine modules import each other:\n" + "\n".join(" -> ".join(c) for c in found)
-    assert "engine.engine" not in graph["engine.pool_views"] | graph["engine.relocation"]
+    assert "engine.engine" not in graph["engine.pool_views"] | graph["engine.kv.relocation"]
 
 
 @pytest.fixture(scope="module")

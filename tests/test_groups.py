@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine import BlockState, Engine, EngineConfig, EngineError
-from engine.kv_cache_groups import ABSENT, GroupedKVCacheManager, group_key, raw_hash
-from engine.model import CausalLM, ModelConfig
+from engine.kv.groups import ABSENT, GroupedKVCacheManager, group_key, raw_hash
+from engine.model.causal_lm import CausalLM, ModelConfig
 from kvstream.events import WINDOW_REASON, EventKind, PoolModel
 from kvstream.views import KVCacheGroupInfo
 from tests.helpers import fail_forward_on_call
@@ -395,7 +395,7 @@ def test_snapshot_group_tables_and_block_groups(mixed):
 
 # ---- KV events ------------------------------------------------------------------------------------------------
 def test_kv_events_name_group_kind_and_window_as_vllm_034():
-    from engine.kv_events import to_kv_events
+    from engine.kv.kv_events import to_kv_events
     from kvstream.events import BlockEvent
     groups = (KVCacheGroupInfo("full_attention", None, (1,)), KVCacheGroupInfo("sliding_window", 8, (0, 2)))
     events = [BlockEvent(1, EventKind.STORED, 0, (3,), block_hashes=(11,), token_ids=(1, 2, 3, 4), group=1),
@@ -419,8 +419,8 @@ def test_kv_event_fields_are_vllms_names_in_vllms_order():
 
 # ---- the window demo's checkpoint -----------------------------------------------------------------------------
 def test_window_demo_checkpoint(tmp_path):
-    from engine.tokenizer import ByteTokenizer
-    from engine.window_model import write_window_checkpoint
+    from engine.model.tokenizer import ByteTokenizer
+    from engine.model.window_model import write_window_checkpoint
     path = write_window_checkpoint(tmp_path / "w", window=16)
     eng = Engine(EngineConfig(model=str(path), block_size=4, num_blocks=100))
     assert [g.kind for g in eng.kv_cache_groups] == ["full_attention", "sliding_window"]

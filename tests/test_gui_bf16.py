@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, EngineRunner
-from engine.kv_cache import KVCache
-from engine.loader import read_model_config
+from engine.kv.cache import KVCache
+from engine.model.loader import read_model_config
 from explorer.window.main_window import MainWindow
 from explorer.widgets.relocation import human_bytes
 from kvstream.recording import read_snapshots

@@ -179,7 +179,7 @@ def test_a_refused_madvise_stops_the_populator_and_says_why(monkeypatch, code, u
 
 
 def test_the_disk_tier_is_closed_even_when_the_host_tier_fails_to_close(tmp_path, monkeypatch):
-    from engine.tiers import HostTier, TierStore
+    from engine.kv.tiers import HostTier, TierStore
 
     def broken(self):
         raise RuntimeError("injected: the host tier failed to close")

@@ -854,8 +854,8 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
     """Our engine publishing with EngineConfig(kv_events_endpoint=...): after a workload with prefix hits and
     evictions, the live set rebuilt from the stream equals the hashes the engine holds (used and cached blocks),
     and every parent hash was stored before its child."""
-    if importlib.util.find_spec("engine.kv_events") is None:
-        pytest.skip("the engine does not publish KV events yet (engine/kv_events.py has not landed)")
+    if importlib.util.find_spec("engine.kv.kv_events") is None:
+        pytest.skip("the engine does not publish KV events yet (engine/kv/kv_events.py has not landed)")
     from engine import Engine, EngineConfig
     from helpers import write_tiny_checkpoint
     from kvstream.views import BlockState
@@ -971,7 +971,7 @@ def test_engine_publishes_one_batch_per_step_that_changed_a_hash(tmp_path, sockd
     """generate() runs many steps in one transaction and step() one: either way each step that stored, evicted or
     cleared a hash gets its own batch, in step order, holding exactly that step's changes; a rolled-back generate()
     publishes nothing."""
-    if importlib.util.find_spec("engine.kv_events") is None:
+    if importlib.util.find_spec("engine.kv.kv_events") is None:
         pytest.skip("the engine does not publish KV events yet")
     eng = _publishing_engine(tmp_path, sockdir, num_blocks=16)
     try:
@@ -1008,7 +1008,7 @@ def test_wire_only_subscriber_follows_the_engine(tmp_path, sockdir):
     live set it rebuilds equals the hashes the engine holds (used and cached), every parent was stored before its
     child, sequence numbers run from 0 without a gap, and replay from 0 over the ROUTER socket (with a DEALER) gives
     the very batches it received live."""
-    if importlib.util.find_spec("engine.kv_events") is None:
+    if importlib.util.find_spec("engine.kv.kv_events") is None:
         pytest.skip("the engine does not publish KV events yet")
     from kvstream.views import BlockState
     eng = _publishing_engine(tmp_path, sockdir, num_blocks=24, kv_events_topic="kv")

@@ -1,5 +1,5 @@
 """DESIGN.md's layering, checked: kvstream imports neither torch nor Qt, the engine no Qt, the explorer's feeds and
-model no Qt, and the explorer only the engine's public names (no engine.block_pool, engine.scheduler, ...)."""
+model no Qt, and the explorer only the engine's public names (no engine.kv.pool, engine.scheduler, ...)."""
 import ast
 import subprocess
 import sys
@@ -76,7 +76,7 @@ def test_explorer_uses_only_the_engines_public_names():
 
 
 # ---- one writer of the block pool ---------------------------------------------------------------------------------
-POOL_WRITERS = {"block_pool.py", "kv_cache_manager.py", "kv_cache_groups.py"}  # the pool itself and its one
+POOL_WRITERS = {"engine/kv/pool.py", "engine/kv/manager.py", "engine/kv/groups.py"}  # the pool itself and its one
 #                                                                              manager (and its KV-cache-group form)
 INPLACE = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
            "discard", "move_to_end", "sort", "reverse", "fill", "put", "itemset", "resize", "__setitem__",
@@ -119,7 +119,7 @@ def block_pool_mutators():
     through ``self`` (``self.x = ``, ``self.x[i] += ``), changes one of its containers in place (``self._free.pop()``,
     ``np.add.at(self.x, ...)``, ``setattr(self, ...)``), or calls another mutator. New mutators are found without
     editing this test."""
-    tree = ast.parse((ROOT / "engine" / "block_pool.py").read_text())
+    tree = ast.parse((ROOT / "engine" / "kv" / "pool.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BlockPool")
     is_self = lambda n: isinstance(n, ast.Name) and n.id == "self"  # noqa: E731
     methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
@@ -221,13 +221,13 @@ def test_pool_write_scan_allows(line):
 
 
 def test_only_the_manager_writes_the_pool():
-    """DESIGN.md: the engine's pool state has one writer. Every engine module other than block_pool.py (the pool)
-    and kv_cache_manager.py (its manager) may read the pool but must change it through KVCacheManager, so every
+    """DESIGN.md: the engine's pool state has one writer. Every engine module other than kv/pool.py (the pool)
+    and kv/manager.py (its manager) may read the pool but must change it through KVCacheManager, so every
     change is an event and is rolled back with the manager's checkpoint."""
     mutators = block_pool_mutators()
     bad = []
     for path in sorted((ROOT / "engine").rglob("*.py")):
-        if path.name not in POOL_WRITERS:
+        if path.relative_to(ROOT).as_posix() not in POOL_WRITERS:
             bad += pool_writes(path.read_text(), str(path.relative_to(ROOT)), mutators)
     assert not bad, "engine code outside the KV-cache manager changes the block pool:\n" + "\n".join(bad)
 

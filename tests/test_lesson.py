@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.block_pool import BlockPool
+from engine.kv.pool import BlockPool
 from engine.lesson import BLOCK_SIZE, ToyPagedSequence
 from explorer.model.lesson_text import explanation
 from kvstream.views import BlockState

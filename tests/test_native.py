@@ -1,4 +1,4 @@
-"""The native decode-attention kernel (engine/csrc/paged_decode.c through engine.native): it builds on this kind of
+"""The native decode-attention kernel (engine/native/csrc/paged_decode.c through engine.native): it builds on this kind of
 machine, equals dense attention wherever it answers, and the engine gives the same tokens when it cannot be built."""
 import os
 import time
@@ -183,7 +183,7 @@ def test_engine_decode_uses_the_kernel(monkeypatch, one_call):
 def test_rope_store_is_bit_identical_to_the_torch_form(tokens, heads, kv_heads, dim):
     """The rotated queries, and the rotated keys and values in their slots, equal apply_rotary and index_copy_ to
     the bit (so the native step changes no token and no K/V byte); slots not written keep their bytes."""
-    from engine.model import Rotary, apply_rotary
+    from engine.model.causal_lm import Rotary, apply_rotary
     g = torch.Generator().manual_seed(tokens + dim)
     rotary = Rotary(dim, 10000.0, 512)
     positions = torch.randint(0, 500, (tokens,), generator=g)
@@ -206,7 +206,7 @@ def test_rope_store_is_bit_identical_to_the_torch_form(tokens, heads, kv_heads, 
 def test_without_the_kernel_each_layer_projects_once(monkeypatch):
     """Where rope_store does not serve (here: unavailable), a layer's fused q/k/v projection still runs once (in the
     layer-by-layer loop: the one-call decode step, which takes rope_store's C function itself, is off)."""
-    from engine import model
+    from engine.model import causal_lm as model
     monkeypatch.setattr(native, "rope_store", lambda *a: None)
     monkeypatch.setattr(native, "decode_stack", lambda *a: None)
     calls = []
@@ -267,7 +267,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_add_rms_norm_is_the_torch_form_to_a_few_ulps(rows, n, with_delta, magnitude, seed):
     """x += delta is exact (x is updated in place, as the engine's residual stream is); the norm is torch's RMSNorm
     (HF's form) within 4 units in the last place; 300 rows also takes the threaded path."""
-    from engine.model import RMSNorm
+    from engine.model.causal_lm import RMSNorm
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g) * magnitude
     delta = torch.randn(rows, n, generator=g) * magnitude if with_delta else None
@@ -318,7 +318,7 @@ def test_norm_and_activation_kernels_leave_other_inputs_to_torch():
 def test_engine_tokens_equal_with_and_without_the_norm_and_activation_kernels(monkeypatch):
     """The engine's layers take the kernels, and greedy tokens are the same as with torch's forms (the layer-by-layer
     loop: the one-call decode step, which takes the kernels' C functions itself, is off)."""
-    from engine import model
+    from engine.model import causal_lm as model
     monkeypatch.setattr(native, "decode_stack", lambda *a: None)
     calls = {"norm": 0, "silu": 0}
     norm, silu = native.add_rms_norm, native.silu_mul
@@ -403,7 +403,7 @@ def test_decode_batches_take_the_panel_kernel_up_to_a_row_limit_that_depends_on_
     """Every linear gets panels. Where the weights fit in the last-level cache (the built-in model's 12 MB) they serve
     1-64 rows; where they do not (here the built-in model against a cache said to be 1 MiB), 1-16 rows. More rows (a
     prefill) take oneDNN. Greedy tokens equal those without panels (pack_panels unavailable)."""
-    from engine import model
+    from engine.model import causal_lm as model
     served = _rows_through(monkeypatch, "panel_linear")
     monkeypatch.setattr(native, "decode_stack", lambda *a: None)  # the loop, whose linears are counted here
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(12)] + [[5] * 40]
@@ -439,7 +439,7 @@ def test_decode_batches_take_the_panel_kernel_up_to_a_row_limit_that_depends_on_
 def test_a_linear_takes_no_rows_with_or_without_panels(monkeypatch, with_panels):
     """No rows (the logits of a prefill chunk that ends no prompt): an empty result, also where panels were asked
     for but could not be made (the panel kernel unavailable)."""
-    from engine import model
+    from engine.model import causal_lm as model
     if not with_panels:
         monkeypatch.setattr(native, "pack_panels", lambda w: None)
     served = _rows_through(monkeypatch, "panel_linear")

@@ -64,7 +64,7 @@ def test_prefill_logits_match(checkpoint):
     assert torch.allclose(dense, ref, atol=1e-4)
     # the paged path: prefill through block tables, read back the logits of every position
     from engine.attention import attend_batch
-    from engine.model import BatchMetadata
+    from engine.model.causal_lm import BatchMetadata
     table = torch.tensor([7, 2, 9, 0, 5], dtype=torch.int64)  # a deliberately scattered layout
     slots = torch.tensor([int(table[p // 4]) * 4 + p % 4 for p in range(len(prompt))])
     meta = BatchMetadata(slots, 0, None, [(0, len(prompt), table, 0)])

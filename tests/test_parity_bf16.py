@@ -161,7 +161,7 @@ def test_native_bfloat16_norm_activation_and_rotary_round_where_torch_does():
     if native.kernel() is None:
         pytest.skip(f"no native kernel here: {native.error()}")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from engine.model import Rotary, apply_rotary
+    from engine.model.causal_lm import Rotary, apply_rotary
     gen = torch.Generator().manual_seed(5)
     rows = 2048  # (the kernel that summed in its own order was off in a few values of 10^5 to 10^6)
     for hidden in (7, 64, 100, 256, 576, 960, 4096, 5000):  # a partial vector, steps of 4, the cascade's levels
@@ -336,7 +336,7 @@ def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_he
 
 def test_torch_order_is_kept_to_intel_processors(monkeypatch):
     """The order copied is that of MKL's Intel kernels, which torch's build calls on Intel processors; on another
-    vendor's engine/native.py turns it off when the kernels load, and the attention keeps its own order."""
+    vendor's engine/native/__init__.py turns it off when the kernels load, and the attention keeps its own order."""
     if native.kernel() is None:
         pytest.skip(f"no native kernel here: {native.error()}")
     before = native.bf16_torch_order()

@@ -1,11 +1,11 @@
-"""The staged block moves and row-wise saves of engine.kv_cache against their plain definitions."""
+"""The staged block moves and row-wise saves of engine.kv.cache against their plain definitions."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine import kv_cache
-from engine.kv_cache import KVCache
+from engine.kv import cache as kv_cache
+from engine.kv.cache import KVCache
 
 
 def _cache(num_blocks=24, block_size=4, layers=3, kv_heads=2, dim=5, seed=0):

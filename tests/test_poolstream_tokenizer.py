@@ -93,7 +93,7 @@ def test_tokenizer_flag_takes_the_builtin_tokenizer(spec, tmp_path):
 
 
 def test_byte_tokens_read_as_the_engines_byte_tokenizer():
-    from engine.tokenizer import ByteTokenizer
+    from engine.model.tokenizer import ByteTokenizer
     tokens, engine = ByteTokens(), ByteTokenizer()
     for i in list(range(32, 127)) + list(range(128, 258)):
         assert piece_text(tokens, i) == engine.token_text(i), i

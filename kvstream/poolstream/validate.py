@@ -4,7 +4,7 @@ Why: the decoder checks shape (types, lengths, ids in range), but a well-formed 
 that cannot exist (a block table naming a FREE block, a negative ref count, 20 tokens in a 16-slot block, a NaN
 temperature). Shown, such a frame is a lie about the server being watched; so a frame that breaks a rule is refused
 with a :class:`StreamError` that names the rule, and the watcher counts it. The rules are the engine's own
-(``engine/block_pool.py`` and ``engine/kv_cache_manager.py`` ``check_invariants``), split in two:
+(``engine/kv/pool.py`` and ``engine/kv/manager.py`` ``check_invariants``), split in two:
 
 - every source: block states are FREE, USED or CACHED; ref counts are 0 or more, and 0 for FREE and CACHED blocks;
   ``0 <= num_filled <= block_size``, 0 for FREE blocks and ``block_size`` for CACHED ones; FREE blocks have no

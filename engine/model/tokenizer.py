@@ -10,7 +10,7 @@ from typing import Sequence
 
 from kvstream.tokens import piece_text
 
-from .errors import EngineError
+from ..errors import EngineError
 
 BYTE_VOCAB = 256
 BOS_ID = 256

@@ -1,11 +1,11 @@
 /* y = x W^T (+ bias) in bfloat16 with W pre-packed into panels of 48 outputs: the bfloat16 path's linear layers at a
- * decode step's few rows (small_gemm.c's walk for float32). Built with engine/native.py, with the other kernels here.
+ * decode step's few rows (small_gemm.c's walk for float32). Built with engine/native/__init__.py, with the other kernels here.
  *
  * Layouts (bfloat16 stored as uint16_t, contiguous):
  *   x       [M, K]
  *   panels  [P, K2, 48, 2] with K2 = ceil(K / 2): panel p holds W's rows 48p .. 48p + 47 (outputs); for each pair of
  *           inputs (2j, 2j + 1) the 48 outputs' two weights sit side by side, w[o][2j] then w[o][2j + 1] (zeros past
- *           N and past K), made once by engine/native.py's pack_panels_bf16: the layout vdpbf16ps reads, 16 outputs
+ *           N and past K), made once by engine/native/__init__.py's pack_panels_bf16: the layout vdpbf16ps reads, 16 outputs
  *           by 2 inputs in one register
  *   bias    [N] or null
  *   y       [M, N]

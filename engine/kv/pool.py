@@ -1,7 +1,7 @@
 """Bookkeeping of the physical block pool: ref counts, fill, the free queues, prefix-cache hashes.
 
-Pure Python and numpy (no torch): it decides *which* block ids hold what; :mod:`engine.kv_cache` holds the data.
-Only :class:`engine.kv_cache_manager.KVCacheManager` calls the mutating methods; they are primitive on purpose
+Pure Python and numpy (no torch): it decides *which* block ids hold what; :mod:`engine.kv.cache` holds the data.
+Only :class:`engine.kv.manager.KVCacheManager` calls the mutating methods; they are primitive on purpose
 (take a free block, add or drop a reference, mark a block full) and say nothing about conversations.
 
 Every fact lives in a per-block numpy array, so a snapshot is a handful of array copies and a checkpoint for

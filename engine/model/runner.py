@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import native, sampling
-from .attention import Attention, DecodePlan, bytes_per_token, group_bytes_for, plan_lists
-from .kv_cache import KVCache
-from .model import BatchMetadata, CausalLM
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from .. import native
+
+from . import sampling
+from ..attention import Attention, DecodePlan, bytes_per_token, group_bytes_for, plan_lists
+from ..kv.cache import KVCache
+from .causal_lm import BatchMetadata, CausalLM
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
 
 
 @dataclass
@@ -134,7 +136,7 @@ class ModelRunner:
     @staticmethod
     def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Greedy where temperature is 0, else a draw from softmax(logits / temperature) with the conversation's
-        own random stream (engine.sampling: its seed and the position of the token drawn), all rows at once."""
+        own random stream (engine.model.sampling: its seed and the position of the token drawn), all rows at once."""
         tokens = native.argmax_rows(logits)
         if tokens is None:
             tokens = logits.argmax(dim=-1).tolist()

@@ -22,8 +22,8 @@ from kvstream.events import BlockEvent, EventKind
 from kvstream.rules import cdiv
 from kvstream.views import NO_HASH, BlockState
 
-from .block_pool import BlockPool, HashedBlock
-from .sequence import Sequence
+from .pool import BlockPool, HashedBlock
+from ..sequence import Sequence
 from .tiers import TierHit, TierLoad, TierStore
 
 MAX_PENDING_EVENTS = 200_000  # events nobody took; older ones are dropped and counted (a headless script that never
@@ -340,7 +340,7 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.check_invariants()
 
-    # ---- lower tiers (host memory, disk): engine.tiers ----------------------------------------------------------
+    # ---- lower tiers (host memory, disk): engine.kv.tiers ----------------------------------------------------------
     def attach_tiers(self, tiers: TierStore, read_device_blocks) -> None:
         """Keep evicted blocks in ``tiers``; ``read_device_blocks(blocks, out)`` reads those device blocks' raw K/V
         bytes into ``out`` (uint8 [n, bytes]; called while they are being taken, before anything overwrites them)."""

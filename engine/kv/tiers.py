@@ -42,7 +42,7 @@ from kvstream.events import EventKind
 from kvstream.rules import group_key, raw_hash
 from kvstream.views import NO_HASH, BlockState, TierView
 
-from .errors import EngineError
+from ..errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class Tier(abc.ABC):
         assert self.hash_to_slot == dict(zip(self.block_hash[held].tolist(), held.tolist())), \
             f"{self.name}: hash map disagrees with the slots"
         assert set(self.records) == set(self.hash_to_slot), f"{self.name}: records disagree with the slots"
-        from .block_pool import hash_block_tokens
+        from .pool import hash_block_tokens
         for slot in held.tolist():  # each key is its content's hash in the slot's group (kvstream.rules.group_key)
             key, record = int(self.block_hash[slot]), self.records[int(self.block_hash[slot])]
             assert key == group_key(hash_block_tokens(record.parent_hash, record.token_ids), int(self.group[slot])), \
@@ -280,7 +280,7 @@ class HostTier(Tier):
         except (MemoryError, ValueError) as exc:
             raise EngineError(f"cannot allocate the host tier of {num_blocks:,} blocks: {exc}") from None
         super().__init__(num_blocks, bytes_per_block)
-        from .heap import Populator
+        from ..heap import Populator
         # its first pages faulted in off the steps (engine.heap.Populator); started once the whole store is made
         self.populator = Populator(self.data, start=False)
 
@@ -412,7 +412,7 @@ Emit = Callable[..., None]  # KVCacheManager.emit(kind, conversation_id, **field
 class TierStore:
     """The lower tiers that are on, top (host) to bottom (disk), and the moves between them.
 
-    The only caller is :class:`engine.kv_cache_manager.KVCacheManager`, which passes its ``emit`` so that every
+    The only caller is :class:`engine.kv.manager.KVCacheManager`, which passes its ``emit`` so that every
     move is a block event in order with the device pool's own."""
 
     def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int,

@@ -1,7 +1,7 @@
 /* The residual add with the RMSNorm after it, and the SwiGLU activation: each one pass over the rows instead of
  * torch's composite (RMSNorm in torch 2.13 on the CPU is six operations, an upcast, a square, a mean, an add, a
  * reciprocal square root and two products, about 25 microseconds a call at 16 rows of 256; the activation is a
- * silu, then a product, over a chunk view). Built with engine/native.py, with paged_decode.c.
+ * silu, then a product, over a chunk view). Built with engine/native/__init__.py, with paged_decode.c.
  *
  * Not bit for bit torch's: the sum of squares is added up in a different order, and the exponential is the
  * polynomial of simd.h, so results differ from the torch form in the last bits (tests/test_native.py bounds it). The

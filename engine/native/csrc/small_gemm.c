@@ -1,10 +1,10 @@
 /* y = x W^T (+ bias) with W pre-packed into panels: the engine's linear layers at a decode step's few rows, on the
- * CPU in float32. Built with engine/native.py, with the other kernels in this folder.
+ * CPU in float32. Built with engine/native/__init__.py, with the other kernels in this folder.
  *
  * Layouts (float32, contiguous):
  *   x       [M, K]
  *   panels  [P, K, 48]: panel p holds W's rows 48p .. 48p + 47 (outputs), transposed so that for each k the 48
- *           weights sit side by side (rows past N are zeros), made once by engine/native.py's pack_panels
+ *           weights sit side by side (rows past N are zeros), made once by engine/native/__init__.py's pack_panels
  *   bias    [N] or null
  *   y       [M, N]
  *

@@ -1,6 +1,6 @@
 /* A decode step through every layer of the model in one call: the same kernels, in the same order, with the same
- * arguments as engine/model.py's CausalLM.forward takes them one by one from Python (so the same bits), without
- * the Python between them. Built with engine/native.py, with the other kernels in this folder.
+ * arguments as engine/model/causal_lm.py's CausalLM.forward takes them one by one from Python (so the same bits), without
+ * the Python between them. Built with engine/native/__init__.py, with the other kernels in this folder.
  *
  * Why: at a decode step of a few rows, each of a layer's nine kernel calls from Python (argument checks, an output
  * tensor, a ctypes call) cost 5-15 us, about 2.5 ms of the 135M shape's 24 ms step at 16 conversations.

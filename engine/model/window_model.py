@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 
-from .errors import EngineError
+from ..errors import EngineError
 from .loader import BUILTIN_DIR, BUILTIN_FALLBACK
-from .native import cache_dir
+from ..native import cache_dir
 from .tokenizer import BOS_ID, EOS_ID
 
 DEMO_WINDOW = 64  # tokens a sliding layer reads back (4 blocks of the default 16 slots)
@@ -74,7 +74,7 @@ def write_window_checkpoint(path: Path, window: int = DEMO_WINDOW, seed: int = 0
     if weights.is_file():
         tensors = {k: v.float().contiguous() for k, v in load_file(str(weights)).items()}
     else:
-        from .model import CausalLM, ModelConfig
+        from .causal_lm import CausalLM, ModelConfig
         model = CausalLM(ModelConfig.from_hf_dict(config))
         model.init_weights(seed)
         tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()

@@ -12,11 +12,11 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import EngineError
-from .model import CausalLM, ModelConfig
+from ..errors import EngineError
+from .causal_lm import CausalLM, ModelConfig
 from .tokenizer import BOS_ID, EOS_ID, ByteTokenizer, HFTokenizer, NoTokenizer
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "resources" / "builtin"
+BUILTIN_DIR = Path(__file__).resolve().parents[2] / "resources" / "builtin"
 
 # Used only if resources/builtin has no trained weights: a seeded random model of the same family.
 BUILTIN_FALLBACK = {
@@ -84,7 +84,7 @@ def _directory(spec: str) -> tuple[bool, Path]:
 
 def _gguf_directory(spec: str) -> Path | None:
     """The converted checkpoint directory of a GGUF model spec ("smollm2", or a local ``.gguf`` file, converted into
-    the cache the first time); None for every other spec. See engine/gguf_model.py."""
+    the cache the first time); None for every other spec. See engine/model/gguf_model.py."""
     if isinstance(spec, str) and (spec.lower().endswith(".gguf") or spec in _known_gguf_models()):
         from .gguf_model import resolve_model_spec
         return resolve_model_spec(spec)
@@ -129,7 +129,7 @@ def available_memory(device: torch.device) -> int | None:
 def check_pool_fits_memory(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                            device: torch.device) -> None:
     """Refuse a pool whose K/V tensor cannot fit in the memory left, saying what it would take."""
-    from .kv_cache import KVCache
+    from ..kv.cache import KVCache
 
     planes = max(len(layers) for _kind, _window, layers in config.kv_cache_groups())  # layers per group, at most
     need = KVCache.bytes_for(planes, num_blocks, block_size, config.num_key_value_heads,

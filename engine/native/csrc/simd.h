@@ -1,5 +1,5 @@
 /* Vector types and the sixteen-wide exponential shared by the kernels in this folder (a change here rebuilds them
- * all: engine/native.py hashes the headers with the sources). */
+ * all: engine/native/__init__.py hashes the headers with the sources). */
 #ifndef PAGED_KV_SIMD_H
 #define PAGED_KV_SIMD_H
 

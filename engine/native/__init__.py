@@ -9,9 +9,9 @@ shared library and called through ctypes.
   of the torch form).
 - ``small_gemm.c``: ``x W^T + b`` with W packed into panels of 48 outputs (:func:`pack_panels`,
   :func:`panel_linear`), for decode batches: up to 16 rows of models larger than the last-level cache, up to 64 of
-  models that fit (see engine.model.InferenceLinear).
+  models that fit (see engine.model.causal_lm.InferenceLinear).
 - ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
-  the order and with the arguments engine.model.CausalLM.forward gives them, without the Python between them.
+  the order and with the arguments engine.model.causal_lm.CausalLM.forward gives them, without the Python between them.
 - ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
   SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
   transformers' bfloat16 operations round (docs/engine.md, "bfloat16"). They share the float32 kernels' walks
@@ -476,7 +476,7 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
                  scale: float) -> torch.Tensor | None:
     """A decode step through every layer (decode_stack.c): x [tokens, hidden], the embedded tokens, is the residual
     stream (updated in place); returns the final norm of it [tokens, hidden]. ``weights`` int64 [layers, 8]: each
-    layer's addresses, made by engine.model.CausalLM (the tensors must outlive it); ``caches`` each layer's (key,
+    layer's addresses, made by engine.model.causal_lm.CausalLM (the tensors must outlive it); ``caches`` each layer's (key,
     value) caches [blocks, block_size, kv_heads, dim]; ``shape`` (heads, kv_heads, dim, intermediate, block_size).
     None, with nothing written, where the kernel is unavailable or does not take the tensors; MemoryError when a
     kernel ran out of scratch memory midway (x and the caches partly updated)."""

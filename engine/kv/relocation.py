@@ -13,9 +13,9 @@ import numpy as np
 
 from kvstream.views import BlockState
 
-from .block_pool import random_cycle
-from .errors import EngineError
-from .sequence import Sequence
+from .pool import random_cycle
+from ..errors import EngineError
+from ..sequence import Sequence
 
 
 @dataclass(frozen=True)

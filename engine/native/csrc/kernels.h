@@ -1,4 +1,4 @@
-/* The functions the shared library exports (called from engine/native.py through ctypes, and from one another by
+/* The functions the shared library exports (called from engine/native/__init__.py through ctypes, and from one another by
  * decode_stack.c), declared once so that the compiler holds every definition and every caller to one signature,
  * and the shape limits more than one of them checks. Each returns 0, 1 for shapes it does not take (before
  * writing anything), or 2 when scratch memory ran out. */
@@ -10,8 +10,8 @@
 #define MAX_HEADS 256 /* query heads of one sequence paged_decode_f32 handles (more: the caller goes eager) */
 
 #define PANEL_WIDTH 48 /* outputs in a panel of the packed GEMMs (small_gemm.c, small_gemm_bf16.c): three vectors */
-#define PANEL_ROWS_BF16 64 /* most rows of x panel_gemm_bf16 (and so decode_stack) takes: engine/native.py's
-                            * PANEL_ROWS_BF16, the decode batches of engine/model.py's PANEL_ROWS_CACHED */
+#define PANEL_ROWS_BF16 64 /* most rows of x panel_gemm_bf16 (and so decode_stack) takes: engine/native/__init__.py's
+                            * PANEL_ROWS_BF16, the decode batches of engine/model/causal_lm.py's PANEL_ROWS_CACHED */
 #define PANEL_MIN_WORK_PER_THREAD (32 * 1024) /* multiply-adds; less than this per thread: one thread */
 
 /* threads a packed GEMM of this size takes: one where the work is small, at most one per panel */

@@ -2,7 +2,7 @@
 
 As vLLM v1's hybrid allocator pages them: one group per kind of layer, every group drawing its blocks from the one
 :class:`BlockPool`. A block id belongs to one group at a time and names one slot of memory per layer of that group
-(:class:`engine.kv_cache.KVCache`'s layer planes), so each conversation has one block table per group, and the
+(:class:`engine.kv.cache.KVCache`'s layer planes), so each conversation has one block table per group, and the
 groups share the pool's free queues, its prefix cache and its budget.
 
 What a sliding-window group adds: a query at position p reads only the keys at positions > p - window, so a block
@@ -29,9 +29,9 @@ from kvstream.events import WINDOW_REASON, EventKind
 from kvstream.rules import cdiv, group_key, raw_hash  # noqa: F401 (re-exported)
 from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
-from .block_pool import BlockPool, HashedBlock, hash_block_tokens
-from .kv_cache_manager import KVCacheManager
-from .sequence import Sequence
+from .pool import BlockPool, HashedBlock, hash_block_tokens
+from .manager import KVCacheManager
+from ..sequence import Sequence
 from .tiers import TierHit, TierLoad
 
 ABSENT = -1  # a table entry whose block a sliding window released
@@ -495,7 +495,7 @@ class GroupedKVCacheManager(KVCacheManager):
 
 
 def kv_cache_group_infos(config) -> tuple[KVCacheGroupInfo, ...]:
-    """The KV cache groups of a model (engine.model.ModelConfig.kv_cache_groups), as the views name them."""
+    """The KV cache groups of a model (engine.model.causal_lm.ModelConfig.kv_cache_groups), as the views name them."""
     return tuple(KVCacheGroupInfo(kind, window, layers) for kind, window, layers in config.kv_cache_groups())
 
 

@@ -1,6 +1,6 @@
 /* Rotary embedding of a step's queries and keys, and the keys and values written to their slots in the pool: what
- * engine/model.py does with six torch operations per layer (the rotation's roll, two products and a sum over q
- * and k, then two index_copy_ calls), in one pass. Built with engine/native.py, with paged_decode.c.
+ * engine/model/causal_lm.py does with six torch operations per layer (the rotation's roll, two products and a sum over q
+ * and k, then two index_copy_ calls), in one pass. Built with engine/native/__init__.py, with paged_decode.c.
  *
  * Bit for bit what the torch form computes: x * cos + roll(x, dim / 2) * sin_signed, each product and the sum
  * rounded on its own (no fused multiply-add: see the function's attribute), as apply_rotary does.

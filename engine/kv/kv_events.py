@@ -7,7 +7,7 @@ per engine step that produced any of them, as vLLM sends one per scheduler step:
 several steps (``generate``) is split by step id, in order. Nothing is sent before the operation commits, so a
 rolled-back one sends nothing. The medium is "GPU", vLLM's name for an engine's own block pool
 (on any device). Hashes are the engine's uint64 prefix hashes, as vLLM sends integer hashes by default. The lower
-tiers (engine/tiers.py) publish as vLLM's offloading connector does in its self-describing mode: a block kept in the
+tiers (engine/kv/tiers.py) publish as vLLM's offloading connector does in its self-describing mode: a block kept in the
 host tier is a full ``BlockStored`` on medium "CPU", on the disk tier "STORAGE", and one let go a ``BlockRemoved``.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from kvstream.events import BlockEvent, EventKind
 from kvstream.kv_events.codec import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstream.kv_events.publisher import KVEventError, KVEventPublisher
 
-from .config import EngineConfig
-from .errors import EngineError
+from ..config import EngineConfig
+from ..errors import EngineError
 
 
 def to_kv_events(events: Sequence[BlockEvent], block_size: int, groups: Sequence | None = None) -> list[KVEvent]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .errors import EngineError
+from ..errors import EngineError
 
 ROLES = ("system", "user", "assistant")
 

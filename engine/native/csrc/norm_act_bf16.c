@@ -8,7 +8,7 @@
  *                  summed in torch's order)
  *   silu_mul       out = bf16(bf16(silu(gate)) * up)
  *   rope_store     out = bf16(bf16(x * cos) + bf16(roll(x, dim / 2) * sin_signed))
- * Layouts are engine/csrc/norm_act.c's and rope_store.c's, with uint16_t bfloat16 values.
+ * Layouts are engine/native/csrc/norm_act.c's and rope_store.c's, with uint16_t bfloat16 values.
  */
 #include <math.h>
 #include <stdint.h>

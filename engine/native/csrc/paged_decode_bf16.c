@@ -26,7 +26,7 @@
  *     exponentials joins the old one by a fused multiply-add;
  *   - the output is the total times 1 / the sum, rounded to bfloat16 once.
  * Without AVX-512 BF16, for a head size that is not a multiple of 32, and on processors other than Intel's (where
- * MKL may run other code: engine/native.py turns the order off there), the rows are widened to float32 and summed
+ * MKL may run other code: engine/native/__init__.py turns the order off there), the rows are widened to float32 and summed
  * in float32 in an order of this file's own (the same rounding steps, not the same bits).
  */
 #include <math.h>

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import EngineError
+from ..errors import EngineError
 
 CONVERTER_VERSION = 1  # bump when the converted layout changes: older conversions are then redone
 
@@ -71,7 +71,7 @@ def _stderr(message: str) -> None:
 
 def models_dir() -> Path:
     """Where converted models live: ``models/`` in the folder the engine already caches its native kernels in."""
-    from .native import cache_dir
+    from ..native import cache_dir
     return cache_dir() / "models"
 
 

@@ -1,6 +1,6 @@
 /* Paged decode attention on the CPU, reading K/V straight from the block pool through the block tables.
  *
- * Built and loaded at run time by engine/native.py (the C compiler on the machine, -O3 -march=native -fopenmp),
+ * Built and loaded at run time by engine/native/__init__.py (the C compiler on the machine, -O3 -march=native -fopenmp),
  * called through ctypes with raw pointers. No copy of the context's K/V is made: each item (a sequence, or one KV
  * head of a sequence when there are few) walks its sequence's blocks in logical order, wherever they lie in the pool.
  *
