@@ -2,9 +2,9 @@
 import os
 
 # oneDNN (through ideep) keeps a compiled primitive, and scratch memory, for every input shape a pre-packed matmul
-# sees, in two caches of 1,024 entries each: 2.1 MiB per new prefill length here, 2.9 GB over 1,000 lengths. 64
-# entries each keep RSS flat (+66 MiB over 400 lengths) while a steady decode batch always hits. Read when oneDNN
-# first runs, so set before torch is used; a caller's own setting wins.
+# sees, in two caches of 1,024 entries each, so resident memory grows with every new prefill length; 64 entries
+# each keep it flat while a steady decode batch always hits (figures: docs/engine.md, "Figures behind the engine's
+# choices"). Read when oneDNN first runs, so set before torch is used; a caller's own setting wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 

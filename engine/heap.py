@@ -5,8 +5,8 @@ of every batch size). The engine raises glibc's mmap and trim thresholds at impo
 step reuses the memory the one before freed instead of faulting fresh pages in; the price is that freed memory
 stays in the arenas (up to the trim threshold at each arena's top, and in the holes varying sizes leave), so the
 process's resident memory creeps up for hours without any object being kept
-(a headless served run grew about 9 MiB a minute, almost none of it in Python objects, and stayed flat once
-``malloc_trim`` ran every few seconds: docs/performance.md, "Resident memory of a long run"). ``malloc_trim(0)``
+(a headless served run grew steadily, almost none of it in Python objects, and stayed flat once ``malloc_trim``
+ran every few seconds: docs/performance.md, "Resident memory of a long run"). ``malloc_trim(0)``
 returns the free pages of every arena. It walks the heaps, and the step after it faults in what it gave back, so it
 runs on a schedule, between steps, not every step: the thresholds keep their speed for the steps in between.
 Where the C library has no ``malloc_trim`` (not glibc), nothing is done.

@@ -227,7 +227,7 @@ class TierView:
 
 
 _OWNER_SCANS = 4  # owners_of questions a snapshot answers by scanning its tables before it builds the index
-# (for 256 conversations on 65,536 blocks the index took 11-34 ms to build, one scan of their tables 0.07 ms)
+# (building the index costs far more than one scan of the tables: docs/performance.md, "Pool views")
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ class KVCache:
             # pool, whose threads then spin beside the native decode kernels' own (the offload-stream decode slowed:
             # docs/engine.md, "Figures behind the engine's choices"; raw bytes, so any dtype).
             # mode="clip": the rows are ours and in range; take's default mode buffers its whole output in a fresh
-            # temporary first (93 MB of new pages for the 135M shape's 126-block eviction: 0.64 s of the step)
+            # temporary first (most of a large eviction's step went to its new pages: docs/engine.md, "Figures
+            # behind the engine's choices")
             source = self._block_rows.view(torch.uint8).numpy()  # [planes * blocks, row bytes], no copy
             np.take(source, rows.numpy(), axis=0, out=out.reshape(len(rows), -1), mode="clip")
         else:

@@ -226,9 +226,9 @@ PANEL_ROWS_CACHED = 64  # and where they do
 class InferenceLinear:
     """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
 
-    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran faster than ``F.linear`` here for 16 to 4096 rows
-    (docs/engine.md, "Figures behind the engine's choices"); packing is checked against ``F.linear`` once and
-    skipped wherever it is unavailable (no oneDNN, CUDA, float16).
+    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran faster than ``F.linear`` here for decode's and
+    prefill's row counts (docs/engine.md, "Figures behind the engine's choices"); packing is checked against
+    ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, float16).
 
     With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
     (:func:`engine.native.panel_linear`: csrc/small_gemm.c in float32, csrc/small_gemm_bf16.c's ``vdpbf16ps`` walk in
@@ -303,7 +303,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused op; bit-identical to the form below in float32 (tests/test_perf_model.py), 20% faster
+            # one fused op; bit-identical to the form below in float32 (tests/test_perf_model.py), and faster
+            # (docs/engine.md, "Figures behind the engine's choices")
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         dtype = x.dtype  # normalised in float32 and scaled after casting back, as the HF models do
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)

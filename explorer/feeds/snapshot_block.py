@@ -12,9 +12,6 @@ from typing import Callable
 
 from kvstream.views import NO_HASH, BlockInfo, BlockState, PoolSnapshot, hash_reason
 
-NO_KV_NOTE = "K/V values are not kept in history or sent over the stream"
-
-
 def _positions_in(token_ids: tuple[int, ...], block: tuple[int, ...], block_size: int) -> tuple[int, ...] | None:
     """Positions of ``block`` as a block-aligned run of ``token_ids`` (None if it is not one)."""
     for start in range(0, len(token_ids) - len(block) + 1, block_size):

@@ -289,7 +289,8 @@ class EventLine:
     are one line each; the line keeps its events so a filter on any of their kinds, conversations or blocks
     still finds it. Its words and block list are made on first use: a busy engine reports far more events than
     anyone reads, and most lines are filtered out or dropped unseen. A plain class with slots, not a dataclass: a
-    busy pool makes thousands of lines a frame, and a frozen dataclass's constructor took four times as long.
+    busy pool makes thousands of lines a frame, and a frozen dataclass's constructor is much slower (figures:
+    docs/performance.md, "Event log").
     Lines are never changed once made.
     """
 

@@ -23,16 +23,10 @@ from .groups import hash_words
 
 TIERS = ("host", "disk")  # the lower tiers, top to bottom (the device pool is above them)
 SOURCES = ("device", "host", "disk", "computed")  # where an admission's prompt tokens came from
-MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}  # vLLM's names of the same places
 MAX_CONTENTS = 1 << 20  # hashes the content book remembers (least recently announced forgotten first)
 MAX_LEARNT = 1 << 16  # owner changes the book lists for incremental recolouring (older: colour a tier afresh)
 MAX_STORIES = 1 << 16  # hashes whose tier story is kept
 STORY_LINES = 32  # newest lines kept per hash
-
-
-def short_hash(h: int) -> str:
-    """The first four hex digits of a 64-bit hash (the event log's 'hash ab12'); the inspector gives all 16."""
-    return f"{int(h):016x}"[:4]
 
 
 def tier_slots_of(event: BlockEvent) -> tuple[int, ...]:

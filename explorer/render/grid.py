@@ -99,8 +99,8 @@ def fitting_tile(pixels_per_cell: float, largest: int) -> int:
     """The tile for cells drawn ``pixels_per_cell`` wide: at most that many pixels, at most ``largest``, at least 2.
 
     Qt scales the image to the screen without smoothing; shrinking it drops whole pixel rows and columns, and the
-    one-pixel gaps between cells went with them (at 1024 x 640, 32-pixel tiles drawn 26 pixels wide merged free
-    cells into larger blocks). Enlarging only repeats pixels, which keeps every gap."""
+    one-pixel gaps between cells went with them (free cells merged into larger blocks on a small screen: docs/gui.md).
+    Enlarging only repeats pixels, which keeps every gap."""
     if not np.isfinite(pixels_per_cell):
         return int(largest)
     return int(max(2, min(int(largest), int(pixels_per_cell))))

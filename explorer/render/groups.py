@@ -21,11 +21,6 @@ _FREE32 = np.ascontiguousarray(palette.FREE[None]).view(np.uint32)[0, 0]
 _UNKNOWN32 = np.ascontiguousarray(palette.UNOWNED[None]).view(np.uint32)[0, 0]
 
 
-def group_colour(index: int) -> np.ndarray:
-    """RGBA of group ``index`` (the palette repeats past its length)."""
-    return GROUP_COLOURS[index % len(GROUP_COLOURS)]
-
-
 def group_fill32(snapshot: PoolSnapshot, ids: np.ndarray | None = None) -> np.ndarray:
     """uint32 pixel per block (or per block of ``ids``): its group's colour, cached blocks muted, a block no table
     names (cached, group not known) grey, free blocks the free colour."""

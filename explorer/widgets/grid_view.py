@@ -7,8 +7,8 @@ when few cells are visible.
 
 Tooltips: Qt asks for one with a ToolTip help event when the mouse rests. A QGraphicsView hands that event to its
 scene, which looks for an item with a tooltip, finds none (the grid is one image) and hides whatever tooltip is
-showing, so a tooltip shown from the mouse-move handler vanished 300 ms later (issue 13). The widget therefore
-answers the viewport's help events itself, with the block under the mouse.
+showing, so a tooltip shown from the mouse-move handler vanished as soon as the mouse rested (issue 13). The widget
+therefore answers the viewport's help events itself, with the block under the mouse.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 pyqtgraph repaints every item a repaint's region touches. A plot's axis (with its grid lines, which span the whole
 plot) replays its recorded drawing each time, and each of the grid's cell labels draws its box and text: in the serve
-demo at 1920 x 1080 the axes took about a quarter of the GUI thread and the labels a tenth (docs/gui.md, "What the
-GUI thread does at scale"). With ``DeviceCoordinateCache`` Qt keeps each item's pixels and draws them again with one
+demo the axes and the labels took a large share of the GUI thread (figures: docs/gui.md, "What the GUI thread does
+at scale"). With ``DeviceCoordinateCache`` Qt keeps each item's pixels and draws them again with one
 copy; an item is drawn anew only when it changes (pyqtgraph calls ``update()`` then, which drops the cache) or the
 view's scale changes.
 """

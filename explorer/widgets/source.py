@@ -52,10 +52,9 @@ def _timed(fn, *args):
 KEPT_EVENTS = 10_000  # the newest events a source keeps for a panel that follows it later (the event log's rows)
 SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub does on the GUI thread; more go to a
 # worker (a frame far from the one decoded last takes longer than a frame of the window on a large pool)
-SCRUB_PACE_S = 0.033  # the worker begins at most one decode per 33 ms, about a frame of the window (it shows no more),
-# and rests as long as its last decode took before the next: decoding back to back, it held the GIL the GUI thread
-# needs for drawing so much that a drag over a long recording of a large pool dropped well below 30 frames/s
-# (figures: docs/performance.md, "Scrubbing")
+SCRUB_PACE_S = 0.033  # the worker begins at most one decode per window frame (it shows no more), and rests as long
+# as its last decode took before the next: decoding back to back, it held the GIL the GUI thread needs for drawing so
+# much that a drag over a long recording of a large pool lost frames (figures: docs/performance.md, "Scrubbing")
 
 
 class PoolSource(QtCore.QObject):
@@ -181,8 +180,8 @@ class PoolSource(QtCore.QObject):
             self.problem.emit(problem)
         if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
             # the History's range waits with the frame: following it here redrew the timeline at every tick while
-            # the grid kept to the budget (the GUI thread's share rose by about half); the poll after the gap
-            # catches up
+            # the grid kept to the budget (docs/performance.md, "Live frames and the History's range"); the poll
+            # after the gap catches up
             return self._keep_viewed_frame()
         frame = self.feed.poll()  # the view and its events, as one unit
         if frame is not None:

@@ -35,7 +35,7 @@ def application() -> QtWidgets.QApplication:
 
     The collector's first generation is collected every GC_GEN0 new containers instead of 700: decoding history
     makes and drops thousands a frame (token lists, conversation infos), and at 700 a long recording's scrub spent
-    a fifth of its time in young collections that each walked the live token lists (bench/gui.py --sections scrub;
+    much of its time in young collections that each walked the live token lists (bench/gui.py --sections scrub;
     figures: docs/performance.md, "Threads").
     """
     sys.setswitchinterval(0.001)

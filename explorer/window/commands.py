@@ -88,11 +88,6 @@ class Commands(QtCore.QObject):
         name, kwargs = add_command(request)
         return self.source.submit(name, **kwargs, on_error=_quiet)
 
-    def submit_add(self, request) -> Future:
-        """Send an add request without a dialog (scripts, tests): a refusal becomes the window's error box."""
-        name, kwargs = add_command(request)
-        return self.source.submit(name, **kwargs, on_result=self._select_answer)
-
     def _select_answer(self, answer) -> None:
         if answer is None:
             return

@@ -175,9 +175,6 @@ class LayoutMemory:
         self.settings.sync()
         return True
 
-    def has_saved_layout(self) -> bool:
-        return self.settings is not None and self.settings.contains("layout/state")
-
 
 GEOMETRY_MAGIC = 0x1D9D0CB  # QWidget.saveGeometry's first four bytes
 

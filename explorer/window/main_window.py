@@ -208,16 +208,6 @@ class MainWindow(QtWidgets.QMainWindow):
         if size is not None:
             self.resize(*size)
 
-    def add_dock(self, key: str, dock: QtWidgets.QDockWidget, bottom: bool = True) -> None:
-        """Add a teammate's panel (event log, content view) into the arrangement, tabbed with its area's last."""
-        self.docks[key] = dock
-        tab_with = self.docks[(self.bottom_docks if bottom else self.right_docks)[-1]]
-        (self.bottom_docks if bottom else self.right_docks).append(key)
-        self.addDockWidget(QtCore.Qt.DockWidgetArea.BottomDockWidgetArea if bottom
-                           else QtCore.Qt.DockWidgetArea.RightDockWidgetArea, dock)
-        self.tabifyDockWidget(tab_with, dock)
-        self.view_menu.insertAction(self.view_menu_docks_end, dock.toggleViewAction())
-
     def reset_layout(self) -> None:
         """The first-launch arrangement for the current window size."""
         self.layout_kind = arrange(self, [self.docks[k] for k in self.right_docks],
@@ -663,8 +653,8 @@ class MainWindow(QtWidgets.QMainWindow):
         if not self._shown_once and self._fit_frame:
             QtCore.QTimer.singleShot(FRAME_FIT_MS, self.fit_frame_to_screen)
         if not self._shown_once and not self.layout_restored:
-            # the arrangement made before the window was shown had no real dock sizes to share out (a 1600 x 1000
-            # first launch gave the conversations about four rows): made again once shown, as View > Reset layout
+            # the arrangement made before the window was shown had no real dock sizes to share out (a first launch
+            # left the conversations a few rows: docs/gui.md): made again once shown, as View > Reset layout
             QtCore.QTimer.singleShot(0, self._first_layout)
         self._shown_once = True
 
@@ -676,9 +666,9 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def fit_frame_to_screen(self) -> bool:
         """Keep the whole window on its screen, title bar included: sized to the screen's area without --geometry,
-        the window manager's frame pushed the status bar below the screen's edge (1600 x 1000 on a 1000 px high
-        screen). Never below the smallest supported size, except in height on a screen no taller than that: on a
-        1024 x 640 screen the title bar pushed the status bar below its edge. Returns whether it resized."""
+        the window manager's frame pushed the status bar below the screen's edge. Never below the smallest supported
+        size, except in height on a screen no taller than that, where the title bar pushed the status bar below its
+        edge too (docs/gui.md). Returns whether it resized."""
         screen = self.screen()
         if screen is None or self.isMaximized() or self.isFullScreen():
             return False

@@ -34,7 +34,7 @@ def build_menus(window, actions) -> None:
     view.addSeparator()
     for key in window.docks:
         view.addAction(window.docks[key].toggleViewAction())
-    window.view_menu_docks_end = view.addSeparator()  # docks added later go before it
+    view.addSeparator()
     view.addAction(actions.reset_layout)
 
     demos = bar.addMenu("&Demos")

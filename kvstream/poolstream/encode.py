@@ -75,7 +75,7 @@ def _patch(values: np.ndarray, index: np.ndarray | None) -> ArrayPatch:
 
 
 _SMALL_PATCH = 64  # up to this many changed entries, a patch is made from Python lists (numpy's per-call overhead
-# is most of the cost of a few entries: 15 us for 10 of them, against a few us this way)
+# is most of the cost of a few entries: docs/performance.md, "Pool-stream encoding")
 
 
 def _small_patch(values: list[int], index: list[int]) -> ArrayPatch:
@@ -405,7 +405,8 @@ class StreamEncoder:
             order = _order_patch(old_tables.keys(), table_ids, set(removed))
         # conversations: the ones that only grew go in columns, the others as patches. This loop runs for every
         # conversation of every frame: plain attribute loads (faster than attrgetters here), and ints appended to
-        # a few lists (a tuple per grown conversation, unpacked at the end, measured 10% slower per frame)
+        # a few lists (a tuple per grown conversation, unpacked at the end, was slower: docs/performance.md,
+        # "Pool-stream encoding")
         old_convs, old_stable = self._prev_convs, self._prev_stable
         get_old = old_convs.get
         prefixes = self._changes.output_prefixes  # the producer's record: outputs that only grew, known by identity
