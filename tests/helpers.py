@@ -1,16 +1,71 @@
-"""Tiny checkpoints written with the project's own model class, for fast engine tests."""
+"""What several test files share: waiting on a condition, tiny checkpoints written with the project's own model
+class, faults injected into an engine's forward pass, pools built from tables.
+
+Tests wait on what they wait for (a future, an event, a Qt signal, a status the code under test reports); where
+the only thing to watch is a value another thread changes, :func:`wait_until` polls it, and :func:`holds_for` is
+for the few checks whose subject is time itself (nothing happens while paused; nothing gets through).
+"""
 import json
+import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+POLL_S = 0.01  # how often wait_until and holds_for look at their condition
 
-from engine.model.causal_lm import CausalLM, ModelConfig
+
+def _poll(condition, seconds: float, *, serve=None, until: bool):
+    """Look at ``condition()`` every POLL_S (calling ``serve()`` first, if given) for up to ``seconds``; return
+    (its last value, whether it turned ``until`` before the time was up)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if serve is not None:
+            serve()
+        value = condition()
+        if bool(value) == until:
+            return value, True
+        if time.monotonic() >= deadline:
+            return value, False
+        time.sleep(POLL_S)
+
+
+def wait_until(predicate, timeout: float = 10.0, *, what: str = "the condition", serve=None, seen=None):
+    """``predicate()``'s first true value, looked at until it holds (``serve()`` before each look: a wire peer
+    answering its replay socket, a publisher sending a probe); AssertionError naming ``what`` (and ``seen()``,
+    what was seen instead) after ``timeout`` seconds."""
+    value, held = _poll(predicate, timeout, serve=serve, until=True)
+    if not held:
+        detail = f": {seen()}" if seen is not None else ""
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{detail}")
+    return value
+
+
+def holds_for(predicate, seconds: float, *, what: str = "the condition", serve=None) -> None:
+    """Check that ``predicate()`` stays true for ``seconds`` (for checks whose subject is time itself: a paused
+    engine does not step, a stranger's socket gets nothing); AssertionError naming ``what`` as soon as it fails."""
+    _value, broke = _poll(predicate, seconds, serve=serve, until=False)
+    if broke:
+        raise AssertionError(f"{what} stopped holding within {seconds:g} s")
+
+
+def joined(sub, probe, accept=None, timeout: float = 10.0):
+    """Call ``probe()`` (something that makes the publisher send) until the ZMQ SUB socket ``sub`` receives a message
+    ``accept(message)`` takes (any, by default), and return that message; what came before it is dropped. A PUB
+    socket drops what it sends before a subscription has reached it, and tells nobody when one has."""
+    def received():
+        while sub.poll(0):
+            message = sub.recv_multipart()
+            if accept is None or accept(message):
+                return message
+        return None
+    return wait_until(received, timeout, serve=probe, what="the subscription to reach the publisher")
 
 
 def write_tiny_checkpoint(path: Path, *, vocab_size: int = 97, seed: int = 0, std: float = 0.3,
                           eos_token_id=None, num_kv_heads: int = 2) -> Path:
     """A random Llama-style model whose weights are large enough that greedy outputs vary from token to token."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.model.causal_lm import CausalLM, ModelConfig
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=12,
                       max_position_embeddings=512, tie_word_embeddings=False,

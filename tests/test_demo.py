@@ -33,13 +33,13 @@ def test_a_demo_says_which_requests_it_lowered_and_to_what():
 # ---- served traffic (--demo serve; busy and crowd once their first screen is over) -------------------------------
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from explorer.feeds import traffic as tr  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 
 
 @dataclass
@@ -109,13 +109,9 @@ def test_served_traffic_keeps_the_pool_under_pressure_with_bounded_memory():
     feed = EngineFeed.start(engine, cfg, history_bytes=0)
     driver = tr.TrafficDriver(feed, rate=6.0, interval=0.05, seed=3).start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            m = feed.latest().metrics
-            if m.num_evictions and driver.traffic.counts.follow_ups >= 2 \
-                    and driver.traffic.counts.samples and m.num_steps > 300:
-                break
-            time.sleep(0.2)
+        counts = driver.traffic.counts
+        wait_until(lambda: (m := feed.latest().metrics).num_evictions and counts.follow_ups >= 2 and counts.samples
+                   and m.num_steps > 300, 60, what="evictions, follow-ups and samples")
         snap = feed.latest()
     finally:
         driver.stop()

@@ -1,6 +1,5 @@
 """One frame, one unit (issue 29): every feed's poll returns its newest frame with the events of every frame since
 the previous poll, taken from the engine runner's updates (never read back out of the History). No Qt."""
-import time
 import threading
 
 from engine import Engine, EngineConfig
@@ -10,6 +9,7 @@ from explorer.feeds.stream_feed import RecordingFeed
 from kvstream.events import BlockEvent, EventKind
 from kvstream.recording import Recorder, open_recording
 from kvstream.views import BlockState, PoolUpdate
+from tests.helpers import wait_until
 
 
 def small_engine(tokens=30):
@@ -121,9 +121,7 @@ def test_an_engine_feeds_frame_numbers_are_its_history_frames():
         target = feed.runner.latest.step_id + 6
         for _ in range(6):  # a step_once future resolves when the command is taken, before its step runs ...
             feed.runner.step_once().result(timeout=10)
-        deadline = time.monotonic() + 10
-        while feed.runner.latest.step_id < target and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: feed.runner.latest.step_id >= target)
         feed.runner.pause().result(timeout=10)  # ... so wait for the steps, and for the engine thread to have
         feed.fanout.flush(10)  # handed the last one to the fanout (a command is taken after a step's publishing)
         frame = feed.poll()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvstream.summary import fixed_part
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("--num-blocks", "64", "--block-size", "4")
@@ -130,7 +131,6 @@ def test_the_apps_own_kv_events_watched_headless_from_another_process(tmp_path):
     stream cannot know. The flag takes no replay endpoint, so the watcher starts once the publisher says it is
     publishing; a demo that others watch is paced and keeps publishing until --quit-after or SIGTERM."""
     import signal
-    import time
     endpoint = f"ipc://{tmp_path}/kv"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
     errors = tmp_path / "publisher.err"
@@ -139,9 +139,7 @@ def test_the_apps_own_kv_events_watched_headless_from_another_process(tmp_path):
                                       "--kv-events", endpoint, "--quit-after", "40"], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=err_file, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while "publishing" not in errors.read_text() and publisher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: "publishing" in errors.read_text() or publisher.poll() is not None, 60)
         assert publisher.poll() is None, (publisher.returncode, errors.read_text())  # still running for watchers
         assert f"KV events on {endpoint}" in errors.read_text()
         watched = run_main("--attach-kv-events", endpoint, "--headless", "--json", "--quit-after", "6",
@@ -170,7 +168,6 @@ def test_a_late_kv_event_watcher_catches_up_through_the_replay_socket(tmp_path):
     socket (without one it would miss them: its first batch would be a later one)."""
     import re
     import signal
-    import time
     kv, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
     out_path = tmp_path / "publisher.out"
@@ -179,10 +176,8 @@ def test_a_late_kv_event_watcher_catches_up_through_the_replay_socket(tmp_path):
                                       "--kv-events", f"{kv},replay={replay}", "--quit-after", "40"], cwd=ROOT,
                                      env=env, stdout=out_file, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while publisher.poll() is None and time.monotonic() < deadline and \
-                max(map(int, re.findall(r"^step +(\d+):", out_path.read_text(), re.M)), default=0) < 10:
-            time.sleep(0.1)
+        wait_until(lambda: publisher.poll() is not None or
+                   max(map(int, re.findall(r"^step +(\d+):", out_path.read_text(), re.M)), default=0) >= 10, 60)
         assert publisher.poll() is None, out_path.read_text()
         assert f"KV events on {kv} (replay on {replay})" in out_path.read_text()
         watched = run_main("--attach-kv-events", f"{kv},replay={replay}", "--headless", "--json", "--quit-after",

@@ -2,7 +2,6 @@
 KV events on the same endpoint go on from the new engine, --publish goes on, recordings end and say so, and the
 controls a read-only source disabled get their own tooltips back."""
 import socket
-import time
 
 import msgspec
 import pytest
@@ -16,6 +15,7 @@ from kvstream.history import History
 from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.recording import Recorder, open_recording
+from tests.helpers import joined, wait_until
 
 
 def free_port() -> int:
@@ -61,19 +61,21 @@ def test_restart_with_kv_events_on_the_same_endpoint(qtbot, tmp_path, transport)
         old = restart(qtbot, window, cfg)
         assert window.errors == [] and old.engine.kv_events_endpoints is None  # released, then stopped
         assert window.runner.engine.kv_events_endpoints[0].endswith(endpoint.rsplit(":", 1)[-1])
-        time.sleep(0.3)  # the subscriber reconnects to the new engine's socket
-        while sub.poll(0):
-            sub.recv_multipart()  # anything the old engine sent
+        # the subscriber reconnects to the new engine's socket: the empty pool's prefix cache reset (AllBlocksCleared)
+        # until one of them comes through (what the old engine sent is dropped on the way)
+        joined(sub, lambda: window.runner.submit("reset_prefix_cache"),
+               accept=lambda message: b"AllBlocksCleared" in message[-1])
         window.runner.submit("add_conversation", prompt="The new engine stores blocks of its own.",
                              max_new_tokens=4, temperature=0.0)
-        stored = []
-        deadline = time.time() + 10
-        while not stored and time.time() < deadline:
-            if sub.poll(100):
+
+        def stored():
+            while sub.poll(0):
                 _topic, _seq, payload = sub.recv_multipart()
                 _ts, events, *_ = msgspec.msgpack.decode(payload)
-                stored += [e for e in events if (e.get("type") if isinstance(e, dict) else e[0]) == "BlockStored"]
-        assert stored, "no BlockStored from the new engine"
+                if any((e.get("type") if isinstance(e, dict) else e[0]) == "BlockStored" for e in events):
+                    return True
+            return False
+        wait_until(stored, what="a BlockStored from the new engine")
     finally:
         sub.close()
         window.close()

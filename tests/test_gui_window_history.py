@@ -231,7 +231,7 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
     """The grid's frame and its events come as one unit: the window never shows the relocated frame with the
     selection still on the old id (whose new contents belong to another block), and it does not wait for the
     History for it (its frame is held here on the encoder's thread: the window follows the relocation first)."""
-    import time
+    import threading
     window = make_window(setup=three_conversations, paused=True, history=True)
     window.runner.step_once()
     snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 2)
@@ -240,11 +240,11 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
     window.select_block(block)
     qtbot.waitUntil(lambda: window.inspector.info is not None, timeout=3000)
     history = window.source.history
-    write = history.write
+    write, late = history.write, threading.Event()
 
-    def slow_write(frame):  # the encoder thread is late with the relocation's frame
+    def slow_write(frame):  # the encoder thread is late with the relocation's frame: until the test is done
         if any(e.kind == EventKind.RELOCATED for e in frame.events):
-            time.sleep(2.0)
+            late.wait(30)
         write(frame)
     monkeypatch.setattr(history, "write", slow_write)
     shown = []  # (selected id, frame) of every summary the inspector was given
@@ -255,16 +255,19 @@ def test_after_a_relocation_the_inspector_never_shows_the_old_id_in_the_new_fram
     arrived = []  # the relocations the window was handed with their frames
     window.source.eventsArrived.connect(
         lambda pairs, _restarted: arrived.extend(e for _, e in pairs if e.kind == EventKind.RELOCATED))
-    before = window.runner.latest.version
-    window.relocate(False)  # scramble
-    qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
-    qtbot.waitUntil(lambda: window.block_watch.block_id != block, timeout=5000)
-    assert not [e for _, e in history.events(kinds=(EventKind.RELOCATED,))]  # still on its way to the History
-    moved = arrived[-1]
-    new = dict(zip(moved.block_ids, moved.new_block_ids))[block]
-    assert window.block_watch.block_id == new
-    relocated = [(b, s) for b, s in shown if s.version > before]
-    assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]
+    try:
+        before = window.runner.latest.version
+        window.relocate(False)  # scramble
+        qtbot.waitUntil(lambda: len(window.relocation.reports) == 1, timeout=5000)
+        qtbot.waitUntil(lambda: window.block_watch.block_id != block, timeout=5000)
+        assert not [e for _, e in history.events(kinds=(EventKind.RELOCATED,))]  # still on its way to the History
+        moved = arrived[-1]
+        new = dict(zip(moved.block_ids, moved.new_block_ids))[block]
+        assert window.block_watch.block_id == new
+        relocated = [(b, s) for b, s in shown if s.version > before]
+        assert relocated and all(b == new for b, _ in relocated), [(b, s.version) for b, s in relocated]
+    finally:
+        late.set()
 
 
 def test_step_numbers_are_written_one_way():

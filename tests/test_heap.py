@@ -3,13 +3,14 @@ resident memory creeps up from allocator fragmentation otherwise (bench/soak.py 
 from __future__ import annotations
 
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, EngineRunner
 from engine import heap
+from tests.helpers import wait_until
 
 
 def test_the_trimmer_trims_once_per_interval():
@@ -121,11 +122,12 @@ def test_the_populator_faults_a_buffer_in_without_changing_a_byte():
 def test_the_populator_stops_at_its_limit_and_when_told(monkeypatch):
     """Only the first ``limit`` bytes (the slots a tier hands out first); and stop() ends the thread between chunks,
     as closing the tier does, without waiting for the rest."""
-    calls = []
+    calls, populators = [], []
 
-    def slow_madvise(address, size, advice):
+    def slow_madvise(address, size, advice):  # from the third chunk on, a chunk lasts until stop() is called
         calls.append(size)
-        time.sleep(0.02)
+        if populators and len(calls) >= 3:
+            populators[-1]._stop.wait(30)
         return 0
     monkeypatch.setattr(heap, "_MADVISE", slow_madvise)
     monkeypatch.setattr(heap, "POPULATE_CHUNK", 1 << 16)
@@ -133,10 +135,12 @@ def test_the_populator_stops_at_its_limit_and_when_told(monkeypatch):
     limited = heap.Populator(flat, limit=1 << 20)
     assert limited.done.wait(30) and limited.populated == 1 << 20 and sum(calls) == 1 << 20
     calls.clear()
-    stopped = heap.Populator(flat)  # 256 chunks of 20 ms: about 5 s unless stopped
-    time.sleep(0.1)
+    stopped = heap.Populator(flat, start=False)  # 256 chunks unless stopped
+    populators.append(stopped)
+    stopped.start()
+    wait_until(lambda: len(calls) >= 3)  # in its third chunk
     stopped.stop()
-    assert stopped.done.is_set() and 0 < stopped.populated < flat.nbytes and len(calls) < 64
+    assert stopped.done.is_set() and stopped.populated == 3 << 16 and len(calls) == 3
     del flat
     mapping.close()
 
@@ -144,12 +148,22 @@ def test_the_populator_stops_at_its_limit_and_when_told(monkeypatch):
 def test_closing_an_engine_stops_its_host_tier_populating_and_lets_its_memory_go(monkeypatch):
     """Engine.close() ends the thread mid-way (it does not run on through the whole tier) and the tier's array goes
     with it, not when the engine's cycles are collected some time later."""
-    monkeypatch.setattr(heap, "_MADVISE", lambda address, size, advice: (time.sleep(0.02), 0)[1])
+    calls, closing = [], threading.Event()
+
+    def slow_madvise(address, size, advice):  # from the third chunk on, a chunk lasts until the engine closes
+        calls.append(size)
+        if len(calls) >= 3:
+            closing.wait(30)
+        return 0
+    monkeypatch.setattr(heap, "_MADVISE", slow_madvise)
     monkeypatch.setattr(heap, "POPULATE_CHUNK", 1 << 16)
     eng = Engine(EngineConfig(model="builtin", num_blocks=32, block_size=4, host_tier_blocks=4096))
     host = eng.tiers.order[0]
-    assert host.name == "host" and host.data.nbytes >= 16 << 20  # hundreds of chunks: seconds unless stopped
-    time.sleep(0.1)
+    assert host.name == "host" and host.data.nbytes >= 16 << 20  # hundreds of chunks unless stopped
+    wait_until(lambda: len(calls) >= 3)
+    real_stop = host.populator.stop
+    monkeypatch.setattr(host.populator, "stop", lambda *a, **kw: (host.populator._stop.set(), closing.set(),
+                                                                  real_stop(*a, **kw))[-1])
     eng.close()
     assert host.populator.done.is_set() and 0 < host.populator.populated < 16 << 20
     assert host.data.nbytes == 0 and eng.tiers is None

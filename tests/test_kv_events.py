@@ -29,7 +29,7 @@ from kvstream.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockSt
                                 KVEventSubscriber, decode_batch, decode_batch_counted, encode_batch,
                                 json_summary, make_batch, parse_endpoint_spec, prefix_overlap, where_cached)
 
-from tests.helpers import fail_forward_on_call  # noqa: E402
+from tests.helpers import fail_forward_on_call, joined, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,18 +42,6 @@ def sockdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def wait_until(predicate, timeout=5.0, serve=None):
-    """Poll ``predicate`` (serving a wire peer's replay socket meanwhile) until it holds; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if serve is not None:
-            serve()
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("timed out waiting")
-
-
 def settled_status(sub, serve=None):
     """The endpoint's status once it reflects every batch its index holds: status() is a copy made by the
     subscriber's loop, up to POLL_MS old, so read at once after the index changed it can predate the change."""
@@ -61,6 +49,13 @@ def settled_status(sub, serve=None):
     wait_until(lambda: (sub.status()[0].num_batches, sub.status()[0].last_seq) == (index.num_batches, index.last_seq),
                serve=serve)
     return sub.status()[0]
+
+
+def live_joined(sub, pub):
+    """Publish empty batches on ``pub`` until one reaches the KVEventSubscriber ``sub`` live (not by its replay):
+    from then on what ``pub`` sends arrives live."""
+    wait_until(lambda: (st := sub.status()[0]).num_batches > st.num_replayed, serve=lambda: pub.publish([]),
+               what="a batch to come live")
 
 
 def stored(hashes, parent=None, size=2, medium="GPU", tokens=None, lora_name=None):
@@ -185,9 +180,9 @@ VLLM_SIDE = textwrap.dedent("""
             vllm_hashes = sorted(maybe_convert_block_hash(get_block_hash(k))
                                  for k in pool.cached_block_hash_to_block._cache)
             index = sub.indexes[0]
-            deadline = time.time() + 10
-            while time.time() < deadline and sorted(index.live_hashes()) != vllm_hashes:
-                time.sleep(0.05)
+            from tests.helpers import wait_until
+            wait_until(lambda: sorted(index.live_hashes()) == vllm_hashes, what="our index to hold vLLM's hashes",
+                       seen=lambda: sorted(index.live_hashes()))
             st = sub.status()[0]
         return [vllm_hashes, sorted(index.live_hashes()), st.num_lost, st.num_malformed, st.num_replayed,
                 index.num_removed_total]
@@ -445,13 +440,13 @@ def test_wire_only_subscriber_and_replay_from_zero(sockdir):
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(pub.endpoint)
-        time.sleep(0.2)  # slow joiner: let the subscription reach the publisher
+        first = joined(sub, lambda: pub.publish([]))  # empty batches until the subscription is in
         for events in batches:
             pub.publish(events)
         live, hashes = [], set()
-        while len(live) < len(batches):
-            assert sub.poll(5000)
-            topic, seq, payload = sub.recv_multipart()
+        message = first
+        while True:
+            topic, seq, payload = message
             assert topic == b"kv" and len(seq) == 8
             live.append((int.from_bytes(seq, "big"), payload))
             ts, events, rank = msgspec.msgpack.decode(payload)
@@ -463,8 +458,14 @@ def test_wire_only_subscriber_and_replay_from_zero(sockdir):
                     hashes.difference_update(event["block_hashes"])
                 else:
                     hashes.clear()
+            if len(live) == pub.next_seq - live[0][0]:  # every batch from the first one received
+                break
+            assert sub.poll(5000)
+            message = sub.recv_multipart()
         sub.close(linger=0)
-        assert [s for s, _ in live] == list(range(len(batches))) and hashes == expected
+        probes = live[0][0]  # probes sent before the subscription was in (the one received and any after it are
+        # in ``live``: empty batches, which change nothing)
+        assert [s for s, _ in live] == list(range(probes, pub.next_seq)) and hashes == expected
         req = ctx.socket(zmq.DEALER)
         req.connect(pub.replay_endpoint)
         req.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -489,7 +490,8 @@ def test_wire_only_subscriber_and_replay_from_zero(sockdir):
         req.send_multipart([b"", b"bad"])  # not 8 bytes: ignored, counted
         wait_until(lambda: pub.num_bad_replay_requests == 1)
         req.close(linger=0)
-    assert replayed == live and tail == list(range(50, 60))
+    assert replayed[probes:] == live and len(replayed) == pub.next_seq
+    assert tail == list(range(50, pub.next_seq))
 
 
 def test_loss_beyond_replay_buffer_is_reported(sockdir):
@@ -507,12 +509,8 @@ def test_loss_beyond_replay_buffer_is_reported(sockdir):
 def test_without_replay_socket_a_late_join_counts_the_batches_before(sockdir):
     with KVEventPublisher(f"ipc://{sockdir}/p") as pub:
         with KVEventSubscriber([f"ipc://{sockdir}/p"]) as sub:
-            wait_until(lambda: sub.status()[0].connected)
-            time.sleep(0.2)
-            seq = 0
-            while sub.indexes[0].num_batches == 0:  # the first few may go out before the subscription lands
-                seq = pub.publish([stored([seq + 1])])
-                time.sleep(0.02)
+            sent = []  # the first few go out before the subscription lands
+            wait_until(lambda: sub.indexes[0].num_batches > 0, serve=lambda: sent.append(pub.publish([stored([9])])))
             first = sub.indexes[0].last_seq  # the batch is applied before its gap is counted: wait for the count
             wait_until(lambda: sub.status()[0].num_lost == first)
             assert sub.status()[0].num_lost == first
@@ -578,8 +576,10 @@ class WirePeer:
 
     def __init__(self, sockdir, answer=True):
         ctx = zmq.Context.instance()
-        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        # an XPUB socket sends as a PUB does and tells the test when a subscription has reached it
+        self.pub, self.router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
         self.endpoint, self.replay_endpoint = f"ipc://{sockdir}/w", f"ipc://{sockdir}/wr"
+        self.subscriptions = 0  # subscriptions that reached the live socket
         self.pub.bind(self.endpoint)
         self.router.bind(self.replay_endpoint)
         self.buffer: dict[int, bytes] = {}  # what a replay returns
@@ -594,6 +594,9 @@ class WirePeer:
             self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload or self.payload(seq)])
 
     def serve(self):
+        while self.pub.poll(0):
+            if self.pub.recv()[:1] == b"\x01":
+                self.subscriptions += 1
         while self.router.poll(0):
             ident, delim, start = self.router.recv_multipart()
             assert delim == b"" and len(start) == 8
@@ -619,8 +622,7 @@ def peer(sockdir):
 
 def _follow(peer, **kw):
     sub = KVEventSubscriber([KVEventEndpoint(peer.endpoint, peer.replay_endpoint)], **kw).start()
-    wait_until(lambda: sub.status()[0].connected and peer.requests == [0], serve=peer.serve)
-    time.sleep(0.1)  # the subscription reaches the PUB socket
+    wait_until(lambda: sub.status()[0].connected and peer.requests == [0] and peer.subscriptions, serve=peer.serve)
     return sub
 
 
@@ -631,16 +633,15 @@ def test_gap_is_filled_by_replay(peer):
         peer.live(0, 1, 2, 3, 4)
         peer.live(8, 9)  # 5, 6, 7 never arrive live
         index = sub.indexes[0]
-        # The request for 5 goes out when 8 arrives; answer it once 9 has arrived too, so that the replay's copies of
-        # 8 and 9 are the duplicates (answered at once, the replay's 9 could come first and be the one counted)
-        wait_until(lambda: peer.router.poll(0))
-        time.sleep(0.2)
+        # the request for 5 goes out when 8 arrives; the replay holds 5-9, so 8 and 9 come twice (live and replayed,
+        # in either order): each is applied once
         wait_until(lambda: index.num_batches == 10, serve=peer.serve)
         st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
     assert peer.requests == [0, 5]  # exactly the gap was asked for
-    assert index.live_hashes() == {1000 + s for s in range(10)} and st.num_lost == 0 and st.num_replayed == 3
+    assert index.live_hashes() == {1000 + s for s in range(10)} and st.num_lost == 0 and st.num_restarts == 0
+    assert 3 <= st.num_replayed <= 5  # 5-7, and 8 and 9 where the replayed copy came first
 
 
 def test_gap_older_than_buffer_is_lost_and_said(peer):
@@ -680,8 +681,7 @@ def test_replay_socket_that_never_answers(sockdir):
     try:
         sub = KVEventSubscriber([KVEventEndpoint(peer.endpoint, peer.replay_endpoint)], replay_timeout_s=0.3)
         sub.start()
-        wait_until(lambda: sub.status()[0].replay_answering is False, serve=peer.serve)
-        time.sleep(0.1)
+        wait_until(lambda: sub.status()[0].replay_answering is False and peer.subscriptions, serve=peer.serve)
         peer.live(3, 4)
         wait_until(lambda: sub.indexes[0].num_batches == 2, serve=peer.serve)
         st = settled_status(sub, serve=peer.serve)
@@ -754,17 +754,20 @@ def test_publishers_io_thread_does_not_preempt_decode(sockdir):
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(pub.endpoint)
         try:
-            time.sleep(0.2)
+            joined(sub, lambda: pub.publish([]))  # the I/O thread is carrying the stream
             policies = {}
             for task in Path("/proc/self/task").iterdir():
                 name = (task / "comm").read_text().strip()
                 if name.startswith("ZMQbg/IO"):
                     policies.setdefault(name, set()).add(os.sched_getscheduler(int(task.name)))
             assert os.SCHED_BATCH in policies["ZMQbg/IO/0"]  # the publishers' context's I/O thread
-            pub.publish([BlockRemoved(block_hashes=(7,), medium="GPU")])
-            assert sub.poll(5000)
-            topic, seq, payload = sub.recv_multipart()
-            assert int.from_bytes(seq, "big") == 0 and decode_batch(payload).events[0].block_hashes == (7,)
+            sent = pub.publish([BlockRemoved(block_hashes=(7,), medium="GPU")])
+            batch = None
+            while batch is None or not batch.events:  # probes sent after the one received come first
+                assert sub.poll(5000)
+                topic, seq, payload = sub.recv_multipart()
+                batch = decode_batch(payload)
+            assert int.from_bytes(seq, "big") == sent and batch.events[0].block_hashes == (7,)
         finally:
             sub.close(linger=0)
 
@@ -857,7 +860,7 @@ def test_engine_stream_rebuilds_the_engines_hashes(tmp_path, sockdir):
     if importlib.util.find_spec("engine.kv.kv_events") is None:
         pytest.skip("the engine does not publish KV events yet (engine/kv/kv_events.py has not landed)")
     from engine import Engine, EngineConfig
-    from helpers import write_tiny_checkpoint
+    from tests.helpers import write_tiny_checkpoint
     from kvstream.views import BlockState
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
@@ -928,7 +931,7 @@ def replay_batches(replay_endpoint, start=0):
 
 def _publishing_engine(tmp_path, sockdir, **kw):
     from engine import Engine, EngineConfig
-    from helpers import write_tiny_checkpoint
+    from tests.helpers import write_tiny_checkpoint
     ckpt = tmp_path / "ckpt"
     if not ckpt.exists():
         write_tiny_checkpoint(ckpt)
@@ -1016,7 +1019,9 @@ def test_wire_only_subscriber_follows_the_engine(tmp_path, sockdir):
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(eng.kv_events_endpoints[0])
-        time.sleep(0.3)  # slow joiner: the subscription must reach the PUB socket before the first batch
+        # the empty pool's prefix cache reset (AllBlocksCleared) until the subscription is in: the batches before it
+        # come by replay, as a reader that joins late fetches them
+        live = [joined(sub, eng.reset_prefix_cache)]
         rng = random.Random(1)
         shared = [rng.randrange(1, 90) for _ in range(8)]
         for round_ in range(8):  # more distinct prefixes than 24 blocks can cache: evictions
@@ -1030,12 +1035,16 @@ def test_wire_only_subscriber_follows_the_engine(tmp_path, sockdir):
         eng.generate([shared + [5, 6, 7]], max_new_tokens=5)  # several steps in one transaction
         sent = eng._kv_events.publisher.next_seq
 
-        live, hashes, ever, kinds = [], set(), set(), set()
-        while len(live) < sent:
-            assert sub.poll(5000), f"received {len(live)} of {sent} batches"
+        first = int.from_bytes(live[0][1], "big")
+        missed = replay_batches(eng.kv_events_endpoints[1])[:first]  # the probes the subscription missed
+        live = [(int.from_bytes(seq, "big"), payload) for _topic, seq, payload in live]
+        while first + len(live) < sent:
+            assert sub.poll(5000), f"received {first + len(live)} of {sent} batches"
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv" and len(seq) == 8
             live.append((int.from_bytes(seq, "big"), payload))
+        hashes, ever, kinds = set(), set(), set()
+        for _seq, payload in missed + live:
             ts, events, rank = msgspec.msgpack.decode(payload)
             assert isinstance(ts, float) and rank == 0 and events
             for event in events:
@@ -1053,13 +1062,13 @@ def test_wire_only_subscriber_follows_the_engine(tmp_path, sockdir):
                     assert event["type"] == "AllBlocksCleared"
                     hashes.clear()
         assert not sub.poll(100), "more batches than the publisher counted"
-        assert [s for s, _ in live] == list(range(sent))
+        assert [s for s, _ in missed + live] == list(range(sent))
         assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
         snap = eng.snapshot()
         held = {int(h) for h, st in zip(snap.block_hash, snap.state)
                 if h != 0 and st in (BlockState.USED, BlockState.CACHED)}
         assert held and hashes == held
-        assert replay_batches(eng.kv_events_endpoints[1]) == live
+        assert replay_batches(eng.kv_events_endpoints[1]) == missed + live
     finally:
         sub.close(linger=0)
         eng.close()

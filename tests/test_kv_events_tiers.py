@@ -18,7 +18,8 @@ from kvstream.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVC
                                 encode_batch, json_summary, make_batch, medium_tier, prefix_overlap_by_tier,
                                 where_cached)
 from tests.test_kv_events import (ROOT, _sglang_kv_events, _vllm_python, msgpack_shape, settled_status,  # noqa: F401
-                                  sockdir, wait_until)
+                                  sockdir)
+from tests.helpers import wait_until
 
 # vLLM 0.34's fields, in its order (vllm/distributed/kv_events.py): what our structs must be, name for name.
 VLLM_034_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -164,6 +165,7 @@ VLLM_TIERS = textwrap.dedent("""
     from vllm.distributed.kv_events import (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared,
                                             ZmqEventPublisher, MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
     from kvstream.kv_events import KVEventEndpoint, KVEventSubscriber, json_summary
+    from tests.helpers import holds_for, wait_until
 
     tokens = list(range(100, 132))  # 4 blocks of 8
     def gpu(hashes, parent, toks, group=0):
@@ -194,15 +196,16 @@ VLLM_TIERS = textwrap.dedent("""
     ep, rp = sys.argv[4], sys.argv[5]
     # our watcher first, then vLLM's own publisher (the late server), which publishes before we are connected
     with KVEventSubscriber([KVEventEndpoint(ep, rp)], replay_timeout_s=0.5) as sub:
-        time.sleep(1.0)
+        # the watcher waits a while, long enough for ZMQ's reconnect back-off to grow past the server's batches
+        holds_for(lambda: sub.status()[0].state == "connecting", 1.0)
         pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=ep, replay_endpoint=rp)
         for b in batches:
             pub.publish(b)
-        deadline = time.time() + 20
-        while time.time() < deadline and sub.indexes[0].num_batches < len(batches):
-            time.sleep(0.05)
-        time.sleep(0.2)
-        summary = json_summary(sub.indexes[0], sub.status()[0])
+        index = sub.indexes[0]
+        wait_until(lambda: index.num_batches >= len(batches), 20)
+        wait_until(lambda: (sub.status()[0].num_batches, sub.status()[0].last_seq) == (index.num_batches,
+                                                                                       index.last_seq))
+        summary = json_summary(index, sub.status()[0])
         pub.shutdown()
     open(sys.argv[2], "wb").write(msgspec.msgpack.encode([payloads, summary]))
 """)
@@ -269,9 +272,10 @@ def test_sglang_publisher_tiers(sockdir):
     try:
         with KVEventSubscriber([KVEventEndpoint(f"ipc://{sockdir}/s", f"ipc://{sockdir}/r")]) as sub:
             # slow joiner: both batches published before the subscription reached the publisher were lost with no
-            # later batch to show the gap (the full suite timed out here once); connect first
-            wait_until(lambda: sub.status()[0].connected)
-            time.sleep(0.2)
+            # later batch to show the gap (the full suite timed out here once): empty batches until one comes live
+            wait_until(lambda: (st := sub.status()[0]).num_batches > st.num_replayed,
+                       serve=lambda: pub.publish(sgl.KVEventBatch(ts=time.time(), events=[])))
+            index = sub.indexes[0]
             pub.publish(sgl.KVEventBatch(ts=time.time(), events=[
                 sgl.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[5, 6, 7, 8], block_size=2,
                                 lora_id=None, medium=medium.GPU)]))
@@ -281,10 +285,10 @@ def test_sglang_publisher_tiers(sockdir):
                 sgl.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[5, 6], block_size=2,
                                 lora_id=None, medium=medium.DISK),
                 sgl.BlockRemoved(block_hashes=[2], medium=medium.GPU)]))
-            index = sub.indexes[0]
-            wait_until(lambda: index.num_batches == 2)
+            # (probes still queued in SGLang's publishing thread may come between: wait for the last batch's state)
+            wait_until(lambda: index.match_prefix_by_tier([5, 6, 7, 8]) == {"GPU": 1, "CPU": 2, "STORAGE": 1})
             st = settled_status(sub)
-            payload = pub._buffer[1][1]
+            payload = pub._buffer[-1][1]
         assert [e["medium"] for e in msgspec.msgpack.decode(payload)[1]] == ["CPU_PINNED", "DISK", "GPU"]
         summary = json_summary(index, st)
         assert summary["stored_hashes_by_medium"] == {"GPU": 1, "CPU": 2, "STORAGE": 1}

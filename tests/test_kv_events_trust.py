@@ -10,14 +10,14 @@
 from __future__ import annotations
 
 import random
-import time
 
 import zmq
 
 from kvstream.kv_events import KVEventEndpoint, KVEventError, KVEventPublisher, KVEventSubscriber, encode_batch, \
     make_batch
-from tests.test_kv_events import (WirePeer, _follow, _publishing_engine, peer, settled_status, sockdir,  # noqa: F401
-                                  stored, wait_until)
+from tests.helpers import holds_for, wait_until
+from tests.test_kv_events import (WirePeer, _follow, _publishing_engine, live_joined, peer, settled_status,  # noqa
+                                  sockdir, stored)
 
 
 def test_a_seq_from_the_future_is_set_aside_not_counted_lost(peer):
@@ -27,10 +27,9 @@ def test_a_seq_from_the_future_is_set_aside_not_counted_lost(peer):
         peer.live(0)
         wait_until(lambda: index.last_seq == 0, serve=peer.serve)
         peer.live(2**64 - 1, payload=encode_batch(make_batch([stored([666])], 1.0, 0)))  # forged or corrupt
-        time.sleep(0.2)
+        wait_until(lambda: sub.status()[0].num_future == 1, serve=peer.serve)  # set aside
         peer.live(1, 2)
         wait_until(lambda: index.last_seq == 2, serve=peer.serve)
-        time.sleep(0.3)  # time for any retry / give-up of a gap to happen
         st = settled_status(sub, serve=peer.serve)
     finally:
         sub.stop()
@@ -61,12 +60,11 @@ def test_a_stream_that_really_jumps_is_followed_from_there(peer):
 
 def test_without_replay_a_far_first_seq_is_not_counted_lost(sockdir):
     ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # a PUB that says when the subscription has reached it
     pub.bind(f"ipc://{sockdir}/n")
     try:
         with KVEventSubscriber([f"ipc://{sockdir}/n"]) as sub:
-            wait_until(lambda: sub.status()[0].connected)
-            time.sleep(0.2)
+            wait_until(lambda: pub.poll(0) and pub.recv()[:1] == b"\x01")
             for seq in (2**64 - 2, 2**64 - 1):
                 pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(make_batch([stored([seq])], 1.0))])
             wait_until(lambda: sub.indexes[0].num_batches == 2)
@@ -90,8 +88,8 @@ def test_an_exception_while_handling_a_message_is_counted_and_the_watcher_goes_o
     index.apply_batch = apply_once_broken
     sub.start()
     try:
-        wait_until(lambda: sub.status()[0].connected and peer.requests == [0], serve=peer.serve)
-        time.sleep(0.1)
+        wait_until(lambda: sub.status()[0].connected and peer.requests == [0] and peer.subscriptions,
+                   serve=peer.serve)
         peer.live(0, 1, 2)
         wait_until(lambda: index.last_seq == 2, serve=peer.serve)
         st = settled_status(sub, serve=peer.serve)
@@ -122,22 +120,21 @@ def test_a_failed_publish_uses_its_seq_and_the_watcher_recovers_it_by_replay(soc
     with KVEventPublisher(f"ipc://{sockdir}/p", f"ipc://{sockdir}/r") as pub:
         with KVEventSubscriber([KVEventEndpoint(pub.endpoint, pub.replay_endpoint)]) as sub:
             index = sub.indexes[0]
-            wait_until(lambda: sub.status()[0].connected)
-            time.sleep(0.2)
-            assert pub.publish([stored([1])]) == 0
-            wait_until(lambda: index.last_seq == 0)
+            live_joined(sub, pub)
+            first = pub.publish([stored([1])])
+            wait_until(lambda: index.last_seq == first)
             real = pub._pub
             pub._pub = _RefusingSocket(real)
             try:
                 pub.publish([stored([2], parent=1)])
                 raise AssertionError("a refused send must raise")
             except KVEventError as exc:
-                assert "batch 1 was not sent" in str(exc)
-            assert pub.next_seq == 2 and pub.num_send_failures == 1
-            assert pub.publish([stored([3], parent=2)]) == 2  # the gap at 1 shows: replay fills it
+                assert f"batch {first + 1} was not sent" in str(exc)
+            assert pub.next_seq == first + 2 and pub.num_send_failures == 1
+            assert pub.publish([stored([3], parent=2)]) == first + 2  # the gap shows: replay fills it
             wait_until(lambda: index.live_hashes() == {1, 2, 3})
             st = settled_status(sub)
-    assert st.num_lost == 0 and st.num_replayed >= 1 and st.last_seq == 2
+    assert st.num_lost == 0 and st.num_replayed >= 1 and st.last_seq == first + 2
 
 
 def test_a_watcher_started_before_its_publisher_catches_up(sockdir):
@@ -146,8 +143,8 @@ def test_a_watcher_started_before_its_publisher_catches_up(sockdir):
     ep = KVEventEndpoint(f"ipc://{sockdir}/late", f"ipc://{sockdir}/later")
     with KVEventSubscriber([ep], replay_timeout_s=0.3) as sub:
         index = sub.indexes[0]
-        time.sleep(1.0)  # longer than the replay timeout: an early request has long been given up
-        assert sub.status()[0].state == "connecting"
+        # the viewer waits a while, long enough for ZMQ's reconnect back-off to grow past the server's first batches
+        holds_for(lambda: sub.status()[0].state == "connecting", 1.0, what="connecting, with nothing to connect to")
         with KVEventPublisher(ep.endpoint, ep.replay_endpoint) as pub:
             for h in range(1, 6):
                 pub.publish([stored([h], parent=h - 1 if h > 1 else None)])
@@ -162,7 +159,7 @@ def test_a_watcher_started_before_our_engine_catches_up(tmp_path, sockdir):
     ep = KVEventEndpoint(f"ipc://{sockdir}/e", f"ipc://{sockdir}/er")
     with KVEventSubscriber([ep], replay_timeout_s=0.3) as sub:
         index = sub.indexes[0]
-        time.sleep(0.8)
+        holds_for(lambda: sub.status()[0].state == "connecting", 0.8, what="connecting, with nothing to connect to")
         eng = _publishing_engine(tmp_path, sockdir)
         try:
             rng = random.Random(3)

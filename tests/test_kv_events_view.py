@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from explorer.widgets.content_view import ContentView
 from kvstream.kv_events import BlockRemoved, BlockStored, KVCacheIndex, make_batch
+from tests.helpers import wait_until
 
 
 def gpu(hashes, parent, tokens):
@@ -51,7 +52,6 @@ def test_tiers_in_the_instance_pane_and_across(qtbot):
 def test_the_feeds_json_has_the_kv_event_keys(tmp_path):
     """--json of a KV-event source: DESIGN.md's stored_hashes_by_medium, and the stream's malformed, lost, odd
     events and last error from its status."""
-    import time
     from explorer.feeds.kv_event_feed import KVEventFeed
     from kvstream.kv_events import KVEventEndpoint, KVEventPublisher, KVEventSubscriber
     ep = KVEventEndpoint(f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r")
@@ -59,9 +59,7 @@ def test_the_feeds_json_has_the_kv_event_keys(tmp_path):
         pub.publish([gpu([11, 12], None, [1, 2, 3, 4]), placeholder(11, "CPU")])
         feed = KVEventFeed(KVEventSubscriber([ep]).start())
         try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and feed.subscriber.status()[0].num_batches < 1:
-                time.sleep(0.02)
+            wait_until(lambda: feed.subscriber.status()[0].num_batches >= 1)
             summary = feed.summaries(final=True)[0]
         finally:
             feed.close()

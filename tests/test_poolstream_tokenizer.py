@@ -10,6 +10,7 @@ from engine import Engine, EngineConfig
 from kvstream.poolstream import StreamDecoder, StreamEncoder
 from kvstream.recording import Recorder
 from kvstream.tokens import ByteTokens, piece_text
+from tests.helpers import wait_until
 
 
 def builtin_engine():
@@ -106,7 +107,6 @@ def test_byte_tokens_read_as_the_engines_byte_tokenizer():
 
 def test_attaching_to_the_builtin_engine_shows_token_text(tmp_path):
     """--attach of the project's own engine: the stream names 'builtin', so the viewer has text, not '<72>'."""
-    import time
     from explorer.feeds.stream_feed import AttachFeed
     from kvstream.poolstream.publisher import PoolStreamPublisher
     engine = builtin_engine()
@@ -115,12 +115,12 @@ def test_attaching_to_the_builtin_engine_shows_token_text(tmp_path):
     with PoolStreamPublisher(endpoint, heartbeat_seconds=0.2) as publisher:
         feed = AttachFeed.connect(endpoint)
         try:
-            deadline = time.monotonic() + 10
-            while feed.latest() is None and time.monotonic() < deadline:
+
+            def publish_a_step():  # until the attached feed has a frame (the first ones go out before it listens)
                 publisher.write(encoder.encode(engine.snapshot()))
                 engine.step()
-                time.sleep(0.1)
-            assert feed.latest() is not None and feed.latest().tokenizer == "builtin"
+            wait_until(lambda: feed.latest() is not None, serve=publish_a_step)
+            assert feed.latest().tokenizer == "builtin"
             assert feed.token_text(ord("H")) == "H" and feed.token_text(257) == "<eos>"
         finally:
             feed.close()

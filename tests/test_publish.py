@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -17,6 +16,7 @@ from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.poolstream.transport import FRAME_TOPIC, PublishError
 from kvstream.recording import Recorder
+from tests.helpers import holds_for, wait_until
 from tests.poolstream_helpers import assert_same_snapshot, encode_all, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,15 +44,6 @@ for line in sys.stdin:
     print("sent", flush=True)
 pub.close()
 """
-
-
-def _wait(condition, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +87,19 @@ def test_two_processes_early_and_late_subscribers(recording, tmp_path, transport
     proc, bound = _publisher(path, endpoint)
     early = PoolStreamSubscriber(bound, silent_seconds=5)
     try:
-        assert _wait(lambda: early.status.connected)
+        wait_until(lambda: early.status.connected)
         assert early.status.state in ("waiting", "connecting")
-        assert _wait(lambda: early.status.silent_seconds is not None)  # a heartbeat came: the publisher has it
+        wait_until(lambda: early.status.silent_seconds is not None)  # a heartbeat came: the publisher has it
         _send(proc, 110)
-        assert _wait(lambda: early.status.last_seq == 109)
+        wait_until(lambda: early.status.last_seq == 109)
         late = PoolStreamSubscriber(bound, silent_seconds=5)
         side = PoolStreamSubscriber(bound, silent_seconds=5)  # a third one side by side
         # the late subscriber gets the last keyframe (80) and the deltas since, at once
-        assert _wait(lambda: late.status.last_seq == 109 and side.status.last_seq == 109)
+        wait_until(lambda: late.status.last_seq == 109 and side.status.last_seq == 109)
         assert late.history.first_seq == 80 and late.history.keyframe_seqs()[0] == 80
         _send(proc, len(frames) - 110)
         last = len(frames) - 1
-        assert _wait(lambda: all(s.status.last_seq == last for s in (early, late, side)))
+        wait_until(lambda: all(s.status.last_seq == last for s in (early, late, side)))
         for sub in (early, late, side):
             st = sub.status
             assert st.state == "live" and st.malformed == 0 and st.gaps == 0, st
@@ -130,21 +121,20 @@ def test_silent_then_restarted_source_is_followed(recording):
     proc, bound = _publisher(path, "tcp://127.0.0.1:0")
     sub = PoolStreamSubscriber(bound, silent_seconds=0.8)
     try:
-        assert _wait(lambda: sub.status.silent_seconds is not None)  # subscribed (a heartbeat came)
+        wait_until(lambda: sub.status.silent_seconds is not None)  # subscribed (a heartbeat came)
         _send(proc, 50)
-        assert _wait(lambda: sub.status.last_seq == 49)
-        time.sleep(0.5)
-        assert sub.status.state == "live"  # idle, but heartbeats say the source is there
+        wait_until(lambda: sub.status.last_seq == 49)
+        holds_for(lambda: sub.status.state == "live", 1.0, what="live while idle (heartbeats say the source is there)")
         proc.stdin.close()
         proc.wait(10)
-        assert _wait(lambda: sub.status.state == "silent")
+        wait_until(lambda: sub.status.state == "silent")
         assert "silent for" in sub.status.text
         # a new process publishes on the same endpoint: a new stream, followed by itself (ZMQ reconnects)
         proc, again = _publisher(path, bound, restart=True)
         assert again == bound
-        assert _wait(lambda: sub.status.connected and sub.status.state != "silent", 15)  # heartbeats again
+        wait_until(lambda: sub.status.connected and sub.status.state != "silent", 15)  # heartbeats again
         _send(proc, 20)
-        assert _wait(lambda: sub.status.restarts == 1 and sub.status.last_seq == 19, 15)
+        wait_until(lambda: sub.status.restarts == 1 and sub.status.last_seq == 19, 15)
         assert sub.history.first_seq == 0 and sub.history.last_seq == 19
         _check(sub.history, snaps)
     finally:
@@ -158,13 +148,12 @@ def test_malformed_messages_are_counted_and_skipped():
     snaps = workload()[:30]
     _, frames = encode_all(snaps, keyframe_interval=100)
     ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # sends as a plain PUB socket does, and says when the subscription reached it
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     sub = PoolStreamSubscriber(f"tcp://127.0.0.1:{port}")
     try:
-        assert _wait(lambda: sub.status.connected)
-        time.sleep(0.5)  # the subscription reaches the plain PUB socket (it tells nothing back)
+        wait_until(lambda: pub.poll(0) and pub.recv()[:1] == b"\x01")
         garbage = [
             [FRAME_TOPIC, b"\xc1\xc1"],
             [FRAME_TOPIC, msgspec.msgpack.encode([1.0, [], 0])],  # a vLLM KV-event batch
@@ -177,7 +166,7 @@ def test_malformed_messages_are_counted_and_skipped():
             pub.send_multipart(parts)
         for f in frames:
             pub.send_multipart([FRAME_TOPIC, f.payload])
-        assert _wait(lambda: sub.status.last_seq == len(frames) - 1)
+        wait_until(lambda: sub.status.last_seq == len(frames) - 1)
         st = sub.status
         assert st.malformed == len(garbage) and "malformed" in st.text and st.last_error
         _check(sub.history, snaps)
@@ -192,19 +181,18 @@ def test_a_gap_is_detected_and_resynced():
     with PoolStreamPublisher("tcp://127.0.0.1:0", heartbeat_seconds=0.2) as pub:
         sub = PoolStreamSubscriber(pub.bound)
         try:
-            assert _wait(lambda: sub.status.silent_seconds is not None)  # subscribed (a heartbeat came)
+            wait_until(lambda: sub.status.silent_seconds is not None)  # subscribed (a heartbeat came)
             for f in frames[:50]:
                 pub.write(f)
-            assert _wait(lambda: sub.status.last_seq == 49)
+            wait_until(lambda: sub.status.last_seq == 49)
             for f in frames[51:60]:  # frame 50 is lost on the way; the next keyframe is 60
                 pub.write(f)
-            assert _wait(lambda: sub.status.gaps == 1 and sub.status.resyncs >= 1)
-            time.sleep(0.3)
+            wait_until(lambda: sub.status.gaps == 1 and sub.status.resyncs >= 1)
             assert sub.status.last_seq == 49  # keeps the last good state meanwhile (no catch-up has frame 50)
             assert "missing" in sub.status.text
             for f in frames[60:]:
                 pub.write(f)
-            assert _wait(lambda: sub.status.last_seq == len(frames) - 1)
+            wait_until(lambda: sub.status.last_seq == len(frames) - 1)
             assert sub.history.seqs()[:50] == list(range(50)) and sub.history.seqs()[50] == 60  # resynced at 60
             for seq in sub.history.seqs():
                 assert_same_snapshot(snaps[seq][0], sub.history.snapshot_at(seq), f"frame {seq}")

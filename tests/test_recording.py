@@ -8,7 +8,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -90,24 +89,20 @@ def test_a_killed_recorder_leaves_a_file_that_opens(recorded, tmp_path):
     """A real process writes frames with a Recorder and is killed with SIGKILL mid-run."""
     snaps, frames, path, ends = recorded
     out = tmp_path / "killed.kvpool"
-    script = (
-        "import sys, time\n"
+    script = (  # killed while it writes the frames after the 100th, or while it waits with the file open
+        "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from kvstream.recording import Recorder, read_frames\n"
         f"frames = list(read_frames({str(path)!r}))\n"
         f"rec = Recorder({str(out)!r})\n"
-        "for i, f in enumerate(frames * 50):\n"
-        "    if i >= len(frames):\n"
-        "        break\n"
+        "for i, f in enumerate(frames):\n"
         "    rec.write(f)\n"
         "    if i == 100:\n"
         "        print('ready', flush=True)\n"
-        "    time.sleep(0.002)\n"
-        "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(10)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, EngineError, EngineRunner
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import holds_for, wait_until, write_tiny_checkpoint
 
 
 @pytest.fixture()
@@ -17,18 +17,15 @@ def runner(tmp_path):
     assert r.stop(timeout=1.0)
 
 
-def wait_for(pred, timeout=10.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+def engine_thread_done(runner):
+    """Wait until the engine thread has finished everything queued before now, publishing included (a command's
+    future resolves before the runner publishes what it changed; the next command waits for that publish)."""
+    runner.remove_observer(engine_thread_done).result(5)  # an observer it never had: changes nothing
 
 
 def test_commands_and_snapshots(runner):
     cid = runner.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=8).result(5)
-    assert wait_for(lambda: (c := runner.latest.conversation(cid)) is not None and c.status == "finished")
+    wait_until(lambda: (c := runner.latest.conversation(cid)) is not None and c.status == "finished")
     assert len(runner.latest.conversation(cid).output_token_ids) == 8
     with pytest.raises(EngineError, match="no conversation"):
         runner.submit("end_conversation", 1234).result(5)
@@ -39,14 +36,12 @@ def test_pause_step_and_resume(runner):
     runner.pause().result(5)
     cid = runner.submit("add_conversation", prompt_token_ids=[1, 2, 3], max_new_tokens=20).result(5)
     step = runner.latest.step_id
-    time.sleep(0.2)
-    assert runner.latest.step_id == step  # paused: nothing runs
+    holds_for(lambda: runner.latest.step_id == step, 0.2, what="paused: nothing runs")
     runner.step_once().result(5)
-    assert wait_for(lambda: runner.latest.step_id == step + 1)
-    time.sleep(0.1)
-    assert runner.latest.step_id == step + 1
+    wait_until(lambda: runner.latest.step_id == step + 1)
+    holds_for(lambda: runner.latest.step_id == step + 1, 0.1, what="one step, and no more")
     runner.resume().result(5)
-    assert wait_for(lambda: runner.latest.conversation(cid).status == "finished")
+    wait_until(lambda: runner.latest.conversation(cid).status == "finished")
 
 
 def test_engine_exception_surfaces_and_thread_survives(runner):
@@ -56,12 +51,12 @@ def test_engine_exception_surfaces_and_thread_survives(runner):
     runner.engine.model.forward = broken
     runner.submit("add_conversation", prompt_token_ids=[1, 2, 3], max_new_tokens=5).result(5)
     failures = []
-    assert wait_for(lambda: failures.extend(runner.take_failures()) or failures)
+    wait_until(lambda: failures.extend(runner.take_failures()) or failures)
     assert "simulated device failure" in failures[0].message and "Traceback" in failures[0].traceback
     assert runner.paused and runner.alive
     runner.engine.model.forward = original
     runner.resume().result(5)
-    assert wait_for(lambda: not runner.engine.has_work())
+    wait_until(lambda: not runner.engine.has_work())
 
 
 def test_stop_is_prompt(tmp_path):
@@ -69,7 +64,7 @@ def test_stop_is_prompt(tmp_path):
     r = EngineRunner(eng).start()
     for _ in range(8):
         r.submit("add_conversation", prompt_token_ids=list(range(1, 60)), max_new_tokens=150)
-    time.sleep(0.2)
+    wait_until(lambda: r.latest.step_id >= 2)  # decoding: stop comes in the middle of the work
     start = time.perf_counter()
     assert r.stop(timeout=1.0)
     assert time.perf_counter() - start < 1.0
@@ -81,7 +76,7 @@ def test_observers_get_every_published_version_and_its_events(tmp_path):
     r = EngineRunner(eng, observers=[lambda u: seen.append((u.snapshot, list(u.events)))]).start()
     try:
         cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=6).result(5)
-        assert wait_for(lambda: seen[-1][0].conversation(cid) is not None
+        wait_until(lambda: seen[-1][0].conversation(cid) is not None
                         and seen[-1][0].conversation(cid).status == "finished")
         versions = [s.version for s, _ in seen]
         assert versions == sorted(set(versions)), "a version was published twice, or out of order"
@@ -94,7 +89,7 @@ def test_observers_get_every_published_version_and_its_events(tmp_path):
             r.submit("inspect_block", 0).result(5)
             r.submit("conversation", cid).result(5)
             r.submit("tokenize", "x").exception(5)
-        time.sleep(0.1)
+        engine_thread_done(r)
         assert len(seen) == published and r.latest is seen[-1][0]
     finally:
         assert r.stop()
@@ -110,9 +105,9 @@ def test_a_broken_observer_is_reported_and_detached(runner):
     runner.add_observer(broken).result(5)
     runner.submit("add_conversation", prompt_token_ids=[1, 2, 3], max_new_tokens=4).result(5)
     failures = []
-    assert wait_for(lambda: failures.extend(runner.take_failures()) or failures)
+    wait_until(lambda: failures.extend(runner.take_failures()) or failures)
     assert "disk full" in failures[0].message and len(calls) == 1 and runner.alive
-    assert wait_for(lambda: not runner.engine.has_work())
+    wait_until(lambda: not runner.engine.has_work())
 
 
 def test_a_dying_loop_is_reported_and_every_future_resolves(runner, monkeypatch):
@@ -123,9 +118,9 @@ def test_a_dying_loop_is_reported_and_every_future_resolves(runner, monkeypatch)
     monkeypatch.setattr(runner, "_publish", broken)  # runs after every command, outside the command's own guard
     pending = [runner.submit("conversation", 0) for _ in range(3)]
     failures = []
-    assert wait_for(lambda: failures.extend(runner.take_failures()) or failures)
+    wait_until(lambda: failures.extend(runner.take_failures()) or failures)
     assert failures[0].fatal and "bug in the loop" in failures[0].message
-    assert wait_for(lambda: not runner.alive)
+    wait_until(lambda: not runner.alive)
     for future in pending:
         assert future.done()
     late = runner.submit("conversation", 0)
@@ -161,9 +156,9 @@ def test_a_failing_kv_event_publish_is_reported_and_stepping_goes_on(tmp_path):
     r = EngineRunner(eng).start()
     try:
         cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=12).result(5)
-        assert wait_for(lambda: r.latest.conversation(cid).status == "finished")
+        wait_until(lambda: r.latest.conversation(cid).status == "finished")
         failures = []
-        assert wait_for(lambda: failures.extend(r.take_failures()) or len(failures) >= len(calls) > 1)
+        wait_until(lambda: failures.extend(r.take_failures()) or len(failures) >= len(calls) > 1)
         assert all("publishing KV events failed" in f.message and "the socket went away" in f.message
                    and not f.fatal for f in failures)
         assert len(failures) == len(calls)  # one report per step whose batch was lost, none dropped
@@ -172,7 +167,7 @@ def test_a_failing_kv_event_publish_is_reported_and_stepping_goes_on(tmp_path):
         publisher.publish = real
         sent = publisher.next_seq
         r.submit("add_conversation", prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=4).result(5)
-        assert wait_for(lambda: not eng.has_work() and publisher.next_seq > sent)
+        wait_until(lambda: not eng.has_work() and publisher.next_seq > sent)
         assert r.take_failures() == []
     finally:
         assert r.stop()
@@ -190,7 +185,7 @@ def test_observers_get_one_update_with_the_engines_change_record(tmp_path):
     r = EngineRunner(eng, observers=[seen.append]).start()
     try:
         cid = r.submit("add_conversation", prompt_token_ids=[1, 2, 3, 4, 5], max_new_tokens=6).result(5)
-        assert wait_for(lambda: seen[-1].snapshot.conversation(cid).status == "finished")
+        wait_until(lambda: seen[-1].snapshot.conversation(cid).status == "finished")
     finally:
         assert r.stop()
     assert all(isinstance(u, PoolUpdate) for u in seen)

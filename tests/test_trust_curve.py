@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,10 @@ from kvstream.curve import CurveError, make_keys
 from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.poolstream.transport import PublishError
+from tests.helpers import holds_for, wait_until
 from tests.poolstream_helpers import assert_same_snapshot, encode_all, install_fake_tap, workload
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _wait(cond, timeout=15.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +48,13 @@ def test_only_holders_of_an_authorized_key_receive_frames(keys, tmp_path):
         plain = PoolStreamSubscriber(pub.bound)
         unknown = PoolStreamSubscriber(pub.bound, curve=str(stranger))
         try:
-            assert _wait(lambda: allowed.status.connected and pub.subscriptions >= 1)
+            wait_until(lambda: allowed.status.connected and pub.subscriptions >= 1)
             for f in frames:
                 pub.write(f)
-            assert _wait(lambda: allowed.status.last_seq == len(frames) - 1)
+            wait_until(lambda: allowed.status.last_seq == len(frames) - 1)
             assert_same_snapshot(snaps[-1][0], allowed.latest())
-            time.sleep(1.5)  # heartbeats and catch-ups would have reached the others by now
+            # heartbeats and catch-ups would have reached the others by now
+            holds_for(lambda: plain.status.frames == unknown.status.frames == 0, 1.5, what="nothing reaches a stranger")
             for other in (plain, unknown):
                 assert other.status.frames == 0 and other.latest() is None, other.status
                 assert other.status.silent_seconds is None  # not even a heartbeat got through
@@ -134,9 +126,9 @@ def test_the_plugin_takes_curve_from_its_environment(monkeypatch, caplog, keys):
         assert publisher.sink.publisher.curve == keys["directory"] and "CURVE" in caplog.text
         watcher = PoolStreamSubscriber(publisher.sink.bound, curve=keys["directory"])
         try:
-            assert _wait(lambda: watcher.status.connected)
+            wait_until(lambda: watcher.status.connected)
             publisher.publish()
-            assert _wait(lambda: watcher.latest() is not None)
+            wait_until(lambda: watcher.latest() is not None)
         finally:
             watcher.close()
     finally:

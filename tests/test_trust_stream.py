@@ -5,7 +5,6 @@ and checks the watcher refuses it with the rule named, counts it, and goes on wi
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import msgspec
 import numpy as np
@@ -16,6 +15,7 @@ from kvstream.poolstream import Frame, StreamDecoder, StreamEncoder, StreamError
 from kvstream.poolstream.schema import _ENCODER, FORMAT_VERSION, MAGIC, ArrayPatch, Body, Delta, Packed, _Envelope
 from kvstream.poolstream.validate import check_snapshot, set_max_blocks
 from kvstream.views import BlockState, frozen_array
+from tests.helpers import wait_until
 from tests.poolstream_helpers import assert_same_snapshot, encode_all, install_fake_tap, workload
 
 
@@ -173,15 +173,6 @@ def test_every_workload_frame_passes_the_rules():
 
 
 # ---- finding 5 and 1 over the network: the subscriber never dies and never freezes ---------------------------------
-def _wait(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def test_the_subscriber_survives_refuses_and_goes_on():
     """A huge header (finding 1), an impossible pool (finding 4), a wrapping gap (finding 3), garbage, and a
     keyframe of the publisher's own stream with seq 2**62 (finding 5) are each counted as malformed; the thread
@@ -196,10 +187,10 @@ def test_the_subscriber_survives_refuses_and_goes_on():
         sub = PoolStreamSubscriber(pub.bound)
         feed = AttachFeed(sub)
         try:
-            assert _wait(lambda: sub.status.connected and pub.subscriptions >= 1)
+            wait_until(lambda: sub.status.connected and pub.subscriptions >= 1)
             for f in frames[:5]:
                 pub.write(f)
-            assert _wait(lambda: sub.status.last_seq == 4)
+            wait_until(lambda: sub.status.last_seq == 4)
             bad = [_forge(frames[10], header={"num_blocks": 10 ** 12}),
                    _forge(frames[10], body=Delta(version=1, arrays={"owner": ArrayPatch(
                        Packed("<u8", np.array([2 ** 64 - 1], "<u8").tobytes()), 3)}), seq=5),
@@ -210,11 +201,11 @@ def test_the_subscriber_survives_refuses_and_goes_on():
                 pub._push.send_multipart([b"\0" * 9, payload])  # straight to the socket: no Frame checks
             pub._push.send_multipart([b"\0" * 9, b"\x93\x01\x02"])
             pub._push.send_multipart([b"\0" * 9, forged_pool.payload])
-            assert _wait(lambda: sub.status.malformed >= 5), sub.status
+            wait_until(lambda: sub.status.malformed >= 5, seen=lambda: sub.status)
             assert sub._thread.is_alive()
             for f in frames[5:]:
                 pub.write(f)
-            assert _wait(lambda: sub.status.last_seq == len(frames) - 1), sub.status
+            wait_until(lambda: sub.status.last_seq == len(frames) - 1, seen=lambda: sub.status)
             assert_same_snapshot(snaps[-1][0], sub.latest())
             data = feed.summary(final=True)
             assert data["malformed"] >= 5 and data["lost"] >= 0 and data["last_error"]
@@ -235,12 +226,12 @@ def test_a_state_from_the_future_is_dropped_at_the_next_heartbeat():
     with PoolStreamPublisher("tcp://127.0.0.1:0", heartbeat_seconds=0.2) as pub:
         sub = PoolStreamSubscriber(pub.bound)
         try:
-            assert _wait(lambda: sub.status.connected and pub.subscriptions >= 1)
+            wait_until(lambda: sub.status.connected and pub.subscriptions >= 1)
             pub._push.send_multipart([b"\0" * 9, _forge(frames[0], seq=2 ** 62)])
-            assert _wait(lambda: sub.status.last_seq == 2 ** 62)
+            wait_until(lambda: sub.status.last_seq == 2 ** 62)
             for f in frames[:5]:
                 pub.write(f)
-            assert _wait(lambda: sub.status.last_seq == 4), sub.status
+            wait_until(lambda: sub.status.last_seq == 4, seen=lambda: sub.status)
             assert sub.status.malformed >= 1 and sub.history.last_seq == 4  # the forged state is gone
             assert_same_snapshot(snaps[4][0], sub.latest())
         finally:

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 from kvstream.kv_events import KVEventEndpoint, KVEventSubscriber, json_summary
+from tests.helpers import holds_for, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,8 +47,8 @@ SERVER = textwrap.dedent("""
 def test_watcher_started_before_vllm_catches_up(checkpoint, tmp_path):
     kv, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
     sub = KVEventSubscriber([KVEventEndpoint(kv, replay)], replay_timeout_s=1.0).start()
-    time.sleep(1.5)  # the viewer is up and waiting; an early replay request would long have been given up
-    assert sub.status()[0].state == "connecting"
+    # the viewer is up and waits, long enough for ZMQ's reconnect back-off to grow past the server's first batches
+    holds_for(lambda: sub.status()[0].state == "connecting", 1.5, what="connecting, with nothing to connect to")
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
@@ -73,10 +73,10 @@ def test_watcher_started_before_vllm_catches_up(checkpoint, tmp_path):
         assert line[:1] == ["done"], log_path.read_text()[-3000:]
         vllm_hashes = set(json.loads(line[1]))
         index = sub.indexes[0]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and index.live_hashes() != vllm_hashes:
-            time.sleep(0.05)
-        time.sleep(0.2)
+        wait_until(lambda: index.live_hashes() == vllm_hashes, 30, what="vLLM's hashes",
+                   seen=lambda: len(index.live_hashes()))
+        wait_until(lambda: (sub.status()[0].num_batches, sub.status()[0].last_seq) == (index.num_batches,
+                                                                                       index.last_seq))
         st = sub.status()[0]
         summary = json_summary(index, st)
         assert index.live_hashes() == vllm_hashes and len(vllm_hashes) >= 4, (st, len(index.live_hashes()))

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,20 +23,11 @@ from kvstream.kv_events.subscriber import KVEventSubscriber
 from kvstream.poolstream.subscriber import PoolStreamSubscriber
 from kvstream.views import BlockState, Status
 from kvstream.vllm.hash import hash64
+from tests.helpers import wait_until
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "The block table maps each logical block of a sequence to a physical block. "
-
-
-def wait_for(what, predicate, timeout=30.0, seen=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what} {seen()}")
 
 
 @pytest.fixture
@@ -49,7 +39,7 @@ def published(engine, tmp_path, monkeypatch):
     publisher = vllm_plugin.attach(scheduler_of(engine))
     assert publisher is not None
     subscriber = PoolStreamSubscriber(os.environ["PAGED_KV_EXPLORER_PUBLISH"])
-    wait_for("the first keyframe", subscriber.latest)
+    wait_until(subscriber.latest, 30, what="the first keyframe")
     yield publisher, subscriber
     subscriber.close()
     publisher.close()
@@ -69,7 +59,7 @@ def test_attached_stream_matches_vllm_every_step(engine, published):
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-        wait_for(f"frame {encoder.last_seq}", lambda: subscriber.status.last_seq == encoder.last_seq)
+        wait_until(lambda: subscriber.status.last_seq == encoder.last_seq, 30, what=f"frame {encoder.last_seq}")
         assert compare(subscriber.latest(), read_state(scheduler)) == [], f"step {steps}"
     final = subscriber.latest()
     assert final.source == "vllm" and final.block_size == BLOCK_SIZE and final.num_blocks == len(
@@ -169,8 +159,10 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
         front_pid = int(line[1])
         subscriber = PoolStreamSubscriber(pool)
         kv_subscriber = KVEventSubscriber(kv).start()
-        wait_for("the pool stream's first keyframe", subscriber.latest)
-        time.sleep(0.5)  # the KV-event SUB socket joins before the first batch
+        wait_until(subscriber.latest, 30, what="the pool stream's first keyframe")
+        # the KV-event SUB socket is connected (its subscription goes out on that connection at once; vLLM's first
+        # batch comes after a forward pass)
+        wait_until(lambda: kv_subscriber.status()[0].connected, 30, what="the KV-event socket to connect")
         proc.stdin.write("go\n")
         proc.stdin.flush()
         line = said.readline().split()
@@ -181,10 +173,11 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
             snap = subscriber.latest()
             return snap is not None and len(snap.conversations) == 5 and not snap.block_tables and \
                 all(not c.is_live for c in snap.conversations) and snap
-        final = wait_for("the last frame", settled, seen=lambda: (subscriber.status, [
+        final = wait_until(settled, 30, what="the last frame", seen=lambda: (subscriber.status, [
             (c.label, c.status.value) for c in subscriber.latest().conversations], subscriber.latest().block_tables))
         index = kv_subscriber.indexes[0]
-        wait_for("vLLM's KV events", lambda: len(index.live_hashes()) == int(np.count_nonzero(final.block_hash)))
+        wait_until(lambda: len(index.live_hashes()) == int(np.count_nonzero(final.block_hash)), 30,
+                   what="vLLM's KV events")
         cached = final.block_hash[final.state == BlockState.CACHED]
         assert {hash64(h) for h in index.live_hashes()} == set(final.block_hash[final.block_hash != 0].tolist()) \
             == set(cached.tolist())
