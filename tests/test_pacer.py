@@ -73,3 +73,75 @@ def test_not_paced_while_the_engine_keeps_up_with_a_speed_limit(clocks):
     assert clocks.run(10, 0.30, p, slack=True) == 0.0
     assert pacer.engine_has_slack(10.0, 9.5) and not pacer.engine_has_slack(10.0, 8.0)
     assert not pacer.engine_has_slack(None, 40.0) and not pacer.engine_has_slack(0.0, 40.0)  # unlimited: no
+
+
+class Paced:
+    """A FramePace on the test's clocks; ``ticks(seconds, share, refresh_cost)`` runs the window's frame timer: each
+    tick refreshes the panels when they are due (and they cost ``refresh_cost``), and redraws the plots when due.
+    Returns (the times the panels refreshed, the times the plots redrew)."""
+
+    def __init__(self, clocks, budget=0.10):
+        self.clocks = clocks
+        self.pace = pacer.FramePace(make(clocks, budget))
+
+    def ticks(self, seconds: float, share: float = 0.0, refresh_cost: float = 0.001, tick: float = 0.033):
+        panels, plots = [], []
+        for _ in range(round(seconds / tick)):
+            self.clocks.wall += tick
+            self.clocks.cpu += tick * share
+            now = self.clocks.wall
+            self.pace.tick(slack=False)
+            if self.pace.panels_due(now):
+                panels.append(now)
+                self.pace.panels_refreshed(now, refresh_cost)
+            if self.pace.plots_due(now):
+                plots.append(now)
+        return panels, plots
+
+
+def _gaps(times):
+    return [round(b - a, 3) for a, b in zip(times, times[1:])]
+
+
+def test_panels_refresh_ten_times_a_second_and_plots_twice_while_cheap(clocks):
+    panels, plots = Paced(clocks).ticks(3)
+    assert min(_gaps(panels)) >= pacer.PANEL_INTERVAL and max(_gaps(panels)) < pacer.PANEL_INTERVAL + 0.034
+    assert min(_gaps(plots)) >= pacer.PLOT_INTERVAL and max(_gaps(plots)) < pacer.PLOT_INTERVAL + 0.034
+
+
+def test_a_costly_refresh_follows_less_often_but_at_least_twice_a_second(clocks):
+    """A refresh that takes 10 ms (a large pool on a loaded machine) may take PANEL_SHARE of the GUI thread: once
+    every 0.8 s, capped at PANEL_MAX_INTERVAL; one slow refresh alone (a garbage collection) moves the pace little."""
+    paced = Paced(clocks)
+    paced.ticks(2)  # cheap first: every PANEL_INTERVAL
+    paced.pace.panels_refreshed(clocks.wall, 1.0)  # one refresh of a second counts as 4x the average so far
+    assert paced.pace.panel_interval < pacer.PANEL_MAX_INTERVAL / 2
+    paced = Paced(clocks)
+    paced.ticks(5, refresh_cost=0.01)
+    assert paced.pace.panel_interval == pacer.PANEL_MAX_INTERVAL
+    panels, _ = paced.ticks(3, refresh_cost=0.01)
+    assert min(_gaps(panels)) >= pacer.PANEL_MAX_INTERVAL and max(_gaps(panels)) < pacer.PANEL_MAX_INTERVAL + 0.034
+
+
+def test_paced_live_frames_space_the_panels_and_plots_by_their_gap(clocks):
+    """While live frames are paced to MAX_INTERVAL (a GUI thread over its budget), the tables follow every
+    PANELS_PER_GAP gaps and the plots every PLOTS_PER_GAP; back under budget, at their own pace again."""
+    paced = Paced(clocks)
+    paced.ticks(8, share=0.5)  # far over budget: the gap widens to its cap
+    assert paced.pace.gap == pacer.MAX_INTERVAL
+    panels, plots = paced.ticks(4, share=0.5)
+    assert min(_gaps(panels)) >= pacer.PANELS_PER_GAP * pacer.MAX_INTERVAL
+    assert min(_gaps(plots)) >= pacer.PLOTS_PER_GAP * pacer.MAX_INTERVAL
+    paced.ticks(10, share=0.0)  # well under: every tick again
+    panels, plots = paced.ticks(2)
+    assert paced.pace.gap == 0.0 and max(_gaps(panels)) < pacer.PANEL_INTERVAL + 0.034
+    assert max(_gaps(plots)) < pacer.PLOT_INTERVAL + 0.034
+
+
+def test_a_move_refreshes_the_panels_at_the_next_tick(clocks):
+    paced = Paced(clocks)
+    paced.ticks(5, refresh_cost=0.01)  # slow panels: every PANEL_MAX_INTERVAL
+    panels, _ = paced.ticks(0.033)
+    assert panels == [] or paced.ticks(0.033)[0] == []  # not due again this soon
+    paced.pace.moved()
+    assert paced.ticks(0.033)[0] != []

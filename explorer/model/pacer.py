@@ -84,3 +84,66 @@ def engine_has_slack(speed: float | None, steps_per_second: float) -> bool:
     """Whether an engine held to ``speed`` steps a second (None: unlimited) makes nearly all of them
     (SLACK): then it waits between steps anyway, and the window's cost slows nothing."""
     return speed is not None and speed > 0 and steps_per_second >= SLACK * speed
+
+
+PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
+PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI thread's time (their painting then
+# costs about as much again, and more): on a large pool at 10 refreshes a second the panels take a core's share the
+# engine's second torch thread waits for (bench/gui.py); at this share they follow a few times a second there, and
+# 10 times a second on a small pool (figures: docs/performance.md, "Window panels")
+PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
+PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
+PLOTS_PER_GAP = 4  # while live frames are paced (LivePacer), the plots every 4 gaps: once a second at most
+PANELS_PER_GAP = 2  # and the tables every 2 gaps (twice a second at the cap: PANEL_MAX_INTERVAL)
+
+
+class FramePace:
+    """What the window does at one tick of its frame timer, and what it leaves for a later one: the gap live frames
+    keep (:class:`LivePacer`), whether the panels (tables, text, readouts) refresh, whether the plots and the status
+    line redraw. The grid follows every frame it is given; the rest follows as often as its cost allows.
+
+    The window calls :meth:`tick` first, then asks :meth:`panels_due` and :meth:`plots_due` with the same ``now``;
+    Qt-free, with the clocks injectable (through ``pacer``), so the pace is tested without a window."""
+
+    def __init__(self, pacer: LivePacer):
+        self.pacer = pacer
+        self.gap = 0.0  # the live frames' gap at this tick (0: every tick)
+        self.panel_interval = PANEL_INTERVAL  # from the refreshes' cost (PANEL_SHARE)
+        self.panel_cost = 0.0  # seconds a refresh takes, smoothed
+        self.last_panels = self.last_plots = 0.0  # when they were last refreshed (the clock's seconds)
+
+    def tick(self, slack: bool) -> float:
+        """A tick of the frame timer: the gap live frames keep now (``slack``: :func:`engine_has_slack`)."""
+        self.gap = self.pacer.tick(slack)
+        return self.gap
+
+    def panels_due(self, now: float) -> bool:
+        """Whether stale panels refresh at this tick: at most every ``panel_interval``, every PANELS_PER_GAP gaps
+        while live frames are paced, and at least every PANEL_MAX_INTERVAL."""
+        due = min(PANEL_MAX_INTERVAL, max(self.panel_interval, PANELS_PER_GAP * self.gap))
+        return now - self.last_panels >= due
+
+    def panels_refreshed(self, now: float, cost: float) -> None:
+        """The panels refreshed at ``now`` and took ``cost`` seconds: the next refresh waits for the smoothed cost.
+        Each sample counts at most 4x the average so far: one slow refresh (a garbage collection) must not hold them
+        back for seconds."""
+        self.last_panels = now
+        cost = min(cost, 4 * max(self.panel_cost, PANEL_INTERVAL * PANEL_SHARE))
+        self.panel_cost = 0.7 * self.panel_cost + 0.3 * cost
+        self.panel_interval = min(PANEL_MAX_INTERVAL, max(PANEL_INTERVAL, self.panel_cost / PANEL_SHARE))
+
+    def moved(self) -> None:
+        """The user moved the view (not in a drag): the panels follow at the next tick."""
+        self.last_panels = 0.0
+
+    def plots_due(self, now: float) -> bool:
+        """Whether the plots and the status line redraw at this tick (every PLOT_INTERVAL; every PLOTS_PER_GAP gaps
+        while live frames are paced); a yes counts as done."""
+        if now - self.last_plots < max(PLOT_INTERVAL, PLOTS_PER_GAP * self.gap):
+            return False
+        self.last_plots = now
+        return True
+
+    def reset(self) -> None:
+        """A new source: its cost is not the old one's."""
+        self.pacer.reset()

@@ -19,7 +19,7 @@ from engine import EngineConfig
 from kvstream.views import PoolSnapshot
 
 from ..feeds.engine_feed import EngineFeed
-from ..model.pacer import LivePacer, engine_has_slack
+from ..model.pacer import FramePace, LivePacer, engine_has_slack
 from ..widgets.block_watch import BlockWatch
 from ..widgets.controls import EngineControls
 from ..widgets.conversations import ConversationsPanel
@@ -44,15 +44,6 @@ FRAME_MS = 30  # the frame timer: 33 ticks a second, so that a late tick on a bu
 POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "events", "block-history")  # docks that
 # show a physical pool's blocks, conversations or history: empty for a source without one
 FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
-PANEL_INTERVAL = 0.1  # tables, text and readouts follow at most 10 times a second; the grid at every frame
-PANEL_SHARE = 1 / 80  # and their refresh takes at most this share of the GUI thread's time (their painting then
-# costs about as much again, and more): on a large pool at 10 refreshes a second the panels take a core's share the
-# engine's second torch thread waits for (bench/gui.py); at this share they follow a few times a second there, and
-# 10 times a second on a small pool (figures: docs/performance.md, "Window panels")
-PANEL_MAX_INTERVAL = 0.5  # but at least twice a second, however costly
-PLOT_INTERVAL = 0.5  # metric plots and the status line: repainting axes is the costliest thing the GUI does
-PLOTS_PER_GAP = 4  # while live frames are paced (explorer.model.pacer), the plots every 4 gaps: once a second at most
-PANELS_PER_GAP = 2  # and the tables every 2 gaps (twice a second at the cap: PANEL_MAX_INTERVAL)
 
 
 def framed_length(length: int, room: int, frame: int, smallest: int, needed: int) -> int:
@@ -91,11 +82,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.traffic = None  # the served traffic (a TrafficDriver) of the running demo, or None
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
-        self._panels_stale = False
-        self._last_panels = self._last_slow = 0.0
-        self._panel_interval = PANEL_INTERVAL  # from the refreshes' cost (PANEL_SHARE)
-        self._panel_cost = 0.0  # seconds a refresh takes, smoothed
-        self.pacer = LivePacer(tick_s=FRAME_MS / 1000)
+        self._stale_view: PoolSnapshot | None = None  # the view the panels have not shown yet (None: up to date)
+        self.pace = FramePace(LivePacer(tick_s=FRAME_MS / 1000))  # what each tick does, and what waits
         self._closed = False
         self._shown_once = False
         self.docks_hidden_for_source: list[str] = []  # docks hidden because the source has nothing for them
@@ -260,29 +248,28 @@ class MainWindow(QtWidgets.QMainWindow):
         return self.status.redraws_per_second(now)
 
     # ---- the frame timer ----------------------------------------------------------------------------------
+    @property
+    def pacer(self) -> LivePacer:
+        return self.pace.pacer
+
     def _tick(self) -> None:
+        """One frame: each source polls its feed, and its signals hand the new view to the panes and to the side
+        panels (``_on_view`` keeps it for them); then the grids draw, and the panels and plots follow as their pace
+        allows (:class:`~explorer.model.pacer.FramePace`). Nothing here reads a view back out of a source."""
         now = time.perf_counter()
         self.status.frame_ticked(now)
         # live frames as often as the GUI thread's budget allows (explorer.model.pacer)
-        gap = self.pacer.tick(engine_has_slack(self.source.feed.speed, self.status.steps.per_second(now)))
+        gap = self.pace.tick(engine_has_slack(self.source.feed.speed, self.status.steps.per_second(now)))
         for source in self.sources:
             source.poll(gap)
         for pane in self.panes:
             if pane.render():
                 self.status.redrawn(now)
-        view = self.source.view
-        panel_gap = min(PANEL_MAX_INTERVAL, max(self._panel_interval, PANELS_PER_GAP * gap))  # paced: less often
-        if self._panels_stale and view is not None and now - self._last_panels >= panel_gap:
+        if self._stale_view is not None and self.pace.panels_due(now):
             started = time.perf_counter()
-            self._refresh_panels(view)
-            self._last_panels = now
-            cost = time.perf_counter() - started  # smoothed, each sample at most 4x the average so far: one slow
-            # refresh (a garbage collection) must not hold them back for seconds
-            cost = min(cost, 4 * max(self._panel_cost, PANEL_INTERVAL * PANEL_SHARE))
-            self._panel_cost = 0.7 * self._panel_cost + 0.3 * cost
-            self._panel_interval = min(PANEL_MAX_INTERVAL, max(PANEL_INTERVAL, self._panel_cost / PANEL_SHARE))
-        if now - self._last_slow >= max(PLOT_INTERVAL, PLOTS_PER_GAP * gap):  # paced frames: plots less often
-            self._last_slow = now
+            self._refresh_panels(self._stale_view)
+            self.pace.panels_refreshed(now, time.perf_counter() - started)
+        if self.pace.plots_due(now):
             self.metrics.redraw()
             for pane in self.panes:
                 pane.refresh_header()
@@ -299,16 +286,15 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status.frame_arrived(snapshot)
 
     def _on_view(self, snapshot) -> None:
-        self._panels_stale = True
+        self._stale_view = snapshot  # the panels show it at their next refresh
         self.status.show_pool(snapshot)  # with the grid's header, from the same frame
         self.metrics.show_until(snapshot.step_id if self.source.viewing is not None else None)
         if self.source.viewing is not None:
             self.metrics_backfill.hold()  # a frame of history on view: the user scrubs (or plays); they go first
 
     def _on_viewing(self, seq) -> None:
-        self._panels_stale = True
         if not self.source.cursor.running:
-            self._last_panels = 0.0  # a move: its tables at the next frame (a drag's at PANEL_INTERVAL)
+            self.pace.moved()  # a move: its tables at the next frame (a drag's at their pace)
         self.window_actions.back_to_live.setEnabled(seq is not None)
         self.inspector.set_kv_reason(self._kv_reason())
         self._enable_commands()
@@ -325,7 +311,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _refresh_panels(self, snap) -> None:
         """Conversations table, text, readouts: a few times a second is enough for reading."""
-        self._panels_stale = False
+        self._stale_view = None
         self.conversations.refresh(snap)
         if self._select_when_present is not None and snap.conversation(self._select_when_present) is not None:
             self.conversations.select_conversation(self._select_when_present)
@@ -339,7 +325,8 @@ class MainWindow(QtWidgets.QMainWindow):
         if self.traffic is not None and self.traffic.feed is not feed:  # traffic belongs to the engine it fed
             self.stop_traffic()
         self._select_when_present = None
-        self.pacer.reset()
+        self._stale_view = None  # the new feed's first view comes with its first poll
+        self.pace.reset()
         self.relocation.reset()
         self.metrics.clear()
         if not feed.capabilities.is_live:  # its frames are all in its history already: no live frame brings them
