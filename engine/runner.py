@@ -81,6 +81,7 @@ class EngineRunner:
         self._steps = Rate(window=2.0)
         self.heap = HeapTrimmer()  # gives freed heap back every few seconds, between steps
         self._observers: list[Observer] = list(observers or [])
+        self.published = 0  # updates handed to the observers so far: the next one's number (PoolUpdate.seq)
         self.latest: PoolSnapshot = engine.snapshot()  # newest published snapshot (replaced, never mutated)
         self._published_version = self.latest.version
         self._notify(self.latest, engine.take_events())  # the state before the first step (observers' first update)
@@ -222,7 +223,9 @@ class EngineRunner:
         self._notify(snapshot, self.engine.take_events())
 
     def _notify(self, snapshot: PoolSnapshot, events: list[BlockEvent]) -> None:
-        update = PoolUpdate(snapshot, tuple(events), self.engine.change_record(snapshot))  # one unit for all
+        # one unit for every observer, numbered once for all (the window's frames and its History's are these numbers)
+        update = PoolUpdate(snapshot, tuple(events), self.engine.change_record(snapshot), seq=self.published)
+        self.published += 1
         for observer in list(self._observers):
             try:
                 observer(update)

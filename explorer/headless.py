@@ -112,39 +112,24 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
+    from .feeds.sources import open_sources, watches
     feeds, engine, traffic = [], None, None
     try:
-        if opts.open or opts.attach or opts.attach_kv_events:
-            if opts.open:  # every frame decoded and checked first: a corrupt file is one line and exit 2
-                from kvstream.recording import check_recording
-                check_recording(opts.open)
-            from .feeds.stream_feed import open_feeds
-            feeds = open_feeds(opts)
+        if watches(opts):
+            feeds = open_sources(opts, window=False).feeds  # the same sources as the window builds
             for feed in feeds:
                 feed.started()
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
         else:
             from engine import Engine
 
-            from .feeds.demo import DEMO_SPEED, DEMOS
-            from .feeds.engine_feed import EngineFeed
-            from .feeds.outputs import engine_sinks
+            from .feeds.demo import DEMOS
             engine = Engine(cfg, progress=None)
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            # --publish and --kv-events are both for watchers in other processes, so a demo is paced for them to
-            # see it unfold and the run keeps publishing until --quit-after or Ctrl+C instead of closing its sockets
-            # once idle (a late watcher catches up through --kv-events' replay socket, if one was given)
-            sinks = engine_sinks(opts)
-            bound = [s.bound for s in sinks if hasattr(s, "bound")]  # what was bound (port 0: the port chosen)
-            outputs = [f"the pool stream on {bound[0] if bound else opts.publish}"] if opts.publish else []
-            if opts.kv_events:
-                replay = getattr(opts, "kv_events_replay", None)
-                outputs.append(f"KV events on {opts.kv_events}" + (f" (replay on {replay})" if replay else ""))
-            speed = DEMO_SPEED if outputs and opts.demo in DEMOS else None
-            feeds = [EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0,
-                                      max_steps_per_second=speed, polled=False)]
+            sources = open_sources(opts, cfg, engine, window=False)
+            feeds, outputs = sources.feeds, sources.outputs
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
             if opts.demo == "serve":  # served traffic never runs dry: until --quit-after or Ctrl+C
@@ -154,7 +139,10 @@ def run_headless_cli(opts, cfg) -> int:
                 print("serving traffic (1 request/s); stop with Ctrl+C"
                       + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),
                       file=sys.stderr, flush=True)
-            if outputs:  # others are watching: keep publishing until --quit-after or Ctrl+C
+            # --publish and --kv-events are for watchers in other processes: the run keeps publishing until
+            # --quit-after or Ctrl+C instead of closing its sockets once idle (a late watcher catches up through
+            # --kv-events' replay socket, if one was given)
+            if outputs:
                 done = None
                 print(f"publishing {' and '.join(outputs)}; stop with Ctrl+C"
                       + (f" (or after {opts.quit_after:g} s)" if opts.quit_after is not None else ""),

@@ -73,7 +73,7 @@ class FrameFanout:
 
     def _encode(self, update: PoolUpdate) -> None:
         try:
-            frame = self.encoder.encode(update.snapshot, update.events, update.changes)
+            frame = self.encoder.encode(update.snapshot, update.events, update.changes, update.seq)
         except Exception as exc:
             if self._queue is None:
                 raise  # on the caller's thread: the runner reports it

@@ -335,6 +335,19 @@ class ChangeRecord:
 NO_CHANGE_RECORD = ChangeRecord()  # nothing known: compare everything
 
 
+def chain_changes(first: ChangeRecord, later: ChangeRecord) -> ChangeRecord:
+    """What changed from ``first.base`` to the snapshot ``later`` describes, where ``later.base`` is the snapshot
+    ``first`` describes (the caller knows it; a record does not hold its own snapshot): the blocks either record
+    names. Nothing known where either knows nothing. Outputs that only grew are known by identity against one
+    snapshot's infos, so a chain keeps none of them (compare those)."""
+    if first.base is None or first.block_masks is None or later.block_masks is None:
+        return NO_CHANGE_RECORD
+    masks = {name: np.logical_or(first.block_masks[name], later.block_masks[name]) for name in BLOCK_ARRAYS}
+    for mask in masks.values():
+        mask.setflags(write=False)
+    return ChangeRecord(first.base, MappingProxyType(masks))
+
+
 @dataclass(frozen=True)
 class PoolUpdate:
     """One publication of a pool, as one unit: the snapshot, the block events that led to it (since the update
@@ -344,6 +357,8 @@ class PoolUpdate:
     snapshot: "PoolSnapshot"
     events: tuple = ()  # kvstream.events.BlockEvent, oldest first
     changes: ChangeRecord = NO_CHANGE_RECORD
+    seq: int | None = None  # its number in its producer's publications, from 0 (the engine runner's: the one count
+    # the window's frame buffer and the pool-stream encoder both read); None: not numbered
 
     @classmethod
     def of(cls, snapshot: "PoolSnapshot", events=()) -> "PoolUpdate":

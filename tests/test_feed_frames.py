@@ -2,6 +2,8 @@
 the previous poll, taken from the engine runner's updates (never read back out of the History). No Qt."""
 import threading
 
+import pytest
+
 from engine import Engine, EngineConfig
 from explorer.feeds.engine_feed import EngineFeed
 from explorer.feeds.frames import FeedFrame, FrameBuffer
@@ -28,17 +30,17 @@ def test_the_buffer_coalesces_snapshots_keeps_every_event_and_bounds_them():
     snaps = [object() for _ in range(5)]
     buffer = FrameBuffer(max_events=4)
     assert buffer.take() is None
-    buffer(PoolUpdate(snaps[0], (event(0),)))
+    buffer(PoolUpdate(snaps[0], (event(0),), seq=0))
     first = buffer.take()
     assert first == FeedFrame(snaps[0], 0, ((0, event(0)),), restarted=True, dropped=0)
     assert buffer.take() is None  # nothing new
-    buffer(PoolUpdate(snaps[1], (event(1), event(1, EventKind.STORED))))
-    buffer(PoolUpdate(snaps[2], ()))
+    buffer(PoolUpdate(snaps[1], (event(1), event(1, EventKind.STORED)), seq=1))
+    buffer(PoolUpdate(snaps[2], (), seq=2))
     frame = buffer.take()  # the newest snapshot, every event of the frames passed over
     assert frame.snapshot is snaps[2] and frame.seq == 2 and not frame.restarted and frame.dropped == 0
     assert [seq for seq, _ in frame.events] == [1, 1]
     for i in (3, 4):  # the window fell behind: 6 events over a cap of 4
-        buffer(PoolUpdate(snaps[i], (event(i), event(i), event(i))))
+        buffer(PoolUpdate(snaps[i], (event(i), event(i), event(i)), seq=i))
     frame = buffer.take()
     assert frame.snapshot is snaps[4] and frame.seq == 4 and frame.dropped == 2
     assert [seq for seq, _ in frame.events] == [3, 4, 4, 4]  # the newest kept
@@ -50,9 +52,11 @@ def test_a_joining_buffer_starts_from_the_runner_snapshot_once():
     buffer.prime(snap)
     buffer.prime(object())  # only the first
     frame = buffer.take()
-    assert frame.snapshot is snap and frame.seq == 0 and frame.events == () and frame.restarted
-    buffer(PoolUpdate(object(), (event(1),)))
-    assert buffer.take().seq == 1
+    assert frame.snapshot is snap and frame.seq is None and frame.events == () and frame.restarted
+    buffer(PoolUpdate(object(), (event(1),), seq=7))  # the runner's number, whatever the buffer saw before
+    assert buffer.take().seq == 7
+    with pytest.raises(ValueError, match="numbered"):
+        buffer(PoolUpdate(object(), (event(2),)))  # frames are numbered once, by the runner
 
 
 def test_an_engine_feed_without_history_polls_frames_with_their_events():
@@ -132,6 +136,38 @@ def test_an_engine_feeds_frame_numbers_are_its_history_frames():
         feed.close()
 
 
+def test_a_frame_that_could_not_be_encoded_leaves_the_window_and_its_history_on_the_same_numbers(monkeypatch):
+    """Frames are numbered once, by the runner: when the History's encoder fails on an update (said as an output
+    problem), the frames after it keep the runner's numbers in the History too (a keyframe after the gap), so an
+    event's seq still names its History frame. (Counted twice, the window ran one frame ahead of its History.)"""
+    engine, cfg = small_engine()
+    feed = EngineFeed.start(engine, cfg, start_paused=True)
+    try:
+        encode, calls = feed.fanout.encoder.encode, []
+
+        def fail_the_third(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected: this frame could not be encoded")
+            return encode(*args, **kwargs)
+        monkeypatch.setattr(feed.fanout.encoder, "encode", fail_the_third)
+        target = feed.runner.latest.step_id + 6
+        for _ in range(6):
+            feed.runner.step_once().result(timeout=10)
+        wait_until(lambda: feed.runner.latest.step_id >= target)
+        feed.runner.pause().result(timeout=10)
+        feed.fanout.flush(10)
+        frame = feed.poll()
+        history = feed.history
+        assert frame.seq == history.last_seq and frame.snapshot.step_id == history.step_of(frame.seq)
+        (missing,) = set(range(frame.seq + 1)) - set(history.seqs())  # the one not encoded
+        assert missing + 1 in history.seqs()  # the next one kept, under the runner's number
+        assert [pair for pair in frame.events if pair[0] != missing] == history.events()
+        assert any("could not be encoded" in p.text for p in feed.take_problems())
+    finally:
+        feed.close()
+
+
 def test_the_buffer_stays_consistent_under_a_concurrent_engine():
     """Updates on another thread while the GUI thread takes: no event lost or repeated, seqs ascending."""
     buffer = FrameBuffer()
@@ -139,7 +175,7 @@ def test_the_buffer_stays_consistent_under_a_concurrent_engine():
 
     def produce():
         for i in range(n):
-            buffer(PoolUpdate(i, (event(i),)))
+            buffer(PoolUpdate(i, (event(i),), seq=i))
     thread = threading.Thread(target=produce)
     thread.start()
     taken = []

@@ -105,20 +105,47 @@ def test_record_then_open_headless_json_ends_on_the_same_line(tmp_path):
 
 
 def test_publish_and_attach_between_two_processes(tmp_path):
-    """One process decodes and publishes over ipc; another attaches headless and ends on the publisher's state."""
+    """One process decodes and publishes over ipc; another attaches headless, watches it unfold, and ends on the
+    publisher's state. Each step waits for what the other process says (a loaded machine takes seconds to start
+    them), never for a time."""
+    import signal
+    import threading
     endpoint = f"ipc://{tmp_path}/pool"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path))
-    publisher = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--headless", "--json", "--demo", "busy",
-                                  *SMALL, "--publish", endpoint, "--quit-after", "12"], cwd=ROOT, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def start(*args):  # a headless process, and what it prints so far (read by threads: it runs meanwhile)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--headless", "--json", *args], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = [], []
+        proc.readers = [threading.Thread(target=lines.extend, args=(stream,), daemon=True)
+                        for stream, lines in ((proc.stdout, out), (proc.stderr, err))]
+        for reader in proc.readers:
+            reader.start()
+        return proc, out, err
+
+    def done(lines):
+        seen = json_lines("".join(lines))
+        return bool(seen) and seen[-1]["step"] and seen[-1]["used"] == 0
+    publisher, out, err = start("--demo", "busy", *SMALL, "--publish", endpoint, "--quit-after", "120")
+    attacher = None
     try:
-        attached = run_main("--attach", endpoint, "--headless", "--json", "--quit-after", "9", home=tmp_path)
-        out, err = publisher.communicate(timeout=60)
+        wait_until(lambda: any("publishing" in line for line in err) or publisher.poll() is not None, 120)
+        assert publisher.poll() is None, "".join(err)
+        attacher, seen_out, seen_err = start("--attach", endpoint, "--quit-after", "120")
+        # the attacher follows the publisher until the demo's work is done (each prints a line about once a second)
+        wait_until(lambda: done(seen_out), 120, what="the attacher to see the work done",
+                   seen=lambda: ("".join(seen_err), seen_out[-1:]))
+        for proc in (attacher, publisher):  # headless stops cleanly on SIGTERM, with its last line
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, ("".join(seen_err), "".join(err))
+            for reader in proc.readers:
+                reader.join(timeout=60)
     finally:
-        publisher.kill()
-    assert attached.returncode == 0 and publisher.returncode == 0, (attached.stderr, err)
-    seen = json_lines(attached.stdout)
-    final = json_lines(out)[-1]
+        for proc in (attacher, publisher):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    seen = json_lines("".join(seen_out))
+    final = json_lines("".join(out))[-1]
     assert final["used"] == 0 and final["cached"] > 0  # the publisher finished its work before the attacher left
     assert fixed_part(seen[-1]) == fixed_part(final)
     assert seen[-1]["endpoint"] == endpoint

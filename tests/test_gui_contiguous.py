@@ -19,7 +19,6 @@ def pixel(image, geo, slot, bs):
 
 
 def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
-    palette.BOOK.clear()
     view = ContiguousView()
     qtbot.addWidget(view)
     view.resize(600, 500)
@@ -34,13 +33,13 @@ def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
     geo = grid_geometry(8, 4)
     assert view.geometry_ == geo and geo.striped  # the paged grid's layout for 8 blocks of 4
     image = view.image
-    a = tuple(int(c) for c in palette.conversation_colours(np.array([0]))[0][:3])
-    a_dark = tuple(int(c) for c in palette.scale(palette.conversation_colours(np.array([0]))[0],
+    a = tuple(int(c) for c in palette.conversation_colours(np.array([0]), view.colours)[0][:3])
+    a_dark = tuple(int(c) for c in palette.scale(palette.conversation_colours(np.array([0]), view.colours)[0],
                                                  palette.EMPTY_SLOT_LEVEL)[:3])
     assert pixel(image, geo, 1, 4) == a and pixel(image, geo, 5, 4) == a  # filled
     assert pixel(image, geo, 6, 4) == a_dark and pixel(image, geo, 15, 4) == a_dark  # reserved, empty
     # D (3, 4 slots) came first and took 16..20; C (20 slots) waits, since only 20..32 is left: free, not a gap
-    d = tuple(int(c) for c in palette.conversation_colours(np.array([3]))[0][:3])
+    d = tuple(int(c) for c in palette.conversation_colours(np.array([3]), view.colours)[0][:3])
     assert pixel(image, geo, 17, 4) == d
     assert pixel(image, geo, 22, 4) == tuple(palette.FREE[:3])
     roles = {pixel(image, geo, s, 4) for s in (1, 6, 22)}
@@ -51,7 +50,6 @@ def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
 
 
 def test_gap_between_reservations_is_drawn_as_a_gap():
-    palette.BOOK.clear()
     from explorer.model.contiguous import ContiguousAllocator
     model = ContiguousAllocator()
     model.update(snap(1, [conv(0, 4, 4, 4), conv(1, 4, 4, 4, arrival=1), conv(2, 4, 4, 4, arrival=2)]))

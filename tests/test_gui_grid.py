@@ -1,5 +1,6 @@
 """The snapshot-to-image function on synthetic snapshots, and the grid widget's hover/click mapping."""
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -31,8 +32,18 @@ def cell(image, geo, block, dy, dx):
     return tuple(int(c) for c in image[y * geo.tile + dy, x * geo.tile + dx, :3])
 
 
-def colour_of(conversation_id):
-    return tuple(int(c) for c in palette.conversation_colours(np.array([conversation_id]))[0][:3])
+def colours_of(ids, snapshot=None, book=None):
+    """RGBA of conversations ``ids`` in ``book`` (default: a book of ``snapshot`` alone, as a grid drawn without a
+    source's book colours it)."""
+    if book is None:
+        book = palette.ColourBook()
+        if snapshot is not None:
+            book.observe(snapshot)
+    return palette.conversation_colours(np.asarray(ids), book)
+
+
+def colour_of(conversation_id, snapshot=None):
+    return tuple(int(c) for c in colours_of([conversation_id], snapshot)[0][:3])
 
 
 @pytest.fixture
@@ -51,7 +62,7 @@ def test_free_used_and_cached_colours(small):
     assert cell(image, geo, 0, mid, mid) == colour_of(1)  # full used block: its owner's colour
     cached = cell(image, geo, 3, mid, mid)
     assert cached != colour_of(1) and cached != tuple(palette.FREE[:3])
-    muted = tuple(int(c) for c in palette.cached(palette.conversation_colours(np.array([1]))[0])[:3])
+    muted = tuple(int(c) for c in palette.cached(colours_of([1])[0])[:3])
     assert cached == muted  # muted, with a hint of the last owner
     assert cell(image, geo, 0, 0, 0) == tuple(palette.BACKGROUND[:3])  # gap between cells
 
@@ -62,7 +73,7 @@ def test_partial_tail_is_visibly_partial(small):
     mid, t = geo.tile // 2, geo.tile
     left, right = cell(image, geo, 1, mid, 3), cell(image, geo, 1, mid, t - 3)  # 1 of 4 slots filled
     assert left == colour_of(1)
-    assert right == tuple(int(c) for c in palette.scale(palette.conversation_colours(np.array([1]))[0],
+    assert right == tuple(int(c) for c in palette.scale(colours_of([1])[0],
                                                          palette.EMPTY_SLOT_LEVEL)[:3])
     assert sum(right) < sum(left)
     full_right = cell(image, geo, 0, mid, t - 3)
@@ -129,7 +140,7 @@ def test_large_pool_fits_and_shades_fill():
     full, quarter = cell(image, geo, 0, t - 1, t - 1), cell(image, geo, 1, t - 1, t - 1)
     assert full == colour_of(5)
     assert sum(quarter) < sum(full)  # a quarter-filled block is a darker shade
-    lit = palette.mix(palette.conversation_colours(np.array([6])), palette.SHARED_RING[None], 0.45)[0]
+    lit = palette.mix(colours_of([6]), palette.SHARED_RING[None], 0.45)[0]
     assert cell(image, geo, 2, 0, 0) == tuple(int(c) for c in lit[:3])  # too small for an outline: lightened
     assert cell(image, geo, n - 1, t - 1, t - 1) == tuple(palette.FREE[:3])
 
@@ -146,9 +157,9 @@ def test_pool_that_does_not_fill_the_last_row():
 
 
 def test_conversation_colours_are_stable_and_distinct():
-    palette.BOOK.clear()  # ids the book has not seen live (other tests showed it conversations 0..11)
-    a = palette.conversation_colours(np.arange(12))
-    b = palette.conversation_colours(np.array([11, 3, 0]))
+    book = palette.ColourBook()  # ids the book has not seen live
+    a = palette.conversation_colours(np.arange(12), book)
+    b = palette.conversation_colours(np.array([11, 3, 0]), book)
     assert (a[[11, 3, 0]] == b).all()
     assert len({tuple(row) for row in a}) == 12
 
@@ -266,7 +277,6 @@ def min_distance(colours):
 
 def test_owner_colour_follows_owner_after_fork_and_end():
     """Conversation 9 forked into 10, then 9 ended: 10 is the only owner of the shared first blocks now."""
-    palette.BOOK.clear()
     used = [(b, 10, 4, 1) for b in range(4)] + [(4, 10, 2, 1), (5, 11, 4, 2)]
     snap = make_snapshot(num_blocks=16, used=used, tables={10: (0, 1, 2, 3, 4), 11: (5,), 12: (5,)})
     convs = (conversation(9, "ended"), conversation(10, arrival=1), conversation(11, arrival=2),
@@ -276,29 +286,29 @@ def test_owner_colour_follows_owner_after_fork_and_end():
     image = snapshot_to_rgba(snap, "owner", geometry=geo)
     mid = geo.tile // 2
     for block in range(5):
-        assert cell(image, geo, block, mid, 3) == colour_of(10) != colour_of(9)
-    assert cell(image, geo, 5, mid, mid) == colour_of(11)  # shared: the earliest holder's colour
+        assert cell(image, geo, block, mid, 3) == colour_of(10, snap) != colour_of(9, snap)
+    assert cell(image, geo, 5, mid, mid) == colour_of(11, snap)  # shared: the earliest holder's colour
 
 
 def test_live_conversations_get_clearly_different_colours_and_keep_them():
-    palette.BOOK.clear()
+    book = palette.ColourBook()
     live = [3, 11, 19, 24, 32, 40, 45, 53, 58, 66, 71, 79]  # ids 8 or 13 apart looked alike under the old hue walk
     snap = make_snapshot()
     snap = dataclasses.replace(snap, conversations=tuple(conversation(c, arrival=i) for i, c in
                                                                    enumerate(live)))
-    palette.observe(snap)
-    colours = palette.conversation_colours(np.array(live))
+    book.observe(snap)
+    colours = palette.conversation_colours(np.array(live), book)
     assert min_distance(colours) > 40  # CIELAB distance; 2.3 is a just-noticeable difference
     reserved = np.array([palette.FREE, palette.UNOWNED, palette.SHARED_RING, palette.SELECTED_RING])
     assert np.linalg.norm(lab(colours)[:, None] - lab(reserved)[None], axis=-1).min() > 25
-    before = {c: tuple(palette.conversation_colours(np.array([c]))[0]) for c in live}
+    before = {c: tuple(palette.conversation_colours(np.array([c]), book)[0]) for c in live}
     # 3 finishes, 90 arrives: everyone keeps their colour, and the newcomer differs from every live one
     later = tuple(conversation(c, "finished" if c == 3 else "running", i) for i, c in enumerate(live)) + (
         conversation(90, arrival=20),)
-    palette.observe(dataclasses.replace(snap, conversations=later))
-    assert all(tuple(palette.conversation_colours(np.array([c]))[0]) == before[c] for c in live)
+    book.observe(dataclasses.replace(snap, conversations=later))
+    assert all(tuple(palette.conversation_colours(np.array([c]), book)[0]) == before[c] for c in live)
     now_live = live[1:] + [90]
-    assert min_distance(palette.conversation_colours(np.array(now_live))) > 40
+    assert min_distance(palette.conversation_colours(np.array(now_live), book)) > 40
 
 
 def test_grid_tooltip_appears_and_stays(qtbot, small):
@@ -347,11 +357,11 @@ def test_zoomed_in_cells_show_their_block_ids(qtbot):
 
 
 def test_a_conversation_first_seen_stopped_does_not_look_like_a_live_one():
-    palette.BOOK.clear()
+    book = palette.ColourBook()
     snap = make_snapshot()
     convs = (conversation(0, "finished"), conversation(1, arrival=1), conversation(2, arrival=2))
-    palette.observe(dataclasses.replace(snap, conversations=convs))
-    colours = {tuple(palette.conversation_colours(np.array([c]))[0]) for c in (0, 1, 2)}
+    book.observe(dataclasses.replace(snap, conversations=convs))
+    colours = {tuple(palette.conversation_colours(np.array([c]), book)[0]) for c in (0, 1, 2)}
     assert len(colours) == 3
 
 
@@ -404,22 +414,24 @@ def test_colours_are_worked_out_once_per_snapshot(qtbot):
     conversations once per snapshot, not once per caller."""
     from explorer.widgets.conversations import ConversationsPanel
     from explorer.widgets.grid_view import GridView
-    palette.BOOK.clear()
+    book = palette.ColourBook()  # one source's book, handed to both as the window does
     snap = dataclasses.replace(make_snapshot(), conversations=tuple(conversation(c, arrival=c) for c in range(5)))
     view, panel = GridView(), ConversationsPanel()
     qtbot.addWidget(view), qtbot.addWidget(panel)
+    view.colours = book
+    panel.set_colour_book(book)
     view.set_snapshot(snap)
     view.render()
     panel.refresh(snap)
     panel.select_conversation(2)
     panel.refresh(snap)
-    assert palette.BOOK.sorts == 1
+    assert book.sorts == 1
     later = dataclasses.replace(snap, version=snap.version + 1, conversations=snap.conversations + (
         conversation(9, arrival=9),))
     view.set_snapshot(later)
     view.render()
     panel.refresh(later)
-    assert palette.BOOK.sorts == 2 and len(set(map(tuple, palette.conversation_colours(np.arange(5).tolist() + [9]))))\
+    assert book.sorts == 2 and len(set(map(tuple, palette.conversation_colours(np.arange(5).tolist() + [9], book))))\
         == 6
 
 
@@ -436,7 +448,7 @@ def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(blo
     for i in range(6):
         engine.add_conversation(prompt_token_ids=prefix + [int(t) for t in rng.integers(3, 200, 5 + 7 * i)],
                                 max_new_tokens=12 + 9 * i, ignore_eos=True)
-    snaps = [engine.snapshot()]
+    snaps, records = [engine.snapshot()], [None]
     for step in range(60):
         if step == 8:
             engine.fork_conversation(engine.conversations()[0].conversation_id)
@@ -444,22 +456,45 @@ def test_drawing_only_the_changed_blocks_gives_the_whole_image_at_every_step(blo
             break
         engine.step()
         snaps.append(engine.snapshot())
+        records.append(engine.change_record(snaps[-1]))  # what a feed's frame carries (FeedFrame.changes)
     geo = grid_geometry(num_blocks, block_size)
     partial = 0
-    for mode in ("owner", "ref_count", "fill", "state"):
-        for selected_block, selected_conversation in ((None, None), (3, 1)):
-            image = snapshot_to_rgba(snaps[0], mode, selected_conversation, selected_block, geo)
-            for before, after in zip(snaps, snaps[1:]):
-                ids = changed_blocks(before, after, mode, selected_conversation)
-                whole = snapshot_to_rgba(after, mode, selected_conversation, selected_block, geo)
-                if ids is None:
-                    image = whole
-                    continue
-                redraw_blocks(image, after, ids, mode, selected_conversation, selected_block, geo)
-                partial += 1
-                assert np.array_equal(image, whole), (mode, selected_block, after.step_id)
-    assert partial > 100  # most steps were drawn in part
+    for mode, selected_block, selected_conversation, recorded in itertools.product(
+            ("owner", "ref_count", "fill", "state"), (None, 3), (None, 1), (False, True)):
+        book = palette.ColourBook()  # a source's book: live conversations keep their colours from frame to frame
+        image = snapshot_to_rgba(snaps[0], mode, selected_conversation, selected_block, geo, book)
+        for before, after, record in zip(snaps, snaps[1:], records[1:]):
+            ids = changed_blocks(before, after, mode, selected_conversation, record) if recorded else \
+                changed_blocks(before, after, mode, selected_conversation)
+            whole = snapshot_to_rgba(after, mode, selected_conversation, selected_block, geo, book)
+            if ids is None:
+                image = whole
+                continue
+            redraw_blocks(image, after, ids, mode, selected_conversation, selected_block, geo, book)
+            partial += 1
+            assert np.array_equal(image, whole), (mode, selected_block, after.step_id)
+    assert partial > 400  # most steps were drawn in part
     assert changed_blocks(snaps[0], snaps[1], "age") is None  # age colours move with every step: whole images
+
+
+def test_the_grid_draws_what_the_frame_says_changed_and_compares_nothing():
+    """With a frame's change record whose base is the image drawn, the blocks redrawn are the ones it names: an
+    array that differs elsewhere is not even looked at. Without one (a frame of history, a stream), it compares."""
+    from kvstream.views import BlockState, ChangeRecord, block_masks
+    from explorer.render.grid import changed_blocks
+    before = make_snapshot(num_blocks=64, used=[(0, 1, 4, 1), (2, 2, 4, 1), (5, 3, 2, 1)], tables={1: (0,), 2: (2,),
+                                                                                                  3: (5,)})
+    state = np.array(before.state)
+    state[[2, 5]] = BlockState.FREE  # two blocks changed in the arrays
+    after = dataclasses.replace(before, state=state, version=before.version + 1)
+    named = np.zeros(before.num_blocks, bool)
+    named[5] = True  # the record names one of them
+    named.setflags(write=False)
+    record = ChangeRecord(before, block_masks(after, before, named))
+    assert list(changed_blocks(before, after, "state", changes=record)) == [5]
+    assert list(changed_blocks(before, after, "state")) == [2, 5]  # no record: compared
+    other = ChangeRecord(after, record.block_masks)  # a record from another frame than the one drawn: compared
+    assert list(changed_blocks(before, after, "state", changes=other)) == [2, 5]
 
 
 def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_would(qtbot):
@@ -477,15 +512,19 @@ def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_
         if step in (10, 15):  # newcomers: the colour book hands out entries while the image is drawn in part
             engine.add_conversation(prompt_token_ids=list(range(5, 30 + step)), max_new_tokens=8, ignore_eos=True)
         if step == 25:  # the book starts over (the newcomers have finished): live ones get other entries
-            palette.BOOK.clear()
+            view.colours.clear()
         engine.step()
         snap = engine.snapshot()
-        view.set_snapshot(snap)
+        view.set_snapshot(snap, engine.change_record(snap))  # with its frame's record, as the pane hands it on
+        if step % 3 == 1:  # a frame taken but not drawn (the grid draws at most once a tick): records chain
+            engine.step()
+            snap = engine.snapshot()
+            view.set_snapshot(snap, engine.change_record(snap))
         if step == 20:
             view.set_selected_block(int(next(iter(snap.block_tables.values()))[0]))
         assert view.render()
         whole = snapshot_to_rgba(snap, view.color_by, view.selected_conversation, view.selected_block,
-                                 view.geometry_)
+                                 view.geometry_, view.colours)
         assert np.array_equal(view.image, whole), step
     assert view.partial_draws >= 20
 

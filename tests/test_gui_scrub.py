@@ -7,7 +7,7 @@ import pytest
 from PySide6 import QtCore, QtGui
 
 from explorer.window.main_window import MainWindow
-from explorer.widgets.source import SCRUB_ON_GUI_THREAD
+from explorer.model.pool_source import SCRUB_ON_GUI_THREAD
 from explorer.feeds.stream_feed import RecordingFeed
 from kvstream.history import KEYFRAME_COST, Cancelled
 from kvstream.poolstream import StreamEncoder

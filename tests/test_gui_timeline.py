@@ -260,16 +260,24 @@ def test_empty_and_narrow(qtbot):
     assert t.empty and t.is_live and t.markers.n == 0
 
 
-def test_set_viewed_moves_the_cursor_silently(qtbot, timeline):
+def test_a_cursor_moved_elsewhere_is_drawn_without_asking_again(qtbot, timeline):
+    """The step on view is the cursor's: a move made elsewhere (an event clicked in the log, a menu's Back to live)
+    is drawn at once, and the timeline emits nothing (the source follows the cursor, not the timeline)."""
+    from explorer.model.cursor import StepCursor
     t = timeline
     with qtbot.assertNotEmitted(t.seekRequested), qtbot.assertNotEmitted(t.liveRequested):
-        t.set_viewed(400)
+        t.cursor.move(400)
         assert not t.is_live and t.position == 400 and t.banner_text() == "viewing step 200 of 550"
-        t.set_viewed(None)
+        t.cursor.move(None)
         assert t.is_live and t.position == 1100
-    with pytest.raises(ValueError, match="not in the history kept"):
-        t.set_viewed(50)
-    assert t.is_live
+    shared = StepCursor()  # a source's cursor: the timeline's moves are its moves, and its moves the timeline's
+    t.follow(shared)
+    t.seek(500)
+    assert shared.seq == 500 and not shared.running
+    shared.move(600)
+    assert t.position == 600 and t.banner_text() == "viewing step 300 of 550"
+    t.go_live()
+    assert shared.live and t.is_live
 
 
 def test_frames_in_a_gap_are_skipped(qtbot, timeline):

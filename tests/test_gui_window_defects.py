@@ -176,7 +176,7 @@ def test_each_source_colours_its_conversations_from_its_own_book(qtbot, tmp_path
     books = first.source.colours, second.source.colours
     assert books[0] is not books[1] and first.grid.colours is books[0] and second.grid.colours is books[1]
     view = first.source.view
-    palette.observe(view, books[0])
+    books[0].observe(view)
     ids = [c.conversation_id for c in view.conversations]
     before = [palette.conversation_colour(cid, books[0]) for cid in ids]
     version = books[0].version

@@ -43,7 +43,6 @@ def test_cached_blocks_are_darker_than_used_and_apart_from_dimmed_and_free():
 def test_the_grid_draws_cached_blocks_with_that_colour():
     from explorer.render.grid import block_colours
     from test_gui_grid import make_snapshot
-    palette.BOOK.clear()
     snap = make_snapshot(used=[(0, 1, 4, 1)], cached=[(3, 1)], tables={1: (0,)})
     fill, _ = block_colours(snap, "owner")
     assert tuple(fill[3]) == tuple(palette.cached(fill[0]))

@@ -1049,3 +1049,25 @@ def test_a_producer_rewriting_one_writable_tier_array_in_place_still_gets_exact_
             tiers[name] = TierView(t.num_blocks, *shared[name])
         got, _, _ = dec.feed(enc.encode(dataclasses.replace(snap, tiers=tiers), events).payload)
         assert_same_v2(snap, got, f"step {snap.step_id}")
+
+
+def test_frames_take_their_producers_numbers_and_a_gap_starts_a_keyframe():
+    """An encoder given the producer's numbers (the engine runner's PoolUpdate.seq) uses them: the stream is numbered
+    once. A number past the next one (an update not encoded) starts a keyframe, which a History takes after its gap;
+    a number not past the last is refused."""
+    snaps = workload()[:12]
+    encoder, history = StreamEncoder(keyframe_interval=100), History()
+    for i in range(5):
+        history.write(encoder.encode(snaps[i][0], snaps[i][1], seq=i))
+    after_gap = encoder.encode(snaps[6][0], snaps[6][1], seq=6)  # update 5 was never encoded
+    assert after_gap.seq == 6 and after_gap.keyframe and not after_gap.bridged
+    history.write(after_gap)
+    follows = encoder.encode(snaps[7][0], snaps[7][1])  # no number given: the next one
+    assert follows.seq == 7 and not follows.keyframe
+    history.write(follows)
+    assert history.seqs() == [0, 1, 2, 3, 4, 6, 7]
+    assert_same_snapshot(snaps[7][0], history.snapshot_at(7))
+    for bad in (7, 3, True, 8.0):
+        with pytest.raises(ValueError, match="seq"):
+            encoder.encode(snaps[8][0], snaps[8][1], seq=bad)
+    assert encoder.encode(snaps[8][0], snaps[8][1]).seq == 8  # a refused number changed nothing

@@ -3,7 +3,7 @@
 A feed says what it can do (:class:`Capabilities`), hands out its newest immutable view (:meth:`Feed.latest`) and,
 once per poll, its new frame with the events that led to it (:meth:`Feed.poll`, a
 :class:`~explorer.feeds.frames.FeedFrame`), reports problems once, and takes commands when it can. The window drives
-feeds through :class:`explorer.widgets.source.PoolSource`; headless runs (``main.py --headless``) poll the very same
+feeds through :class:`explorer.model.pool_source.PoolSource`; headless runs (``main.py --headless``) poll the very same
 feeds, so a recording or an attached stream reads the same in both.
 """
 from __future__ import annotations

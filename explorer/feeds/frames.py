@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from kvstream.views import PoolSnapshot
+from kvstream.views import NO_CHANGE_RECORD, ChangeRecord, PoolSnapshot, chain_changes
 
 MAX_PENDING_EVENTS = 200_000  # events an engine feed holds for a window that does not poll (hidden, stalled); past
 # that the oldest are dropped and counted (FeedFrame.dropped): a bound, not a loss a running window ever sees
@@ -31,33 +31,44 @@ class FeedFrame:
     events: tuple = ()  # (seq, BlockEvent) of every frame since the previous poll up to this one, oldest first
     restarted: bool = False  # a new stream (a new feed, an attached source that restarted): start over
     dropped: int = 0  # events of those frames dropped because the window fell too far behind (MAX_PENDING_EVENTS)
+    changes: ChangeRecord = NO_CHANGE_RECORD  # which blocks may differ from ``changes.base`` (the snapshot of the
+    # frame handed out before, where the producer knows; the grid redraws those and compares nothing)
 
 
 class FrameBuffer:
     """An engine runner observer that keeps what the window has not taken yet: the newest update's snapshot and
-    every update's events (bounded), numbered as the runner's other observers number them.
+    every update's events (bounded), under the numbers the runner gave them.
 
     Called on the engine thread (one :class:`~kvstream.views.PoolUpdate` per publication); :meth:`take` on the GUI
-    thread. Frames are numbered from 0 in the order the runner publishes them, which is the seq a pool-stream
-    encoder that observes the same runner from its start gives each (the History's frame numbers), so an event's
-    seq is a frame the timeline can jump to.
+    thread. The runner numbers its updates once (``PoolUpdate.seq``, from 0); the pool-stream encoder that writes
+    the History from the same updates gives its frames those numbers too, so an event's seq is a frame the timeline
+    can jump to.
     """
 
     def __init__(self, max_events: int = MAX_PENDING_EVENTS):
         self.max_events = int(max_events)
         self._lock = threading.Lock()
-        self._next_seq = 0  # the number the next update gets
+        self._got = False  # an update (or a prime) came
         self._snapshot: PoolSnapshot | None = None  # the newest update's, until taken
-        self._seq = -1
+        self._seq: int | None = None  # its number
+        self._changes: ChangeRecord = NO_CHANGE_RECORD  # from the snapshot taken last to the newest, chained
         self._events: deque = deque()  # (seq, BlockEvent) not taken yet
         self._dropped = 0  # events dropped since the last take
         self._taken = False  # something was taken: later frames continue the stream
 
     def __call__(self, update) -> None:
-        """One published update (the runner's observer call)."""
+        """One published update (the runner's observer call), numbered by the runner."""
+        seq = update.seq
+        if seq is None:
+            raise ValueError("a FrameBuffer takes the engine runner's numbered updates (PoolUpdate.seq)")
         with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
+            self._got = True
+            if self._snapshot is None:  # the first update since a take: its record starts from the frame taken
+                self._changes = update.changes
+            elif update.changes.base is self._snapshot:  # frames the window will skip: what changed over them all
+                self._changes = chain_changes(self._changes, update.changes)
+            else:
+                self._changes = NO_CHANGE_RECORD
             self._snapshot, self._seq = update.snapshot, seq
             if update.events:
                 self._events.extend((seq, event) for event in update.events)
@@ -69,21 +80,23 @@ class FrameBuffer:
 
     def prime(self, snapshot: PoolSnapshot | None) -> None:
         """Start from ``snapshot`` (the runner's newest, when the buffer joins a runner already running): the
-        window's first frame, with no events (those before it went to nobody). Ignored once an update came."""
+        window's first frame, with no events (those before it went to nobody) and no number (read apart from the
+        snapshot, the runner's count could name another update). Ignored once an update came."""
         if snapshot is None:
             return
         with self._lock:
-            if self._snapshot is None and self._next_seq == 0:
-                self._snapshot, self._seq = snapshot, 0
-                self._next_seq = 1
+            if not self._got:
+                self._got = True
+                self._snapshot, self._seq = snapshot, None
 
     def take(self) -> FeedFrame | None:
         """The newest frame with the events of every frame since the last take (None: nothing new)."""
         with self._lock:
             if self._snapshot is None:
                 return None
-            frame = FeedFrame(self._snapshot, self._seq, tuple(self._events), not self._taken, self._dropped)
-            self._snapshot = None
+            frame = FeedFrame(self._snapshot, self._seq, tuple(self._events), not self._taken, self._dropped,
+                              self._changes)
+            self._snapshot, self._changes = None, NO_CHANGE_RECORD
             self._events.clear()
             self._dropped = 0
             self._taken = True

@@ -10,6 +10,7 @@ first, that frame becomes its keyframe. Either way the file holds one unbroken r
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Sequence
 
@@ -45,7 +46,7 @@ class JoiningFanout:
                 return  # prime() already encoded this very snapshot (it was published while priming)
             if self._first is None:
                 self._first = update.snapshot
-            self.fanout(update)
+            self.fanout(dataclasses.replace(update, seq=None))  # the file's own frames: numbered from its first
 
     @property
     def sinks(self) -> list[object]:

@@ -117,15 +117,6 @@ class ColourBook:
             self._slot = grown
 
 
-BOOK = ColourBook()  # the book of whoever names none (a hand-built view, a test); conversation ids are per source,
-# so each source the window watches has its own (PoolSource.colours), handed to the widgets that draw it
-
-
-def observe(snapshot, book: ColourBook | None = None) -> None:
-    """Let the colour book see ``snapshot``'s live conversations (call before drawing it)."""
-    (BOOK if book is None else book).observe(snapshot)
-
-
 _table = np.zeros((0, 4), np.uint8)  # colour of palette index 0..len-1, grown on demand
 _muted = np.zeros((0, 4), np.uint8)  # the cached-block colours of the same indices, grown with _table
 _table32 = np.zeros(0, np.uint32)  # the same two tables, one uint32 (an RGBA pixel) per entry: a gather of 65,536
@@ -144,17 +135,18 @@ def _ensure(slots: np.ndarray) -> np.ndarray:
     return slots
 
 
-def conversation_colours(ids: np.ndarray, book: ColourBook | None = None) -> np.ndarray:
-    """RGBA uint8 [n, 4] for non-negative conversation ids: each id's palette entry in the colour book."""
-    slots = _ensure((BOOK if book is None else book).slots(ids))  # before reading the table: it may grow
+def conversation_colours(ids: np.ndarray, book: ColourBook) -> np.ndarray:
+    """RGBA uint8 [n, 4] for non-negative conversation ids: each id's palette entry in ``book`` (conversation ids are
+    per source, so each source the window watches has its own book, PoolSource.colours)."""
+    slots = _ensure(book.slots(ids))  # before reading the table: it may grow
     return _table[slots]
 
 
-def owner_colours32(ids: np.ndarray, book: ColourBook | None = None) -> tuple[np.ndarray, np.ndarray]:
+def owner_colours32(ids: np.ndarray, book: ColourBook) -> tuple[np.ndarray, np.ndarray]:
     """For each id, as uint32 pixels (the grid's form): its :func:`conversation_colours` entry, and the muted colour
     of a cached block it last filled (a hint of that conversation). The colour book is asked once, not once per lookup
     (figures: docs/performance.md, "Grid")."""
-    slots = _ensure((BOOK if book is None else book).slots(ids))
+    slots = _ensure(book.slots(ids))
     return _table32[slots], _muted32[slots]
 
 
@@ -184,7 +176,7 @@ def _compute_colours(slots: np.ndarray) -> np.ndarray:
     return rgba
 
 
-def conversation_colour(conversation_id: int, book: ColourBook | None = None) -> tuple[int, int, int]:
+def conversation_colour(conversation_id: int, book: ColourBook) -> tuple[int, int, int]:
     """One conversation's colour as an (r, g, b) tuple, for Qt widgets."""
     r, g, b, _ = conversation_colours(np.array([conversation_id]), book)[0]
     return int(r), int(g), int(b)

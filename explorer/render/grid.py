@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvstream.views import BlockState, PoolSnapshot
+from kvstream.views import NO_CHANGE_RECORD, BlockState, ChangeRecord, PoolSnapshot
 
 from ..model import palette
 
@@ -176,7 +176,8 @@ def block_colours(snapshot: PoolSnapshot, color_by: str = "owner", selected_conv
     used = state == BlockState.USED
     cached = state == BlockState.CACHED
     if color_by == "owner":
-        palette.observe(snapshot, book)  # live conversations get distinct colours before any is looked up
+        book = palette.ColourBook() if book is None else book  # None: this snapshot's own (a hand-built view)
+        book.observe(snapshot)  # live conversations get distinct colours before any is looked up
         owner = _column(snapshot.owner, ids)
         has_owner = owner >= 0
         live32, muted32 = palette.owner_colours32(np.maximum(owner, 0), book)
@@ -260,7 +261,7 @@ def snapshot_to_rgba(snapshot: PoolSnapshot, color_by: str = "owner", selected_c
                      selected_block: int | None = None, geometry: GridGeometry | None = None,
                      book=None, group_filter: int | None = None) -> np.ndarray:
     """The grid image, uint8 [rows * tile, cols * tile, 4], row-major with block 0 at the top left; owners in
-    ``book``'s colours (the source's colour book; None: the default book)."""
+    ``book``'s colours (the source's colour book; None: a book of this snapshot alone, for a hand-built view)."""
     geo = geometry or grid_geometry(snapshot.num_blocks, snapshot.block_size)
     n, t = snapshot.num_blocks, geo.tile
     profile = _tile_rows(snapshot, color_by, selected_conversation, geo, None, book, group_filter)
@@ -323,21 +324,34 @@ def redraw_blocks(image: np.ndarray, snapshot: PoolSnapshot, ids: np.ndarray, co
 PARTIAL_LIMIT = 1 / 8  # redraw only the changed blocks while they are at most this share of the pool
 
 
+DRAWN_FROM = ("state", "num_filled", "ref_count", "owner")  # the per-block arrays a tile is drawn from (age colours
+# read last_access too, and are drawn whole)
+
+
 def changed_blocks(before: PoolSnapshot, after: PoolSnapshot, color_by: str,
-                   selected_conversation: int | None = None) -> np.ndarray | None:
+                   selected_conversation: int | None = None,
+                   changes: ChangeRecord = NO_CHANGE_RECORD) -> np.ndarray | None:
     """Ids of the blocks whose tile may be drawn differently in ``after`` than in ``before`` (same pool size), under
     ``color_by``, ``selected_conversation`` and the colour book as it is now; None when every block may (age colours
     move with every step; the selected conversation's table changed, and its blocks are drawn bright, the others
-    dim), or when that is too many to be worth drawing one by one."""
+    dim), or when that is too many to be worth drawing one by one.
+
+    ``changes``: what the frame says changed since ``changes.base`` (FeedFrame.changes). When that base is
+    ``before``, these are the blocks its record names, and no array is compared; otherwise (a frame of history, a
+    stream that sends no record, frames the grid did not draw in between) the arrays are compared."""
     if color_by == "age" or before.num_blocks != after.num_blocks or before.block_size != after.block_size:
         return None
     if selected_conversation is not None and \
             before.block_tables.get(selected_conversation) != after.block_tables.get(selected_conversation):
         return None
     changed = np.zeros(after.num_blocks, bool)
-    for name in ("state", "num_filled", "ref_count", "owner"):
-        old, new = np.asarray(getattr(before, name)), np.asarray(getattr(after, name))
-        if old is not new:
-            changed |= old != new
+    if changes.base is before and changes.block_masks is not None:
+        for name in DRAWN_FROM:
+            changed |= changes.block_masks[name]
+    else:
+        for name in DRAWN_FROM:
+            old, new = np.asarray(getattr(before, name)), np.asarray(getattr(after, name))
+            if old is not new:
+                changed |= old != new
     ids = np.nonzero(changed)[0]
     return ids if len(ids) <= PARTIAL_LIMIT * after.num_blocks else None

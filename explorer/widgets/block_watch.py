@@ -11,7 +11,7 @@ from PySide6 import QtCore
 
 from kvstream.events import EventKind
 
-from .source import PoolSource
+from ..model.pool_source import PoolSource
 
 INSPECT_INTERVAL_MS = 200  # at most 5 detail requests a second
 

@@ -35,12 +35,13 @@ LEGEND = (("filled", None), ("reserved but empty", None), ("gap between reservat
 
 def slot_colours(layout: ContiguousLayout, book=None) -> np.ndarray:
     """One uint32 (RGBA bytes) per slot of the contiguous memory: what each slot is drawn as (two slice
-    assignments per reservation, never a Python loop over slots)."""
+    assignments per reservation, never a Python loop over slots). ``book``: the source's colour book (None: a
+    fresh one, for a layout drawn alone)."""
     colours = np.full(layout.num_slots, as_u32(palette.FREE[None])[0], np.uint32)
     if not layout.reservations:
         return colours
     ids = np.array([r.conversation_id for r in layout.reservations], np.int64)
-    bright = palette.conversation_colours(ids, book)  # [runs, 4]
+    bright = palette.conversation_colours(ids, palette.ColourBook() if book is None else book)  # [runs, 4]
     bright32 = as_u32(bright).tolist()
     dark32 = as_u32(palette.scale(bright, palette.EMPTY_SLOT_LEVEL)).tolist()
     colours[:max(r.end for r in layout.reservations)] = as_u32(GAP[None])[0]  # below the top, free = gap
@@ -142,7 +143,7 @@ class ContiguousView(QtWidgets.QWidget):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.model = ContiguousAllocator()
-        self.colours = palette.BOOK  # the colour book of the source drawn (the pane hands over its source's)
+        self.colours = palette.ColourBook()  # the colour book of the source drawn (the pane hands over its source's)
         self.layout_: ContiguousLayout | None = None
         self.geometry_: GridGeometry | None = None
         self.image: np.ndarray | None = None
@@ -193,7 +194,7 @@ class ContiguousView(QtWidgets.QWidget):
 
     def set_snapshot(self, snapshot: PoolSnapshot) -> None:
         """Place the snapshot's live conversations (call with every new snapshot, in order)."""
-        palette.observe(snapshot, self.colours)
+        self.colours.observe(snapshot)
         self.layout_ = self.model.update(snapshot)
         key = (self.layout_.reservations, self.layout_.num_slots, self.layout_.block_size)
         if key != self._drawn_key:

@@ -120,7 +120,7 @@ class ConversationsModel(RowsModel):
         self._row_cache: dict[int, tuple] = {}  # conversation id -> (info, block table, row) it was made from
         self._made_from: PoolSnapshot | None = None  # the snapshot of the last refresh
         self.rows_made = 0  # rows computed (not reused) so far (tests read it)
-        self.colours = palette.BOOK  # the colour book of the source shown (ConversationsPanel.set_colour_book)
+        self.colours = palette.ColourBook()  # the colour book of the source shown (ConversationsPanel.set_colour_book)
 
     def cell_data(self, row: tuple, column: int, role):
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
@@ -168,7 +168,7 @@ class ConversationsModel(RowsModel):
         A row is made again only when what it shows may have changed: its conversation's info (the engine hands
         out the same object while a conversation is unchanged; a stream rebuilds them, so the fields the row reads
         are compared), its block table, or the ref counts and fills of the pool (one array comparison a refresh)."""
-        palette.observe(snapshot, self.colours)  # the same colours as the grid, whichever draws first
+        self.colours.observe(snapshot)  # the same colours as the grid, whichever draws first
         last = self._made_from
         pool_same = last is not None and (last is snapshot or (
             np.array_equal(last.ref_count, snapshot.ref_count) and np.array_equal(last.num_filled, snapshot.num_filled)))
@@ -209,7 +209,7 @@ class ConversationDetail(QtWidgets.QWidget):
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
-        self.colours = palette.BOOK  # the colour book of the source shown (ConversationsPanel.set_colour_book)
+        self.colours = palette.ColourBook()  # the colour book of the source shown (ConversationsPanel.set_colour_book)
         self.title = QtWidgets.QLabel(PLACEHOLDER)
         self.title.setWordWrap(True)
         self.table_label = QtWidgets.QLabel()
@@ -267,7 +267,7 @@ class ConversationDetail(QtWidgets.QWidget):
         if key == self._key:
             return
         self._key = key
-        palette.observe(snapshot, self.colours)
+        self.colours.observe(snapshot)
         r, g, b = conversation_colour(info.conversation_id, self.colours)
         turns = f", turn {len(info.turns)}" if len(info.turns) > 1 else ""
         self.title.setText(

@@ -16,7 +16,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from kvstream.views import BlockState, PoolSnapshot
+from kvstream.views import NO_CHANGE_RECORD, BlockState, ChangeRecord, PoolSnapshot, chain_changes
 
 from ..model import palette
 from ..render import grid
@@ -83,12 +83,13 @@ class GridView(QtWidgets.QWidget):
         self.snapshot: PoolSnapshot | None = None
         self.geometry_: GridGeometry | None = None
         self.color_by = "owner"
-        self.colours = palette.BOOK  # the colour book of the source drawn (the pane hands over its source's)
+        self.colours = palette.ColourBook()  # the colour book of the source drawn (the pane hands over its source's)
         self.selected_block: int | None = None
         self.selected_conversation: int | None = None
         self.group_filter: int | None = None  # KV cache group whose blocks stay bright (others dimmed); None: all
         self.image: np.ndarray | None = None  # the array last handed to the ImageItem
         self._drawn: tuple | None = None  # (snapshot, geometry, colour mode, selections, group filter, book version)
+        self._changes: ChangeRecord = NO_CHANGE_RECORD  # what the frames since the image drawn say changed
         self._owner_slots: np.ndarray | None = None  # the palette entry each block's owner had in the image
         self.partial_draws = 0  # redraws that drew only the blocks that changed (the others: the whole image)
         self.frames_drawn = 0
@@ -126,13 +127,21 @@ class GridView(QtWidgets.QWidget):
         self.view.viewport().installEventFilter(self)  # answer tooltip requests before the scene hides them
 
     # ---- state ----------------------------------------------------------------------------------------
-    def set_snapshot(self, snapshot: PoolSnapshot) -> None:
-        """Take a newer snapshot; the image is rebuilt only if the pool differs from the one drawn.
+    def set_snapshot(self, snapshot: PoolSnapshot, changes: ChangeRecord = NO_CHANGE_RECORD) -> None:
+        """Take a newer snapshot; the image is rebuilt only if the pool differs from the one drawn. ``changes``:
+        what its frame says changed since the view before (PoolSource.view_changes): only those blocks are drawn
+        again, where that view is the one drawn.
 
         The runner publishes after every command too (inspect_block, tokenize ...), mostly with an unchanged pool.
         """
         if not same_pool(self.snapshot, snapshot):
             self._dirty = True
+            # what changed since the image drawn: this frame's record if it starts there, chained with the record
+            # of a frame taken but not drawn yet (the grid draws at most once a tick)
+            pending = self._changes
+            if pending.base is not None and changes.base is self.snapshot:
+                changes = chain_changes(pending, changes)
+            self._changes = changes
         self.snapshot = snapshot
 
     def set_color_by(self, mode: str) -> None:
@@ -164,6 +173,7 @@ class GridView(QtWidgets.QWidget):
         elif geo.tile != self.wanted_tile():  # cells drawn smaller or larger on screen now
             geo = self.geometry_ = grid_geometry(snap.num_blocks, snap.block_size, self.pixels_per_cell())
         self._draw(snap, geo)
+        self._changes = NO_CHANGE_RECORD  # the next frame's record starts from this image
         self.item.setImage(self.image, autoLevels=False)
         self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))  # cell units, whatever the tile (after setImage)
         if new_layout:
@@ -182,14 +192,14 @@ class GridView(QtWidgets.QWidget):
         book = None
         colours = self.colours  # the source's colour book
         if self.color_by == "owner":
-            palette.observe(snap, colours)
+            colours.observe(snap)
             book = colours.version  # which entries the colour book had handed out for this image
         settings = (geo, self.color_by, self.selected_conversation, self.selected_block, self.group_filter)
         drawn, ids = self._drawn, None
         if drawn is not None and drawn[1:6] == settings and self.image is not None and not (
                 (self.color_by == "group" or self.group_filter is not None)  # a block may change group alone
                 and snap.carries_group_tables and drawn[0].group_block_tables != snap.group_block_tables):
-            ids = changed_blocks(drawn[0], snap, self.color_by, self.selected_conversation)
+            ids = changed_blocks(drawn[0], snap, self.color_by, self.selected_conversation, self._changes)
         owner = np.asarray(snap.owner)
         if ids is not None and book is not None:
             if book != drawn[6]:  # entries handed out since: a block whose owner now has another colour is redrawn

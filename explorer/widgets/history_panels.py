@@ -16,7 +16,7 @@ from PySide6 import QtCore
 from ..model.block_history import BlockStory
 from .block_history_view import BlockHistoryView
 from .eventlog import EventLog
-from .source import PoolSource
+from ..model.pool_source import PoolSource
 
 SETTLE_MS = 150  # how long the frame on view must rest before the selected block's story is told up to it
 

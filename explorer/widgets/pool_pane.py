@@ -1,11 +1,11 @@
 """One pool in the middle of the window: a header naming its source, the grid with its view options, and the
 timeline under it.
 
-The pane is given its :class:`~explorer.widgets.source.PoolSource` and follows it alone: the grid shows whatever view the
+The pane is given its :class:`~explorer.model.pool_source.PoolSource` and follows it alone: the grid shows whatever view the
 source says is current; the timeline (when the source keeps history) is fed the kept range, the event marks and
 the memory kept as the history grows (the source's ``historyChanged``; the marks come with each frame's events,
-``eventsArrived``), and its moves become the source's seeks
-(its banner says "viewing step N of M" and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
+``eventsArrived``), and moves the source's own step cursor, which the source follows (its banner says "viewing step
+N of M" and has Back to live). A new feed resets both. Several panes side by side (several ``--attach``) are several
 sources, each with its own header.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from PySide6 import QtCore, QtWidgets
 
 from ..model.pool_counts import pool_counts
+from ..model.pool_source import PoolSource
 from ..render.grid import COLOR_BY, COLOR_BY_LABELS
 from .elided_label import ElidedLabel
 from .grid_view import GridView
-from .source import PoolSource
 from .timeline import Timeline
 
 
@@ -62,8 +62,7 @@ class PoolPane(QtWidgets.QWidget):
         self.content_view = None  # the KV-event content view, shown instead of the grid for such a source
         self.grid.colours = source.colours
         self.timeline = Timeline()
-        self.timeline.seekRequested.connect(self._seek)
-        self.timeline.liveRequested.connect(source.go_live)
+        self.timeline.follow(source.cursor)  # one step on view: the timeline draws and moves the source's cursor
         self.timeline.budgetChanged.connect(self._set_budget)
         self._header_text: str | None = None
         self._contiguous_restart = False  # the contiguous view last placed a history frame: start over when live
@@ -136,15 +135,6 @@ class PoolPane(QtWidgets.QWidget):
             self.timeline.add_event_markers(pairs)
             self.tier_grids.add_events(pairs, self.source.events_snapshot)
 
-    def _seek(self, seq: int) -> None:
-        try:
-            if self.timeline.scrubbing:  # a drag or play: far frames decode on a worker, the window keeps its pace
-                self.source.seek_soon(seq)
-            else:
-                self.source.seek(seq)
-        except LookupError:  # dropped from history between the click and now: the timeline catches up next frame
-            self.sync_timeline()
-
     def _set_budget(self, nbytes) -> None:
         history = self.source.history
         if history is not None:
@@ -152,14 +142,10 @@ class PoolPane(QtWidgets.QWidget):
             self.sync_timeline()
 
     def _on_cursor(self, cursor) -> None:
-        """The timeline draws the step wanted on view, whoever moved it (a seek from the event log, Back to live
-        from a menu, the history dropping the frame on view); its own moves are there already."""
-        if cursor.seq is None:
-            if not self.timeline.is_live:
-                self.timeline.set_viewed(None)
-        elif self.timeline.is_live or self.timeline.position != cursor.seq:
+        """A move made elsewhere (a seek from the event log) may name a frame newer than the range the timeline was
+        last given: give it the History's range now (the cursor itself it draws on its own)."""
+        if cursor.seq is not None and cursor.seq > self.timeline.last_seq:
             self.sync_timeline()
-            self.timeline.set_viewed(cursor.seq)  # the source is on its way there: no second seek
 
     def _on_source_changed(self, feed) -> None:
         self.grid.reset_view()
@@ -232,7 +218,7 @@ class PoolPane(QtWidgets.QWidget):
         self._layout.insertWidget(self._layout.indexOf(self.outer) + 1, self.content_view, 1)
 
     def _on_view(self, snapshot) -> None:
-        self.grid.set_snapshot(snapshot)
+        self.grid.set_snapshot(snapshot, self.source.view_changes)  # what its frame says changed: drawn alone
         tiers_shown = self.tier_grids.isVisibleTo(self)
         self.tier_grids.set_snapshot(snapshot)
         if not tiers_shown and self.tier_grids.isVisibleTo(self):  # tiers appear: the device pool keeps 3/5

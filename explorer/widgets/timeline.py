@@ -8,8 +8,9 @@ right keys (Shift: to the previous or next mark), play/pause at a chosen speed, 
 follows the newest frame, "viewing step N of M" with a "Back to live" button otherwise. Below, what history keeps
 and the memory budget the user can change.
 
-It is data-driven: the window feeds it ranges, markers and byte counts and acts on its signals; it never touches
-History or the source itself. Markers live in two numpy arrays and are drawn as one image row stretched over
+It is data-driven: the window feeds it ranges, markers and byte counts; the step on view is a
+:class:`~explorer.model.cursor.StepCursor`'s (its own, or the source's it is given with :meth:`Timeline.follow`), which
+it draws and moves, and a source given the same cursor follows it. It never touches History or the source itself. Markers live in two numpy arrays and are drawn as one image row stretched over
 the strip (one pixel column per mark, the most telling kind winning), so tens of thousands of marks and 30
 updates a second cost well under a millisecond of painting.
 """
@@ -23,6 +24,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.events import NOTABLE_KINDS, BlockEvent, EventKind
 
+from ..model.cursor import StepCursor
 from ..model.event_colours import ALL_KINDS, KIND_CODE, KIND_COLOURS, KIND_NAMES, KIND_PRIORITY
 from .kind_menu import KindMenu, as_kind
 
@@ -283,8 +285,8 @@ class Timeline(QtWidgets.QWidget):
         self.first_seq = 0  # oldest frame kept
         self.last_seq = 0  # newest frame kept
         self.empty = True  # no frames yet
-        self.is_live = True  # following the newest frame
-        self.viewed_seq = 0  # frame on view while not live
+        self.cursor = StepCursor()  # the step on view (its seq; None: following the newest frame): see follow()
+        self.cursor.subscribe(self._cursor_moved)
         self.live_source = True  # False for a recording: the end is fixed, "live" reads "the end"
         self.markers = Markers()
         self.enabled_mask = np.zeros(len(ALL_KINDS), bool)  # kind code -> marked on the strip
@@ -381,6 +383,31 @@ class Timeline(QtWidgets.QWidget):
         self.markers_button.setText("◆" if narrow else "Marks")
         super().resizeEvent(event)
 
+    # ----- the cursor -------------------------------------------------------------------------------------------
+    def follow(self, cursor: StepCursor) -> None:
+        """Draw and move ``cursor`` (a source's) instead of the timeline's own: one step on view, held once."""
+        if cursor is self.cursor:
+            return
+        self.cursor.unsubscribe(self._cursor_moved)
+        self.cursor = cursor
+        cursor.subscribe(self._cursor_moved)
+        self._refresh()
+
+    def _cursor_moved(self, cursor: StepCursor) -> None:
+        if cursor.seq is None:
+            self._stop()
+        self._refresh()
+
+    @property
+    def is_live(self) -> bool:
+        """Following the newest frame."""
+        return self.cursor.seq is None
+
+    @property
+    def viewed_seq(self) -> int:
+        """The frame on view while not live (the newest while live)."""
+        return self.last_seq if self.cursor.seq is None else self.cursor.seq
+
     # ----- data in ----------------------------------------------------------------------------------------------
     def set_range(self, first_seq: int, last_seq: int,
                   step_of: Callable[[int], int] | Sequence[int] | np.ndarray | None = None) -> None:
@@ -406,20 +433,22 @@ class Timeline(QtWidgets.QWidget):
         self.markers.drop_before(first)
         moved = None
         if not self.is_live and not first <= self.viewed_seq <= last:
-            moved = self.viewed_seq = min(max(self.viewed_seq, first), last)
+            moved = min(max(self.viewed_seq, first), last)
         if was_empty:  # the first frames: the banner's colours and the buttons change too
             self._refresh()
         else:  # a new frame (30 a second): only the words that name the range, and the strip
             self._refresh_text()
         if moved is not None:
+            self.cursor.move(moved, self.cursor.running)
             self.seekRequested.emit(moved)
 
     def clear(self) -> None:
         """No history (a new source): empty strip, no marks, live."""
         self._stop()
         self.markers.clear()
-        self.first_seq = self.last_seq = self.viewed_seq = 0
-        self.empty, self.is_live, self._step_of = True, True, None
+        self.first_seq = self.last_seq = 0
+        self.empty, self._step_of = True, None
+        self.cursor.move(None)  # nothing kept to view: the present
         self._refresh()
 
     def set_markers(self, marks: Iterable[tuple[int, EventKind | str]]) -> None:
@@ -529,27 +558,10 @@ class Timeline(QtWidgets.QWidget):
             raise ValueError(f"frame {seq:,} is not in the history kept ({kept})")
         self._view(seq)
 
-    def set_viewed(self, seq: int | None) -> None:
-        """Put the cursor where the source already is (None: live) without emitting anything: for a move made
-        elsewhere (an event clicked in the log, a menu's Back to live), so the source is not asked twice."""
-        if seq is None:
-            self._stop()
-            self.is_live = True
-        else:
-            seq = _check_seq(seq, "seq")
-            if self.empty or not self.first_seq <= seq <= self.last_seq:
-                kept = "nothing yet" if self.empty else f"frames {self.first_seq:,}-{self.last_seq:,}"
-                raise ValueError(f"frame {seq:,} is not in the history kept ({kept})")
-            self.is_live, self.viewed_seq = False, self._snap(seq)
-        self._refresh()
-
     def go_live(self) -> None:
         """Follow the newest frame again and emit liveRequested."""
         self._stop()
-        was = self.is_live
-        self.is_live = True
-        self._refresh()
-        if not was:
+        if self.cursor.move(None):
             self.liveRequested.emit()
 
     def step_frames(self, delta: int) -> None:
@@ -606,8 +618,7 @@ class Timeline(QtWidgets.QWidget):
     def _view(self, seq: int, direction: int = -1) -> None:
         seq = self._snap(seq, direction)  # never onto a frame history does not have
         changed = self.is_live or seq != self.viewed_seq
-        self.is_live, self.viewed_seq = False, seq
-        self._refresh()
+        self.cursor.move(seq, running=self.scrubbing)  # a drag or play: a run of moves (a source decodes the last)
         if changed:
             self.seekRequested.emit(seq)
 

@@ -13,8 +13,8 @@ from PySide6 import QtCore, QtWidgets
 
 from engine import EngineConfig
 
-from ..feeds.demo import DEMO_SPEED, DEMOS
-from ..feeds.engine_feed import EngineFeed
+from ..feeds.demo import DEMOS
+from ..feeds.sources import open_sources, watches
 from .layout import LayoutMemory
 from .loader import load_engine_blocking
 from .main_window import MainWindow
@@ -100,42 +100,26 @@ def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> None
         print(f"error: could not save the screenshot to {path}", file=sys.stderr, flush=True)
 
 
-def build_feeds(opts) -> tuple[list, str | None]:
-    """The feeds the command line asks for other than the local engine: (feeds, error message)."""
-    if not (opts.open or opts.attach or opts.attach_kv_events):
-        return [], None
-    from ..feeds.stream_feed import open_feeds
-    try:
-        return open_feeds(opts), None
-    except (ValueError, OSError) as exc:
-        return [], str(exc)
-
-
 def run_gui(opts, cfg: EngineConfig) -> int:
     """Run the app until its window closes; returns the process exit code (2 when a source cannot start)."""
     app = application()
     settings = LayoutMemory.user_settings()
     demo = opts.demo
-    feeds, error = build_feeds(opts)
-    if error is not None:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if feeds:
-        window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
-    else:
+    engine = seeded = None
+    if not watches(opts):
         engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo))
         if engine is None:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        from ..feeds.outputs import engine_sinks
-        try:
-            sinks = engine_sinks(opts)
-        except (ValueError, OSError, ImportError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        feed = EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo in DEMOS else None,
-                                extra_sinks=sinks)
-        window = MainWindow(feed=feed, config=cfg, settings=settings, size=opts.size)
+    try:
+        feeds = open_sources(opts, cfg, engine, window=True).feeds  # the same sources as --headless builds
+    except (ValueError, OSError, ImportError) as exc:
+        if engine is not None:
+            engine.close()  # its KV-event sockets
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
+    if engine is not None:
         window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
         if demo in DEMOS:
             window.start_traffic(demo)  # the demo keeps living: served traffic (busy, crowd: after the first screen)

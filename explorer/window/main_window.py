@@ -1,6 +1,6 @@
 """The main window: layout and wiring around one or more pool sources.
 
-The window owns no engine logic. A :class:`~explorer.widgets.source.PoolSource` owns what is watched (the local engine, an
+The window owns no engine logic. A :class:`~explorer.model.pool_source.PoolSource` owns what is watched (the local engine, an
 attached stream, a recording) and says what it can do; the centre is one :class:`~explorer.widgets.pool_pane.PoolPane` per
 source (several ``--attach`` sit side by side, each with its own header); the docks around it (inspector, legend,
 memory, conversations, metrics, event log, block history) follow the active source through its signals. A 30 Hz
@@ -19,7 +19,9 @@ from engine import EngineConfig
 from kvstream.views import PoolSnapshot
 
 from ..feeds.engine_feed import EngineFeed
+from ..feeds.feed import Feed, Problem
 from ..model.pacer import FramePace, LivePacer, engine_has_slack
+from ..model.pool_source import PoolSource
 from ..widgets.block_watch import BlockWatch
 from ..widgets.controls import EngineControls
 from ..widgets.conversations import ConversationsPanel
@@ -30,8 +32,8 @@ from ..widgets.metrics import MetricsPanel
 from ..widgets.metrics_backfill import MetricsBackfill
 from ..widgets.pool_pane import PoolPane
 from ..widgets.relocation import RelocationPanel
-from ..widgets.source import Feed, PoolSource, Problem
 from .commands import Commands
+from .qt_source import qt_pool_source
 from .dialogs import RestartDialog
 from .layout import MIN_HEIGHT, MIN_WIDTH, LayoutMemory, arrange, keep_proportions, make_dock
 from .loader import EngineLoader, progress_dialog
@@ -69,8 +71,8 @@ class MainWindow(QtWidgets.QMainWindow):
             feed = EngineFeed(runner, config or EngineConfig())
         self.engine_config = config or getattr(feed, "config", None) or EngineConfig()  # what a restart starts from
         self.config_before_demo: EngineConfig | None = None  # the user's settings while a demo runs its own
-        self.source = PoolSource(feed, self)
-        self.panes = [PoolPane(self.source)] + [PoolPane(PoolSource(f, self)) for f in extra_feeds]
+        self.source = qt_pool_source(feed, self)
+        self.panes = [PoolPane(self.source)] + [PoolPane(qt_pool_source(f, self)) for f in extra_feeds]
         self.errors: list[tuple[str, str]] = []  # (title, text) of every error shown, newest last
         self.message_boxes: list[QtWidgets.QMessageBox] = []
         self.lesson_window = None

@@ -250,7 +250,7 @@ class StreamEncoder:
         self.keyframe_interval = keyframe_interval  # frames from one keyframe to the next, at most
         self.keyframe_after_bytes = keyframe_after_bytes  # bytes of deltas from one keyframe to the next, about
         self.stream_id = _new_stream_id() if stream_id is None else int(stream_id)  # tells restarted sources apart
-        self._seq = -1  # seq of the last frame
+        self._seq = -1  # seq of the last frame (the encoder's own count, or the producer's numbers it was given)
         self._since_key = 0  # frames since the last keyframe
         self._bytes_since_key = 0  # payload bytes of the deltas since the last keyframe
         self._prev: PoolSnapshot | None = None  # state of the last frame
@@ -266,12 +266,21 @@ class StreamEncoder:
         return self._seq
 
     def encode(self, snapshot: PoolSnapshot, events: Sequence[BlockEvent] = (),
-               changes: ChangeRecord | None = None) -> Frame:
+               changes: ChangeRecord | None = None, seq: int | None = None) -> Frame:
         """The next frame: ``snapshot`` plus the block events that led to it. ``changes``: what the producer knows
         changed since the snapshot before (None: nothing known, every block and conversation is compared). The
-        frame's bytes are the same either way: the record only spares the comparisons."""
+        frame's bytes are the same either way: the record only spares the comparisons.
+
+        ``seq``: the frame's number as its producer counts its publications (the engine runner's
+        :attr:`~kvstream.views.PoolUpdate.seq`, which the window's frames carry too), so that the stream is numbered
+        once; None: the one after the last frame. A number past the next one (an update that was not encoded)
+        starts a keyframe, since a reader cannot apply a delta across the frames missing."""
         if not isinstance(snapshot, PoolSnapshot):
             raise TypeError(f"encode() takes a PoolSnapshot, not {type(snapshot).__name__}")
+        if seq is None:
+            seq = self._seq + 1
+        elif isinstance(seq, bool) or not isinstance(seq, int) or seq <= self._seq:
+            raise ValueError(f"a frame's seq must be an int past the last frame's ({self._seq}), got {seq!r}")
         self._changes = NO_CHANGE_RECORD if changes is None else changes  # read by _delta_body
         events = tuple(events)
         for e in events:
@@ -281,10 +290,10 @@ class StreamEncoder:
         tiers = _tier_arrays(snapshot) if snapshot.tiers else {}
         header = _header(snapshot)
         key = (self._prev is None or header != self._header or self._since_key + 1 >= self.keyframe_interval
-               or self._bytes_since_key >= self.keyframe_after_bytes)
+               or self._bytes_since_key >= self.keyframe_after_bytes or seq != self._seq + 1)
         bridge = None
         if key:
-            if self._prev is not None and header == self._header:  # a periodic keyframe: bridge it
+            if self._prev is not None and header == self._header and seq == self._seq + 1:  # periodic: bridged
                 bridge, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
             else:
                 stable = {c.conversation_id: _stable(c) for c in snapshot.conversations}
@@ -293,8 +302,8 @@ class StreamEncoder:
         else:
             body, stable, prev_convs = self._delta_body(snapshot, arrays, tiers)
         self._changes = None  # it names the snapshot before: not kept past this frame
-        frame = self._frame(self._seq + 1, snapshot.step_id, key, events, body, bridge)
-        self._seq += 1
+        frame = self._frame(seq, snapshot.step_id, key, events, body, bridge)
+        self._seq = seq
         self._since_key = 0 if key else self._since_key + 1
         self._bytes_since_key = 0 if key else self._bytes_since_key + len(frame.payload)
         self._prev, self._prev_arrays, self._header = snapshot, arrays, header

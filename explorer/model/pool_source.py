@@ -1,4 +1,4 @@
-"""The seam between the window and whatever it is watching: one object owns the current source of pool views.
+"""The window's model: one object owns the current source of pool views and the view every panel shows.
 
 The explorer can watch the project's engine in this process, a pool stream another process publishes, a recording
 on disk, or a vLLM/SGLang KV-event stream. They differ in what they can do: only the local engine takes commands
@@ -9,6 +9,11 @@ and a restart, an opened recording or an attach swaps the feed in one place that
 
 A *feed* (:class:`~explorer.feeds.feed.Feed`, Qt-free so headless runs use the same ones) is one concrete source;
 :class:`PoolSource` drives it from the GUI thread's frame timer (:meth:`PoolSource.poll`) and never blocks on it.
+
+Plain Python, as napari's model layer is: it runs and is tested without a display. Its eight signals are
+:class:`~explorer.model.signals.Signal` objects unless it is given others with the same names; the window gives it
+Qt signals (:mod:`explorer.window.qt_source`), so the panels connect to it as to any Qt object. The step on view is
+its :class:`~explorer.model.cursor.StepCursor`'s, which the timeline moves and reads too.
 """
 from __future__ import annotations
 
@@ -17,20 +22,22 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from PySide6 import QtCore
-
 from kvstream.events import EventKind
 from kvstream.history import Cancelled
 from kvstream.poolstream import StreamError
-from kvstream.views import PoolSnapshot
+from kvstream.views import NO_CHANGE_RECORD, ChangeRecord, PoolSnapshot
 
 from ..feeds.feed import Capabilities, Feed, Problem
 from ..feeds.futures import FutureWatcher
 from ..feeds.snapshot_block import block_info_from_snapshot
-from ..model.cursor import StepCursor
-from ..model.palette import ColourBook
+from .cursor import StepCursor
+from .palette import ColourBook
+from .signals import Signal
 
-__all__ = ["Capabilities", "Feed", "PoolSource", "Problem"]
+__all__ = ["Capabilities", "Feed", "PoolSignals", "PoolSource", "Problem"]
+
+SIGNALS = ("sourceChanged", "frameArrived", "viewChanged", "viewingChanged", "eventsArrived", "eventsDropped",
+           "historyChanged", "problem")
 
 
 def _done(value=None, error: BaseException | None = None) -> Future:
@@ -54,10 +61,19 @@ SCRUB_ON_GUI_THREAD = 12  # frames of decoding (History.decode_cost) a scrub doe
 # worker (a frame far from the one decoded last takes longer than a frame of the window on a large pool)
 SCRUB_PACE_S = 0.033  # the worker begins at most one decode per window frame (it shows no more), and rests as long
 # as its last decode took before the next: decoding back to back, it held the GIL the GUI thread needs for drawing so
-# much that a drag over a long recording of a large pool lost frames (figures: docs/performance.md, "Scrubbing")
+# much that a drag over a long recording of a large pool lost frames (figures: docs/performance.md, "Scrubbing"); a
+# decode that has to wait begins at the first poll after its time
 
 
-class PoolSource(QtCore.QObject):
+class PoolSignals:
+    """The eight signals of a :class:`PoolSource`, as plain Python (see :class:`PoolSource` for what each says)."""
+
+    def __init__(self):
+        for name in SIGNALS:
+            setattr(self, name, Signal())
+
+
+class PoolSource:
     """Owns the current feed and the view the window shows: the newest frame (live) or one kept frame (history).
 
     Signals (all on the GUI thread, from :meth:`poll` or a call that changes something):
@@ -74,19 +90,16 @@ class PoolSource(QtCore.QObject):
     - ``eventsDropped(n)``: the feed let ``n`` events go because the window fell too far behind it.
     - ``historyChanged()``: the History's kept frames changed (the timeline's range follows it).
     - ``problem(Problem)``: something to tell the user once (failures of the feed, refused commands).
+
+    ``signals``: an object with those eight attributes, each with ``connect``, ``disconnect`` and ``emit`` (Qt's
+    bound signals, say); None: :class:`PoolSignals`.
     """
 
-    sourceChanged = QtCore.Signal(object)
-    frameArrived = QtCore.Signal(object)
-    viewChanged = QtCore.Signal(object)
-    viewingChanged = QtCore.Signal(object)
-    eventsArrived = QtCore.Signal(object, bool)
-    eventsDropped = QtCore.Signal(int)
-    historyChanged = QtCore.Signal()
-    problem = QtCore.Signal(object)
-
-    def __init__(self, feed: Feed | None = None, parent: QtCore.QObject | None = None):
-        super().__init__(parent)
+    def __init__(self, feed: Feed | None = None, signals=None):
+        signals = PoolSignals() if signals is None else signals
+        self.signals = signals  # kept alive with the source (a QObject's signals live as long as it does)
+        for name in SIGNALS:
+            setattr(self, name, getattr(signals, name))
         self.feed: Feed = feed or Feed()
         self.feed.started()
         self.futures = FutureWatcher(on_error=self._command_refused)
@@ -94,9 +107,11 @@ class PoolSource(QtCore.QObject):
         self.events_snapshot: PoolSnapshot | None = None  # the snapshot the events handed out last came with
         self._live_at = 0.0  # when it was delivered (perf_counter)
         self.view: PoolSnapshot | None = None  # what the views show (== live unless viewing history)
-        self.viewing: int | None = None  # history seq being viewed; None while live
+        self.view_changes: ChangeRecord = NO_CHANGE_RECORD  # which blocks of ``view`` may differ from the view before
+        # (its ``base``), as the feed's frame said; nothing known for a frame of history
         self.colours = ColourBook()  # its conversations' colours (ids are per source: one book each)
-        self.cursor = StepCursor()  # the frame wanted on view, whoever moved it; the source follows it (_follow)
+        self.cursor = StepCursor()  # the frame wanted on view, whoever moved it (the source follows it: _follow),
+        # and the frame on view (``viewing``)
         self.cursor.subscribe(self._follow)
         self._events_seq: int | None = None  # newest frame whose events went out with eventsArrived
         self._recent: deque = deque(maxlen=KEPT_EVENTS)  # the newest (seq, event) handed out (kept_events)
@@ -109,9 +124,12 @@ class PoolSource(QtCore.QObject):
         self._moves = 0
         self._worker: ThreadPoolExecutor | None = None
         self._next_decode_at = 0.0  # the worker's next decode begins no sooner (perf_counter; see SCRUB_PACE_S)
-        self._pace_timer = QtCore.QTimer(self)
-        self._pace_timer.setSingleShot(True)
-        self._pace_timer.timeout.connect(self._decode_next)
+
+    @property
+    def viewing(self) -> int | None:
+        """The history frame on view (None while live): the cursor's ``shown``, which may trail the frame it wants
+        while a far frame decodes."""
+        return self.cursor.shown
 
     # ---- what the source can do ----------------------------------------------------------------------
     @property
@@ -146,10 +164,10 @@ class PoolSource(QtCore.QObject):
         self._drop_scrub()
         self.futures.clear()
         self.live = self.view = self.events_snapshot = None
+        self.view_changes = NO_CHANGE_RECORD
         self._events_seq = self._history_shape = None
         self._recent.clear()
-        was_viewing = self.viewing is not None
-        self.viewing = None
+        was_viewing = self.cursor.show(None)
         if old is not feed:
             old.close()
         del old  # let go of it before the new feed starts (a recording freezes the heap then)
@@ -176,6 +194,7 @@ class PoolSource(QtCore.QObject):
         window's budget, :class:`~explorer.model.pacer.LivePacer`); the feed keeps it, and the events of every frame
         it passes over, until then, and they go out together. 0: at every poll."""
         self.futures.poll()
+        self._decode_next()  # a decode that waited for its pace (SCRUB_PACE_S)
         for problem in self.feed.take_problems():
             self.problem.emit(problem)
         if live_gap > 0 and self.live is not None and time.perf_counter() - self._live_at < live_gap:
@@ -196,7 +215,7 @@ class PoolSource(QtCore.QObject):
         self._live_at = time.perf_counter()
         self.frameArrived.emit(latest)
         if self.viewing is None:
-            self.view = latest
+            self.view, self.view_changes = latest, frame.changes
             self.viewChanged.emit(latest)
             return True
         return self._keep_viewed_frame()
@@ -271,13 +290,23 @@ class PoolSource(QtCore.QObject):
         return self.view
 
     def _follow(self, cursor: StepCursor) -> None:
-        """Show the frame the cursor wants: at once, as soon as it is decoded (a run of moves), or the present."""
+        """Show the frame the cursor wants: at once, as soon as it is decoded (a run of moves), or the present. A
+        frame the history no longer keeps (dropped between the move and now) is the oldest one kept; with no
+        history at all, the present."""
         if cursor.seq is None:
             self._go_live_now()
+            return
+        try:
+            _history, seq = self._kept(cursor.seq)
+        except LookupError:
+            cursor.move(None)
+            return
+        if seq != cursor.seq:
+            cursor.move(seq, cursor.running)
         elif cursor.running:
-            self._seek_soon_now(cursor.seq)
+            self._seek_soon_now(seq)
         else:
-            self._seek_now(cursor.seq)
+            self._seek_now(seq)
 
     def _seek_now(self, seq: int) -> None:
         self._drop_scrub()
@@ -296,9 +325,8 @@ class PoolSource(QtCore.QObject):
         return history, min(max(int(seq), history.first_seq), history.last_seq)
 
     def _show(self, seq: int, snapshot: PoolSnapshot) -> None:
-        changed = self.viewing != seq
-        self.viewing = seq
-        self.view = snapshot
+        changed = self.cursor.show(seq)
+        self.view, self.view_changes = snapshot, NO_CHANGE_RECORD
         if changed:
             self.viewingChanged.emit(seq)
         self.viewChanged.emit(snapshot)
@@ -330,12 +358,10 @@ class PoolSource(QtCore.QObject):
         return self._scrub_wanted is not None or self._scrub_decoding is not None
 
     def _decode_next(self) -> None:
-        if self._scrub_decoding is not None or self._scrub_wanted is None or self._pace_timer.isActive():
+        if self._scrub_decoding is not None or self._scrub_wanted is None:
             return
-        wait = self._next_decode_at - time.perf_counter()
-        if wait > 0:
-            self._pace_timer.start(max(1, int(wait * 1000)))
-            return
+        if self._next_decode_at > time.perf_counter():
+            return  # rests (SCRUB_PACE_S): the first poll after its time begins it
         seq, self._scrub_wanted = self._scrub_wanted, None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="history-decode")
@@ -373,7 +399,6 @@ class PoolSource(QtCore.QObject):
         self._moves += 1
         self._scrub_wanted = None
         self._scrub_decoding = None
-        self._pace_timer.stop()
 
     def go_live(self) -> None:
         """Back to the newest frame."""
@@ -381,12 +406,11 @@ class PoolSource(QtCore.QObject):
 
     def _go_live_now(self) -> None:
         self._drop_scrub()
-        if self.viewing is None:
+        if not self.cursor.show(None):
             return
-        self.viewing = None
         self.viewingChanged.emit(None)
         if self.live is not None:
-            self.view = self.live
+            self.view, self.view_changes = self.live, NO_CHANGE_RECORD
             self.viewChanged.emit(self.live)
 
     # ---- commands and queries ---------------------------------------------------------------------------------
