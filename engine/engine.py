@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.rules import fit_error
 from kvstream.views import (BlockInfo, ChangeRecord, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
                             PoolSnapshot, Status)
 
@@ -35,7 +34,7 @@ from .config import EngineConfig
 from .errors import EngineError
 from .kv.cache import KVCache
 from .kv.manager import KVCacheManager
-from .kv.groups import GroupedKVCacheManager, kv_cache_group_infos, kv_cache_layout
+from .kv.groups import kv_cache_group_infos, kv_cache_layout
 from .model.loader import check_pool_fits_memory, load_model, read_model_config
 from .model.runner import ModelRunner
 from .pool_views import PoolViews, StepCounts
@@ -126,10 +125,7 @@ class Engine:
                               mc.head_dim, self.dtype, self.device, layer_slots)
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
-        if len(self.kv_cache_groups) > 1 or self.kv_cache_groups[0].sliding_window is not None:
-            self.manager = GroupedKVCacheManager(self.pool, self.kv_cache_groups)
-        else:
-            self.manager = KVCacheManager(self.pool)
+        self.manager = KVCacheManager(self.pool, self.kv_cache_groups)
         self.tiers = self._make_tiers(cfg)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
@@ -332,29 +328,12 @@ class Engine:
         return check_token_ids(ids, self.vocab_size)
 
     def _check_fits(self, num_tokens: int, max_new_tokens: int) -> None:
-        if isinstance(self.manager, GroupedKVCacheManager):
-            self._check_fits_groups(num_tokens, max_new_tokens)
-            return
-        problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size,
-                            num_blocks=self.cfg.num_blocks, max_model_len=self.max_model_len)
+        """Refuse at add what can never run (the manager counts the blocks: every KV cache group's)."""
+        cfg = self.cfg
+        chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_tokens + max_new_tokens
+        problem = self.manager.fit_error(num_tokens, max_new_tokens, chunk, self.max_model_len)
         if problem:
             raise EngineError(problem)
-
-    def _check_fits_groups(self, num_tokens: int, max_new_tokens: int) -> None:
-        """_check_fits for KV cache groups: every group's blocks count, and a sliding group holds only its window's
-        (so a conversation may outgrow a pool that its full-attention layers alone would fill)."""
-        problem = fit_error(num_tokens, max_new_tokens, block_size=self.cfg.block_size, num_blocks=1 << 62,
-                            max_model_len=self.max_model_len)
-        if problem:
-            raise EngineError(problem)
-        total = num_tokens + max_new_tokens
-        chunk = self.cfg.max_num_batched_tokens if self.cfg.enable_chunked_prefill else total
-        need = self.manager.peak_blocks(total, chunk)
-        if need > self.cfg.num_blocks:
-            raise EngineError(f"this conversation needs up to {need} blocks across its {len(self.kv_cache_groups)} "
-                              f"KV cache groups ({num_tokens} prompt tokens + {max_new_tokens} new tokens at "
-                              f"{self.cfg.block_size} per block) but the whole pool has {self.cfg.num_blocks}; "
-                              f"shorten the prompt, lower max_new_tokens or restart with a larger pool")
 
     def _seq(self, conversation_id) -> Sequence:
         seq = self.seqs.get(int(conversation_id)) if is_int(conversation_id) else None

@@ -115,7 +115,7 @@ class PoolViews:
     def _group_tables(self, seq: Sequence) -> tuple[tuple[int, ...], ...]:
         """Every KV cache group's table of ``seq`` (-1 where a window released a block); () for one plain group."""
         manager = self.manager
-        if not hasattr(manager, "tables_of"):
+        if manager.plain:
             return ()
         return tuple(tuple(t) for t in manager.tables_of(seq))
 
@@ -208,7 +208,7 @@ class PoolViews:
         for a pool of several groups (or a window), where group 0's tables alone do not say everything."""
         fields = {"kv_cache_groups": self.kv_cache_groups}
         manager = self.manager
-        if hasattr(manager, "tables_of"):
+        if not manager.plain:
             running = self.scheduler.running
             infos = {s.seq_id: self.info(s).group_block_tables for s in running}
             fields["group_block_tables"] = tuple(
@@ -226,7 +226,7 @@ class PoolViews:
         state = BlockState(int(pool.state[b]))
         filled = int(pool.num_filled[b])
         manager = self.manager
-        group = int(manager.block_group[b]) if hasattr(manager, "block_group") else 0
+        group = int(manager.block_group[b])
         tables = {s.seq_id: s.group_table(group) for s in self.scheduler.running}  # the block's group's tables
         owners = manager.owners(b, tables)
         h = int(pool.block_hash[b])

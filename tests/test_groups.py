@@ -2,6 +2,7 @@
 releases, prefix caching per group, the transaction rules per group, views and KV events."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine import BlockState, Engine, EngineConfig, EngineError
-from engine.kv.groups import ABSENT, GroupedKVCacheManager, group_key, raw_hash
+from engine.kv.groups import ABSENT, FullAttention, SlidingWindow, group_key, raw_hash
+from engine.kv.manager import KVCacheManager
 from engine.model.causal_lm import CausalLM, ModelConfig
 from kvstream.events import WINDOW_REASON, EventKind, PoolModel
 from kvstream.views import KVCacheGroupInfo
@@ -135,7 +137,8 @@ def test_config_round_trips_through_to_hf_dict():
 def test_one_pool_hybrid_layout(mixed):
     """vLLM's hybrid layout: [max layers per group, 2, blocks, ...]; layer j of each group reads plane j."""
     eng = _engine(mixed)
-    assert isinstance(eng.manager, GroupedKVCacheManager)
+    assert type(eng.manager) is KVCacheManager and not eng.manager.plain
+    assert [type(p) for p in eng.manager.policies] == [FullAttention, SlidingWindow]
     assert eng.kv.data.shape[:3] == (2, 2, 64)  # groups (1,) and (0, 2): two planes
     assert eng.kv.layers[0][0].data_ptr() == eng.kv.data[0, 0].data_ptr()  # sliding layer 0 -> plane 0
     assert eng.kv.layers[1][0].data_ptr() == eng.kv.data[0, 0].data_ptr()  # full layer 1 -> plane 0
@@ -145,10 +148,11 @@ def test_one_pool_hybrid_layout(mixed):
                                     KVCacheGroupInfo("sliding_window", 8, (0, 2)))
 
 
-def test_plain_model_keeps_the_plain_manager_and_layout(tmp_path):
+def test_plain_model_is_the_one_group_case_with_the_plain_layout(tmp_path):
     from tests.helpers import write_tiny_checkpoint
     eng = _engine(str(write_tiny_checkpoint(tmp_path / "t")))
-    assert type(eng.manager).__name__ == "KVCacheManager"
+    assert type(eng.manager) is KVCacheManager and eng.manager.plain
+    assert [type(p) for p in eng.manager.policies] == [FullAttention]
     snap = eng.snapshot()
     assert snap.kv_cache_groups == (KVCacheGroupInfo("full_attention", None, (0, 1)),)
     assert snap.block_group is None
@@ -480,3 +484,41 @@ def test_grouped_event_workload_replays_and_names_its_groups(tmp_path):
     assert {e.group for e in events if e.kind == EventKind.COPIED_ON_WRITE} == {0, 1}
     assert any(e.kind == EventKind.PREEMPTED for e in events)
     assert any(e.kind == EventKind.SHARED and e.reason == "prefix_hit" and e.group == 1 for e in events)
+
+
+# ---- one manager ----------------------------------------------------------------------------------------------
+def manager_subclass_methods(root) -> dict[str, set[str]]:
+    """Each class under ``root`` that derives from KVCacheManager (directly or through another such class), with the
+    methods it defines (issue 50 counts them all: a renamed replacement such as _take_group_blocks for _take_blocks
+    overrides as surely as a same-named one)."""
+    import ast
+    classes = {}
+    for path in sorted(Path(root).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                methods = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                classes[node.name] = (bases, methods)
+    subclasses, grew = {"KVCacheManager"}, True
+    while grew:
+        grew = False
+        for name, (bases, _) in classes.items():
+            if name not in subclasses and bases & subclasses:
+                subclasses.add(name)
+                grew = True
+    return {name: classes[name][1] for name in subclasses - {"KVCacheManager"}}
+
+
+def test_one_manager_over_the_groups_no_subclass_defines_more_than_five_methods(tmp_path):
+    """Issue 50: a plain model and a grouped one go through the same manager; any subclass of it stays small."""
+    import engine
+    root = Path(engine.__file__).parent
+    found = manager_subclass_methods(root)
+    assert all(len(methods) <= 5 for methods in found.values()), found
+    # the scan sees a subclass, and one through another subclass, and names what each defines
+    fake = tmp_path / "engine"
+    fake.mkdir()
+    names = ("admit", "commit", "fork", "free", "preempt", "x")
+    methods = "".join(f"    def {m}(self):\n        pass\n" for m in names)
+    (fake / "sub.py").write_text(f"class A(KVCacheManager):\n    pass\nclass B(A):\n{methods}\nclass C:\n    pass\n")
+    assert manager_subclass_methods(fake) == {"A": set(), "B": {"admit", "commit", "fork", "free", "preempt", "x"}}

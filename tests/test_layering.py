@@ -76,8 +76,8 @@ def test_explorer_uses_only_the_engines_public_names():
 
 
 # ---- one writer of the block pool ---------------------------------------------------------------------------------
-POOL_WRITERS = {"engine/kv/pool.py", "engine/kv/manager.py", "engine/kv/groups.py"}  # the pool itself and its one
-#                                                                              manager (and its KV-cache-group form)
+POOL_WRITERS = {"engine/kv/pool.py", "engine/kv/manager.py"}  # the pool itself and its one manager (kv/groups.py's
+#                                                              per-kind policies only answer the manager's questions)
 INPLACE = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
            "discard", "move_to_end", "sort", "reverse", "fill", "put", "itemset", "resize", "__setitem__",
            "__delitem__"}  # methods that change a container (list, dict, set, OrderedDict, numpy array) in place

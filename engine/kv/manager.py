@@ -10,6 +10,12 @@ nano-vllm's ``BlockManager``: ``prefix_hits`` / ``admit`` (reuse cached full blo
 / ``allocate_slots`` (room for the next tokens, copying a shared tail first), ``commit`` (slots filled, full blocks
 hashed), ``fork``, ``free`` / ``preempt``, ``relocate`` and ``reset_prefix_cache``. Bookkeeping only: the K/V
 copies it asks for are returned to the caller, which owns the tensors.
+
+One manager over N KV cache groups (:mod:`engine.kv.groups`): a conversation has one block table per group (group
+0's is ``seq.block_table``, the others ``seq.extra_tables``), every group draws from the one pool, and each group's
+kind is a small policy object (full attention keeps every block; a sliding window releases what falls out of it).
+A plain model is the case of one full-attention group, through the same code: vLLM v1's coordinator over its
+single-type managers, folded into one class because the kinds differ in three answers, not in their bookkeeping.
 """
 from __future__ import annotations
 
@@ -18,11 +24,12 @@ from typing import Iterable
 
 import numpy as np
 
-from kvstream.events import BlockEvent, EventKind
-from kvstream.rules import cdiv
-from kvstream.views import NO_HASH, BlockState
+from kvstream.events import WINDOW_REASON, BlockEvent, EventKind
+from kvstream.rules import cdiv, fit_error, group_key, raw_hash
+from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
-from .pool import BlockPool, HashedBlock
+from .groups import ABSENT, FULL_ATTENTION, policy_for
+from .pool import BlockPool, HashedBlock, hash_block_tokens
 from ..sequence import Sequence
 from .tiers import TierHit, TierLoad, TierStore
 
@@ -30,21 +37,42 @@ MAX_PENDING_EVENTS = 200_000  # events nobody took; older ones are dropped and c
 #                               calls take_events() must not grow without bound)
 
 
-class KVCacheManager:
-    """Per-conversation operations on a :class:`BlockPool`, each recorded as block events."""
+class GroupHits(list):
+    """Prefix hits of every group: as a list, group 0's hit entries (its length is the number of hit blocks, all
+    the scheduler needs); ``tables`` holds each group's (-1 before a sliding window; a :class:`TierHit` where a lower
+    tier holds the block)."""
 
-    def __init__(self, pool: BlockPool):
+    tables: list[list]
+
+
+class KVCacheManager:
+    """Per-conversation operations on a :class:`BlockPool` over the model's KV cache ``groups`` (default: one
+    full-attention group), each change recorded as block events."""
+
+    def __init__(self, pool: BlockPool, groups: tuple[KVCacheGroupInfo, ...] = (FULL_ATTENTION,)):
         self.pool = pool
         self.block_size = pool.block_size
+        self.groups = tuple(groups)
+        self.num_groups = len(self.groups)
+        self.policies = tuple(policy_for(g, pool.block_size) for g in self.groups)  # each group's kind's rule
+        self.windows = [g.sliding_window for g in self.groups]
+        # full-attention groups first when looking for prefix hits: their first miss bounds every group's hit
+        self._hit_order = sorted(range(self.num_groups), key=lambda g: self.policies[g].releases)
+        self._releasing = [g for g, p in enumerate(self.policies) if p.releases]  # groups whose blocks go early
+        # one full-attention group: group 0's tables say everything (no holes, no other group), so the views leave
+        # the per-group fields out, as for any plain pool
+        self.plain = self.num_groups == 1 and not self._releasing
+        self.block_group = np.zeros(pool.num_blocks, np.int8)  # group of each block taken (kept when freed)
         self.events: list[BlockEvent] = []  # not yet taken, oldest first
         self.num_dropped_events = 0  # events dropped because nobody took them (MAX_PENDING_EVENTS)
         self._published = 0  # events[:_published] were already handed to events_since_publish()
         self.holders: dict[int, set[int]] = {}  # used block -> ids of the conversations whose tables name it
         self.num_cow_copies = 0
         self.num_evictions = 0
+        self.num_window_releases = 0  # blocks released because they fell out of a window
         self.tiers: TierStore | None = None  # host / disk tiers (attach_tiers); None: evicted blocks are lost
         self.read_device_blocks = None  # block ids -> their raw K/V bytes, uint8 [n, bytes] (KVCache.read_blocks_bytes)
-        self.pending_loads: list[TierLoad] = []  # blocks admitted from a lower tier, for the caller to write (take_loads)
+        self.pending_loads: list[TierLoad] = []  # blocks loaded from a lower tier, for the caller to write (take_loads)
         self._last_offload: tuple[list[int], np.ndarray] | None = None  # what _take_blocks' evictions read (_load)
         self.prompt_sources: dict[int, dict[str, int]] = {}  # seq id -> its last admission's prompt tokens by source
         self._sources_undo: list[tuple[int, dict | None]] | None = None  # (seq id, old value) in a transaction
@@ -89,162 +117,266 @@ class KVCacheManager:
         encoder what to compare."""
         return self.pool.take_changes()
 
-    # ---- queries --------------------------------------------------------------------------------------------
-    def prefix_hits(self, seq: Sequence) -> list[int]:
-        """Blocks that already hold this prompt's leading full blocks. The last token is always computed, so a
-        prompt that is all cached still gets one token to run."""
-        if not self.pool.enable_prefix_caching:
-            return []
-        hashes = seq.full_block_hashes(self.block_size)
-        limit = (seq.num_tokens - 1) // self.block_size
-        hits = []
-        for h in hashes[:limit]:
-            block = self.pool.lookup(h)
-            if block is None:
-                block = self.tiers.lookup(h) if self.tiers is not None else None  # a TierHit: loaded at admit
-                if block is None:
-                    break
-            hits.append(block)
-        return hits
+    # ---- tables ---------------------------------------------------------------------------------------------
+    def tables_of(self, seq: Sequence) -> tuple[list[int], ...]:
+        """Every group's table of ``seq`` (group order; empty ones for a conversation never admitted). Asked for
+        each conversation a few times a step, so one group answers first."""
+        if self.num_groups == 1:
+            return (seq.block_table,)
+        if len(seq.extra_tables) == self.num_groups - 1:
+            return (seq.block_table, *seq.extra_tables)
+        return (seq.block_table,) + tuple([] for _ in range(self.num_groups - 1))
 
-    def num_blocks_for(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> int:
+    def _own_tables(self, seq: Sequence) -> tuple[list[int], ...]:
+        """:meth:`tables_of`, giving a conversation that has none its own empty tables of groups 1.. first."""
+        if self.num_groups == 1:
+            return (seq.block_table,)
+        if len(seq.extra_tables) != self.num_groups - 1:
+            seq.extra_tables = [[] for _ in range(self.num_groups - 1)]
+        return (seq.block_table, *seq.extra_tables)
+
+    # ---- queries --------------------------------------------------------------------------------------------
+    def fit_error(self, num_tokens: int, max_new_tokens: int, chunk: int, max_model_len: int) -> str | None:
+        """Why a conversation of ``num_tokens`` prompt and ``max_new_tokens`` new tokens can never run (computing at
+        most ``chunk`` tokens a step), or None: past the model's context, or more blocks at once than the whole pool
+        has. A plain pool counts its one table; with groups, every group's blocks count and a sliding group holds
+        only its window's (so a conversation may outgrow a pool that its full-attention layers alone would fill)."""
+        bs, num_blocks = self.block_size, self.pool.num_blocks
+        problem = fit_error(num_tokens, max_new_tokens, block_size=bs, num_blocks=num_blocks if self.plain else 1 << 62,
+                            max_model_len=max_model_len)
+        if problem or self.plain:
+            return problem
+        need = self.peak_blocks(num_tokens + max_new_tokens, chunk)
+        if need <= num_blocks:
+            return None
+        return (f"this conversation needs up to {need} blocks across its {self.num_groups} KV cache groups "
+                f"({num_tokens} prompt tokens + {max_new_tokens} new tokens at {bs} per block) but the whole pool "
+                f"has {num_blocks}; shorten the prompt, lower max_new_tokens or restart with a larger pool")
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks one conversation of ``num_tokens`` tokens ever holds at once, computing at most ``chunk``
+        tokens a step, summed over the groups (each group's kind says its own)."""
+        return sum(policy.peak_blocks(num_tokens, chunk) for policy in self.policies)
+
+    def num_blocks_for(self, seq: Sequence, num_new_tokens: int, hits: GroupHits | None = None) -> int:
         """Free blocks that ``admit(seq, hits, num_new_tokens)`` (with hits) or ``allocate_slots(seq,
-        num_new_tokens)`` would take: new blocks, a private copy of a shared tail, and cached hits that leave the
-        free queue."""
-        bs = self.block_size
+        num_new_tokens)`` would take, in every group: new blocks, a private copy of a shared tail, and hits that
+        leave the free queue or come from a lower tier."""
+        bs, ref = self.block_size, self.pool.ref_count
+        need = 0
         if hits is not None:
-            computed, table_len = len(hits) * bs, len(hits)
-            revived = sum(1 for b in hits if isinstance(b, TierHit) or self.pool.ref_count[b] == 0)
-            return max(0, cdiv(computed + num_new_tokens, bs) - table_len) + revived
-        computed, table = seq.num_computed_tokens, seq.block_table
-        need = max(0, cdiv(computed + num_new_tokens, bs) - len(table))
-        index = computed // bs
-        if index < len(table) and self.pool.ref_count[table[index]] > 1:
-            need += 1  # copy-on-write of the shared block the first new token goes into
+            end = cdiv(len(hits) * bs + num_new_tokens, bs)
+            for table in hits.tables:
+                need += max(0, end - len(table))
+                need += sum(1 for b in table if isinstance(b, TierHit) or (b != ABSENT and ref[b] == 0))
+            return need
+        computed = seq.num_computed_tokens
+        end, index = cdiv(computed + num_new_tokens, bs), computed // bs
+        for table in self.tables_of(seq):  # (a window never releases the block the next token goes into)
+            need += max(0, end - len(table))
+            if index < len(table) and ref[table[index]] > 1:
+                need += 1  # copy-on-write of the shared block the first new token goes into
         return need
 
     def can_allocate(self, n: int) -> bool:
         return self.pool.can_allocate(n)
 
     def owners(self, block: int, tables: dict[int, list[int]]) -> list[tuple[int, int]]:
-        """(conversation id, logical index) of each reference to ``block``, given the holders' tables."""
+        """(conversation id, logical index) of each reference to ``block``, given the holders' tables of the
+        block's group (``block_group[block]``)."""
         return [(cid, tables[cid].index(block)) for cid in sorted(self.holders.get(block, ()))]
 
-    # ---- allocation -----------------------------------------------------------------------------------------
-    def _take(self, seq_id: int) -> tuple[int, int]:
-        block, evicted = self.pool.take(seq_id)
-        self.holders[block] = {seq_id}
-        return block, evicted
+    # ---- admission: prefix hits, sharing, loads from lower tiers, new blocks (evictions offload) -----------------
+    def _cached(self, key: int):
+        """The device block holding cache ``key``, else a lower tier's :class:`TierHit` (loaded at admit), else
+        None."""
+        block = self.pool.lookup(key)
+        if block is None and self.tiers is not None:
+            return self.tiers.lookup(key)
+        return block
 
-    def _take_blocks(self, seq: Sequence, n: int) -> list[int]:
-        """``n`` blocks for ``seq``, with one EVICTED event for the cached ones among them."""
-        blocks, evicted_blocks, evicted_hashes = [], [], []
-        for _ in range(n):
-            block, evicted = self._take(seq.seq_id)
-            blocks.append(block)
-            if evicted != NO_HASH:
-                evicted_blocks.append(block)
-                evicted_hashes.append(evicted)
-        self._last_offload = None
-        if evicted_blocks:
-            self.num_evictions += len(evicted_blocks)
-            self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(evicted_blocks),
-                      block_hashes=tuple(evicted_hashes))
-            if self.tiers is not None:
-                self._last_offload = self._offload(seq.seq_id, evicted_blocks, evicted_hashes)
-        return blocks
+    def prefix_hits(self, seq: Sequence) -> GroupHits:
+        """The longest prefix every group can serve from the cache (vLLM's hybrid coordinator: full-attention
+        groups bound it by their longest run of hits; each sliding group then takes the longest length whose
+        window blocks it holds; repeated until they agree). The last token is always computed, so a prompt that
+        is all cached still gets one token to run."""
+        hits = GroupHits()
+        hits.tables = [[] for _ in range(self.num_groups)]
+        if not self.pool.enable_prefix_caching:
+            return hits
+        bs = self.block_size
+        hashes = seq.full_block_hashes(bs)
+        length = (seq.num_tokens - 1) // bs
+        found: list = [None] * self.num_groups  # per group: what holds each leading prefix (find's answer)
+        for g in self._hit_order:
+            policy = self.policies[g]
+            found[g] = policy.find(self._cached, (group_key(h, g) for h in hashes[:length]))
+            length = policy.hit_length(found[g], length)
+        changed = self.num_groups > 1
+        while changed and length:
+            changed = False
+            for g, policy in enumerate(self.policies):
+                best = policy.hit_length(found[g], length)
+                if best < length:
+                    length, changed = best, True
+        for g, policy in enumerate(self.policies):
+            first = policy.first_needed(length * bs)
+            hits.tables[g] = [ABSENT] * first + found[g][first:length]
+        hits.extend(hits.tables[0])
+        return hits
 
-    def _allocate(self, seq: Sequence, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        blocks = self._take_blocks(seq, n)
-        self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
-        return blocks
-
-    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> list[tuple[int, int, int]]:
-        """Start (or restart) ``seq``: share its cached prefix blocks, then make room for its first
+    def admit(self, seq: Sequence, hits: GroupHits, num_new_tokens: int) -> list[tuple[int, int, int]]:
+        """Start (or restart) ``seq``: share its cached prefix blocks in every group, then make room for its first
         ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``.
-        Hits in a lower tier (:class:`TierHit`) get fresh blocks, filled from the tier (:meth:`take_loads`)."""
-        loads, data, bad = self._read_tier_hits(seq, hits) if self.tiers is not None else ([], None, None)
-        if bad is not None:  # a tier block failed its checksum: the hits end before it
-            hits = hits[:bad]
-        device = [b for b in hits if not isinstance(b, TierHit)]
-        for block in device:
-            self.pool.add_ref(block, seq.seq_id)
-            self.holders.setdefault(block, set()).add(seq.seq_id)
-        if device:
-            self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(device), reason="prefix_hit")
-        seq.block_table = list(hits)
+        Hits in a lower tier (:class:`TierHit`) get fresh blocks of their group, filled from the tier
+        (:meth:`take_loads`)."""
+        self._own_tables(seq)
+        loads, data = [], None
+        if self.tiers is not None:
+            hits, loads, data = self._read_tier_hits(seq, hits, num_new_tokens)
+        for g, table in enumerate(hits.tables):
+            held = [b for b in table if b != ABSENT and not isinstance(b, TierHit)]
+            for block in held:
+                self.pool.add_ref(block, seq.seq_id)
+                self.holders.setdefault(block, set()).add(seq.seq_id)
+            if held:
+                self.emit(EventKind.SHARED, seq.seq_id, block_ids=tuple(held), reason="prefix_hit", group=g)
+            seq.set_group_table(g, list(table))
         if loads:
             self._load(seq, loads, data)
         seq.num_computed_tokens = len(hits) * self.block_size
-        self._note_sources(seq, hits)
+        self._note_sources(seq, hits.tables, len(hits))
         return self.allocate_slots(seq, num_new_tokens)
 
+    def _take_blocks(self, seq: Sequence, n: int, group: int) -> list[int]:
+        """``n`` blocks for ``group`` of ``seq``, with one EVICTED event per group the cached ones among them held;
+        each evicted block goes to the top lower tier (when there are tiers) before anything overwrites it."""
+        blocks, evicted = [], {}
+        for _ in range(n):
+            block, key = self.pool.take(seq.seq_id)
+            self.holders[block] = {seq.seq_id}
+            if key != NO_HASH:
+                evicted.setdefault(int(self.block_group[block]), []).append((block, key))
+            self.block_group[block] = group
+            blocks.append(block)
+        self._last_offload = None
+        if not evicted:
+            return blocks
+        kept_blocks: list[int] = []
+        kept_bytes: list[np.ndarray] = []
+        for old, pairs in evicted.items():
+            self.num_evictions += len(pairs)
+            self.emit(EventKind.EVICTED, seq.seq_id, block_ids=tuple(b for b, _ in pairs),
+                      block_hashes=tuple(raw_hash(k, old) for _, k in pairs), group=old)
+            if self.tiers is not None:  # kept under their cache keys, each with the group it held
+                offloaded = self._offload(seq.seq_id, [b for b, _ in pairs], [k for _, k in pairs], old)
+                if offloaded is not None:
+                    kept_blocks += offloaded[0]
+                    kept_bytes.append(offloaded[1])
+        if kept_blocks:  # what these evictions read, for a load into the same blocks (_load)
+            self._last_offload = (kept_blocks, kept_bytes[0] if len(kept_bytes) == 1 else np.concatenate(kept_bytes))
+        return blocks
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int, int]]:
-        """Make ``seq``'s table cover its next ``num_new_tokens`` tokens. Returns the copy-on-write copies
+        """Make every table of ``seq`` cover its next ``num_new_tokens`` tokens. Returns the copy-on-write copies
         ``(src, dst, num_slots)`` the caller must make before writing K/V. The caller checked ``num_blocks_for``."""
-        bs, pool, table = self.block_size, self.pool, seq.block_table
+        bs, pool = self.block_size, self.pool
         copies = []
         index = seq.num_computed_tokens // bs
-        if index < len(table) and pool.ref_count[table[index]] > 1:  # never write into a block others read
-            src = table[index]
-            dst = self._take_blocks(seq, 1)[0]
-            filled = seq.num_computed_tokens - index * bs
-            pool.set_filled(dst, filled)
-            self._drop(src, seq.seq_id)
-            table = seq.block_table = table[:index] + [dst] + table[index + 1:]  # a new list: tables only grow in place
-            copies.append((src, dst, filled))
-            self.num_cow_copies += 1
-            self.emit(EventKind.COPIED_ON_WRITE, seq.seq_id, block_ids=(src,), new_block_ids=(dst,))
-        missing = cdiv(seq.num_computed_tokens + num_new_tokens, bs) - len(table)
-        table.extend(self._allocate(seq, missing))
+        end = cdiv(seq.num_computed_tokens + num_new_tokens, bs)
+        for g, table in enumerate(self._own_tables(seq)):
+            if index < len(table) and pool.ref_count[table[index]] > 1:
+                src = table[index]  # never write into a block others read
+                dst = self._take_blocks(seq, 1, g)[0]
+                filled = seq.num_computed_tokens - index * bs
+                pool.set_filled(dst, filled)
+                self._drop(src, seq.seq_id)
+                table = table[:index] + [dst] + table[index + 1:]  # a new list: tables only grow in place
+                seq.set_group_table(g, table)
+                copies.append((src, dst, filled))
+                self.num_cow_copies += 1
+                self.emit(EventKind.COPIED_ON_WRITE, seq.seq_id, block_ids=(src,), new_block_ids=(dst,), group=g)
+            if end > len(table):
+                blocks = self._take_blocks(seq, end - len(table), g)
+                self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks), group=g)
+                table.extend(blocks)
         return copies
 
+    # ---- computed tokens ------------------------------------------------------------------------------------
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Tokens up to ``num_computed_tokens`` now have K/V: update fill levels and register every block that
-        became full under its prefix hash (one STORED event per run of consecutive registered blocks)."""
-        bs, pool, table = self.block_size, self.pool, seq.block_table
+        """Tokens up to ``num_computed_tokens`` now have K/V: update fill levels, register every block that became
+        full under its group's cache key (one STORED event per run of consecutive registered blocks), then release
+        what the windows no longer reach. The blocks from the old count on are all held: a window only ever releases
+        blocks before the one its next token goes into."""
+        bs, pool = self.block_size, self.pool
         old = seq.num_computed_tokens
         seq.num_computed_tokens = num_computed_tokens
-        for index in range(old // bs, cdiv(num_computed_tokens, bs)):
-            pool.set_filled(table[index], min(bs, num_computed_tokens - index * bs))
-        if not pool.enable_prefix_caching or num_computed_tokens // bs <= old // bs:
-            return
-        hashes = seq.full_block_hashes(bs)
-        run: list[int] = []
-        for index in range(old // bs, num_computed_tokens // bs):
-            parent = hashes[index - 1] if index else None
-            info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs, parent)
-            if pool.register_hash(table[index], hashes[index], info):
-                run.append(index)
+        start, end, full = old // bs, cdiv(num_computed_tokens, bs), num_computed_tokens // bs
+        hashes = seq.full_block_hashes(bs) if full > start and pool.enable_prefix_caching else None
+        for g, table in enumerate(self.tables_of(seq)):
+            for index in range(start, end):
+                pool.set_filled(table[index], min(bs, num_computed_tokens - index * bs))
+            if hashes is None:
                 continue
-            self._emit_stored(seq, run, hashes)
-            run = []
-        self._emit_stored(seq, run, hashes)
+            run: list[int] = []
+            for index in range(start, full):
+                parent = hashes[index - 1] if index else None
+                info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs, parent)
+                if pool.register_hash(table[index], group_key(hashes[index], g), info):
+                    run.append(index)
+                    continue
+                self._emit_stored(seq, run, hashes, table, g)
+                run = []
+            self._emit_stored(seq, run, hashes, table, g)
+        if self._releasing:
+            self.release_out_of_window(seq)
 
-    def _emit_stored(self, seq: Sequence, indices: list[int], hashes: list[int]) -> None:
+    def _emit_stored(self, seq: Sequence, indices: list[int], hashes: list[int], table: list[int],
+                     group: int) -> None:
         if not indices:
             return
         bs = self.block_size
-        self.emit(EventKind.STORED, seq.seq_id, block_ids=tuple(seq.block_table[i] for i in indices),
+        self.emit(EventKind.STORED, seq.seq_id, block_ids=tuple(table[i] for i in indices),
                   block_hashes=tuple(hashes[i] for i in indices),
                   parent_hash=hashes[indices[0] - 1] if indices[0] else None,
-                  token_ids=tuple(seq.token_ids[indices[0] * bs:(indices[-1] + 1) * bs]))
+                  token_ids=tuple(seq.token_ids[indices[0] * bs:(indices[-1] + 1) * bs]), group=group)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Release every block of a sliding group wholly before the window of ``seq``'s next query; their places
+        become -1 (a new list: tables are only appended to in place)."""
+        for g in self._releasing:
+            table = seq.group_table(g)
+            first = min(self.policies[g].first_needed(seq.num_computed_tokens), len(table))
+            start = first  # absent entries are always a prefix of the table: scan back only over the new ones
+            while start > 0 and table[start - 1] != ABSENT:
+                start -= 1
+            if start == first:
+                continue
+            gone = table[start:first]
+            seq.set_group_table(g, table[:start] + [ABSENT] * len(gone) + table[first:])
+            self.num_window_releases += len(gone)
+            # one typed event naming the group and every block the window let go of (the timeline's mark, the log's
+            # line), then what became of each block, as for any release
+            self.emit(EventKind.WINDOW_RELEASED, seq.seq_id, block_ids=tuple(gone), reason=WINDOW_REASON, group=g)
+            self._release(seq, gone, g, reason=WINDOW_REASON)
 
     # ---- sharing --------------------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` starts with every block of ``parent`` (ref counts up); they diverge by copy-on-write."""
-        for block in parent.block_table:
-            self.pool.add_ref(block, child.seq_id)
-            self.holders.setdefault(block, set()).add(child.seq_id)
-        child.block_table = list(parent.block_table)
+        """``child`` starts with every block of ``parent`` in every group (ref counts up); they diverge by
+        copy-on-write."""
+        self._own_tables(child)
+        for g, table in enumerate(self.tables_of(parent)):
+            held = [b for b in table if b != ABSENT]
+            for block in held:
+                self.pool.add_ref(block, child.seq_id)
+                self.holders.setdefault(block, set()).add(child.seq_id)
+            child.set_group_table(g, list(table))
+            if held:
+                self.emit(EventKind.SHARED, child.seq_id, block_ids=tuple(held), other_id=parent.seq_id,
+                          reason="fork", group=g)
         child.num_computed_tokens = parent.num_computed_tokens
         if parent.seq_id in self.prompt_sources:  # it shares the parent's prompt K/V, wherever that came from
             self._set_sources(child.seq_id, dict(self.prompt_sources[parent.seq_id]))
-        if parent.block_table:
-            self.emit(EventKind.SHARED, child.seq_id, block_ids=tuple(parent.block_table), other_id=parent.seq_id,
-                      reason="fork")
 
     # ---- release --------------------------------------------------------------------------------------------
     def _drop(self, block: int, seq_id: int) -> BlockState:
@@ -260,21 +392,31 @@ class KVCacheManager:
             self.holders.pop(block, None)
         return state
 
-    def free(self, seq: Sequence) -> None:
-        """Release every block of ``seq``, tail first (so its tail blocks are evicted first)."""
+    def _release(self, seq: Sequence, blocks: Iterable[int], group: int, **fields) -> None:
+        """Drop ``seq``'s reference to each of ``blocks`` (of ``group``) in order, then one event per outcome:
+        RELEASED (others still hold it), CACHED (full and hashed: kept for prefix hits), FREED."""
         released, cached, freed = [], [], []
-        for block in reversed(seq.block_table):
+        for block in blocks:
             state = self._drop(block, seq.seq_id)
             (released if state == BlockState.USED else cached if state == BlockState.CACHED else freed).append(block)
-        for kind, blocks in ((EventKind.RELEASED, released), (EventKind.CACHED, cached), (EventKind.FREED, freed)):
-            if blocks:
-                self.emit(kind, seq.seq_id, block_ids=tuple(blocks))
+        for kind, out in ((EventKind.RELEASED, released), (EventKind.CACHED, cached), (EventKind.FREED, freed)):
+            if out:
+                self.emit(kind, seq.seq_id, block_ids=tuple(out), group=group, **fields)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``, group by group, tail first (so its tail blocks are evicted first)."""
+        for g, table in enumerate(self.tables_of(seq)):
+            self._release(seq, (b for b in reversed(table) if b != ABSENT), g)
         seq.block_table = []
+        if seq.extra_tables:
+            seq.extra_tables = [[] for _ in seq.extra_tables]
         seq.num_computed_tokens = 0
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: ``seq`` loses its blocks (full ones stay cached for its return)."""
-        self.emit(EventKind.PREEMPTED, seq.seq_id, block_ids=tuple(seq.block_table))
+        """Recompute preemption: ``seq`` loses its blocks (full ones stay cached for its return). One PREEMPTED
+        event names every group's blocks (one preemption), then each group's release events."""
+        held = tuple(b for table in self.tables_of(seq) for b in table if b != ABSENT)
+        self.emit(EventKind.PREEMPTED, seq.seq_id, block_ids=held)
         self.free(seq)
 
     # ---- pool-wide ------------------------------------------------------------------------------------------
@@ -283,13 +425,19 @@ class KVCacheManager:
         (the ones whose K/V must move)."""
         moved = np.flatnonzero(self.pool.state != BlockState.FREE)
         self.pool.permute(new_id)
+        groups = np.empty_like(self.block_group)
+        groups[new_id] = self.block_group
+        self.block_group = groups
         for seq in seqs:
-            if seq.block_table:
-                seq.block_table = [int(new_id[b]) for b in seq.block_table]
+            changed = False
+            for g, table in enumerate(self.tables_of(seq)):
+                if table:
+                    seq.set_group_table(g, [b if b == ABSENT else int(new_id[b]) for b in table])
+                    changed = True
+            if changed:
                 seq.version += 1
         self.holders = {int(new_id[b]): holders for b, holders in self.holders.items()}
-        self.emit(EventKind.RELOCATED, block_ids=tuple(moved.tolist()),
-                  new_block_ids=tuple(new_id[moved].tolist()))
+        self.emit(EventKind.RELOCATED, block_ids=tuple(moved.tolist()), new_block_ids=tuple(new_id[moved].tolist()))
         return moved.tolist()
 
     def reset_prefix_cache(self) -> int:
@@ -304,7 +452,9 @@ class KVCacheManager:
     def begin(self) -> tuple:
         """A checkpoint for :meth:`rollback` (the caller saves the K/V it is about to overwrite itself)."""
         self._tiers_begin()
-        return self.pool.checkpoint(), len(self.events), self.num_cow_copies, self.num_evictions
+        groups = self.block_group.copy() if self.num_groups > 1 else None  # one group: always 0
+        return (self.pool.checkpoint(), len(self.events), self.num_cow_copies, self.num_evictions, groups,
+                self.num_window_releases)
 
     def end(self) -> None:
         """The transaction is over (committed or rolled back)."""
@@ -313,37 +463,64 @@ class KVCacheManager:
 
     def rollback(self, checkpoint: tuple, seqs: Iterable[Sequence]) -> None:
         """Undo everything since :meth:`begin` (the caller restores the sequences first and passes them all)."""
-        pool_cp, num_events, self.num_cow_copies, self.num_evictions = checkpoint
+        pool_cp, num_events, self.num_cow_copies, self.num_evictions, groups, self.num_window_releases = checkpoint
+        if groups is not None:
+            self.block_group = groups
         self._tiers_rollback()
         self.pool.restore(pool_cp)
         del self.events[num_events:]
         self._published = min(self._published, len(self.events))
         self.holders = {}
         for seq in seqs:
-            for block in seq.block_table:
-                self.holders.setdefault(block, set()).add(seq.seq_id)
+            for table in self.tables_of(seq):
+                for block in table:
+                    if block != ABSENT:
+                        self.holders.setdefault(block, set()).add(seq.seq_id)
         self.end()
 
     # ---- invariants -----------------------------------------------------------------------------------------
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
-        """The pool's invariants against the tables of ``seqs`` (all conversations), plus the manager's own:
-        holders match the tables, and a used block's owner is one of its holders."""
-        tables = {s.seq_id: s.block_table for s in seqs if s.block_table}
-        self.pool.check_invariants(tables.values())
-        expected: dict[int, set[int]] = {}
-        for cid, table in tables.items():
-            for block in table:
-                expected.setdefault(block, set()).add(cid)
-        assert expected == self.holders, "holders disagree with the block tables"
+        """The pool's invariants against every group's tables (-1 entries aside), plus the manager's own: holders
+        match the tables, a used block's owner is one of its holders, a block is named only by tables of its group,
+        a cached block's key is its group's, and no sliding group holds a block wholly before the window of its
+        conversation's next query (nor lacks one inside it)."""
+        held: dict[int, set[int]] = {}
+        all_tables = []
+        for seq in seqs:
+            for g, table in enumerate(self.tables_of(seq)):
+                live = [b for b in table if b != ABSENT]
+                if not live:
+                    continue
+                all_tables.append(live)
+                for block in live:
+                    held.setdefault(block, set()).add(seq.seq_id)
+                    assert int(self.block_group[block]) == g, \
+                        f"block {block} of group {int(self.block_group[block])} is in a group {g} table"
+                first = self.policies[g].first_needed(seq.num_computed_tokens)
+                assert all(b == ABSENT for b in table[:first]), \
+                    f"conversation {seq.seq_id} holds group {g} blocks wholly out of its window: {table[:first]}"
+                assert all(b != ABSENT for b in table[first:]), \
+                    f"conversation {seq.seq_id}'s group {g} table lacks a block its window reads: {table}"
+        self.pool.check_invariants(all_tables)
+        assert held == self.holders, "holders disagree with the block tables"
         for block, holders in self.holders.items():
             assert int(self.pool.owner[block]) in holders, f"block {block}'s owner holds no reference to it"
+        for block in np.flatnonzero(self.pool.block_hash != NO_HASH).tolist():
+            g = int(self.block_group[block])
+            key = int(self.pool.block_hash[block])
+            record = self.pool.hashed.get(key)
+            assert record is not None, f"block {block}'s hash names nothing"
+            assert key == group_key(hash_block_tokens(record.parent_hash, record.token_ids), g), \
+                f"block {block}'s cache key is not its group's ({g})"
         if self.tiers is not None:
             self.tiers.check_invariants()
 
     # ---- lower tiers (host memory, disk): engine.kv.tiers ----------------------------------------------------------
     def attach_tiers(self, tiers: TierStore, read_device_blocks) -> None:
         """Keep evicted blocks in ``tiers``; ``read_device_blocks(blocks, out)`` reads those device blocks' raw K/V
-        bytes into ``out`` (uint8 [n, bytes]; called while they are being taken, before anything overwrites them)."""
+        bytes into ``out`` (uint8 [n, bytes]; called while they are being taken, before anything overwrites them).
+        Each group's blocks go there under their group's cache key: a block id is one slot in every layer plane, so
+        a block of any group has the same bytes per block."""
         self.tiers, self.read_device_blocks = tiers, read_device_blocks
 
     def take_loads(self) -> list[TierLoad]:
@@ -374,53 +551,80 @@ class KVCacheManager:
             self.tiers.offload(h, record, partial(read, block), block, self.pool.clock, self.emit, seq_id, group)
         return (copied, data) if copied else None
 
-    def _read_tier_hits(self, seq: Sequence, hits: list) -> tuple[list[tuple[int, TierHit]], np.ndarray | None,
-                                                                  int | None]:
-        """((index, hit) of each tier hit, their bytes as one uint8 [n, bytes] array, None), read now (a later
-        eviction in this admission may move them on). When the hit at index ``i`` fails its checksum it is
-        dropped and the hits stop there: (the ones before it, their bytes, ``i``)."""
-        found = [(index, hit) for index, hit in enumerate(hits) if isinstance(hit, TierHit)]
-        if not found:
-            return [], None, None
-        data = self.tiers.staging(len(found))
-        for row, (index, hit) in enumerate(found):
-            if not self.tiers.read_into(hit, data[row]):
-                self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
-                return found[:row], data[:row], index
-        return found, data, None
+    def _read_tier_hits(self, seq: Sequence, hits: GroupHits, num_new_tokens: int):
+        """(hits, [(group, index, TierHit)] group by group, their bytes as one uint8 [n, bytes] array), read now
+        (a later eviction in this admission may move them on). A block that fails its checksum is dropped and the
+        hits are looked up again without it (every group must agree on the prefix, so they are not just cut); if
+        the shorter hits need more blocks than the pool has free, none are used."""
+        while True:
+            found = [(g, index, hit) for g, table in enumerate(hits.tables) for index, hit in enumerate(table)
+                     if isinstance(hit, TierHit)]
+            if not found:
+                return hits, [], None
+            data = self.tiers.staging(len(found))
+            for row, (_, _, hit) in enumerate(found):
+                if not self.tiers.read_into(hit, data[row]):
+                    self.tiers.drop_corrupt(hit, self.pool.clock, self.emit, seq.seq_id)
+                    break
+            else:
+                return hits, found, data
+            hits = self.prefix_hits(seq)  # the dropped slot is gone
+            if not self.pool.can_allocate(self.num_blocks_for(seq, num_new_tokens, hits)):
+                hits = GroupHits()
+                hits.tables = [[] for _ in range(self.num_groups)]
 
-    def _load(self, seq: Sequence, loads: list[tuple[int, TierHit]], data: np.ndarray) -> None:
-        """Fresh device blocks for the tier hits: taken (evictions may offload others; the hits' slots are pinned
-        meanwhile), loaded (LOADED), full and hashed again (STORED, as if computed)."""
-        bs, pool, table = self.block_size, self.pool, seq.block_table
-        self.tiers.pin(hit for _, hit in loads)
-        blocks = self._take_blocks(seq, len(loads))
-        kept = self._last_offload  # what the evicted ones among them held, read for the offload just now
-        self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks))
+    def _load(self, seq: Sequence, loads: list[tuple[int, int, TierHit]], data: np.ndarray) -> None:
+        """Fresh device blocks of each hit's group, filled from the tiers (LOADED), full and hashed under their
+        group's key again (STORED, as if computed); one :class:`TierLoad` per group. Every hit's slot is pinned
+        until all are taken, so making room for one group's blocks never pushes another's hit away."""
+        bs, pool = self.block_size, self.pool
         hashes = seq.full_block_hashes(bs)
-        for (index, hit), block in zip(loads, blocks):
-            table[index] = block
-            self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
-            pool.set_filled(block, bs)
-            info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
-                               hashes[index - 1] if index else None)
-            registered = pool.register_hash(block, hit.block_hash, info)
-            assert registered, "a tier hit's hash was already on the device (it would have been a device hit)"
-        self.pending_loads.append(TierLoad(blocks, data, *(kept or ((), None))))
+        self.tiers.pin(hit for _, _, hit in loads)
+        start = 0
+        while start < len(loads):
+            g = loads[start][0]
+            end = start
+            while end < len(loads) and loads[end][0] == g:
+                end += 1
+            mine = loads[start:end]
+            blocks = self._take_blocks(seq, len(mine), g)
+            kept = self._last_offload  # what the evicted ones among them held, read for the offload just now
+            self.emit(EventKind.ALLOCATED, seq.seq_id, block_ids=tuple(blocks), group=g)
+            table = list(seq.group_table(g))
+            for (_, index, hit), block in zip(mine, blocks):
+                table[index] = block
+                self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
+                pool.set_filled(block, bs)
+                info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
+                                   hashes[index - 1] if index else None)
+                registered = pool.register_hash(block, group_key(hashes[index], g), info)
+                assert registered, "a tier hit's key was already on the device (it would have been a device hit)"
+            seq.set_group_table(g, table)
+            self.pending_loads.append(TierLoad(blocks, data[start:end], *(kept or ((), None))))
+            run: list[int] = []
+            for _, index, _ in mine:
+                if run and index != run[-1] + 1:
+                    self._emit_stored(seq, run, hashes, table, g)
+                    run = []
+                run.append(index)
+            self._emit_stored(seq, run, hashes, table, g)
+            start = end
         self.tiers.unpin()
-        run: list[int] = []
-        for index, _ in loads:
-            if run and index != run[-1] + 1:
-                self._emit_stored(seq, run, hashes)
-                run = []
-            run.append(index)
-        self._emit_stored(seq, run, hashes)
 
-    def _note_sources(self, seq: Sequence, hits: list) -> None:
-        tiers = [h.tier for h in hits if isinstance(h, TierHit)]
+    def _note_sources(self, seq: Sequence, tables: list[list], num_hits: int) -> None:
+        """Where each hit block's K/V came from: the lowest place any group loaded it from (a block one group
+        shared on the device and another loaded from disk counts as disk: its tokens waited for the disk)."""
+        rank = {"device": 0, "host": 1, "disk": 2}
+        counts = dict.fromkeys(("device", "host", "disk"), 0)
         bs = self.block_size
-        self._set_sources(seq.seq_id, {"device": (len(hits) - len(tiers)) * bs, "host": tiers.count("host") * bs,
-                                       "disk": tiers.count("disk") * bs, "computed": seq.num_tokens - len(hits) * bs})
+        for index in range(num_hits):
+            where = "device"
+            for table in tables:
+                entry = table[index] if index < len(table) else ABSENT
+                if isinstance(entry, TierHit) and rank[entry.tier] > rank[where]:
+                    where = entry.tier
+            counts[where] += bs
+        self._set_sources(seq.seq_id, {**counts, "computed": seq.num_tokens - num_hits * bs})
 
     def _set_sources(self, seq_id: int, sources: dict[str, int]) -> None:
         if self._sources_undo is not None:
