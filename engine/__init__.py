@@ -29,17 +29,19 @@ def _keep_freed_memory() -> None:
 
 _keep_freed_memory()
 
-from .attention import dense_attention, paged_attention
-from .config import EngineConfig
-from .engine import Engine
-from .errors import EngineError
-from .model.gguf_model import fetch_model, fetched_model
-from .model.window_model import window_checkpoint
-from .lesson import ToyPagedSequence
-from .kv.relocation import RelocationReport
-from .runner import EngineFailure, EngineRunner, RunnerStopped
-from kvstream.views import (BlockInfo, BlockState, ConversationInfo, EngineMetrics, FinishReason, MemoryStats,
-                            PoolSnapshot, Status)
+# The public names load on first use (PEP 562), so that the parts of the engine that need no torch (a trace's
+# capacity sweep, the eviction policies, the config) start fast; ``from engine import Engine`` loads torch as before.
+_PUBLIC = {
+    "Engine": ".engine", "EngineConfig": ".config", "EngineError": ".errors",
+    "paged_attention": ".attention", "dense_attention": ".attention",
+    "fetch_model": ".model.gguf_model", "fetched_model": ".model.gguf_model",
+    "window_checkpoint": ".model.window_model", "ToyPagedSequence": ".lesson",
+    "RelocationReport": ".kv.relocation", "EngineRunner": ".runner", "EngineFailure": ".runner",
+    "RunnerStopped": ".runner",
+    "BlockInfo": "kvstream.views", "BlockState": "kvstream.views", "ConversationInfo": "kvstream.views",
+    "EngineMetrics": "kvstream.views", "FinishReason": "kvstream.views", "MemoryStats": "kvstream.views",
+    "PoolSnapshot": "kvstream.views", "Status": "kvstream.views",
+}
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "BlockState", "Status", "FinishReason", "paged_attention",
@@ -47,3 +49,17 @@ __all__ = [
     "EngineRunner", "EngineFailure", "RunnerStopped", "RelocationReport", "ToyPagedSequence",
     "fetch_model", "fetched_model", "window_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -33,6 +33,7 @@ class EngineConfig:
     host_tier_blocks: int = 0  # blocks the host-memory tier holds (evicted device blocks go there); 0: off
     disk_tier_blocks: int = 0  # blocks the disk tier holds (host-tier evictions go there); 0: off
     disk_tier_path: str | None = None  # the disk tier's file (created, or truncated, when the engine starts)
+    eviction_policy: str = "lru"  # which cached block goes first (engine.kv.policies): lru, fifo, s3fifo, radix, belady
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "finished_window", "seed"):
@@ -73,6 +74,9 @@ class EngineConfig:
         if not isinstance(self.kv_events_topic, str):
             raise EngineError(f"kv_events_topic must be text, got {self.kv_events_topic!r}")
         self._check_tiers()
+        from .kv.policies import NAMES
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in NAMES:
+            raise EngineError(f"eviction_policy must be one of {', '.join(NAMES)}, got {self.eviction_policy!r}")
 
     def _check_tiers(self) -> None:
         """Tier sizes and the disk tier's path (whether the file can be made is checked when the engine starts)."""

@@ -29,6 +29,7 @@ from kvstream.views import (BlockInfo, ChangeRecord, ConversationInfo, EngineMet
 
 from . import attention
 from .kv import relocation
+from .kv.policies import Future, make_policy
 from .kv.pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
@@ -96,9 +97,16 @@ class Engine:
         _prepare_heap()
         return super().__new__(cls)
 
-    def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None):
+    def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None,
+                 future: Future | None = None):
+        """``future``: what a trace replay knows of the requests to come, for an eviction policy that needs it
+        ("belady"); no other caller has one."""
         if not isinstance(cfg, EngineConfig):
             raise EngineError("Engine needs an EngineConfig")
+        try:
+            policy = make_policy(cfg.eviction_policy, future)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         self.cfg = cfg
         if cfg.device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,7 +125,7 @@ class Engine:
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
         self._eos = set(self.eos_token_ids)
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, policy)
         self.kv_cache_groups = kv_cache_group_infos(mc)
         planes, layer_slots = kv_cache_layout(self.kv_cache_groups, mc.num_hidden_layers)
         try:
@@ -368,8 +376,21 @@ class Engine:
         with self.transaction():
             return self._add(*request).seq_id
 
-    def _add(self, ids, max_new_tokens, temperature, seed, ignore_eos, reason: str = "") -> Sequence:
+    def add_prefill(self, prompt_token_ids: Seq[int]) -> int:
+        """Queue a prompt whose K/V is computed and cached but which generates nothing (a trace's request in an
+        instant replay, or warming the prefix cache); returns its id. With nothing to sample, a prompt the pool
+        holds whole is all hits: none of its tokens is recomputed (a generating request always recomputes its last
+        token, for the logits of its first output). It finishes as soon as its prompt is in the pool."""
+        ids = self._prompt_ids(None, prompt_token_ids)
+        self._check_fits(len(ids), 0)
+        with self.transaction():
+            seq = self._add(ids, 0, 0.0, None, False, prefill_only=True)
+            return seq.seq_id
+
+    def _add(self, ids, max_new_tokens, temperature, seed, ignore_eos, reason: str = "",
+             prefill_only: bool = False) -> Sequence:
         seq = self._new_seq(ids, max_new_tokens, temperature, seed, ignore_eos=ignore_eos)
+        seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         self.manager.emit(EventKind.CONVERSATION_ADDED, seq.seq_id, reason=reason)
         self.changed()
@@ -434,7 +455,7 @@ class Engine:
             return
         self.manager.fork(parent, child)
         self.scheduler.run_now(child)
-        self._append(child, self.runner.sample(logits[None], [child])[0])
+        self._append(child, 0 if logits is None else self.runner.sample(logits[None], [child])[0])
 
     def end_conversation(self, conversation_id: int) -> None:
         """Stop a conversation now; its blocks are released at once."""
@@ -537,7 +558,7 @@ class Engine:
         self.manager.start_step(self.step_id)
         batch = self.scheduler.schedule()
         self._write_loads(self.manager.take_loads())
-        prepared = None if batch.empty else self.runner.prepare(batch)
+        prepared = None if batch.empty or self.model is None else self.runner.prepare(batch)
         self._save_kv(batch.copies, prepared)
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
@@ -547,6 +568,12 @@ class Engine:
             tokens = self.runner.sample(logits, prepared.sampled)
             self._postprocess(batch, prepared.sampled, tokens, logits)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
+        elif not batch.empty:  # --model none: the pool moves as for a model; every sampled token is 0
+            sampled = [s for s, n in zip(batch.seqs, batch.num_tokens)
+                       if n and s.num_computed_tokens + n == s.num_tokens and not s.prefill_only]
+            self._postprocess(batch, sampled, [0] * len(sampled), None)
+            num_sampled = len(sampled)
+            num_prefill = sum(n for n in batch.num_tokens if n > 1)
         self.manager.touch_used(self.step_id)
         self.num_steps += 1
         self.num_generated += num_sampled
@@ -564,8 +591,11 @@ class Engine:
             forks, seq.pending_forks = seq.pending_forks, []
             for child in forks:
                 if not child.is_finished:  # a pending fork the user ended meanwhile stays ended
-                    self._fork_now(seq, child, logits[row])
+                    self._fork_now(seq, child, None if logits is None else logits[row])
             self._append(seq, token)
+        for seq in batch.seqs:  # a prefill-only request is done once its prompt's K/V is in the pool
+            if seq.prefill_only and not seq.is_finished and seq.num_computed_tokens == seq.num_tokens:
+                self._finish(seq, Status.FINISHED, FinishReason.LENGTH)
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.append_token(token)
@@ -627,7 +657,10 @@ class Engine:
             return {i: s.token_ids[lengths[i]:] for i, s in self.seqs.items() if s.num_tokens > lengths.get(i, 0)}
 
     def probe_attention(self) -> dict[int, np.ndarray]:
-        """Attention output of each running conversation's last computed token, every layer: [layers, heads, dim]."""
+        """Attention output of each running conversation's last computed token, every layer: [layers, heads, dim]
+        ({} without a model: --model none computes no attention)."""
+        if self.model is None:
+            return {}
         return relocation.probe_attention(self.runner, self.scheduler.running)
 
     # ---- views ------------------------------------------------------------------------------------------------

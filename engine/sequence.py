@@ -17,6 +17,7 @@ class Sequence:
         self.temperature = temperature
         self.seed = seed  # with a token's position, its draw when sampled (engine.model.sampling)
         self.ignore_eos = ignore_eos  # keep going past end-of-sequence (benchmarks that need a steady load)
+        self.prefill_only = False  # computes and caches its prompt, samples nothing (Engine.add_prefill)
         self.arrival_step = arrival_step
         self.parent_id = parent_id
         self.status = Status.WAITING

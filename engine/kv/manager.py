@@ -29,6 +29,7 @@ from kvstream.rules import cdiv, fit_error, group_key, raw_hash
 from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
 from .groups import ABSENT, FULL_ATTENTION, policy_for
+from .outcomes import OutcomeBook
 from .pool import BlockPool, HashedBlock, hash_block_tokens
 from ..sequence import Sequence
 from .tiers import TierHit, TierLoad, TierStore
@@ -43,6 +44,14 @@ class GroupHits(list):
     tier holds the block)."""
 
     tables: list[list]
+
+
+def hit_limit(seq: Sequence, block_size: int) -> int:
+    """Most leading full blocks of ``seq`` that can be prefix hits: all of them for a prefill-only request, else all
+    but the one holding its last token, which is computed again for the logits of its first output (as vLLM does)."""
+    if seq.prefill_only:
+        return seq.num_tokens // block_size
+    return (seq.num_tokens - 1) // block_size
 
 
 class KVCacheManager:
@@ -76,11 +85,17 @@ class KVCacheManager:
         self._last_offload: tuple[list[int], np.ndarray] | None = None  # what _take_blocks' evictions read (_load)
         self.prompt_sources: dict[int, dict[str, int]] = {}  # seq id -> its last admission's prompt tokens by source
         self._sources_undo: list[tuple[int, dict | None]] | None = None  # (seq id, old value) in a transaction
+        self._protected: frozenset[int] = frozenset()  # blocks the admission in progress must not evict
+        self.outcomes = OutcomeBook()  # what left the pools, to say why a prompt block missed
+        self.prompt_outcomes: dict[int, tuple] = {}  # seq id -> its last admission's BlockOutcome per block
 
     # ---- events ---------------------------------------------------------------------------------------------
     def emit(self, kind: EventKind, conversation_id: int = -1, **fields) -> None:
-        """Record one event at the pool's current step."""
-        self.events.append(BlockEvent(step_id=self.pool.clock, kind=kind, conversation_id=conversation_id, **fields))
+        """Record one event at the pool's current step (and, for content leaving the pools, remember it)."""
+        event = BlockEvent(step_id=self.pool.clock, kind=kind, conversation_id=conversation_id, **fields)
+        self.events.append(event)
+        if kind == EventKind.EVICTED or kind == EventKind.DROPPED:
+            self.outcomes.note(event, self.pool.policy.name, self.pool.evicted_idle.get)
 
     def _trim_events(self) -> None:
         """Drop the oldest untaken events past MAX_PENDING_EVENTS (between transactions only)."""
@@ -198,15 +213,15 @@ class KVCacheManager:
     def prefix_hits(self, seq: Sequence) -> GroupHits:
         """The longest prefix every group can serve from the cache (vLLM's hybrid coordinator: full-attention
         groups bound it by their longest run of hits; each sliding group then takes the longest length whose
-        window blocks it holds; repeated until they agree). The last token is always computed, so a prompt that
-        is all cached still gets one token to run."""
+        window blocks it holds; repeated until they agree). The last token is computed (:func:`hit_limit`), so a
+        generating prompt that is all cached still gets one token to run."""
         hits = GroupHits()
         hits.tables = [[] for _ in range(self.num_groups)]
         if not self.pool.enable_prefix_caching:
             return hits
         bs = self.block_size
         hashes = seq.full_block_hashes(bs)
-        length = (seq.num_tokens - 1) // bs
+        length = hit_limit(seq, bs)
         found: list = [None] * self.num_groups  # per group: what holds each leading prefix (find's answer)
         for g in self._hit_order:
             policy = self.policies[g]
@@ -229,11 +244,23 @@ class KVCacheManager:
         """Start (or restart) ``seq``: share its cached prefix blocks in every group, then make room for its first
         ``num_new_tokens`` uncached tokens. The caller checked ``num_blocks_for(seq, num_new_tokens, hits)``.
         Hits in a lower tier (:class:`TierHit`) get fresh blocks of their group, filled from the tier
-        (:meth:`take_loads`)."""
+        (:meth:`take_loads`). Content of the prompt past its first miss that the pool holds is not evicted while
+        the admission takes its blocks (:meth:`_protect`)."""
+        self._note_outcomes(seq, hits)
+        self._protect(seq, hits, num_new_tokens)
+        try:
+            return self._admit(seq, hits, num_new_tokens)
+        finally:
+            self._protected = frozenset()
+
+    def _admit(self, seq: Sequence, hits: GroupHits, num_new_tokens: int) -> list[tuple[int, int, int]]:
         self._own_tables(seq)
         loads, data = [], None
         if self.tiers is not None:
-            hits, loads, data = self._read_tier_hits(seq, hits, num_new_tokens)
+            read, loads, data = self._read_tier_hits(seq, hits, num_new_tokens)
+            if len(read) != len(hits):  # a tier block failed its checksum: the hits are shorter
+                self._note_outcomes(seq, read)
+            hits = read
         for g, table in enumerate(hits.tables):
             held = [b for b in table if b != ABSENT and not isinstance(b, TierHit)]
             for block in held:
@@ -253,7 +280,7 @@ class KVCacheManager:
         each evicted block goes to the top lower tier (when there are tiers) before anything overwrites it."""
         blocks, evicted = [], {}
         for _ in range(n):
-            block, key = self.pool.take(seq.seq_id)
+            block, key = self.pool.take(seq.seq_id, self._protected)
             self.holders[block] = {seq.seq_id}
             if key != NO_HASH:
                 evicted.setdefault(int(self.block_group[block]), []).append((block, key))
@@ -321,7 +348,7 @@ class KVCacheManager:
             run: list[int] = []
             for index in range(start, full):
                 parent = hashes[index - 1] if index else None
-                info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs, parent)
+                info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs, parent, g)
                 if pool.register_hash(table[index], group_key(hashes[index], g), info):
                     run.append(index)
                     continue
@@ -442,6 +469,9 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every prefix hash; cached blocks become free. Returns how many cached blocks were dropped."""
+        for key, record in self.pool.hashed.items():  # their content leaves the pool: a later miss says so
+            self.outcomes.remember(raw_hash(key, record.group), self.pool.clock, "reset",
+                                   self.pool.clock - int(self.pool.last_access[self.pool.hash_to_block[key]]))
         cached = self.pool.clear_hashes()
         if self.tiers is not None:
             self.tiers.clear(self.pool.clock, self.emit)
@@ -596,7 +626,7 @@ class KVCacheManager:
                 self.tiers.loaded(hit, block, pool.clock, self.emit, seq.seq_id)
                 pool.set_filled(block, bs)
                 info = HashedBlock(tuple(seq.token_ids[index * bs:(index + 1) * bs]), index * bs,
-                                   hashes[index - 1] if index else None)
+                                   hashes[index - 1] if index else None, g)
                 registered = pool.register_hash(block, group_key(hashes[index], g), info)
                 assert registered, "a tier hit's key was already on the device (it would have been a device hit)"
             seq.set_group_table(g, table)
@@ -610,6 +640,50 @@ class KVCacheManager:
             self._emit_stored(seq, run, hashes, table, g)
             start = end
         self.tiers.unpin()
+
+    # ---- what an admission finds past its hits, and why each block fared as it did ---------------------------
+    def after_break(self, seq: Sequence, num_hits: int, group: int = 0) -> list[int]:
+        """Device blocks holding content of ``seq``'s prompt past its ``num_hits`` hits (full blocks), in KV cache
+        ``group``'s keys: the prompt recomputes them, so they are not hits, but its admission keeps them if it fits
+        beside them (they would be stored again at once), and they count against what it can take."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        hashes = seq.full_block_hashes(self.block_size)
+        end = min(len(hashes), seq.num_prompt_tokens // self.block_size)
+        found = (self.pool.lookup(group_key(h, group)) for h in hashes[num_hits:end])
+        return [b for b in found if b is not None]
+
+    def _protect(self, seq: Sequence, hits: GroupHits, num_new_tokens: int) -> None:
+        """Until the admission ends, taking blocks does not evict ``seq``'s content past its first miss, if the
+        admission still fits beside it (an admission never waits for them); the eviction policy hears that they
+        were looked up."""
+        after = [b for g in range(self.num_groups) for b in self.after_break(seq, len(hits), g)]
+        if not after:
+            return
+        self.pool.looked_up(after)
+        kept = sum(1 for b in after if self.pool.ref_count[b] == 0)
+        if self.pool.can_allocate(self.num_blocks_for(seq, num_new_tokens, hits) + kept):
+            self._protected = frozenset(after)
+
+    def _held(self, key: int) -> bool:
+        """The device pool or a lower tier holds this cache key now."""
+        return self._cached(key) is not None
+
+    def _note_outcomes(self, seq: Sequence, hits: GroupHits) -> None:
+        """How each prompt block fares at this admission (OutcomeBook.classify), kept for the views. With a
+        sliding group beside a full-attention one, a block the full-attention layers hold, before any they lack,
+        missed because a window released it."""
+        held_full = None
+        if self._releasing and len(self._releasing) < self.num_groups:
+            full = next(g for g, p in enumerate(self.policies) if not p.releases)
+            hashes = seq.full_block_hashes(self.block_size)
+            first_gap = next((i for i, h in enumerate(hashes) if not self._held(group_key(h, full))), len(hashes))
+            held_full = first_gap.__gt__
+        outcomes = self.outcomes.classify(seq.full_block_hashes(self.block_size), seq.num_tokens, self.block_size,
+                                          hits, hit_limit(seq, self.block_size), self._held, held_full)
+        if self._sources_undo is not None:
+            self._sources_undo.append((-1 - seq.seq_id, self.prompt_outcomes.get(seq.seq_id)))
+        self.prompt_outcomes[seq.seq_id] = outcomes
 
     def _note_sources(self, seq: Sequence, tables: list[list], num_hits: int) -> None:
         """Where each hit block's K/V came from: the lowest place any group loaded it from (a block one group
@@ -633,22 +707,27 @@ class KVCacheManager:
 
     def _tiers_begin(self) -> None:
         self._sources_undo = []
+        self.outcomes.begin()
         self.pending_loads = []
         if self.tiers is not None:
             self.tiers.begin()
 
     def _tiers_end(self) -> None:
         self._sources_undo = None
+        self.outcomes.end()
         if self.tiers is not None:
             self.tiers.end()
 
     def _tiers_rollback(self) -> None:
         for seq_id, old in reversed(self._sources_undo or []):
+            book = self.prompt_sources if seq_id >= 0 else self.prompt_outcomes  # outcomes are keyed -1 - id
+            seq_id = seq_id if seq_id >= 0 else -1 - seq_id
             if old is None:
-                self.prompt_sources.pop(seq_id, None)
+                book.pop(seq_id, None)
             else:
-                self.prompt_sources[seq_id] = old
+                book[seq_id] = old
         self._sources_undo = []
+        self.outcomes.rollback()
         self.pending_loads = []
         if self.tiers is not None:
             self.tiers.rollback()

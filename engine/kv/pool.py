@@ -18,6 +18,9 @@ import numpy as np
 
 from kvstream.views import NO_HASH, BlockState
 
+from .policies import EvictionPolicy
+from .policies.lru import LRUPolicy
+
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Chained hash of a full block: it names the whole prefix up to and including this block. Never NO_HASH (0),
@@ -44,6 +47,7 @@ class HashedBlock:
     token_ids: tuple[int, ...]  # the block's tokens
     start: int  # position of its first token in the conversation that stored it
     parent_hash: int | None  # hash of the block before it (None for a conversation's first block)
+    group: int = 0  # the KV cache group whose cache key names it (kvstream.rules.group_key of the hash)
 
 
 _ARRAYS = ("ref_count", "num_filled", "state", "owner", "last_access", "block_hash", "queued_at")
@@ -54,11 +58,14 @@ class BlockPool:
     """Which physical blocks are free, used or cached.
 
     Free blocks wait in two O(1) queues: plain ``FREE`` blocks, handed out first (oldest freed first), and
-    ``CACHED`` blocks (free but holding a full, hashed block of KV) in least-recently-used order, evicted only when
-    no plain block is left. ``queued_at`` stamps each block's place in its queue, so the queues can be rebuilt.
+    ``CACHED`` blocks (free but holding a full, hashed block of KV) in the order they were released, evicted only
+    when no plain block is left. ``queued_at`` stamps each block's place in its queue, so the queues can be rebuilt.
+    Which cached block goes first is the eviction ``policy``'s choice (engine.kv.policies; LRU, the release order
+    itself, unless told otherwise), and an eviction never takes a block the caller protects.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 policy: EvictionPolicy | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -80,6 +87,8 @@ class BlockPool:
         self._touched: list[np.ndarray] = []
         self._all_changed = True
         self._rebuild_derived()
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.policy.bind(self)
 
     # ---- derived structures ---------------------------------------------------------------------------------
     def _rebuild_derived(self) -> None:
@@ -102,6 +111,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_queue(self):
+        """The cached block ids in the order they were released (oldest first): what LRU evicts in."""
+        return self._cached
+
     @property
     def free_queue(self) -> tuple[int, ...]:
         """Plain free block ids in the order allocation hands them out (cached ones follow, LRU first)."""
@@ -114,7 +127,7 @@ class BlockPool:
         """The ids the next ``n`` allocations would take, without taking them."""
         out = list(_first(self._free, n))
         if len(out) < n:
-            out += list(_first(self._cached, n - len(out)))
+            out += self.policy.order(n - len(out))
         return out
 
     def lookup(self, block_hash: int) -> int | None:
@@ -122,14 +135,16 @@ class BlockPool:
         return self.hash_to_block.get(block_hash) if self.enable_prefix_caching else None
 
     # ---- primitive changes (KVCacheManager only) ------------------------------------------------------------
-    def take(self, owner: int) -> tuple[int, int]:
+    def take(self, owner: int, protected=()) -> tuple[int, int]:
         """Take the next free block for ``owner`` (USED, ref count 1, empty). Returns (block, evicted hash): a plain
-        free block first, else the least recently used cached one, whose hash is dropped (NO_HASH otherwise)."""
+        free block first, else the cached block the policy gives up (never one in ``protected``), whose hash is
+        dropped (NO_HASH otherwise)."""
         evicted = NO_HASH
         if self._free:
             block, _ = self._free.popitem(last=False)
         elif self._cached:
-            block, _ = self._cached.popitem(last=False)
+            block = self.policy.victim(protected)
+            del self._cached[block]
             evicted = int(self.block_hash[block])
             self._drop_hash(block)
         else:
@@ -145,9 +160,11 @@ class BlockPool:
     def add_ref(self, block: int, owner: int) -> None:
         """One more reference to a block that already holds the wanted KV (prefix hit or fork)."""
         if self.ref_count[block] == 0:
-            self._cached.pop(block, None)
+            revived = self._cached.pop(block, 0) is None  # a cached block taken back (a prefix hit)
             self._free.pop(block, None)
             self.state[block] = BlockState.USED
+            if revived:
+                self.policy.revived(block)
             self.owner[block] = owner
         self.ref_count[block] += 1
         self.last_access[block] = self.clock
@@ -165,12 +182,17 @@ class BlockPool:
         if self.block_hash[block] != NO_HASH:
             self.state[block] = BlockState.CACHED  # keeps its KV; owner stays as a hint of who filled it
             self._cached[block] = None
+            self.policy.cached(block)
             return BlockState.CACHED
         self.state[block] = BlockState.FREE
         self.num_filled[block] = 0
         self.owner[block] = -1
         self._free[block] = None
         return BlockState.FREE
+
+    def looked_up(self, blocks: list[int]) -> None:
+        """An admission saw these blocks' content after its first miss (the eviction policy may care)."""
+        self.policy.looked_up(blocks)
 
     def set_owner(self, block: int, owner: int) -> None:
         self.owner[block] = owner
@@ -190,6 +212,7 @@ class BlockPool:
         self._change(block)
         self.hash_to_block[block_hash] = block
         self.hashed[block_hash] = info
+        self.policy.stored(block)
         return True
 
     def _drop_hash(self, block: int) -> None:
@@ -199,6 +222,8 @@ class BlockPool:
             self._dropped.setdefault(h, self.hashed.pop(h))
         self.block_hash[block] = NO_HASH
         self._change(block)
+        if h != NO_HASH:
+            self.policy.dropped(block, h)
 
     def dropped_record(self, block_hash: int) -> HashedBlock | None:
         """What a hash dropped since the last checkpoint named (an evicted block's tokens, for the lower tiers)."""
@@ -220,6 +245,7 @@ class BlockPool:
         for h, record in self.hashed.items():
             self._dropped.setdefault(h, record)
         self.hashed.clear()
+        self.policy.reset()
         return cached
 
     def touch_used(self, step: int) -> None:
@@ -238,8 +264,10 @@ class BlockPool:
             moved = np.empty_like(old)
             moved[new_id] = old
             setattr(self, name, moved)
+        self.policy.permute(new_id)
         self._lose_track()
         self._rebuild_derived()
+        self.policy.rebuild()
 
     # ---- what changed ---------------------------------------------------------------------------------------
     def _change(self, block: int) -> None:
@@ -281,16 +309,18 @@ class BlockPool:
         """Everything needed to undo changes made after this call: array copies (cheap even at 65,536 blocks); the
         hashed-block records are immutable, so only the ones dropped from now on are remembered."""
         self._dropped = {}
-        return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, self.clock)
+        return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, self.clock,
+                                                                         self.policy.state())
 
     def restore(self, checkpoint: tuple) -> None:
-        *arrays, self._stamp, self.clock = checkpoint
+        *arrays, self._stamp, self.clock, policy_state = checkpoint
         for name, array in zip(_ARRAYS, arrays):
             setattr(self, name, array)
         self.hashed.update(self._dropped)  # records added since are dropped by the rebuild (no block has them)
         self._dropped = {}
         self._lose_track()
         self._rebuild_derived()
+        self.policy.restore(policy_state)
 
     # ---- invariants -----------------------------------------------------------------------------------------
     def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
@@ -321,6 +351,7 @@ class BlockPool:
             "hash_to_block disagrees with block_hash"
         assert set(self.hashed) == set(self.hash_to_block), "hashed-block records disagree with hash_to_block"
         assert (self.owner[state == BlockState.USED] >= 0).all(), "a USED block has no owner"
+        self.policy.check_invariants()
 
 
 def _first(queue: OrderedDict, n: int):

@@ -52,7 +52,8 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         bs = self.block_size
-        singles = [s for s, n in zip(batch.seqs, batch.num_tokens) if n == 1]
+        singles = [s for s, n in zip(batch.seqs, batch.num_tokens) if n == 1]  # (a prefill-only request all of
+        #                                                                      whose prompt was cached computes 0)
         chunks = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if n > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -64,7 +65,7 @@ class ModelRunner:
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-            if p + 1 == seq.num_tokens:
+            if p + 1 == seq.num_tokens and not seq.prefill_only:
                 sampled.append(seq)
                 sample_rows.append(row)
         prefills = []
@@ -79,7 +80,7 @@ class ModelRunner:
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             prefills.append((first, n, torch.as_tensor(table, device=self.device), start))
             num_prefill += n
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.prefill_only:
                 sampled.append(seq)
                 sample_rows.append(first + n - 1)
         plan = self.plan(singles, [s.num_computed_tokens + 1 for s in singles]) if singles else None
