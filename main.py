@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_or_exit(argv)
     if opts.make_keys:
         return make_keys(opts.make_keys)
+    if opts.sweep is not None:  # a capacity sweep of a trace: figures only, no torch, no window
+        from explorer.headless import run_sweep_cli
+        return run_sweep_cli(opts)
     if opts.fetch_model:  # fetch and convert a real model into the user's cache, nothing else
         from engine import EngineError, fetch_model
         try:
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                            device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
                            kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
                            kv_events_topic=opts.kv_events_topic, host_tier_blocks=opts.host_tier_blocks,
-                           disk_tier_blocks=opts.disk_tier_blocks, disk_tier_path=opts.disk_tier_path)
+                           disk_tier_blocks=opts.disk_tier_blocks, disk_tier_path=opts.disk_tier_path,
+                           eviction_policy=opts.eviction_policy)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

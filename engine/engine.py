@@ -758,6 +758,15 @@ class Engine:
         ({} before its first admission)."""
         return dict(self.manager.prompt_sources.get(self._seq(conversation_id).seq_id, {}))
 
+    def is_finished(self, conversation_id: int) -> bool:
+        """Whether it finished or was ended (cheaper than building its whole ConversationInfo)."""
+        return self._seq(conversation_id).is_finished
+
+    def prompt_block_outcomes(self, conversation_id: int) -> tuple:
+        """How each block of its prompt fared at its last admission (kvstream.views.BlockOutcome: a hit and where
+        from, or a miss and why); () before its first admission."""
+        return tuple(self.manager.prompt_outcomes.get(self._seq(conversation_id).seq_id, ()))
+
     def _close_tiers(self) -> None:
         if self.tiers is not None:
             self.manager.tiers = None

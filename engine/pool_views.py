@@ -110,7 +110,8 @@ class PoolViews:
         support for it)."""
         if not _HAS_SOURCES:
             return {}
-        return {"prompt_token_sources": dict(self.manager.prompt_sources.get(seq.seq_id, {}))}
+        return {"prompt_token_sources": dict(self.manager.prompt_sources.get(seq.seq_id, {})),
+                "prompt_block_outcomes": self.manager.prompt_outcomes.get(seq.seq_id, ())}
 
     def _group_tables(self, seq: Sequence) -> tuple[tuple[int, ...], ...]:
         """Every KV cache group's table of ``seq`` (-1 where a window released a block); () for one plain group."""

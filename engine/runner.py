@@ -68,8 +68,11 @@ class EngineRunner:
     """Owns an :class:`Engine` and the thread that steps it."""
 
     def __init__(self, engine: Engine, *, max_steps_per_second: float | None = None, start_paused: bool = False,
-                 observers: list[Observer] | None = None):
+                 observers: list[Observer] | None = None, driver=None):
+        """``driver``: a source of conversations that must act on the engine thread between steps (a trace
+        replay, engine.traffic.replay.TraceReplay): its ``feed()`` is called before each step while running."""
         self.engine = engine
+        self.driver = driver
         self._commands: queue.Queue[Command] = queue.Queue()
         self._stop = threading.Event()
         self._stopped = False  # set once the queue has been drained at the end: later submits fail at once
@@ -234,6 +237,15 @@ class EngineRunner:
                 self._fail(f"{getattr(observer, '__qualname__', type(observer).__name__)} stopped receiving "
                            f"updates: {type(exc).__name__}: {exc}")
 
+    def _drive(self) -> None:
+        """Let the driver add what is due; a driver that fails is detached (said once), the engine goes on."""
+        try:
+            self.driver.feed()
+        except Exception as exc:
+            self.driver = None
+            self._fail(f"the traffic source stopped: {type(exc).__name__}: {exc}")
+        self._publish()
+
     def _main(self) -> None:
         try:
             self._loop()
@@ -246,6 +258,8 @@ class EngineRunner:
     def _loop(self) -> None:
         last_step = 0.0
         while not self._stop.is_set():
+            if self.driver is not None and not self._paused:
+                self._drive()
             # Drain every queued command first so the user's actions take effect before the next step.
             want_step = (not self._paused or self._single_steps > 0) and self.engine.has_work()
             try:

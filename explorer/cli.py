@@ -18,7 +18,13 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                [--make-keys DIR] [--fetch-model NAME] [--host-tier-blocks N] [--disk-tier-blocks N]
-               [--disk-tier-path FILE] [--dtype float32|bfloat16]"""
+               [--disk-tier-path FILE] [--dtype float32|bfloat16] [--eviction-policy NAME]
+               [--trace FILE [--replay instant|timed] [--trace-speed X] [--trace-scale X] [--export-trace FILE]
+                [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
+                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]]"""
+
+POLICY_NAMES = ("lru", "fifo", "s3fifo", "radix", "belady")  # engine.kv.policies.NAMES (checked by a test)
+SWEEP_POLICIES = "lru,fifo,belady"  # a sweep's policies unless --policies says
 
 
 class UsageError(Exception):
@@ -128,6 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk-tier-blocks", type=int, default=0, metavar="N",
                         help="keep up to N blocks the host tier evicts on disk, in --disk-tier-path (default 0: off)")
     parser.add_argument("--disk-tier-path", metavar="FILE", help="the disk tier's file (created or truncated)")
+    parser.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES,
+                        help="which cached block the pool gives up first: lru (vLLM's free queue, the default), "
+                             "fifo, s3fifo, radix (SGLang's radix cache) or belady (furthest next use: a trace "
+                             "replay only, it needs the future)")
+    parser.add_argument("--trace", metavar="FILE", help="the local engine's traffic comes from a request trace "
+                        "(Mooncake JSONL or kv-cache-tester JSON); --model none replays full-size traces")
+    parser.add_argument("--replay", choices=("instant", "timed"), help="with --trace: instant (one request at a "
+                        "time, no outputs: the hit figures of a capacity sweep; the default headless) or timed "
+                        "(arrivals on the trace's clock, outputs decoded; the default in the window)")
+    parser.add_argument("--trace-speed", type=float, metavar="X", help="with --trace: arrivals come X times "
+                        "faster than the trace's clock (default 1)")
+    parser.add_argument("--trace-scale", type=float, metavar="X", help="with --trace: each request decodes X times "
+                        "its output length (default 1)")
+    parser.add_argument("--export-trace", metavar="FILE", help="write the traffic this run sees (a recording, "
+                        "or the local engine's) as a Mooncake JSONL trace, to replay at other sizes")
+    parser.add_argument("--sweep", metavar="CAPACITIES", help="with --trace and --headless: no live run; the hit "
+                        "rate at each capacity (blocks, or bytes such as 8GiB with --kv-shape) for each policy")
+    parser.add_argument("--policies", metavar="NAMES", help=f"with --sweep: eviction policies (default "
+                        f"{SWEEP_POLICIES}; any of {', '.join(POLICY_NAMES)})")
+    parser.add_argument("--kv-shape", metavar="CONFIG.json", help="with --sweep: a Hugging Face config.json whose "
+                        "K/V size per token turns byte capacities into blocks")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="the K/V cache's element type (auto: the model's dtype); a sweep counts its bytes")
+    parser.add_argument("--warmup", type=float, metavar="F", help="with --sweep: count only the last 1 - F of the "
+                        "requests, as kvcache-simulator does (default 0: all)")
     return parser
 
 
@@ -203,12 +234,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if opts.open and os.path.abspath(opts.open) == os.path.abspath(opts.record):
             raise UsageError("--record would overwrite the file --open reads")
     _check_tiers(opts)
+    _check_trace(opts, watching)
     if opts.tokenizer is not None and not _builtin_tokenizer(opts.tokenizer):
         if not os.path.isdir(opts.tokenizer):
             raise UsageError(f"--tokenizer {opts.tokenizer}: no such directory")
         if not os.path.isfile(os.path.join(opts.tokenizer, "tokenizer.json")):
             raise UsageError(f"--tokenizer {opts.tokenizer} has no tokenizer.json")
     return opts
+
+
+def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
+    """--trace and what goes with it: the file, the replay's settings, a sweep's capacities and policies."""
+    needs_trace = [flag for flag, on in (("--replay", opts.replay), ("--trace-speed", opts.trace_speed is not None),
+                                         ("--trace-scale", opts.trace_scale is not None),
+                                         ("--sweep", opts.sweep is not None)) if on]
+    if needs_trace and opts.trace is None:
+        raise UsageError(f"{needs_trace[0]} goes with --trace FILE (the trace to replay)")
+    needs_sweep = [flag for flag, on in (("--policies", opts.policies is not None),
+                                         ("--kv-shape", opts.kv_shape is not None),
+                                         ("--warmup", opts.warmup is not None)) if on]
+    if needs_sweep and opts.sweep is None:
+        raise UsageError(f"{needs_sweep[0]} goes with --sweep CAPACITIES")
+    if opts.eviction_policy == "belady" and opts.trace is None:
+        raise UsageError("--eviction-policy belady needs to know every request to come: only a trace replay "
+                         "(--trace FILE) can run it")
+    if opts.export_trace is not None:
+        _check_output_file("--export-trace", opts.export_trace)
+    if opts.trace is None:
+        return
+    if watching:
+        raise UsageError(f"--trace drives the local engine, but {watching[0]} watches another source instead")
+    if os.path.isdir(opts.trace):
+        raise UsageError(f"--trace {opts.trace} is a folder; give a trace file (Mooncake .jsonl or "
+                         "kv-cache-tester .json)")
+    if not os.path.isfile(opts.trace):
+        raise UsageError(f"--trace {opts.trace}: no such file")
+    if opts.export_trace is not None and os.path.abspath(opts.export_trace) == os.path.abspath(opts.trace):
+        raise UsageError("--export-trace would overwrite the trace --trace reads")
+    for flag, value in (("--trace-speed", opts.trace_speed), ("--trace-scale", opts.trace_scale)):
+        if value is not None and not (value > 0 and value < float("inf")):
+            raise UsageError(f"{flag} must be a positive number, got {value}")
+    if opts.sweep is None:
+        return
+    if not opts.headless:
+        raise UsageError("--sweep prints figures and opens no window: add --headless (the window's Capacity dock "
+                         "sweeps the trace you open)")
+    if opts.demo not in ("none",):
+        raise UsageError("--sweep replays the trace, not a demo: drop --demo")
+    from engine.traffic.sweep import SweepError, parse_capacity
+    capacities = []
+    for text in opts.sweep.split(","):
+        try:
+            capacities.append((text.strip(), *parse_capacity(text)))
+        except SweepError as exc:
+            raise UsageError(f"--sweep: {exc}") from None
+    if any(nbytes is not None for _, _, nbytes in capacities) and opts.kv_shape is None:
+        raise UsageError("--sweep: a capacity in bytes needs --kv-shape CONFIG.json (how many bytes a token's K/V "
+                         "takes)")
+    if opts.kv_shape is not None and not os.path.isfile(opts.kv_shape):
+        raise UsageError(f"--kv-shape {opts.kv_shape}: no such file")
+    opts.capacities = capacities
+    policies = [p.strip() for p in (opts.policies or SWEEP_POLICIES).split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or not policies:
+        raise UsageError(f"--policies: {unknown[0] if unknown else 'none given'} is not a policy; choose from "
+                         f"{', '.join(POLICY_NAMES)}")
+    opts.policy_list = list(dict.fromkeys(policies))
+    if opts.warmup is not None and not 0 <= opts.warmup < 1:
+        raise UsageError(f"--warmup must be at least 0 and below 1, got {opts.warmup}")
 
 
 def _builtin_tokenizer(path: str) -> bool:

@@ -171,3 +171,54 @@ def run_headless_cli(opts, cfg) -> int:
         print(f"{ended} after {snap.metrics.num_steps} steps in {elapsed:.1f} s; {tokens} tokens generated "
               f"({tokens / max(elapsed, 1e-9):.1f} tokens/s)")
     return status
+
+
+def run_sweep_cli(opts, out=print) -> int:
+    """``main.py --trace FILE --sweep CAPACITIES --headless``: the hit rate of each policy at each capacity, then
+    the infinite pool; one JSON object a line with ``--json``, else a table. No torch, no window: the fast path
+    replays the trace (engine.traffic.sweep). Returns 2 on a trace or capacity that cannot be used."""
+    from engine.traffic.sweep import Sweep, SweepError, blocks_for_bytes, kv_bytes_per_token
+    from engine.traffic.trace import TraceError, read_trace
+    try:
+        trace = read_trace(opts.trace)
+        sweep = Sweep(trace, opts.warmup or 0.0)
+        per_token = None
+        if opts.kv_shape is not None:
+            per_token, shape = kv_bytes_per_token(opts.kv_shape, opts.kv_cache_dtype)
+            if not opts.json:
+                out(f"K/V per token: {per_token:,} bytes ({shape}); a block of {trace.block_size} tokens: "
+                    f"{per_token * trace.block_size / 2**20:.2f} MiB")
+        points = []
+        for text, blocks, nbytes in opts.capacities:
+            if blocks is None:
+                blocks = blocks_for_bytes(nbytes, per_token, trace.block_size)
+            points.append((text if nbytes is not None else "", blocks))
+        if not opts.json:
+            out(f"{trace.name}: {trace.num_requests:,} requests, {trace.num_blocks:,} prompt blocks of "
+                f"{trace.block_size} tokens ({sweep.num_nodes:,} distinct)"
+                + (f"; counting the last {sweep.requests_counted:,} after a warmup of {opts.warmup:g}"
+                   if opts.warmup else ""))
+            out(f"{'policy':>9} {'blocks':>9} {'hit rate':>9} {'hit blocks':>11} {'token hits':>10} "
+                f"{'cold':>9} {'evicted':>9} {'after break':>11} {'prefill':>8}")
+        for policy in opts.policy_list:
+            for capacity, blocks in points:
+                _print_point(sweep.point(policy, blocks, capacity, opts.host_tier_blocks, opts.disk_tier_blocks,
+                                         opts.disk_tier_path), opts.json, out)
+        _print_point(sweep.infinite(), opts.json, out)
+    except (TraceError, SweepError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not opts.json:
+        out("prefill: what a prefill-bound server gains, 1 / (1 - token hit rate); belady is the offline bound")
+    return 0
+
+
+def _print_point(point, json_mode: bool, out) -> None:
+    if json_mode:
+        out(json.dumps(point.as_json()))
+        return
+    blocks = "infinite" if point.blocks is None else f"{point.blocks:,}"
+    speedup = "-" if point.prefill_speedup == float("inf") else f"{point.prefill_speedup:.2f}x"
+    m = point.misses
+    out(f"{point.policy:>9} {blocks:>9} {point.hit_rate:>8.2%} {point.hit_blocks:>11,} {point.token_hit_rate:>9.2%} "
+        f"{m.get('cold', 0):>9,} {m.get('evicted', 0):>9,} {m.get('after_break', 0):>11,} {speedup:>8}")

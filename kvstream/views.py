@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+import msgspec
 import numpy as np
 
 
@@ -88,6 +89,38 @@ class KVCacheGroupInfo:
     layers: tuple[int, ...]  # the model's layer indices in this group
 
 
+HIT_MEDIA = ("device", "host", "disk")  # where a prompt block's hit came from
+MISS_CAUSES = ("cold", "evicted", "after_break", "partial", "window", "last_token", "salted")  # why one missed
+
+
+class BlockOutcome(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """How one block of a prompt fared at its conversation's last admission: a hit (``outcome`` is where from) or a
+    miss and its one cause:
+
+    - "cold": this content was never in any pool before;
+    - "evicted": it was, until an eviction (``evicted_step``, to make room for ``evicted_for``, by ``evicted_by``:
+      the eviction policy, or the tier that dropped it, after ``idle_steps`` steps unused);
+    - "after_break": the pool holds it, but an earlier block missed, so it is computed again;
+    - "partial": the prompt's last block is not full (only full blocks are cached);
+    - "window": the full-attention layers hold it, but a sliding window released it from its group;
+    - "last_token": held whole, but it holds the prompt's last token, which is computed again for the logits of
+      the first output (vLLM does the same, so a fully held prompt counts the blocks before it);
+    - "salted": a cache salt or LoRA made equal tokens a different block (reported by sources that tell).
+
+    A msgspec struct (an array on the wire): the pool stream carries it as it is."""
+
+    index: int  # the block's logical index in the prompt
+    outcome: str  # one of HIT_MEDIA, or one of MISS_CAUSES
+    evicted_step: int | None = None  # evicted: the step it left the last pool that held it
+    evicted_for: int | None = None  # evicted: the conversation that needed its block (-1: none, e.g. a reset)
+    evicted_by: str = ""  # evicted: the policy ("lru", ...) or what dropped it ("host tier", "disk tier", "reset")
+    idle_steps: int | None = None  # evicted: steps since it was last used, when it went
+
+    @property
+    def hit(self) -> bool:
+        return self.outcome in HIT_MEDIA
+
+
 @dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One conversation as seen from outside the engine."""
@@ -113,6 +146,7 @@ class ConversationInfo:
     #                    released a block); a one-group table is always (block_table,)
     prompt_token_sources: Mapping[str, int] = field(default_factory=dict, hash=False)  # last admission's prompt
     #                   tokens by where their K/V came from: "device", "host", "disk" (tiers) or "computed"; {}: unknown
+    prompt_block_outcomes: tuple[BlockOutcome, ...] = ()  # last admission: how each prompt block fared; (): unknown
 
     def __post_init__(self) -> None:
         # A plain pool has one KV cache group, whose table is block_table: every reader may index the groups the

@@ -79,6 +79,7 @@ class BlockPool:
         self._stamp = num_blocks  # next queue stamp
         self.hashed: dict[int, HashedBlock] = {}  # prefix hash -> what it names (kept while some block has it)
         self._dropped: dict[int, HashedBlock] = {}  # records dropped since the last checkpoint (for a restore)
+        self.evicted_idle: dict[int, int] = {}  # hash evicted since the last checkpoint -> steps it sat unused
         self.clock = 0  # current engine step, stamped into last_access
         # What changed since the last take_changes() (a snapshot's promise to the pool-stream encoder, which then
         # compares these blocks instead of every array in full): blocks changed one by one, the blocks each
@@ -146,6 +147,7 @@ class BlockPool:
             block = self.policy.victim(protected)
             del self._cached[block]
             evicted = int(self.block_hash[block])
+            self.evicted_idle[evicted] = self.clock - int(self.last_access[block])
             self._drop_hash(block)
         else:
             raise RuntimeError("BlockPool.take with no free block (callers check can_allocate first)")
@@ -309,6 +311,7 @@ class BlockPool:
         """Everything needed to undo changes made after this call: array copies (cheap even at 65,536 blocks); the
         hashed-block records are immutable, so only the ones dropped from now on are remembered."""
         self._dropped = {}
+        self.evicted_idle = {}
         return tuple(getattr(self, name).copy() for name in _ARRAYS) + (self._stamp, self.clock,
                                                                          self.policy.state())
 

@@ -31,11 +31,8 @@ NO_MODEL = "none"  # --model none: no weights and no forward pass (trace replays
 # What the pool needs of a model that is not there: one K/V plane of one head of one element per slot, so every path
 # that moves, saves, offloads or loads blocks runs as for a real model (at 8 bytes a slot); a vocabulary as wide as a
 # trace's synthesised tokens need, and positions for the longest prompts traces hold.
-NO_MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": (1 << 31) - 1, "hidden_size": 1, "intermediate_size": 1,
-    "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 1,
-    "max_position_embeddings": 1 << 24,
-}
+NO_MODEL_CONFIG = dict(vocab_size=(1 << 31) - 1, hidden_size=1, intermediate_size=1, num_hidden_layers=1,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=1, max_position_embeddings=1 << 24)
 
 
 @dataclass
@@ -114,8 +111,8 @@ def _model_name(spec: str, directory: Path) -> str:
 
 def read_model_config(spec: str) -> ModelConfig:
     """The model's shape from its config.json (cheap: no weights are read), validated."""
-    if spec == NO_MODEL:
-        return ModelConfig.from_hf_dict(dict(NO_MODEL_CONFIG))
+    if spec == NO_MODEL:  # not a network's shape, so not checked as one (a head of one element has no rotary pairs)
+        return ModelConfig(**NO_MODEL_CONFIG)
     builtin, directory = _directory(spec)
     has_config = (directory / "config.json").is_file()
     return ModelConfig.from_hf_dict(_read_json(directory / "config.json") if has_config else dict(BUILTIN_FALLBACK))

@@ -20,6 +20,7 @@ ids belong, negative lengths, ids that do not cover the prompt, a directory, a b
 from __future__ import annotations
 
 import os
+from itertools import chain
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -52,64 +53,94 @@ class TraceRequest:
         return [max(1, min(block_size, self.input_length - i * block_size)) for i in range(len(self.hash_ids))]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Trace:
-    """A whole trace: its requests in the order a replay admits them (Mooncake: file order; kv-cache-tester: the
-    flattened session by arrival, file order for ties)."""
+    """A whole trace as columns, its requests in the order a replay admits them (Mooncake: file order;
+    kv-cache-tester: the flattened session by arrival, file order for ties). Request i's ids are
+    ``ids[offsets[i]:offsets[i + 1]]``."""
 
     path: str
     format: str  # "mooncake" | "kv-cache-tester"
     block_size: int  # tokens each hash id stands for
-    requests: tuple[TraceRequest, ...]
+    arrival_s: np.ndarray  # float64 [requests]: seconds from the trace's start
+    input_length: np.ndarray  # int64 [requests]: prompt tokens
+    output_length: np.ndarray  # int64 [requests]: tokens the server generated
+    ids: np.ndarray  # int64 [blocks]: every request's hash ids, end to end
+    offsets: np.ndarray  # int64 [requests + 1]
+    agents: tuple[str, ...] = ()  # each request's kv-cache-tester sub-agent ("" for the main session); () for none
     name: str = ""  # what the source calls itself (kv-cache-tester's "id"), else the file's name
     notes: tuple[str, ...] = field(default=())  # what the reader noticed and the user may want to know
 
     @property
     def num_requests(self) -> int:
-        return len(self.requests)
+        return len(self.arrival_s)
 
-    @cached_property
+    @property
     def num_blocks(self) -> int:
         """Prompt blocks in all (ids, counted once per request that names them)."""
-        return sum(len(r.hash_ids) for r in self.requests)
+        return len(self.ids)
 
     @cached_property
     def num_tokens(self) -> int:
-        return sum(r.input_length for r in self.requests)
+        return int(self.input_length.sum())
 
-    @cached_property
+    @property
     def duration_s(self) -> float:
-        return max((r.arrival_s for r in self.requests), default=0.0)
+        return float(self.arrival_s.max(initial=0.0))
+
+    @property
+    def flat(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids, self.offsets
+
+    def request(self, i: int) -> TraceRequest:
+        return TraceRequest(float(self.arrival_s[i]), int(self.input_length[i]), int(self.output_length[i]),
+                            tuple(self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()),
+                            self.agents[i] if self.agents else "")
 
     @cached_property
-    def flat(self) -> tuple[np.ndarray, np.ndarray]:
-        """(every request's ids end to end, int64; offsets: request i's ids are ids[offsets[i]:offsets[i + 1]])."""
-        lengths = np.fromiter((len(r.hash_ids) for r in self.requests), np.int64, len(self.requests))
-        offsets = np.zeros(len(self.requests) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = np.fromiter((h for r in self.requests for h in r.hash_ids), np.int64, int(offsets[-1]))
-        return ids, offsets
+    def requests(self) -> tuple[TraceRequest, ...]:
+        return tuple(self.request(i) for i in range(self.num_requests))
+
+    def block_tokens(self, i: int) -> np.ndarray:
+        """Prompt tokens each of request ``i``'s ids stands for: ``block_size``, less for a partial last block."""
+        n = int(self.offsets[i + 1] - self.offsets[i])
+        return np.clip(int(self.input_length[i]) - np.arange(n) * self.block_size, 1, self.block_size)
 
     @cached_property
     def nodes(self) -> tuple[np.ndarray, int]:
         """(a prefix-node id per block, the number of nodes): blocks share a node exactly when their ids and every
-        id before them in their requests are equal, which is when a replay's chained hashes are equal."""
-        ids, offsets = self.flat
+        id before them in their requests are equal, which is when a replay's chained hashes are equal. Numbered
+        position by position, so a node's parent has a smaller number."""
+        ids, offsets = self.ids, self.offsets
+        lengths = np.diff(offsets)
         out = np.empty(len(ids), np.int64)
-        table: dict[tuple[int, int], int] = {}
-        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            parent = -1
-            for i in range(start, end):
-                key = (parent, int(ids[i]))
-                node = table.get(key)
-                if node is None:
-                    node = table[key] = len(table)
-                out[i] = parent = node
-        return out, len(table)
+        parent = np.full(len(lengths), -1, np.int64)  # the node of each request's previous block
+        alive = np.arange(len(lengths))
+        count = 0
+        for j in range(int(lengths.max(initial=0))):
+            alive = alive[lengths[alive] > j]
+            at = offsets[alive] + j
+            keys_parent, keys_id = parent[alive], ids[at]
+            order = np.lexsort((keys_id, keys_parent))
+            sp, si = keys_parent[order], keys_id[order]
+            new = np.ones(len(order), bool)
+            new[1:] = (sp[1:] != sp[:-1]) | (si[1:] != si[:-1])
+            numbers = np.cumsum(new) - 1 + count
+            node = np.empty(len(order), np.int64)
+            node[order] = numbers
+            out[at] = node
+            parent[alive] = node
+            count += int(new.sum())
+        return out, count
 
     def slice(self, start: int, stop: int | None = None) -> "Trace":
         """The requests from ``start`` to ``stop`` as a trace of their own (arrivals kept)."""
-        return Trace(self.path, self.format, self.block_size, self.requests[start:stop], self.name, self.notes)
+        stop = self.num_requests if stop is None else min(stop, self.num_requests)
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return Trace(self.path, self.format, self.block_size, self.arrival_s[start:stop],
+                     self.input_length[start:stop], self.output_length[start:stop], self.ids[lo:hi],
+                     self.offsets[start:stop + 1] - lo, self.agents[start:stop] if self.agents else (), self.name,
+                     self.notes)
 
 
 # ---- reading -----------------------------------------------------------------------------------------------------
@@ -210,27 +241,49 @@ def _read_mooncake(path: str, data: bytes) -> Trace:
     try:  # every line at once (fast); on any error, line by line to say which line is wrong
         records = msgspec.json.decode(b"[" + b",".join(line for _, line in numbered) + b"]", type=list[_Mooncake])
     except (msgspec.ValidationError, msgspec.DecodeError):
-        records = None
-    decoder = msgspec.json.Decoder(_Mooncake)
-    requests = []
-    for i, (number, line) in enumerate(numbered):
-        where = f"{path}, line {number}"
-        if records is not None:
-            record = records[i]
-        else:
+        decoder = msgspec.json.Decoder(_Mooncake)
+        for number, line in numbered:
             try:
-                record = decoder.decode(line)
+                decoder.decode(line)
             except msgspec.ValidationError as exc:
-                raise TraceError(f"{where}: {exc}") from None
+                raise TraceError(f"{path}, line {number}: {exc}") from None
             except msgspec.DecodeError as exc:
                 cut = " (the line is cut short)" if number >= len(lines) - 1 else ""
-                raise TraceError(f"{where} is not a JSON request{cut}: {exc}") from None
-        ids = _check_request(where, float(record.timestamp), record.input_length, record.output_length,
-                             record.hash_ids, MOONCAKE_BLOCK_SIZE, typed=True)
-        requests.append(TraceRequest(record.timestamp / 1000.0, record.input_length, record.output_length, ids))
-    if not requests:
+                raise TraceError(f"{path}, line {number} is not a JSON request{cut}: {exc}") from None
+        raise TraceError(f"{path} could not be read as JSON lines") from None
+    if not records:
         raise TraceError(f"{path} holds no requests")
-    return _ordered(path, "mooncake", MOONCAKE_BLOCK_SIZE, requests, os.path.basename(path))
+    where = [f"{path}, line {n}" for n, _ in numbered]
+    arrival = np.fromiter((r.timestamp for r in records), np.float64, len(records)) / 1000.0
+    return _columns(path, "mooncake", MOONCAKE_BLOCK_SIZE, arrival, [r.input_length for r in records],
+                    [r.output_length for r in records], [r.hash_ids for r in records], where, (),
+                    os.path.basename(path))
+
+
+def _columns(path: str, fmt: str, block_size: int, arrival: np.ndarray, inputs: list, outputs: list,
+             id_lists: list, where: list[str], agents: tuple, name: str, notes: tuple = ()) -> Trace:
+    """The trace's columns, each request checked for meaning (``where[i]`` names request i in errors)."""
+    n = len(id_lists)
+    lengths = np.fromiter((len(ids) for ids in id_lists), np.int64, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    try:
+        inputs_a = np.asarray(inputs, np.int64)
+        outputs_a = np.asarray(outputs, np.int64)
+        ids = np.fromiter(chain.from_iterable(id_lists), np.int64, int(offsets[-1]))
+    except (OverflowError, ValueError):  # a number beyond 64 bits: find it, and say where
+        for i in range(n):
+            _check_request(where[i], float(arrival[i]), inputs[i], outputs[i], id_lists[i], block_size)
+        raise TraceError(f"{path} holds a number that does not fit 64 bits") from None
+    bad = ~np.isfinite(arrival) | (arrival < 0) | (inputs_a < 1) | (outputs_a < 0)
+    bad |= (lengths < inputs_a // block_size) | (lengths > -(-inputs_a // block_size)) | (lengths == 0)
+    if len(ids):
+        low = np.minimum.reduceat(ids, offsets[:-1][lengths > 0]) if (lengths > 0).any() else ids[:0]
+        bad[np.flatnonzero(lengths > 0)[low < 0]] = True
+    if bad.any():
+        i = int(np.argmax(bad))
+        _check_request(where[i], float(arrival[i]), inputs[i], outputs[i], id_lists[i], block_size)
+    return _ordered(path, fmt, block_size, arrival, inputs_a, outputs_a, ids, offsets, agents, name, notes)
 
 
 def _read_tester(path: str, document: dict) -> Trace:
@@ -238,20 +291,25 @@ def _read_tester(path: str, document: dict) -> Trace:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise TraceError(f"{path}: block_size must be a whole number of tokens from 1 to {MAX_BLOCK_SIZE:,}, got "
                          f"{block_size!r}")
-    requests: list[TraceRequest] = []
     notes = []
     scope = document.get("hash_id_scope")
     if scope not in (None, "local"):
         notes.append(f"hash_id_scope {scope!r}: ids are matched within this file only")
-    _walk_tester(path, document.get("requests"), 0.0, "", "requests", block_size, requests, depth=0)
-    if not requests:
+    found: list[tuple] = []  # (arrival, in, out, ids, agent, where)
+    _walk_tester(path, document.get("requests"), 0.0, "", "requests", block_size, found, depth=0)
+    if not found:
         raise TraceError(f"{path} holds no requests")
     name = document.get("id") if isinstance(document.get("id"), str) else os.path.basename(path)
-    return _ordered(path, "kv-cache-tester", block_size, requests, name, tuple(notes))
+    order = sorted(range(len(found)), key=lambda i: found[i][0])  # by arrival; file order among equal times
+    found = [found[i] for i in order]
+    agents = tuple(f[4] for f in found)
+    return _columns(path, "kv-cache-tester", block_size, np.array([f[0] for f in found], np.float64),
+                    [f[1] for f in found], [f[2] for f in found], [f[3] for f in found], [f[5] for f in found],
+                    agents if any(agents) else (), name, tuple(notes))
 
 
-def _walk_tester(path: str, entries, start: float, agent: str, where: str, block_size: int,
-                 out: list[TraceRequest], depth: int) -> None:
+def _walk_tester(path: str, entries, start: float, agent: str, where: str, block_size: int, out: list,
+                 depth: int) -> None:
     if depth > 32:
         raise TraceError(f"{path}: sub-agents nested more than 32 deep")
     if not isinstance(entries, list):
@@ -272,17 +330,14 @@ def _walk_tester(path: str, entries, start: float, agent: str, where: str, block
         if len(out) >= MAX_REQUESTS:
             raise TraceError(f"{path} has more than {MAX_REQUESTS:,} requests")
         ids = _check_request(here, arrival, entry.get("in"), entry.get("out"), entry.get("hash_ids"), block_size)
-        out.append(TraceRequest(arrival, entry["in"], entry["out"], ids, agent))
+        out.append((arrival, entry["in"], entry["out"], ids, agent, here))
 
 
-def _ordered(path: str, fmt: str, block_size: int, requests: list[TraceRequest], name: str,
-             notes: tuple[str, ...] = ()) -> Trace:
-    """Mooncake's requests stay in file order (an instant replay's order; a timed replay dispatches by arrival);
-    a kv-cache-tester session's flattened sub-agents are put in arrival order (a stable sort)."""
-    if fmt == "mooncake":
-        if any(a.arrival_s > b.arrival_s for a, b in zip(requests, requests[1:])):
-            notes = notes + ("arrivals are not in file order: an instant replay keeps file order, a timed replay "
-                             "sends them by arrival time",)
-        return Trace(path, fmt, block_size, tuple(requests), name, notes)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-    return Trace(path, fmt, block_size, tuple(requests[i] for i in order), name, notes)
+def _ordered(path: str, fmt: str, block_size: int, arrival, inputs, outputs, ids, offsets, agents, name,
+             notes=()) -> Trace:
+    """The columns as a Trace. Mooncake's requests stay in file order (an instant replay's order; a timed replay
+    dispatches by arrival)."""
+    if fmt == "mooncake" and (np.diff(arrival) < 0).any():
+        notes = tuple(notes) + ("arrivals are not in file order: an instant replay keeps file order, a timed "
+                                "replay sends them by arrival time",)
+    return Trace(path, fmt, block_size, arrival, inputs, outputs, ids, offsets, agents, name, tuple(notes))

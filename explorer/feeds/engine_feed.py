@@ -75,18 +75,18 @@ class EngineFeed(Feed):
     @classmethod
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
               start_paused: bool = False, extra_sinks: Sequence[object] = (),
-              history_bytes: int | None = DEFAULT_HISTORY_BYTES, polled: bool = True) -> "EngineFeed":
+              history_bytes: int | None = DEFAULT_HISTORY_BYTES, polled: bool = True, driver=None) -> "EngineFeed":
         """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
         ``extra_sinks`` (recorder, publisher: the feed's ``outputs``). ``polled=False`` for a reader that never
         calls :meth:`poll` (the headless run reads ``latest()``): no frame buffer then, whose events would pile up
-        to its cap for nobody."""
+        to its cap for nobody. ``driver``: a trace replay the runner feeds the engine from (its thread)."""
         history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
         fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
         frames = FrameBuffer() if polled else None  # observes from the first update, as the fanout: both number
         observers = [o for o in (frames, fanout) if o is not None]  # the frames alike
         runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
-                              observers=observers).start()
+                              observers=observers, driver=driver).start()
         return cls(runner, config, history, fanout, outputs=extra_sinks, frames=frames, polled=polled)
 
     @property
@@ -166,9 +166,25 @@ class EngineFeed(Feed):
         return "● live (idle)" if self.idle() else "● live"
 
     def idle(self) -> bool:
-        """Nothing left to decode: no conversation waiting, running or preempted in the newest view."""
+        """Nothing left to decode: no conversation waiting, running or preempted in the newest view, and no trace
+        request still to come."""
+        driver = self.runner.driver
+        if driver is not None and not driver.done:
+            return False
         snap = self.runner.latest
         return snap is not None and not any(c.is_live for c in snap.conversations)
+
+    @property
+    def trace(self):
+        """The trace replay feeding this engine, or None."""
+        return self.runner.driver
+
+    def summaries(self, final: bool = False) -> list[dict]:
+        out = super().summaries(final)
+        driver = self.runner.driver
+        if driver is not None:  # the trace's own figures beside the pool's (a reference swap: safe to read here)
+            out[0] = {**out[0], "trace": dict(driver.latest)}
+        return out
 
     # ---- KV events: a new engine that binds the same endpoint ----------------------------------------------
     def kv_events_clash(self, config: EngineConfig) -> str | None:

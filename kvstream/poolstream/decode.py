@@ -17,9 +17,9 @@ from msgspec import UNSET
 
 from ..events import BlockEvent
 from ..views import ConversationInfo, EngineMetrics, MemoryStats, PoolSnapshot
-from .validate import (MAX_TOKEN_ID, TableCounts, check_conversation_values, check_number, check_size,
-                       check_snapshot, check_token_ids)
-from .schema import (GROUP_ARRAY, TIER_ARRAYS, TIER_NAMES, WIRE_ARRAYS, _GROUPS_AT, _SOURCES_AT)
+from .validate import (MAX_TOKEN_ID, TableCounts, check_conversation_values, check_number, check_outcomes,
+                       check_size, check_snapshot, check_token_ids)
+from .schema import (GROUP_ARRAY, TIER_ARRAYS, TIER_NAMES, WIRE_ARRAYS, _GROUPS_AT, _OUTCOMES_AT, _SOURCES_AT)
 from ..views import KVCacheGroupInfo, TierView
 from .schema import (_BLANK, _BLANK_CONV, _BODY_DECODER, _COMPUTED_AT, _CONV_NAMES, _CONV_VALUES, _DROP_AT, _DTYPES,
                      _ENVELOPE_DECODER, _ENVELOPE_NO_EVENTS_DECODER, _MAGIC_BYTES, _MEMORY_FIELDS, _METRIC_FIELDS,
@@ -250,7 +250,8 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
     if old is None:
         if UNSET in values:
             missing = [_CONV_NAMES[i] for i in _CONV_VALUES if values[i] is UNSET and i not in (_GROUPS_AT,
-                                                                                              _SOURCES_AT)]
+                                                                                              _SOURCES_AT,
+                                                                                              _OUTCOMES_AT)]
             if missing:
                 raise StreamError(f"malformed pool-stream message: new conversation {p.conversation_id} lacks "
                                   f"{', '.join(missing)}")
@@ -272,7 +273,9 @@ def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
             check_token_ids(values[i][1], p.conversation_id, _CONV_NAMES[i].split("_")[0])
     check_conversation_values(p.conversation_id, {_CONV_NAMES[i]: values[i] for i in _PLAIN_AT
                                                   if values[i] is not UNSET and values[i] is not None
-                                                  and i not in (_GROUPS_AT, _SOURCES_AT)})
+                                                  and i not in (_GROUPS_AT, _SOURCES_AT, _OUTCOMES_AT)})
+    if values[_OUTCOMES_AT] is not UNSET:
+        check_outcomes(p.conversation_id, values[_OUTCOMES_AT])
     groups = values[_GROUPS_AT]
     if groups is not UNSET and any(t and (min(t) < -1 or max(t) >= n) for t in groups):
         raise StreamError(f"malformed pool-stream message: conversation {p.conversation_id}'s group tables name a "

@@ -15,7 +15,7 @@ import numpy as np
 from msgspec import UNSET, Raw, UnsetType
 
 from ..events import BlockEvent
-from ..views import BLOCK_ARRAYS, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, Status
+from ..views import BLOCK_ARRAYS, BlockOutcome, ConversationInfo, EngineMetrics, FinishReason, MemoryStats, Status
 
 # 2: tiers and KV cache groups (a version-1 message reads as a one-group pool without tiers)
 FORMAT_VERSION = 2  # bumped whenever a reader of the previous version could misread a message
@@ -112,6 +112,7 @@ _SHORT = {  # wire key of each ConversationInfo field in a ConvPatch (one letter
     "prompt_text": "q", "block_table": "b", "num_computed_tokens": "n", "num_cached_tokens": "c",
     "max_new_tokens": "m", "temperature": "t", "parent_id": "a", "num_preemptions": "r", "arrival_step": "w",
     "finish_reason": "f", "turns": "u", "label": "l", "group_block_tables": "g", "prompt_token_sources": "k",
+    "prompt_block_outcomes": "y",
 }
 
 
@@ -139,6 +140,7 @@ class ConvPatch(msgspec.Struct, frozen=True, omit_defaults=True, rename=_SHORT):
     label: str | UnsetType = UNSET
     group_block_tables: tuple[tuple[int, ...], ...] | UnsetType = UNSET
     prompt_token_sources: dict[str, int] | UnsetType = UNSET
+    prompt_block_outcomes: tuple[BlockOutcome, ...] | UnsetType = UNSET
 
 
 Numbers = dict[str, int | float]  # changed fields of EngineMetrics / MemoryStats by name
@@ -338,7 +340,9 @@ _conv_values = operator.attrgetter(*_CONV_NAMES)  # ConversationInfo -> its fiel
 _GROWING = ("output_token_ids", "output_text", "block_table", "num_computed_tokens")  # what a Grown entry changes
 _stable = operator.attrgetter(*[n for n in _CONV_NAMES if n not in _GROWING])  # the fields a Grown entry keeps
 _OUT_AT, _TEXT_OUT_AT, _COMPUTED_AT = (_CONV_NAMES.index(n) for n in _GROWING[:2] + _GROWING[3:])
-_BLANK_CONV = tuple(() if k == _SEQ or n == "group_block_tables" else "" if k == _TEXT else None
+_BLANK_CONV = tuple(() if k == _SEQ or n in ("group_block_tables", "prompt_block_outcomes") else "" if k == _TEXT
+                    else None
                     for n, k in zip(_CONV_NAMES, _CONV_KINDS))
 _SOURCES_AT = _CONV_NAMES.index("prompt_token_sources")  # a dict: blank is a fresh {} per conversation
+_OUTCOMES_AT = _CONV_NAMES.index("prompt_block_outcomes")  # absent from streams written before it existed
 _GROUPS_AT = _CONV_NAMES.index("group_block_tables")  # before a new one's patch

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from ..views import BlockState, PoolSnapshot
+from ..views import HIT_MEDIA, MISS_CAUSES, BlockState, PoolSnapshot
 from .schema import StreamError
 
 MAX_TOKEN_ID = 2 ** 31 - 1  # token ids are vocabulary indices: int32 in every engine this watches
@@ -113,6 +113,27 @@ def check_conversation_values(cid: int, fields: dict) -> None:
     turns = fields.get("turns")
     if turns and any(a < 0 or b < 0 for a, b in turns):
         _fail("turns", f"conversation {cid} has turns {list(turns)[:4]}")
+
+
+_OUTCOME_NAMES = frozenset(HIT_MEDIA + MISS_CAUSES)
+
+
+def check_outcomes(cid: int, outcomes) -> None:
+    """A conversation's prompt block outcomes: blocks 0, 1, 2, ... in order, each a known hit medium or miss cause,
+    hits first (a hit after a miss is not a prefix hit), an eviction's step and idle time not negative."""
+    seen_miss = False
+    for i, o in enumerate(outcomes):
+        if o.index != i:
+            _fail("prompt_block_outcomes", f"conversation {cid}'s outcome {i} names block {o.index}")
+        if o.outcome not in _OUTCOME_NAMES:
+            _fail("prompt_block_outcomes", f"conversation {cid}'s block {i} has outcome {o.outcome!r}")
+        hit = o.outcome in HIT_MEDIA
+        if hit and seen_miss:
+            _fail("prompt_block_outcomes", f"conversation {cid}'s block {i} is a hit after a miss")
+        seen_miss = seen_miss or not hit
+        if any(v is not None and v < (-1 if name == "evicted_for" else 0) for name, v in (
+                ("evicted_step", o.evicted_step), ("evicted_for", o.evicted_for), ("idle_steps", o.idle_steps))):
+            _fail("prompt_block_outcomes", f"conversation {cid}'s block {i} has a negative step or id")
 
 
 def check_number(what: str, name: str, value) -> None:
