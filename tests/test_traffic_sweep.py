@@ -1,0 +1,189 @@
+"""Capacity sweeps of the shipped Mooncake trace: the reference figures of ../shared/traces/README.md exactly, the
+fast path held to the engine's own pool eviction by eviction, and the command line's output."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig
+from engine.traffic import fastpath
+from engine.traffic.replay import make_replay, trace_future
+from engine.traffic.sweep import Sweep, SweepError, blocks_for_bytes, kv_bytes_per_token, parse_capacity
+from engine.traffic.trace import read_trace
+from kvstream.events import EventKind
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+MOONCAKE = TRACES / "mooncake_conversation.jsonl"
+TESTER = TRACES / "kvcache_tester_trace_0010.json"
+needs_traces = pytest.mark.skipif(not MOONCAKE.exists(), reason=f"the shipped traces are not at {TRACES}")
+
+# ../shared/traces/README.md: instant replay, one id = one block
+REFERENCE = {("lru", 5000): 32260, ("lru", 10000): 61046, ("lru", 20000): 83035, ("lru", 50000): 102290,
+             ("fifo", 5000): 30505, ("fifo", 10000): 52338, ("fifo", 20000): 74115, ("fifo", 50000): 96231}
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    return read_trace(str(MOONCAKE))
+
+
+@pytest.fixture(scope="module")
+def sweep(mooncake):
+    return Sweep(mooncake)
+
+
+@needs_traces
+def test_lru_and_fifo_give_the_reference_figures_and_every_cold_miss(sweep):
+    assert fastpath.library() is not None, fastpath.why_not()
+    for (policy, blocks), hits in REFERENCE.items():
+        point = sweep.point(policy, blocks)
+        assert (point.hit_blocks, point.total_blocks) == (hits, 288500), (policy, blocks)
+        assert point.misses["cold"] == 182790
+        assert point.hit_blocks + sum(point.misses.values()) == 288500
+    infinite = sweep.infinite()
+    assert (infinite.hit_blocks, infinite.misses) == (105710, {"cold": 182790, "evicted": 0, "after_break": 0})
+
+
+@needs_traces
+def test_belady_is_the_bound_and_lru_is_far_below_it(sweep):
+    """Belady (furthest next use, a request holding all its blocks while it runs) at 5,000 blocks: 97,995 hits,
+    33.97%; no online policy may beat it, and the infinite pool caps it."""
+    belady = sweep.point("belady", 5000)
+    assert belady.hit_blocks == 97995
+    assert round(belady.hit_rate, 3) == 0.340
+    for policy in ("lru", "fifo"):
+        assert sweep.point(policy, 5000).hit_blocks < belady.hit_blocks / 3
+    assert sweep.point("belady", 10000).hit_blocks == sweep.infinite().hit_blocks
+
+
+@needs_traces
+def test_token_figures_weigh_the_partial_last_block(mooncake, sweep):
+    point = sweep.point("lru", 5000)
+    assert point.total_tokens == int(mooncake.input_length.sum()) == 144793823
+    assert point.hit_tokens == 16505817  # hit blocks weighed in tokens: 512, less for a request's partial last
+    assert point.prefill_speedup == pytest.approx(1 / (1 - point.hit_tokens / point.total_tokens))
+
+
+@needs_traces
+def test_warmup_counts_only_the_last_requests(mooncake):
+    warm = Sweep(mooncake, warmup=0.5)
+    counted = mooncake.num_requests - mooncake.num_requests // 2
+    point = warm.point("lru", 5000)
+    assert point.requests == counted
+    assert point.total_blocks == int(mooncake.offsets[-1] - mooncake.offsets[mooncake.num_requests // 2])
+    full = Sweep(mooncake).point("lru", 5000)
+    assert 0 < point.hit_blocks < full.hit_blocks
+
+
+def _engine_evictions(trace, policy, blocks):
+    replay = make_replay(EngineConfig(model="none", num_blocks=blocks, block_size=4, eviction_policy=policy), trace)
+    keys = trace_future(trace, replay.synth, replay._dense, replay.max_blocks)._keys
+    log, hits = [], []
+    while not replay.done:
+        index = replay.next_index
+        replay.advance(1)
+        for event in replay.engine.take_events():
+            if event.kind == EventKind.EVICTED:
+                log += [(index, b, keys[h]) for b, h in zip(event.block_ids, event.block_hashes)]
+    hits = [o.hit_blocks for o in sorted(replay.outcomes, key=lambda o: o.index)]
+    return log, hits, replay.totals()
+
+
+@needs_traces
+@pytest.mark.parametrize("policy", sorted(fastpath.POLICIES))
+def test_the_fast_path_makes_the_engines_evictions(mooncake, policy):
+    """The same trace through the engine (model none) and through csrc/replay.c: every eviction equal, in order
+    (request, physical block, content), and so every request's hits and every miss's cause."""
+    trace = mooncake.slice(0, 1500)
+    sweep = Sweep(trace)
+    engine_log, engine_hits, totals = _engine_evictions(trace, policy, 600)
+    hits, outcome, log, count = fastpath.replay(sweep.offsets, sweep.nodes, sweep.num_nodes, sweep.next_pos, 600,
+                                                policy, log_evictions=10**6)
+    assert count == len(engine_log) > 1000
+    assert [tuple(row) for row in log.tolist()] == engine_log
+    assert hits.tolist() == engine_hits
+    point = sweep.point(policy, 600)
+    assert totals["misses"] == point.misses and totals["hit_blocks"] == point.hit_blocks
+
+
+@needs_traces
+@pytest.mark.parametrize("policy", ["s3fifo", "radix"])
+def test_policies_without_a_fast_path_run_the_engine(mooncake, policy):
+    trace = mooncake.slice(0, 600)
+    point = Sweep(trace).point(policy, 400)
+    lru = Sweep(trace).point("lru", 400)
+    assert point.engine == "engine" and point.total_blocks == lru.total_blocks
+    assert point.misses["cold"] == lru.misses["cold"]
+    assert point.hit_blocks + sum(point.misses.values()) == point.total_blocks
+
+
+def test_capacities_in_blocks_and_bytes(tmp_path):
+    assert parse_capacity("5000") == (5000, None)
+    assert parse_capacity("8GiB") == (None, 8 << 30)
+    assert parse_capacity("1.5 GB") == (None, 1_500_000_000)
+    for bad in ("", "0", "-3", "12.5", "5 parsecs", "GiB"):
+        with pytest.raises(SweepError):
+            parse_capacity(bad)
+    config = tmp_path / "config.json"  # Llama-3.1-8B's shape: 128 KiB of K/V a token in bfloat16
+    config.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    per_token, _ = kv_bytes_per_token(str(config), "auto")
+    assert per_token == 128 << 10
+    assert kv_bytes_per_token(str(config), "fp8")[0] == 64 << 10  # fp8 halves it: twice the blocks
+    assert blocks_for_bytes(64 << 30, per_token, 512) == 1024
+    config.write_text(json.dumps({"num_hidden_layers": "many"}))
+    with pytest.raises(SweepError, match="num_hidden_layers"):
+        kv_bytes_per_token(str(config), "auto")
+
+
+def _main(*args, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@needs_traces
+def test_the_command_line_prints_one_json_object_per_policy_and_capacity():
+    done = _main("--trace", str(MOONCAKE), "--sweep", "5000,10000", "--policies", "lru,fifo", "--headless", "--json")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(x["policy"], x["blocks"]) for x in lines] == [("lru", 5000), ("lru", 10000), ("fifo", 5000),
+                                                          ("fifo", 10000), ("infinite", None)]
+    first = lines[0]
+    assert (first["hit_blocks"], first["total_blocks"], first["requests"]) == (32260, 288500, 12031)
+    assert first["hit_rate"] == round(32260 / 288500, 6) and first["misses"]["cold"] == 182790
+    for key in ("hit_tokens", "total_tokens", "misses", "hit_blocks_by_medium"):
+        assert key in first
+
+
+@needs_traces
+def test_the_command_line_sweeps_bytes_for_a_model_shape(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    done = _main("--trace", str(MOONCAKE), "--sweep", "320GiB", "--policies", "lru", "--kv-shape", str(config),
+                 "--headless", "--json")
+    assert done.returncode == 0, done.stderr
+    first = json.loads(done.stdout.splitlines()[0])
+    assert first["blocks"] == 5120 and first["capacity"] == "320GiB"  # 320 GiB / (128 KiB x 512 tokens)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sweep", "5000", "--headless"], "--sweep goes with --trace"),
+    (["--trace", "TRACE", "--sweep", "5000"], "add --headless"),
+    (["--trace", "TRACE", "--sweep", "8GiB", "--headless"], "needs --kv-shape"),
+    (["--trace", "TRACE", "--sweep", "lots", "--headless"], "a capacity is"),
+    (["--trace", "TRACE", "--sweep", "5000", "--policies", "lru,mru", "--headless"], "mru is not a policy"),
+    (["--trace", "TRACE", "--sweep", "5000", "--warmup", "1", "--headless"], "--warmup"),
+    (["--policies", "lru"], "--policies goes with --sweep"),
+    (["--eviction-policy", "belady", "--headless"], "only a trace replay"),
+])
+def test_sweep_flags_that_cannot_work_are_one_line_and_exit_2(args, message, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
+    done = _main(*[str(trace) if a == "TRACE" else a for a in args], timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
