@@ -23,8 +23,8 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                 [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
                  [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]]"""
 
-POLICY_NAMES = ("lru", "fifo", "s3fifo", "radix", "belady")  # engine.kv.policies.NAMES (checked by a test)
-SWEEP_POLICIES = "lru,fifo,belady"  # a sweep's policies unless --policies says
+POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.kv.policies.NAMES (checked by a test)
+SWEEP_POLICIES = "lru,fifo,s3lru,belady"  # a sweep's policies unless --policies says
 
 
 class UsageError(Exception):
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk-tier-path", metavar="FILE", help="the disk tier's file (created or truncated)")
     parser.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES,
                         help="which cached block the pool gives up first: lru (vLLM's free queue, the default), "
-                             "fifo, s3fifo, radix (SGLang's radix cache) or belady (furthest next use: a trace "
+                             "fifo, s3fifo, s3lru (S3-FIFO's probation in front of LRU), radix (SGLang's radix "
+                             "cache) or belady (furthest next use: a trace "
                              "replay only, it needs the future)")
     parser.add_argument("--trace", metavar="FILE", help="the local engine's traffic comes from a request trace "
                         "(Mooncake JSONL or kv-cache-tester JSON); --model none replays full-size traces")

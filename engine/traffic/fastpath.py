@@ -1,6 +1,7 @@
 """The sweep's fast path: csrc/replay.c, built on first use with the machine's C compiler and loaded with ctypes.
 
-It replays a trace instantly through a pool under LRU, FIFO or Belady exactly as the engine's pool does
+It replays a trace instantly through a pool under LRU, FIFO, Belady, S3-FIFO or S3-LRU exactly as the
+engine's pool does
 (tests/test_traffic_sweep.py compares every eviction with the engine's own), at a small fraction of the cost. Where no
 C compiler is found the sweep runs the engine itself (engine.traffic.sweep falls back and says so). The library is
 kept beside the native kernels' cache, under a name that carries the source's hash, so an edited source is rebuilt.
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("csrc") / "replay.c"
-POLICIES = {"lru": 0, "fifo": 1, "belady": 2}  # the policies replay.c knows
+POLICIES = {"lru": 0, "fifo": 1, "belady": 2, "s3fifo": 3, "s3lru": 4}  # the policies replay.c knows
 OUTCOMES = ("hit", "cold", "evicted", "after_break")  # replay.c's outcome codes, in order
 
 _lock = threading.Lock()

@@ -1,7 +1,8 @@
 """Eviction policies: which cached block the pool gives up first (``EngineConfig.eviction_policy``).
 
-One file each behind :class:`EvictionPolicy`: "lru" (vLLM v1's free queue, the default), "fifo", "s3fifo", "radix"
-(SGLang's radix cache) and "belady" (the offline optimum's rule, which needs the future: trace replays only).
+One file each behind :class:`EvictionPolicy`: "lru" (vLLM v1's free queue, the default), "fifo", "s3fifo" (and its
+variant "s3lru", whose main queue is LRU), "radix" (SGLang's radix cache) and "belady" (the offline optimum's rule,
+which needs the future: trace replays only).
 They decide for the device pool and for each lower tier.
 """
 from __future__ import annotations
@@ -11,9 +12,10 @@ from .belady import NEVER, BeladyPolicy, Future
 from .fifo import FIFOPolicy
 from .lru import LRUPolicy
 from .radix import RadixPolicy
-from .s3fifo import S3FIFOPolicy
+from .s3fifo import S3FIFOPolicy, S3LRUPolicy
 
-POLICIES = {cls.name: cls for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, RadixPolicy, BeladyPolicy)}
+POLICIES = {cls.name: cls for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, S3LRUPolicy, RadixPolicy,
+                                      BeladyPolicy)}
 NAMES = tuple(POLICIES)
 ONLINE = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
 
