@@ -265,6 +265,8 @@ def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
         return
     if watching:
         raise UsageError(f"--trace drives the local engine, but {watching[0]} watches another source instead")
+    if opts.demo not in ("none",):
+        raise UsageError(f"--trace and --demo {opts.demo} both bring the engine its traffic: use one")
     if os.path.isdir(opts.trace):
         raise UsageError(f"--trace {opts.trace} is a folder; give a trace file (Mooncake .jsonl or "
                          "kv-cache-tester .json)")

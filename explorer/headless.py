@@ -124,11 +124,21 @@ def run_headless_cli(opts, cfg) -> int:
             from engine import Engine
 
             from .feeds.demo import DEMOS
-            engine = Engine(cfg, progress=None)
+            driver = None
+            if getattr(opts, "trace", None):  # the engine's traffic comes from a trace, fed on its own thread
+                from engine.traffic.replay import make_replay
+                from engine.traffic.trace import read_trace
+                driver = make_replay(cfg, read_trace(opts.trace), opts.replay or "instant", opts.trace_speed or 1.0,
+                                     opts.trace_scale or 1.0)
+                engine, cfg = driver.engine, driver.engine.cfg
+                for note in driver.trace.notes:
+                    print(f"trace: {note}", file=sys.stderr)
+            else:
+                engine = Engine(cfg, progress=None)
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            sources = open_sources(opts, cfg, engine, window=False)
+            sources = open_sources(opts, cfg, engine, window=False, driver=driver)
             feeds, outputs = sources.feeds, sources.outputs
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
@@ -205,6 +215,10 @@ def run_sweep_cli(opts, out=print) -> int:
                 _print_point(sweep.point(policy, blocks, capacity, opts.host_tier_blocks, opts.disk_tier_blocks,
                                          opts.disk_tier_path), opts.json, out)
         _print_point(sweep.infinite(), opts.json, out)
+    except BrokenPipeError:  # the reader stopped reading (``| head -1``): nothing more to say to it
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (TraceError, SweepError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

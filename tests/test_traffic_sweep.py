@@ -199,3 +199,45 @@ def test_sweep_flags_that_cannot_work_are_one_line_and_exit_2(args, message, tmp
     done = _main(*[str(trace) if a == "TRACE" else a for a in args], timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@needs_traces
+def test_the_live_engine_replaying_instantly_ends_with_the_sweeps_hits(tmp_path):
+    """--model none --replay instant on the engine thread (the runner feeding the replay between steps): its last
+    --json line's trace figures are the sweep's for the same trace and pool size."""
+    excerpt = tmp_path / "excerpt.jsonl"
+    with open(MOONCAKE) as f:
+        excerpt.write_text("".join(next(f) for _ in range(1200)))
+    live = _main("--model", "none", "--trace", str(excerpt), "--replay", "instant", "--num-blocks", "500",
+                 "--headless", "--json", timeout=600)
+    assert live.returncode == 0, live.stderr
+    lines = [json.loads(line) for line in live.stdout.splitlines()]
+    last = lines[-1]["trace"]
+    swept = Sweep(read_trace(str(excerpt))).point("lru", 500)
+    assert last["requests_done"] == last["requests"] == 1200
+    assert (last["hit_blocks"], last["total_blocks"], last["misses"]) == \
+        (swept.hit_blocks, swept.total_blocks, swept.misses)
+    assert lines[-1]["num_blocks"] == 500 and all("trace" in line for line in lines)
+
+
+@needs_traces
+def test_a_timed_replay_decodes_outputs_and_requests_overlap():
+    """Arrivals on the trace's clock (here the engine's steps, 0.5 trace seconds each, at speed 20): requests
+    overlap and hold their blocks while they decode their outputs (scaled), as in a server."""
+    trace = read_trace(str(TESTER)).slice(0, 60)
+    cfg = EngineConfig(model="none", num_blocks=3000, block_size=16)
+    timed = make_replay(cfg, trace, "timed", speed=20.0, scale=0.05, step_seconds=0.5)
+    engine, peak = timed.engine, 0
+    while not timed.done:
+        timed.advance()
+        peak = max(peak, len(engine.snapshot().block_tables))
+    assert peak > 1  # several requests held blocks at once
+    totals = timed.totals()
+    assert totals["requests_done"] == 60
+    for o in timed.outcomes:
+        info = engine.conversation(o.conversation_id)
+        assert len(info.output_token_ids) == max(1, round(int(trace.output_length[o.index]) * 0.05))
+        assert info.arrival_step >= trace.arrival_s[o.index] / 20.0 / 0.5 - 1  # not before its time
+    sweep = Sweep(trace)
+    assert totals["total_blocks"] == sweep.point("lru", 3000).total_blocks
+    assert 0 < totals["hit_blocks"] <= sweep.infinite().hit_blocks

@@ -29,12 +29,13 @@ def watches(opts) -> bool:
     return bool(opts.open or opts.attach or opts.attach_kv_events)
 
 
-def open_sources(opts, cfg=None, engine=None, *, window: bool) -> Sources:
+def open_sources(opts, cfg=None, engine=None, *, window: bool, driver=None) -> Sources:
     """The sources ``opts`` asks for: the watched feeds, or ``engine`` (built by the caller from ``cfg``; the feed
     owns it from then on) with its sinks. ``window``: for the window (a History for the timeline, frames polled), else
     for the headless run (no History, the newest view read). A headless ``--open`` decodes and checks every frame
     first, so a corrupt file is one line and exit 2. Raises ValueError (EngineError, RecordingError, PublishError),
-    OSError or ImportError with a message for the user; nothing is left open then."""
+    OSError or ImportError with a message for the user; nothing is left open then. ``driver``: a trace replay
+    feeding ``engine`` from its runner's thread."""
     if watches(opts):
         if opts.open and not window:
             from kvstream.recording import check_recording
@@ -53,10 +54,10 @@ def open_sources(opts, cfg=None, engine=None, *, window: bool) -> Sources:
     demo = opts.demo in DEMOS
     if window:  # a demo unfolds at a pace a person follows
         return Sources([EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo else None,
-                                         extra_sinks=sinks)], outputs)
+                                         extra_sinks=sinks, driver=driver)], outputs)
     # --publish and --kv-events are both for watchers in other processes, so a headless demo is paced for them to see
     # it unfold (and runs until --quit-after or Ctrl+C: the caller's part)
-    return Sources([EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0, polled=False,
+    return Sources([EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0, polled=False, driver=driver,
                                      max_steps_per_second=DEMO_SPEED if outputs and demo else None)], outputs)
 
 
