@@ -41,13 +41,21 @@ _PUBLIC = {
     "BlockInfo": "kvstream.views", "BlockState": "kvstream.views", "ConversationInfo": "kvstream.views",
     "EngineMetrics": "kvstream.views", "FinishReason": "kvstream.views", "MemoryStats": "kvstream.views",
     "PoolSnapshot": "kvstream.views", "Status": "kvstream.views",
+    # real traffic (engine/traffic): none of these loads torch
+    "EVICTION_POLICIES": ".kv.policies", "read_trace": ".traffic.trace", "Trace": ".traffic.trace",
+    "TraceError": ".traffic.trace", "Sweep": ".traffic.sweep", "SweepPoint": ".traffic.sweep",
+    "SweepError": ".traffic.sweep", "parse_capacity": ".traffic.sweep", "kv_bytes_per_token": ".traffic.sweep",
+    "blocks_for_bytes": ".traffic.sweep", "make_replay": ".traffic.replay", "TraceReplay": ".traffic.replay",
+    "ReplayError": ".traffic.replay",
 }
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "BlockState", "Status", "FinishReason", "paged_attention",
     "dense_attention", "PoolSnapshot", "ConversationInfo", "BlockInfo", "MemoryStats", "EngineMetrics",
     "EngineRunner", "EngineFailure", "RunnerStopped", "RelocationReport", "ToyPagedSequence",
-    "fetch_model", "fetched_model", "window_checkpoint",
+    "fetch_model", "fetched_model", "window_checkpoint", "EVICTION_POLICIES", "read_trace", "Trace", "TraceError",
+    "Sweep", "SweepPoint", "SweepError", "parse_capacity", "kv_bytes_per_token", "blocks_for_bytes", "make_replay",
+    "TraceReplay", "ReplayError",
 ]
 
 

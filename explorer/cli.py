@@ -23,7 +23,7 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                 [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
                  [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]]"""
 
-POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.kv.policies.NAMES (checked by a test)
+POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.EVICTION_POLICIES (a test checks)
 SWEEP_POLICIES = "lru,fifo,s3lru,belady"  # a sweep's policies unless --policies says
 
 
@@ -284,7 +284,7 @@ def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
                          "sweeps the trace you open)")
     if opts.demo not in ("none",):
         raise UsageError("--sweep replays the trace, not a demo: drop --demo")
-    from engine.traffic.sweep import SweepError, parse_capacity
+    from engine import SweepError, parse_capacity
     capacities = []
     for text in opts.sweep.split(","):
         try:

@@ -126,8 +126,7 @@ def run_headless_cli(opts, cfg) -> int:
             from .feeds.demo import DEMOS
             driver = None
             if getattr(opts, "trace", None):  # the engine's traffic comes from a trace, fed on its own thread
-                from engine.traffic.replay import make_replay
-                from engine.traffic.trace import read_trace
+                from engine import make_replay, read_trace
                 driver = make_replay(cfg, read_trace(opts.trace), opts.replay or "instant", opts.trace_speed or 1.0,
                                      opts.trace_scale or 1.0)
                 engine, cfg = driver.engine, driver.engine.cfg
@@ -187,8 +186,7 @@ def run_sweep_cli(opts, out=print) -> int:
     """``main.py --trace FILE --sweep CAPACITIES --headless``: the hit rate of each policy at each capacity, then
     the infinite pool; one JSON object a line with ``--json``, else a table. No torch, no window: the fast path
     replays the trace (engine.traffic.sweep). Returns 2 on a trace or capacity that cannot be used."""
-    from engine.traffic.sweep import Sweep, SweepError, blocks_for_bytes, kv_bytes_per_token
-    from engine.traffic.trace import TraceError, read_trace
+    from engine import Sweep, SweepError, TraceError, blocks_for_bytes, kv_bytes_per_token, read_trace
     try:
         trace = read_trace(opts.trace)
         sweep = Sweep(trace, opts.warmup or 0.0)

@@ -33,7 +33,10 @@ def test_package_imports_nothing_heavy(package, banned):
 
 PUBLIC = {"Engine", "EngineConfig", "EngineError", "EngineRunner", "EngineFailure", "RunnerStopped",
           "RelocationReport", "ToyPagedSequence", "BlockState", "Status", "FinishReason", "paged_attention",
-          "fetch_model", "fetched_model", "window_checkpoint"}
+          "fetch_model", "fetched_model", "window_checkpoint",
+          # real traffic (engine/traffic): traces, replays, sweeps, the eviction policies' names
+          "EVICTION_POLICIES", "read_trace", "Trace", "TraceError", "Sweep", "SweepPoint", "SweepError",
+          "parse_capacity", "kv_bytes_per_token", "blocks_for_bytes", "make_replay", "TraceReplay", "ReplayError"}
 
 
 def qt_imports(source: str, filename: str) -> list[str]:

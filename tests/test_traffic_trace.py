@@ -128,3 +128,9 @@ def test_every_id_gets_its_own_tokens(block_size, lo, hi):
     with pytest.raises(SynthesisError, match="larger block size"):
         TokenSynth(block_size, lo, hi, (hi - lo) ** block_size + 1) if (hi - lo) ** block_size < 10**9 else \
             TokenSynth(1, 0, 2, 3)
+
+
+def test_the_command_line_offers_every_eviction_policy():
+    from engine import EVICTION_POLICIES
+    from explorer.cli import POLICY_NAMES
+    assert POLICY_NAMES == EVICTION_POLICIES

@@ -17,6 +17,7 @@ from .s3fifo import S3FIFOPolicy, S3LRUPolicy
 POLICIES = {cls.name: cls for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, S3LRUPolicy, RadixPolicy,
                                       BeladyPolicy)}
 NAMES = tuple(POLICIES)
+EVICTION_POLICIES = NAMES  # the engine's public name for them
 ONLINE = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
 
 
