@@ -134,7 +134,7 @@ class Engine:
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
         self.manager = KVCacheManager(self.pool, self.kv_cache_groups)
-        self.tiers = self._make_tiers(cfg)
+        self.tiers = self._make_tiers(cfg, future)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.device, cfg.block_size,
                                   attention.choose(cfg.compile_attention))
@@ -717,7 +717,7 @@ class Engine:
         self._close_tiers()
 
     # ---- lower tiers (engine.kv.tiers) ---------------------------------------------------------------------------
-    def _make_tiers(self, cfg: EngineConfig):
+    def _make_tiers(self, cfg: EngineConfig, future=None):
         """The host and disk tiers the config asks for (None when both are off), wired into the manager."""
         if not (cfg.host_tier_blocks or cfg.disk_tier_blocks):
             return None
@@ -734,7 +734,8 @@ class Engine:
                               f"available; use at most {int(0.9 * have // per_block):,} blocks")
         # blocks one admission may load: a prefix's blocks in every KV cache group
         staging = min(cfg.num_blocks, -(-self.max_model_len // cfg.block_size) * len(self.kv_cache_groups))
-        tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging)
+        tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging,
+                          partial(make_policy, cfg.eviction_policy, future))
         self.manager.attach_tiers(tiers, self.kv.read_blocks_bytes)
         import weakref
         self._tiers_finalizer = weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine

@@ -218,3 +218,55 @@ def test_window_released_it(tmp_path):
     for _ in range(3):
         eng.step()
     assert _outcomes(eng, c) == ["window"] * 5 + ["partial"]
+
+
+@pytest.mark.parametrize("policy", [p for p in NAMES if p != "lru"])
+def test_policy_state_machine_with_tiers(tmp_path_factory, policy):
+    """The same rules on a pool with a host and a disk tier, each tier choosing by the policy too: every tier's
+    bookkeeping and the policy's own invariants hold after every rule, and events rebuild every tier."""
+    from tests.test_invariants import TieredPoolMachine
+
+    class Machine(TieredPoolMachine):
+        def __init__(self):
+            super().__init__()
+            self.eng.close()
+            path = f"{self.disk_dir}/tier-{policy}-{id(self)}.bin"
+            self.eng = Engine(EngineConfig(model=self.ckpt, block_size=3, num_blocks=24, max_num_batched_tokens=256,
+                                           host_tier_blocks=4, disk_tier_blocks=6, disk_tier_path=path,
+                                           eviction_policy=policy),
+                              future=HashFuture() if policy == "belady" else None)
+
+    Machine.ckpt = _checkpoint(tmp_path_factory)
+    Machine.disk_dir = str(tmp_path_factory.mktemp(f"tiers-{policy}"))
+    Machine.TestCase.settings = settings(max_examples=6, stateful_step_count=25, deadline=None)
+    Machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("policy, gone", [("lru", (4, 5, 6)), ("fifo", (1, 2, 3)), ("s3lru", (4, 5, 6))])
+def test_a_tier_chooses_by_the_policy_too(policy, gone):
+    """A host tier of three slots holds A, B and C; A is used again (loaded back); the next block to come in makes
+    room by the policy: LRU and S3-LRU give up B (A was used since), FIFO gives up A (it entered first)."""
+    from engine.kv.policies import make_policy
+    from engine.kv.pool import HashedBlock, hash_block_tokens
+    from engine.kv.tiers import HostTier
+    tier = HostTier(3, 8)
+    tier.use_policy(make_policy(policy))
+    contents = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
+    keys = [hash_block_tokens(None, c) for c in contents]
+
+    def store(i, clock):
+        slot = tier.free_slot()
+        if slot is None:
+            slot = tier.victim()
+            tier.drop(slot, clock)
+        tier.write(slot, np.zeros(8, np.uint8))
+        tier.put(slot, keys[i], HashedBlock(contents[i], 0, None), clock)
+
+    for i in range(3):
+        store(i, i)
+    tier.touch(tier.lookup(keys[0]), 5)
+    victim = tier.victim()
+    assert tuple(tier.records[int(tier.block_hash[victim])].token_ids) == gone
+    store(3, 6)
+    assert tier.lookup(hash_block_tokens(None, gone)) is None
+    tier.check_invariants()

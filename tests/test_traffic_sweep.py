@@ -241,3 +241,17 @@ def test_a_timed_replay_decodes_outputs_and_requests_overlap():
     sweep = Sweep(trace)
     assert totals["total_blocks"] == sweep.point("lru", 3000).total_blocks
     assert 0 < totals["hit_blocks"] <= sweep.infinite().hit_blocks
+
+
+@needs_traces
+def test_a_sweep_with_a_host_tier_splits_the_hits_by_medium(mooncake):
+    """With a host tier the engine replays the points itself: blocks the device evicted come back from the host
+    tier, so the hits grow and some are the host's."""
+    trace = mooncake.slice(0, 600)
+    sweep = Sweep(trace)
+    device = sweep.point("lru", 300)
+    tiered = sweep.point("lru", 300, host_tier_blocks=600)
+    by = tiered.hit_blocks_by_medium
+    assert tiered.engine == "engine" and by["CPU"] > 0 and by["GPU"] + by["CPU"] + by["STORAGE"] == tiered.hit_blocks
+    assert tiered.hit_blocks > device.hit_blocks
+    assert tiered.misses["cold"] == device.misses["cold"]

@@ -80,7 +80,9 @@ class Tier(abc.ABC):
     """One tier's slots: FREE or CACHED, each CACHED slot holding one hashed block's K/V bytes.
 
     Subclasses store the bytes (:class:`HostTier`, :class:`DiskTier`); this class keeps the per-slot arrays (the
-    ones a :class:`TierView` shows), the hash -> slot map, the LRU order and the undo records."""
+    ones a :class:`TierView` shows), the hash -> slot map, the release (LRU) order and the undo records. Which block
+    makes room is the eviction policy's choice (engine.kv.policies, as for the device pool: the tier offers a policy
+    what the pool offers it, slots for blocks); LRU unless told otherwise."""
 
     name = ""
 
@@ -98,7 +100,16 @@ class Tier(abc.ABC):
         self.version = 0  # bumped by every change (views are rebuilt only when it moved)
         self._saved: dict[int, tuple] | None = None  # slot -> bookkeeping at the checkpoint (open transaction)
         self._saved_bytes: dict[int, np.ndarray] = {}  # slot -> bytes at the checkpoint, saved before overwritten
+        self._dropped: dict[int, Any] = {}  # hash -> record of blocks dropped in the open transaction (policies)
+        self._policy_saved: tuple | None = None  # the policy's state at the checkpoint, taken at the first change
         self._rebuild()
+        from .policies.lru import LRUPolicy
+        self.use_policy(LRUPolicy())
+
+    def use_policy(self, policy) -> None:
+        """Let ``policy`` (an engine.kv.policies.EvictionPolicy) choose which block makes room."""
+        self.policy = policy
+        policy.bind(self)
 
     # ---- derived ----------------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -113,6 +124,23 @@ class Tier(abc.ABC):
     def num_cached(self) -> int:
         return len(self._lru)
 
+    # what an eviction policy reads of a pool (engine.kv.policies.base), a tier's slots standing for blocks
+    num_cached_blocks = num_cached
+
+    def cached_queue(self):
+        return self._lru
+
+    @property
+    def hashed(self) -> dict:
+        return self.records
+
+    @property
+    def hash_to_block(self) -> dict:
+        return self.hash_to_slot
+
+    def dropped_record(self, block_hash: int):
+        return self._dropped.get(block_hash)
+
     def lookup(self, block_hash: int) -> int | None:
         return self.hash_to_slot.get(block_hash)
 
@@ -123,6 +151,8 @@ class Tier(abc.ABC):
             h = int(self.block_hash[slot])
             self._saved[slot] = (int(self.state[slot]), h, int(self.last_access[slot]), int(self.queued_at[slot]),
                                  self.records.get(h) if h != NO_HASH else None, int(self.group[slot]))
+            if self._policy_saved is None:  # the policy as it was, copied once per transaction that changes the tier
+                self._policy_saved = self.policy.state()
         self.version += 1
 
     def _restamp(self, slot: int) -> None:
@@ -135,36 +165,41 @@ class Tier(abc.ABC):
         self.last_access[slot] = clock
         self._restamp(slot)
         self._lru.move_to_end(slot)
+        self.policy.revived(slot)  # a use, and it stays evictable: the policy counts the use, then ranks it again
+        self.policy.cached(slot)
 
     def free_slot(self) -> int | None:
         """A FREE slot, if any (without taking it)."""
         return next(iter(self._free), None)
 
     def victim(self) -> int | None:
-        """The least recently used CACHED slot that is not pinned (None: every one is)."""
-        for slot in self._lru:
-            if slot not in self.pinned:
-                return slot
-        return None
+        """The CACHED slot the policy gives up, never a pinned one (None: every one is pinned)."""
+        if not self._lru or all(slot in self.pinned for slot in self._lru):
+            return None
+        return self.policy.victim(self.pinned)
 
     def put(self, slot: int, block_hash: int, record, clock: int, group: int = 0) -> None:
         """``slot`` (FREE, its bytes just written) now holds ``block_hash`` (a cache key) of KV cache ``group``,
         most recently used."""
         self._save(slot)
         self._free.pop(slot)
-        self.state[slot] = BlockState.CACHED
         self.block_hash[slot] = block_hash
         self.group[slot] = group
         self.last_access[slot] = clock
         self._restamp(slot)
-        self._lru[slot] = None
         self.hash_to_slot[block_hash] = slot
         self.records[block_hash] = record
+        self.policy.stored(slot)  # stored as a pool's block is: before it is evictable
+        self.state[slot] = BlockState.CACHED
+        self._lru[slot] = None
+        self.policy.cached(slot)
 
     def drop(self, slot: int, clock: int) -> None:
         """``slot`` lets go of its block (its bytes stay until overwritten, but nothing names them)."""
         self._save(slot)
         h = int(self.block_hash[slot])
+        self._dropped[h] = self.records.get(h)
+        self.policy.dropped(slot, h)  # while the slot still holds it: a policy may look at its state
         self._lru.pop(slot)
         del self.hash_to_slot[h]
         self.records.pop(h, None)
@@ -212,10 +247,10 @@ class Tier(abc.ABC):
 
     # ---- transactions -----------------------------------------------------------------------------------------
     def begin(self) -> None:
-        self._saved, self._saved_bytes = {}, {}
+        self._saved, self._saved_bytes, self._dropped, self._policy_saved = {}, {}, {}, None
 
     def end(self) -> None:
-        self._saved, self._saved_bytes = None, {}
+        self._saved, self._saved_bytes, self._dropped, self._policy_saved = None, {}, {}, None
 
     def rollback(self) -> None:
         saved, saved_bytes = self._saved or {}, self._saved_bytes
@@ -238,6 +273,9 @@ class Tier(abc.ABC):
         self._saved_bytes = {}
         self.version += 1
         self._rebuild()
+        if self._policy_saved is not None:
+            self.policy.restore(self._policy_saved)
+        self._policy_saved, self._dropped = None, {}
 
     def _restore_checksums(self, saved: dict) -> None:
         pass
@@ -267,6 +305,7 @@ class Tier(abc.ABC):
             key, record = int(self.block_hash[slot]), self.records[int(self.block_hash[slot])]
             assert key == group_key(hash_block_tokens(record.parent_hash, record.token_ids), int(self.group[slot])), \
                 f"{self.name}: slot {slot}'s key is not its content's in group {int(self.group[slot])}"
+        self.policy.check_invariants()
 
 
 class HostTier(Tier):
@@ -416,8 +455,9 @@ class TierStore:
     move is a block event in order with the device pool's own."""
 
     def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int,
-                 staging_blocks: int = 0):
-        """``staging_blocks``: the most blocks one admission may load (or evict); two staging arrays of that many
+                 staging_blocks: int = 0, policy_factory=None):
+        """``policy_factory``: makes each tier's eviction policy (LRU without one).
+        ``staging_blocks``: the most blocks one admission may load (or evict); two staging arrays of that many
         are allocated and touched now, as servers allocate their offload buffers at start, so that the first
         returning conversation does not pay the page faults (bounded by :data:`STAGING_KEEP_BYTES`)."""
         self.order: list[Tier] = []
@@ -426,6 +466,8 @@ class TierStore:
         if disk_blocks:
             self.order.append(DiskTier(disk_blocks, bytes_per_block, disk_path))
         self.tiers = {t.name: t for t in self.order}
+        for tier in self.order if policy_factory is not None else ():  # the device pool's policy, one per tier
+            tier.use_policy(policy_factory())
         self.bytes_per_block = bytes_per_block
         self._staging_free: list[np.ndarray] = []  # staging arrays not lent out (reused: their pages are touched)
         self._staging_lent: list[np.ndarray] = []  # lent out until the transaction ends (end / rollback)
