@@ -32,7 +32,7 @@ class EngineConfig:
     kv_events_topic: str = ""  # topic frame of every KV-event message
     host_tier_blocks: int = 0  # blocks the host-memory tier holds (evicted device blocks go there); 0: off
     disk_tier_blocks: int = 0  # blocks the disk tier holds (host-tier evictions go there); 0: off
-    disk_tier_path: str | None = None  # the disk tier's file (created, or truncated, when the engine starts)
+    disk_tier_path: str | None = None  # the disk tier's file (made new; only an earlier run's tier file is reused)
     eviction_policy: str = "lru"  # which cached block goes first (engine.kv.policies): lru, fifo, s3fifo, radix, belady
 
     def __post_init__(self) -> None:

@@ -86,6 +86,13 @@ def _prepare_heap() -> None:
     gc.collect()
 
 
+def _non_finite_rows(logits: torch.Tensor) -> frozenset:
+    """Rows of ``logits`` holding NaN or an infinity (one check of the whole tensor when none does)."""
+    if bool(torch.isfinite(logits).all()):
+        return frozenset()
+    return frozenset(torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist())
+
+
 _engines_made = 0  # engines made in this process so far
 _heap_lock = threading.Lock()
 
@@ -124,6 +131,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
+        self.model_files = loaded.files
         self._eos = set(self.eos_token_ids)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, policy)
         self.kv_cache_groups = kv_cache_group_infos(mc)
@@ -261,6 +269,7 @@ class Engine:
                 self._restore(txn)
             elif self._dirty:
                 self.version += 1
+                self.background_errors.extend(txn["notes"])
                 self._publish_kv_events()
         finally:
             self._txn = None
@@ -284,6 +293,7 @@ class Engine:
             "counters": (self._next_id, self.step_id, self.version, self.num_steps, self.num_generated,
                          self.num_prefill, self.last_step_seconds, self.last_step_tokens, self.last_step_prefill),
             "finished": list(self.finished), "kv": [], "stored": dict(self.seqs),
+            "notes": [],  # messages for the runner, said only if the transaction commits (see note())
         }
 
     def _touch(self, seq: Sequence) -> None:
@@ -565,8 +575,11 @@ class Engine:
         num_sampled = num_prefill = 0
         if prepared is not None:
             logits = self.runner.forward(prepared)
+            broken = _non_finite_rows(logits)
+            if broken:  # sampled from zeros instead (never kept): the rows are ended in _postprocess
+                logits = logits.masked_fill(~torch.isfinite(logits).all(-1, keepdim=True), 0.0)
             tokens = self.runner.sample(logits, prepared.sampled)
-            self._postprocess(batch, prepared.sampled, tokens, logits)
+            self._postprocess(batch, prepared.sampled, tokens, logits, broken)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
         elif not batch.empty:  # --model none: the pool moves as for a model; every sampled token is 0
             sampled = [s for s, n in zip(batch.seqs, batch.num_tokens)
@@ -583,11 +596,17 @@ class Engine:
         self.changed()
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
-                     logits: torch.Tensor) -> None:
+                     logits: torch.Tensor, broken: frozenset = frozenset()) -> None:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.manager.commit(seq, seq.num_computed_tokens + n)
             seq.version += 1
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            if row in broken:  # no token can be drawn from NaN or infinite logits: this conversation stops here
+                self._txn["notes"].append(
+                    f"conversation {seq.seq_id} stopped at step {self.step_id}: the model's logits for it were NaN "
+                    "or infinite (the weights or its K/V overflowed); the other conversations go on")
+                self._finish(seq, Status.FINISHED, FinishReason.NON_FINITE)
+                continue
             forks, seq.pending_forks = seq.pending_forks, []
             for child in forks:
                 if not child.is_finished:  # a pending fork the user ended meanwhile stays ended
@@ -735,7 +754,7 @@ class Engine:
         # blocks one admission may load: a prefix's blocks in every KV cache group
         staging = min(cfg.num_blocks, -(-self.max_model_len // cfg.block_size) * len(self.kv_cache_groups))
         tiers = TierStore(cfg.host_tier_blocks, cfg.disk_tier_blocks, cfg.disk_tier_path, per_block, staging,
-                          partial(make_policy, cfg.eviction_policy, future))
+                          partial(make_policy, cfg.eviction_policy, future), protected=self.model_files)
         self.manager.attach_tiers(tiers, self.kv.read_blocks_bytes)
         import weakref
         self._tiers_finalizer = weakref.finalize(self, tiers.close)  # the file descriptor goes with the engine

@@ -6,6 +6,8 @@ counts True as 1, users do not), floats are never ids, and text must be real tex
 from __future__ import annotations
 
 import math
+import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -100,3 +102,21 @@ def check_token_ids(token_ids: Any, vocab_size: int, allow_empty: bool = False) 
     if bad:
         raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
     return [int(t) for t in ids]
+
+
+def file_kind(path) -> str | None:
+    """What ``path`` is when it is not a regular file ("a folder", "a FIFO", ...); None for a regular file (or
+    nothing there). Reading a FIFO blocks until someone writes to it: every model file is checked first."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device file"

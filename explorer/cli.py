@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "prefix hit (default 0: off)")
     parser.add_argument("--disk-tier-blocks", type=int, default=0, metavar="N",
                         help="keep up to N blocks the host tier evicts on disk, in --disk-tier-path (default 0: off)")
-    parser.add_argument("--disk-tier-path", metavar="FILE", help="the disk tier's file (created or truncated)")
+    parser.add_argument("--disk-tier-path", metavar="FILE",
+                        help="the disk tier's file: created new (mode 0600), or a tier file of an earlier run reused; "
+                             "any other existing file is refused")
     parser.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES,
                         help="which cached block the pool gives up first: lru (vLLM's free queue, the default), "
                              "fifo, s3fifo, s3lru (S3-FIFO's probation in front of LRU), radix (SGLang's radix "
@@ -174,6 +176,18 @@ def _check_tiers(opts: argparse.Namespace) -> None:
         raise UsageError("--disk-tier-path needs --disk-tier-blocks N (how many blocks the disk tier holds)")
     if opts.disk_tier_path:
         _check_output_file("--disk-tier-path", opts.disk_tier_path)
+        # the tier file is written over at start: never the recording (--open runs no local engine, refused above)
+        if opts.record and _same_path(opts.disk_tier_path, opts.record):
+            raise UsageError(f"--disk-tier-path {opts.disk_tier_path} is the file --record writes; give the disk "
+                             "tier a file of its own")
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two paths name one file (through links too), or would once created."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -74,6 +74,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # it generated max_new_tokens
     CONTEXT = "context"  # it reached the model's context limit (max_position_embeddings)
     ENDED = "ended"  # the user ended it
+    NON_FINITE = "non_finite"  # the model's logits for it were NaN or infinite: nothing can be sampled from them
 
     def __str__(self) -> str:
         return self.value  # what the window says: explorer.model.event_text.finish_words

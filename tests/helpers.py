@@ -113,3 +113,42 @@ def used_blocks(tables: dict, num_blocks: int):
             state[b] = BlockState.USED
             ref[b] += 1
     return state, ref
+
+
+def write_tiny_gguf(path: Path, *, block_count: int | None = None, layers: int = 2, seed: int = 0) -> Path:
+    """A small Llama-architecture GGUF file (float32 tensors, no tokenizer), written with the gguf package as
+    llama.cpp lays one out; ``block_count`` is what its header claims (by default the layers it holds)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    vocab, hidden, inter, heads, kv_heads = 64, 48, 64, 4, 2
+    head_dim = hidden // heads
+    rng = np.random.default_rng(seed)
+
+    def weights(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers if block_count is None else block_count)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tensor("token_embd.weight", weights(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", weights(vocab, hidden))
+    for i in range(layers):
+        for name, shape in (("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (heads * head_dim, hidden)),
+                            ("attn_k", (kv_heads * head_dim, hidden)), ("attn_v", (kv_heads * head_dim, hidden)),
+                            ("attn_output", (hidden, heads * head_dim)), ("ffn_gate", (inter, hidden)),
+                            ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
+            writer.add_tensor(f"blk.{i}.{name}.weight",
+                              np.ones(shape, np.float32) if name.endswith("norm") else weights(*shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

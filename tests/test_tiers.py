@@ -218,7 +218,7 @@ def test_corrupt_disk_block_is_recomputed_with_identical_tokens(model, tmp_path,
             assert held.size
             with open(disk.path, "r+b") as f:  # flip bytes in every block the disk tier holds
                 for slot in held:
-                    f.seek(int(slot) * disk.bytes_per_block + 100)
+                    f.seek(disk.offset(int(slot)) + 100)
                     f.write(b"\xff\x00\xff\x00")
         eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
         eng.run_until_idle()
@@ -239,14 +239,14 @@ def test_corrupt_disk_block_is_recomputed_with_identical_tokens(model, tmp_path,
 
 
 def test_checksum_failure_falls_back_to_recompute(tmp_path, monkeypatch):
-    """The checksum itself disagreeing (monkeypatched) is treated like a damaged block."""
+    """The tag itself disagreeing (monkeypatched) is treated like a damaged block."""
     eng = _engine(tmp_path, 4, num_blocks=12, host=2, disk=16)
     ids = []
     for p in _prompts(3, 24):
         ids.append(eng.add_conversation(prompt_token_ids=p, max_new_tokens=3))
         eng.run_until_idle()
     import engine.kv.tiers as tiers_mod
-    monkeypatch.setattr(tiers_mod.zlib, "crc32", lambda data, *a: 12345)
+    monkeypatch.setattr(tiers_mod.DiskTier, "_tag", lambda self, slot, block_hash, data: b"x" * 32)
     eng.take_events()
     eng.continue_conversation(ids[0], prompt_token_ids=[9], max_new_tokens=3)
     eng.run_until_idle()
@@ -325,11 +325,11 @@ def test_failed_step_leaves_every_tier_as_it_was(model, tmp_path, monkeypatch, w
         real = HostTier._write_raw
         calls = []
 
-        def second(self, slot, data):  # the first write happens, the second fails: the first must be undone
+        def second(self, slot, data, block_hash=None):  # the first write happens, the second fails: undone
             calls.append(slot)
             if len(calls) == 2:
                 raise fault
-            real(self, slot, data)
+            real(self, slot, data, block_hash)
         monkeypatch.setattr(HostTier, "_write_raw", second)
     elif where == "load_copy":
         monkeypatch.setattr(eng.kv, "write_blocks_bytes", boom)
@@ -374,7 +374,7 @@ def test_disk_full_drops_the_block_and_goes_on(tmp_path, monkeypatch, caplog):
     host with no tier below named); the step succeeds and the tokens are those of an engine without tiers."""
     eng, ids = _primed(tmp_path)
 
-    def full(self, slot, data):
+    def full(self, slot, data, block_hash=None):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(DiskTier, "_write_raw", full)
     disk_before = eng.tiers.tiers["disk"].num_cached

@@ -19,19 +19,34 @@ Every change can be undone: while a transaction is open (:meth:`TierStore.begin`
 before its first change, and the bytes of a slot that held a block at the checkpoint are saved before they are
 overwritten; :meth:`TierStore.rollback` puts both back. So a failed step leaves every tier exactly as it was.
 
-The disk tier writes one file (plain ``os.pwrite`` / ``os.pread`` at slot offsets) and keeps a CRC-32 of each
-slot's bytes in memory, checked on every read: a slot whose bytes do not match (damaged file, failed write, a read
-error) is never loaded; the caller drops it and recomputes those tokens. It calls ``fsync`` every
-:data:`FSYNC_EVERY` writes and when closed. A failed write (disk full, I/O error) drops the block being written:
-logged, never raised, so a full disk never stops the engine.
+The disk tier writes one file (plain ``os.pwrite`` / ``os.pread`` at slot offsets after a header of its own) and
+keeps, in memory, an HMAC-SHA256 of each slot under a key drawn for this run, over the slot's index, the block's
+cache key and its bytes, checked on every read: a slot whose bytes do not match (damaged file, failed write, a read
+error, another writer forging or swapping slots) is never loaded; the caller drops it and recomputes those tokens.
+A checksum would not do: whoever can write the file can fix a CRC-32 with four bytes; without the key no one can
+make a tag. It calls ``fsync`` every :data:`FSYNC_EVERY` writes and when closed. A failed write (disk full, I/O
+error) drops the block being written: logged, never raised, so a full disk never stops the engine.
+
+The file is created new (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600). An existing path is reused only when it is a
+regular file of this user's, with no access for group or others, one link, and the tier header at its start (a tier
+file of an earlier run); anything else (a symlink, someone else's file, a checkpoint, a recording) is refused with
+one line saying why, and never truncated. An ``flock`` keeps two processes off one tier file; within one process
+the newer engine takes it over from the older (the window's restart builds the new engine while the old runs), and
+the older tier then drops what it would have written and recomputes what it would have read.
 """
 from __future__ import annotations
 
 import abc
+import errno
+import fcntl
+import hmac
 import logging
 import os
 import shutil
-import zlib
+import stat
+import struct
+import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -53,6 +68,10 @@ FSYNC_EVERY = 256  # disk-tier writes between two fsyncs (and one at close): the
 #                    read back only through checksums, so a crash loses nothing that matters; fsync bounds how much
 #                    dirty data the kernel holds for it
 TIER_NAMES = ("host", "disk")  # top to bottom
+TIER_MAGIC = b"PAGED-KV-TIER\x00\x01\x00"  # the disk tier file's first 16 bytes: only a file starting so is reused
+HEADER_BYTES = 4096  # the header's room in the file: slots start page-aligned after it
+_HEADER = struct.Struct("<16sQQ")  # magic, slots, bytes per slot
+_SLOT = struct.Struct("<QQ")  # what a slot's tag covers besides its bytes: its index and the block's cache key
 
 
 @dataclass(frozen=True)
@@ -210,15 +229,17 @@ class Tier(abc.ABC):
         self._restamp(slot)
         self._free[slot] = None
 
-    def write(self, slot: int, data: np.ndarray) -> None:
-        """Store ``data`` (uint8, bytes_per_block) in ``slot``, saving the checkpoint's bytes first."""
+    def write(self, slot: int, data: np.ndarray, block_hash: int | None = None) -> None:
+        """Store ``data`` (uint8, bytes_per_block), the bytes of the block with cache key ``block_hash``, in
+        ``slot``, saving the checkpoint's bytes first. (A disk slot written without its key gets no tag: it is never
+        read back.)"""
         saved = self._saved.get(slot) if self._saved is not None else None
         held_at_checkpoint = (saved[0] if saved is not None else int(self.state[slot])) == BlockState.CACHED
         if self._saved is not None and held_at_checkpoint and slot not in self._saved_bytes:
             old = self._read_raw(slot)
             if old is not None:
                 self._saved_bytes[slot] = old
-        self._write_raw(slot, data)
+        self._write_raw(slot, data, block_hash)
 
     def read(self, slot: int) -> np.ndarray | None:
         """The bytes in ``slot`` (a copy), or None when they cannot be trusted (see :class:`DiskTier`)."""
@@ -235,8 +256,9 @@ class Tier(abc.ABC):
 
     # ---- bytes (subclasses) -----------------------------------------------------------------------------------
     @abc.abstractmethod
-    def _write_raw(self, slot: int, data: np.ndarray) -> None:
-        """Store ``data`` in ``slot`` (host memory or the disk file)."""
+    def _write_raw(self, slot: int, data: np.ndarray, block_hash: int | None = None) -> None:
+        """Store ``data`` in ``slot`` (host memory or the disk file); ``block_hash``: the cache key it will be held
+        under (None: bytes put back by a rollback, whose tag is restored with its bookkeeping)."""
 
     @abc.abstractmethod
     def _read_raw(self, slot: int) -> np.ndarray | None:
@@ -327,7 +349,7 @@ class HostTier(Tier):
         self.populator.stop()
         self.data = np.zeros((0, self.bytes_per_block), np.uint8)  # the tier is off: its memory goes now
 
-    def _write_raw(self, slot: int, data: np.ndarray) -> None:
+    def _write_raw(self, slot: int, data: np.ndarray, block_hash: int | None = None) -> None:
         self.data[slot] = data
 
     def _read_raw(self, slot: int) -> np.ndarray | None:
@@ -338,13 +360,83 @@ class HostTier(Tier):
         return True
 
 
+class DiskTierFileError(EngineError):
+    """A disk tier path the tier will not write: the reason, in one line."""
+
+
+_open_files: dict[tuple[int, int], "weakref.ref[DiskTier]"] = {}  # (device, inode) -> the tier of this process
+#                                                                    using that file (see DiskTier.take_over)
+_open_files_lock = threading.Lock()
+
+
+def _same_file(path: str, other) -> bool:
+    try:
+        return os.path.samefile(path, other)
+    except (OSError, ValueError, TypeError):
+        return os.path.realpath(path) == os.path.realpath(os.fspath(other))
+
+
+def open_tier_file(path: str, protected=()) -> tuple[int, bool]:
+    """The file descriptor of the disk tier file at ``path`` and whether it was made new; DiskTierFileError saying
+    why a path is refused. Made new and exclusively where nothing is there; an existing path is reused only when it
+    is a tier file of this user's (see the module's docstring), since truncating it is what the tier does next.
+    ``protected``: files the tier must never be (the model's), named in the refusal."""
+    for other in protected:
+        if _same_file(path, other):
+            raise DiskTierFileError(f"disk_tier_path {path} is the model's own file {os.fspath(other)}; the disk "
+                                    "tier would overwrite it: give the path of a new file")
+    base = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # non-blocking: a FIFO must not hang the open
+    try:
+        return os.open(path, base | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise DiskTierFileError(f"cannot create the disk tier file {path}: {exc.strerror or exc}") from None
+    try:
+        fd = os.open(path, base)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DiskTierFileError(f"disk_tier_path {path} is a symbolic link; the disk tier never writes through "
+                                    "one: give the path of a new file") from None
+        raise DiskTierFileError(f"cannot open the disk tier file {path}: {exc.strerror or exc}") from None
+    try:
+        _check_reusable(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, False
+
+
+def _check_reusable(fd: int, path: str) -> None:
+    """Refuse an existing file unless it is a tier file of this user's that nobody else may touch."""
+    info = os.fstat(fd)
+    refuse = "; the disk tier reuses only a tier file of its own: remove it or give the path of a new file"
+    if not stat.S_ISREG(info.st_mode):
+        raise DiskTierFileError(f"disk_tier_path {path} exists and is not a regular file{refuse}")
+    if info.st_uid != os.geteuid():
+        raise DiskTierFileError(f"disk_tier_path {path} belongs to another user (uid {info.st_uid}){refuse}")
+    if info.st_mode & 0o077:
+        raise DiskTierFileError(f"disk_tier_path {path} may be read or written by others (mode "
+                                f"{stat.S_IMODE(info.st_mode):04o}){refuse}")
+    if info.st_nlink != 1:
+        raise DiskTierFileError(f"disk_tier_path {path} has {info.st_nlink} hard links{refuse}")
+    try:
+        head = os.pread(fd, len(TIER_MAGIC), 0)
+    except OSError as exc:
+        raise DiskTierFileError(f"cannot read the disk tier file {path}: {exc.strerror or exc}") from None
+    if head != TIER_MAGIC:
+        raise DiskTierFileError(f"disk_tier_path {path} exists and is not a disk tier file (it does not start with "
+                                f"the tier header){refuse}")
+
+
 class DiskTier(Tier):
-    """Slots in one file at ``path``: slot i at offset i * bytes_per_block, with a CRC-32 per slot in memory."""
+    """Slots in one file at ``path``: a header, then slot i at offset HEADER_BYTES + i * bytes_per_block, with an
+    HMAC of each slot kept in memory."""
 
     name = "disk"
 
-    def __init__(self, num_blocks: int, bytes_per_block: int, path: str):
-        size = num_blocks * bytes_per_block
+    def __init__(self, num_blocks: int, bytes_per_block: int, path: str, protected=()):
+        size = HEADER_BYTES + num_blocks * bytes_per_block
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             raise EngineError(f"disk_tier_path {path} is a folder; give a file name")
@@ -354,47 +446,102 @@ class DiskTier(Tier):
             free = shutil.disk_usage(folder).free
         except OSError:
             free = None
-        existing = os.path.getsize(path) if os.path.isfile(path) else 0
+        existing = os.path.getsize(path) if os.path.isfile(path) and not os.path.islink(path) else 0
         if free is not None and size > free + existing:
             raise EngineError(f"the disk tier of {num_blocks:,} blocks needs {size / 2**30:.2f} GiB "
                               f"({bytes_per_block / 2**10:.0f} KiB per block) but {folder} has only "
                               f"{free / 2**30:.2f} GiB free; use at most {(free + existing) // bytes_per_block:,} blocks")
+        self.fd, created = open_tier_file(path, protected)
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as exc:
-            raise EngineError(f"cannot create the disk tier file {path}: {exc.strerror or exc}") from None
-        try:
+            self._lock(path)
+            os.set_blocking(self.fd, True)
+            os.ftruncate(self.fd, 0)  # what an earlier run left is never read: its key is gone
             os.ftruncate(self.fd, size)  # sparse: blocks take disk space as they are written
-        except OSError as exc:
-            os.close(self.fd)
-            raise EngineError(f"cannot size the disk tier file {path} to {size:,} bytes: {exc.strerror or exc}") \
-                from None
+            os.pwrite(self.fd, _HEADER.pack(TIER_MAGIC, num_blocks, bytes_per_block), 0)
+        except BaseException as exc:
+            self._release()
+            if created:
+                os.unlink(path)
+            if isinstance(exc, OSError):
+                raise EngineError(f"cannot size the disk tier file {path} to {size:,} bytes: "
+                                  f"{exc.strerror or exc}") from None
+            raise
         self.path = path
-        self.crc = np.zeros(num_blocks, np.uint32)  # CRC-32 of the bytes each CACHED slot must read back as
-        self._crc_saved: dict[int, int] = {}
+        self._key = os.urandom(32)  # this run's: a tag made by anyone else (or an earlier run) never matches
+        self.tags: list[bytes | None] = [None] * num_blocks  # each slot's tag over (slot, cache key, bytes)
+        self._tags_saved: dict[int, bytes | None] = {}
         self._writes_since_sync = 0
-        self.num_corrupt = 0  # reads refused because the bytes did not match their checksum (or could not be read)
+        self.num_corrupt = 0  # reads refused because the bytes did not match their tag (or could not be read)
+        self.handed_over = False  # a newer engine of this process took the file over (see take_over)
         super().__init__(num_blocks, bytes_per_block)
+        with _open_files_lock:
+            _open_files[self._file_id] = weakref.ref(self)
 
-    def _write_raw(self, slot: int, data: np.ndarray) -> None:
+    def _lock(self, path: str) -> None:
+        """Hold the file for this tier: another process's engine is refused; an older tier of this process gives
+        it up (the window's restart)."""
+        info = os.fstat(self.fd)
+        self._file_id = (info.st_dev, info.st_ino)
+        with _open_files_lock:
+            ref = _open_files.pop(self._file_id, None)
+        older = ref() if ref is not None else None
+        if older is not None:
+            older.take_over()
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DiskTierFileError(f"disk_tier_path {path} is in use by another engine's disk tier; give "
+                                        "each engine a file of its own") from None
+            raise
+
+    def _release(self) -> None:
+        os.close(self.fd)
+        self.fd = -1
+
+    def take_over(self) -> None:
+        """A newer tier of this process uses the file from now on: this one lets go of its lock, and from now on
+        reads nothing (its blocks are recomputed) and writes nothing (they are dropped)."""
+        self.handed_over = True
+        if self.fd >= 0:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+        log.warning("disk tier: %s is taken over by a newer engine; this one stops using it", self.path)
+
+    def offset(self, slot: int) -> int:
+        """Where ``slot``'s bytes start in the file."""
+        return HEADER_BYTES + slot * self.bytes_per_block
+
+    def _tag(self, slot: int, block_hash: int, data) -> bytes:
+        mac = hmac.new(self._key, _SLOT.pack(slot, block_hash & 0xFFFFFFFFFFFFFFFF), "sha256")
+        mac.update(data)
+        return mac.digest()
+
+    def _write_raw(self, slot: int, data: np.ndarray, block_hash: int | None = None) -> None:
+        if self.handed_over:
+            raise OSError(errno.EBADF, "the disk tier file was taken over by a newer engine")
         buf = memoryview(np.ascontiguousarray(data, np.uint8)).cast("B")
-        if self._saved is not None and slot not in self._crc_saved:
-            self._crc_saved[slot] = int(self.crc[slot])
-        offset = slot * self.bytes_per_block
+        if self._saved is not None and slot not in self._tags_saved:
+            self._tags_saved[slot] = self.tags[slot]
+        self.tags[slot] = None  # until the write is whole, nothing it holds is trusted
+        offset = self.offset(slot)
         written = os.pwrite(self.fd, buf, offset)
         while written < len(buf):  # a short write: go on where it stopped (0 bytes written is a full disk)
             more = os.pwrite(self.fd, buf[written:], offset + written)
             if more <= 0:
                 raise OSError(28, "No space left on device (short write)")
             written += more
-        self.crc[slot] = zlib.crc32(buf)
+        if block_hash is not None:
+            self.tags[slot] = self._tag(slot, block_hash, buf)
         self._writes_since_sync += 1
         if self._writes_since_sync >= FSYNC_EVERY:
             self.sync()
 
     def _read_raw(self, slot: int) -> np.ndarray | None:
         try:
-            raw = os.pread(self.fd, self.bytes_per_block, slot * self.bytes_per_block)
+            raw = os.pread(self.fd, self.bytes_per_block, self.offset(slot))
         except OSError as exc:
             log.warning("disk tier: reading slot %d failed (%s)", slot, exc)
             return None
@@ -405,31 +552,34 @@ class DiskTier(Tier):
         return data if self.read_into(slot, data) else None
 
     def read_into(self, slot: int, out: np.ndarray) -> bool:
-        """One ``preadv`` straight into ``out`` (no bytes object in between), then the checksum."""
-        try:
-            n = os.preadv(self.fd, [memoryview(out).cast("B")], slot * self.bytes_per_block)
-        except OSError as exc:
-            log.warning("disk tier: reading slot %d failed (%s)", slot, exc)
-            n = -1
-        if n != self.bytes_per_block or zlib.crc32(memoryview(out).cast("B")) != int(self.crc[slot]):
+        """One ``preadv`` straight into ``out`` (no bytes object in between), then the tag."""
+        n = -1
+        if not self.handed_over:
+            try:
+                n = os.preadv(self.fd, [memoryview(out).cast("B")], self.offset(slot))
+            except OSError as exc:
+                log.warning("disk tier: reading slot %d failed (%s)", slot, exc)
+        expected = self.tags[slot]
+        if n != self.bytes_per_block or expected is None or not hmac.compare_digest(
+                self._tag(slot, int(self.block_hash[slot]), memoryview(out).cast("B")), expected):
             self.num_corrupt += 1
-            log.warning("disk tier: slot %d of %s failed its checksum; its tokens will be recomputed", slot,
-                        self.path)
+            log.warning("disk tier: slot %d of %s failed its checksum (its tag); its tokens will be recomputed",
+                        slot, self.path)
             return False
         return True
 
     def begin(self) -> None:
         super().begin()
-        self._crc_saved = {}
+        self._tags_saved = {}
 
     def end(self) -> None:
         super().end()
-        self._crc_saved = {}
+        self._tags_saved = {}
 
     def _restore_checksums(self, saved: dict) -> None:
-        for slot, crc in self._crc_saved.items():
-            self.crc[slot] = crc
-        self._crc_saved = {}
+        for slot, tag in self._tags_saved.items():
+            self.tags[slot] = tag
+        self._tags_saved = {}
 
     def sync(self) -> None:
         try:
@@ -440,9 +590,12 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         if self.fd >= 0:
+            with _open_files_lock:
+                ref = _open_files.get(self._file_id)
+                if ref is not None and ref() is self:
+                    del _open_files[self._file_id]
             self.sync()
-            os.close(self.fd)
-            self.fd = -1
+            self._release()
 
 
 Emit = Callable[..., None]  # KVCacheManager.emit(kind, conversation_id, **fields)
@@ -455,16 +608,22 @@ class TierStore:
     move is a block event in order with the device pool's own."""
 
     def __init__(self, host_blocks: int, disk_blocks: int, disk_path: str | None, bytes_per_block: int,
-                 staging_blocks: int = 0, policy_factory=None):
+                 staging_blocks: int = 0, policy_factory=None, protected=()):
         """``policy_factory``: makes each tier's eviction policy (LRU without one).
         ``staging_blocks``: the most blocks one admission may load (or evict); two staging arrays of that many
         are allocated and touched now, as servers allocate their offload buffers at start, so that the first
-        returning conversation does not pay the page faults (bounded by :data:`STAGING_KEEP_BYTES`)."""
+        returning conversation does not pay the page faults (bounded by :data:`STAGING_KEEP_BYTES`).
+        ``protected``: files the disk tier's path must not be (the model's)."""
         self.order: list[Tier] = []
         if host_blocks:
             self.order.append(HostTier(host_blocks, bytes_per_block))
         if disk_blocks:
-            self.order.append(DiskTier(disk_blocks, bytes_per_block, disk_path))
+            try:
+                self.order.append(DiskTier(disk_blocks, bytes_per_block, disk_path, protected))
+            except BaseException:
+                for tier in self.order:  # the host tier made before it
+                    tier.close()
+                raise
         self.tiers = {t.name: t for t in self.order}
         for tier in self.order if policy_factory is not None else ():  # the device pool's policy, one per tier
             tier.use_policy(policy_factory())
@@ -568,8 +727,10 @@ class TierStore:
         if slot is None:
             return False
         data = read()
+        if data is None:  # the bytes moving down failed their tag on the way (only a disk tier's can): dropped
+            return False
         try:
-            tier.write(slot, data)
+            tier.write(slot, data, block_hash)
         except OSError as exc:  # only a disk tier writes to a device that can fail: drop the block, go on
             log.warning("%s tier: writing a block failed (%s); the block is dropped", tier.name, exc)
             return False

