@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
+    if not opts.headless:  # the window: say what to do when there is no display, before Qt aborts the process
+        from explorer.cli import display_problem
+        problem = display_problem()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     watching = bool(opts.open or opts.attach or opts.attach_kv_events)
     if not watching:  # the local engine's model (a demo takes the real one once fetched); watchers load no torch
         from explorer.cli import build_parser
@@ -60,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
                            device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
                            kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
-                           kv_events_topic=opts.kv_events_topic, host_tier_blocks=opts.host_tier_blocks,
-                           disk_tier_blocks=opts.disk_tier_blocks, disk_tier_path=opts.disk_tier_path,
-                           eviction_policy=opts.eviction_policy)
+                           kv_events_topic=opts.kv_events_topic, kv_events_curve=opts.kv_events_curve,
+                           host_tier_blocks=opts.host_tier_blocks, disk_tier_blocks=opts.disk_tier_blocks,
+                           disk_tier_path=opts.disk_tier_path, eviction_policy=opts.eviction_policy)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None  # publish vLLM-format KV events on this ZMQ PUB endpoint ("tcp://*:5557")
     kv_events_replay_endpoint: str | None = None  # ROUTER endpoint that replays buffered event batches
     kv_events_topic: str = ""  # topic frame of every KV-event message
+    kv_events_curve: str | None = None  # CURVE key directory (--make-keys): only authorized watchers get KV events
     host_tier_blocks: int = 0  # blocks the host-memory tier holds (evicted device blocks go there); 0: off
     disk_tier_blocks: int = 0  # blocks the disk tier holds (host-tier evictions go there); 0: off
     disk_tier_path: str | None = None  # the disk tier's file (made new; only an earlier run's tier file is reused)
@@ -73,6 +74,10 @@ class EngineConfig:
             raise EngineError("kv_events_replay_endpoint needs kv_events_endpoint as well")
         if not isinstance(self.kv_events_topic, str):
             raise EngineError(f"kv_events_topic must be text, got {self.kv_events_topic!r}")
+        if self.kv_events_curve is not None and (not isinstance(self.kv_events_curve, str)
+                                                 or not self.kv_events_curve or not self.kv_events_endpoint):
+            raise EngineError(f"kv_events_curve must be a CURVE key directory beside kv_events_endpoint, got "
+                              f"{self.kv_events_curve!r}")
         self._check_tiers()
         from .kv.policies import NAMES
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in NAMES:

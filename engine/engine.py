@@ -11,7 +11,9 @@ Its parts, one concept each: :class:`KVCacheManager` (the only writer of the poo
 """
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import os
 import threading
 import time
@@ -243,15 +245,21 @@ class Engine:
         if self._caller_thread == me:
             yield
             return
+        self._hold(me)
+        try:
+            yield
+        finally:
+            self._let_go()
+
+    def _hold(self, me: int) -> None:
         if not self._caller.acquire(blocking=False):
             raise EngineError("this engine is in use by another thread: an Engine takes one caller at a time "
                               "(drive it from one thread, e.g. through an EngineRunner)")
         self._caller_thread = me
-        try:
-            yield
-        finally:
-            self._caller_thread = None
-            self._caller.release()
+
+    def _let_go(self) -> None:
+        self._caller_thread = None
+        self._caller.release()
 
     @contextmanager
     def _transaction(self, rollback: bool):
@@ -797,3 +805,29 @@ class Engine:
     def kv_events_endpoints(self) -> tuple[str, str | None] | None:
         """(endpoint, replay endpoint) as bound, when this engine publishes KV events."""
         return None if self._kv_events is None else (self._kv_events.endpoint, self._kv_events.replay_endpoint)
+
+
+# One caller rule, for every public method: a second thread gets EngineError while one is inside the engine (a
+# query reads what a step is changing, take_events would steal the runner's events, close() would pull the tiers out
+# from under a step). Only these read nothing that changes (the tokenizer is immutable), so any thread may call them;
+# transaction() holds the engine itself.
+ANY_THREAD = frozenset({"tokenize", "detokenize", "token_text", "chat_prompt_ids", "transaction"})
+
+
+def _one_caller(method):
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        me = threading.get_ident()
+        if self._caller_thread == me:  # already inside (a nested call)
+            return method(self, *args, **kwargs)
+        self._hold(me)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._let_go()
+    return held
+
+
+for _name, _member in list(vars(Engine).items()):
+    if not _name.startswith("_") and _name not in ANY_THREAD and inspect.isfunction(_member):
+        setattr(Engine, _name, _one_caller(_member))

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -78,7 +79,7 @@ class EngineRunner:
         self._stopped = False  # set once the queue has been drained at the end: later submits fail at once
         self._lock = threading.Lock()  # orders submit() against that final drain
         self._paused = start_paused
-        self._single_steps = 0
+        self._step_requests: deque[Future] = deque()  # step_once futures, each resolved after the step it asked for
         self._max_steps_per_second = max_steps_per_second
         self._failures: queue.Queue[EngineFailure] = queue.Queue()
         self._steps = Rate(window=2.0)
@@ -114,7 +115,9 @@ class EngineRunner:
         return self.submit("resume")
 
     def step_once(self) -> Future:
-        """Run exactly one step (useful while paused)."""
+        """Run one step (useful while paused), under the speed limit like any other. The future resolves once that
+        step has run and its snapshot is published (True), or at once with False when there is nothing to do: a
+        request never waits for work that comes later. While running, the next step answers it."""
         return self.submit("step_once")
 
     def set_speed(self, max_steps_per_second: float | None) -> Future:
@@ -172,9 +175,20 @@ class EngineRunner:
     def _fail(self, message: str, fatal: bool = False) -> None:
         self._failures.put(EngineFailure(self.latest.step_id, message, traceback.format_exc(), fatal))
 
+    def _answer_steps(self, exc: BaseException | None = None) -> None:
+        """The step just run answers the oldest step_once request (its error too, when it failed)."""
+        if self._step_requests:
+            future = self._step_requests.popleft()
+            if exc is None:
+                future.set_result(True)
+            else:
+                future.set_exception(exc)
+
     def _fail_pending(self) -> None:
         with self._lock:
             self._stopped = True
+        while self._step_requests:
+            self._step_requests.popleft().set_exception(RunnerStopped("the engine stopped before this step ran"))
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -193,8 +207,11 @@ class EngineRunner:
             elif name == "resume":
                 self._paused, result = False, None
             elif name == "step_once":
-                self._single_steps += 1
-                result = None
+                if self.engine.has_work():
+                    self._step_requests.append(command.future)  # resolved after its step (_answer_steps)
+                    self._publish()
+                    return
+                result = False
             elif name == "set_speed":
                 value = command.args[0] if command.args else None
                 self._max_steps_per_second = float(value) if value else None
@@ -261,7 +278,10 @@ class EngineRunner:
             if self.driver is not None and not self._paused:
                 self._drive()
             # Drain every queued command first so the user's actions take effect before the next step.
-            want_step = (not self._paused or self._single_steps > 0) and self.engine.has_work()
+            has_work = self.engine.has_work()
+            while self._step_requests and not has_work:  # the work went (ended) before the step: nothing to do
+                self._step_requests.popleft().set_result(False)
+            want_step = (not self._paused or bool(self._step_requests)) and has_work
             try:
                 command = self._commands.get(timeout=0.0 if want_step else 0.05)
             except queue.Empty:
@@ -271,7 +291,7 @@ class EngineRunner:
                 continue
             if not want_step or self._stop.is_set():
                 continue
-            if self._max_steps_per_second and self._single_steps == 0:
+            if self._max_steps_per_second:  # a single step too: the limit is what the user set
                 wait = last_step + 1.0 / self._max_steps_per_second - time.perf_counter()
                 if wait > 0:
                     try:  # sleep, but wake for a command
@@ -280,14 +300,15 @@ class EngineRunner:
                     except queue.Empty:
                         pass
                     continue
-            if self._single_steps > 0:
-                self._single_steps -= 1
             last_step = time.perf_counter()
+            failure = None
             try:
                 self.engine.step()
             except Exception as exc:  # the step rolled back; decode stops until resumed
                 self._paused = True
                 self._fail(f"{type(exc).__name__}: {exc}")
+                failure = exc
             self._steps.tick()
             self._publish()
+            self._answer_steps(failure)
             self.heap.maybe_trim()  # a long run's fragmented heap goes back to the system (engine/heap.py)

@@ -78,6 +78,8 @@ def _check_output_file(flag: str, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/full, a FIFO: nothing a file can be written to
+        raise UsageError(f"{flag} {path} exists and is not a regular file; give a file name")
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
@@ -109,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-events", metavar="ENDPOINT",
                         help="the local engine publishes vLLM-format KV events on this ZMQ endpoint (as vLLM does: "
                              "tcp://*:PORT and ipc:// bind, a host address connects); ENDPOINT,replay=ADDR adds the "
-                             "replay socket late watchers catch up through, ,topic=T a topic")
+                             "replay socket late watchers catch up through, ,topic=T a topic, ,curve=DIR lets in only "
+                             "watchers holding a key authorized in DIR (--make-keys; vLLM's own consumers cannot)")
     parser.add_argument("--publish", metavar="ENDPOINT", help="publish the local engine's pool stream over ZMQ; "
                         "ENDPOINT,curve=DIR lets in only watchers holding a key authorized in DIR (--make-keys)")
     parser.add_argument("--attach", metavar="ENDPOINT", action="append", default=[],
@@ -118,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--make-keys", metavar="DIR", help="make a CURVE key directory for --publish/--attach "
                         "ENDPOINT,curve=DIR (and the vLLM plugin's PAGED_KV_EXPLORER_CURVE), then exit")
     parser.add_argument("--attach-kv-events", metavar="ENDPOINT", action="append", default=[],
-                        help="watch a vLLM/SGLang KV-event stream; repeatable")
+                        help="watch a vLLM/SGLang KV-event stream; repeatable; ENDPOINT,curve=DIR for this app's "
+                             "engine publishing with --kv-events ENDPOINT,curve=DIR")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (tokenizer.json) for token text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="dtype of the local engine's weights, activations and KV cache (default float32; "
@@ -192,7 +196,13 @@ def _same_path(a: str, b: str) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check; raises UsageError with the one line to print."""
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    for action in parser._actions:  # an empty value is a mistake, never "absent" (--make-keys '' opened the window)
+        values = getattr(opts, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, str) and not value.strip() and action.option_strings:
+                raise UsageError(f"{action.option_strings[0]} needs a value, got an empty one")
     opts.size = parse_geometry(opts.geometry) if opts.geometry is not None else None
     if opts.quit_after is not None and not opts.quit_after >= 0:
         raise UsageError("--quit-after must be a number of seconds, 0 or more")
@@ -208,19 +218,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_output_file("--screenshot", opts.screenshot)
     for endpoint in opts.attach:
         check_stream_spec("--attach", endpoint)
-    for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X]
+    for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X][,curve=DIR]
+        from kvstream.curve import check_directory
         from kvstream.kv_events.endpoint import parse_endpoint_spec
         try:
-            parse_endpoint_spec(spec)
+            for endpoint in parse_endpoint_spec(spec):
+                if endpoint.curve:
+                    check_directory(endpoint.curve, server=False)
         except ValueError as exc:
             raise UsageError(f"--attach-kv-events: {exc}") from None
     if opts.publish:
         check_stream_spec("--publish", opts.publish, bind=True)
-    opts.kv_events_replay, opts.kv_events_topic = None, ""
-    if opts.kv_events:  # ENDPOINT[,replay=ADDR][,topic=T], as --attach-kv-events reads it
+    opts.kv_events_replay, opts.kv_events_topic, opts.kv_events_curve = None, "", None
+    if opts.kv_events is not None:  # ENDPOINT[,replay=ADDR][,topic=T][,curve=DIR], as --attach-kv-events reads it
+        from kvstream.curve import check_directory
         from kvstream.kv_events.endpoint import split_spec
         try:
-            first, options = split_spec(opts.kv_events, {"replay": None, "topic": ""}, "replay=ADDR or topic=T")
+            first, options = split_spec(opts.kv_events, {"replay": None, "topic": "", "curve": None},
+                                        "replay=ADDR, topic=T or curve=DIR")
+            if options["curve"] is not None:
+                opts.kv_events_curve = check_directory(options["curve"], server=True)
         except ValueError as exc:
             raise UsageError(f"--kv-events: {exc}") from None
         if options["replay"] is not None:
@@ -325,6 +342,58 @@ def _builtin_tokenizer(path: str) -> bool:
     """``--tokenizer builtin`` or ``--tokenizer resources/builtin``: the built-in byte tokenizer (no tokenizer.json)."""
     from .feeds.stream_feed import is_builtin_tokenizer
     return is_builtin_tokenizer(path)
+
+
+def display_problem(env=None) -> str | None:
+    """Why the window could not open, in one line, or None. On Linux with no display Qt's xcb plugin aborts the
+    process (SIGABRT, a core dump) after a hint to install libxcb-cursor0, which is not the cause; this says what to
+    do instead, before Qt (or torch) loads."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux"):
+        return None
+    platform = env.get("QT_QPA_PLATFORM", "").split(":")[0].split(";")[0].strip().lower()
+    hint = "run with --headless, or set QT_QPA_PLATFORM=offscreen to draw without a display (e.g. for --screenshot)"
+    if platform.startswith("wayland") and not env.get("WAYLAND_DISPLAY"):
+        return f"QT_QPA_PLATFORM is {platform} but WAYLAND_DISPLAY is not set: {hint}"
+    if platform and platform != "xcb":  # offscreen, minimal, vnc, eglfs, wayland with its display ...
+        return None
+    wayland = env.get("WAYLAND_DISPLAY")
+    if wayland and not platform:  # Qt's default on Linux takes Wayland when a compositor is there
+        folder = env.get("XDG_RUNTIME_DIR", "")
+        if os.path.exists(wayland if os.path.isabs(wayland) else os.path.join(folder, wayland)):
+            return None
+    display = env.get("DISPLAY")
+    if not display:
+        return f"no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set): {hint}"
+    if not _x_reachable(display):
+        return f"cannot reach the X display {display!r} (DISPLAY): {hint}"
+    return None
+
+
+def _x_reachable(display: str) -> bool:
+    """Whether an X server answers at ``display`` ("[host]:N[.screen]"): a connect to its socket, nothing more."""
+    import socket
+
+    host, sep, rest = display.rpartition(":")
+    number = rest.split(".")[0]
+    if not sep or not number.isdigit():
+        return False
+    if host in ("", "unix"):
+        path = f"/tmp/.X11-unix/X{number}"
+        for address in (path, "\0" + path):  # the file, then Linux's abstract socket of the same name
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(2.0)
+                try:
+                    sock.connect(address)
+                    return True
+                except OSError:
+                    continue
+        return False
+    try:
+        with socket.create_connection((host.strip("[]"), 6000 + int(number)), timeout=2.0):
+            return True
+    except OSError:
+        return False
 
 
 def parse_or_exit(argv: list[str] | None = None) -> argparse.Namespace:

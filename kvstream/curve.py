@@ -15,7 +15,10 @@ A publisher reads ``server.key_secret`` and authorizes every public key in ``DIR
 ``client.key_secret`` and ``server.key``. More watchers: make more client pairs (``zmq.auth.create_certificates``)
 and drop their public keys into ``authorized/``.
 
-vLLM's own KV events (``--attach-kv-events``) have no such option: vLLM publishes them in the clear.
+The engine's own KV events (``--kv-events ENDPOINT,curve=DIR``, ``--attach-kv-events ENDPOINT,curve=DIR``) use the
+same keys: their ``BlockStored`` events carry the tokens too. vLLM's KV events have no such option: vLLM publishes
+them in the clear, and its consumers (vLLM's own, Dynamo's router, llm-d's indexer) cannot speak CURVE, so a stream
+published with keys is for this app's watchers only.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from .endpoints import EndpointError, is_local
 
 logger = logging.getLogger("kvstream.curve")
-_warned: set[str] = set()  # endpoints already warned about (the warning is said once per endpoint and process)
+_warned: set[tuple[str, str]] = set()  # (what, endpoint) already warned about: once per endpoint and process
 
 
 class CurveError(EndpointError):
@@ -96,10 +99,11 @@ class CurveServer:
     """Makes a socket a CURVE server that lets in only the keys in ``DIR/authorized``. It needs a context of its
     own (ZMQ runs one authenticator per context), which it owns and closes."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, context: zmq.Context | None = None):
+        """``context``: a fresh context to own instead of a default one (a caller that sets its options first)."""
         check_directory(directory, server=True)
         self.directory = directory
-        self.context = zmq.Context()
+        self.context = context if context is not None else zmq.Context()
         self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("kvstream.curve.auth"))
         self._auth.start()
         self._auth.configure_curve(domain="*", location=os.path.join(directory, "authorized"))
@@ -127,14 +131,15 @@ def apply_client(socket: zmq.Socket, directory: str) -> None:
     socket.curve_serverkey = server_public
 
 
-def warn_if_open(endpoint: str, bound: str, curve: str | None, log: logging.Logger | None = None) -> bool:
-    """Say once that anyone who can reach ``bound`` can read the prompts, when it is bound beyond this machine
+def warn_if_open(endpoint: str, bound: str, curve: str | None, log: logging.Logger | None = None,
+                 what: str = "the pool stream", note: str = "") -> bool:
+    """Say once that anyone who can reach ``bound`` can read the prompts, when ``what`` is bound beyond this machine
     without CURVE. True when it warned."""
-    if curve or is_local(endpoint) or endpoint in _warned:
+    if curve or is_local(endpoint) or (what, endpoint) in _warned:
         return False
-    _warned.add(endpoint)
+    _warned.add((what, endpoint))
     (log or logger).warning(
-        "publishing the pool stream on %s without CURVE: anyone who can reach this port can read every "
-        "conversation's tokens (the prompts). Restrict it with curve=DIR (python main.py --make-keys DIR) or bind "
-        "127.0.0.1.", bound)
+        "publishing %s on %s without CURVE: anyone who can reach this port can read every conversation's tokens "
+        "(the prompts). Restrict it with curve=DIR (python main.py --make-keys DIR) or bind 127.0.0.1.%s", what,
+        bound, note)
     return True

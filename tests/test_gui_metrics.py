@@ -116,6 +116,7 @@ def test_the_axes_are_drawn_from_qts_cache_until_they_change(qtbot, monkeypatch)
     panel.resize(900, 300)
     panel.show()
     qtbot.waitExposed(panel)
+    qtbot.waitUntil(lambda: panel.columns == 3)  # laid out for its width (after the resize event)
     for step in range(5, 40):
         panel.record(blank(step))
     panel.redraw()
@@ -125,3 +126,56 @@ def test_the_axes_are_drawn_from_qts_cache_until_they_change(qtbot, monkeypatch)
     monkeypatch.setattr(bottom, "paint", lambda *a: painted.append(1) or pg.AxisItem.paint(bottom, *a))
     panel.plot_items[0][0].setXRange(0, 1000, padding=0)  # an axis that changes is drawn again
     qtbot.waitUntil(lambda: bool(painted), timeout=2000)
+
+
+def test_a_resize_never_re_lays_out_the_plots_inside_its_event(qtbot, monkeypatch):
+    """Issue 48: the launches that crashed in pyqtgraph's AxisItem._updateLabel did so while MetricsPanel removed
+    and re-added every plot from inside resizeEvent. The re-layout now runs after the event (a zero-delay timer),
+    and only when the column count changes."""
+    from explorer.widgets.metrics import MIN_PLOT_WIDTH, MetricsPanel
+    panel = MetricsPanel()
+    qtbot.addWidget(panel)
+    inside, during, removed = [], [], []
+    real_resize, real_reflow = MetricsPanel.resizeEvent, MetricsPanel._reflow
+
+    def resize_event(self, event):
+        inside.append(True)
+        try:
+            real_resize(self, event)
+        finally:
+            inside.pop()
+
+    def reflow(self, columns):
+        during.append(bool(inside))
+        real_reflow(self, columns)
+    monkeypatch.setattr(MetricsPanel, "resizeEvent", resize_event)
+    monkeypatch.setattr(MetricsPanel, "_reflow", reflow)
+    real_remove = panel.plots.ci.removeItem
+    monkeypatch.setattr(panel.plots.ci, "removeItem", lambda item: (removed.append(item), real_remove(item)))
+    panel.resize(2 * MIN_PLOT_WIDTH + 10, 300)
+    panel.show()
+    qtbot.waitExposed(panel)
+    qtbot.waitUntil(lambda: panel.columns == 2)
+    assert during and not any(during), "the plots were re-laid out inside resizeEvent"
+    removed.clear()
+    panel.resize(2 * MIN_PLOT_WIDTH + 60, 320)  # the same two columns
+    qtbot.waitUntil(lambda: panel.width() == 2 * MIN_PLOT_WIDTH + 60)
+    panel.resize(3 * MIN_PLOT_WIDTH + 10, 320)  # three: re-laid once, after the event
+    qtbot.waitUntil(lambda: panel.columns == 3)
+    assert len(removed) == len(panel.plot_items) and not any(during)
+
+
+def test_a_resize_keeps_the_history_frame_on_view(qtbot):
+    """A resize used to reset what the plots show to the live end (``until`` was set in resizeEvent)."""
+    from explorer.widgets.metrics import MetricsPanel
+    panel = MetricsPanel()
+    qtbot.addWidget(panel)
+    panel.redraw()  # before any resize: nothing it needs is missing
+    for step in range(1, 30):
+        panel.record(blank(step))
+    panel.show_until(12)
+    panel.resize(700, 300)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.redraw()
+    assert panel.until == 12 and all(r[1] == 12 for r in ranges(panel))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvstream.curve import CurveError
 from kvstream.events import BlockEvent, EventKind
 from kvstream.kv_events.codec import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstream.kv_events.publisher import KVEventError, KVEventPublisher
@@ -83,8 +84,8 @@ class KVEventsOut:
     def __init__(self, cfg: EngineConfig, groups: Sequence | None = None):
         try:
             self.publisher = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
-                                              cfg.kv_events_topic)
-        except KVEventError as exc:
+                                              cfg.kv_events_topic, curve=cfg.kv_events_curve)
+        except (KVEventError, CurveError) as exc:
             raise EngineError(str(exc)) from None
         self.block_size = cfg.block_size
         self.groups = groups  # the engine's KV cache groups (each event names its own)

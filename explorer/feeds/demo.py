@@ -13,7 +13,8 @@ back; on the window demo's mixed checkpoint the sliding-window group keeps relea
 which paging admits (blocks are taken only as tokens arrive, and most requests stop early) while a contiguous
 max-length allocator of the same memory has to keep many waiting (the contiguous view shows both).
 
-Both demos shrink a request whose generation budget would not fit the pool (or the model's context). A demo that
+Both demos shrink a request whose generation budget would not fit the pool (or the model's context), and a prompt
+that could not fit at all loses its system prompt, then its tail, so that a demo runs on any pool. A demo that
 lowers a request says so: every seed function returns a :class:`Seeded` with a note per lowered request, which
 the window shows.
 """
@@ -63,25 +64,45 @@ class _Adder:
 
     def add(self, prompt: str, wanted: int, budget: int, system: str = "", **kwargs) -> int:
         """Add ``prompt`` (after the ``system`` prompt) asking for ``wanted`` new tokens, but at most ``budget`` slots
-        in all (prompt + new) and within the model's positions. A chat model gets them as system and user turns."""
+        in all (prompt + new) and within the model's positions. A chat model gets them as system and user turns.
+        A prompt that cannot fit the whole pool (or the model) at all loses its system prompt first, then its tail:
+        the demo runs on any pool, saying what it cut."""
         chat = getattr(self.engine, "chat_template", None) is not None
-        if chat:  # a real chat model answers a user turn; bare text would only be continued
-            ids = self.engine.chat_prompt_ids(([{"role": "system", "content": system.strip()}] if system else [])
-                                              + [{"role": "user", "content": prompt}])
-        prompt_len = len(ids) if chat else len(self.engine.tokenize(system + prompt))
+        ids = self._prompt_ids(prompt, system, chat)
+        limit = self.num_blocks * self.block_size
+        if self.max_model_len:
+            limit = min(limit, self.max_model_len)
+        least = min(MIN_NEW_TOKENS, max(1, limit // 2))  # new tokens a request keeps at the least
+        where = (f"the model's context of {self.max_model_len} tokens" if limit == self.max_model_len else
+                 f"the pool ({limit} slots)")
+        cut = ""
+        if len(ids) + least > limit and system:  # the shared system prompt goes first: the question is the request
+            ids, system, cut = self._prompt_ids(prompt, "", chat), "", "its system prompt left out"
+        if len(ids) + least > limit:
+            before, ids = len(ids), ids[:limit - least]
+            cut = f"{cut + ' and ' if cut else ''}its prompt cut from {before} to {len(ids)} tokens"
+        prompt_len = len(ids)
         pool_room = budget - prompt_len
         model_room = self.max_model_len - prompt_len if self.max_model_len else pool_room
-        granted = max(MIN_NEW_TOKENS, min(wanted, pool_room, model_room))
-        if chat:
+        granted = min(max(least, min(wanted, pool_room, model_room)), limit - prompt_len)
+        if chat or cut:
             cid = self.engine.add_conversation(prompt_token_ids=ids, max_new_tokens=granted, **kwargs)
         else:
             cid = self.engine.add_conversation(system + prompt, max_new_tokens=granted, **kwargs)
         self.ids.append(cid)
+        if cut:
+            self.notes.append(f"conversation {cid}: {cut} to fit {where}")
         if granted < wanted:
-            limit = (f"the model's context of {self.max_model_len} tokens" if model_room <= pool_room else
-                     f"its share of the pool ({budget} of {self.num_blocks * self.block_size} slots)")
-            self.notes.append(f"conversation {cid}: max new tokens lowered from {wanted} to {granted} to fit {limit}")
+            reason = (f"the model's context of {self.max_model_len} tokens" if model_room <= pool_room else
+                      f"its share of the pool ({budget} of {self.num_blocks * self.block_size} slots)")
+            self.notes.append(f"conversation {cid}: max new tokens lowered from {wanted} to {granted} to fit {reason}")
         return cid
+
+    def _prompt_ids(self, prompt: str, system: str, chat: bool) -> list[int]:
+        if chat:  # a real chat model answers a user turn; bare text would only be continued
+            return self.engine.chat_prompt_ids(([{"role": "system", "content": system.strip()}] if system else [])
+                                               + [{"role": "user", "content": prompt}])
+        return self.engine.tokenize(system + prompt)
 
     def fork(self, parent: int, **kwargs) -> int:
         cid = self.engine.fork_conversation(parent, **kwargs)

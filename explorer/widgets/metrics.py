@@ -85,7 +85,17 @@ class MetricsPanel(QtWidgets.QWidget):
         column.addWidget(self.plots)
         column.addWidget(self.tiers)
         self.scroll.setWidget(body)
+        self._dirty = True  # the first redraw sets the empty plots' ranges
+        self.until: int | None = None  # show samples up to this step only (a history frame on view); None: all
         self._reflow(MAX_COLUMNS)
+        # Re-laid out after a resize, never inside it: a reflow removes and re-adds plots whose axis labels paint
+        # through a device-coordinate cache, and doing that from resizeEvent (during the first layout of a fresh
+        # window) is where launches crashed in pyqtgraph's AxisItem._updateLabel. A zero-delay single shot runs once
+        # the resize is over, and once for a burst of resizes.
+        self._reflow_timer = QtCore.QTimer(self)
+        self._reflow_timer.setSingleShot(True)
+        self._reflow_timer.setInterval(0)
+        self._reflow_timer.timeout.connect(self._reflow_to_width)
 
     def _reflow(self, columns: int) -> None:
         """Lay the plots out ``columns`` to a row; the plot area is tall enough for every row at its least height."""
@@ -104,11 +114,13 @@ class MetricsPanel(QtWidgets.QWidget):
             plot.getAxis("bottom").setLabel("step" if bottom else None)
         self.plots.setMinimumHeight(rows * MIN_PLOT_HEIGHT)
 
+    def _reflow_to_width(self) -> None:
+        self._reflow(max(1, self.width() // MIN_PLOT_WIDTH))
+
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
         super().resizeEvent(event)
-        self._reflow(max(1, event.size().width() // MIN_PLOT_WIDTH))
-        self._dirty = True  # the first redraw sets the empty plots' ranges
-        self.until: int | None = None  # show samples up to this step only (a history frame on view); None: all
+        if max(1, min(MAX_COLUMNS, event.size().width() // MIN_PLOT_WIDTH)) != self.columns:
+            self._reflow_timer.start()  # (the column count is unchanged for most resizes: nothing to re-lay)
 
     def show_until(self, step_id: int | None) -> None:
         """Metrics up to ``step_id`` (the step of the history frame being viewed), or all of them (None, live).

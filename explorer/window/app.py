@@ -91,13 +91,15 @@ def when_drawn(window: MainWindow, callback, steps: int = SCREENSHOT_STEPS,
     return timer
 
 
-def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> None:
+def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> bool:
+    """Save the window (or the lesson's) as a PNG; False, said on stderr, when it could not be written."""
     target = window.lesson_window if lesson and window.lesson_window is not None else window
     QtWidgets.QApplication.processEvents()
     if target.grab().save(path):
         print(f"saved {path}", flush=True)
-    else:
-        print(f"error: could not save the screenshot to {path}", file=sys.stderr, flush=True)
+        return True
+    print(f"error: could not save the screenshot to {path}", file=sys.stderr, flush=True)
+    return False
 
 
 def run_gui(opts, cfg: EngineConfig) -> int:
@@ -129,19 +131,21 @@ def run_gui(opts, cfg: EngineConfig) -> int:
     elif demo in DEMOS:
         show_example_selection(window, select_conversation=demo == "busy")
     lesson = demo == "lesson"
+    unsaved: list[str] = []  # screenshots that could not be written: the exit status says so (1)
     if opts.screenshot:
         def first_shot() -> None:
-            save_screenshot(window, opts.screenshot, lesson)
+            if not save_screenshot(window, opts.screenshot, lesson):
+                unsaved.append(opts.screenshot)
             if opts.quit_after is None:
                 window.close()
         window.screenshot_timer = when_drawn(window, first_shot)
     if opts.quit_after is not None:
         def last_shot_and_quit() -> None:
-            if opts.screenshot:
-                save_screenshot(window, opts.screenshot, lesson)  # the state at the end, as asked
+            if opts.screenshot and not save_screenshot(window, opts.screenshot, lesson):  # the end, as asked
+                unsaved.append(opts.screenshot)
             window.close()
         QtCore.QTimer.singleShot(int(1000 * opts.quit_after), last_shot_and_quit)
     app.exec()
     for source in window.sources:  # closing the window closed them already; this covers any other way out
         source.close()
-    return 0
+    return 1 if unsaved else 0

@@ -6,6 +6,7 @@ port + r, replay socket too)::
     tcp://host:5557                               live stream only
     tcp://host:5557,tcp://host:5558               with its replay socket
     tcp://host:5557,replay=tcp://host:5558,topic=kv,dp=4,name=node-a
+    tcp://host:5557,curve=DIR                     this app's engine publishing with CURVE keys (--make-keys DIR)
 
 A wildcard host (``tcp://*:5557``, as written in a server's own config) is read as this machine (127.0.0.1).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvstream.endpoints import EndpointError
+from kvstream.endpoints import EndpointError, check_endpoint
 from kvstream.endpoints import endpoint_for_rank as _endpoint_for_rank
 from kvstream.kv_events.codec import KVEventError
 
@@ -27,6 +28,7 @@ class KVEventEndpoint:
     replay_endpoint: str | None = None  # ZMQ address of its replay ROUTER socket; None: no catch-up, gaps are lost
     topic: str = ""  # topic prefix to subscribe to ("" = everything, vLLM's default)
     name: str = ""  # label in the window; the endpoint when empty
+    curve: str | None = None  # CURVE key directory (kvstream.curve) of a publisher that asks for keys; None: clear
 
     @property
     def label(self) -> str:
@@ -46,9 +48,16 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
 
 
 def _connectable(address: str, what: str) -> str:
+    """``address`` (a wildcard host read as this machine), checked by the project's one rule
+    (:func:`kvstream.endpoints.check_endpoint`): a port from 1 to 65535, never wrapped (ZMQ would take 99999 as
+    34463) and never 0 (nothing listens there)."""
     if not isinstance(address, str) or not re.fullmatch(r"(tcp|ipc|inproc)://.+", address):
         raise KVEventError(f"{what} must be a ZMQ address such as tcp://host:5557 or ipc:///path, not {address!r}")
-    return re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", address)
+    address = re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", address)
+    try:
+        return check_endpoint(address, bind=False, what=what)
+    except EndpointError as exc:
+        raise KVEventError(str(exc)) from None
 
 
 def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:
@@ -58,7 +67,7 @@ def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:
     replay = endpoint.replay_endpoint
     return KVEventEndpoint(endpoint=_connectable(endpoint.endpoint, "the KV-event endpoint"),
                            replay_endpoint=_connectable(replay, "the replay endpoint") if replay is not None else None,
-                           topic=endpoint.topic, name=endpoint.name)
+                           topic=endpoint.topic, name=endpoint.name, curve=endpoint.curve)
 
 
 def split_spec(spec: str, defaults: dict[str, str | None], usage: str) -> tuple[str, dict[str, str | None]]:
@@ -81,8 +90,8 @@ def parse_endpoint_spec(spec: str) -> tuple[KVEventEndpoint, ...]:
     """The endpoints one ``--attach-kv-events`` value names (several for ``dp=N``); a bad spec raises KVEventError."""
     if not isinstance(spec, str) or not spec.strip():
         raise KVEventError("a KV-event endpoint spec must be a non-empty string such as tcp://host:5557")
-    first, options = split_spec(spec, {"replay": None, "topic": "", "dp": "1", "name": ""},
-                                "replay=ADDR, topic=T, dp=N or name=X")
+    first, options = split_spec(spec, {"replay": None, "topic": "", "dp": "1", "name": "", "curve": None},
+                                "replay=ADDR, topic=T, dp=N, name=X or curve=DIR")
     endpoint = _connectable(first, "the KV-event endpoint")
     replay = _connectable(options["replay"], "the replay endpoint") if options["replay"] else None
     if not options["dp"].isdigit() or not 1 <= int(options["dp"]) <= 1024:
@@ -94,5 +103,5 @@ def parse_endpoint_spec(spec: str) -> tuple[KVEventEndpoint, ...]:
         name = base if ranks == 1 else f"{base or endpoint} dp{rank}"
         out.append(KVEventEndpoint(endpoint=endpoint_for_rank(endpoint, rank),
                                    replay_endpoint=endpoint_for_rank(replay, rank) if replay else None,
-                                   topic=options["topic"], name=name))
+                                   topic=options["topic"], name=name, curve=options["curve"] or None))
     return tuple(out)

@@ -25,23 +25,34 @@ from typing import Sequence
 
 import zmq
 
+from kvstream.curve import CurveServer, check_directory, warn_if_open
 from kvstream.kv_events.codec import END_SEQ, KVEvent, KVEventError, encode_batch, make_batch, seq_bytes
+
+_CLEAR_NOTE = (" (vLLM's own KV-event consumers cannot speak CURVE: with keys, only this app's watchers can "
+               "follow the stream)")
 
 
 _context: zmq.Context | None = None
 _context_lock = threading.Lock()
 
 
+def _batch_context() -> zmq.Context:
+    """A fresh context whose I/O thread is SCHED_BATCH where the OS has that policy (set before any socket: the I/O
+    thread starts then)."""
+    ctx = zmq.Context()
+    if hasattr(os, "SCHED_BATCH") and hasattr(zmq, "THREAD_SCHED_POLICY"):
+        ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+    return ctx
+
+
 def publisher_context() -> zmq.Context:
     """The ZMQ context every publisher's sockets use (made on first use; its I/O thread is SCHED_BATCH where the
-    OS has that policy). Never terminated, like ``zmq.Context.instance()``."""
+    OS has that policy). Never terminated, like ``zmq.Context.instance()``. A publisher with CURVE keys has a
+    context of its own (ZMQ runs one authenticator per context)."""
     global _context
     with _context_lock:
         if _context is None:
-            ctx = zmq.Context()
-            if hasattr(os, "SCHED_BATCH") and hasattr(zmq, "THREAD_SCHED_POLICY"):
-                ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)  # before any socket: the I/O thread starts then
-            _context = ctx
+            _context = _batch_context()
         return _context
 
 
@@ -60,7 +71,10 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_size: int = 10_000, *, data_parallel_rank: int | None = 0, hwm: int = 100_000,
-                 bind: bool | None = None) -> None:
+                 bind: bool | None = None, curve: str | None = None) -> None:
+        """``curve``: a CURVE key directory (kvstream.curve): both sockets then let in only authorized watchers,
+        encrypted. vLLM's own consumers cannot speak CURVE. Bound beyond this machine without it, the publisher
+        says once that anyone who can reach the port reads the prompts' tokens."""
         for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
             if value is not None and (not isinstance(value, str) or "://" not in value):
                 raise KVEventError(f"{name} must be a ZMQ address such as tcp://*:5557, not {value!r}")
@@ -79,13 +93,20 @@ class KVEventPublisher:
         self.num_bad_replay_requests = 0  # replay requests that were not [8-byte seq]; ignored
         self.num_replays = 0  # replay requests answered
         self.num_send_failures = 0  # batches the PUB socket refused (each kept for replay, its seq used)
-        ctx = publisher_context()
+        self._curve = None
+        if curve:
+            check_directory(curve, server=True)  # CurveError (a ValueError) before anything is made
+            self._curve = CurveServer(curve, _batch_context())
+        ctx = self._curve.context if self._curve is not None else publisher_context()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
+        binds = bind if bind is not None else is_bind_endpoint(endpoint)
         try:
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if bind if bind is not None else is_bind_endpoint(endpoint):
+            if self._curve is not None:
+                self._curve.apply(self._pub)
+            if binds:
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # as bound (port resolved)
             else:
@@ -96,11 +117,18 @@ class KVEventPublisher:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * buffer_size + 16)  # a whole replay must fit, never drop
+                if self._curve is not None:
+                    self._curve.apply(self._replay)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise KVEventError(f"cannot open KV-event sockets ({endpoint}, replay {replay_endpoint}): {exc}") from None
+        for given, bound, bound_here in ((endpoint, self.endpoint, binds), (replay_endpoint, self.replay_endpoint,
+                                                                            True)):
+            if given is not None and bound_here and warn_if_open(given, bound, curve, what="KV events",
+                                                                 note=_CLEAR_NOTE):
+                break  # one warning says it for both sockets
         self._thread = None
         if self._replay is not None:
             self._thread = threading.Thread(target=self._serve_replay, name="kv-event-replay", daemon=True)
@@ -155,6 +183,9 @@ class KVEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        if self._curve is not None:  # its context and authenticator go with the sockets
+            self._curve.close()
+            self._curve = None
 
     def _serve_replay(self) -> None:
         """Replay thread: answer each request with the buffered batches from its start seq, then the end marker."""

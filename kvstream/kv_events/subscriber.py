@@ -30,6 +30,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvstream.curve import CurveError, apply_client
 from kvstream.kv_events.codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_report, parse_frames, \
     seq_bytes
 from kvstream.kv_events.endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec
@@ -134,11 +135,13 @@ class _Follower:
                                (zmq.RECONNECT_IVL_MAX, 2000)):
                 self.sub.setsockopt(opt, value)
             self.sub.setsockopt(zmq.SUBSCRIBE, self.ep.topic.encode())
+            if self.ep.curve:
+                apply_client(self.sub, self.ep.curve)
             self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self.sub.connect(self.ep.endpoint)
             if self.ep.replay_endpoint:
                 self._new_dealer()  # the first replay is asked when the live socket connects (on_monitor)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, CurveError) as exc:
             self.last_error = f"cannot connect to {self.ep.endpoint} (replay {self.ep.replay_endpoint}): {exc}"
             self.close()
 
@@ -148,6 +151,8 @@ class _Follower:
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's buffer; never drop part
+        if self.ep.curve:
+            apply_client(self.dealer, self.ep.curve)
         self.dealer.connect(self.ep.replay_endpoint)
         self.sockets_changed = True
 
