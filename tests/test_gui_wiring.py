@@ -31,11 +31,11 @@ def test_reply_with_token_ids_goes_out_as_ids_and_a_refusal_stays_at_the_field(q
     dialog.try_accept()
     qtbot.waitUntil(lambda: "outside the vocabulary" in dialog.error_text("message"), timeout=3000)
     assert dialog.isVisible() and window.errors == []  # shown at the field, not in a second message box
-    assert str(window.runner.engine.conversation(cid).status) == "finished"  # nothing changed
+    assert str(window.runner.submit("conversation", cid).result(5).status) == "finished"  # nothing changed
     dialog.message.setPlainText("72, 105")
     dialog.try_accept()
     qtbot.waitUntil(lambda: dialog.result() == ACCEPTED, timeout=3000)
-    info = window.runner.engine.conversation(cid)
+    info = window.runner.submit("conversation", cid).result(5)  # through the runner: the engine takes one caller
     assert info.prompt_token_ids == tuple(history) + (72, 105) and len(info.turns) == 2
     assert window.errors == []
 

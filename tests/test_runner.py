@@ -56,7 +56,7 @@ def test_engine_exception_surfaces_and_thread_survives(runner):
     assert runner.paused and runner.alive
     runner.engine.model.forward = original
     runner.resume().result(5)
-    wait_until(lambda: not runner.engine.has_work())
+    wait_until(lambda: not any(c.is_live for c in runner.latest.conversations))  # (one caller: not the engine)
 
 
 def test_stop_is_prompt(tmp_path):
@@ -107,7 +107,7 @@ def test_a_broken_observer_is_reported_and_detached(runner):
     failures = []
     wait_until(lambda: failures.extend(runner.take_failures()) or failures)
     assert "disk full" in failures[0].message and len(calls) == 1 and runner.alive
-    wait_until(lambda: not runner.engine.has_work())
+    wait_until(lambda: not any(c.is_live for c in runner.latest.conversations))  # (one caller: not the engine)
 
 
 def test_a_dying_loop_is_reported_and_every_future_resolves(runner, monkeypatch):
