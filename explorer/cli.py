@@ -74,11 +74,13 @@ def check_stream_spec(flag: str, spec: str, bind: bool = False) -> str:
     return spec
 
 
-def _check_output_file(flag: str, path: str) -> None:
+def _check_output_file(flag: str, path: str, regular: bool = False) -> None:
+    """The folder must exist and be writable; ``regular``: an existing path must be a regular file (a PNG written
+    into /dev/full or a FIFO is never a screenshot; a recording may go to a pipe)."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
-    if os.path.exists(path) and not os.path.isfile(path):  # /dev/full, a FIFO: nothing a file can be written to
+    if regular and os.path.exists(path) and not os.path.isfile(path):
         raise UsageError(f"{flag} {path} exists and is not a regular file; give a file name")
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
@@ -215,14 +217,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.headless and opts.demo == "lesson":
         raise UsageError("the lesson needs the window; drop --headless")
     if opts.screenshot:
-        _check_output_file("--screenshot", opts.screenshot)
+        _check_output_file("--screenshot", opts.screenshot, regular=True)
     for endpoint in opts.attach:
         check_stream_spec("--attach", endpoint)
     for spec in opts.attach_kv_events:  # ENDPOINT[,replay=ADDR][,topic=T][,dp=N][,name=X][,curve=DIR]
         from kvstream.curve import check_directory
-        from kvstream.kv_events.endpoint import parse_endpoint_spec
+        from kvstream.kv_events.endpoint import parse_endpoint_spec, usable
         try:
             for endpoint in parse_endpoint_spec(spec):
+                usable(endpoint)  # ports 1-65535 (ZMQ would wrap 99999 to 34463)
                 if endpoint.curve:
                     check_directory(endpoint.curve, server=False)
         except ValueError as exc:

@@ -167,7 +167,7 @@ def test_a_failing_kv_event_publish_is_reported_and_stepping_goes_on(tmp_path):
         publisher.publish = real
         sent = publisher.next_seq
         r.submit("add_conversation", prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=4).result(5)
-        wait_until(lambda: not eng.has_work() and publisher.next_seq > sent)
+        wait_until(lambda: not any(c.is_live for c in r.latest.conversations) and publisher.next_seq > sent)
         assert r.take_failures() == []
     finally:
         assert r.stop()

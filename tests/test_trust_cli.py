@@ -77,10 +77,14 @@ def test_attach_kv_events_ports_are_checked_as_everywhere_else(spec, words):
 
 
 def test_the_kv_event_reader_never_wraps_a_port():
+    """A library watcher says so for that endpoint (and follows the others) instead of connecting to 34463."""
     from kvstream.kv_events import KVEventSubscriber
-    from kvstream.kv_events.codec import KVEventError
-    with pytest.raises(KVEventError, match="out of range"):
-        KVEventSubscriber(["tcp://127.0.0.1:99999"])
+    from tests.helpers import wait_until
+    with KVEventSubscriber(["tcp://127.0.0.1:99999", "tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:0"]) as sub:
+        wait_until(lambda: all(x.state == "failed" for x in sub.status()), what="both endpoints refused")
+        wrapped, zero = sub.status()
+    assert "port 99999 is out of range" in wrapped.text and not wrapped.connected
+    assert "the replay endpoint 'tcp://127.0.0.1:0' connects to a server" in zero.text
 
 
 # ---- demos fit any pool -------------------------------------------------------------------------------------------

@@ -48,16 +48,20 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
 
 
 def _connectable(address: str, what: str) -> str:
-    """``address`` (a wildcard host read as this machine), checked by the project's one rule
-    (:func:`kvstream.endpoints.check_endpoint`): a port from 1 to 65535, never wrapped (ZMQ would take 99999 as
-    34463) and never 0 (nothing listens there)."""
+    """``address`` with a wildcard host read as this machine. Only its form is checked here: a library watcher
+    reports an address it cannot use per endpoint and goes on (see :func:`usable`); the command line refuses one."""
     if not isinstance(address, str) or not re.fullmatch(r"(tcp|ipc|inproc)://.+", address):
         raise KVEventError(f"{what} must be a ZMQ address such as tcp://host:5557 or ipc:///path, not {address!r}")
-    address = re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", address)
-    try:
-        return check_endpoint(address, bind=False, what=what)
-    except EndpointError as exc:
-        raise KVEventError(str(exc)) from None
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", address)
+
+
+def usable(endpoint: KVEventEndpoint) -> None:
+    """EndpointError unless both addresses can be connected to by the project's one rule
+    (:func:`kvstream.endpoints.check_endpoint`): a port from 1 to 65535, never wrapped (ZMQ would connect to 34463
+    for 99999) and never 0 (nothing listens there)."""
+    check_endpoint(endpoint.endpoint, bind=False, what="the KV-event endpoint")
+    if endpoint.replay_endpoint is not None:
+        check_endpoint(endpoint.replay_endpoint, bind=False, what="the replay endpoint")
 
 
 def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:

@@ -33,7 +33,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvstream.curve import CurveError, apply_client
 from kvstream.kv_events.codec import END_SEQ, KVEventDecodeError, KVEventError, decode_batch_report, parse_frames, \
     seq_bytes
-from kvstream.kv_events.endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec
+from kvstream.endpoints import EndpointError
+from kvstream.kv_events.endpoint import KVEventEndpoint, checked_endpoint, parse_endpoint_spec, usable
 from kvstream.kv_events.index import KVCacheIndex
 
 CONNECTING = "connecting"  # never connected yet
@@ -129,6 +130,11 @@ class _Follower:
 
     # ----- sockets -----
     def open(self) -> None:
+        try:
+            usable(self.ep)
+        except EndpointError as exc:  # said for this endpoint; the others are followed
+            self.last_error = f"cannot connect to {self.ep.endpoint} (replay {self.ep.replay_endpoint}): {exc}"
+            return
         try:
             self.sub = self.ctx.socket(zmq.SUB)
             for opt, value in ((zmq.LINGER, 0), (zmq.RCVHWM, 100_000), (zmq.RECONNECT_IVL, 100),
