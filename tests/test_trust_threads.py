@@ -83,7 +83,8 @@ def _calls(eng: Engine, cid: int, done: int, snap) -> dict:
         "probe_attention": ((), {}), "snapshot": ((), {}), "change_record": ((snap,), {}), "metrics": ((), {}),
         "memory_stats": ((), {}), "inspect_block": ((0,), {}), "take_events": ((), {}),
         "check_invariants": ((), {}), "take_background_errors": ((), {}), "close": ((), {}),
-        "prompt_token_sources": ((cid,), {}),
+        "prompt_token_sources": ((cid,), {}), "add_prefill": ((), {"prompt_token_ids": [1, 2, 3]}),
+        "is_finished": ((cid,), {}), "prompt_block_outcomes": ((cid,), {}),
     }
 
 
