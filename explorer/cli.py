@@ -64,9 +64,9 @@ def check_stream_spec(flag: str, spec: str, bind: bool = False) -> str:
     """``ENDPOINT[,curve=DIR]`` of ``--publish`` / ``--attach``: the endpoint checked as above, and the CURVE key
     directory holding what a publisher (``bind``) or a watcher needs."""
     from kvstream.curve import check_directory
-    from kvstream.endpoints import EndpointError, split_spec
+    from kvstream.endpoints import EndpointError, stream_spec
     try:
-        _, curve = split_spec(spec, bind=bind, what=flag)
+        _, curve = stream_spec(spec, bind=bind, what=flag)
         if curve is not None:
             check_directory(curve, server=bind)
     except EndpointError as exc:
@@ -235,10 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts.kv_events_replay, opts.kv_events_topic, opts.kv_events_curve = None, "", None
     if opts.kv_events is not None:  # ENDPOINT[,replay=ADDR][,topic=T][,curve=DIR], as --attach-kv-events reads it
         from kvstream.curve import check_directory
-        from kvstream.kv_events.endpoint import split_spec
+        from kvstream.endpoints import split_spec
         try:
             first, options = split_spec(opts.kv_events, {"replay": None, "topic": "", "curve": None},
-                                        "replay=ADDR, topic=T or curve=DIR")
+                                        "use replay=ADDR, topic=T or curve=DIR", bare="replay")
             if options["curve"] is not None:
                 opts.kv_events_curve = check_directory(options["curve"], server=True)
         except ValueError as exc:

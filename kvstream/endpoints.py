@@ -83,17 +83,38 @@ def is_local(endpoint: str) -> bool:
         return False  # "*", an interface or a host name: reachable from elsewhere, as far as we can tell
 
 
-def split_spec(spec, *, bind: bool, what: str = "endpoint") -> tuple[str, str | None]:
+CURVE_USAGE = "the only option is curve=DIR (a key directory made by python main.py --make-keys DIR)"
+
+
+def split_spec(spec: str, options: dict[str, str | None], usage: str, *, what: str = "",
+               bare: str | None = None) -> tuple[str, dict[str, str | None]]:
+    """``ENDPOINT[,KEY=VALUE]...``, the one spelling of an endpoint with options (``--publish``, ``--attach``,
+    ``--kv-events``, ``--attach-kv-events``, the plugin's variable) -> (ENDPOINT, ``options`` updated with the ones
+    given). ``bare``: the option that an address right after the endpoint fills (``tcp://h:5557,tcp://h:5558``: its
+    replay socket). EndpointError names an option ``options`` does not have, with ``usage`` (and ``what``, the flag
+    or variable)."""
+    first, *rest = [part.strip() for part in spec.split(",")]
+    given = dict(options)
+    for i, part in enumerate(rest):
+        key, sep, value = part.partition("=")
+        if not sep and i == 0 and bare is not None and "://" in part:
+            key, sep, value = bare, "=", part
+        if not sep or key not in given:
+            raise EndpointError(_unknown_option(part, spec, usage, what))
+        given[key] = value
+    return first, given
+
+
+def _unknown_option(part: str, spec: str, usage: str, what: str) -> str:
+    return f"unknown option {part!r} in {what + ' ' if what else ''}{spec!r}: {usage}"
+
+
+def stream_spec(spec, *, bind: bool, what: str = "endpoint") -> tuple[str, str | None]:
     """``ENDPOINT[,curve=DIR]`` (how ``--publish``, ``--attach`` and the plugin's variable spell a stream) ->
     (the endpoint, checked; the CURVE key directory or None). EndpointError for anything else."""
     if not isinstance(spec, str):
         return check_endpoint(spec, bind=bind, what=what), None
-    endpoint, *options = [part.strip() for part in spec.split(",")]
-    curve = None
-    for option in options:
-        key, sep, value = option.partition("=")
-        if key != "curve" or not sep or not value:
-            raise EndpointError(f"unknown option {option!r} in {what} {spec!r}: the only option is curve=DIR "
-                                "(a key directory made by python main.py --make-keys DIR)")
-        curve = value
-    return check_endpoint(endpoint, bind=bind, what=what), curve
+    endpoint, options = split_spec(spec, {"curve": None}, CURVE_USAGE, what=what)
+    if options["curve"] == "":
+        raise EndpointError(_unknown_option("curve=", spec, CURVE_USAGE, what))
+    return check_endpoint(endpoint, bind=bind, what=what), options["curve"]

@@ -262,6 +262,41 @@ def test_endpoints_are_checked_in_one_place():
         rank_endpoint("tcp://*:99999", 0)
 
 
+def test_every_endpoint_spec_is_split_by_one_function():
+    """``ENDPOINT[,KEY=VALUE]...`` (--publish, --attach, --kv-events, --attach-kv-events, the plugin's variable) has one
+    splitter, kvstream.endpoints.split_spec; each front door keeps its own words when an option is wrong."""
+    import ast
+    from pathlib import Path
+    from kvstream.endpoints import split_spec, stream_spec
+    from kvstream.kv_events.codec import KVEventError
+    from kvstream.kv_events.endpoint import parse_endpoint_spec
+    root = Path(__file__).resolve().parents[1]
+    defined = [f"{path.relative_to(root)}" for top in ("engine", "kvstream", "explorer")
+               for path in sorted((root / top).rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "split_spec"]
+    assert defined == ["kvstream/endpoints.py"]
+    assert split_spec("tcp://h:1,tcp://h:2,topic=", {"replay": None, "topic": "x"}, "use ...", bare="replay") == \
+        ("tcp://h:1", {"replay": "tcp://h:2", "topic": ""})
+    with pytest.raises(EndpointError, match=r"^unknown option 'tcp://h:2' in 'tcp://h:1,tcp://h:2': use R$"):
+        split_spec("tcp://h:1,tcp://h:2", {"replay": None}, "use R")  # a bare address only where one is asked for
+    assert stream_spec("tcp://*:5560,curve=/k", bind=True, what="--publish") == ("tcp://*:5560", "/k")
+    assert stream_spec("tcp://127.0.0.1:5560", bind=False) == ("tcp://127.0.0.1:5560", None)
+    for spec in ("tcp://*:5560,curve=", "tcp://*:5560,curve", "tcp://*:5560,key=/k"):
+        part = spec.split(",")[1]
+        with pytest.raises(EndpointError) as raised:
+            stream_spec(spec, bind=True, what="--publish")
+        assert str(raised.value) == (f"unknown option {part!r} in --publish {spec!r}: the only option is curve=DIR "
+                                     "(a key directory made by python main.py --make-keys DIR)")
+    with pytest.raises(KVEventError) as raised:
+        parse_endpoint_spec("tcp://h:5557,dp=2,colour=red")
+    assert str(raised.value) == ("unknown option 'colour=red' in 'tcp://h:5557,dp=2,colour=red': use replay=ADDR, "
+                                 "topic=T, dp=N, name=X or curve=DIR")
+    two = parse_endpoint_spec("tcp://h:5557,tcp://h:6000,dp=2")
+    assert [(e.endpoint, e.replay_endpoint) for e in two] == [("tcp://h:5557", "tcp://h:6000"),
+                                                               ("tcp://h:5558", "tcp://h:6001")]
+
+
 def test_the_plugin_logs_the_endpoint_it_bound(monkeypatch, caplog):
     """The plugin's log line names what was bound (port 0: the port chosen), not what it was given."""
     import types

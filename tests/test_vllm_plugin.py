@@ -51,3 +51,81 @@ def test_register_imports_nothing_heavy(endpoint):
             "print(len(sys.meta_path) - hooks, any(m.split('.')[0] in ('torch', 'vllm') for m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == (["0", "False"] if not endpoint else ["1", "False"])
+
+
+# ---- the tap's one wrapper (kvstream.vllm.tap.VllmPoolTap._wrap), without vLLM -----------------------------------
+class _Pool:
+    """Stands in for a vLLM object whose methods the tap wraps (the wrapper only needs the calls)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def free_blocks(self, ordered_blocks):
+        self.calls.append(ordered_blocks)
+        return "freed"
+
+    def allocate_new_blocks(self, request_id, num_tokens, inner=None):
+        self.calls.append((request_id, num_tokens))
+        if inner is not None:
+            return inner()
+        raise ValueError("vLLM's own error")
+
+
+def _bare_tap():
+    """A VllmPoolTap with only what its wrapper and advice use (no scheduler, no vLLM)."""
+    from kvstream.vllm.tap import VllmPoolTap
+    tap = VllmPoolTap.__new__(VllmPoolTap)
+    tap._wrapped, tap.failed, tap.errors = [], None, []
+    tap._on_error = tap.errors.append
+    tap._rid, tap._group, tap._reason, tap._stale = None, 0, "", set()
+    return tap
+
+
+def test_a_failure_before_the_call_still_makes_vllms_call_as_given_and_detaches():
+    from kvstream.vllm.tap import VllmPoolTap
+    tap, pool = _bare_tap(), _Pool()
+
+    def broken(self, ordered_blocks):
+        raise RuntimeError("injected before")
+        yield  # an advice (a generator), failing before its yield
+
+    tap._wrap(pool, "free_blocks", broken.__get__(tap, VllmPoolTap))
+    blocks = iter([3, 4])
+    assert pool.free_blocks(blocks) == "freed" and pool.calls == [blocks]  # the iterator itself, untouched
+    assert [str(e) for e in tap.errors] == ["injected before"] and not tap.attached
+    assert "free_blocks" not in vars(pool)  # the instance is as it was
+
+
+def test_a_failure_after_the_call_keeps_its_result_and_vllm_got_the_list_read_once():
+    tap, pool = _bare_tap(), _Pool()
+    seen = []
+
+    def broken(blocks):
+        seen.append(blocks)
+        raise RuntimeError("injected after")
+    tap._on_freed = broken
+    tap._wrap(pool, "free_blocks", tap._free_blocks)
+    assert pool.free_blocks(reversed([1, 2, 3])) == "freed"
+    assert pool.calls == [[3, 2, 1]] and seen == [[3, 2, 1]]  # vLLM's reversed() read once, the list handed on
+    assert len(tap.errors) == 1 and not tap.attached and "free_blocks" not in vars(pool)
+
+
+def test_vllms_exception_passes_through_and_the_request_context_is_put_back():
+    from functools import partial
+    tap, pool = _bare_tap(), _Pool()
+    tap._wrap(pool, "allocate_new_blocks", partial(tap._for_request, 1, "sliding_window"))
+    try:
+        pool.allocate_new_blocks("req-1", 16)
+    except ValueError as exc:  # while it is alive its traceback keeps the advice alive: the wrapper closed it
+        assert str(exc) == "vLLM's own error" and exc.__traceback__ is not None
+        assert (tap._rid, tap._group, tap._reason) == (None, 0, "") and tap._stale == {(1, "req-1")}
+    else:
+        raise AssertionError("vLLM's exception did not pass through")
+    assert not tap.errors and tap.attached
+
+    def inner():  # inside the call: the pool call is attributed to the request and its group
+        assert (tap._rid, tap._group, tap._reason) == ("req-2", 1, "sliding_window")
+        tap._fail(RuntimeError("the tap's bookkeeping failed inside"))
+        return "blocks"
+    assert pool.allocate_new_blocks("req-2", 1, inner=inner) == "blocks"  # its advice's finally still ran
+    assert (tap._rid, tap._group, tap._reason) == (None, 0, "") and not tap.attached and len(tap.errors) == 1

@@ -19,17 +19,17 @@ from typing import Any, Sequence
 
 from engine import EngineConfig, EngineRunner
 from kvstream.fanout import FrameFanout
+from kvstream.history import DEFAULT_BUDGET  # the timeline's memory budget: the History's own default
 
 from .engine_text import EngineText
 from .feed import Capabilities, Feed, Problem
 from .frames import FeedFrame, FrameBuffer
 from .joining_fanout import JoiningFanout
 
-DEFAULT_HISTORY_BYTES = 256 << 20  # the timeline's default memory budget (issue 10: about 256 MiB)
 STOP_TIMEOUT_S = 10.0  # how long closing waits for the engine thread to end its step before closing the outputs
 
 
-def make_history(budget_bytes: int = DEFAULT_HISTORY_BYTES):
+def make_history(budget_bytes: int = DEFAULT_BUDGET):
     """A kvstream History with that memory budget."""
     from kvstream.history import History
     return History(budget_bytes=budget_bytes)
@@ -75,7 +75,7 @@ class EngineFeed(Feed):
     @classmethod
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
               start_paused: bool = False, extra_sinks: Sequence[object] = (),
-              history_bytes: int | None = DEFAULT_HISTORY_BYTES, polled: bool = True, driver=None) -> "EngineFeed":
+              history_bytes: int | None = DEFAULT_BUDGET, polled: bool = True, driver=None) -> "EngineFeed":
         """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
         ``extra_sinks`` (recorder, publisher: the feed's ``outputs``). ``polled=False`` for a reader that never
         calls :meth:`poll` (the headless run reads ``latest()``): no frame buffer then, whose events would pile up

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvstream.endpoints import EndpointError, check_endpoint
+from kvstream.endpoints import EndpointError, check_endpoint, split_spec
 from kvstream.endpoints import endpoint_for_rank as _endpoint_for_rank
 from kvstream.kv_events.codec import KVEventError
 
@@ -74,28 +74,15 @@ def checked_endpoint(endpoint: KVEventEndpoint) -> KVEventEndpoint:
                            topic=endpoint.topic, name=endpoint.name, curve=endpoint.curve)
 
 
-def split_spec(spec: str, defaults: dict[str, str | None], usage: str) -> tuple[str, dict[str, str | None]]:
-    """``ENDPOINT[,KEY=VALUE]...`` -> (ENDPOINT, ``defaults`` updated with the options given); a bare address
-    right after the endpoint is its replay address (``tcp://h:5557,tcp://h:5558``). KVEventError names an option
-    ``defaults`` does not have, saying ``usage``."""
-    first, *rest = [part.strip() for part in spec.split(",")]
-    options = dict(defaults)
-    for i, part in enumerate(rest):
-        key, sep, value = part.partition("=")
-        if not sep and i == 0 and "://" in part and "replay" in options:
-            key, value = "replay", part
-        elif not sep or key not in options:
-            raise KVEventError(f"unknown option {part!r} in {spec!r}: use {usage}")
-        options[key] = value
-    return first, options
-
-
 def parse_endpoint_spec(spec: str) -> tuple[KVEventEndpoint, ...]:
     """The endpoints one ``--attach-kv-events`` value names (several for ``dp=N``); a bad spec raises KVEventError."""
     if not isinstance(spec, str) or not spec.strip():
         raise KVEventError("a KV-event endpoint spec must be a non-empty string such as tcp://host:5557")
-    first, options = split_spec(spec, {"replay": None, "topic": "", "dp": "1", "name": "", "curve": None},
-                                "replay=ADDR, topic=T, dp=N, name=X or curve=DIR")
+    try:
+        first, options = split_spec(spec, {"replay": None, "topic": "", "dp": "1", "name": "", "curve": None},
+                                    "use replay=ADDR, topic=T, dp=N, name=X or curve=DIR", bare="replay")
+    except EndpointError as exc:
+        raise KVEventError(str(exc)) from None
     endpoint = _connectable(first, "the KV-event endpoint")
     replay = _connectable(options["replay"], "the replay endpoint") if options["replay"] else None
     if not options["dp"].isdigit() or not 1 <= int(options["dp"]) <= 1024:

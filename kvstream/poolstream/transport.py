@@ -12,7 +12,7 @@ import struct
 import msgspec
 import zmq
 
-from ..endpoints import EndpointError, split_spec
+from ..endpoints import EndpointError, stream_spec
 
 FRAME_TOPIC = b"kvpool.frame"  # first part of a frame message
 HEARTBEAT_TOPIC = b"kvpool.heartbeat"  # first part of a heartbeat
@@ -48,7 +48,7 @@ def _endpoint(spec, bind: bool) -> tuple[str, str | None]:
     """``ENDPOINT[,curve=DIR]`` checked by the one rule (kvstream.endpoints): (endpoint, key directory or None);
     PublishError with its reason otherwise."""
     try:
-        return split_spec(spec, bind=bind)
+        return stream_spec(spec, bind=bind)
     except EndpointError as exc:
         raise PublishError(str(exc)) from None
 

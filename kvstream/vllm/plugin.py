@@ -114,8 +114,8 @@ def attach(scheduler: Any) -> "PoolPublisher | None":
         from kvstream.vllm.tap import UnsupportedVllm, VllmPoolTap
         rank = int(getattr(getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None),
                            "data_parallel_rank", 0) or 0)
-        from kvstream.endpoints import split_spec
-        endpoint, curve = split_spec(endpoint, bind=True, what=ENV_ENDPOINT)  # ENDPOINT[,curve=DIR]
+        from kvstream.endpoints import stream_spec
+        endpoint, curve = stream_spec(endpoint, bind=True, what=ENV_ENDPOINT)  # ENDPOINT[,curve=DIR]
         curve = curve or os.environ.get(ENV_CURVE, "").strip() or None
         endpoint = rank_endpoint(endpoint, rank)
         try:

@@ -25,8 +25,9 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import numpy as np
 
@@ -258,10 +259,54 @@ class VllmPoolTap:
         self._install()
 
     # ---- wrappers ---------------------------------------------------------------------------------------------
-    def _wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    def _wrap(self, obj: Any, name: str, advice: Callable[..., Generator]) -> None:
+        """Replace ``obj.name`` (on that instance only) by the one wrapper the tap uses, running ``advice`` around
+        vLLM's call. ``advice`` is a generator function given the call's arguments: its code up to its one
+        ``yield`` runs before the call and yields the arguments to call with (None: as given); the call's result
+        is sent back in, and its code after the ``yield`` runs after the call. When the call raises, the advice is
+        closed (its ``finally`` runs, the rest does not) and the exception passes through. A failure inside the
+        advice detaches the tap (:meth:`_fail`); vLLM's call always runs, its result and exceptions untouched."""
         original = getattr(obj, name)
         self._wrapped.append(_Wrapped(obj, name, name in vars(obj), original))
-        setattr(obj, name, make(original))
+        tap = self
+
+        def wrapper(*args, **kwargs):
+            if tap.failed is not None:
+                return original(*args, **kwargs)
+            try:
+                around = advice(*args, **kwargs)
+                given = next(around)
+            except Exception as exc:  # the tap's bookkeeping failed: vLLM's call runs as given
+                around = given = None
+                tap._fail(exc)
+            if given is not None:
+                args, kwargs = given
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                if around is not None:
+                    around.close()
+                raise
+            if around is not None:
+                tap._finish(around, result)
+            return result
+
+        setattr(obj, name, wrapper)
+
+    def _finish(self, around: Generator, result: Any) -> None:
+        """Run the rest of an advice with the call's ``result`` (only its ``finally`` once the tap has failed)."""
+        if self.failed is not None:
+            around.close()
+            return
+        try:
+            around.send(result)
+        except StopIteration:
+            return
+        except Exception as exc:
+            self._fail(exc)
+            return
+        around.close()  # an advice yields once: a second yield is cut short here
+        self._fail(RuntimeError("a tap advice yielded twice"))
 
     def detach(self) -> None:
         """Put every wrapped method back (the instance then behaves as if the tap had never been there)."""
@@ -279,164 +324,106 @@ class VllmPoolTap:
     def attached(self) -> bool:
         return bool(self._wrapped)
 
-    def _guard(self, fn: Callable, *args) -> None:
-        """Run the tap's own bookkeeping; a failure detaches the tap instead of reaching vLLM."""
+    def _fail(self, exc: BaseException) -> None:
+        """The tap's own bookkeeping raised: detach (vLLM goes on as if the tap had never been there) and report
+        once."""
         if self.failed is not None:
             return
-        try:
-            fn(*args)
-        except Exception as exc:  # the server must never break because of the tap
-            self.failed = exc
-            self.detach()
-            if self._on_error is not None:
-                self._on_error(exc)
+        self.failed = exc
+        self.detach()
+        if self._on_error is not None:
+            self._on_error(exc)
 
     def _install(self) -> None:
-        tap, pool, manager, scheduler = self, self.pool, self.manager, self.scheduler
-
-        def for_request(group):  # the manager's per-request calls: pool calls inside are for that request, group
-            def make(original):
-                def wrapper(request_id, *args, **kwargs):
-                    previous = tap._rid, tap._group
-                    tap._rid, tap._group = request_id, group
-                    try:
-                        return original(request_id, *args, **kwargs)
-                    finally:
-                        tap._rid, tap._group = previous
-                return wrapper
-            return make
-
-        def window_release(group):  # a sliding window's releases: the table keeps their places as the null block
-            def make(original):
-                def wrapper(request_id, *args, **kwargs):
-                    previous = tap._rid, tap._group, tap._reason
-                    tap._rid, tap._group, tap._reason = request_id, group, "sliding_window"
-                    try:
-                        return original(request_id, *args, **kwargs)
-                    finally:
-                        tap._rid, tap._group, tap._reason = previous
-                        tap._stale.add((group, request_id))  # replaced in place: the list object stays the same
-                return wrapper
-            return make
-
-        # allocate_new_blocks runs for every scheduled request every step: the wrapper is kept to a few assignments.
-        # Not wrapped: cache_blocks (STORED events read the request from cache_full_blocks' own arguments),
-        # pop_blocks_for_free (no pool call inside), a full-attention group's remove_skipped_blocks (frees nothing).
+        """Wrap, on these instances only, every method through which the pool changes (see the module)."""
         for g, m in enumerate(self.managers):
-            for name in ("add_local_computed_blocks", "allocate_new_blocks", "allocate_external_computed_blocks",
-                         "free"):
-                self._wrap(m, name, for_request(g))
-            if _MANAGER_KINDS[type(m).__name__]:
-                self._wrap(m, "remove_skipped_blocks", window_release(g))
+            for name in _MANAGER_METHODS:
+                self._wrap(m, name, partial(self._for_request, g, ""))
+            if _MANAGER_KINDS[type(m).__name__]:  # a full-attention group's remove_skipped_blocks frees nothing
+                self._wrap(m, "remove_skipped_blocks", partial(self._for_request, g, "sliding_window"))
+        # Not wrapped: cache_blocks (STORED events read the request from cache_full_blocks' own arguments) and
+        # pop_blocks_for_free (no pool call inside).
+        pool, scheduler = self.pool, self.scheduler
+        for obj, name, advice in (
+                (pool, "get_new_blocks", self._new_blocks), (pool, "_maybe_evict_cached_block", self._evict),
+                (pool, "touch", self._touch), (pool, "free_blocks", self._free_blocks),
+                (pool, "cache_full_blocks", self._cache_full_blocks), (pool, "reset_prefix_cache", self._reset),
+                (scheduler, "schedule", self._schedule), (scheduler, "update_from_output", self._step_done),
+                (scheduler, "add_request", self._add_request), (scheduler, "_preempt_request", self._preempt),
+                (scheduler, "_free_request", self._free_request), (scheduler, "finish_requests", self._aborted)):
+            self._wrap(obj, name, advice)
 
-        def get_new_blocks(original):
-            def wrapper(*args, **kwargs):
-                blocks = original(*args, **kwargs)
-                tap._guard(tap._on_allocated, blocks)
-                return blocks
-            return wrapper
+    # ---- advice: what the tap does around each wrapped call (see _wrap) ------------------------------------------
+    def _for_request(self, group: int, reason: str, request_id, *args, **kwargs) -> Generator:
+        """A manager's per-request call: the pool calls inside it are for that request and group (and, for a
+        sliding window's releases, for that reason). allocate_new_blocks runs for every scheduled request every
+        step: this is kept to a few assignments."""
+        previous = self._rid, self._group, self._reason
+        self._rid, self._group, self._reason = request_id, group, reason
+        try:
+            yield None
+        finally:
+            self._rid, self._group, self._reason = previous
+            if reason:  # the table keeps the released places as the null block, replaced in place
+                self._stale.add((group, request_id))
 
-        def maybe_evict(original):
-            def wrapper(block, *args, **kwargs):
-                key = block.block_hash
-                evicted = original(block, *args, **kwargs)
-                if evicted:
-                    tap._guard(tap._on_evicted, block, key)
-                return evicted
-            return wrapper
+    def _new_blocks(self, *args, **kwargs) -> Generator:
+        self._on_allocated((yield None))
 
-        def touch(original):
-            def wrapper(blocks, *args, **kwargs):
-                blocks = list(blocks)
-                result = original(blocks, *args, **kwargs)
-                tap._guard(tap._on_shared, blocks)
-                return result
-            return wrapper
+    def _evict(self, block, *args, **kwargs) -> Generator:
+        key = block.block_hash  # read before vLLM drops it
+        if (yield None):
+            self._on_evicted(block, key)
 
-        def free_blocks(original):
-            def wrapper(ordered_blocks, *args, **kwargs):
-                blocks = list(ordered_blocks)  # vLLM passes a reversed() iterator: read it once, hand on the list
-                result = original(blocks, *args, **kwargs)
-                tap._guard(tap._on_freed, blocks)
-                return result
-            return wrapper
+    def _touch(self, blocks, *args, **kwargs) -> Generator:
+        blocks = list(blocks)
+        yield (blocks, *args), kwargs
+        self._on_shared(blocks)
 
-        def cache_full_blocks(original):
-            def wrapper(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
-                before = [b.block_hash for b in blocks[num_cached_blocks:num_full_blocks]]
-                result = original(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-                tap._guard(tap._on_stored, request, blocks, num_cached_blocks, num_full_blocks, before)
-                return result
-            return wrapper
+    def _free_blocks(self, ordered_blocks, *args, **kwargs) -> Generator:
+        blocks = list(ordered_blocks)  # vLLM passes a reversed() iterator: read it once, hand on the list
+        yield (blocks, *args), kwargs
+        self._on_freed(blocks)
 
-        def reset_prefix_cache(original):
-            def wrapper(*args, **kwargs):
-                done = original(*args, **kwargs)
-                if done:
-                    tap._guard(tap._on_reset)
-                return done
-            return wrapper
+    def _cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs) -> Generator:
+        before = [b.block_hash for b in blocks[num_cached_blocks:num_full_blocks]]
+        yield None
+        self._on_stored(request, blocks, num_cached_blocks, num_full_blocks, before)
 
-        self._wrap(pool, "get_new_blocks", get_new_blocks)
-        self._wrap(pool, "_maybe_evict_cached_block", maybe_evict)
-        self._wrap(pool, "touch", touch)
-        self._wrap(pool, "free_blocks", free_blocks)
-        self._wrap(pool, "cache_full_blocks", cache_full_blocks)
-        self._wrap(pool, "reset_prefix_cache", reset_prefix_cache)
+    def _reset(self, *args, **kwargs) -> Generator:
+        if (yield None):
+            self._on_reset()
 
-        def schedule(original):
-            def wrapper(*args, **kwargs):
-                tap.step_id += 1
-                tap._c.step_started = tap._clock()
-                return original(*args, **kwargs)
-            return wrapper
+    def _schedule(self, *args, **kwargs) -> Generator:
+        self.step_id += 1
+        self._c.step_started = self._clock()
+        yield None
 
-        def update_from_output(original):
-            def wrapper(*args, **kwargs):
-                outputs = original(*args, **kwargs)
-                tap._guard(tap._on_step_done)
-                if tap.after_step is not None:
-                    tap._guard(tap.after_step)
-                return outputs
-            return wrapper
+    def _step_done(self, *args, **kwargs) -> Generator:
+        yield None
+        self._on_step_done()
+        if self.after_step is not None:
+            self.after_step()
 
-        def finish_requests(original):
-            def wrapper(*args, **kwargs):
-                finished = original(*args, **kwargs)
-                if tap.after_step is not None:  # an abort between steps: an idle server publishes it now
-                    tap._guard(tap.after_step)
-                return finished
-            return wrapper
+    def _aborted(self, *args, **kwargs) -> Generator:
+        yield None
+        if self.after_step is not None:  # an abort between steps: an idle server publishes it now
+            self.after_step()
 
-        def add_request(original):
-            def wrapper(request, *args, **kwargs):
-                known = request.request_id in tap._cids
-                result = original(request, *args, **kwargs)
-                if not known:
-                    tap._guard(tap._on_added, request)
-                return result
-            return wrapper
+    def _add_request(self, request, *args, **kwargs) -> Generator:
+        known = request.request_id in self._cids
+        yield None
+        if not known:
+            self._on_added(request)
 
-        def preempt(original):
-            def wrapper(request, *args, **kwargs):
-                tap._guard(tap._on_preempted, request)
-                return original(request, *args, **kwargs)
-            return wrapper
+    def _preempt(self, request, *args, **kwargs) -> Generator:
+        self._on_preempted(request)
+        yield None
 
-        def free_request(original):
-            def wrapper(request, *args, **kwargs):
-                tap._guard(tap._on_finished, request)
-                result = original(request, *args, **kwargs)
-                tap._guard(tap._after_finished, request)
-                return result
-            return wrapper
-
-        self._wrap(scheduler, "schedule", schedule)
-        self._wrap(scheduler, "update_from_output", update_from_output)
-        self._wrap(scheduler, "add_request", add_request)
-        self._wrap(scheduler, "_preempt_request", preempt)
-        self._wrap(scheduler, "_free_request", free_request)
-        self._wrap(scheduler, "finish_requests", finish_requests)
+    def _free_request(self, request, *args, **kwargs) -> Generator:
+        self._on_finished(request)
+        yield None
+        self._after_finished(request)
 
     # ---- events -----------------------------------------------------------------------------------------------
     def _cid(self) -> int:
