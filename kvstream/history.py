@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .events import BlockEvent, EventKind
-from .poolstream import Frame, StreamDecoder, StreamError, encode_keyframe, read_head
+from .poolstream import Frame, StreamDecoder, StreamError, check_frame, encode_keyframe, read_head
 from .views import PoolSnapshot
 
 DEFAULT_BUDGET = 256 << 20  # bytes of frames a History keeps by default (issue 10: about 256 MiB)
@@ -142,8 +142,7 @@ class History:
     # ---- writing ------------------------------------------------------------------------------------------------
     def write(self, frame: Frame) -> None:
         """Keep ``frame`` (the writer thread). StreamError, and nothing kept, if it does not follow the last one."""
-        if not isinstance(frame, Frame):
-            raise TypeError(f"a History keeps Frames, not {type(frame).__name__}")
+        check_frame(frame, "a History keeps")
         with self._write_lock:
             if self.read_only:
                 raise StreamError("this history is a recording read from disk: it takes no new frames")

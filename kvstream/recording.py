@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import msgspec
 
 from .history import History
-from .poolstream import FORMAT_VERSION, Frame, Header, StreamDecoder, StreamError, frame_of, read_head
+from .poolstream import FORMAT_VERSION, Frame, Header, StreamDecoder, StreamError, check_frame, frame_of, read_head
 from .views import PoolSnapshot
 
 MAGIC = b"\x89KVPOOL\n"  # first bytes of every recording (non-ASCII first byte and a newline catch text-mode damage)
@@ -101,8 +101,7 @@ class Recorder:
             self.write(start)
 
     def write(self, frame: Frame) -> None:
-        if not isinstance(frame, Frame):
-            raise TypeError(f"a Recorder writes Frames, not {type(frame).__name__}")
+        check_frame(frame, "a Recorder writes")
         with self._lock:
             if self._closed:
                 raise RecordingError(f"the recording {self.path} is closed")

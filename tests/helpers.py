@@ -59,6 +59,42 @@ def joined(sub, probe, accept=None, timeout: float = 10.0):
     return wait_until(received, timeout, serve=probe, what="the subscription to reach the publisher")
 
 
+def package_imports(top: str, *, named_module_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of package ``top`` (a folder at the repository's root) it imports: relative or
+    absolute, at the top, inside a function or under TYPE_CHECKING (read from the source, nothing is imported).
+    ``from X import name`` counts as importing X and, where it is a module, X.name; with ``named_module_only``,
+    X.name alone where it is a module (the package's __init__ is then not counted as imported too)."""
+    import ast
+    root = Path(__file__).resolve().parents[1]
+    paths = sorted((root / top).rglob("*.py"))
+    names = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
+    graph = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:  # "from . import files" names a module
+                    module = f"{base}.{alias.name}"
+                    found.add(module if module in names or not named_module_only else base)
+                    if not (named_module_only and module in names):
+                        found.add(base)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m in names} - {name}
+    return graph
+
+
+def make_config(num_blocks: int = 64, block_size: int = 4):
+    """The GUI tests' engine: the built-in model on a small pool."""
+    from engine import EngineConfig
+    return EngineConfig(model="builtin", num_blocks=num_blocks, block_size=block_size)
+
+
 def write_tiny_checkpoint(path: Path, *, vocab_size: int = 97, seed: int = 0, std: float = 0.3,
                           eos_token_id=None, num_kv_heads: int = 2) -> Path:
     """A random Llama-style model whose weights are large enough that greedy outputs vary from token to token."""

@@ -1,7 +1,6 @@
 """The engine's rooms: no two engine modules import each other (engine <-> views <-> relocation once did), the views
 are built from the parts they read, the finished window belongs to whoever finishes conversations, and relocation
 goes through the pool's manager."""
-import ast
 import dataclasses
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 from engine import Engine, EngineConfig, EngineError
 from engine.pool_views import PoolViews
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import package_imports, write_tiny_checkpoint
 from tests.test_layering import circles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,24 +19,7 @@ def engine_imports() -> dict[str, set[str]]:
     """Module -> the engine modules it imports: relative or absolute, at the top, inside a function or under
     TYPE_CHECKING (an import only for types is a circle to the reader all the same). ``from X import name``
     counts as importing X.name where that is a module, else X."""
-    paths = sorted((ROOT / "engine").rglob("*.py"))
-    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
-    graph = {}
-    for name, path in names.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                for alias in node.names:
-                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-        graph[name] = {m for m in found if m in names} - {name}
-    return graph
+    return package_imports("engine", named_module_only=True)
 
 
 def test_no_engine_modules_import_each_other():

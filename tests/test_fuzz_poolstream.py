@@ -2,7 +2,7 @@
 deleted and repeated bytes; extreme integers, wrong types, swapped, dropped and repeated fields in the msgpack
 structure; a recording's frames re-checksummed or their length fields changed) and every input must end cleanly: a
 StreamError / RecordingError, or frames whose pools pass the invariants; never another exception, never more than
-a bounded allocation. A few seconds here; ``python bench/fuzz.py --inputs 100000`` is the long run."""
+a bounded allocation. A few seconds here; ``python tools/fuzz_poolstream.py --inputs 100000`` is the long run."""
 from __future__ import annotations
 
 import functools
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import (EXTREME_INTS, bounded, corpus, decode_outcome, frame_spans, mutate_payload, mutate_recording,
-                        recording_bytes, recording_outcome)
+from tools.fuzz_poolstream import (EXTREME_INTS, bounded, corpus, decode_outcome, frame_spans, mutate_payload,
+                                  mutate_recording, recording_bytes, recording_outcome)
 
 FAST = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -51,12 +51,12 @@ def test_extreme_integers_anywhere_in_a_frame(k, value, seed):
     """Every integer of a real frame, one at a time (the draw picks which), replaced by an extreme one."""
     import msgspec
 
-    from bench.fuzz import _nodes, _set
+    from tools.mutate import nodes, set_at
     frames, starts, _, _ = _corpus()
     obj = msgspec.msgpack.decode(frames[k].payload)
-    ints = [path for path, v in _nodes(obj) if isinstance(v, int) and not isinstance(v, bool)]
+    ints = [path for path, v in nodes(obj) if isinstance(v, int) and not isinstance(v, bool)]
     path = ints[random.Random(seed).randrange(len(ints))]
-    payload = msgspec.msgpack.encode(_set(obj, path, value))
+    payload = msgspec.msgpack.encode(set_at(obj, path, value))
     bounded(decode_outcome, starts[k], payload)
 
 
@@ -110,9 +110,9 @@ def test_mutated_v2_frames_with_tiers_and_groups_are_refused_or_possible(seed, k
 def test_extreme_integers_anywhere_in_a_v2_frame(k, value, seed):
     import msgspec
 
-    from bench.fuzz import _nodes, _set
+    from tools.mutate import nodes, set_at
     frames, starts = _corpus_v2()
     obj = msgspec.msgpack.decode(frames[k].payload)
-    ints = [path for path, v in _nodes(obj) if isinstance(v, int) and not isinstance(v, bool)]
+    ints = [path for path, v in nodes(obj) if isinstance(v, int) and not isinstance(v, bool)]
     path = ints[random.Random(seed).randrange(len(ints))]
-    bounded(decode_outcome, starts[k], msgspec.msgpack.encode(_set(obj, path, value)))
+    bounded(decode_outcome, starts[k], msgspec.msgpack.encode(set_at(obj, path, value)))

@@ -5,7 +5,7 @@ from PySide6 import QtCore, QtWidgets
 from kvstream.views import BlockState
 from explorer.model import palette
 from explorer.window.dialogs import SYSTEM_PROMPT
-from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import open_add_dialog, seeded, wait_for_snapshot
 
 
 def colour_of(cid, window):
@@ -16,16 +16,6 @@ def colour_of(cid, window):
 def click_block(qtbot, window, block):
     qtbot.mouseClick(window.grid.view.viewport(), QtCore.Qt.MouseButton.LeftButton,
                      pos=window.grid.cell_center(block))
-
-
-def seeded(prompts, steps=3, max_new_tokens=40):
-    def setup(engine):
-        for prompt in prompts:
-            engine.add_conversation(prompt, max_new_tokens=max_new_tokens)
-            engine.step()
-        for _ in range(steps):
-            engine.step()
-    return setup
 
 
 def test_add_conversation_through_dialog_shows_blocks_and_text(qtbot, make_window):

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, EngineRunner
+from engine import Engine, EngineConfig
 from engine.kv.cache import KVCache
 from engine.model.loader import read_model_config
-from explorer.window.main_window import MainWindow
 from explorer.widgets.relocation import human_bytes
 from kvstream.recording import read_snapshots
 from kvstream.summary import fixed_part
@@ -32,26 +31,16 @@ def _add_all(engine):
 
 
 @pytest.fixture
-def window_for(qtbot):
-    windows = []
-
+def window_for(make_window):
+    """window_for(dtype, paused=False, steps=0): the window around an engine of that dtype with the three prompts,
+    ``steps`` of them decoded before it opens."""
     def make(dtype, paused=False, steps=0):
-        cfg = _config(dtype)
-        engine = Engine(cfg)
-        _add_all(engine)
-        for _ in range(steps):
-            engine.step()
-        window = MainWindow(EngineRunner(engine, start_paused=paused).start(), cfg)
-        qtbot.addWidget(window)
-        window.show()
-        qtbot.waitExposed(window)
-        qtbot.waitUntil(lambda: window.snapshot is not None, timeout=3000)
-        windows.append(window)
-        return window
-
-    yield make
-    for window in windows:
-        window.close()
+        def setup(engine):
+            _add_all(engine)
+            for _ in range(steps):
+                engine.step()
+        return make_window(setup=setup, paused=paused, dtype=dtype)
+    return make
 
 
 def test_a_bfloat16_engine_decodes_in_the_window_with_the_tokens_it_gives_headless(qtbot, window_for):

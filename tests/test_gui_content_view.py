@@ -54,13 +54,9 @@ def texts(model, parent=None):
     return out
 
 
-def test_tree_placement_text_and_expand(qtbot, tokenizer):
+def test_tree_placement_text_and_expand(qtbot, shown, tokenizer):
     a, b = two_instances()
-    view = ContentView([a, b], tokenizer=tokenizer)
-    qtbot.addWidget(view)
-    view.resize(900, 700)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(ContentView([a, b], tokenizer=tokenizer), 900, 700)
     assert view.placement_label.text() == PLACEMENT_UNKNOWN and "no block grid" in PLACEMENT_UNKNOWN
     assert [view.tabs.tabText(i) for i in range(view.tabs.count())] == ["node-a", "node-b", "Across instances"]
     pane = view.panes[0]

@@ -18,12 +18,8 @@ def pixel(image, geo, slot, bs):
     return tuple(int(c) for c in image[y * t + t // 2, x * t + px, :3])
 
 
-def test_roles_have_distinct_colours_on_the_grid_layout(qtbot):
-    view = ContiguousView()
-    qtbot.addWidget(view)
-    view.resize(600, 500)
-    view.show()
-    qtbot.waitExposed(view)
+def test_roles_have_distinct_colours_on_the_grid_layout(qtbot, shown):
+    view = shown(ContiguousView(), 600, 500)
     # 32 slots: A (0) at 0..16 with 6 filled, B (1) at 16..24 with 4 filled; B ends, then C (2) wants 20 and waits
     view.set_snapshot(snap(1, [conv(0, 6, 10, 6), conv(1, 4, 4, 4, arrival=1)]))
     assert view.render() and not view.render()

@@ -222,5 +222,3 @@ def test_shortcuts_follow_the_buttons_rules(qtbot, make_window):  # noqa: F811
     qtbot.wait(200)
     assert window.errors == []
 
-
-from test_gui_support import make_window  # noqa: E402,F401  (fixture)

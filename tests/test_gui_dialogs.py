@@ -2,7 +2,7 @@
 from PySide6 import QtCore, QtWidgets
 
 from explorer.window.dialogs import AddConversationDialog, ReplyDialog, RestartDialog, parse_number, parse_token_ids
-from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import open_add_dialog, wait_for_snapshot
 
 
 def spy_on_submit(window):

@@ -27,12 +27,8 @@ def frames():
 
 
 @pytest.fixture
-def log(qtbot):
-    dock = EventLog()
-    qtbot.addWidget(dock)
-    dock.resize(320, 400)
-    dock.show()
-    qtbot.waitExposed(dock)
+def log(qtbot, shown):
+    dock = shown(EventLog(), 320, 400)
     dock.append_events(frames())
     return dock
 
@@ -200,13 +196,9 @@ def test_kinds_menu_stays_open_while_ticking(qtbot, log):
     menu.close()
 
 
-def test_a_filtered_block_is_followed_through_a_relocation_cycle(qtbot):
+def test_a_filtered_block_is_followed_through_a_relocation_cycle(qtbot, shown):
     """3 -> 7, 5 -> 3, 7 -> 5: block 3's content went to 7, though 3 is also where 5's content went."""
-    dock = EventLog()
-    qtbot.addWidget(dock)
-    dock.resize(320, 400)
-    dock.show()
-    qtbot.waitExposed(dock)
+    dock = shown(EventLog(), 320, 400)
     dock.append_events([(1, BlockEvent(4, K.ALLOCATED, 1, (3, 5, 7))),
                         (2, BlockEvent(4, K.RELOCATED, -1, (3, 5, 7), (7, 3, 5)))])
     for wanted, after in ((3, 7), (5, 3), (7, 5)):

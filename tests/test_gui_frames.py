@@ -4,7 +4,7 @@ real engine)."""
 
 from kvstream.events import EventKind
 from kvstream.views import BlockState
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 from test_gui_window_history import three_conversations
 
 

@@ -164,15 +164,11 @@ def test_conversation_colours_are_stable_and_distinct():
     assert len({tuple(row) for row in a}) == 12
 
 
-def test_grid_widget_hover_and_click(qtbot, small):
+def test_grid_widget_hover_and_click(qtbot, shown, small):
     from PySide6 import QtCore
     from explorer.widgets.grid_view import GridView
     snap, geo = small
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     assert view.render() and not view.render()  # draws once, then only when something changed
     clicked = []
@@ -209,16 +205,12 @@ def test_grid_is_rebuilt_only_when_the_pool_changes(qtbot, small):
     assert view.render() and not view.render()
 
 
-def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, small):
+def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, shown, small):
     """Found in the X window: after Scramble the hover line still said 'block 27: used ... owners conv 1' of a
     block the relocation had freed (the inspector, rightly, said it moved)."""
     from explorer.widgets.grid_view import GridView
     snap, _ = small
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     view.render()
     view._on_mouse_moved(view.view.mapToScene(view.cell_center(5)))
@@ -311,16 +303,12 @@ def test_live_conversations_get_clearly_different_colours_and_keep_them():
     assert min_distance(palette.conversation_colours(np.array(now_live), book)) > 40
 
 
-def test_grid_tooltip_appears_and_stays(qtbot, small):
+def test_grid_tooltip_appears_and_stays(qtbot, shown, small):
     """The scene used to answer Qt's tooltip request with 'no tooltip' and hide it 300 ms later."""
     from PySide6 import QtCore, QtGui, QtWidgets
     from explorer.widgets.grid_view import GridView
     snap, _ = small
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.activateWindow()
     qtbot.waitUntil(view.isActiveWindow)  # activating the window later would close the tooltip, as Qt does
     view.set_snapshot(snap)
@@ -337,15 +325,11 @@ def test_grid_tooltip_appears_and_stays(qtbot, small):
     QtWidgets.QToolTip.hideText()
 
 
-def test_zoomed_in_cells_show_their_block_ids(qtbot):
+def test_zoomed_in_cells_show_their_block_ids(qtbot, shown):
     from PySide6 import QtCore
     from explorer.widgets.grid_view import GridView
     snap = make_snapshot(num_blocks=1024, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)], tables={2: (33,)})
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     view.render()
     assert view.label_texts() == []  # 1,024 cells in view: too small for text
@@ -529,15 +513,11 @@ def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_
     assert view.partial_draws >= 20
 
 
-def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, small):
+def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, shown, small):
     """Found in the X window: after a restart to a smaller pool the hover line kept describing block 7."""
     from explorer.widgets.grid_view import HOVER_HINT, GridView
     snap, _ = small
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     view.render()
     view._on_mouse_moved(view.view.mapToScene(view.cell_center(7)))
@@ -551,15 +531,11 @@ def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, small):
     assert view.hover_label.text() == HOVER_HINT
 
 
-def _zoomed_grid(qtbot, snap, cells: int):
+def _zoomed_grid(qtbot, shown, snap, cells: int):
     """A shown GridView of ``snap``, zoomed to ``cells`` x ``cells`` cells (so the cells carry labels)."""
     from PySide6 import QtCore
     from explorer.widgets.grid_view import GridView
-    view = GridView()
-    qtbot.addWidget(view)
-    view.resize(500, 400)
-    view.show()
-    qtbot.waitExposed(view)
+    view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     view.render()
     view.box.setRange(QtCore.QRectF(0, 0, cells, cells), padding=0)
@@ -567,13 +543,13 @@ def _zoomed_grid(qtbot, snap, cells: int):
     return view
 
 
-def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change(qtbot, monkeypatch):
+def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change(qtbot, shown, monkeypatch):
     """Each cell label (block id, ×N) was drawn anew on every repaint of the grid: 128 labels at 10 redraws a second
     were a tenth of the GUI thread in the serve demo. A new frame that changes colours but no label must take the
     labels from Qt's cache."""
     import pyqtgraph as pg
-    view = _zoomed_grid(qtbot, make_snapshot(num_blocks=64, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)],
-                                             tables={2: (33,)}), 4)
+    snap = make_snapshot(num_blocks=64, block_size=16, used=[(0, 1, 16, 1), (33, 2, 16, 2)], tables={2: (33,)})
+    view = _zoomed_grid(qtbot, shown, snap, 4)
     labels = [label for label in view._labels if label.isVisible()]
     assert labels
     drawn = []
@@ -594,13 +570,14 @@ def test_cell_labels_are_not_drawn_again_when_only_the_colours_under_them_change
     assert drawn == []
 
 
-def test_cached_cell_labels_keep_their_dark_box(qtbot):
+def test_cached_cell_labels_keep_their_dark_box(qtbot, shown):
     """Found on screen at 1920 x 1080: with the labels cached, pyqtgraph's first paint of a TextItem moved the
     painter, so the box landed outside the cache and white ids stood bare on bright cells. The pixels just inside a
     label's box must be darker than the same cell away from the label."""
     from PySide6 import QtCore
-    view = _zoomed_grid(qtbot, make_snapshot(num_blocks=16, block_size=16, used=[(b, 1, 16, 1) for b in range(16)],
-                                             tables={1: tuple(range(16))}), 3)
+    snap = make_snapshot(num_blocks=16, block_size=16, used=[(b, 1, 16, 1) for b in range(16)],
+                         tables={1: tuple(range(16))})
+    view = _zoomed_grid(qtbot, shown, snap, 3)
     qtbot.waitUntil(lambda: "5" in view.label_texts(), timeout=2000)
     qtbot.wait(100)
     image = view.view.viewport().grab().toImage()

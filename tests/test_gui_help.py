@@ -2,8 +2,6 @@
 from PySide6 import QtCore
 
 from explorer.window.help import MOUSE, HelpDialog
-from test_gui_support import make_window  # noqa: F401  (fixture)
-
 
 def test_help_lists_marks_and_the_windows_own_shortcuts_and_opens_the_lesson(qtbot, make_window):
     window = make_window(paused=True)

@@ -6,7 +6,7 @@ import pytest
 
 from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 from explorer.widgets.inspector import Inspector
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 from tests.helpers import used_blocks
 
 
@@ -31,12 +31,8 @@ def view(tables, num_blocks=64, block_size=4, used=()):
 
 
 @pytest.fixture
-def inspector(qtbot):
-    widget = Inspector()
-    qtbot.addWidget(widget)
-    widget.resize(420, 560)
-    widget.show()
-    qtbot.waitExposed(widget)
+def inspector(qtbot, shown):
+    widget = shown(Inspector(), 420, 560)
     return widget
 
 

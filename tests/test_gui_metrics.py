@@ -20,13 +20,9 @@ def ranges(panel):
     return out
 
 
-def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot):
+def test_empty_and_one_sample_plots_show_steps_from_zero(qtbot, shown):
     from explorer.widgets.metrics import EMPTY_STEPS, MetricsPanel
-    panel = MetricsPanel()
-    qtbot.addWidget(panel)
-    panel.resize(900, 300)
-    panel.show()
-    qtbot.waitExposed(panel)
+    panel = shown(MetricsPanel(), 900, 300)
     panel.redraw()
     for x0, x1, y0, y1, scales in ranges(panel):
         assert (x0, x1, y0, y1) == (0, EMPTY_STEPS, 0, 1) and scales == {1.0}
@@ -102,7 +98,7 @@ def test_backfill_waits_while_the_user_scrubs_then_reads_everything(qtbot):
     assert not backfill.active and panel.history.count == 60
 
 
-def test_the_axes_are_drawn_from_qts_cache_until_they_change(qtbot, monkeypatch):
+def test_the_axes_are_drawn_from_qts_cache_until_they_change(qtbot, shown, monkeypatch):
     """The plots' axes (each spanning its plot, with the grid lines) were drawn again on every repaint of the dock, a
     large share of the GUI thread in the serve demo (docs/gui.md). Each axis keeps its drawing in Qt's item cache, so a
     repaint that changes no axis (the curves redrawing themselves) takes it from there, and one whose range changed
@@ -111,11 +107,7 @@ def test_the_axes_are_drawn_from_qts_cache_until_they_change(qtbot, monkeypatch)
     import pyqtgraph as pg
     from explorer.widgets.metrics import MetricsPanel
     from explorer.widgets.painting import CACHED
-    panel = MetricsPanel()
-    qtbot.addWidget(panel)
-    panel.resize(900, 300)
-    panel.show()
-    qtbot.waitExposed(panel)
+    panel = shown(MetricsPanel(), 900, 300)
     qtbot.waitUntil(lambda: panel.columns == 3)  # laid out for its width (after the resize event)
     for step in range(5, 40):
         panel.record(blank(step))

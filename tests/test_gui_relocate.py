@@ -3,7 +3,7 @@ from PySide6 import QtCore
 
 from engine import Engine
 from explorer.widgets.relocation import human_bytes
-from test_gui_support import make_config, make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import make_config, wait_for_snapshot
 
 PROMPTS = ("Pages are not addresses.", "Blocks of four slots each.", "A table maps logical to physical.")
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from explorer.feeds.demo import TIERS_SETTINGS, seed_busy, seed_tiers
 from kvstream.views import NO_HASH
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 
 
 def test_busy_demo_goes_on_as_served_traffic(qtbot, make_window):

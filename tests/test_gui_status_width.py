@@ -3,8 +3,6 @@ share of the bar, whatever its text). At 1600 px every field shows whole; at 102
 the window."""
 from PySide6 import QtWidgets
 
-from test_gui_support import make_window  # noqa: F401  (fixture)
-
 
 def conversation(engine):
     engine.add_conversation("The status bar at 1600 pixels.", max_new_tokens=200, ignore_eos=True)

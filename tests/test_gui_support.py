@@ -1,47 +1,19 @@
-"""Shared fixtures for the GUI tests: a main window around a real engine (small pool, built-in model)."""
-import dataclasses
+"""What the GUI tests share besides the fixtures (tests/conftest.py's make_window: a main window around a real
+engine, small pool, built-in model): waiting for a frame, filling the add dialog."""
 import time
 
-import pytest
-
-from engine import Engine, EngineConfig, EngineRunner
-from explorer.feeds.engine_feed import EngineFeed
-from explorer.window.main_window import MainWindow
+from tests.helpers import make_config  # noqa: F401  (the GUI tests take it from here too)
 
 
-def make_config(num_blocks=64, block_size=4):
-    return EngineConfig(model="builtin", num_blocks=num_blocks, block_size=block_size)
-
-
-@pytest.fixture
-def make_window(qtbot):
-    """make_window(setup=callable(engine), paused=False, speed=None, num_blocks=64, block_size=4, history=False,
-    **fields) -> MainWindow. ``history``: the engine's frames also go to a History (the timeline and event log work);
-    ``fields``: more EngineConfig fields (a host tier, say)."""
-    windows = []
-
-    def make(setup=None, paused=False, speed=None, num_blocks=64, block_size=4, history=False, size=None, **fields):
-        cfg = dataclasses.replace(make_config(num_blocks, block_size), **fields)
-        engine = Engine(cfg)
-        if setup is not None:
-            setup(engine)
-        if history:
-            feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused)
-            window = MainWindow(feed=feed, config=cfg, size=size)
-        else:
-            runner = EngineRunner(engine, max_steps_per_second=speed, start_paused=paused).start()
-            window = MainWindow(runner, cfg, size=size)
-        qtbot.addWidget(window)
-        window.show()
-        qtbot.waitExposed(window)
-        qtbot.waitUntil(lambda: window.snapshot is not None, timeout=3000)
-        windows.append(window)
-        return window
-
-    yield make
-    for window in windows:
-        window.close()
-        assert window.runner is None or not window.runner.alive
+def seeded(prompts, steps=3, max_new_tokens=40):
+    """A make_window setup: the prompts added one step apart, then ``steps`` more steps."""
+    def setup(engine):
+        for prompt in prompts:
+            engine.add_conversation(prompt, max_new_tokens=max_new_tokens)
+            engine.step()
+        for _ in range(steps):
+            engine.step()
+    return setup
 
 
 def wait_for_snapshot(qtbot, window, predicate, timeout=8000):

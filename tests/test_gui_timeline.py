@@ -13,12 +13,8 @@ LEFT = QtCore.Qt.MouseButton.LeftButton
 
 
 @pytest.fixture
-def timeline(qtbot):
-    t = Timeline()
-    qtbot.addWidget(t)
-    t.resize(600, 84)
-    t.show()
-    qtbot.waitExposed(t)
+def timeline(qtbot, shown):
+    t = shown(Timeline(), 600, 84)
     t.set_range(100, 1100, lambda seq: seq // 2)  # two frames per step
     return t
 
@@ -242,12 +238,8 @@ def test_event_markers_in_bulk_equal_markers_one_by_one(qtbot):
     assert bulk.markers.n == len(pairs)
 
 
-def test_empty_and_narrow(qtbot):
-    t = Timeline()
-    qtbot.addWidget(t)
-    t.resize(300, 64)
-    t.show()
-    qtbot.waitExposed(t)
+def test_empty_and_narrow(qtbot, shown):
+    t = shown(Timeline(), 300, 64)
     assert t.empty and t.banner_text() == "no history yet" and not t.play_button.isEnabled()
     with pytest.raises(ValueError, match="nothing yet"):
         t.seek(0)

@@ -5,7 +5,7 @@ import numpy as np
 from PySide6 import QtCore
 
 from explorer.model import palette
-from test_gui_support import make_window, open_add_dialog, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import open_add_dialog, wait_for_snapshot
 
 PROMPT = "Forks share the parent's full blocks."  # 37 bytes: 9 full blocks of 4 and a tail of 1
 

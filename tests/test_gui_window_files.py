@@ -20,7 +20,7 @@ from kvstream.poolstream.publisher import PoolStreamPublisher
 from kvstream.recording import read_frames
 from kvstream.summary import fixed_part, json_summary
 from engine import Engine
-from test_gui_support import make_config, make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import make_config, wait_for_snapshot
 
 
 def two_conversations(engine):

@@ -5,7 +5,7 @@ from PySide6 import QtCore
 
 from kvstream.events import EventKind
 from kvstream.views import BlockState
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 
 
 def three_conversations(engine):

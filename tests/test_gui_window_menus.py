@@ -4,7 +4,7 @@ from PySide6 import QtWidgets
 
 from explorer.window import files
 from explorer.window.help import HelpDialog
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 
 
 def menu_titles(window):

@@ -6,17 +6,7 @@ from PySide6 import QtWidgets
 from explorer.feeds.snapshot_block import block_info_from_snapshot
 from explorer.window.status_bar import CounterRate
 from kvstream.views import BlockState
-from test_gui_support import make_config, make_window, open_add_dialog, wait_for_snapshot  # noqa: F401
-
-
-def seeded(prompts, steps=3, max_new_tokens=40):
-    def setup(engine):
-        for prompt in prompts:
-            engine.add_conversation(prompt, max_new_tokens=max_new_tokens)
-            engine.step()
-        for _ in range(steps):
-            engine.step()
-    return setup
+from test_gui_support import make_config, open_add_dialog, seeded, wait_for_snapshot
 
 
 def test_local_engine_source_says_what_it_can_do_and_delivers_views(qtbot, make_window):

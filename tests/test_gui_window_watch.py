@@ -441,5 +441,3 @@ def test_an_attached_pool_gone_silent_opens_no_dialog(qtbot, make_window):
     window.source.problem.emit(Problem("Engine error", "a real failure"))
     assert window.errors[-1][0] == "Engine error"
 
-
-from test_gui_support import make_window  # noqa: E402,F401  (fixture)

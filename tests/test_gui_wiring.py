@@ -2,7 +2,6 @@
 ids go out as ids), the restart dialog that asks, stays open and reports at its field, the detokenizer for earlier
 turns, demo notes in the status bar, read-only conversation buttons, metrics up to the scrubbed step, and pan
 limits that never crop a fit (pytest-qt, offscreen, real engine, small pools)."""
-import time
 import numpy as np
 from PySide6 import QtCore, QtWidgets
 
@@ -10,7 +9,7 @@ from explorer.window import files
 from explorer.widgets.conversations import PLACEHOLDER, REPLY_MARK, USER_MARK, ConversationsPanel
 from explorer.widgets.grid_view import GridView
 from kvstream.views import PoolSnapshot
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 
 ACCEPTED = QtWidgets.QDialog.DialogCode.Accepted
 

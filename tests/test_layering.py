@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import package_imports
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "PySide6", "PyQt5", "PyQt6", "pyqtgraph", "shiboken6")
 
@@ -237,26 +239,7 @@ def test_only_the_manager_writes_the_pool():
 
 def explorer_imports(top: str = "explorer") -> dict[str, set[str]]:
     """Module -> the ``top`` package's modules it imports (relative or absolute, at the top or inside a function)."""
-    graph = {}
-    for path in sorted((ROOT / top).rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts).removesuffix(".__init__")
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                for alias in node.names:  # "from . import files" names a module
-                    found.add(f"{base}.{alias.name}")
-                found.add(base)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-        graph[name] = {m for m in found if m.startswith(f"{top}.")} - {name}
-    modules = set(graph)
-    return {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+    return package_imports(top)
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -276,6 +259,51 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     for module in sorted(graph):
         visit(module, [])
     return found
+
+
+ROOMS = {"feeds": 0, "model": 1, "render": 2, "widgets": 3, "window": 4, "cli": 2, "headless": 2}  # the explorer's
+# rooms, by floor: every source of frames; the window's model (the source the panels read, its step cursor, pacing,
+# colours, words); pool views to RGBA; one panel per file; the main window and its Qt adapters. The command line and
+# the headless run stand beside the renderer: Qt-free, above the feeds and the model they drive.
+
+
+def room_of(module: str) -> str | None:
+    """The room of an explorer module ("explorer.model.cursor" -> "model"), None for the package's own files."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else None
+
+
+def floors_climbed(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a room on a higher floor than the importer's (an arrow that runs back up)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        here = room_of(module)
+        for target in sorted(targets):
+            there = room_of(target)
+            if here is not None and there is not None and there != here and ROOMS[there] >= ROOMS[here]:
+                bad.append(f"{module} ({here}) imports {target} ({there})")
+    return bad
+
+
+def test_every_explorer_module_lives_in_a_room_and_imports_only_below_it():
+    """Each room imports only its own modules and rooms on floors below: window -> widgets -> render -> model ->
+    feeds (the command line and headless beside the renderer). The window's model is in explorer/model, with its Qt
+    adapter in explorer/window; no panel reaches up to the window."""
+    graph = explorer_imports("explorer")
+    assert {room_of(m) for m in graph} == set(ROOMS) | {None}
+    assert "explorer.model.pool_source" in graph and "explorer.window.qt_source" in graph
+    assert not [m for m in graph if m.startswith("explorer.widgets.source")]  # the model no longer lives in widgets
+    bad = floors_climbed(graph)
+    assert not bad, "explorer imports that climb a floor:\n" + "\n".join(bad)
+
+
+def test_the_floor_check_catches():
+    assert floors_climbed({"explorer.model.a": {"explorer.widgets.b"}, "explorer.feeds.c": {"explorer.model.a"},
+                           "explorer.headless": {"explorer.window.d"}}) == [
+        "explorer.feeds.c (feeds) imports explorer.model.a (model)",
+        "explorer.headless (headless) imports explorer.window.d (window)",
+        "explorer.model.a (model) imports explorer.widgets.b (widgets)"]
+    assert floors_climbed({"explorer.widgets.b": {"explorer.model.a", "explorer.widgets.c"}}) == []
 
 
 @pytest.mark.parametrize("top", ["explorer", "kvstream"])

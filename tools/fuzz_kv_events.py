@@ -13,7 +13,8 @@ sample). The watcher's handler (``_Follower.on_live``) gets the same inputs with
 frame counts and must never raise.
 
 Run: ``python tools/fuzz_kv_events.py -n 100000 --seed 1`` (prints the counts as JSON; exit 1 on any non-clean
-outcome). The CI tests (tests/test_kv_events_fuzz.py) drive the same mutators from hypothesis, a few hundred inputs.
+outcome). The structured mutations share tools/mutate.py with tools/fuzz_poolstream.py. The CI tests
+(tests/test_kv_events_fuzz.py) drive the same mutators from hypothesis, a few hundred inputs.
 """
 from __future__ import annotations
 
@@ -35,12 +36,11 @@ from kvstream.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVC
                                 KVEventBatch, KVEventDecodeError, KVEventEndpoint, decode_batch_report,
                                 encode_batch, make_batch)
 from kvstream.kv_events.subscriber import _Follower  # noqa: E402
+from tools.mutate import EXTREME_INTS, WRONG_TYPES, nodes, set_at  # noqa: E402
 
 ALLOC_PER_BYTE = 64  # decoding may allocate this many bytes per input byte ...
 ALLOC_CONSTANT = 256 * 1024  # ... plus this much
-EXTREME_INTS = (0, -1, 1, 2**63 - 1, -2**63, 2**64 - 1, 2**32, -2**31, 10**12)
-WRONG_VALUES = ("x", b"", b"\x00" * 40, 1.5, float("nan"), float("inf"), None, True, [], {}, [[1]], {"type": 1},
-                -1, 2**64 - 1)
+WRONG_VALUES = WRONG_TYPES + (-1, 2**64 - 1)  # a value of another type, or an int out of every range
 
 
 def seed_payloads() -> list[bytes]:
@@ -75,27 +75,6 @@ def seed_payloads() -> list[bytes]:
 
 
 # ----------------------------------------------------------------------------------------------- mutators
-def _paths(value, path=()):
-    """Every (path, leaf-or-container) in a generic msgpack value."""
-    yield path, value
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _paths(v, path + (i,))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _paths(v, path + (k,))
-
-
-def _set(value, path, new):
-    if not path:
-        return new
-    container = value
-    for key in path[:-1]:
-        container = container[key]
-    container[path[-1]] = new
-    return value
-
-
 def truncate(rng: random.Random, data: bytes) -> bytes:
     return data[:rng.randrange(len(data) + 1)]
 
@@ -130,7 +109,7 @@ def _structured(rng: random.Random, data: bytes, change) -> bytes:
 
 
 def _swap_fields(rng, value):
-    maps = [(p, v) for p, v in _paths(value) if isinstance(v, dict) and len(v) >= 2]
+    maps = [(p, v) for p, v in nodes(value) if isinstance(v, dict) and len(v) >= 2]
     if not maps:
         return value
     _, m = rng.choice(maps)
@@ -140,15 +119,15 @@ def _swap_fields(rng, value):
 
 
 def _extreme_int(rng, value):
-    ints = [p for p, v in _paths(value) if isinstance(v, int) and not isinstance(v, bool)]
+    ints = [p for p, v in nodes(value) if isinstance(v, int) and not isinstance(v, bool)]
     if not ints:
         return value
-    return _set(value, rng.choice(ints), rng.choice(EXTREME_INTS))
+    return set_at(value, rng.choice(ints), rng.choice(EXTREME_INTS))
 
 
 def _wrong_type(rng, value):
-    paths = [p for p, _ in _paths(value)]
-    return _set(value, rng.choice(paths), rng.choice(WRONG_VALUES))
+    paths = [p for p, _ in nodes(value)]
+    return set_at(value, rng.choice(paths), rng.choice(WRONG_VALUES))
 
 
 def _events_reshuffled(rng, value):
@@ -223,7 +202,7 @@ def feed_follower(follower: _Follower, rng: random.Random, payload: bytes) -> No
     """One mutated message to the handler: it must count, skip or apply, never raise."""
     seq = rng.choice((0, 1, follower.next_seq or 0, (follower.next_seq or 0) + 1, 2**64 - 1, 2**63,
                       rng.randrange(2**64)))
-    frames = [b"", seq.to_bytes(8, "big"), payload]
+    frames = [b"", (seq % 2**64).to_bytes(8, "big"), payload]  # next_seq + 1 passes 2**64 - 1 after a far batch
     op = rng.randrange(6)
     if op == 0:
         frames = frames[:rng.randint(0, 2)]

@@ -31,6 +31,14 @@ class Capabilities:
     is_live: bool = True  # new frames arrive while it runs (a recording's are all in its history from the start)
     can_record: bool = False  # File > Record can save its frames as they come (the local engine)
 
+    @classmethod
+    def watched(cls, why: str, no_kv_values: str, *, history: bool = True, pool: bool = True,
+                live: bool = True) -> "Capabilities":
+        """A source that is only watched (a recording, another process's pool, a KV-event stream): no commands,
+        for the reason ``why``, and no K/V values, for ``no_kv_values``; whether it keeps ``history``, knows the
+        physical ``pool``, and is ``live``."""
+        return cls(False, False, history, pool, why, no_kv_values, live)
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -18,9 +18,8 @@ class KVEventFeed(Feed):
     """Follows KV-event endpoints; its views are the content indexes, its summaries one per instance."""
 
     kind = "kv-events"
-    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=False, has_physical_pool=False,
-                                read_only_reason=KV_EVENTS_READ_ONLY,
-                                kv_values_reason="a KV-event stream carries no K/V values")
+    capabilities = Capabilities.watched(KV_EVENTS_READ_ONLY, "a KV-event stream carries no K/V values", history=False,
+                                        pool=False)
 
     def __init__(self, subscriber, tokenizer=None):
         self.subscriber = subscriber  # the KVEventSubscriber (started), owner of the sockets

@@ -37,10 +37,19 @@ class NamedTokenText:
     stay ids: the project's own engine watched through ``--attach`` showed ``<81>`` where its byte tokenizer is
     known to every copy of this program."""
 
-    def __init__(self):
+    def __init__(self, given=None):
+        self._given = _tokenizer_text(given)  # token id -> text of a tokenizer given on the command line (--tokenizer),
+        # which wins over the one the stream names; None: none given
         self.name = ""  # the tokenizer name of the stream, as last seen
         self._text = None  # token id -> text for that name, or None
         self._tried: set[str] = set()  # names already resolved (or found missing): never tried again per frame
+
+    def of(self, token_id: int, snapshot) -> str | None:
+        """``token_id``'s text: by the tokenizer given, else by the one ``snapshot`` (the stream's newest) names."""
+        if self._given is not None:
+            return self._given(token_id)
+        self.follow(snapshot)
+        return self(token_id)
 
     def follow(self, snapshot) -> None:
         name = str(getattr(snapshot, "tokenizer", "") or "") if snapshot is not None else ""
@@ -78,15 +87,12 @@ class RecordingFeed(Feed):
     """A recording opened from disk: every frame kept (payloads read on demand), the newest frame as "live"."""
 
     kind = "recording"
-    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
-                                read_only_reason=RECORDING_READ_ONLY,
-                                kv_values_reason="a recording keeps no K/V values", is_live=False)
+    capabilities = Capabilities.watched(RECORDING_READ_ONLY, "a recording keeps no K/V values", live=False)
 
     def __init__(self, history, path: str, tokenizer=None):
         self._history = history  # the read-only History open_recording built
         self.path = path  # the file
-        self._token_text = _tokenizer_text(tokenizer)
-        self._named = NamedTokenText()  # the recording's own tokenizer, where it names one and --tokenizer does not
+        self._text = NamedTokenText(tokenizer)  # --tokenizer's, else the one the recording names
         self._latest = history.latest()
         info = getattr(history, "recording", None)
         self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
@@ -128,10 +134,7 @@ class RecordingFeed(Feed):
         return out
 
     def token_text(self, token_id: int) -> str | None:
-        if self._token_text is not None:
-            return self._token_text(token_id)
-        self._named.follow(self._latest)
-        return self._named(token_id)
+        return self._text.of(token_id, self._latest)
 
     def status_text(self) -> str:
         return "■ recording (read-only)"
@@ -148,15 +151,12 @@ class AttachFeed(Feed):
     """Another process's pool stream, read by a kvstream PoolStreamSubscriber thread into a History."""
 
     kind = "stream"
-    capabilities = Capabilities(can_command=False, has_kv_values=False, has_history=True, has_physical_pool=True,
-                                read_only_reason=ATTACH_READ_ONLY,
-                                kv_values_reason="K/V values stay in the process that owns the pool")
+    capabilities = Capabilities.watched(ATTACH_READ_ONLY, "K/V values stay in the process that owns the pool")
 
     def __init__(self, subscriber, tokenizer=None):
         self.subscriber = subscriber  # owns the socket and the thread
         self.endpoint = subscriber.endpoint
-        self._token_text = _tokenizer_text(tokenizer)
-        self._named = NamedTokenText()  # the stream's own tokenizer, where it names one and --tokenizer does not
+        self._text = NamedTokenText(tokenizer)  # --tokenizer's, else the one the stream names
         self._latest = None
         self._latest_seq: int | None = None
         self._last_state = ""
@@ -211,10 +211,7 @@ class AttachFeed(Feed):
         return out
 
     def token_text(self, token_id: int) -> str | None:
-        if self._token_text is not None:
-            return self._token_text(token_id)
-        self._named.follow(self._latest)
-        return self._named(token_id)
+        return self._text.of(token_id, self._latest)
 
     def status_text(self) -> str:
         return f"↔ {self.subscriber.status.text}"

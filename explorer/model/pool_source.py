@@ -131,15 +131,27 @@ class PoolSource:
         while a far frame decodes."""
         return self.cursor.shown
 
+    def connect(self, **slots) -> None:
+        """Connect each signal named to its slot (``viewChanged=panel.show``): how a panel starts following this
+        source; :meth:`disconnect` with the same slots stops it (the window's active source changed)."""
+        for name, slot in slots.items():
+            getattr(self, name).connect(slot)
+
+    def disconnect(self, **slots) -> None:
+        for name, slot in slots.items():
+            getattr(self, name).disconnect(slot)
+
+    @staticmethod
+    def switch(old: "PoolSource | None", new: "PoolSource", **slots) -> None:
+        """Stop following ``old`` (None: nothing yet) and follow ``new`` through the same ``slots``."""
+        if old is not None:
+            old.disconnect(**slots)
+        new.connect(**slots)
+
     # ---- what the source can do ----------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
         return self.feed.capabilities
-
-    @property
-    def can_command(self) -> bool:
-        """Commands are possible now: the feed takes them and the window shows the present, not the past."""
-        return self.feed.capabilities.can_command
 
     @property
     def command_blocked_reason(self) -> str:
@@ -151,10 +163,6 @@ class PoolSource:
     @property
     def history(self):
         return self.feed.history
-
-    @property
-    def title(self) -> str:
-        return self.feed.title
 
     # ---- swapping feeds --------------------------------------------------------------------------------
     def set_feed(self, feed: Feed) -> None:

@@ -40,16 +40,9 @@ class BlockWatch(QtCore.QObject):
     def set_source(self, source: PoolSource) -> None:
         if self.source is source:
             return
-        if self.source is not None:
-            self.source.viewChanged.disconnect(self._on_view)
-            self.source.sourceChanged.disconnect(self._on_source_changed)
-            self.source.viewingChanged.disconnect(self._on_viewing)
-            self.source.eventsArrived.disconnect(self._on_events)
+        PoolSource.switch(self.source, source, viewChanged=self._on_view, sourceChanged=self._on_source_changed,
+                          viewingChanged=self._on_viewing, eventsArrived=self._on_events)
         self.source = source
-        source.viewChanged.connect(self._on_view)
-        source.sourceChanged.connect(self._on_source_changed)
-        source.viewingChanged.connect(self._on_viewing)
-        source.eventsArrived.connect(self._on_events)
         self._on_source_changed(source.feed)
 
     def select(self, block_id: int | None) -> None:

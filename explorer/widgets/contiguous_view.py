@@ -26,6 +26,7 @@ from ..model.contiguous import GAP_SLOT, ContiguousAllocator, ContiguousLayout
 from ..render import grid
 from ..render.grid import GridGeometry, as_rgba, as_u32, grid_geometry, tile_masks
 from .grid_view import FIT_PAD
+from .painting import image_view
 
 GAP = np.array([214, 58, 48, 255], np.uint8)  # free slots between reservations: hatched with palette.FREE
 HATCH = 4  # pixels per period of the gap hatching (diagonal: half GAP, half FREE)
@@ -158,12 +159,7 @@ class ContiguousView(QtWidgets.QWidget):
         self.summary = QtWidgets.QLabel("No conversations yet.")
         self.summary.setWordWrap(True)
         self.summary.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.view = pg.GraphicsView(background=tuple(int(c) for c in palette.BACKGROUND[:3]))
-        self.box = pg.ViewBox(lockAspect=True, invertY=True, enableMenu=False)
-        self.view.setCentralItem(self.box)
-        self.item = pg.ImageItem(axisOrder="row-major")
-        self.item.setAutoDownsample(False)
-        self.box.addItem(self.item)
+        self.view, self.box, self.item = image_view(palette.BACKGROUND)
         self.hover_label = QtWidgets.QLabel("Hover the memory for details.")
         self.hover_label.setWordWrap(True)
         legend = QtWidgets.QGridLayout()  # two marks a row: one row of four kept the view from half the pane
@@ -224,10 +220,18 @@ class ContiguousView(QtWidgets.QWidget):
 
     def _follow_grid(self, *_) -> None:
         """Take the grid's scale and top-left corner."""
+        self._match(self._grid_box, self.box)
+
+    def _lead_grid(self, *_) -> None:
+        """The user panned or zoomed this view: move the grid the same way."""
+        self._match(self.box, self._grid_box)
+
+    def _match(self, leader, follower) -> None:
+        """``follower`` takes ``leader``'s scale and corner, once: the move it makes does not come back."""
         if self._grid_box is not None and not self._syncing:
             self._syncing = True
             try:
-                _match_scale(self._grid_box, self.box)
+                _match_scale(leader, follower)
             finally:
                 self._syncing = False
 
@@ -253,15 +257,6 @@ class ContiguousView(QtWidgets.QWidget):
             _match_scale(self.box, grid_box)
         finally:
             self._syncing = False
-
-    def _lead_grid(self, *_) -> None:
-        """The user panned or zoomed this view: move the grid the same way."""
-        if self._grid_box is not None and not self._syncing:
-            self._syncing = True
-            try:
-                _match_scale(self.box, self._grid_box)
-            finally:
-                self._syncing = False
 
     def render(self, force: bool = False) -> bool:
         """Redraw if the layout changed since the last call (and the widget is shown); returns whether it drew."""

@@ -22,7 +22,7 @@ from ..model import palette
 from ..render import grid
 from ..render.grid import GridGeometry, changed_blocks, grid_geometry, redraw_blocks, snapshot_to_rgba
 from .elided_label import ElidedLabel
-from .painting import cache_painting
+from .painting import cache_painting, image_view
 
 MAX_VISIBLE_FOR_LABELS = 144  # cell labels appear only when at most this many cells (12 x 12) are in view
 MAX_LABELS = MAX_VISIBLE_FOR_LABELS  # so every visible cell can carry its id
@@ -96,12 +96,7 @@ class GridView(QtWidgets.QWidget):
         self.hovered_block: int | None = None  # the block under the mouse (the hover line describes it)
         self._dirty = False
 
-        self.view = pg.GraphicsView(background=tuple(int(c) for c in palette.BACKGROUND[:3]))
-        self.box = pg.ViewBox(lockAspect=True, invertY=True, enableMenu=False)
-        self.view.setCentralItem(self.box)
-        self.item = pg.ImageItem(axisOrder="row-major")
-        self.item.setAutoDownsample(False)
-        self.box.addItem(self.item)
+        self.view, self.box, self.item = image_view(palette.BACKGROUND)
         self.highlight = QtWidgets.QGraphicsRectItem()
         pen = QtGui.QPen(QtGui.QColor(*palette.SELECTED_RING[:3]))
         pen.setCosmetic(True)

@@ -47,16 +47,9 @@ class HistoryPanels(QtCore.QObject):
 
     def set_source(self, source: PoolSource) -> None:
         """Follow ``source`` (the window's active one) from now on."""
-        if self.source is not None:
-            self.source.eventsArrived.disconnect(self._on_events)
-            self.source.eventsDropped.disconnect(self._on_dropped)
-            self.source.sourceChanged.disconnect(self._on_source_changed)
-            self.source.viewingChanged.disconnect(self._on_viewing)
+        PoolSource.switch(self.source, source, eventsArrived=self._on_events, eventsDropped=self._on_dropped,
+                          sourceChanged=self._on_source_changed, viewingChanged=self._on_viewing)
         self.source = source
-        source.eventsArrived.connect(self._on_events)
-        source.eventsDropped.connect(self._on_dropped)
-        source.sourceChanged.connect(self._on_source_changed)
-        source.viewingChanged.connect(self._on_viewing)
         self._on_source_changed(source.feed)
 
     # ---- following the source -----------------------------------------------------------------------------------

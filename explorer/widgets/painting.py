@@ -22,6 +22,20 @@ def cache_painting(*items: QtWidgets.QGraphicsItem) -> None:
             cache_painting(child)
 
 
+def image_view(background) -> tuple:
+    """(view, box, item): one pyqtgraph ImageItem in a pan/zoom ViewBox with a locked aspect, y down (row 0 at the
+    top, as the grids lay out their blocks), drawn pixel for pixel (no downsampling: the image is made at the size it
+    is shown). ``background``: the view's RGB."""
+    import pyqtgraph as pg
+    view = pg.GraphicsView(background=tuple(int(c) for c in background[:3]))
+    box = pg.ViewBox(lockAspect=True, invertY=True, enableMenu=False)
+    view.setCentralItem(box)
+    item = pg.ImageItem(axisOrder="row-major")
+    item.setAutoDownsample(False)
+    box.addItem(item)
+    return view, box, item
+
+
 def cache_plot_axes(plot) -> None:
     """:func:`cache_painting` for the four axes of a pyqtgraph ``PlotItem`` (shown or not)."""
     cache_painting(*(plot.getAxis(side) for side in ("left", "bottom", "right", "top")))

@@ -39,7 +39,7 @@ def view_json(window) -> dict:
         raise ValueError("there is no view to export yet")
     data = dict(json_summary(source.view))
     data["viewing_history_seq"] = source.viewing
-    data["title"] = source.title
+    data["title"] = source.feed.title
     data["conversations"] = [
         {"id": c.conversation_id, "status": str(c.status), "label": c.label, "prompt_tokens": len(c.prompt_token_ids),
          "output_tokens": len(c.output_token_ids), "output_text": c.output_text,

@@ -14,6 +14,7 @@ from ..model import palette
 from ..render.grid import COLOR_BY, COLOR_BY_LABELS
 from ..widgets.contiguous_view import GAP, swatch as contiguous_swatch
 from ..widgets.legend import legend_entries
+from .layout import scrolled
 
 MODE_TEXT = {  # what each colour-by mode answers
     "owner": "Which conversation holds each block (one colour per live conversation; cached blocks keep a muted "
@@ -64,14 +65,6 @@ def _rows_widget(rows: list[tuple[QtGui.QPixmap | str, str]]) -> QtWidgets.QWidg
     return box
 
 
-def _scrolled(widget: QtWidgets.QWidget) -> QtWidgets.QScrollArea:
-    area = QtWidgets.QScrollArea()
-    area.setWidgetResizable(True)
-    area.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
-    area.setWidget(widget)
-    return area
-
-
 def mark_rows() -> list[tuple[QtGui.QPixmap, str]]:
     """Every mark of the grid in the owner mode (the default), and of the contiguous view."""
     rows = legend_entries("owner")
@@ -118,11 +111,11 @@ class HelpDialog(QtWidgets.QDialog):
         marks_layout.setContentsMargins(0, 0, 0, 0)
         marks_layout.addWidget(intro)
         marks_layout.addWidget(_rows_widget(mark_rows()), 1)
-        self.tabs.addTab(_scrolled(marks), "Grid marks")
+        self.tabs.addTab(scrolled(marks), "Grid marks")
         modes = [(COLOR_BY_LABELS[m], MODE_TEXT[m]) for m in COLOR_BY]
-        self.tabs.addTab(_scrolled(_rows_widget(modes)), "Colour by")
+        self.tabs.addTab(scrolled(_rows_widget(modes)), "Colour by")
         self.shortcuts = shortcut_table(parent)
-        self.tabs.addTab(_scrolled(_rows_widget(self.shortcuts)), "Keys and mouse")
+        self.tabs.addTab(scrolled(_rows_widget(self.shortcuts)), "Keys and mouse")
         lesson = QtWidgets.QWidget()
         lesson_layout = QtWidgets.QVBoxLayout(lesson)
         text = QtWidgets.QLabel(LESSON_TEXT)
@@ -132,7 +125,7 @@ class HelpDialog(QtWidgets.QDialog):
         lesson_layout.addWidget(text)
         lesson_layout.addWidget(self.lesson_button, 0, QtCore.Qt.AlignmentFlag.AlignLeft)
         lesson_layout.addStretch(1)
-        self.tabs.addTab(_scrolled(lesson), "Lesson")
+        self.tabs.addTab(scrolled(lesson), "Lesson")
         buttons = QtWidgets.QDialogButtonBox(QtWidgets.QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         layout = QtWidgets.QVBoxLayout(self)

@@ -24,6 +24,20 @@ V = QtCore.Qt.Orientation.Vertical
 MIN_WIDTH, MIN_HEIGHT = 1024, 640  # the smallest screen the window must be usable on
 
 
+def _group(window, main, docks, side_by_side: bool, main_right: bool) -> bool:
+    """Place ``docks`` with ``main``: side by side (the first beside it, on its left when ``main_right``, the others
+    tabbed with that first one, which is raised) or all tabbed with ``main``. Returns whether they went beside."""
+    if not (side_by_side and docks):
+        for dock in docks:
+            window.tabifyDockWidget(main, dock)
+        return False
+    window.splitDockWidget(*((docks[0], main) if main_right else (main, docks[0])), H)
+    for dock in docks[1:]:
+        window.tabifyDockWidget(docks[0], dock)
+    docks[0].raise_()
+    return True
+
+
 def scrolled(widget: QtWidgets.QWidget) -> QtWidgets.QScrollArea:
     """``widget`` in a frameless scroll area that resizes it: a small dock scrolls instead of squeezing it."""
     area = QtWidgets.QScrollArea()
@@ -74,23 +88,9 @@ def arrange(window: QtWidgets.QMainWindow, right: list[QtWidgets.QDockWidget],
     kind = "wide" if width >= 1600 and height >= 900 else ("medium" if width >= 1280 else "small")
     inspector, *others = right
     conversations, *charts = bottom
-    if kind == "wide" and others:
-        window.splitDockWidget(others[0], inspector, H)  # legend column, then the inspector at the far right
-        for dock in others[1:]:
-            window.tabifyDockWidget(others[0], dock)
-        others[0].raise_()
-    else:
-        for dock in others:
-            window.tabifyDockWidget(inspector, dock)
-    inspector.raise_()
-    if kind != "small" and charts:
-        window.splitDockWidget(conversations, charts[0], H)
-        for dock in charts[1:]:
-            window.tabifyDockWidget(charts[0], dock)
-        charts[0].raise_()
-    else:
-        for dock in charts:
-            window.tabifyDockWidget(conversations, dock)
+    _group(window, inspector, others, kind == "wide", main_right=True)  # wide: the legend column, then the
+    inspector.raise_()  # inspector at the far right
+    if not _group(window, conversations, charts, kind != "small", main_right=False):
         conversations.raise_()
     if kind == "wide" and others:
         window.resizeDocks([others[0], inspector], [int(width * 0.17), int(width * 0.25)], H)

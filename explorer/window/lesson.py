@@ -382,10 +382,7 @@ class LessonWindow(QMainWindow):
             self.current_panel.title.setText(f"Physical pool: {view.num_blocks} blocks \u00d7 {view.block_size} slots "
                                              f"(one head, dimension 1)")
             self.current_panel.show_view(view)
-        title, text = lesson_text.explanation(lesson)
-        self.explain_title.setText(title)
-        self.explain_text.setText(text)
-        m = lesson.memory()
+        m = self._explain(lesson)
         per_slot = m["contiguous_bytes"] // max(lesson.max_positions, 1)  # the engine's sizes, read from its figures
         per_entry = m["table_bytes"] // len(view.block_table) if view.block_table else 4  # int32 entries
         note = "<b>How this pool was set up</b><br>" + lesson_text.setup_note(lesson)
@@ -399,6 +396,14 @@ class LessonWindow(QMainWindow):
             f"block table: {len(view.block_table)} entries \u00d7 {per_entry} B = {m['table_bytes']} B<br>"
             f"<span style='color:{MUTED}'>contiguous reservation for {lesson.max_positions} positions: "
             f"{m['contiguous_bytes']} B ({per_slot} B per slot: one key + one value)</span>")
+
+    def _explain(self, lesson) -> dict:
+        """The chapter's explanation in its title and text; returns the lesson's memory figures for the caller's
+        own words about them."""
+        title, text = lesson_text.explanation(lesson)
+        self.explain_title.setText(title)
+        self.explain_text.setText(text)
+        return lesson.memory()
 
     def _refresh_window_chapter(self, view) -> None:
         """Paging alone on the left, the window on the right, the releases said between them."""
@@ -421,10 +426,7 @@ class LessonWindow(QMainWindow):
                        f"the window (blocks of {lesson.block_size}, a window of {WINDOW}: the first goes at "
                        f"position {2 * lesson.block_size}). Paging alone never releases anything.")
         self.compare_label.setText(verdict)
-        title, text = lesson_text.explanation(lesson)
-        self.explain_title.setText(title)
-        self.explain_text.setText(text)
-        m = lesson.memory()
+        m = self._explain(lesson)
         self.memory_label.setText(
             f"<b>Memory of this sequence</b><br>"
             f"K/V kept: {m['filled_slots']} slots = {m['kv_bytes']} B "

@@ -170,20 +170,17 @@ class MainWindow(QtWidgets.QMainWindow):
             pane.source.problem.connect(self._on_problem)
         self._connect_source(self.source)
 
+    def _source_slots(self) -> dict:
+        """What the window itself follows of its active source (the tiers' durations come from the events)."""
+        return dict(sourceChanged=self._on_source_changed, viewChanged=self._on_view, frameArrived=self._on_frame,
+                    viewingChanged=self._on_viewing, eventsArrived=self.metrics.tiers.add_events)
+
     def _connect_source(self, source: PoolSource) -> None:
         self.conversations.set_colour_book(source.colours)  # its conversations in its grid's colours
-        source.sourceChanged.connect(self._on_source_changed)
-        source.viewChanged.connect(self._on_view)
-        source.frameArrived.connect(self._on_frame)
-        source.viewingChanged.connect(self._on_viewing)
-        source.eventsArrived.connect(self.metrics.tiers.add_events)  # durations per tier, from the events
+        source.connect(**self._source_slots())
 
     def _disconnect_source(self, source: PoolSource) -> None:
-        source.sourceChanged.disconnect(self._on_source_changed)
-        source.viewChanged.disconnect(self._on_view)
-        source.frameArrived.disconnect(self._on_frame)
-        source.viewingChanged.disconnect(self._on_viewing)
-        source.eventsArrived.disconnect(self.metrics.tiers.add_events)
+        source.disconnect(**self._source_slots())
 
     def _place_window(self, size: tuple[int, int] | None) -> None:
         """Arrange the docks for the size the window gets, restore a saved layout over it, apply --geometry."""

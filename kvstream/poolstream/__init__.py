@@ -27,7 +27,8 @@ from __future__ import annotations
 from .decode import StreamDecoder, frame_from_payload, frame_of, read_head
 from .encode import StreamEncoder, encode_keyframe
 from .schema import (ARRAYS, FORMAT_VERSION, MAGIC, ArrayPatch, Body, ConvPatch, Count, Delta, Frame, FrameHead, Grown,
-                     Header, Keyframe, Numbers, Packed, SeqPatch, StreamError, TablePatch, TextPatch)
+                     Header, Keyframe, Numbers, Packed, SeqPatch, StreamError, TablePatch, TextPatch, check_frame)
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "StreamError", "Frame", "FrameHead", "Header", "Keyframe", "Delta",
-           "StreamEncoder", "StreamDecoder", "read_head", "frame_from_payload", "frame_of", "encode_keyframe"]
+           "StreamEncoder", "StreamDecoder", "read_head", "frame_from_payload", "frame_of", "encode_keyframe",
+           "check_frame"]

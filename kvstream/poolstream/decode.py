@@ -244,6 +244,18 @@ def _check_order(order: list[int], keys: list[int], what: str) -> None:
         raise StreamError(f"malformed pool-stream message: the {what} order does not list the {what}s it has")
 
 
+def _check_gone(gone: list, held, seen: set, order, missing: str, what: str) -> None:
+    """Check the ids a delta takes away (``gone``: each once, each ``held`` now, none also patched, which is
+    ``seen``) and its new order of the rest (None: the order they have). ``missing``: what the refusal says the
+    delta does ("removes block tables")."""
+    gone_set = set(gone)
+    if len(gone_set) != len(gone) or not gone_set.issubset(held) or gone_set & seen:
+        raise StreamError(f"malformed pool-stream message: it {missing} that are not there")
+    if order is not None:
+        keys = [k for k in held if k not in gone_set] + [k for k in seen if k not in held]
+        _check_order(order, keys, what)
+
+
 def _check_conv(p: ConvPatch, old: list | None, n: int) -> tuple:
     """The patch's field values (UNSET where unchanged), checked against the conversation's values ``old``."""
     values = msgspec.structs.astuple(p)
@@ -555,12 +567,7 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
                                       "patched twice")
                 seen.add(t.conversation_id)
                 _check_table(t.conversation_id, tables.get(t.conversation_id), t.drop, t.tail, n)
-            removed = set(gt.removed)
-            if len(removed) != len(gt.removed) or not removed.issubset(tables) or removed & seen:
-                raise StreamError(f"malformed pool-stream message: it removes group {g} tables that are not there")
-            if gt.order is not None:
-                keys = [k for k in tables if k not in removed] + [k for k in seen if k not in tables]
-                _check_order(gt.order, keys, "group table")
+            _check_gone(gt.removed, tables, seen, gt.order, f"removes group {g} tables", "group table")
     tables = state.tables
     seen = set()
     for t in body.tables:
@@ -568,12 +575,7 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
             raise StreamError(f"malformed pool-stream message: block table of {t.conversation_id} patched twice")
         seen.add(t.conversation_id)
         _check_table(t.conversation_id, tables.get(t.conversation_id), t.drop, t.tail, n)
-    removed = set(body.tables_removed)
-    if len(removed) != len(body.tables_removed) or not removed.issubset(tables) or removed & seen:
-        raise StreamError("malformed pool-stream message: it removes block tables that are not there")
-    if body.tables_order is not None:
-        keys = [k for k in tables if k not in removed] + [k for k in seen if k not in tables]
-        _check_order(body.tables_order, keys, "block table")
+    _check_gone(body.tables_removed, tables, seen, body.tables_order, "removes block tables", "block table")
     if (body.conversations or body.conversations_dropped) and state.pending:
         waiting = set().union(*[p[0] for p in state.pending])
         if any(p.conversation_id in waiting for p in body.conversations) or \
@@ -588,12 +590,8 @@ def _check_delta(state: _State, body: Delta) -> tuple[list, list]:
     grown = None if body.grown is None else _check_grown(body.grown, convs, seen, n)
     if grown is not None:
         seen.update(grown[0])
-    dropped = set(body.conversations_dropped)
-    if len(dropped) != len(body.conversations_dropped) or not dropped.issubset(convs) or dropped & seen:
-        raise StreamError("malformed pool-stream message: it drops conversations that are not there")
-    if body.conversations_order is not None:
-        keys = [k for k in convs if k not in dropped] + [k for k in seen if k not in convs]
-        _check_order(body.conversations_order, keys, "conversation")
+    _check_gone(body.conversations_dropped, convs, seen, body.conversations_order, "drops conversations",
+                "conversation")
     if body.metrics is not None:
         _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", False)
     if body.memory is not UNSET and body.memory is not None:

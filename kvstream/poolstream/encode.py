@@ -214,7 +214,7 @@ def _tables_delta(old_tables, new_tables) -> tuple[list, list, list | None]:
             drop, tail = _seq_patch(o, t)
             tables.append(TablePatch(int(cid), drop, tail))
     table_ids = list(new_tables)
-    if table_ids == list(old_tables):
+    if table_ids == list(old_tables):  # the same conversations in the same order: most frames
         return tables, [], None
     removed = [cid for cid in old_tables if cid not in new_tables]
     return tables, removed, _order_patch(old_tables.keys(), table_ids, set(removed))
@@ -397,21 +397,7 @@ class StreamEncoder:
             if index.size:
                 patches[name] = _patch(a[index], index)
         # block tables
-        old_tables, new_tables = prev.block_tables, snapshot.block_tables
-        tables = []
-        for cid, t in new_tables.items():
-            o = old_tables.get(cid)
-            if o is None:
-                tables.append(TablePatch(int(cid), 0, tuple(t)))
-            elif o is not t and o != t:
-                drop, tail = _seq_patch(o, t)
-                tables.append(TablePatch(int(cid), drop, tail))
-        table_ids = list(new_tables)
-        if table_ids == list(old_tables):  # the same conversations in the same order: most frames
-            removed, order = [], None
-        else:
-            removed = [cid for cid in old_tables if cid not in new_tables]
-            order = _order_patch(old_tables.keys(), table_ids, set(removed))
+        tables, removed, order = _tables_delta(prev.block_tables, snapshot.block_tables)
         # conversations: the ones that only grew go in columns, the others as patches. This loop runs for every
         # conversation of every frame: plain attribute loads (faster than attrgetters here), and ints appended to
         # a few lists (a tuple per grown conversation, unpacked at the end, was slower: docs/performance.md,

@@ -27,18 +27,18 @@ import zmq
 
 from ..curve import CurveError, CurveServer, warn_if_open
 from .decode import read_head
-from .schema import FORMAT_VERSION, MAGIC, Frame, StreamError
+from .schema import FORMAT_VERSION, MAGIC, Frame, StreamError, check_frame
 from .transport import (_META, FRAME_TOPIC, HEARTBEAT_SECONDS, HEARTBEAT_TOPIC, Heartbeat, PublishError, _endpoint,
-                        _inproc_ids, _zmq_message)
+                        _inproc_ids, _zmq_message, Closing, poller_of)
 
 
-class PoolStreamPublisher:
+class PoolStreamPublisher(Closing):
     """A sink that publishes every frame on ``endpoint`` (bound), with catch-up for late subscribers.
 
     ``write`` never blocks: if the publisher thread falls 10,000 messages behind, frames are dropped and counted
     (subscribers see the gap and resync)."""
 
-    def __init__(self, endpoint: str, *, start: Frame | None = None, heartbeat_seconds: float = HEARTBEAT_SECONDS,
+    def __init__(self, endpoint: str, *, heartbeat_seconds: float = HEARTBEAT_SECONDS,
                  context: zmq.Context | None = None, curve: str | None = None):
         self.endpoint, spec_curve = _endpoint(endpoint, bind=True)  # as given ("tcp://*:5560"), without options
         self.curve = curve or spec_curve  # CURVE key directory (kvstream.curve): only authorized watchers get in
@@ -83,12 +83,9 @@ class PoolStreamPublisher:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"publish {self.endpoint}", daemon=True)
         self._thread.start()
-        if start is not None:
-            self.write(start)
 
     def write(self, frame: Frame) -> None:
-        if not isinstance(frame, Frame):
-            raise TypeError(f"a publisher sends Frames, not {type(frame).__name__}")
+        check_frame(frame, "a publisher sends")
         with self._lock:
             if self._closed:
                 raise PublishError(f"the publisher on {self.endpoint} is closed")
@@ -110,18 +107,10 @@ class PoolStreamPublisher:
         if self._curve is not None and not self._thread.is_alive():  # its sockets are closed: the context may end
             self._curve.close()
 
-    def __enter__(self) -> "PoolStreamPublisher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---- publisher thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         xpub, pull = self._xpub, self._pull
-        poller = zmq.Poller()
-        poller.register(xpub, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
+        poller = poller_of(xpub, pull)
         buffer: list[bytes] = []  # the last keyframe and the deltas after it (empty: no usable keyframe yet)
         last_seq, stream_id, last_sent = -1, 0, time.monotonic()
         try:

@@ -288,6 +288,13 @@ class Frame(msgspec.Struct, frozen=True, gc=False):  # gc=False: bytes and event
         return len(self.payload)
 
 
+def check_frame(value, taker: str) -> None:
+    """TypeError unless ``value`` is a Frame, saying what ``taker`` takes ("a publisher sends": "a publisher sends
+    Frames, not dict"): every sink refuses anything else before it touches its file or socket."""
+    if not isinstance(value, Frame):
+        raise TypeError(f"{taker} Frames, not {type(value).__name__}")
+
+
 class FrameHead(msgspec.Struct, frozen=True, gc=False):
     """A message's envelope without its body (cheap: what a reader needs to index a frame or skip a duplicate)."""
 

@@ -23,7 +23,7 @@ from ..views import PoolSnapshot
 from .decode import StreamDecoder, frame_of, read_head
 from .schema import MAGIC, StreamError
 from .transport import (_HEARTBEAT_DECODER, FRAME_TOPIC, FUTURE_FRAMES, HEARTBEAT_TOPIC, MAX_FRAME_RATE, RESYNC_TOPIC,
-                        SILENT_SECONDS, TOPIC_PREFIX, PublishError, _endpoint, _zmq_message)
+                        SILENT_SECONDS, TOPIC_PREFIX, PublishError, _endpoint, _zmq_message, Closing, poller_of)
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SubscriberStatus:
     lost: int = 0  # frames of the stream never applied (missed in gaps and not caught up)
 
 
-class PoolStreamSubscriber:
+class PoolStreamSubscriber(Closing):
     """Reads a pool stream from ``endpoint`` on its own thread into ``history`` and keeps the newest snapshot.
 
     Never raises from its thread and never stops: a message that cannot be used for any reason (malformed, a pool
@@ -133,18 +133,10 @@ class PoolStreamSubscriber:
         self._stop.set()
         self._thread.join(timeout)
 
-    def __enter__(self) -> "PoolStreamSubscriber":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---- subscriber thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
         sub, monitor = self._sub, self._monitor
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        poller = poller_of(sub, monitor)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(timeout=100))

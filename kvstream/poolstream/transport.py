@@ -53,6 +53,25 @@ def _endpoint(spec, bind: bool) -> tuple[str, str | None]:
         raise PublishError(str(exc)) from None
 
 
+class Closing:
+    """A publisher's or subscriber's ``with`` block: it is closed at the end (its thread stopped, its sockets
+    closed), however the block ends."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def poller_of(*sockets: zmq.Socket) -> zmq.Poller:
+    """A poller that waits for any of ``sockets`` to have a message (a publisher's or subscriber's thread loop)."""
+    poller = zmq.Poller()
+    for socket in sockets:
+        poller.register(socket, zmq.POLLIN)
+    return poller
+
+
 def _zmq_message(exc: zmq.ZMQError, verb: str, endpoint: str) -> str:
     hint = ""
     if exc.errno == zmq.EADDRINUSE:

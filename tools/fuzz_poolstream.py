@@ -4,12 +4,13 @@ Every mutated input must end in one of two clean outcomes: refused with a Stream
 accepted as frames whose pools pass kvstream.poolstream.validate's rules. Anything else (another exception, an
 accepted impossible pool, an allocation past the bound) is counted as non-clean and printed.
 
-    python bench/fuzz.py --inputs 100000 [--seed 0] [--only decoder|recording]
+    python tools/fuzz_poolstream.py --inputs 100000 [--seed 0] [--only decoder|recording]
 
 Mutations: truncation, bit flips, overwritten, inserted, deleted and repeated byte ranges, and, on the decoded
 msgpack structure, extreme integers, values of the wrong type, swapped, dropped and repeated fields; in a recording
 the mutated frame gets a fresh checksum (so the mutation reaches the decoder instead of the CRC check) or its
-length field is changed. tests/test_fuzz_poolstream.py runs the same mutations under hypothesis for a few seconds.
+length field is changed (the mutations themselves: tools/mutate.py, shared with tools/fuzz_kv_events.py).
+tests/test_fuzz_poolstream.py runs the same mutations under hypothesis for a few seconds.
 """
 from __future__ import annotations
 
@@ -34,61 +35,13 @@ import msgspec  # noqa: E402
 from kvstream.poolstream import StreamDecoder, StreamError  # noqa: E402
 from kvstream.poolstream.validate import check_snapshot  # noqa: E402
 from kvstream.recording import MAGIC, Recorder, RecordingError, open_recording, read_snapshots  # noqa: E402
+from tools.mutate import EXTREME_INTS, WRONG_TYPES, mutate_bytes, nodes, set_at  # noqa: E402
 
 MAX_ALLOC = 64 << 20  # the most one input may allocate (traced peak); real frames here take well under 1 MiB
-EXTREME_INTS = (-1, 0, 1, -2 ** 63, 2 ** 63 - 1, 2 ** 64 - 1, 2 ** 31, -2 ** 31 - 1, 10 ** 12, 4 * 10 ** 8, 255, 256)
-WRONG_TYPES = ("x", "", 1.5, float("nan"), float("inf"), None, True, [], {}, b"\x00" * 8, [1, 2], {"a": 1})
 _PREFIX = struct.Struct("<II")
 
 
 # ---- mutations ----------------------------------------------------------------------------------------------
-def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
-    """One random byte-level mutation of ``data``."""
-    b = bytearray(data)
-    n = len(b)
-    kind = rng.randrange(6)
-    if kind == 0 or n < 2:  # truncation
-        return bytes(b[:rng.randrange(n + 1)])
-    if kind == 1:  # bit flips
-        for _ in range(rng.randint(1, 8)):
-            i = rng.randrange(n)
-            b[i] ^= 1 << rng.randrange(8)
-        return bytes(b)
-    i = rng.randrange(n)
-    k = rng.randint(1, 8)
-    if kind == 2:  # overwrite a range
-        fill = rng.choice([b"\xff" * k, b"\x00" * k, bytes(rng.randrange(256) for _ in range(k))])
-        b[i:i + k] = fill[:len(b[i:i + k])]
-    elif kind == 3:  # insert
-        b[i:i] = bytes(rng.randrange(256) for _ in range(k))
-    elif kind == 4:  # delete
-        del b[i:i + k]
-    else:  # repeat a range
-        b[i:i] = b[i:i + k]
-    return bytes(b)
-
-
-def _nodes(obj, path=()):
-    """(path, value) of every node of a decoded msgpack structure."""
-    yield path, obj
-    if isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _nodes(v, path + (i,))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _nodes(v, path + (k,))
-
-
-def _set(obj, path, value):
-    if not path:
-        return value
-    parent = obj
-    for p in path[:-1]:
-        parent = parent[p]
-    parent[path[-1]] = value
-    return obj
-
-
 def mutate_structure(rng: random.Random, payload: bytes) -> bytes:
     """One random mutation of the msgpack structure of ``payload`` (re-encoded): an extreme integer, a value of
     the wrong type, swapped, dropped or repeated list items, a dropped or unknown map key, mutated bytes inside."""
@@ -96,13 +49,12 @@ def mutate_structure(rng: random.Random, payload: bytes) -> bytes:
         obj = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError):  # an earlier mutation broke the msgpack itself
         return mutate_bytes(rng, payload)
-    nodes = list(_nodes(obj))
-    path, value = rng.choice(nodes)
+    path, value = rng.choice(list(nodes(obj)))
     kind = rng.randrange(6)
     if kind == 0:
-        obj = _set(obj, path, rng.choice(EXTREME_INTS))
+        obj = set_at(obj, path, rng.choice(EXTREME_INTS))
     elif kind == 1:
-        obj = _set(obj, path, rng.choice(WRONG_TYPES))
+        obj = set_at(obj, path, rng.choice(WRONG_TYPES))
     elif kind == 2 and isinstance(value, list) and len(value) >= 2:
         i, j = rng.sample(range(len(value)), 2)
         value[i], value[j] = value[j], value[i]
@@ -118,9 +70,9 @@ def mutate_structure(rng: random.Random, payload: bytes) -> bytes:
         else:
             value[rng.choice(["zz", "kind", "i", "p", "num_blocks"])] = rng.choice(EXTREME_INTS + WRONG_TYPES)
     elif isinstance(value, bytes) and value:
-        obj = _set(obj, path, mutate_bytes(rng, value))
+        obj = set_at(obj, path, mutate_bytes(rng, value))
     else:
-        obj = _set(obj, path, rng.choice(EXTREME_INTS + WRONG_TYPES))
+        obj = set_at(obj, path, rng.choice(EXTREME_INTS + WRONG_TYPES))
     try:
         return msgspec.msgpack.encode(obj)
     except (TypeError, ValueError, OverflowError):
@@ -254,6 +206,24 @@ def _bound_address_space(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
+def _count(name: str, inputs: int, make_input, report) -> Counter:
+    """Outcomes of ``inputs`` inputs: ``make_input(i)`` gives (what to call it, the outcome function, its
+    arguments); a NotClean one is counted and reported."""
+    counts = Counter()
+    t0 = time.perf_counter()
+    for i in range(inputs):
+        label, outcome, *args = make_input(i)
+        try:
+            counts[bounded(outcome, *args)] += 1
+        except NotClean as exc:
+            counts["not clean"] += 1
+            report(f"{label}: {exc}")
+        if (i + 1) % 10_000 == 0:
+            report(f"  {name}: {i + 1:,} inputs, {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+    report(f"{name}: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+    return counts
+
+
 def run(inputs: int, seed: int, only: str | None, report=print, trace: bool = True) -> dict[str, Counter]:
     frames, starts = corpus()
     rng = random.Random(seed)
@@ -264,38 +234,21 @@ def run(inputs: int, seed: int, only: str | None, report=print, trace: bool = Tr
         _bound_address_space(1 << 30)
     try:
         if only in (None, "decoder"):
-            counts = Counter()
-            t0 = time.perf_counter()
-            for i in range(inputs):
+            def decoder_input(i: int):
                 k = rng.randrange(len(frames))
-                payload = mutate_payload(rng, frames[k].payload)
-                try:
-                    counts[bounded(decode_outcome, starts[k], payload)] += 1
-                except NotClean as exc:
-                    counts["not clean"] += 1
-                    report(f"decoder input {i} (frame {k}): {exc}")
-                if (i + 1) % 10_000 == 0:
-                    report(f"  decoder: {i + 1:,} inputs, {time.perf_counter() - t0:.0f} s: {dict(counts)}")
-            results["decoder"] = counts
-            report(f"decoder: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+                return f"decoder input {i} (frame {k})", decode_outcome, starts[k], \
+                    mutate_payload(rng, frames[k].payload)
+            results["decoder"] = _count("decoder", inputs, decoder_input, report)
         if only in (None, "recording"):
             data = recording_bytes(frames[:12])
             spans = frame_spans(data)
-            counts = Counter()
-            t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "fuzz.kvpool")
-                for i in range(inputs):
+
+                def recording_input(i: int):
                     Path(path).write_bytes(mutate_recording(rng, data, spans))
-                    try:
-                        counts[bounded(recording_outcome, path)] += 1
-                    except NotClean as exc:
-                        counts["not clean"] += 1
-                        report(f"recording input {i}: {exc}")
-                    if (i + 1) % 10_000 == 0:
-                        report(f"  recording: {i + 1:,} inputs, {time.perf_counter() - t0:.0f} s: {dict(counts)}")
-            results["recording"] = counts
-            report(f"recording: {inputs:,} inputs in {time.perf_counter() - t0:.0f} s: {dict(counts)}")
+                    return f"recording input {i}", recording_outcome, path
+                results["recording"] = _count("recording", inputs, recording_input, report)
     finally:
         if trace:
             tracemalloc.stop()
