@@ -1,1 +1,3 @@
-"""What the widgets show, computed without Qt: pacing, colours, event wording, block stories, metrics history, the contiguous allocator. Qt-free (tests/test_layering.py)."""
+"""The window's model, without Qt: the source every panel reads (PoolSource) and its step cursor, the frame
+timer's pace, colours, event wording, block stories, metrics history, the contiguous allocator. Qt-free
+(tests/test_layering.py)."""
