@@ -105,6 +105,36 @@ def bench_grid(repeats: int = 40) -> None:
         print(f"grid 65,536 blocks ({image.shape[1]}x{image.shape[0]} px, colour by {mode}): "
               f"image {ms(build):.2f} ms, image + setImage {ms(handoff):.2f} ms (target <= 10), "
               f"+ QImage conversion {ms(qimage):.2f} ms")
+    bench_changed_blocks(snap, repeats)
+
+
+def bench_changed_blocks(before, repeats: int) -> None:
+    """Finding the blocks a step changed, as the grid does before redrawing only those: from the frame's change
+    record (FeedFrame.changes) against comparing the four arrays a tile is drawn from; alternating, one step of 256
+    conversations (each block of theirs may have grown), the same answer both ways."""
+    import dataclasses
+
+    import numpy as np
+    from explorer.render.grid import changed_blocks
+    from kvstream.views import ChangeRecord, block_masks
+    rng = np.random.default_rng(1)
+    touched = np.zeros(before.num_blocks, bool)
+    touched[rng.choice(before.num_blocks, 256, replace=False)] = True
+    filled = np.array(before.num_filled)
+    filled[touched] = np.minimum(filled[touched] + 1, before.block_size)
+    after = dataclasses.replace(before, num_filled=filled, version=before.version + 1, step_id=before.step_id + 1)
+    touched.setflags(write=False)
+    record = ChangeRecord(before, block_masks(after, before, touched))
+    assert set(changed_blocks(before, after, "owner")) <= set(changed_blocks(before, after, "owner", changes=record))
+    times = {"record": [], "compare": []}
+    for i in range(2 * repeats):
+        use_record = i % 2 == 0
+        t0 = time.perf_counter()
+        changed_blocks(before, after, "owner", changes=record if use_record else ChangeRecord())
+        times["record" if use_record else "compare"].append(time.perf_counter() - t0)
+    record_ms, compare_ms = (1000 * statistics.median(times[k]) for k in ("record", "compare"))
+    print(f"changed blocks of one step (256 of 65,536): from the frame's record {record_ms:.3f} ms, comparing the "
+          f"arrays {compare_ms:.3f} ms ({compare_ms / record_ms:.1f}x), {repeats} rounds each, alternating")
 
 
 # ---- measuring one engine -----------------------------------------------------------------------------------------
