@@ -20,19 +20,9 @@ from engine.runner import EngineRunner
 from kvstream.curve import make_keys
 from kvstream.kv_events import KVEventSubscriber
 from kvstream.views import Status
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import wait_until, write_tiny_checkpoint
 
 WAIT_S = 30.0  # the longest any wait below may take (a bound, not a timing: each waits on its event)
-
-
-def _until(condition, timeout: float = WAIT_S) -> bool:
-    """Wait on a condition another thread makes true (polled: ZMQ sockets and subscriber threads offer no event)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +218,11 @@ def test_kv_events_with_curve_reach_only_key_holders(ckpt, tmp_path):
                 eng.add_conversation(prompt_token_ids=[k + 1] * 12, max_new_tokens=2)
             eng.run_until_idle()
             allowed, plain, unknown = sub.indexes
-            assert _until(lambda: len(allowed.live_hashes()) > 0), sub.status()
+            wait_until(lambda: len(allowed.live_hashes()) > 0, WAIT_S, seen=sub.status)
             stored = len(allowed.live_hashes())
             eng.add_conversation(prompt_token_ids=[7] * 12, max_new_tokens=2)  # more, once the others had time
             eng.run_until_idle()
-            assert _until(lambda: len(allowed.live_hashes()) > stored)
+            wait_until(lambda: len(allowed.live_hashes()) > stored, WAIT_S)
             for other in (plain, unknown):
                 assert other.num_batches == 0 and len(other.live_hashes()) == 0
             assert [s.connected for s in sub.status()[1:]] == [False, False]  # the handshake never completed

@@ -63,6 +63,8 @@ class EngineFeed(Feed):
         self.outputs = list(outputs)  # the command line's sinks among the fanout's (--record, --publish)
         self.recorders: list[tuple[object, JoiningFanout]] = []  # File > Record: (recorder, its observer)
         self.text = EngineText(runner.engine)  # the tokenizer, called from the GUI thread
+        # the tokenizer never changes after the engine loads: what a prompt may be, read once
+        self.takes_text, self.chats, self.detokenizer = self.text.takes_text, self.text.chats, self.text.detokenize
         if frames is None and polled:  # a runner started without one: it joins now, from the runner's newest
             frames = FrameBuffer()  # snapshot (at once: the first poll has a frame); the events of what the runner
             frames.prime(runner.latest)  # publishes before the engine thread adds the observer go to nobody
@@ -137,20 +139,8 @@ class EngineFeed(Feed):
     def token_text(self, token_id: int) -> str | None:
         return self.text.token_text(token_id)
 
-    @property
-    def takes_text(self) -> bool:
-        return self.text.takes_text
-
-    @property
-    def chats(self) -> bool:
-        return self.text.chats
-
     def chat_prompt_ids(self, messages) -> Future:
         return self.text.chat_prompt_ids(messages)
-
-    @property
-    def detokenizer(self):
-        return self.text.detokenize
 
     @property
     def paused(self) -> bool:

@@ -127,25 +127,14 @@ class Feed:
         """Printable text of one token, or None when the source has no tokenizer."""
         return None
 
-    @property
-    def chats(self) -> bool:
-        """Whether the model has a chat template, so a prompt is a user turn (after an optional system turn)."""
-        return False
+    chats = False  # the model has a chat template, so a prompt is a user turn (after an optional system turn)
+    takes_text = True  # prompts may be text (False: the model has no tokenizer, so only token ids)
+    detokenizer = None  # ``token_ids -> text`` with the source's own tokenizer (the text of a conversation's earlier
+    # turns), or None when the source has none
 
     def chat_prompt_ids(self, messages) -> Future:
         """Token ids of ``messages`` (system / user turns) in the model's chat template (a finished Future)."""
         return self.tokenize("")
-
-    @property
-    def takes_text(self) -> bool:
-        """Whether prompts may be text (False: the model has no tokenizer, so only token ids)."""
-        return True
-
-    @property
-    def detokenizer(self):
-        """``token_ids -> text`` with the source's own tokenizer (the text of a conversation's earlier turns), or
-        None when the source has none."""
-        return None
 
     @property
     def paused(self) -> bool:
