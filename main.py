@@ -5,7 +5,7 @@
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                    [--make-keys DIR] [--host-tier-blocks N] [--disk-tier-blocks N] [--disk-tier-path FILE]
-                   [--dtype float32|bfloat16]
+                   [--dtype float32|bfloat16] [--metrics-port PORT] [--attach-metrics URL]
     python main.py --fetch-model smollm2      (once: a real chat model into the user's cache)
 
 Bad arguments print one clear line and exit with status 2.

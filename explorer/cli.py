@@ -21,7 +21,8 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                [--disk-tier-path FILE] [--dtype float32|bfloat16] [--eviction-policy NAME]
                [--trace FILE [--replay instant|timed] [--trace-speed X] [--trace-scale X] [--export-trace FILE]
                 [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
-                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]]"""
+                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]] [--metrics-port PORT]
+               [--attach-metrics URL]"""
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.EVICTION_POLICIES (a test checks)
 SWEEP_POLICIES = "lru,fifo,s3lru,belady"  # a sweep's policies unless --policies says
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the K/V cache's element type (auto: the model's dtype); a sweep counts its bytes")
     parser.add_argument("--warmup", type=float, metavar="F", help="with --sweep: count only the last 1 - F of the "
                         "requests, as kvcache-simulator does (default 0: all)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve the local engine's /metrics in Prometheus' format under vLLM's names on this port "
+                             "(all interfaces; 0: a free port, said on stderr)")
+    parser.add_argument("--attach-metrics", metavar="URL",
+                        help="with --attach-kv-events: read that vLLM server's own /metrics (http://HOST:PORT"
+                             "/metrics) and show its hit rate and KV usage beside what its KV events say")
     return parser
 
 
@@ -194,6 +201,23 @@ def _same_path(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_metrics(opts: argparse.Namespace) -> None:
+    """--metrics-port's range; --attach-metrics' URL, and the KV events it is read beside."""
+    if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be a port 1-65535 (0: a free one), got {opts.metrics_port}")
+    if opts.metrics_port is not None and opts.sweep is not None:
+        raise UsageError("--sweep replays the trace without an engine: --metrics-port would serve nothing; drop it")
+    if opts.attach_metrics is not None:
+        from kvstream.metrics import MetricsError, check_url
+        try:
+            opts.attach_metrics = check_url(opts.attach_metrics)
+        except MetricsError as exc:
+            raise UsageError(str(exc)) from None
+        if not opts.attach_kv_events:
+            raise UsageError("--attach-metrics reads a vLLM server's /metrics beside its KV events: add "
+                             "--attach-kv-events ENDPOINT of the same server")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             opts.kv_events_replay = check_endpoint("--kv-events replay", options["replay"], bind=True)
         opts.kv_events_topic = options["topic"]
         opts.kv_events = check_endpoint("--kv-events", first, bind=True)
+    _check_metrics(opts)
     watching = [flag for flag, on in (("--open", opts.open), ("--attach", opts.attach),
                                       ("--attach-kv-events", opts.attach_kv_events)) if on]
     if opts.open and (opts.attach or opts.attach_kv_events):
@@ -257,7 +282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                          opts.compile_attention),
                                        ("--demo", opts.demo not in ("none", "lesson")),
                                        ("--host-tier-blocks", opts.host_tier_blocks),
-                                       ("--disk-tier-blocks", opts.disk_tier_blocks)) if on]
+                                       ("--disk-tier-blocks", opts.disk_tier_blocks),
+                                       ("--metrics-port", opts.metrics_port is not None)) if on]
         if local:
             raise UsageError(f"{' and '.join(local)} run the local engine, but {watching[0]} watches another "
                              "source instead; use them in separate runs")

@@ -113,7 +113,7 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 def run_headless_cli(opts, cfg) -> int:
     """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
     from .feeds.sources import open_sources, watches
-    feeds, engine, traffic = [], None, None
+    feeds, engine, traffic, export = [], None, None, None
     try:
         if watches(opts):
             feeds = open_sources(opts, window=False).feeds  # the same sources as the window builds
@@ -124,6 +124,9 @@ def run_headless_cli(opts, cfg) -> int:
             from engine import Engine
 
             from .feeds.demo import DEMOS
+            if opts.metrics_port is not None:  # a port in use is said before the model loads
+                from .feeds.metrics_export import start_export
+                export = start_export(opts.metrics_port)
             driver = None
             if getattr(opts, "trace", None):  # the engine's traffic comes from a trace, fed on its own thread
                 from engine import make_replay, read_trace
@@ -137,7 +140,7 @@ def run_headless_cli(opts, cfg) -> int:
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            sources = open_sources(opts, cfg, engine, window=False, driver=driver)
+            sources = open_sources(opts, cfg, engine, window=False, driver=driver, export=export)
             feeds, outputs = sources.feeds, sources.outputs
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
@@ -159,6 +162,8 @@ def run_headless_cli(opts, cfg) -> int:
     except (ValueError, OSError, ImportError) as exc:  # EngineError, RecordingError, PublishError are ValueErrors
         for feed in feeds:
             feed.close()
+        if export is not None:
+            export.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -172,6 +177,8 @@ def run_headless_cli(opts, cfg) -> int:
             traffic.stop()
         for feed in feeds:
             feed.close()
+        if export is not None:
+            export.close()
     if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started

@@ -6,6 +6,7 @@ tests/tier_view_helpers.py); tests against a real engine with tiers and groups c
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import numpy as np
 
@@ -100,6 +101,25 @@ def test_hit_rates_per_source_count_each_admission_once():
     rates.record(later)
     assert rates.series("disk")[1].tolist() == [0.0, 0.0, 100 * 8 / 24]
     assert rates.series("computed")[1][-1] == 100 * 8 / 24
+
+
+def test_hit_rates_count_a_continued_or_preempted_conversation_at_its_new_admission():
+    """A continued conversation waits with its last admission's sources (and a preempted one too) under a new key:
+    they are not counted again then, only its own sources once it is admitted again."""
+    rates = HitRates()
+    first = conversation(1, Status.FINISHED, sources={"computed": 8}, arrival=0)
+    rates.record(tiered_snapshot(step_id=5, conversations=(first,)))
+    waiting = replace(first, status=Status.WAITING, arrival_step=6, turns=((0, 8), (8, 10)))  # continued
+    rates.record(tiered_snapshot(step_id=6, conversations=(waiting,)))
+    assert rates.totals == {"device": 0, "host": 0, "disk": 0, "computed": 8}
+    admitted = replace(waiting, status=Status.RUNNING, prompt_token_sources={"host": 8, "computed": 2})
+    rates.record(tiered_snapshot(step_id=7, conversations=(admitted,)))
+    preempted = replace(admitted, status=Status.PREEMPTED, num_preemptions=1)
+    rates.record(tiered_snapshot(step_id=8, conversations=(preempted,)))
+    assert rates.totals == {"device": 0, "host": 8, "disk": 0, "computed": 10}
+    again = replace(preempted, status=Status.RUNNING, prompt_token_sources={"device": 8, "computed": 2})
+    rates.record(tiered_snapshot(step_id=9, conversations=(again,)))
+    assert rates.totals == {"device": 8, "host": 8, "disk": 0, "computed": 12}
 
 
 # ---- durations per tier ---------------------------------------------------------------------------------------

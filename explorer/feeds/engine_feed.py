@@ -77,16 +77,18 @@ class EngineFeed(Feed):
     @classmethod
     def start(cls, engine, config: EngineConfig, *, max_steps_per_second: float | None = None,
               start_paused: bool = False, extra_sinks: Sequence[object] = (),
-              history_bytes: int | None = DEFAULT_BUDGET, polled: bool = True, driver=None) -> "EngineFeed":
+              history_bytes: int | None = DEFAULT_BUDGET, polled: bool = True, driver=None,
+              observers: Sequence[object] = ()) -> "EngineFeed":
         """Start a runner for ``engine`` whose frames go to a History (``history_bytes`` budget; None: none) and to
         ``extra_sinks`` (recorder, publisher: the feed's ``outputs``). ``polled=False`` for a reader that never
         calls :meth:`poll` (the headless run reads ``latest()``): no frame buffer then, whose events would pile up
-        to its cap for nobody. ``driver``: a trace replay the runner feeds the engine from (its thread)."""
+        to its cap for nobody. ``driver``: a trace replay the runner feeds the engine from (its thread).
+        ``observers``: more runner observers from the first update on (the /metrics exporter's)."""
         history = make_history(history_bytes) if history_bytes else None
         sinks = ([history] if history is not None else []) + list(extra_sinks)
         fanout = FrameFanout(sinks, threaded=True) if sinks else None  # encodes off the engine thread
         frames = FrameBuffer() if polled else None  # observes from the first update, as the fanout: both number
-        observers = [o for o in (frames, fanout) if o is not None]  # the frames alike
+        observers = [o for o in (frames, fanout) if o is not None] + list(observers)  # the frames alike
         runner = EngineRunner(engine, max_steps_per_second=max_steps_per_second, start_paused=start_paused,
                               observers=observers, driver=driver).start()
         return cls(runner, config, history, fanout, outputs=extra_sinks, frames=frames, polled=polled)

@@ -21,16 +21,23 @@ class KVEventFeed(Feed):
     capabilities = Capabilities.watched(KV_EVENTS_READ_ONLY, "a KV-event stream carries no K/V values", history=False,
                                         pool=False)
 
-    def __init__(self, subscriber, tokenizer=None):
+    def __init__(self, subscriber, tokenizer=None, server=None):
         self.subscriber = subscriber  # the KVEventSubscriber (started), owner of the sockets
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer for token text, or None
+        self.server = server  # kvstream.metrics.ServerWatch on the same server's /metrics (--attach-metrics), or None
         self._reported_failure = False
         self._lost: dict[str, int] = {}  # instance label -> batches lost already reported
 
     @classmethod
-    def connect(cls, endpoints: Sequence[str], tokenizer=None) -> "KVEventFeed":
+    def connect(cls, endpoints: Sequence[str], tokenizer=None, metrics_url: str | None = None) -> "KVEventFeed":
+        """Follow ``endpoints``; with ``metrics_url``, read that server's /metrics beside them."""
         from kvstream.kv_events import KVEventSubscriber
-        return cls(KVEventSubscriber(list(endpoints)).start(), tokenizer)
+        subscriber = KVEventSubscriber(list(endpoints)).start()
+        server = None
+        if metrics_url:
+            from kvstream.metrics import ServerWatch
+            server = ServerWatch(metrics_url, subscriber.indexes).start()
+        return cls(subscriber, tokenizer, server)
 
     @property
     def title(self) -> str:
@@ -57,7 +64,10 @@ class KVEventFeed(Feed):
         return problems
 
     def status_text(self) -> str:
-        return " · ".join(f"{s.label}: {s.text}" for s in self.subscriber.status())
+        text = " · ".join(f"{s.label}: {s.text}" for s in self.subscriber.status())
+        if self.server is not None:  # how the server's /metrics reads, in one line
+            text += " · " + self.server.status().text
+        return text
 
     def stream_counts(self) -> dict[str, int]:
         totals = {"instances": 0, "batches": 0, "cached": 0, "stored": 0, "removed": 0}
@@ -72,11 +82,18 @@ class KVEventFeed(Feed):
     def summaries(self, final: bool = False) -> list[dict]:
         from kvstream.kv_events import json_summary
         statuses = self.subscriber.status()  # malformed, lost, odd events and the last error go into --json too
-        return [json_summary(index, statuses[i] if i < len(statuses) else None)
-                for i, index in enumerate(self.subscriber.indexes)]
+        out = [json_summary(index, statuses[i] if i < len(statuses) else None)
+               for i, index in enumerate(self.subscriber.indexes)]
+        if self.server is not None:
+            from kvstream.metrics.compare import server_json
+            for data, index in zip(out, self.subscriber.indexes):
+                data["server_metrics"] = server_json(self.server, index)
+        return out
 
     def summary(self, final: bool = False) -> dict:
         return self.summaries(final)[0]
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
         self.subscriber.stop()

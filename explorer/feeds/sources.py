@@ -29,13 +29,14 @@ def watches(opts) -> bool:
     return bool(opts.open or opts.attach or opts.attach_kv_events)
 
 
-def open_sources(opts, cfg=None, engine=None, *, window: bool, driver=None) -> Sources:
+def open_sources(opts, cfg=None, engine=None, *, window: bool, driver=None, export=None) -> Sources:
     """The sources ``opts`` asks for: the watched feeds, or ``engine`` (built by the caller from ``cfg``; the feed
     owns it from then on) with its sinks. ``window``: for the window (a History for the timeline, frames polled), else
     for the headless run (no History, the newest view read). A headless ``--open`` decodes and checks every frame
     first, so a corrupt file is one line and exit 2. Raises ValueError (EngineError, RecordingError, PublishError),
     OSError or ImportError with a message for the user; nothing is left open then. ``driver``: a trace replay
-    feeding ``engine`` from its runner's thread."""
+    feeding ``engine`` from its runner's thread. ``export``: the ``--metrics-port`` exporter
+    (explorer.feeds.metrics_export), which observes the engine's runner from its first update."""
     if watches(opts):
         if opts.open and not window:
             from kvstream.recording import check_recording
@@ -51,14 +52,18 @@ def open_sources(opts, cfg=None, engine=None, *, window: bool, driver=None) -> S
     if opts.kv_events:
         replay = getattr(opts, "kv_events_replay", None)
         outputs.append(f"KV events on {opts.kv_events}" + (f" (replay on {replay})" if replay else ""))
+    observers = [export.observer(cfg)] if export is not None else []
+    if export is not None:  # Prometheus scrapes now and then: a headless run stays up for it, as for a watcher
+        outputs.append(f"Prometheus metrics on {export.url}")
     demo = opts.demo in DEMOS
     if window:  # a demo unfolds at a pace a person follows
         return Sources([EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo else None,
-                                         extra_sinks=sinks, driver=driver)], outputs)
+                                         extra_sinks=sinks, driver=driver, observers=observers)], outputs)
     # --publish and --kv-events are both for watchers in other processes, so a headless demo is paced for them to see
     # it unfold (and runs until --quit-after or Ctrl+C: the caller's part)
     return Sources([EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0, polled=False, driver=driver,
-                                     max_steps_per_second=DEMO_SPEED if outputs and demo else None)], outputs)
+                                     max_steps_per_second=DEMO_SPEED if outputs and demo else None,
+                                     observers=observers)], outputs)
 
 
 def engine_sinks(opts) -> list:

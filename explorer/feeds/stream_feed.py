@@ -272,7 +272,8 @@ def open_feeds(opts) -> list[Feed]:
             feeds.append(AttachFeed.connect(endpoint, tokenizer))
         if opts.attach_kv_events:
             from .kv_event_feed import KVEventFeed
-            feeds.append(KVEventFeed.connect(opts.attach_kv_events, tokenizer))
+            feeds.append(KVEventFeed.connect(opts.attach_kv_events, tokenizer,
+                                             metrics_url=getattr(opts, "attach_metrics", None)))
     except Exception:
         for feed in feeds:
             feed.close()

@@ -82,6 +82,9 @@ class MetricsPanel(QtWidgets.QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(0)
         self.scroll.takeWidget()
+        from .server_metrics import ServerMetricsView
+        self.server = ServerMetricsView()  # a watched vLLM server's own figures (--attach-metrics), when any
+        column.addWidget(self.server)
         column.addWidget(self.plots)
         column.addWidget(self.tiers)
         self.scroll.setWidget(body)
@@ -135,7 +138,14 @@ class MetricsPanel(QtWidgets.QWidget):
         self.tiers.record(snap)
         self._dirty = True
 
+    def show_server(self, watch, has_pool: bool = True) -> None:
+        """A watched server's figures above the plots (``watch``: a kvstream ServerWatch, or None); a source
+        without a physical pool (KV events) has no step plots to show under them."""
+        self.server.set_watch(watch)
+        self.plots.setVisible(has_pool)
+
     def redraw(self) -> None:
+        self.server.refresh()
         self.tiers.redraw()
         if not self._dirty:
             return

@@ -107,20 +107,35 @@ def run_gui(opts, cfg: EngineConfig) -> int:
     app = application()
     settings = LayoutMemory.user_settings()
     demo = opts.demo
-    engine = seeded = None
+    engine = seeded = export = None
     if not watches(opts):
+        if getattr(opts, "metrics_port", None) is not None:  # a port in use is said before the model loads
+            from ..feeds.metrics_export import start_export
+            try:
+                export = start_export(opts.metrics_port)
+            except OSError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
         engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo))
         if engine is None:
+            if export is not None:
+                export.close()
             print(f"error: {error}", file=sys.stderr)
             return 2
     try:
-        feeds = open_sources(opts, cfg, engine, window=True).feeds  # the same sources as --headless builds
+        feeds = open_sources(opts, cfg, engine, window=True, export=export).feeds  # as --headless builds them
     except (ValueError, OSError, ImportError) as exc:
         if engine is not None:
             engine.close()  # its KV-event sockets
+        if export is not None:
+            export.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
+    window.metrics_export = export  # owned by the window from now on: a new engine feeds it too
+    if export is not None:
+        print(export.said, file=sys.stderr, flush=True)
+        window.status.showMessage(export.said, 15000)
     if engine is not None:
         window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
         if demo in DEMOS:

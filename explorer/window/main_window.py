@@ -63,6 +63,8 @@ class MainWindow(QtWidgets.QMainWindow):
     ``settings``: a QSettings that keeps the layout between launches (None, the default: nothing is kept).
     """
 
+    metrics_export = None  # --metrics-port: the local engine's /metrics, which a restarted engine feeds too (owned)
+
     def __init__(self, runner=None, config: EngineConfig | None = None, parent: QtWidgets.QWidget | None = None, *,
                  feed: Feed | None = None, extra_feeds=(), settings: QtCore.QSettings | None = None,
                  size: tuple[int, int] | None = None):
@@ -328,6 +330,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.pace.reset()
         self.relocation.reset()
         self.metrics.clear()
+        self.metrics.show_server(getattr(feed, "server", None), feed.capabilities.has_physical_pool)
         if not feed.capabilities.is_live:  # its frames are all in its history already: no live frame brings them
             self.metrics_backfill.start(feed.history)
         else:
@@ -349,6 +352,8 @@ class MainWindow(QtWidgets.QMainWindow):
         time, and they are saved as shown (:meth:`closeEvent`), so the next launch has them."""
         if not feed.capabilities.has_physical_pool:
             for key in POOL_DOCKS:
+                if key == "metrics" and getattr(feed, "server", None) is not None:
+                    continue  # the server's own figures (--attach-metrics) are shown there
                 dock = self.docks.get(key)
                 if dock is not None and not dock.isHidden() and key not in self.docks_hidden_for_source:
                     self.docks_hidden_for_source.append(key)
@@ -568,7 +573,9 @@ class MainWindow(QtWidgets.QMainWindow):
         speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else self.controls.speed.currentData())
         paused = old.paused if (old.capabilities.can_command and not demo) else False
         carried, ended = old.hand_over() if isinstance(old, EngineFeed) else ([], [])
-        feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried)
+        export = self.metrics_export  # --metrics-port follows the new engine
+        feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried,
+                                observers=[export.observer(cfg)] if export is not None else [])
         self.engine_config = cfg
         self.source.set_feed(feed)
         if demo:
@@ -686,6 +693,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.block_watch.stop()
         for source in self.sources:
             source.close()
+        if self.metrics_export is not None:
+            self.metrics_export.close()
         if self.restart_progress is not None:
             self.restart_progress.close()
         for window in (self.lesson_window, self.help_window):
