@@ -72,3 +72,40 @@ def test_the_dock_shows_the_servers_figures_beside_the_events_and_says_when_they
     finally:
         window.close()
     assert not feed.server.reader.alive  # closing the window stopped the reader
+
+
+def test_the_windows_metrics_follow_a_new_engine_and_close_with_the_window(qtbot):
+    """--metrics-port in the window: File > New engine's engine feeds the same /metrics (its counts add to the
+    first engine's, its pool replaces the first one's in cache_config_info); closing the window frees the port."""
+    import urllib.request
+
+    from engine import Engine, EngineConfig
+    from explorer.feeds.engine_feed import EngineFeed
+    from explorer.feeds.metrics_export import EngineMetricsExport
+    from kvstream.metrics import names
+    from tests.test_metrics_export import scrape, value
+
+    export = EngineMetricsExport(0, host="127.0.0.1")
+    cfg = EngineConfig(model="builtin", block_size=4, num_blocks=32, seed=0)
+    feed = EngineFeed.start(Engine(cfg), cfg, observers=[export.observer(cfg)])
+    window = MainWindow(feed=feed, config=cfg, size=(1280, 800))
+    window.metrics_export = export
+    qtbot.addWidget(window)
+    total = names.PREFIX_CACHE_QUERIES + "_total"
+
+    def queries():
+        return value(scrape(export.url), names.PREFIX_CACHE_QUERIES, total)
+    try:
+        feed.submit("add_conversation", prompt_token_ids=list(range(2, 14)), max_new_tokens=2).result(timeout=30)
+        qtbot.waitUntil(lambda: queries() == 12, timeout=20000)
+        other = EngineConfig(model="builtin", block_size=8, num_blocks=16, seed=0)
+        window.swap_engine(Engine(other), other)
+        window.source.feed.submit("add_conversation", prompt_token_ids=list(range(2, 22)),
+                                  max_new_tokens=2).result(timeout=30)
+        qtbot.waitUntil(lambda: queries() == 12 + 20, timeout=20000)
+        info = scrape(export.url)[names.CACHE_CONFIG_INFO].samples
+        assert [(s.labels["num_gpu_blocks"], s.labels["block_size"]) for s in info] == [("16", "8")]
+    finally:
+        window.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(export.url, timeout=5)

@@ -286,3 +286,23 @@ def test_headless_serves_until_quit_and_a_busy_port_is_one_line(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         proc.stderr.close()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--metrics-port", "70000"], "--metrics-port must be a port 1-65535"),
+    (["--attach-kv-events", "tcp://127.0.0.1:5557", "--metrics-port", "9100"], "--metrics-port run the local engine"),
+    (["--trace", "t.jsonl", "--sweep", "100", "--headless", "--metrics-port", "9100"], "would serve nothing"),
+    (["--attach-metrics", "http://h:8000"], "add --attach-kv-events ENDPOINT of the same server"),
+    (["--attach-kv-events", "tcp://127.0.0.1:5557", "--attach-metrics", "h:8000"], "give an http:// or https://"),
+])
+def test_the_flags_refuse_what_cannot_work(argv, words):
+    from explorer.cli import UsageError, parse_args
+    with pytest.raises(UsageError) as caught:
+        parse_args(argv)
+    assert words in str(caught.value), str(caught.value)
+
+
+def test_attach_metrics_gets_vllms_path():
+    from explorer.cli import parse_args
+    opts = parse_args(["--attach-kv-events", "tcp://127.0.0.1:5557", "--attach-metrics", "http://h:8000"])
+    assert opts.attach_metrics == "http://h:8000/metrics"
