@@ -267,11 +267,13 @@ class MetricsReader:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop reading; waits at most ``timeout`` for the thread (closing the window must not wait on a server
+        that does not answer: a daemon thread in a fetch ends by itself within its timeouts)."""
         self._stop.set()
         thread = self._thread
         if thread is not None:
-            thread.join(self.timeout_s * 2 + 1 if timeout is None else timeout)
+            thread.join(timeout)
 
     @property
     def alive(self) -> bool:
