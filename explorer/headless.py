@@ -125,7 +125,7 @@ def run_headless_cli(opts, cfg) -> int:
 
             from .feeds.demo import DEMOS
             if opts.metrics_port is not None:  # a port in use is said before the model loads
-                from .feeds.metrics_export import start_export
+                from .model.metrics_export import start_export
                 export = start_export(opts.metrics_port)
             driver = None
             if getattr(opts, "trace", None):  # the engine's traffic comes from a trace, fed on its own thread

@@ -81,7 +81,7 @@ def test_the_windows_metrics_follow_a_new_engine_and_close_with_the_window(qtbot
 
     from engine import Engine, EngineConfig
     from explorer.feeds.engine_feed import EngineFeed
-    from explorer.feeds.metrics_export import EngineMetricsExport
+    from explorer.model.metrics_export import EngineMetricsExport
     from kvstream.metrics import names
     from tests.test_metrics_export import scrape, value
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig
 from explorer.feeds.engine_feed import EngineFeed
-from explorer.feeds.metrics_export import EngineMetricsExport
+from explorer.model.metrics_export import EngineMetricsExport
 from explorer.model.tier_stats import BlockDurations
 from kvstream.metrics import names
 from kvstream.summary import json_summary

@@ -36,7 +36,7 @@ def open_sources(opts, cfg=None, engine=None, *, window: bool, driver=None, expo
     first, so a corrupt file is one line and exit 2. Raises ValueError (EngineError, RecordingError, PublishError),
     OSError or ImportError with a message for the user; nothing is left open then. ``driver``: a trace replay
     feeding ``engine`` from its runner's thread. ``export``: the ``--metrics-port`` exporter
-    (explorer.feeds.metrics_export), which observes the engine's runner from its first update."""
+    (explorer.model.metrics_export), which observes the engine's runner from its first update."""
     if watches(opts):
         if opts.open and not window:
             from kvstream.recording import check_recording

@@ -110,7 +110,7 @@ def run_gui(opts, cfg: EngineConfig) -> int:
     engine = seeded = export = None
     if not watches(opts):
         if getattr(opts, "metrics_port", None) is not None:  # a port in use is said before the model loads
-            from ..feeds.metrics_export import start_export
+            from ..model.metrics_export import start_export
             try:
                 export = start_export(opts.metrics_port)
             except OSError as exc:

@@ -5,7 +5,7 @@ and prometheus_client already knows the exposition format, the counters' ``_tota
 thread safety (the HTTP thread reads while the engine thread writes). This module only decides what each value is.
 
 The exporter is fed with plain figures (:meth:`VllmMetrics.record`, :meth:`VllmMetrics.observe`); what turns the
-local engine's updates into them lives with the engine's feed (explorer/feeds/metrics_export.py), which also
+local engine's updates into them lives in the window.s model (explorer/model/metrics_export.py), which also
 follows block events for the three histograms.
 """
 from __future__ import annotations

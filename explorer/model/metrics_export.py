@@ -17,7 +17,7 @@ from typing import Callable
 
 from kvstream.metrics import MetricsServer, VllmMetrics, pool_figures
 
-from ..model.tier_stats import BlockDurations, HitRates
+from .tier_stats import BlockDurations, HitRates
 
 
 def cache_config_labels(config) -> dict[str, object]:
