@@ -97,6 +97,43 @@ def test_follow_ups_return_to_finished_conversations_and_a_full_queue_turns_arri
     assert 8 < stops < 40
 
 
+def test_the_traffic_replies_to_and_stops_only_its_own_conversations():
+    """The user's conversations (ids not in ``own``) are never replied to or ended, however long it runs; they
+    still count towards the waiting queue."""
+    traffic = tr.ServeTraffic(128, 16, rate=10.0, seed=5)
+    mine, users = set(range(0, 20, 2)), set(range(1, 20, 2))
+    view = _View(tuple(_Conv(i, "finished") for i in range(20)) + tuple(_Conv(i, "running") for i in range(20, 40)))
+    own = mine | set(range(20, 40, 2))
+    touched, now = [], 0.0
+    for _ in range(200):  # 20 s at 10 arrivals/s: follow-ups and early stops both happen
+        now += 0.1
+        touched += [r for r in traffic.tick(now, view, own) if r.kind in ("follow_up", "stop")]
+    assert {r.kind for r in touched} == {"follow_up", "stop"}
+    assert all(r.conversation_id in own for r in touched)
+    assert not {r.conversation_id for r in touched} & (users | set(range(21, 40, 2)))
+    waiting = _View(tuple(_Conv(i, "waiting") for i in range(tr.WAITING_LIMIT)))
+    assert [r for r in traffic.tick(now + 5.0, waiting, own=set()) if r.kind == "new"] == []  # the user's wait too
+
+
+def test_the_driver_owns_what_it_sent_and_the_demo_it_went_on_from_not_the_users():
+    from engine import Engine, EngineConfig
+    from explorer.feeds.engine_feed import EngineFeed
+    cfg = EngineConfig(model="builtin", num_blocks=64, block_size=16)
+    engine = Engine(cfg)
+    seeded = engine.add_conversation("a demo's first screen", max_new_tokens=4)
+    feed = EngineFeed.start(engine, cfg, history_bytes=0)
+    driver = tr.TrafficDriver(feed, rate=8.0, interval=0.05, seed=2)
+    user = feed.submit("add_conversation", "the user's own question", max_new_tokens=400, ignore_eos=True).result(10)
+    driver.start()
+    try:
+        wait_until(lambda: len(driver.own) >= 4, 60, what="the traffic's own requests")
+    finally:
+        driver.stop()
+        feed.close()
+    assert seeded in driver.own and user not in driver.own
+    assert driver.own <= {c.conversation_id for c in feed.latest().conversations}
+
+
 def test_served_traffic_keeps_the_pool_under_pressure_with_bounded_memory():
     """A real engine under the driver: evictions happen on their own, follow-ups and samples are sent, and the
     conversations kept stay within the finished window."""

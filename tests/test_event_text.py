@@ -236,3 +236,17 @@ def test_a_blocks_story_names_the_group_of_a_hash_beyond_the_first():
     assert f"(hash {h:016x})" in block_phrase(BlockEvent(4, EventKind.STORED, 2, (5,), block_hashes=(h,)), 5)
     loaded = BlockEvent(9, EventKind.LOADED, 3, (6,), block_hashes=(h,), tier="host", tier_slots=(1,), group=1)
     assert f"host slot 1 (hash {h:016x}, group 1)" in block_phrase(loaded, 6)
+
+
+def test_what_the_served_traffics_clients_do_is_worded_as_theirs_not_the_users():
+    served = {2, 5}
+    reply, end = BlockEvent(40, K.CONVERSATION_CONTINUED, 2), BlockEvent(42, K.CONVERSATION_ENDED, 5)
+    assert describe(reply, served=served) == "step 40: conversation 2: the client replied; it waits to run again"
+    assert describe(end, served=served) == "step 42: conversation 5 ended: the client left"
+    assert describe(BlockEvent(42, K.CONVERSATION_ENDED, 3), served=served) == (
+        "step 42: conversation 3 ended by the user")
+    lines = group([reply, end, BlockEvent(42, K.FREED, 5, (10,)), BlockEvent(42, K.CONVERSATION_ENDED, 3)], served)
+    assert [line.text for line in lines] == [
+        "conversation 2: the client replied; it waits to run again",
+        "conversation 5 ended: the client left, let go of block 10: 1 freed", "conversation 3 ended by the user"]
+    assert finish_words("ended", served=True) == "the client left" and finish_words("ended") == "ended by user"

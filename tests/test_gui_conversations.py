@@ -56,6 +56,10 @@ def test_table_and_detail_say_why_a_conversation_stopped(panel):
     assert [model.data(model.index(r, 1)) for r in range(5)] == ["finished"] * 2 + ["ended", "finished", "running"]
     assert [status_text(c) for c in convs] == ["finished (max new tokens)", "finished (end-of-sequence)",
                                                "ended by user", "finished (context limit)", "running"]
+    panel.set_served({2})  # the served traffic's conversation: its client left, the user did nothing
+    panel.refresh(view(convs))
+    assert model.data(model.index(2, column)) == "the client left"
+    assert status_text(convs[2], {2}) == "ended (the client left)"
     panel.select_conversation(0)
     assert "finished (max new tokens)" in panel.detail.title.text()
     assert status_text(conv(5, status=Status.FINISHED)) == "finished"  # a source that does not say why

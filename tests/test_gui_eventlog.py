@@ -149,7 +149,8 @@ def test_a_long_history_at_once_words_only_the_lines_it_keeps(qtbot, monkeypatch
         one_by_one.append([p for p in pairs if p[0] == seq])
     worded = []
     real_group = eventlog_module.group
-    monkeypatch.setattr(eventlog_module, "group", lambda events: worded.append(len(events)) or real_group(events))
+    monkeypatch.setattr(eventlog_module, "group",
+                        lambda events, served=(): worded.append(len(events)) or real_group(events, served))
     dock = EventLog(max_rows=50)
     qtbot.addWidget(dock)
     dock.append_events(pairs)

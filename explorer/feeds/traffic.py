@@ -5,10 +5,14 @@ demo (and the busy and crowd demos, once their first screen has played out) feed
 
 - arrivals are a Poisson process at a rate the user sets (requests per second of wall-clock time);
 - most start from one of a few shared system prompts, so their full blocks are shared by prefix caching;
-- some are follow-ups: a finished conversation gets another user turn, and its history's blocks are found again in
-  the cache (or recomputed when they were evicted meanwhile);
+- some are follow-ups: a finished conversation of the traffic's gets another client turn, and its history's blocks
+  are found again in the cache (or recomputed when they were evicted meanwhile);
 - some ask for several parallel samples (n > 1, forks that share the prompt's blocks), some bring a long prompt;
 - some clients stop early: a running conversation is ended before its last token.
+
+The traffic touches only its own conversations (the ones it sent, and the demo's first screen it goes on from):
+a conversation the user added in the window is never replied to or ended by it. The window words what the traffic
+does as its clients' ("the client left", "the client replied"), from :attr:`TrafficDriver.own`.
 
 Each request asks for up to a quarter of the pool's slots, so a handful of them oversubscribe it: blocks are evicted
 from the cache and conversations preempted without anyone arranging it. Like a server's admission queue, arrivals
@@ -118,15 +122,18 @@ class ServeTraffic:
         """New tokens one request may ask for: a quarter of the pool, so a few requests oversubscribe it."""
         return max(4, self.slots // 4)
 
-    def tick(self, now: float, snapshot) -> list[Request]:
-        """The requests of the time since the last tick, given the newest view of the pool (None: not yet)."""
+    def tick(self, now: float, snapshot, own=None) -> list[Request]:
+        """The requests of the time since the last tick, given the newest view of the pool (None: not yet).
+        ``own``: the ids of the conversations this traffic may reply to or stop (None: every one); the others
+        (the user's) still count towards the waiting queue, as a server's other clients do."""
         dt, self.last = max(0.0, now - self.last), now
         if snapshot is None or dt == 0.0:
             return []
         conversations = snapshot.conversations
         waiting = sum(1 for c in conversations if str(c.status) in ("waiting", "preempted"))
-        finished = [c for c in conversations if str(c.status) == "finished"]
-        running = [c for c in conversations if str(c.status) == "running"]
+        mine = conversations if own is None else [c for c in conversations if c.conversation_id in own]
+        finished = [c for c in mine if str(c.status) == "finished"]
+        running = [c for c in mine if str(c.status) == "running"]
         out: list[Request] = []
         for _ in range(self._poisson(self.rate * dt)):
             if waiting >= WAITING_LIMIT:
@@ -206,11 +213,16 @@ def command_for(request: Request, feed, snapshot, budget: int) -> tuple[str, tup
 class TrafficDriver:
     """Sends a :class:`ServeTraffic`'s requests to an engine feed from its own thread, every ``interval`` seconds,
     until :meth:`stop` or the feed's engine stops. ``wait_until_idle``: start only once the feed has nothing live
-    (the busy and crowd demos tell their first-screen story first)."""
+    (the busy and crowd demos tell their first-screen story first).
+
+    :attr:`own` holds the ids of the conversations it may touch: those in the feed when it is made (a demo's first
+    screen, seeded before the window is handed to the user) and every one it adds. It grows on the engine's thread
+    (a set's add is atomic under the GIL) and is read on the GUI thread for the words."""
 
     def __init__(self, feed, *, rate: float = DEFAULT_RATE, seed: int = 0, wait_until_idle: bool = False,
                  interval: float = 0.1, clock=time.monotonic):
         snap = feed.latest()
+        self.own: set[int] = {c.conversation_id for c in snap.conversations}
         self.feed = feed
         self.clock = clock
         self.traffic = ServeTraffic(snap.num_blocks, snap.block_size, rate=rate, seed=seed, start=clock())
@@ -259,7 +271,7 @@ class TrafficDriver:
 
     def step(self, snapshot) -> None:
         """One tick: send what arrived since the last one (refusals are counted, never raised)."""
-        for request in self.traffic.tick(self.clock(), snapshot):
+        for request in self.traffic.tick(self.clock(), snapshot, self.own):
             try:
                 command = command_for(request, self.feed, snapshot, self.traffic.budget())
             except (ValueError, TypeError):  # the tokenizer refused the text
@@ -277,3 +289,9 @@ class TrafficDriver:
     def _answered(self, future) -> None:
         if future.exception() is not None:  # did not fit, or the conversation moved on meanwhile
             self.traffic.counts.refused += 1
+            return
+        made = future.result()  # add_conversation: an id; add_samples: the ids; the others: None
+        if isinstance(made, int):
+            self.own.add(made)
+        elif isinstance(made, tuple):
+            self.own.update(made)

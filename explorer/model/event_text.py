@@ -43,19 +43,25 @@ FINISH_WORDS = {FinishReason.EOS: "end-of-sequence", FinishReason.LENGTH: "max n
                 FinishReason.NON_FINITE: "stopped: the model's output was NaN or infinite"}  # how the window says it
 
 
-def finish_words(reason: str) -> str:
-    """A FinishReason value as the window says it ('max new tokens'); an unknown reason as it is."""
+CLIENT_LEFT = "the client left"  # FinishReason.ENDED of a conversation the served traffic sent: its client went away
+
+
+def finish_words(reason: str, served: bool = False) -> str:
+    """A FinishReason value as the window says it ('max new tokens'); an unknown reason as it is. ``served``: the
+    conversation is the served traffic's, so an end was its client's doing, not the user's."""
     try:
-        return FINISH_WORDS[FinishReason(reason)]
+        reason = FinishReason(reason)
     except ValueError:
         return reason
+    return CLIENT_LEFT if served and reason == FinishReason.ENDED else FINISH_WORDS[reason]
 
 
-def describe(event: BlockEvent, step: bool = True) -> str:
-    """One event as a sentence; with ``step`` it starts 'step 212: '."""
+def describe(event: BlockEvent, step: bool = True, served=()) -> str:
+    """One event as a sentence; with ``step`` it starts 'step 212: '. ``served``: the ids of the conversations the
+    served traffic sent (what they do is their client's, not the user's)."""
     if not isinstance(event, BlockEvent):
         raise TypeError(f"describe() takes a kvstream.events.BlockEvent, not {type(event).__name__}")
-    text = _event_text(event)
+    text = _event_text(event, _by_client(event, served))
     return f"step {event.step_id:,}: {text}" if step else text
 
 
@@ -266,7 +272,19 @@ PHRASES: dict[EventKind, Phrase] = {
 }
 
 
-def _event_text(e: BlockEvent) -> str:
+# what a served conversation's client did, in its own words (the PHRASES' are the user's)
+CLIENT_PHRASES = {EventKind.CONVERSATION_CONTINUED: "{who}: the client replied; it waits to run again",
+                  EventKind.CONVERSATION_ENDED: "{who} ended: the client left"}
+
+
+def _by_client(e: BlockEvent, served) -> bool:
+    """Whether ``e`` is something a served conversation's client did (a reply, an end)."""
+    return e.kind in CLIENT_PHRASES and e.conversation_id in served
+
+
+def _event_text(e: BlockEvent, client: bool = False) -> str:
+    if client:
+        return CLIENT_PHRASES[e.kind].format(who=_conv(e.conversation_id))
     phrase = PHRASES.get(e.kind)
     if phrase is None:  # a kind added to EventKind after this file
         return f"{e.kind.value} ({blocks_phrase(e.block_ids)})"
@@ -295,10 +313,11 @@ class EventLine:
     Lines are never changed once made.
     """
 
-    __slots__ = ("step_id", "kind", "kinds", "conversation_id", "conversation_ids", "events", "_text", "_block_ids")
+    __slots__ = ("step_id", "kind", "kinds", "conversation_id", "conversation_ids", "events", "_text", "_block_ids",
+                 "client")
 
     def __init__(self, step_id: int, kind: EventKind, kinds: frozenset, conversation_id: int,
-                 conversation_ids: frozenset, events: tuple):
+                 conversation_ids: frozenset, events: tuple, client: bool = False):
         self.step_id = step_id  # the step of its first event
         self.kind = kind  # the kind the line is about (its first event's, or the lifecycle event's)
         self.kinds = kinds  # EventKind of every event in the line
@@ -307,6 +326,7 @@ class EventLine:
         self.events = events  # the BlockEvents it stands for, in arrival order (the lead event first)
         self._text: str | None = None
         self._block_ids: tuple | None = None
+        self.client = client  # its lead event is a served conversation's client's doing (a reply, an end)
 
     def __repr__(self) -> str:
         return f"EventLine({self.step_id}, {self.kind.name}, {len(self.events)} events)"
@@ -322,7 +342,8 @@ class EventLine:
     def text(self) -> str:
         """The sentence without the "step N: " prefix."""
         if self._text is None:
-            self._text = _event_text(self.events[0]) if len(self.events) == 1 else _group_text(self.events)
+            self._text = (_event_text(self.events[0], self.client) if len(self.events) == 1
+                          else _group_text(self.events, self.client))
         return self._text
 
     @property
@@ -388,8 +409,10 @@ def line_of(event: BlockEvent) -> EventLine:
     return _line([event])
 
 
-def group(events: Iterable[BlockEvent]) -> list[EventLine]:
+def group(events: Iterable[BlockEvent], served=()) -> list[EventLine]:
     """The events of ONE frame as log lines, in arrival order, with the events that tell one story merged.
+    ``served``: the ids of the conversations the served traffic sent (their replies and ends are worded as their
+    client's).
 
     - a fork: CONVERSATION_ADDED (reason "fork") and the SHARED (reason "fork") of the same conversation;
     - a preemption, finish or end with the RELEASED / CACHED / FREED of that conversation in the same frame and
@@ -403,6 +426,8 @@ def group(events: Iterable[BlockEvent]) -> list[EventLine]:
         if type(e) is not BlockEvent and not isinstance(e, BlockEvent):
             raise TypeError(f"group() takes kvstream.events.BlockEvent items, not {type(e).__name__}")
         kinds.add(e.kind)
+    if served and not kinds.isdisjoint(CLIENT_PHRASES):
+        return [_as_client(line, served) for line in group(events)]
     if kinds.isdisjoint(_LEAD_KINDS):  # nothing to merge: no fork, no finish, end or preemption
         return [_single(e) for e in events]
     attached: dict[int, list[int]] = {}  # index of a lead event -> indices of the events merged into it
@@ -443,7 +468,14 @@ def _nearest_lead(events, leads: list[int], i: int, release: BlockEvent) -> int 
     return after[0] if after else None
 
 
-def _group_text(members: Sequence[BlockEvent]) -> str:
+def _as_client(line: EventLine, served) -> EventLine:
+    """``line``, marked as its client's doing when its lead event is a served conversation's reply or end (before
+    anyone has read its words: they are made on first use)."""
+    line.client = _by_client(line.events[0], served)
+    return line
+
+
+def _group_text(members: Sequence[BlockEvent], client: bool = False) -> str:
     """The words of a merged line: a fork with its shared blocks, or a lifecycle event with its releases."""
     lead = members[0]
     who = _conv(lead.conversation_id)
@@ -460,4 +492,4 @@ def _group_text(members: Sequence[BlockEvent]) -> str:
     if lead.kind == EventKind.PREEMPTED:
         lost = lead.block_ids or tuple(blocks)
         return f"{who} preempted: lost {blocks_phrase(lost)} ({fate}); it will be recomputed"
-    return f"{_event_text(lead)}, let go of {blocks_phrase(blocks)}: {fate}"
+    return f"{_event_text(lead, client)}, let go of {blocks_phrase(blocks)}: {fate}"

@@ -35,15 +35,17 @@ TABLE_LINES = 4  # lines of block table shown before it scrolls
 MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
 
 
-def stop_reason(info: ConversationInfo) -> str:
-    """Why a conversation stopped, in words ('max new tokens', 'ended by user', ...); '' while it is live or when
-    the source does not say."""
-    return finish_words(info.finish_reason) if info.finish_reason is not None else ""
+def stop_reason(info: ConversationInfo, served=()) -> str:
+    """Why a conversation stopped, in words ('max new tokens', 'ended by user', 'the client left' for one of
+    ``served``, the served traffic's conversations); '' while it is live or when the source does not say."""
+    if info.finish_reason is None:
+        return ""
+    return finish_words(info.finish_reason, info.conversation_id in served)
 
 
-def status_text(info: ConversationInfo) -> str:
+def status_text(info: ConversationInfo, served=()) -> str:
     """'running', 'finished (max new tokens)', 'ended by user', ..."""
-    reason = stop_reason(info)
+    reason = stop_reason(info, served)
     if not reason:
         return str(info.status)
     return reason if reason.startswith(str(info.status)) else f"{info.status} ({reason})"
@@ -57,14 +59,14 @@ def held_blocks(snapshot: PoolSnapshot, conversation_id: int) -> tuple[int, ...]
     return tuple(b for tables in snapshot.group_block_tables for b in tables.get(conversation_id, ()) if b >= 0)
 
 
-def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot) -> tuple:
+def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot, served=()) -> tuple:
     """The table cells of one conversation, derived from the snapshot's block tables (every group's)."""
     held = held_blocks(snapshot, info.conversation_id)
     table = snapshot.block_tables.get(info.conversation_id, ())  # group 0's: where the conversation's tail is
     shared = int((np.asarray(snapshot.ref_count)[list(held)] > 1).sum()) if held else 0
     tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table and table[-1] >= 0 else "-"
     return (info.conversation_id, str(info.status), len(info.prompt_token_ids), len(info.output_token_ids),
-            len(held), shared, tail, stop_reason(info), sources_cell(info))
+            len(held), shared, tail, stop_reason(info, served), sources_cell(info))
 
 
 def ids_text(token_ids) -> str:
@@ -121,6 +123,7 @@ class ConversationsModel(RowsModel):
         self._made_from: PoolSnapshot | None = None  # the snapshot of the last refresh
         self.rows_made = 0  # rows computed (not reused) so far (tests read it)
         self.colours = palette.ColourBook()  # the colour book of the source shown (ConversationsPanel.set_colour_book)
+        self.served = ()  # the served traffic's conversation ids (ConversationsPanel.set_served)
 
     def cell_data(self, row: tuple, column: int, role):
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
@@ -181,7 +184,7 @@ class ConversationsModel(RowsModel):
             if kept is not None and _same_row_input(kept[0], info) and kept[1] == table and (pool_same or not table):
                 new_rows.append(kept[2])
                 continue
-            row = conversation_row(info, snapshot)
+            row = conversation_row(info, snapshot, self.served)
             self.rows_made += 1
             cache[cid] = (info, table, row)
             new_rows.append(row)
@@ -210,6 +213,7 @@ class ConversationDetail(QtWidgets.QWidget):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.colours = palette.ColourBook()  # the colour book of the source shown (ConversationsPanel.set_colour_book)
+        self.served = ()  # the served traffic's conversation ids (ConversationsPanel.set_served)
         self.title = QtWidgets.QLabel(PLACEHOLDER)
         self.title.setWordWrap(True)
         self.table_label = QtWidgets.QLabel()
@@ -272,7 +276,7 @@ class ConversationDetail(QtWidgets.QWidget):
         turns = f", turn {len(info.turns)}" if len(info.turns) > 1 else ""
         self.title.setText(
             f"<b style='color:rgb({r},{g},{b})'>■</b> <b>{info.name.capitalize()}</b> — "
-            f"{status_text(info)}{turns}, "
+            f"{status_text(info, self.served)}{turns}, "
             f"{number(len(info.prompt_token_ids))} prompt + {number(len(info.output_token_ids))} generated "
             f"token{'s' if len(info.prompt_token_ids) + len(info.output_token_ids) != 1 else ''} "
             f"(at most {number(info.max_new_tokens)} new)"
@@ -428,6 +432,13 @@ class ConversationsPanel(QtWidgets.QWidget):
     def set_detokenizer(self, detokenize) -> None:
         """Token ids -> text for the detail's earlier turns (the local engine's ``detokenize``); None: none."""
         self.detail.set_detokenizer(detokenize)
+
+    def set_served(self, served) -> None:
+        """``served``: the ids of the conversations the served traffic sends (a set it keeps growing; () for
+        none): their ends are worded as their client's, not the user's."""
+        self.model.served = self.detail.served = served
+        self.model._row_cache.clear()  # rows worded before are made again at the next refresh
+        self.detail._key = None
 
     def set_colour_book(self, book) -> None:
         """Colour the rows and the detail from ``book``, the colour book of the source shown (conversation ids

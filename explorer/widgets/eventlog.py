@@ -76,6 +76,7 @@ class EventLogModel(QtCore.QAbstractTableModel):
         self.filter = LogFilter()
         self.num_events = 0  # block events received since the last clear (merged lines count each)
         self.unlisted = 0  # of them, events of frames too old to make a kept line (never worded)
+        self.served = ()  # the served traffic's conversation ids: their replies and ends are their client's
 
     # --- Qt model ---
     def rowCount(self, parent=QtCore.QModelIndex()) -> int:
@@ -123,7 +124,7 @@ class EventLogModel(QtCore.QAbstractTableModel):
             start = end - 1
             while start and pairs[start - 1][0] == seq:
                 start -= 1
-            lines = group([e for _, e in pairs[start:end]])  # raises TypeError before anything changes
+            lines = group([e for _, e in pairs[start:end]], self.served)  # raises TypeError before anything changes
             frames.append((seq, lines))
             made += len(lines)
             end = start

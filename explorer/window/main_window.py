@@ -596,12 +596,16 @@ class MainWindow(QtWidgets.QMainWindow):
         self.traffic = TrafficDriver(feed, rate=self.controls.rate_value(),
                                      wait_until_idle=demo not in SERVED_AT_ONCE).start()
         self.controls.show_rate(True)
+        self.conversations.set_served(self.traffic.own)  # what its clients do is worded as theirs
+        self.event_log.model.served = self.traffic.own
 
     def stop_traffic(self) -> None:
         if self.traffic is not None:
             self.traffic.stop()
             self.traffic = None
         self.controls.show_rate(False)
+        self.conversations.set_served(())
+        self.event_log.model.served = ()
 
     def set_contiguous(self, on: bool) -> None:
         """View > Contiguous side by side, for every pane."""
