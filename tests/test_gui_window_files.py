@@ -130,8 +130,8 @@ def test_record_and_open_dialogs_offer_kvpool_and_kvrec(qtbot, make_window, tmp_
         asked.append(("open", folder, pattern))
         return str(tmp_path / "run.kvpool"), pattern.split(";;")[0]
 
-    monkeypatch.setattr(QtWidgets.QFileDialog, "getSaveFileName", staticmethod(save))
-    monkeypatch.setattr(QtWidgets.QFileDialog, "getOpenFileName", staticmethod(open_))
+    monkeypatch.setattr(files.file_dialogs, "save_file_name", save)
+    monkeypatch.setattr(files.file_dialogs, "open_file_name", open_)
     files.start_recording_dialog(window)
     recorder, joining = window.source.feed.recorders[-1]
     assert recorder.path == str(tmp_path / "run.kvpool")
@@ -232,3 +232,33 @@ def test_while_recording_the_status_bar_names_the_file_and_its_size(qtbot, make_
     assert "KiB" in window.status_labels["live"].text() or "MiB" in window.status_labels["live"].text()
     assert files.stop_recording(window) == path
     qtbot.waitUntil(lambda: "REC" not in window.status_labels["live"].text(), timeout=3000)
+
+
+@pytest.mark.parametrize("kind", ["save", "open"])
+def test_file_dialogs_name_icons_and_types_without_reading_a_file(qtbot, tmp_path, kind):
+    """Qt's stock icon provider sniffs a file's first bytes for its MIME type (as root it blocked for good on
+    /proc/kmsg): the window's dialogs say the same of a text file and a PNG whose names say nothing, and list a
+    folder holding a FIFO without opening it."""
+    from explorer.window import file_dialogs
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "notes").write_text("plain words, as a sniffer would find them\n" * 20)
+    (tmp_path / "picture").write_bytes(bytes.fromhex("89504e470d0a1a0a0000000d49484452") + b"\0" * 64)
+    (tmp_path / "sub").mkdir()
+    dialog = file_dialogs.file_dialog(None, "t", str(tmp_path), "All files (*)", save=kind == "save")
+    dialog.setOption(QtWidgets.QFileDialog.Option.DontUseNativeDialog, True)  # the Qt-drawn one, as on a bare X
+    qtbot.addWidget(dialog)
+    dialog.show()
+    model = dialog.findChild(QtWidgets.QFileSystemModel)
+    root = model.index(str(tmp_path))
+
+    def types():
+        rows = {model.index(r, 0, root).data(): model.type(model.index(r, 0, root))
+                for r in range(model.rowCount(root))}
+        return rows if all(rows.values()) else {}
+    qtbot.waitUntil(lambda: set(types()) == {"notes", "picture", "sub"}, timeout=5000)
+    seen = types()
+    assert seen["sub"] == "Folder"
+    assert seen["notes"] == seen["picture"] == "File"  # named from the entry, not from its bytes
+    folders = file_dialogs.file_dialog(None, "t", str(tmp_path), folder=True)  # the checkpoint browser's
+    assert isinstance(folders.iconProvider(), file_dialogs.PlainIcons)
+    folders.deleteLater()

@@ -28,6 +28,7 @@ from kvstream.rules import fit_error
 from kvstream.views import PoolSnapshot
 
 from ..model.words import count
+from . import file_dialogs
 from ..feeds.demo import SYSTEM_PROMPT  # the add dialog's "shared system prompt" is the demos' one
 
 TEXT_MODE, IDS_MODE = "text", "token ids"  # what the prompt field holds
@@ -463,7 +464,7 @@ class RestartDialog(_FormDialog):
         self.loading = False  # a restart started from this dialog has not answered yet
 
     def _browse(self) -> None:
-        folder = QtWidgets.QFileDialog.getExistingDirectory(self, "Checkpoint directory", self.path.text())
+        folder = file_dialogs.existing_directory(self, "Checkpoint directory", self.path.text())
         if folder:
             self.path.setText(folder)
             self.checkpoint.setChecked(True)

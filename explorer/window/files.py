@@ -11,6 +11,8 @@ import os
 
 from PySide6 import QtCore, QtWidgets
 
+from . import file_dialogs
+
 EXPORT_KINDS = {  # kind -> (dialog title, file filter, default suffix)
     "window": ("Export window as PNG", "PNG images (*.png)", ".png"),
     "grid": ("Export grid as PNG", "PNG images (*.png)", ".png"),
@@ -68,7 +70,7 @@ def export(window, kind: str, path: str) -> str:
 
 def export_dialog(window, kind: str) -> None:
     title, pattern, suffix = EXPORT_KINDS[kind]
-    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, title, f"explorer-{kind}{suffix}", pattern)
+    path, _ = file_dialogs.save_file_name(window, title, f"explorer-{kind}{suffix}", pattern)
     if not path:
         return
     if not path.endswith(suffix):
@@ -94,8 +96,8 @@ def recording_path(path: str) -> str:
 
 
 def start_recording_dialog(window) -> None:
-    path, _ = QtWidgets.QFileDialog.getSaveFileName(window, "Record the pool stream", "explorer" + RECORDING_SUFFIX,
-                                                    RECORDING_FILTER)
+    path, _ = file_dialogs.save_file_name(window, "Record the pool stream", "explorer" + RECORDING_SUFFIX,
+                                          RECORDING_FILTER)
     if path:
         start_recording(window, recording_path(path))
 
@@ -148,7 +150,7 @@ def stop_recording(window) -> str | None:
 
 
 def open_dialog(window) -> None:
-    path, _ = QtWidgets.QFileDialog.getOpenFileName(window, "Open a recording", "", RECORDING_FILTER)
+    path, _ = file_dialogs.open_file_name(window, "Open a recording", "", RECORDING_FILTER)
     if path:
         open_recording(window, path)
 
