@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_geometry(text: str) -> tuple[int, int]:
     """'1366x768' -> (1366, 768); a clear ValueError otherwise."""
-    match = re.fullmatch(r"\s*(\d{2,5})\s*[xX×]\s*(\d{2,5})\s*", text or "")
+    match = re.fullmatch(r"\s*(\d{1,9})\s*[xX×]\s*(\d{1,9})\s*", text or "")  # 0x0: a number, out of range
     if not match:
         raise ValueError(f"--geometry must look like WIDTHxHEIGHT (for example 1366x768), got {text!r}")
     width, height = int(match.group(1)), int(match.group(2))

@@ -51,6 +51,17 @@ def test_a_file_given_as_model_is_called_a_file_not_a_missing_directory(tmp_path
         assert "does not exist" not in result.stderr and "no such" not in result.stderr.lower()
 
 
+def test_a_zero_geometry_is_out_of_range_not_misformatted():
+    from explorer.cli import parse_geometry
+    for text in ("0x0", "1x1", "0x480", "99999x768"):
+        with pytest.raises(ValueError, match="out of range"):
+            parse_geometry(text)
+    for text in ("wide", "x768", "1024x", "-5x7", "1e3x800"):
+        with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+            parse_geometry(text)
+    assert parse_geometry(" 1024 x 640 ") == (1024, 640)
+
+
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
     for args, words in ((("--block-size", "0", "--headless"), "block_size"),
                         (("--json",), "add --headless"),

@@ -407,7 +407,8 @@ def test_a_kv_event_source_gets_the_room_and_a_status_line(qtbot, watch_window, 
 def test_the_whole_window_fits_its_screen_title_bar_included(qtbot, watch_window):
     """Found in the Xvfb window: sized to the screen's 1000 px, the window manager's title bar pushed the status
     bar below the screen's edge. Once framed, the window shrinks to keep its frame on screen (not below the
-    smallest supported size; --geometry is taken as given)."""
+    smallest supported size; --geometry is taken as given where the command line did not ask for a fit: tests,
+    --screenshot)."""
     window = watch_window(ViewsFeed(shared_prefix(2)), size=None)
     room = window.screen().availableGeometry()
     qtbot.waitUntil(lambda: window.frameGeometry().height() <= room.height(), timeout=3000)
@@ -416,6 +417,23 @@ def test_the_whole_window_fits_its_screen_title_bar_included(qtbot, watch_window
     asked = watch_window(ViewsFeed(shared_prefix(2)), size=(1024, room.height()))
     settle(qtbot, 450)
     assert asked.size() == QtCore.QSize(1024, room.height())
+
+
+def test_a_geometry_larger_than_the_screen_is_clamped_and_said(qtbot, capsys):
+    """Issue 49: --geometry 1920x1080 on a 1920x1080 screen pushed the status bar below the screen's edge. The
+    command line's window (fit_size) is clamped to the screen's free area, frame included, and says so."""
+    room = QtWidgets.QApplication.primaryScreen().availableGeometry()
+    asked = (room.width() + 400, room.height() + 300)
+    window = MainWindow(feed=ViewsFeed(shared_prefix(2)), size=asked, fit_size=True)
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.frameGeometry().height() <= room.height(), timeout=3000)
+    assert window.frameGeometry().bottom() <= room.bottom()  # the status bar on screen
+    assert window.width() == max(room.width() - (window.frameGeometry().width() - window.width()), 1024)
+    said = f"--geometry {asked[0]}x{asked[1]} does not fit the screen's free area ({room.width()}x{room.height()}"
+    assert said in capsys.readouterr().err and window.geometry_note.startswith(said)
+    assert f"the window is {window.width()}x{window.height()}" in window.geometry_note
+    window.close()
 
 
 def test_on_a_screen_as_small_as_the_smallest_supported_the_frame_still_fits():

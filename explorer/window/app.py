@@ -131,7 +131,8 @@ def run_gui(opts, cfg: EngineConfig) -> int:
             export.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size)
+    window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size,
+                        fit_size=not opts.screenshot)  # a --geometry larger than the screen is clamped, and said
     window.metrics_export = export  # owned by the window from now on: a new engine feeds it too
     if export is not None:
         print(export.said, file=sys.stderr, flush=True)

@@ -10,6 +10,8 @@ rates and pool figures in :mod:`explorer.window.status_bar`, dock arrangement in
 """
 from __future__ import annotations
 
+import sys
+
 import time
 
 import numpy as np
@@ -67,7 +69,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def __init__(self, runner=None, config: EngineConfig | None = None, parent: QtWidgets.QWidget | None = None, *,
                  feed: Feed | None = None, extra_feeds=(), settings: QtCore.QSettings | None = None,
-                 size: tuple[int, int] | None = None):
+                 size: tuple[int, int] | None = None, fit_size: bool = False):
         super().__init__(parent)
         if feed is None and runner is not None:
             feed = EngineFeed(runner, config or EngineConfig())
@@ -104,7 +106,11 @@ class MainWindow(QtWidgets.QMainWindow):
         build_menus(self, self.window_actions)
         self._wire()
         self.block_watch.selectionChanged.connect(self._on_block_selected)
-        self._fit_frame = size is None  # fit the frame to the screen once shown (--geometry is taken as given)
+        # fit the frame to the screen once shown: a --geometry too (``fit_size``, the command line's window) where it
+        # is larger than the screen's free area; tests and --screenshot (drawn off screen) keep the size asked
+        self._fit_frame = size is None or fit_size
+        self.asked_size = size
+        self.geometry_note = ""  # what the fit did to a --geometry that did not fit ("" when it fitted)
         self._place_window(size)
         self._on_source_changed(self.source.feed)
         self.timer = QtCore.QTimer(self)
@@ -678,6 +684,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self.resize(width, height)
         self.move(max(room.left(), min(frame.left(), room.right() - width - extra_w)),
                   max(room.top(), min(frame.top(), room.bottom() - height - extra_h)))
+        if self.asked_size is not None:
+            asked = "x".join(map(str, self.asked_size))
+            self.geometry_note = (f"--geometry {asked} does not fit the screen's free area ({room.width()}x"
+                                  f"{room.height()}, window frame included): the window is {width}x{height}")
+            print(self.geometry_note, file=sys.stderr, flush=True)
+            self.status.showMessage(self.geometry_note, 10000)
         return True
 
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
