@@ -2,6 +2,7 @@
 from PySide6 import QtCore, QtWidgets
 
 from explorer.window.dialogs import AddConversationDialog, ReplyDialog, RestartDialog, parse_number, parse_token_ids
+from explorer.window import files
 from test_gui_support import open_add_dialog, wait_for_snapshot
 
 
@@ -509,3 +510,80 @@ def test_counts_are_singular_for_one_and_use_one_number_format(qtbot, make_windo
     dialog = AddConversationDialog(window.commands._tokenize, window.source.futures.watch, window.snapshot, window)
     message = dialog.fit_message(16, 8)  # 16 prompt tokens: one new token fits (the last needs no slot)
     assert "at most 1 new token fit" in message
+
+
+def widget_tops(dialog):
+    """Where every field and the OK button are, in the dialog."""
+    return field_positions(dialog) + [dialog.ok_button().mapTo(dialog, QtCore.QPoint(0, 0)).y()]
+
+
+def test_an_engine_refusal_lands_under_its_field_and_nothing_moves(qtbot, make_window):
+    """Issue 49: a temperature of 1e-30 passes the dialog's own check and the engine refuses it; the refusal
+    appeared under the prompt, and the fields and OK jumped as 'Checking the length…' and errors came and went."""
+    window = make_window(paused=True)
+    dialog = open_add_dialog(window, "Hello there")
+    qtbot.waitExposed(dialog)
+    before = widget_tops(dialog)
+    dialog.temperature.setText("1e-30")
+    dialog.try_accept()
+    qtbot.waitUntil(lambda: dialog.error_text("temperature") != "", timeout=5000)
+    assert dialog.error_text("temperature").startswith("Temperature 1e-30 is too small to sample from")
+    assert dialog.error_text("prompt") == ""
+    qtbot.waitUntil(lambda: dialog.ok_button().isEnabled(), timeout=2000)
+    refused = widget_tops(dialog)
+    assert refused == before, (before, refused)  # the refusal fits its room: nothing moved
+    dialog.temperature.setText("0.8")  # corrected: the error goes at once, and nothing moves back
+    assert dialog.error_text("temperature") == "" and widget_tops(dialog) == before
+    dialog.samples.setText("many")
+    dialog.try_accept()
+    assert dialog.error_text("samples") and widget_tops(dialog) == before
+    dialog.set_busy("Sending to the engine…")  # the line under the form keeps its room, said or not
+    dialog.layout().activate()
+    assert widget_tops(dialog) == before
+    dialog.set_busy("")
+    dialog.layout().activate()
+    assert widget_tops(dialog) == before
+    error = dialog.errors["samples"]  # a message longer than its room grows it once, and it stays grown
+    error.show_error("this sentence explains what went wrong and what to do about it; " * 5)
+    qtbot.waitUntil(lambda: widget_tops(dialog) != before, timeout=2000)  # room made for it, once
+    grown = widget_tops(dialog)
+    error.show_error("")
+    error.parentWidget().layout().activate()  # the layouts as they are once the event loop has run
+    dialog.layout().activate()
+    assert widget_tops(dialog) == grown
+
+
+def test_a_restart_error_clears_when_its_field_is_corrected(qtbot, make_window):
+    window = make_window(paused=True)
+    dialog = window.open_restart_dialog()
+    assert dialog.engine_running  # over the local engine: a failure says it keeps running
+    dialog.block_size.setText("0")
+    dialog.num_blocks.setText("1")
+    dialog.try_accept()
+    assert dialog.error_text("block_size") and dialog.error_text("num_blocks")
+    dialog.block_size.setText("8")
+    assert dialog.error_text("block_size") == "" and dialog.error_text("num_blocks")
+    dialog.num_blocks.setText("64")
+    assert dialog.error_text("num_blocks") == ""
+    dialog.restart_failed("No such directory: /nowhere")
+    assert dialog.error_text("model").endswith("(the previous engine keeps running)")
+    dialog.checkpoint.setChecked(True)  # another model: the failure was about the one before
+    assert dialog.error_text("model") == ""
+    dialog.reject()
+
+
+def test_a_restart_over_a_recording_does_not_speak_of_a_previous_engine(qtbot, make_window, tmp_path):
+    window = make_window(setup=lambda e: e.add_conversation("Record me", max_new_tokens=200), speed=40, history=True)
+    path = tmp_path / "run.kvpool"
+    assert files.start_recording(window, str(path))
+    recorder, joining = window.source.feed.recorders[-1]
+    qtbot.waitUntil(lambda: joining.primed and recorder.frames_written >= 2, timeout=5000)
+    files.stop_recording(window)
+    qtbot.waitUntil(lambda: recorder.closed, timeout=5000)
+    assert files.open_recording(window, str(path))
+    qtbot.waitUntil(lambda: window.source.feed.kind == "recording", timeout=3000)
+    dialog = window.open_restart_dialog()
+    assert not dialog.engine_running
+    dialog.restart_failed("No such directory: /nowhere")
+    assert "engine keeps running" not in dialog.error_text("model")
+    dialog.reject()

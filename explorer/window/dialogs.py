@@ -38,7 +38,8 @@ class FieldError(QtWidgets.QLabel):
     """The red message under a field. Its height is reserved (``lines`` lines) whether or not there is an error,
     so showing a short one never moves the fields below; a longer message makes the label (and the dialog) taller,
     so the whole message can always be read (cut after two lines, "block size 4096 with 1,048,576 blocks" lost
-    its advice). The tooltip repeats it."""
+    its advice), and the label keeps that height once the message goes: the fields and OK move at most once, not
+    each time an error comes and goes. The tooltip repeats it."""
 
     def __init__(self, lines: int = 2, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
@@ -61,7 +62,7 @@ class FieldError(QtWidgets.QLabel):
         return self.heightForWidth(max(self.width(), 80)) if self.message else 0
 
     def _fit(self) -> None:
-        height = max(self._reserved, self.needed_height())
+        height = self._reserved = max(self._reserved, self.needed_height())
         if height != self.height() or height != self.minimumHeight():
             self.setFixedHeight(height)
             dialog = self.window()
@@ -301,7 +302,11 @@ class _MessageDialog(_FormDialog):
             if self._pending is future:
                 self._pending = None
                 self.set_busy("")
-                self.errors[key].show_error(f"The engine refused it: {exc}")
+                field, text = refusal_field(str(exc), self.errors, key), str(exc)
+                # under its own field the engine's words say it all ("Temperature 1e-30 is too small…"), in the
+                # two lines kept for it; under the message, what refused it is said too
+                self.errors[field].show_error(f"The engine refused it: {text}" if field == key
+                                              else text[:1].upper() + text[1:])
 
         self._watch(future, done, refused)
 
@@ -342,6 +347,9 @@ class AddConversationDialog(_MessageDialog):
                                    "conversation that starts with it (prefix caching)")
         self.samples = self.add_row("samples", "Parallel samples:", QtWidgets.QLineEdit("1"))
         self.samples.setToolTip("n > 1 starts n conversations from this prompt at once; they share its blocks")
+        for key in ("max_new_tokens", "temperature", "samples"):  # an error is stale once its field is changed
+            getattr(self, key).textChanged.connect(
+                lambda _text, key=key: self.errors[key].message and self.errors[key].show_error(""))
 
     def _on_mode(self, text: str) -> None:
         super()._on_mode(text)
@@ -431,7 +439,8 @@ class RestartDialog(_FormDialog):
     user correct it; :meth:`restart_succeeded` closes the dialog. Without ``submit`` OK just accepts."""
 
     def __init__(self, current: EngineConfig, parent: QtWidgets.QWidget | None = None, *,
-                 num_conversations: int = 0, submit: Callable[[EngineConfig], None] | None = None):
+                 num_conversations: int = 0, submit: Callable[[EngineConfig], None] | None = None,
+                 engine_running: bool = True):
         super().__init__("Restart engine", parent)
         self.block_size = self.add_row("block_size", "Block size (slots):",
                                        QtWidgets.QLineEdit(str(current.block_size)))
@@ -462,6 +471,12 @@ class RestartDialog(_FormDialog):
         self.config: EngineConfig | None = None
         self.confirm: QtWidgets.QMessageBox | None = None  # the "N conversations will be discarded" question
         self.loading = False  # a restart started from this dialog has not answered yet
+        self.engine_running = engine_running  # a local engine runs now (not a recording or an attached stream)
+        # an error is stale once its field is changed: it clears then, not only when OK is pressed again
+        for key, changed in (("block_size", self.block_size.textChanged), ("num_blocks", self.num_blocks.textChanged),
+                             ("model", self.path.textChanged), ("model", self.builtin.toggled),
+                             ("device", self.device.currentTextChanged)):
+            changed.connect(lambda *_, key=key: self.errors[key].message and self.errors[key].show_error(""))
 
     def _browse(self) -> None:
         folder = file_dialogs.existing_directory(self, "Checkpoint directory", self.path.text())
@@ -521,7 +536,8 @@ class RestartDialog(_FormDialog):
         self.loading = False
         self.set_busy("")
         self.config = None
-        self.errors[failure_field(message)].show_error(f"{message} (the previous engine keeps running)")
+        kept = " (the previous engine keeps running)" if self.engine_running else " (what is on view stays)"
+        self.errors[failure_field(message)].show_error(f"{message}{kept}")
         if not self.isVisible():
             self.open()
 
@@ -529,6 +545,21 @@ class RestartDialog(_FormDialog):
         self.loading = False
         self.set_busy("")
         self.accept()
+
+
+# the engine's parameter names in its refusals -> the field; a refusal naming none (a prompt that does not fit, a
+# token outside the vocabulary) is about the message
+REFUSAL_FIELDS = (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"), ("n must", "samples"))
+
+
+def refusal_field(message: str, fields, default: str) -> str:
+    """The field an engine's refusal is about (the engine names its parameter: "temperature 1e-30 is too small"),
+    among ``fields``; ``default`` (the message's field) when it names none of them."""
+    text = message.lower()
+    for word, field in REFUSAL_FIELDS:
+        if word in text and field in fields:
+            return field
+    return default
 
 
 NAMED_MODELS = ("builtin", "smollm2")  # the model names EngineConfig(model=...) knows (README, --model, --fetch-model)

@@ -496,7 +496,8 @@ class MainWindow(QtWidgets.QMainWindow):
         local = self.source.capabilities.can_command  # the local engine: the one source that takes commands
         count = len(view.conversations) if (local and view is not None) else 0
         dialog = RestartDialog(self.config or self.engine_config, self, num_conversations=count,
-                               submit=lambda cfg: self.restart_engine(cfg, dialog=dialog))  # bound below, called later
+                               submit=lambda cfg: self.restart_engine(cfg, dialog=dialog),  # bound below, called later
+                               engine_running=local)
         self.restart_dialog = dialog
         dialog.open()
         return dialog
