@@ -76,7 +76,7 @@ def test_keys_step_frames_and_markers(qtbot, timeline):
     qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Right, QtCore.Qt.KeyboardModifier.ShiftModifier)
     assert seen[-1] == 800  # 900 is an allocation, not marked by default
     qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Right)
-    assert seen[-1] == 801
+    assert seen[-1] == 802  # 801 is step 400 too: the next step on screen is 401
     qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Home)
     assert seen[-1] == 100 and t.banner_text() == "viewing step 50 of 550"
     qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Left)
@@ -270,6 +270,26 @@ def test_a_cursor_moved_elsewhere_is_drawn_without_asking_again(qtbot, timeline)
     assert t.position == 600 and t.banner_text() == "viewing step 300 of 550"
     t.go_live()
     assert shared.live and t.is_live
+
+
+def test_left_and_right_always_move_to_a_step_the_user_can_see(qtbot, timeline):
+    """Issue 49: two frames can share a step number (a command answered between engine steps publishes one);
+    Left moved one frame and the banner still said the same step. Each press now changes the step on view."""
+    t = timeline
+    steps = [0, 1, 1, 1, 2, 3, 3, 4]  # frames 10-17
+    t.set_range(10, 17, steps)
+    shown = []
+    t.seekRequested.connect(lambda seq: shown.append(t.step_of(seq)))
+    t.track.setFocus()
+    for _ in range(5):
+        qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Left)
+    assert shown == [3, 2, 1, 0] and t.viewed_seq == 10  # from live (step 4) down to the oldest: the floor
+    for _ in range(4):
+        qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Right)
+    assert shown[4:] == [1, 2, 3, 4] and t.viewed_seq == 17
+    t.seek(14)
+    qtbot.keyClick(t.track, QtCore.Qt.Key.Key_Left)
+    assert t.viewed_seq == 13 and t.banner_text().startswith("viewing step 1 of")
 
 
 def test_frames_in_a_gap_are_skipped(qtbot, timeline):

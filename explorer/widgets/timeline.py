@@ -565,14 +565,36 @@ class Timeline(QtWidgets.QWidget):
             self.liveRequested.emit()
 
     def step_frames(self, delta: int) -> None:
-        """Move ``delta`` frames (one key press); past the newest frame goes live."""
+        """Move ``delta`` steps the user can see (one key press): to the nearest frame, that way, whose step differs
+        from the one on view. Two frames may share a step (a command answered between two engine steps publishes
+        one), and moving one frame then changed nothing on screen. Past the newest frame goes live; the oldest
+        frame kept is the floor."""
         if self.empty:
             return
-        target = self.position + delta
-        if target > self.last_seq:
-            self.go_live()
-        else:
-            self._view(max(self.first_seq, target), 1 if delta > 0 else -1)
+        way = 1 if delta > 0 else -1
+        target = self.position
+        for _ in range(abs(delta)):
+            target = self._next_step_frame(target, way)
+            if target is None:
+                self.go_live()
+                return
+        self._view(target, way)
+
+    def _next_step_frame(self, seq: int, way: int) -> int | None:
+        """The nearest kept frame after (``way`` +1) or before (-1) ``seq`` whose step is not ``seq``'s; before the
+        oldest frame, the oldest; past the newest, None (live)."""
+        here = self.step_of(seq)
+        probe = seq + way
+        while self.first_seq <= probe <= self.last_seq:
+            try:
+                step = probe if self._step_of is None else int(self._step_of(probe))
+            except LookupError:  # a frame in a gap (after a resync): not kept
+                probe += way
+                continue
+            if step != here:
+                return probe
+            probe += way
+        return None if way > 0 else self.first_seq
 
     def next_marker(self, direction: int) -> None:
         """Move to the nearest marked frame before (-1) or after (+1) the one on view, if there is one."""
