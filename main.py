@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                            kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
                            kv_events_topic=opts.kv_events_topic, kv_events_curve=opts.kv_events_curve,
                            host_tier_blocks=opts.host_tier_blocks, disk_tier_blocks=opts.disk_tier_blocks,
-                           disk_tier_path=opts.disk_tier_path, eviction_policy=opts.eviction_policy)
+                           disk_tier_path=opts.disk_tier_path, eviction_policy=opts.eviction_policy,
+                           kv_cache_dtype=opts.kv_cache_dtype)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

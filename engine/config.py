@@ -7,6 +7,7 @@ from .errors import EngineError
 from .validation import MAX_SEED
 
 _DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype values ("fp8" is e4m3)
 _DEVICES = ("cpu", "cuda", "auto")
 MAX_TIER_BLOCKS = 1 << 24  # most blocks one lower tier may hold (what memory and disk allow is checked at start)
 
@@ -35,6 +36,7 @@ class EngineConfig:
     disk_tier_blocks: int = 0  # blocks the disk tier holds (host-tier evictions go there); 0: off
     disk_tier_path: str | None = None  # the disk tier's file (made new; only an earlier run's tier file is reused)
     eviction_policy: str = "lru"  # which cached block goes first (engine.kv.policies): lru, fifo, s3fifo, radix, belady
+    kv_cache_dtype: str = "auto"  # how the pool stores K/V: "auto" (the model's dtype) or fp8 (engine/kv/fp8.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "finished_window", "seed"):
@@ -61,6 +63,9 @@ class EngineConfig:
             raise EngineError(f"seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.dtype not in _DTYPES:
             raise EngineError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.device not in _DEVICES:
             raise EngineError(f"device must be one of {', '.join(_DEVICES)}, got {self.device!r}")
         if not isinstance(self.model, str) or not self.model:

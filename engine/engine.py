@@ -35,6 +35,7 @@ from .kv.policies import Future, make_policy
 from .kv.pool import BlockPool
 from .config import EngineConfig
 from .errors import EngineError
+from .kv import fp8
 from .kv.cache import KVCache
 from .kv.manager import KVCacheManager
 from .kv.groups import kv_cache_group_infos, kv_cache_layout
@@ -126,7 +127,8 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = _DTYPES[cfg.dtype]
         mc = read_model_config(cfg.model)
-        check_pool_fits_memory(mc, cfg.num_blocks, cfg.block_size, self.dtype, self.device)
+        self.kv_dtype = fp8.storage_dtype(cfg.kv_cache_dtype, self.dtype)  # what the pool stores K/V in
+        check_pool_fits_memory(mc, cfg.num_blocks, cfg.block_size, self.kv_dtype, self.device)
         loaded = load_model(cfg.model, self.dtype, self.device, cfg.seed, progress)
         self.model = loaded.model
         self.model_config = mc = loaded.config
@@ -140,7 +142,7 @@ class Engine:
         planes, layer_slots = kv_cache_layout(self.kv_cache_groups, mc.num_hidden_layers)
         try:
             self.kv = KVCache(planes, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
-                              mc.head_dim, self.dtype, self.device, layer_slots)
+                              mc.head_dim, self.kv_dtype, self.device, layer_slots, self.model.kv_scales())
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
         self.manager = KVCacheManager(self.pool, self.kv_cache_groups)

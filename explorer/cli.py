@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-shape", metavar="CONFIG.json", help="with --sweep: a Hugging Face config.json whose "
                         "K/V size per token turns byte capacities into blocks")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-                        help="the K/V cache's element type (auto: the model's dtype); a sweep counts its bytes")
+                        help="how the local engine's pool stores K/V, as vLLM's option of that name (default auto: "
+                             "the model's dtype; fp8 is e4m3, a quarter of float32's bytes per block, half of "
+                             "bfloat16's); a sweep counts its bytes")
     parser.add_argument("--warmup", type=float, metavar="F", help="with --sweep: count only the last 1 - F of the "
                         "requests, as kvcache-simulator does (default 0: all)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",

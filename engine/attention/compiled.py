@@ -44,8 +44,9 @@ def _paged_attention_fused(query, key_cache, value_cache, block_tables, seq_lens
     if window is not None:  # the query at len - 1 reads positions > len - 1 - window
         valid = valid & (pos >= seq_lens.view(seqs, 1, 1, 1, 1, 1) - window)
     # [seqs, chunks, chunk, kv_heads, 1, block_size, dim]: indexed inside the fused loops, never materialised
-    k = key_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
-    v = value_cache[tables].permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
+    # (an fp8 pool's codes read as their exact values, in the queries' dtype)
+    k = key_cache[tables].to(query.dtype).permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
+    v = value_cache[tables].to(query.dtype).permute(0, 1, 2, 4, 3, 5).unsqueeze(4)
     q = (query * scale).view(seqs, 1, 1, kv_heads, group, 1, dim)
     scores = torch.where(valid, (k * q).sum(-1), float("-inf"))  # [seqs, chunks, chunk, kv_heads, group, block_size]
     # A chunk wholly past the end has maximum -inf; clamping keeps exp() at 0 there instead of NaN.

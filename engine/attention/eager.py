@@ -14,12 +14,19 @@ import torch.nn.functional as F
 from .plan import DecodeGroup, DecodePlan, _bucket
 
 
-def gather_kv(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-    """Copy a group's K (or V) into a padded contiguous tensor [n, length, kv_heads, dim]. (Fresh tensors: reused
-    scratch ones measured no faster in the engine.)"""
+def gather_kv(cache: torch.Tensor, group: DecodeGroup, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy a group's K (or V) into a padded contiguous tensor [n, length, kv_heads, dim], in ``dtype`` (the
+    queries': an fp8 pool's values are read exactly, its scales are the caller's). (Fresh tensors: reused scratch
+    ones measured no faster in the engine.)"""
     _, block_size, kv_heads, dim = cache.shape
-    out = cache.index_select(0, group.rows)  # [n * num_blocks, block_size, kv_heads, dim]
+    out = as_compute(cache.index_select(0, group.rows), dtype)  # [n * num_blocks, block_size, kv_heads, dim]
     return out.view(group.end - group.start, group.num_blocks * block_size, kv_heads, dim)[:, : group.length]
+
+
+def as_compute(kv: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """K or V read from the pool, in the dtype attention computes in: the same tensor where the pool stores that
+    dtype; an fp8 pool's codes as their exact values (each fp8 value is a float32 and a bfloat16 value)."""
+    return kv if dtype is None or kv.dtype == dtype else kv.to(dtype)
 
 
 
@@ -106,8 +113,8 @@ def _paged_attention_eager(query, key_cache, value_cache, plan: DecodePlan, scal
         q = q.index_select(0, plan.order)  # longest first
 
     def attend(group: DecodeGroup) -> torch.Tensor:
-        keys = gather_kv(key_cache, group)  # [n, T, kv_heads, dim]
-        values = gather_kv(value_cache, group)
+        keys = gather_kv(key_cache, group, q.dtype)  # [n, T, kv_heads, dim]
+        values = gather_kv(value_cache, group, q.dtype)
         if _use_cross_head(group.end - group.start, group.length, kv_heads, dim, q.device):
             bias = _cross_head_bias(group, heads, kv_heads, q.dtype, q.device)
             return _cross_head_attention(q[group.start:group.end], keys, values, bias, scale)
@@ -147,8 +154,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if sliding_window is not None and total > sliding_window:
         return _windowed_prefill(query, key_cache, value_cache, block_table, start, scale, sliding_window)
     blocks = block_table[: -(-total // key_cache.shape[1])].long()
-    keys = key_cache.index_select(0, blocks).flatten(0, 1)[:total]  # [total, kv_heads, dim]
-    values = value_cache.index_select(0, blocks).flatten(0, 1)[:total]
+    keys = as_compute(key_cache.index_select(0, blocks), query.dtype).flatten(0, 1)[:total]  # [total, kv_heads, dim]
+    values = as_compute(value_cache.index_select(0, blocks), query.dtype).flatten(0, 1)[:total]
     if start == 0:
         mask, causal = None, True
     else:  # query i sits at position start + i and sees keys 0..start + i
@@ -177,8 +184,10 @@ def fresh_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     width = -(-count // block_size)
     blocks = torch.stack([t[:width] for t in block_tables]).long().flatten()  # [seqs * width]
-    keys = key_cache.index_select(0, blocks).view(seqs, width * block_size, kv_heads, dim)[:, :count]
-    values = value_cache.index_select(0, blocks).view(seqs, width * block_size, kv_heads, dim)[:, :count]
+    keys = as_compute(key_cache.index_select(0, blocks), query.dtype).view(seqs, width * block_size, kv_heads,
+                                                                         dim)[:, :count]
+    values = as_compute(value_cache.index_select(0, blocks), query.dtype).view(seqs, width * block_size, kv_heads,
+                                                                             dim)[:, :count]
     out = F.scaled_dot_product_attention(
         query.view(seqs, count, heads, dim).transpose(1, 2),  # [seqs, heads, count, dim]
         keys.transpose(1, 2), values.transpose(1, 2),  # [seqs, kv_heads, count, dim]
@@ -196,8 +205,8 @@ def _windowed_prefill(query, key_cache, value_cache, block_table, start: int, sc
     first = max(0, start - window + 1) // block_size  # block of the first key the first query reads
     blocks = block_table[first: -(-total // block_size)].long().clamp_min(0)  # (none of these is absent)
     offset = first * block_size  # position of the first gathered slot
-    keys = key_cache.index_select(0, blocks).flatten(0, 1)[: total - offset]  # [total - offset, kv_heads, dim]
-    values = value_cache.index_select(0, blocks).flatten(0, 1)[: total - offset]
+    keys = as_compute(key_cache.index_select(0, blocks), query.dtype).flatten(0, 1)[: total - offset]  # [T', kv, dim]
+    values = as_compute(value_cache.index_select(0, blocks), query.dtype).flatten(0, 1)[: total - offset]
     q_pos = torch.arange(start, total, device=query.device)[:, None]  # [T, 1]
     k_pos = torch.arange(offset, total, device=query.device)[None, :]  # [1, total - offset]
     mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [T, total - offset]

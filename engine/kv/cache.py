@@ -14,8 +14,22 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import fp8
+from .fp8 import KVScales
+
 MOVE_CHUNK_ROWS = 512  # block rows (8 KiB each for the built-in model) staged per copy while relocating: 4 MiB,
 #                        small enough to stay in cache, large enough that per-call overhead does not show
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float = 1.0) -> None:
+    """``values`` [tokens, kv_heads, dim] into ``slots`` (block * block_size + offset) of one layer's K or V
+    ``cache`` [blocks, block_size, kv_heads, dim]; an fp8 cache stores them quantised with ``scale`` as vLLM's
+    cache write does (engine/kv/fp8.py)."""
+    rows = cache.view(-1, cache.shape[2], cache.shape[3])  # [slots, kv_heads, dim]
+    if fp8.is_fp8(cache.dtype):
+        rows.view(torch.uint8).index_copy_(0, slots, fp8.quantize(values, cache.dtype, scale).view(torch.uint8))
+    else:
+        rows.index_copy_(0, slots, values)
 
 
 @dataclass(frozen=True)
@@ -32,20 +46,27 @@ class KVCache:
     relocation, saving what a step overwrites); it keeps no bookkeeping of which block holds what."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, layer_slots: Sequence[int] | None = None):
+                 dtype: torch.dtype, device: torch.device, layer_slots: Sequence[int] | None = None,
+                 scales: KVScales | None = None):
         """``layer_slots``: for a model of several KV cache groups, the place of each model layer in its group
         (vLLM's hybrid layout: a block id names one slot of memory per place, so layer j of every group shares
         plane j and each group's tables say which block ids are its own); ``num_layers`` is then the most layers
-        any group has. None: layer i is plane i (one group)."""
+        any group has. None: layer i is plane i (one group). ``dtype``: what the pool stores (the model's dtype, or
+        float8: engine/kv/fp8.py, with ``scales``, each model layer's K and V scale, 1.0 where None)."""
         # Zeros, not empty: masked slots must never hold NaN, which would poison 0 * NaN in attention.
         self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         slots = range(num_layers) if layer_slots is None else layer_slots
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in slots]  # (K, V) views per model layer
+        self.layer_planes = list(slots)  # the plane (index into data's first dimension) of each model layer
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_planes = num_layers * 2  # one K and one V "plane" per layer
-        self._block_rows = self.data.view(self.num_planes * num_blocks, -1)  # [planes * blocks, slots*heads*dim]
-        self._slot_rows = self.data.view(self.num_planes * num_blocks * block_size, -1)  # [planes*blocks*slots, heads*dim]
+        self.fp8 = fp8.is_fp8(dtype)
+        self.scales = scales if scales is not None else fp8.KVScales.ones(len(self.layers))
+        # the bulk copies move raw elements: bytes for float8, which torch's index_copy_ does not take
+        raw = self.data.view(torch.uint8) if self.fp8 else self.data
+        self._block_rows = raw.view(self.num_planes * num_blocks, -1)  # [planes * blocks, slots*heads*dim]
+        self._slot_rows = raw.view(self.num_planes * num_blocks * block_size, -1)  # [planes*blocks*slots, heads*dim]
 
     @staticmethod
     def bytes_for(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -127,10 +148,35 @@ class KVCache:
             (self._slot_rows if saved.per_slot else self._block_rows).index_copy_(0, saved.rows,
                                                                                   saved.data.to(self.data.device))
 
-    def read_block(self, block: int, num_slots: int):
-        """K and V of a block's filled slots: each [layers, slots, kv_heads, head_dim] float32 numpy."""
-        kv = self.data[:, :, block, :num_slots].float().cpu().numpy()
+    def read_block(self, block: int, num_slots: int, layers: Sequence[int] | None = None):
+        """K and V of a block's filled slots: each [planes, slots, kv_heads, head_dim] float32 numpy, the values
+        attention reads (an fp8 pool's codes times their layer's scale). ``layers``: the model layer each plane
+        holds for this block (its KV cache group's layers; None: plane i is layer i), whose scales apply."""
+        kv = self.data[:, :, block, :num_slots].float()  # [planes, 2, slots, kv_heads, dim]
+        if self.fp8:
+            planes = kv.shape[0]
+            layers = list(range(planes)) if layers is None else list(layers)[:planes]
+            scales = torch.ones(planes, 2)
+            for plane, layer in enumerate(layers):
+                if layer < len(self.scales.k):
+                    scales[plane] = torch.tensor([self.scales.k[layer], self.scales.v[layer]])
+            kv = kv * scales.to(kv.device)[:, :, None, None, None]
+        kv = kv.cpu().numpy()
         return kv[:, 0].copy(), kv[:, 1].copy()
+
+    def read_block_codes(self, block: int, num_slots: int):
+        """What an fp8 pool stores for a block's filled slots: K's and V's bytes, each [planes, slots, kv_heads,
+        head_dim] uint8 numpy; None for a pool of another dtype (its stored values are :meth:`read_block`'s)."""
+        if not self.fp8:
+            return None
+        codes = self.data[:, :, block, :num_slots].view(torch.uint8).cpu().numpy()
+        return codes[:, 0].copy(), codes[:, 1].copy()
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The stored dtype as the views name it: float32, bfloat16, fp8_e4m3, fp8_e5m2."""
+        return {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(
+            self.data.dtype, str(self.data.dtype).removeprefix("torch."))
 
     # ---- raw block bytes (the lower tiers) ------------------------------------------------------------------
     def _block_major_rows(self, blocks: Sequence[int]) -> torch.Tensor:
@@ -165,7 +211,7 @@ class KVCache:
             source = self._block_rows.view(torch.uint8).numpy()  # [planes * blocks, row bytes], no copy
             np.take(source, rows.numpy(), axis=0, out=out.reshape(len(rows), -1), mode="clip")
         else:
-            target = torch.from_numpy(out).view(self.data.dtype).reshape(len(rows), -1)  # [n * planes, row]
+            target = torch.from_numpy(out).view(self._block_rows.dtype).reshape(len(rows), -1)  # [n * planes, row]
             target.copy_(self._block_rows.index_select(0, rows))
         return out
 
@@ -176,7 +222,7 @@ class KVCache:
             return
         rows = self._block_major_rows(blocks)
         raw = data if isinstance(data, np.ndarray) and data.ndim == 2 else np.stack([np.asarray(d, np.uint8) for d in data])
-        values = torch.from_numpy(np.ascontiguousarray(raw, np.uint8)).view(self.data.dtype)  # [n, bytes / itemsize]
+        values = torch.from_numpy(np.ascontiguousarray(raw, np.uint8)).view(self._block_rows.dtype)  # [n, bytes / size]
         values = values.reshape(len(rows), -1)  # [n, planes * row] -> [n * planes, row] (no copy)
         self._block_rows.index_copy_(0, rows, values.to(self.data.device))
 
@@ -186,5 +232,5 @@ class KVCache:
         into those blocks is undone without a second copy of what they held."""
         if not len(blocks):
             return None
-        values = torch.from_numpy(data).view(self.data.dtype).reshape(len(blocks) * self.num_planes, -1)
+        values = torch.from_numpy(data).view(self._block_rows.dtype).reshape(len(blocks) * self.num_planes, -1)
         return SavedKV(self._block_major_rows(blocks), values, False)

@@ -20,6 +20,8 @@ from torch import nn
 from .. import native
 from ..attention import decodes_natively
 from ..errors import EngineError
+from ..kv.cache import write_slots
+from ..kv.fp8 import FP8_DTYPES, KVScales
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -361,6 +363,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias_qkv)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.head_dim ** -0.5
+        self.k_scale = self.v_scale = 1.0  # an fp8 pool's scales for this layer (checkpoint k_scale/v_scale)
         self.qkv: InferenceLinear | None = None  # q|k|v in one matmul, set by prepare_inference
         self.out: InferenceLinear | None = None
 
@@ -394,18 +397,24 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: BatchMetadata, key_cache, value_cache, attend: Callable) -> torch.Tensor:
         q = projected = None
+        fp8 = key_cache.dtype in FP8_DTYPES  # an fp8 pool: K/V quantised as written, scales applied by attention
         if self.qkv is not None and meta.slot_mapping is not None and x.dim() == 2 and not self.qk_norm:  # native: rotate q
             # and k and write k and v to their slots in one pass, the same bits as below
             projected = self.qkv(x)  # [tokens, (heads + 2 kv_heads) * dim]
             q = native.rope_store(projected, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
-                                  self.num_kv_heads)
+                                  self.num_kv_heads, (self.k_scale, self.v_scale))
         if q is None:  # x [tokens, hidden] -> q [tokens, heads, dim], k/v [tokens, kv_heads, dim]
             q, k, v = self._qkv(x, cos, sin, projected)
             if meta.slot_mapping is not None:  # None: a read-only probe of K/V already in the pool
-                key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-                value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+                write_slots(key_cache, meta.slot_mapping, k, self.k_scale)
+                write_slots(value_cache, meta.slot_mapping, v, self.v_scale)
         block_size = key_cache.shape[1]
-        out = attend(q, key_cache, value_cache, meta, self.scale, block_size)  # [tokens, heads, dim]
+        # an fp8 pool's values are read as they are stored: K's scale joins the softmax scale (as vLLM's CPU
+        # attention folds it into the logits' scale), V's multiplies the output
+        scale = self.scale * self.k_scale if fp8 else self.scale
+        out = attend(q, key_cache, value_cache, meta, scale, block_size)  # [tokens, heads, dim]
+        if fp8 and self.v_scale != 1.0:
+            out = out * self.v_scale
         out = out.reshape(x.shape[0], self.num_heads * self.head_dim)
         return self.out(out) if self.out is not None else self.o_proj(out)
 
@@ -487,6 +496,15 @@ class CausalLM(nn.Module):
         for g, (_kind, _window, layers) in enumerate(cfg.kv_cache_groups()):
             for i in layers:
                 self.layer_group[i] = g
+
+    def kv_scales(self) -> KVScales:
+        """Each layer's K and V scale for an fp8 pool (1.0 unless the checkpoint carried them)."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        return KVScales(tuple(a.k_scale for a in layers), tuple(a.v_scale for a in layers))
+
+    def set_kv_scales(self, scales: KVScales) -> None:
+        for layer, k, v in zip(self.model.layers, scales.k, scales.v):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = float(k), float(v)
 
     def init_weights(self, seed: int) -> None:
         """Seeded random init (std 0.02), used when a model has no trained weights."""

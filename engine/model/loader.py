@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import EngineError
+from ..kv.fp8 import read_scales, scale_name
 from ..validation import file_kind
 from .causal_lm import CausalLM, ModelConfig
 from .tokenizer import BOS_ID, EOS_ID, ByteTokenizer, HFTokenizer, NoTokenizer
@@ -272,12 +273,16 @@ def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, f
 
     wanted = dict(model.named_parameters())
     seen: set[str] = set()
+    scales: dict[tuple[int, str], torch.Tensor] = {}  # fp8 KV scales (engine/kv/fp8.py), as vLLM reads them
     for i, path in enumerate(files):
         try:
             with safe_open(str(path), framework="pt") as f:
                 names = list(f.keys())
                 for j, name in enumerate(names):
                     if name not in wanted:
+                        if (target := scale_name(name)) is not None:
+                            scales[target] = f.get_tensor(name)
+                            continue
                         if name == "lm_head.weight" and model.config.tie_word_embeddings:
                             continue
                         if name.endswith("rotary_emb.inv_freq"):
@@ -303,6 +308,7 @@ def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, f
     missing = sorted(set(wanted) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()))
     if missing:
         raise EngineError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]!r}")
+    model.set_kv_scales(read_scales(scales, model.config.num_hidden_layers, files[0].parent.name))
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,

@@ -272,7 +272,8 @@ def use_bf16_elementwise(enabled: bool = True) -> bool:
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
+               value_cache: torch.Tensor, heads: int, kv_heads: int,
+               scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
     caches [blocks, block_size, kv_heads, dim]: ``qkv`` [tokens, (heads + 2 kv_heads) * dim] from the fused
     projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
