@@ -7,7 +7,7 @@ that both produced the same tokens. ``--dtype bfloat16`` runs both in bfloat16.
 
 ``--choices`` compares the engine's bfloat16 paths instead, each an engine in this process, in alternating rounds on
 the same prompts (new ones each round): everything native (the default), decode attention through torch's SDPA
-instead of csrc/paged_decode_bf16.c, the norms/SwiGLU/rotary through torch's operations instead of
+instead of csrc/paged_decode.c, the norms/SwiGLU/rotary through torch's operations instead of
 csrc/norm_act_bf16.c, and the linears through F.linear instead of oneDNN's packed bfloat16 GEMM; plus the float32
 engine for scale. Decode tok/s = batch * (new - 1) / (time of the run - time of a one-token run); each path's ratio
 to the default's per round. ``--model 135m`` takes bench/peers.py's 135M shape instead of the 3M config.

@@ -209,10 +209,11 @@ def test_the_bfloat16_one_call_decode_step_stands_aside_where_the_loop_would_tak
     assert len(answers) == 2 and all(a is not None and a.dtype == torch.bfloat16 for a in answers)
 
 
-def test_bfloat16_decode_with_a_window_is_left_to_the_eager_path_which_reads_only_the_window():
-    """csrc/paged_decode_bf16.c has no sliding window: a bfloat16 query with one gets None from native.decode (it
-    used to get attention over the whole context), and paged_attention's answer then attends over the window only,
-    as attention over the window's keys alone does."""
+def test_bfloat16_decode_with_a_window_is_native_and_reads_only_the_window():
+    """The one decode walk (csrc/paged_decode.c) gives a bfloat16 query a sliding window as every dtype has one (it
+    used to leave windowed bfloat16 models to the eager path): the blocks wholly before the window are never read
+    (their entries are -1 here), and the answer is attention over the window's keys alone, as SDPA over those keys
+    gives it (to the bit where the kernel adds in torch's order, whose chunks then start at the window)."""
     from engine import paged_attention
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, block_size, length, window = 4, 2, 32, 4, 21, 6
@@ -221,9 +222,11 @@ def test_bfloat16_decode_with_a_window_is_left_to_the_eager_path_which_reads_onl
     query = torch.randn(1, heads, dim, generator=gen).bfloat16()
     tables = torch.tensor([[6, 1, 4, 0, 7, 3]])
     lens = torch.tensor([length])
-    assert native.decode(query, key, value, tables, lens, dim ** -0.5) is not None
-    assert native.decode(query, key, value, tables, lens, dim ** -0.5, window=window) is None
-    got = paged_attention(query, key, value, tables, lens, dim ** -0.5, sliding_window=window)
+    windowed = tables.clone()
+    windowed[0, : (length - window) // block_size] = -1
+    got = native.decode(query, key, value, windowed, lens, dim ** -0.5, window=window)
+    assert got is not None
+    assert torch.equal(paged_attention(query, key, value, windowed, lens, dim ** -0.5, sliding_window=window), got)
     keys = key[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
     values = value[tables[0]].reshape(-1, kv_heads, dim)[length - window:length]
     whole = key[tables[0]].reshape(-1, kv_heads, dim)[:length], value[tables[0]].reshape(-1, kv_heads, dim)[:length]
@@ -232,4 +235,6 @@ def test_bfloat16_decode_with_a_window_is_left_to_the_eager_path_which_reads_onl
     unwindowed = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1), whole[0].transpose(0, 1), whole[1].transpose(0, 1), scale=dim ** -0.5, enable_gqa=True)
     assert (got[0].float() - want[:, 0].float()).abs().max() <= 0.02
+    if native.bf16_torch_order():
+        assert torch.equal(got[0], want[:, 0])
     assert (got[0].float() - unwindowed[:, 0].float()).abs().max() > 0.05

@@ -247,3 +247,35 @@ def test_bad_checkpoint_scale_is_refused(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(EngineError, match="v_scale of layer 1 .* positive finite"):
         _engine(path, "fp8")
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_the_native_cache_write_is_the_rule(dtype, compute):
+    """csrc/rope_store.c's fp8 write (csrc/elements.h) stores the bytes engine/kv/fp8.py's rule gives: the rotated
+    keys and the values, every float32 bit pattern among them (NaN, infinities, subnormals, values past the range),
+    with scales; K/V in bfloat16 are rotated with transformers' rounding first, then quantised."""
+    from engine import native
+    from engine.model.causal_lm import apply_rotary
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, kv_heads, dim, block_size = 512, 2, 2, 32, 8
+    qkv = torch.randint(-2**31, 2**31 - 1, (tokens, (heads + 2 * kv_heads) * dim), generator=g,
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    qkv[::2] = torch.randn(tokens // 2, qkv.shape[1], generator=g) * 8  # half ordinary values, half any bits
+    qkv = qkv.to(compute)
+    angle = torch.rand(tokens, 1, dim, generator=g) * 6
+    cos, sin = angle.cos().to(compute), angle.sin().to(compute)
+    slots = torch.randperm(tokens, generator=g)
+    for scales in ((1.0, 1.0), (0.37, 5.0)):
+        key_cache = torch.zeros(tokens // block_size, block_size, kv_heads, dim, dtype=dtype)
+        value_cache = torch.zeros_like(key_cache)
+        q = native.rope_store(qkv, cos.contiguous(), sin.contiguous(), slots, key_cache, value_cache, heads,
+                              kv_heads, scales)
+        assert q is not None
+        rows = qkv.view(tokens, heads + 2 * kv_heads, dim)
+        k = apply_rotary(rows[:, heads:heads + kv_heads], cos, sin)  # [tokens, kv_heads, dim]
+        v = rows[:, heads + kv_heads:]
+        stored_k = key_cache.view(-1, kv_heads, dim)[slots].view(torch.uint8)
+        stored_v = value_cache.view(-1, kv_heads, dim)[slots].view(torch.uint8)
+        assert torch.equal(stored_k, quantize(k, dtype, scales[0]).view(torch.uint8))
+        assert torch.equal(stored_v, quantize(v, dtype, scales[1]).view(torch.uint8))

@@ -470,24 +470,32 @@ def _panelled_engine(monkeypatch, **kw):
     return Engine(EngineConfig(model="builtin", **{"block_size": 16, "num_blocks": 128, **kw}))
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])  # the pool: the activations' dtype, or fp8
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # decode_stack_f32 / decode_stack_bf16
 @pytest.mark.parametrize("streamed,conversations", [(True, 12), (False, 50)])
 def test_the_one_call_decode_step_gives_the_same_bits_as_the_layer_by_layer_loop(monkeypatch, streamed,
-                                                                                   conversations, dtype):
+                                                                                   conversations, dtype, kv):
     """native.decode_stack runs the kernels the Python loop runs, in the same order: the same tokens, and the same
     K/V bits in every layer, with a block size that splits blocks and a fork sharing a prefix; for batches of up to
     16 rows (weights larger than the cache) and up to 64 (weights in the cache); in float32 and in bfloat16 (the
-    bfloat16 kernels: decode_stack.c's walk over them)."""
+    bfloat16 kernels: decode_stack.c's walk over them); over a pool of the activations' dtype and over fp8 pools
+    with scales other than 1 (K's in the softmax scale and the cache write, V's in the write and on the output)."""
+    from engine.kv.fp8 import KVScales
     calls = _rows_through(monkeypatch, "decode_stack")
     prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(conversations)] + [[5] * 40]
     results = []
     for one_call in (True, False):
         if not one_call:
             monkeypatch.setattr(native, "decode_stack", lambda *a: None)
-        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512, dtype=dtype) if streamed else \
-            Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512, dtype=dtype))
-        assert eng.model.stack is not None and eng.model.stack.shape == (len(eng.model.model.layers), 8)
-        assert eng.kv.data.dtype == getattr(torch, dtype) and eng.model.panel_rows == (16 if streamed else 64)
+        eng = _panelled_engine(monkeypatch, block_size=4, num_blocks=512, dtype=dtype, kv_cache_dtype=kv) \
+            if streamed else Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512, dtype=dtype,
+                                                 kv_cache_dtype=kv))
+        layers = len(eng.model.model.layers)
+        if kv != "auto":
+            eng.model.set_kv_scales(KVScales((0.5, 3.0) * (layers // 2), (2.0, 0.75) * (layers // 2)))
+        assert eng.model.stack is not None and eng.model.stack.shape == (layers, 8)
+        assert eng.kv.data.dtype == (getattr(torch, dtype) if kv == "auto" else eng.kv_dtype)
+        assert eng.model.panel_rows == (16 if streamed else 64)
         tokens = eng.generate(prompts, max_new_tokens=10)
         parent = eng.add_conversation(prompt_token_ids=[9, 8, 7, 6, 5], max_new_tokens=6)
         eng.step()
@@ -562,14 +570,16 @@ def test_a_fault_inside_the_one_call_decode_step_changes_nothing(monkeypatch):
 
 
 def test_the_one_call_decode_step_refuses_tensors_it_cannot_index_before_writing_anything():
-    """Caches of another layout than the shape says, a weights table of another width or length, slots that are not
-    int64: None, and x (the residual stream it would update in place) untouched."""
+    """Caches of another layout than the shape says (or K and V of two dtypes), a weights table of another width or
+    length, slots that are not int64, a scales table of another length: None, and x (the residual stream it would
+    update in place) untouched."""
     x = torch.randn(2, 8)
     before = x.clone()
     cache = torch.zeros(4, 16, 2, 4)  # [blocks, block_size, kv_heads, dim]
     args = dict(final_norm=torch.ones(8), cos=torch.ones(2, 4), sin=torch.zeros(2, 4),
                 slots=torch.tensor([0, 1]), tables=torch.zeros(2, 1, dtype=torch.int64),
-                seq_lens=torch.ones(2, dtype=torch.int64), eps=1e-6, scale=0.5)
+                seq_lens=torch.ones(2, dtype=torch.int64), eps=1e-6,
+                layer_scales=torch.tensor([[0.5, 1.0, 1.0, 1.0]]))
     shape = (2, 2, 4, 16, 16)  # heads, kv_heads, dim, intermediate, block_size
     weights = torch.zeros(1, native.STACK_FIELDS, dtype=torch.int64)
     assert native.decode_stack(x, weights, [(cache, cache)], shape=(2, 1, 4, 16, 16), **args) is None
@@ -579,7 +589,20 @@ def test_the_one_call_decode_step_refuses_tensors_it_cannot_index_before_writing
     assert native.decode_stack(x, weights, [(cache, cache)] * 2, shape=shape, **args) is None
     assert native.decode_stack(x, weights, [(cache, cache)], shape=shape,
                                **{**args, "slots": torch.tensor([0, 1], dtype=torch.int32)}) is None
+    assert native.decode_stack(x, weights, [(cache, cache)], shape=shape,
+                               **{**args, "layer_scales": torch.ones(2, 4)}) is None  # one row per layer
+    assert native.decode_stack(x, weights, [(cache, cache.to(torch.bfloat16))], shape=shape, **args) is None
     assert torch.equal(x, before)
+
+
+KINDS = [(torch.float32, torch.float32), (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2),
+         (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)]
+
+
+def _stored(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 cache as a pool of ``dtype`` stores it (fp8: vLLM's cache write)."""
+    from engine.kv.fp8 import quantize
+    return quantize(cache, dtype) if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache.to(dtype)
 
 
 @settings(max_examples=60, deadline=None)
@@ -589,13 +612,18 @@ def test_the_one_call_decode_step_refuses_tensors_it_cannot_index_before_writing
     block_size=st.sampled_from([1, 3, 16, 32]),
     dim=st.sampled_from([8, 32, 80]),
     threads=st.sampled_from([1, 2]),
+    kinds=st.sampled_from(KINDS),
     seed=st.integers(0, 2**16),
 )
-def test_native_window_equals_dense_over_the_window(lens, window, block_size, dim, threads, seed):
-    """The kernel with a sliding window: positions > p - window only, the blocks before them never read (their
-    entries are -1 here: a read would fault or give garbage)."""
+def test_native_window_equals_dense_over_the_window(lens, window, block_size, dim, threads, kinds, seed):
+    """The kernel with a sliding window, for every pair of query and pool dtypes it takes (one walk: csrc/
+    paged_decode.c): positions > p - window only, the blocks before them never read (their entries are -1 here: a
+    read would fault or give garbage); the pool's stored values read exactly (fp8 included), float32 sums, a
+    bfloat16 output rounded once."""
+    q_dtype, kv_dtype = kinds
     rng = np.random.default_rng(seed)
     query, key_cache, value_cache, tables, seq_lens, keys, values = _case(rng, lens, 4, 2, dim, block_size)
+    query, key_cache, value_cache = query.to(q_dtype), _stored(key_cache, kv_dtype), _stored(value_cache, kv_dtype)
     for s, n in enumerate(lens):
         tables[s, : max(0, n - window) // block_size] = -1
     before = torch.get_num_threads()
@@ -604,24 +632,38 @@ def test_native_window_equals_dense_over_the_window(lens, window, block_size, di
         out = native.decode(query, key_cache, value_cache, tables, seq_lens, dim ** -0.5, window)
     finally:
         torch.set_num_threads(before)
-    assert out is not None
-    ref = torch.stack([dense_attention(query[s], keys[s][max(0, n - window):], values[s][max(0, n - window):])
-                       for s, n in enumerate(lens)])
-    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert out is not None and out.dtype == q_dtype
+    ref = []
+    for s, n in enumerate(lens):
+        blocks = tables[s, : -(-n // block_size)].clamp_min(0)
+        k = key_cache.float()[blocks].reshape(-1, 2, dim)[max(0, n - window):n]
+        v = value_cache.float()[blocks].reshape(-1, 2, dim)[max(0, n - window):n]
+        ref.append(dense_attention(query[s].float(), k, v))
+    ref = torch.stack(ref)
+    tolerance = 1e-5 if q_dtype == torch.float32 else 2e-2  # bfloat16: the weights and the output rounded
+    assert torch.allclose(out.float(), ref, atol=tolerance, rtol=tolerance), (out.float() - ref).abs().max()
 
 
-def test_windowed_engines_decode_natively_but_not_in_one_call(monkeypatch, tmp_path):
-    """A model with a sliding group takes the native kernel with its window, and never the one-call decode step
-    (decode_stack.c has no window)."""
-    from tests.test_groups import write_mixed_checkpoint
+def test_windowed_engines_decode_natively_and_a_one_group_window_in_one_call(monkeypatch, tmp_path):
+    """A model with a sliding group takes the native kernel with its window; a model of one group, every layer
+    sliding, takes the one-call decode step with it (the same tokens as the layer-by-layer loop); a model of two
+    groups (their own tables) never takes the one-call step."""
+    from tests.test_groups import S, write_mixed_checkpoint
     windows, stacks = [], []
-    real = native.decode
+    real, real_stack = native.decode, native.decode_stack
     monkeypatch.setattr(native, "decode", lambda *a: windows.append(a[6] if len(a) > 6 else None) or real(*a))
-    monkeypatch.setattr(native, "decode_stack", lambda *a: stacks.append(1))
+    monkeypatch.setattr(native, "decode_stack", lambda *a: stacks.append(a[-1]) or real_stack(*a))
     eng = Engine(EngineConfig(model=str(write_mixed_checkpoint(tmp_path / "m", window=8)), block_size=4,
                               num_blocks=64))
     eng.generate([list(range(1, 20))], max_new_tokens=6)
     assert 8 in windows and None in windows and not stacks
+    path = write_mixed_checkpoint(tmp_path / "s", window=8, layer_types=(S, S, S))
+    prompts = [list(range(1, 20)), list(range(30, 41))]
+    one_call = Engine(EngineConfig(model=str(path), block_size=4, num_blocks=64)).generate(prompts, max_new_tokens=12)
+    assert stacks and set(stacks) == {8}
+    monkeypatch.setattr(native, "decode_stack", lambda *a: None)
+    assert Engine(EngineConfig(model=str(path), block_size=4, num_blocks=64)).generate(
+        prompts, max_new_tokens=12) == one_call
 
 
 @settings(max_examples=60, deadline=None)

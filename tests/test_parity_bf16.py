@@ -28,7 +28,7 @@ SHAPES = {  # bench/peers.py's MODELS, with fewer sequences for the 135M shape (
 }
 
 
-TORCH_ORDER_VERSION = "2.13.0"  # the torch build whose decode attention csrc/paged_decode_bf16.c copies
+TORCH_ORDER_VERSION = "2.13.0"  # the torch build whose decode attention csrc/paged_decode.c copies
 
 
 def _needs_torch_order() -> None:
@@ -123,7 +123,7 @@ def _scattered(heads, kv_heads, dim, block_size, lens, seed=0):
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 20, 4),
                                                            (6, 2, 48, 1)])
 def test_native_bfloat16_decode_reads_the_pool_in_place_like_torch_sdpa(heads, kv_heads, dim, block_size):
-    """csrc/paged_decode_bf16.c takes bfloat16 queries and caches itself (no float32 copy, no gather) and gives what
+    """csrc/paged_decode.c takes bfloat16 queries and caches itself (no float32 copy, no gather) and gives what
     torch's bfloat16 SDPA gives on the same K/V laid out contiguously, within a unit in the last place of
     bfloat16 (they round the same values, summed in another order)."""
     if native.kernel() is None:
@@ -202,7 +202,7 @@ def test_native_bfloat16_norm_activation_and_rotary_round_where_torch_does():
 
 def test_the_bfloat16_engine_is_transformers_to_the_bit(checkpoint):
     """Where the panel GEMM sums in AMX tiles (oneDNN's order, F.linear's bits: tests/test_bf16_gemm.py) and the
-    decode attention adds in torch's order (AVX-512 BF16: csrc/paged_decode_bf16.c), every part of a bfloat16 step
+    decode attention adds in torch's order (AVX-512 BF16: csrc/paged_decode.c), every part of a bfloat16 step
     rounds exactly as transformers' bfloat16 run: the prefill (F.linear, each part of a fused projection apart,
     torch's SDPA), the norms (torch's sum order), SwiGLU, the rotary embedding, the decode attention read through the
     block tables, the output head. So greedy tokens equal transformers' in every sequence, 64 tokens long. With the
@@ -307,7 +307,7 @@ def test_native_bfloat16_decode_adds_in_torch_order(dim, keys):
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 64, 5),
                                                            (2, 1, 128, 32), (6, 2, 96, 1)])
 def test_native_bfloat16_decode_is_torch_flash_attention_to_the_bit(heads, kv_heads, dim, block_size):
-    """With AVX-512 BF16, csrc/paged_decode_bf16.c reads K/V through the block tables and gives torch's SDPA bits
+    """With AVX-512 BF16, csrc/paged_decode.c reads K/V through the block tables and gives torch's SDPA bits
     (its CPU flash attention, transformers' bfloat16 path) for every head of every sequence: contexts of 1 to 1,030
     keys (torch's chunks of 512, rescaled), odd and even counts, block sizes that split a pair of keys, grouped
     queries. Off

@@ -490,6 +490,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
+        self._scales_table: dict[bool, torch.Tensor] = {}  # _layer_scales' tables (fp8 pool or not), made on use
         self.panel_rows = 0  # most rows of a one-call decode step: rows every layer's panels serve (0: no step)
         self._stack_norms: list[torch.Tensor] = []  # the norms' weights those addresses point into
         self.layer_group = [0] * cfg.num_hidden_layers  # the KV cache group each layer reads (ModelConfig order)
@@ -505,6 +506,21 @@ class CausalLM(nn.Module):
     def set_kv_scales(self, scales: KVScales) -> None:
         for layer, k, v in zip(self.model.layers, scales.k, scales.v):
             layer.self_attn.k_scale, layer.self_attn.v_scale = float(k), float(v)
+        self._scales_table = {}
+
+    def _layer_scales(self, fp8: bool) -> torch.Tensor:
+        """float32 [layers, 4] for native.decode_stack: each layer's softmax scale, K's and V's scale as the cache
+        write takes them (1 / scale), V's scale on the output; the scales only for an fp8 pool (as the layer loop
+        applies them: Attention.forward)."""
+        table = self._scales_table.get(fp8)
+        if table is None:
+            rows = []
+            for layer in self.model.layers:
+                a = layer.self_attn
+                k, v = (a.k_scale, a.v_scale) if fp8 else (1.0, 1.0)
+                rows.append([a.scale * k if fp8 else a.scale, native._inverse(k), native._inverse(v), v])
+            table = self._scales_table[fp8] = torch.tensor(rows, dtype=torch.float32)
+        return table
 
     def init_weights(self, seed: int) -> None:
         """Seeded random init (std 0.02), used when a model has no trained weights."""
@@ -572,8 +588,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.stack is not None and layer_hook is None and meta.slot_mapping is not None and not meta.prefills \
-                and not meta.groups and meta.sliding_window is None \
-                and meta.num_decode == x.shape[0] <= self.panel_rows and decodes_natively(attend):
+                and not meta.groups and meta.num_decode == x.shape[0] <= self.panel_rows and decodes_natively(attend):
             # a decode batch of a model with panels: every layer in one native call, the same kernels in the same
             # order as the loop below takes them (the same bits), without the Python between them
             attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
@@ -582,7 +597,8 @@ class CausalLM(nn.Module):
                                       plan.tables, plan.seq_lens,
                                       (attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                        mlp.down.weight.shape[1], kv_caches[0][0].shape[1]),
-                                      self.model.norm.eps, attn.scale)
+                                      self.model.norm.eps, self._layer_scales(kv_caches[0][0].dtype in FP8_DTYPES),
+                                      meta.sliding_window)
             if out is not None:
                 return out
         delta = None  # what the last block adds to the residual stream x, added where the next norm reads x

@@ -1,9 +1,12 @@
 """Native kernels for the decode step: ``csrc/*.c``, built on first use with the machine's C compiler into one
 shared library and called through ctypes.
 
-- ``paged_decode.c``: decode attention reading K/V in place through the block tables (:func:`decode`).
+- ``paged_decode.c``: decode attention reading K/V in place through the block tables (:func:`decode`): one walk
+  for float32 and bfloat16 queries over float32, bfloat16 and fp8 pools (``elements.h``: the element kinds, fp8's
+  reads and vLLM's cache write), with a sliding window for all, and torch's own order for bfloat16 queries where the
+  machine has AVX-512 BF16.
 - ``rope_store.c``: the rotary embedding of queries and keys, and the step's K/V written to their slots
-  (:func:`rope_store`), bit for bit what the torch form computes.
+  (:func:`rope_store`), bit for bit what the torch form computes (an fp8 pool: the bytes engine/kv/fp8.py writes).
 - ``norm_act.c``: the residual add with the RMSNorm after it (:func:`add_rms_norm`), and the SwiGLU activation
   (:func:`silu_mul`), one pass each instead of torch's composite operations (within a few units in the last place
   of the torch form).
@@ -12,10 +15,10 @@ shared library and called through ctypes.
   models that fit (see engine.model.causal_lm.InferenceLinear).
 - ``decode_stack.c``: a decode step through every layer in one call (:func:`decode_stack`): the kernels above in
   the order and with the arguments engine.model.causal_lm.CausalLM.forward gives them, without the Python between them.
-- ``paged_decode_bf16.c`` and ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's decode attention, norms,
-  SwiGLU and rotary embedding, reached through the same functions with bfloat16 tensors; they round where
-  transformers' bfloat16 operations round (docs/engine.md, "bfloat16"). They share the float32 kernels' walks
-  (``paged_decode_items``, ``row_walks.h``), and ``decode_stack.c`` is written once for both element types.
+- ``norm_act_bf16.c`` (with ``bf16.h``): the bfloat16 path's norms, SwiGLU and rotary embedding, reached through
+  the same functions with bfloat16 tensors; they round where transformers' bfloat16 operations round
+  (docs/engine.md, "bfloat16"). They share the float32 kernels' walks (``row_walks.h``), and ``decode_stack.c`` is
+  written once for both element types of the activations.
 - ``small_gemm_bf16.c``: the bfloat16 panel GEMM (:func:`pack_panels` and :func:`panel_linear` with bfloat16
   tensors): ``vdpbf16ps`` on pairs of inputs, or AMX tiles where the CPU has them (:func:`use_bf16_amx`), float32
   sums rounded once.
@@ -133,22 +136,20 @@ def _build():
     _prune(directory, target)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {  # csrc/kernels.h; every one returns an int status
-        "paged_decode_f32": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],
-        "paged_decode_window_f32": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32, i64],
-        "rope_store_f32": [ptr] * 7 + [i64] + [i32] * 4,
+        "paged_decode": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, f32, i64, i32, i32],
+        "rope_store_f32": [ptr] * 7 + [i64] + [i32] * 4 + [f32, f32, i32],
         "add_rms_norm_f32": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_f32": [ptr, ptr, i64, i32, i32],
         "panel_gemm_f32": [ptr] * 4 + [i64] * 3 + [i32],
-        "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
-        "decode_stack_bf16": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32] * 2 + [i32],
-        "paged_decode_bf16": [ptr] * 4 + [i64, ptr, ptr, i64] + [i32] * 4 + [f32, i32],  # csrc/paged_decode_bf16.c
-        "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4,  # csrc/norm_act_bf16.c
+        "decode_stack_f32": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32, ptr, i64, i32, i32],
+        "decode_stack_bf16": [ptr] * 5 + [i32] + [ptr] * 5 + [i64, ptr, i64] + [i32] * 6 + [f32, ptr, i64, i32, i32],
+        "rope_store_bf16": [ptr] * 7 + [i64] + [i32] * 4 + [f32, f32, i32],  # csrc/norm_act_bf16.c
         "add_rms_norm_bf16": [ptr] * 4 + [i64, i32, f32, i32],
         "silu_mul_bf16": [ptr, ptr, i64, i32, i32],
         "panel_gemm_bf16": [ptr] * 4 + [i64] * 3 + [i32],  # csrc/small_gemm_bf16.c
         "bf16_amx": [i32],  # csrc/small_gemm_bf16.c
-        "bf16_decode_torch_order": [i32],  # csrc/paged_decode_bf16.c
-        "bf16_softmax_row": [ptr, i64, ptr, ptr, ptr],  # csrc/paged_decode_bf16.c (tests)
+        "bf16_decode_torch_order": [i32],  # csrc/paged_decode.c
+        "bf16_softmax_row": [ptr, i64, ptr, ptr, ptr],  # csrc/paged_decode.c (tests)
         "kernels_fail_scratch": [i32],  # csrc/decode_stack.c (tests)
         "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
@@ -224,32 +225,49 @@ def _kind(t: torch.Tensor, elementwise: bool = False):
     return (_fits, "f32") if t.dtype is torch.float32 else None
 
 
+ELEMENT = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # csrc/elements.h
+
+
+def _raw(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can read these tensors as raw memory: on the CPU, contiguous, no autograd."""
+    return all(t.is_cpu and t.is_contiguous() and not t.requires_grad for t in tensors)
+
+
+def _inverse(scale: float) -> float:
+    """1 / scale in float32, as vLLM's cache write takes it (engine/kv/fp8.py)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+
+
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
-           seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor | None:
-    """Decode attention through the kernel: query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim];
-    tables int [seqs, >= each sequence's live blocks] whose live entries are valid block ids (the caller checks);
-    seq_lens int [seqs] -> [seqs, heads, dim]. ``window``: a sliding window (the query at position p reads keys at
-    positions > p - window; blocks wholly before that are not read, their entries may be -1; float32 only: a
-    bfloat16 query with a window is left to the eager path). None where the kernel is unavailable or does not handle
-    the shape. bfloat16 (csrc/paged_decode_bf16.c): K/V read in place; with AVX-512 BF16 and a head size that is a
-    multiple of 32, torch's own CPU flash attention operation for operation (its bits: greedy tokens stay with
-    transformers'), else widened to float32 and summed in float32, the output rounded to bfloat16 once."""
+           seq_lens: torch.Tensor, scale: float, window: int | None = None,
+           out_scale: float = 1.0) -> torch.Tensor | None:
+    """Decode attention through the kernel (csrc/paged_decode.c, one walk for every element type): query [seqs,
+    heads, dim] float32 or bfloat16; caches [blocks, block_size, kv_heads, dim] of the query's dtype or fp8 (read as
+    the values they hold: the caller folds K's scale into ``scale``); tables int [seqs, >= each sequence's live
+    blocks] whose live entries are valid block ids (the caller checks); seq_lens int [seqs] -> [seqs, heads, dim].
+    ``window``: a sliding window (the query at position p reads keys at positions > p - window; blocks wholly before
+    that are not read, their entries may be -1). ``out_scale``: the output times it, after its rounding (V's scale,
+    as the layer multiplies it). None where the kernel is unavailable or does not handle the tensors. A bfloat16
+    query with AVX-512 BF16 and a head size that is a multiple of 32 takes torch's own CPU flash attention operation
+    for operation (its bits: greedy tokens stay with transformers'), else the walk widens to float32 and sums in
+    float32, the output rounded to bfloat16 once."""
     lib = kernel()
-    kind = None if lib is None else _kind(query)
-    if kind is None or (window and kind[1] == "bf16"):
+    q_kind, kv_kind = ELEMENT.get(query.dtype), ELEMENT.get(key_cache.dtype)
+    if lib is None or q_kind is None or q_kind > 1 or kv_kind is None or value_cache.dtype != key_cache.dtype or \
+            (kv_kind != q_kind and kv_kind < 2):
         return None
     query = query.contiguous()
-    if not kind[0](query, key_cache, value_cache) or query.requires_grad:
+    if not _raw(query, key_cache, value_cache):
         return None
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty((seqs, heads, dim), dtype=query.dtype)
-    args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim, block_size, scale,
-            torch.get_num_threads())
-    status = lib.paged_decode_window_f32(*args, window) if window else getattr(lib, "paged_decode_" + kind[1])(*args)
+    status = lib.paged_decode(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+                              tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, dim,
+                              block_size, scale, out_scale, window or 0, q_kind | kv_kind << 4,
+                              torch.get_num_threads())
     if status == 2:
         raise MemoryError("paged attention: out of memory for the scores of the longest context")
     return None if status else out
@@ -276,20 +294,25 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
                scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor | None:
     """The rotated queries [tokens, heads, dim], with the rotated keys and the values written to ``slots`` of the
     caches [blocks, block_size, kv_heads, dim]: ``qkv`` [tokens, (heads + 2 kv_heads) * dim] from the fused
-    projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. None where the kernel is unavailable or does
-    not handle the tensors (the caller does it in torch, with the same bits; bfloat16: rounding where transformers
-    does)."""
+    projection, ``cos``/``sin`` [tokens, 1, dim] from Rotary.cos_sin. Caches of qkv's dtype take the rows as they
+    are; fp8 caches take them quantised with ``scales`` (K's, V's) as engine/kv/fp8.py's cache write does. None where
+    the kernel is unavailable or does not handle the tensors (the caller does it in torch, with the same bits;
+    bfloat16: rounding where transformers does)."""
     lib = kernel()
     kind = None if lib is None else _kind(qkv, elementwise=True)
-    if kind is None or not kind[0](qkv, cos, sin, key_cache, value_cache) or slots.dtype != torch.int64 or \
-            qkv.requires_grad:
+    kv_kind = ELEMENT.get(key_cache.dtype)
+    if kind is None or not kind[0](qkv, cos, sin) or slots.dtype != torch.int64 or qkv.requires_grad or \
+            kv_kind is None or value_cache.dtype != key_cache.dtype or not _raw(key_cache, value_cache) or \
+            (key_cache.dtype != qkv.dtype and kv_kind < 2):
         return None
     tokens, dim = qkv.shape[0], key_cache.shape[-1]
     q = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
     slots = slots.contiguous()
-    status = getattr(lib, "rope_store_" + kind[1])(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                                   q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tokens,
-                                                   heads, kv_heads, dim, torch.get_num_threads())
+    fp8 = kv_kind >= 2
+    status = getattr(lib, "rope_store_" + kind[1])(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), tokens, heads, kv_heads, dim, kv_kind, _inverse(scales[0]) if fp8 else 1.0,
+        _inverse(scales[1]) if fp8 else 1.0, torch.get_num_threads())
     return None if status else q
 
 
@@ -416,14 +439,14 @@ def bf16_amx() -> bool:
 
 def use_bf16_torch_order(enabled: bool = True) -> bool:
     """Let bfloat16 decode attention add in torch's own order where the machine has AVX-512 BF16 (True, the default on
-    Intel processors: csrc/paged_decode_bf16.c's copy of torch's CPU flash attention for one query row, so that
+    Intel processors: csrc/paged_decode.c's copy of torch's CPU flash attention for one query row, so that
     greedy tokens stay with transformers') or widen K/V to float32 and sum in the kernel's own order (False: for
     benchmarks and tests of both). Returns the previous setting: whether torch's order served."""
     return _switch("bf16_decode_torch_order", enabled)
 
 
 def bf16_torch_order() -> bool:
-    """Whether bfloat16 decode attention adds in torch's order now (csrc/paged_decode_bf16.c's
+    """Whether bfloat16 decode attention adds in torch's order now (csrc/paged_decode.c's
     ``bf16_decode_torch_order``; never on a machine without AVX-512 BF16)."""
     return _switch("bf16_decode_torch_order", None)
 
@@ -474,24 +497,30 @@ STACK_FIELDS = 8  # addresses per layer in decode_stack's weights table (decode_
 def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, shape: tuple[int, int, int, int, int], eps: float,
-                 scale: float) -> torch.Tensor | None:
+                 layer_scales: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """A decode step through every layer (decode_stack.c): x [tokens, hidden], the embedded tokens, is the residual
     stream (updated in place); returns the final norm of it [tokens, hidden]. ``weights`` int64 [layers, 8]: each
-    layer's addresses, made by engine.model.causal_lm.CausalLM (the tensors must outlive it); ``caches`` each layer's (key,
-    value) caches [blocks, block_size, kv_heads, dim]; ``shape`` (heads, kv_heads, dim, intermediate, block_size).
-    None, with nothing written, where the kernel is unavailable or does not take the tensors; MemoryError when a
-    kernel ran out of scratch memory midway (x and the caches partly updated)."""
+    layer's addresses, made by engine.model.causal_lm.CausalLM (the tensors must outlive it); ``caches`` each layer's
+    (key, value) caches [blocks, block_size, kv_heads, dim], of x's dtype or fp8; ``shape`` (heads, kv_heads, dim,
+    intermediate, block_size); ``layer_scales`` float32 [layers, 4]: each layer's softmax scale, K's and V's scale
+    as the cache write takes them (1 / scale in float32) and V's scale on the output; ``window``: every layer's
+    sliding window. None, with nothing written, where the kernel is unavailable or does not take the tensors;
+    MemoryError when a kernel ran out of scratch memory midway (x and the caches partly updated)."""
     lib = kernel()
     heads, kv_heads, dim, inter, block_size = shape
     bf16 = x.dtype is torch.bfloat16  # the bfloat16 kernels, where the layer-by-layer loop would take them all
     fits = _fits_bf16 if bf16 else _fits
+    kv_kind = ELEMENT.get(caches[0][0].dtype) if caches else ELEMENT[x.dtype]
     if lib is None or not fits(x, final_norm, cos, sin) or x.dim() != 2 or weights.dim() != 2 or \
             weights.shape != (len(caches), STACK_FIELDS) or weights.dtype != torch.int64 or \
-            not weights.is_contiguous() or slots.dtype != torch.int64 or \
+            not weights.is_contiguous() or slots.dtype != torch.int64 or kv_kind is None or \
+            (kv_kind != ELEMENT[x.dtype] and kv_kind < 2) or not _fits(layer_scales) or \
+            layer_scales.shape != (len(caches), 4) or \
             (bf16 and (not _bf16_enabled or not _bf16_gemm_enabled or x.shape[0] > PANEL_ROWS_BF16)):
         return None
     for key_cache, value_cache in caches:  # the layout the kernels index: [blocks, block_size, kv_heads, dim]
-        if not fits(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
+        if ELEMENT.get(key_cache.dtype) != kv_kind or value_cache.dtype != key_cache.dtype or \
+                not _raw(key_cache, value_cache) or key_cache.shape != value_cache.shape or \
                 key_cache.shape[1:] != (block_size, kv_heads, dim):
             return None
     tokens, hidden = x.shape
@@ -504,11 +533,11 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
                           dtype=x.dtype)
     out = torch.empty_like(x)
     slots = slots.contiguous()
-    status = (lib.decode_stack_bf16 if bf16 else lib.decode_stack_f32)(x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(),
-                                  addresses.data_ptr(), weights.shape[0], final_norm.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                  seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps,
-                                  scale, torch.get_num_threads())
+    status = (lib.decode_stack_bf16 if bf16 else lib.decode_stack_f32)(
+        x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(), addresses.data_ptr(), weights.shape[0],
+        final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+        seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps, layer_scales.data_ptr(),
+        window or 0, kv_kind, torch.get_num_threads())
     if status == 2:
         raise MemoryError("decode step: out of memory for a kernel's scratch")
     return None if status else out

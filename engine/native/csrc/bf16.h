@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the kernels of the bfloat16 path (paged_decode_bf16.c, norm_act_bf16.c). A bfloat16 is
+/* bfloat16 <-> float32 for the kernels of the bfloat16 path (paged_decode.c, norm_act_bf16.c). A bfloat16 is
  * the high half of a float32: widening is exact (a shift), narrowing rounds to nearest even, as torch does. */
 #ifndef PAGED_KV_BF16_H
 #define PAGED_KV_BF16_H

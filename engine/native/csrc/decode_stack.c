@@ -10,8 +10,8 @@
  * its key and value caches):
  *   h = rmsnorm(x += delta)          (no delta before the first layer)
  *   qkv = h W_qkv^T + b              (panel_gemm_f32)
- *   q = rope(q); k, v -> their slots (rope_store_f32)
- *   a = attention(q, the pool)       (paged_decode_f32)
+ *   q = rope(q); k, v -> their slots (rope_store_f32; an fp8 pool: quantised with the layer's scales)
+ *   a = attention(q, the pool)       (paged_decode, with the layer's softmax scale, V's scale and the window)
  *   delta = a W_o^T + b
  *   h = rmsnorm(x += delta)
  *   delta = (silu(gate) * up)(h W_gate_up^T) W_down^T
@@ -19,7 +19,10 @@
  *
  * Layouts (float32, contiguous): x [tokens, hidden] (the residual stream, updated in place); out [tokens, hidden];
  * scratch: at least tokens * (2 hidden + (heads + 2 kv_heads) dim + 2 heads dim + 3 inter) floats; cos, sin
- * [tokens, dim]; slots int64 [tokens]; tables int64 [tokens, table_stride]; lens int64 [tokens].
+ * [tokens, dim]; slots int64 [tokens]; tables int64 [tokens, table_stride]; lens int64 [tokens]; layer_scales
+ * float [layers, 4]: each layer's softmax scale (K's scale folded in), K's and V's inverse scales for the cache
+ * write, V's scale for the output (1 but for an fp8 pool); window: every layer's sliding window (0: none);
+ * kv_kind: the pool's element kind (elements.h: the activations' own, or fp8).
  *
  * Returns 0, 1 when a shape is outside what the kernels take (checked before anything is written), or 2 when
  * scratch memory ran out in a kernel (x and the caches are then partly updated: the caller raises).
@@ -27,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "elements.h"
 #include "kernels.h"
 #include "team.h"
 
@@ -36,14 +40,15 @@
  * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). The whole step is one
  * OpenMP region: each kernel's part for this thread, then a barrier (team.h) before the next kernel reads what the
  * team wrote; a failure any thread meets (scratch memory) stops all of them at that barrier. */
-#define DECODE_STACK(T, SUFFIX)                                                                                        \
+#define DECODE_STACK(T, SUFFIX, KIND)                                                                                  \
 int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, const int64_t *caches, int layers,         \
                           const T *final_norm, const T *cos, const T *sin, const int64_t *slots,                       \
                           const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens,            \
                           int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,          \
-                          float scale, int threads) {                                                                  \
+                          const float *layer_scales, int64_t window, int kv_kind, int threads) {                       \
     if (tokens < 1 || layers < 0 || hidden < 1 || inter < 1 || !rope_store_takes(heads, kv_heads, dim) ||             \
-        !paged_decode_takes(heads, kv_heads, dim, block_size) || tokens > PANEL_ROWS_BF16)                             \
+        !paged_decode_takes(heads, kv_heads, dim, block_size) || tokens > PANEL_ROWS_BF16 || window < 0 ||             \
+        (kv_kind != KIND && (!el_fp8(kv_kind) || dim > MAX_DIM)))                                                      \
         return 1;                                                                                                      \
     const int64_t qkv_n = (int64_t)(heads + 2 * kv_heads) * dim, attn_n = (int64_t)heads * dim;                       \
     T *h = scratch, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_n, *attn = q + tokens * attn_n;               \
@@ -59,13 +64,16 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
         int failed = 0;                                                                                                \
         for (int l = 0; l < layers && !failed; l++) {                                                                  \
             const int64_t *w = weights + (int64_t)l * FIELDS;                                                          \
-            T *key_cache = (T *)(intptr_t)caches[2 * l], *value_cache = (T *)(intptr_t)caches[2 * l + 1];              \
+            void *key_cache = (void *)(intptr_t)caches[2 * l];                                                        \
+            void *value_cache = (void *)(intptr_t)caches[2 * l + 1];                                                  \
+            const float *ls = layer_scales + 4 * (int64_t)l; /* softmax scale, K's and V's inverse, V's scale */       \
             STEP(add_rms_norm_##SUFFIX##_part(x, l ? delta : 0, P(T, w[0]), h, tokens, hidden, eps, t, nt));           \
             STEP(panel_gemm_##SUFFIX##_part(h, P(T, w[1]), P(T, w[2]), qkv, tokens, qkv_n, hidden, t, nt));            \
             STEP(rope_store_##SUFFIX##_part(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads,  \
-                                            dim, t, nt));                                                              \
-            STEP(paged_decode_##SUFFIX##_part(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens,     \
-                                              heads, kv_heads, dim, block_size, scale, next + l, t, nt));              \
+                                            dim, kv_kind, ls[1], ls[2], t, nt));                                       \
+            STEP(paged_decode_part(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads,         \
+                                   kv_heads, dim, block_size, ls[0], ls[3], window, KIND | kv_kind << 4, next + l, t,  \
+                                   nt));                                                                               \
             STEP(panel_gemm_##SUFFIX##_part(attn, P(T, w[3]), P(T, w[4]), delta, tokens, hidden, attn_n, t, nt));      \
             STEP(add_rms_norm_##SUFFIX##_part(x, delta, P(T, w[5]), h, tokens, hidden, eps, t, nt));                   \
             STEP(panel_gemm_##SUFFIX##_part(h, P(T, w[6]), 0, gate_up, tokens, 2 * inter, hidden, t, nt));             \
@@ -99,5 +107,5 @@ void *team_scratch(size_t bytes) {
 /* this thread's part, then the team's barrier; every thread leaves the layer loop together when one failed */
 #define STEP(call) if ((failed = team_wait(&barrier, nt, (call)))) break
 
-DECODE_STACK(float, f32)
-DECODE_STACK(uint16_t, bf16)
+DECODE_STACK(float, f32, EL_F32)
+DECODE_STACK(uint16_t, bf16, EL_BF16)

@@ -7,7 +7,8 @@
 
 #include <stdint.h>
 
-#define MAX_HEADS 256 /* query heads of one sequence paged_decode_f32 handles (more: the caller goes eager) */
+#define MAX_HEADS 256 /* query heads of one sequence paged_decode handles (more: the caller goes eager) */
+#define MAX_DIM 512   /* head size of the walks that hold a head's row on the stack (torch's order, an fp8 write) */
 
 #define PANEL_WIDTH 48 /* outputs in a panel of the packed GEMMs (small_gemm.c, small_gemm_bf16.c): three vectors */
 #define PANEL_ROWS_BF16 64 /* most rows of x panel_gemm_bf16 (and so decode_stack) takes: engine/native/__init__.py's
@@ -29,20 +30,12 @@ static inline int rope_store_takes(int heads, int kv_heads, int dim) {
     return dim >= 2 && dim % 2 == 0 && heads >= 1 && kv_heads >= 1;
 }
 
-/* one item of paged decode attention: KV heads [first, first + count) of sequence s, with a thread's scratch */
-typedef void (*decode_item)(const void *ctx, int64_t s, int first, int count, float *scores, float *q, float *acc);
-int paged_decode_items(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, int threads,
-                       decode_item item, const void *ctx);
-int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache, const int64_t *tables,
-                     int64_t table_stride, const int64_t *lens, float *out, int64_t seqs, int heads, int kv_heads,
-                     int dim, int block_size, float scale, int threads);
-int paged_decode_window_f32(const float *query, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out,
-                            int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int threads,
-                            int64_t window);
+int paged_decode(const void *query, const void *key_cache, const void *value_cache, const int64_t *tables,
+                 int64_t table_stride, const int64_t *lens, void *out, int64_t seqs, int heads, int kv_heads, int dim,
+                 int block_size, float scale, float out_scale, int64_t window, int kinds, int threads);
 int rope_store_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
-                   float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
-                   int threads);
+                   void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads, int dim, int kv_kind,
+                   float k_inverse, float v_inverse, int threads);
 int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int n, float eps,
                      int threads);
 int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
@@ -52,28 +45,25 @@ int argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t n, int t
 int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                     int64_t n_len, int64_t k_len, int threads);
 int bf16_amx(int mode);
-int bf16_decode_torch_order(int mode); /* paged_decode_bf16.c */
+int bf16_decode_torch_order(int mode); /* paged_decode.c */
 int bf16_softmax_row(const float *scores, int64_t n, uint16_t *weights, float *sum, float *top); /* tests */
 int kernels_fail_scratch(int n);
-int paged_decode_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                      const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t seqs,
-                      int heads, int kv_heads, int dim, int block_size, float scale, int threads);
 int rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
-                    uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
-                    int kv_heads, int dim, int threads);
+                    uint16_t *q_out, void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads,
+                    int dim, int kv_kind, float k_inverse, float v_inverse, int threads);
 int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows, int n,
                       float eps, int threads);
 int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int threads);
 int decode_stack_f32(float *x, float *out, float *scratch, const int64_t *weights, const int64_t *caches, int layers,
                      const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t tokens, int hidden,
-                     int heads, int kv_heads, int dim, int inter, int block_size, float eps, float scale,
-                     int threads);
+                     int heads, int kv_heads, int dim, int inter, int block_size, float eps,
+                     const float *layer_scales, int64_t window, int kv_kind, int threads);
 int decode_stack_bf16(uint16_t *x, uint16_t *out, uint16_t *scratch, const int64_t *weights, const int64_t *caches,
                       int layers, const uint16_t *final_norm, const uint16_t *cos, const uint16_t *sin,
                       const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                       int64_t tokens, int hidden, int heads, int kv_heads, int dim, int inter, int block_size, float eps,
-                      float scale, int threads);
+                      const float *layer_scales, int64_t window, int kv_kind, int threads);
 
 
 /* Each kernel's part for thread t of a team of nt (team.h): what the exported kernel runs in a region of its own,
@@ -82,26 +72,20 @@ int add_rms_norm_f32_part(float *x, const float *delta, const float *weight, flo
                           float eps, int t, int nt);
 int silu_mul_f32_part(const float *gate_up, float *out, int64_t rows, int n, int t, int nt);
 int rope_store_f32_part(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q_out,
-                        float *key_cache, float *value_cache, int64_t tokens, int heads, int kv_heads, int dim, int t,
-                        int nt);
+                        void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads, int dim,
+                        int kv_kind, float k_inverse, float v_inverse, int t, int nt);
 int panel_gemm_f32_part(const float *x, const float *panels, const float *bias, float *y, int64_t m_len,
                         int64_t n_len, int64_t k_len, int t, int nt);
-int paged_decode_f32_part(const float *query, const float *key_cache, const float *value_cache,
-                          const int64_t *tables, int64_t table_stride, const int64_t *lens, float *out, int64_t seqs,
-                          int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next, int t, int nt);
-int paged_decode_items_part(const int64_t *lens, int64_t seqs, int heads, int kv_heads, int dim, decode_item item,
-                            const void *ctx, int64_t *next, int t, int nt);
+int paged_decode_part(const void *query, const void *key_cache, const void *value_cache, const int64_t *tables,
+                      int64_t table_stride, const int64_t *lens, void *out, int64_t seqs, int heads, int kv_heads,
+                      int dim, int block_size, float scale, float out_scale, int64_t window, int kinds,
+                      int64_t *next, int t, int nt);
 int add_rms_norm_bf16_part(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows,
                            int n, float eps, int t, int nt);
 int silu_mul_bf16_part(const uint16_t *gate_up, uint16_t *out, int64_t rows, int n, int t, int nt);
 int rope_store_bf16_part(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
-                         uint16_t *q_out, uint16_t *key_cache, uint16_t *value_cache, int64_t tokens, int heads,
-                         int kv_heads, int dim, int t, int nt);
+                         uint16_t *q_out, void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads,
+                         int dim, int kv_kind, float k_inverse, float v_inverse, int t, int nt);
 int panel_gemm_bf16_part(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                          int64_t n_len, int64_t k_len, int t, int nt);
-int paged_decode_bf16_part(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                           const int64_t *tables, int64_t table_stride, const int64_t *lens, uint16_t *out,
-                           int64_t seqs, int heads, int kv_heads, int dim, int block_size, float scale, int64_t *next,
-                           int t, int nt);
-
 #endif

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "elements.h"
 #include "kernels.h"
 #include "row_walks.h"
 #include "simd.h"
@@ -113,4 +114,4 @@ static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict cos
     }
 }
 
-ROPE_STORE(uint16_t, bf16, rotate_bf16)
+ROPE_STORE(uint16_t, bf16, EL_BF16, rotate_bf16, widen)

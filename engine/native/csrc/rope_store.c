@@ -10,10 +10,12 @@
  *   cos, sin   [tokens, dim]: Rotary.cos_sin's tables at each token's position (sin with its first half negated)
  *   slots      int64 [tokens]: block * block_size + offset of each token
  *   q_out      [tokens, heads, dim]
- *   key/value  [num_blocks * block_size, kv_heads, dim]
+ *   key/value  [num_blocks * block_size, kv_heads, dim], float32, or fp8 (stored as vLLM's cache write stores it:
+ *              elements.h)
  */
 #include <stdint.h>
 
+#include "elements.h"
 #include "kernels.h"
 #include "row_walks.h"
 
@@ -33,4 +35,6 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
     }
 }
 
-ROPE_STORE(float, f32, rotate)
+static inline float same(float x) { return x; }
+
+ROPE_STORE(float, f32, EL_F32, rotate, same)

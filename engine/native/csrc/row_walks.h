@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "elements.h"
 #include "kernels.h"
 #include "team.h"
 
@@ -54,36 +55,53 @@ static inline int rope_users(int64_t tokens, int threads) { return tokens < ROPE
                                                                                              t, nt));                \
     }
 
-/* q rotated to q_out, k rotated and v copied to their slots of the caches, token by token:
- * ROTATE(x, cos, sin, out, dim) rotates one head */
-#define ROPE_STORE(T, SUFFIX, ROTATE)                                                                                  \
+/* q rotated to q_out, k rotated and v copied to their slots of the caches, token by token: ROTATE(x, cos, sin, out,
+ * dim) rotates one head. The caches hold elements of kind kv_kind (elements.h): KIND, T's own, takes the rotated
+ * rows as they are; an fp8 pool takes them quantised (WIDEN(x): T as float32, then elements.h's cache write with
+ * the layer's inverse scales) */
+#define ROPE_STORE(T, SUFFIX, KIND, ROTATE, WIDEN)                                                                     \
     int rope_store_##SUFFIX##_part(const T *qkv, const T *cos, const T *sin, const int64_t *slots, T *q_out,         \
-                                   T *key_cache, T *value_cache, int64_t tokens, int heads, int kv_heads, int dim,   \
-                                   int t, int nt) {                                                                  \
-        if (!rope_store_takes(heads, kv_heads, dim)) return 1;                                                       \
-        const int users = rope_users(tokens, nt);                                                  \
+                                   void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads,      \
+                                   int dim, int kv_kind, float k_inverse, float v_inverse, int t, int nt) {          \
+        if (!rope_store_takes(heads, kv_heads, dim) ||                                                              \
+            (kv_kind != KIND && (!el_fp8(kv_kind) || dim > MAX_DIM)))                                                \
+            return 1;                                                                                                \
+        const int users = rope_users(tokens, nt);                                                                    \
         if (t >= users) return 0;                                                                                    \
-        const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;                                                 \
+        const int64_t width = (int64_t)(heads + 2 * kv_heads) * dim, el = el_bytes(kv_kind);                        \
         int64_t lo, hi;                                                                                              \
         team_share(tokens, t, users, &lo, &hi);                                                                      \
+        T rotated[MAX_DIM];                                                                                          \
+        float wide[MAX_DIM];                                                                                         \
         for (int64_t i = lo; i < hi; i++) {                                                                          \
             const T *row = qkv + i * width;                                                                          \
             const T *c = cos + i * dim, *s = sin + i * dim;                                                          \
             for (int h = 0; h < heads; h++) ROTATE(row + h * dim, c, s, q_out + (i * heads + h) * dim, dim);         \
-            T *k = key_cache + slots[i] * kv_heads * dim;                                                            \
-            T *v = value_cache + slots[i] * kv_heads * dim;                                                          \
-            for (int h = 0; h < kv_heads; h++) ROTATE(row + (heads + h) * dim, c, s, k + h * dim, dim);              \
+            char *k = (char *)key_cache + slots[i] * kv_heads * dim * el;                                           \
+            char *v = (char *)value_cache + slots[i] * kv_heads * dim * el;                                         \
             const T *vsrc = row + (int64_t)(heads + kv_heads) * dim;                                                 \
-            for (int e = 0; e < kv_heads * dim; e++) v[e] = vsrc[e];                                                 \
+            if (kv_kind == KIND) {                                                                                   \
+                for (int h = 0; h < kv_heads; h++) ROTATE(row + (heads + h) * dim, c, s, (T *)k + h * dim, dim);    \
+                for (int e = 0; e < kv_heads * dim; e++) ((T *)v)[e] = vsrc[e];                                      \
+                continue;                                                                                            \
+            }                                                                                                        \
+            for (int h = 0; h < kv_heads; h++) {                                                                     \
+                ROTATE(row + (heads + h) * dim, c, s, rotated, dim);                                                 \
+                for (int d = 0; d < dim; d++) wide[d] = WIDEN(rotated[d]);                                           \
+                store_row(k + h * dim * el, wide, dim, kv_kind, k_inverse);                                          \
+                for (int d = 0; d < dim; d++) wide[d] = WIDEN(vsrc[h * dim + d]);                                    \
+                store_row(v + h * dim * el, wide, dim, kv_kind, v_inverse);                                          \
+            }                                                                                                        \
         }                                                                                                            \
         return 0;                                                                                                    \
     }                                                                                                                \
-    int rope_store_##SUFFIX(const T *qkv, const T *cos, const T *sin, const int64_t *slots, T *q_out, T *key_cache,  \
-                            T *value_cache, int64_t tokens, int heads, int kv_heads, int dim, int threads) {         \
+    int rope_store_##SUFFIX(const T *qkv, const T *cos, const T *sin, const int64_t *slots, T *q_out,               \
+                            void *key_cache, void *value_cache, int64_t tokens, int heads, int kv_heads, int dim,    \
+                            int kv_kind, float k_inverse, float v_inverse, int threads) {                            \
         if (!rope_store_takes(heads, kv_heads, dim)) return 1;                                                       \
-        TEAM_RUN(rope_users(tokens, threads),                                                      \
+        TEAM_RUN(rope_users(tokens, threads),                                                                        \
                  rope_store_##SUFFIX##_part(qkv, cos, sin, slots, q_out, key_cache, value_cache, tokens, heads,      \
-                                            kv_heads, dim, t, nt));                                                  \
+                                            kv_heads, dim, kv_kind, k_inverse, v_inverse, t, nt));                   \
     }
 
 #endif
