@@ -18,6 +18,7 @@ import torch
 
 from .attention import paged_attention
 from .kv.pool import BlockPool, random_cycle
+from .kv import fp8
 from .kv.manager import KVCacheManager
 from .sequence import Sequence
 from kvstream.views import BlockState
@@ -25,7 +26,7 @@ from kvstream.views import BlockState
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
 TOY_OWNER = 0  # owner id of the lesson's sequence in the BlockPool
-KV_BYTES_PER_SLOT = 2 * 4  # one float32 key + one float32 value (one head of dimension 1)
+KV_BYTES_PER_SLOT = 2 * 4  # one float32 key + one float32 value (one head of dimension 1; fp8: a byte each)
 TABLE_BYTES_PER_ENTRY = 4  # a block table entry is an int32
 
 
@@ -106,9 +107,16 @@ class ToyPagedSequence:
     because the model will never read it again; the table keeps its place as -1 (vLLM's null block). Paging alone
     (None) never releases anything: it changes where KV lives, not how much of it is kept."""
 
-    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, sliding_window: int | None = None):
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto"):
+        """``kv_cache_dtype``: EngineConfig's values; fp8 stores the toy's keys and values as the engine's fp8 pool
+        does (engine/kv/fp8.py), so a value the format cannot hold is read back as the value it was cut to (e4m3:
+        the positions 1..16 stay exact; e5m2: 9 is read as 8), and a layout change still gives the same bits."""
         if num_blocks < sum(t.num_blocks for t in TENANTS) or block_size < 1:
             raise ValueError("the lesson's pool needs room for its tenants")
+        if kv_cache_dtype not in fp8.KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(fp8.KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_dtype = fp8.storage_dtype(kv_cache_dtype, torch.float32)
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
@@ -123,15 +131,15 @@ class ToyPagedSequence:
         self.pool = BlockPool(self.num_blocks, self.block_size, enable_prefix_caching=False)
         self.manager = KVCacheManager(self.pool)
         shape = (self.num_blocks, self.block_size, 1, 1)  # [num_blocks, block_size, kv_heads, head_dim]
-        self.key_cache = torch.zeros(shape, dtype=torch.float32)
-        self.value_cache = torch.zeros(shape, dtype=torch.float32)
+        self.key_cache = torch.zeros(shape, dtype=self.kv_dtype)
+        self.value_cache = torch.zeros(shape, dtype=self.kv_dtype)
         self.tenants: dict[str, Sequence] = {}
         for tenant in TENANTS:
             seq = _toy_sequence(tenant.owner, tenant.num_blocks * self.block_size)
             self.manager.allocate_slots(seq, seq.num_tokens)
             self.manager.commit(seq, seq.num_tokens)
             for b in seq.block_table:
-                self.value_cache[b] = tenant.value
+                self.value_cache[b] = self._stored(tenant.value)
             self.tenants[tenant.name] = seq
         for name in FINISH_ORDER:
             self.manager.free(self.tenants[name])
@@ -177,14 +185,19 @@ class ToyPagedSequence:
         self.seq.token_ids.append(index + 1)  # the toy's "token" at a position is its value
         self.manager.allocate_slots(self.seq, 1)
         block = self.block_table[logical]
-        self.key_cache[block, slot, 0, 0] = 0.0
-        self.value_cache[block, slot, 0, 0] = float(index + 1)
+        self.key_cache[block, slot, 0, 0] = self._stored(0.0)
+        self.value_cache[block, slot, 0, 0] = self._stored(float(index + 1))
         self.manager.commit(self.seq, index + 1)
         self.num_positions = index + 1
         self.last_event = StepEvent(index + 1, logical, block, slot, allocated)
         self.last_action = "step"
         self._release_out_of_window()
         return self.last_event
+
+    def _stored(self, value: float) -> torch.Tensor:
+        """``value`` as the pool stores it: itself in float32, quantised as the engine's cache write does in fp8."""
+        x = torch.tensor(value, dtype=torch.float32)
+        return fp8.quantize(x, self.kv_dtype) if fp8.is_fp8(self.kv_dtype) else x
 
     def window_start(self) -> int:
         """0-based first position attention reads now (0 without a window)."""
@@ -228,8 +241,8 @@ class ToyPagedSequence:
             raise RuntimeError("the window reaches a released block")
         index = torch.tensor(blocks, dtype=torch.long)
         slots = torch.tensor([p % self.block_size for p in positions], dtype=torch.long)
-        keys = self.key_cache[index, slots, 0, 0]  # [window]
-        values = self.value_cache[index, slots, 0, 0]  # [window]
+        keys = self.key_cache[index, slots, 0, 0].float()  # [window]
+        values = self.value_cache[index, slots, 0, 0].float()  # [window]
         weights = torch.softmax(keys * 1.0, dim=0)  # query 1, head dimension 1: scale 1
         return float((weights * values).sum())
 
@@ -239,6 +252,9 @@ class ToyPagedSequence:
         if not self.num_positions:
             return float("nan")
         first = self.window_start() + 1
+        if fp8.is_fp8(self.kv_dtype):  # the values as stored: the mean of what the head reads
+            return float(sum(float(self._stored(float(p)).float()) for p in range(first, self.num_positions + 1))
+                         / (self.num_positions - first + 1))
         return (first + self.num_positions) / 2
 
     def change_layout(self, seed: int = 0) -> LayoutChange:
@@ -270,7 +286,7 @@ class ToyPagedSequence:
     # ---- views for drawing ----------------------------------------------------------------------------------
     def slot_values(self) -> np.ndarray:
         """float32 [num_blocks, block_size]: the value in every slot the pool counts as filled, NaN elsewhere."""
-        values = self.value_cache[:, :, 0, 0].numpy().copy()
+        values = self.value_cache[:, :, 0, 0].float().numpy().copy()
         filled = np.arange(self.block_size)[None, :] < self.pool.num_filled[:, None]
         values[~filled] = np.nan
         return values
@@ -300,15 +316,16 @@ class ToyPagedSequence:
         live = self.live_blocks
         allocated = len(live) * self.block_size
         held = int(sum(self.pool.num_filled[b] for b in live))  # positions whose K/V the pool still holds
+        per_slot = 2 * self.key_cache.element_size()  # a key and a value
         return {
             "filled_slots": held,
             "allocated_slots": allocated,
             "empty_tail_slots": allocated - held,
-            "kv_bytes": held * KV_BYTES_PER_SLOT,
-            "tail_bytes": (allocated - held) * KV_BYTES_PER_SLOT,
+            "kv_bytes": held * per_slot,
+            "tail_bytes": (allocated - held) * per_slot,
             "table_bytes": len(self.block_table) * TABLE_BYTES_PER_ENTRY,
             "released_blocks": len(self.released),
-            "contiguous_bytes": self.max_positions * KV_BYTES_PER_SLOT,
+            "contiguous_bytes": self.max_positions * per_slot,
         }
 
 

@@ -172,7 +172,8 @@ class PoolViews:
             memory=self.memory_stats(), model_name=self.model_name, device=str(self.device),
             max_model_len=self.max_model_len, block_hash=frozen_array(pool.block_hash), version=counts.version,
             source="engine", tiers=self._tier_views(),
-            tokenizer=self.model_name if getattr(self.tokenizer, "takes_text", True) else "", **self._group_fields())
+            tokenizer=self.model_name if getattr(self.tokenizer, "takes_text", True) else "",
+            kv_cache_dtype=self.kv.kv_dtype_name, **self._group_fields())
         masks = None
         if base is not None and changed is not None:
             masks = block_masks(self._snapshot, base, changed[0], last_access=changed[1])
@@ -242,15 +243,22 @@ class PoolViews:
         else:
             tokens, positions = (), ()
         reason = hash_reason(state, h != NO_HASH, filled, bs, pool.enable_prefix_caching)
-        keys, values = self.kv.read_block(b, filled)
+        layers = self.kv_cache_groups[group].layers  # the model layer each of the block's planes holds
+        keys, values = self.kv.read_block(b, filled, layers)
+        codes = self.kv.read_block_codes(b, filled)  # an fp8 pool's bytes as stored, else None
         if len(self.kv_cache_groups) > 1:  # the block's group's layers (its planes), in that group's layer order
-            planes = len(self.kv_cache_groups[group].layers)
+            planes = len(layers)
             keys, values = keys[:planes].copy(), values[:planes].copy()
-        keys.setflags(write=False)
-        values.setflags(write=False)
+            codes = None if codes is None else (codes[0][:planes].copy(), codes[1][:planes].copy())
+        for array in (keys, values, *(codes or ())):
+            array.setflags(write=False)
+        scales = self.kv.scales
+        kv_scales = tuple((scales.k[i], scales.v[i]) for i in layers[: keys.shape[0]]) if codes is not None else ()
         return BlockInfo(
             block_id=b, state=state, ref_count=int(pool.ref_count[b]), num_filled=filled, block_size=bs,
             token_ids=tuple(tokens), token_texts=tuple(self.tokenizer.token_text(int(t)) for t in tokens),
             positions=positions,
             owners=tuple(owners), block_hash=h if h != NO_HASH else None, hash_reason=reason,
-            last_owner=int(pool.owner[b]), keys=keys, values=values)
+            last_owner=int(pool.owner[b]), keys=keys, values=values, kv_cache_dtype=self.kv.kv_dtype_name,
+            stored_keys=None if codes is None else codes[0], stored_values=None if codes is None else codes[1],
+            kv_scales=kv_scales)

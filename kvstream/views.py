@@ -174,6 +174,10 @@ class ConversationInfo:
         return self.label or f"conversation {self.conversation_id}"
 
 
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # PoolSnapshot.kv_cache_dtype names
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}  # bytes a value
+
+
 @dataclass(frozen=True)
 class BlockInfo:
     """Everything about one physical block, for the inspector."""
@@ -192,6 +196,11 @@ class BlockInfo:
     last_owner: int  # conversation that last wrote or used it (-1 never)
     keys: np.ndarray | None = field(default=None, repr=False)  # [layers, filled, kv_heads, head_dim] float32; None
     values: np.ndarray | None = field(default=None, repr=False)  # where the source keeps K/V to itself (vLLM)
+    kv_cache_dtype: str = ""  # what the pool stores (KV_CACHE_DTYPES); "" not said
+    stored_keys: np.ndarray | None = field(default=None, repr=False)  # an fp8 pool's bytes as stored (uint8, keys'
+    stored_values: np.ndarray | None = field(default=None, repr=False)  # shape); keys/values: the values attention
+    #                                                                     reads, the codes' values times the scales
+    kv_scales: tuple[tuple[float, float], ...] = ()  # (K's, V's) scale of each of keys' layers (an fp8 pool)
 
 
 @dataclass(frozen=True)
@@ -297,6 +306,7 @@ class PoolSnapshot:
     #                                        None for one group
     tokenizer: str = ""  # what turns its token ids into text: "builtin", a model name ("smollm2"), a checkpoint
     #                      directory or a .gguf path; "" where the source has none or does not say
+    kv_cache_dtype: str = ""  # what the pool stores K/V as: one of KV_CACHE_DTYPES; "" where the source does not say
 
     def __post_init__(self) -> None:
         # As ConversationInfo's: one plain group's tables are block_tables itself, so readers index the groups the

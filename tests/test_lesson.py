@@ -121,6 +121,29 @@ def test_layout_change_keeps_result_bit_identical_and_moves_every_block(seed):
     assert toy.pool.state[new_first] == toy.pool.state[new_second] == BlockState.USED
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp8_e5m2"])
+def test_the_lesson_in_fp8_reads_what_its_pool_stored_and_a_layout_change_keeps_the_bits(kind):
+    """An fp8 pool (the engine's --kv-cache-dtype): the toy's values are stored as the engine's cache write stores
+    them (e5m2 has two mantissa bits: 9 is read back as 8, 11 as 10), the output is the mean of what was stored, and
+    moving every block gives the same bits."""
+    toy = ToyPagedSequence(kv_cache_dtype=kind)
+    assert toy.key_cache.dtype == (torch.float8_e5m2 if kind == "fp8_e5m2" else torch.float8_e4m3fn)
+    while toy.can_step():
+        toy.step()
+    n = toy.num_positions
+    stored = [float(toy.value_cache[toy.block_table[(p - 1) // 4], (p - 1) % 4, 0, 0].float())
+              for p in range(1, n + 1)]
+    assert stored == ([p if p not in (9, 11) else p - 1 for p in range(1, n + 1)] if kind == "fp8_e5m2"
+                      else list(range(1, n + 1)))
+    assert toy.expected() == sum(stored) / n
+    assert abs(toy.result() - toy.expected()) < 1e-6
+    change = toy.change_layout(5)
+    assert change.bit_identical and np.float32(change.before_result).tobytes() == np.float32(toy.result()).tobytes()
+    assert toy.memory()["kv_bytes"] == n * 2  # a byte for the key and one for the value
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        ToyPagedSequence(kv_cache_dtype="fp4")
+
+
 def test_after_layout_change_the_sequence_keeps_growing_correctly():
     toy = stepped(5)
     toy.change_layout(3)

@@ -28,6 +28,17 @@ from ..model.block_words import hash_note
 from ..model.groups import block_group_of, hash_words
 from .table_model import RowsModel
 
+# the value each fp8 byte stands for, by the pool dtype's name (what the inspector shows of a stored code)
+FP8_VALUES = {
+    "fp8_e4m3": np.array([(-1) ** (b >> 7) * ((b & 7) / 8 * 2.0 ** -6 if (b >> 3) & 15 == 0 else
+                                               (1 + (b & 7) / 8) * 2.0 ** (((b >> 3) & 15) - 7))
+                          if b & 0x7F != 0x7F else np.nan for b in range(256)]),
+    "fp8_e5m2": np.array([(-1) ** (b >> 7) * ((b & 3) / 4 * 2.0 ** -14 if (b >> 2) & 31 == 0 else
+                                               (1 + (b & 3) / 4) * 2.0 ** (((b >> 2) & 31) - 15))
+                          if (b >> 2) & 31 != 31 else (np.inf * (-1) ** (b >> 7) if b & 3 == 0 else np.nan)
+                          for b in range(256)]),
+}
+
 SLOT_COLUMNS = ("slot", "position", "token id", "token text")
 PREFERRED_SLOT_ROWS = 16  # slot rows the inspector asks room for: a whole block at the default block size
 SLOTS_SHARE = 0.72  # of the height below the fields, what the slot table gets before the user drags the splitter
@@ -276,6 +287,20 @@ class Inspector(QtWidgets.QWidget):
         self.colorbar = pg.ColorBarItem(values=(-1.0, 1.0), colorMap=pg.colormap.get("viridis"), interactive=False,
                                         width=12)
         self.colorbar.setImageItem(self.heat, insert_in=self.plot.getPlotItem())
+        # an fp8 pool: its stored codes (as the values they stand for) beside the values attention reads
+        self.stored_plot = _HeatPlot()
+        self.stored_plot.setLabel("bottom", "head dim")
+        self.stored_plot.getViewBox().invertY(True)
+        self.stored_plot.getViewBox().setMouseEnabled(x=False, y=False)
+        self.stored_plot.setMenuEnabled(False)
+        self.stored_plot.setMinimumHeight(90)
+        self.stored_heat = pg.ImageItem(axisOrder="row-major")
+        self.stored_plot.addItem(self.stored_heat)
+        self.stored_plot.hide()
+        self.readout = QtWidgets.QLabel()  # the stored byte and the value read under the pointer (fp8 pools)
+        self.readout.hide()
+        for plot in (self.plot, self.stored_plot):
+            plot.scene().sigMouseMoved.connect(lambda pos, plot=plot: self._read_at(plot, pos))
         self.heat_title = QtWidgets.QLabel()  # what the heatmap shows (a plot title would set its minimum width)
         self.heat_title.setWordWrap(True)
         self.kv_note = QtWidgets.QLabel()  # why there is no heatmap, when there is none
@@ -292,7 +317,12 @@ class Inspector(QtWidgets.QWidget):
         heat_layout.addLayout(controls)
         heat_layout.addWidget(self.heat_title)
         heat_layout.addWidget(self.kv_note)
-        heat_layout.addWidget(self.plot, 1)
+        plots = QtWidgets.QHBoxLayout()
+        plots.setContentsMargins(0, 0, 0, 0)
+        plots.addWidget(self.stored_plot, 1)
+        plots.addWidget(self.plot, 1)
+        heat_layout.addLayout(plots, 1)
+        heat_layout.addWidget(self.readout)
         self.split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical)
         self.split.addWidget(self.slots_view)
         self.split.addWidget(heat_box)
@@ -564,17 +594,63 @@ class Inspector(QtWidgets.QWidget):
         layer = min(self.layer.value(), data.shape[0] - 1)
         head = min(self.head.value(), data.shape[2] - 1)
         image = np.asarray(data[layer, :, head, :], np.float32)  # [filled, head_dim]
-        self.heat_title.setText(f"{self.kind.currentText()} of layer {layer}, kv head {head}: {image.shape[0]} of "
-                                f"{info.block_size} slots × {image.shape[1]} dims")
+        title = (f"{self.kind.currentText()} of layer {layer}, kv head {head}: {image.shape[0]} of "
+                 f"{info.block_size} slots × {image.shape[1]} dims")
+        stored = self._stored_image(info, layer, head)
         low, high = float(image.min()), float(image.max())
         if high <= low:
             low, high = low - 0.5, high + 0.5
+        if stored is not None:
+            scale = info.kv_scales[layer][0 if self.kind.currentText() == "K" else 1] if info.kv_scales else 1.0
+            title += (f". Left: the {info.kv_cache_dtype} bytes stored, as the values they stand for; right: those "
+                      f"values times the layer's {self.kind.currentText()} scale ({scale:g}), what attention reads")
+            values = stored.astype(np.float32)
+            self.stored_heat.setImage(values, autoLevels=False,
+                                      levels=(min(low, float(values.min())), max(high, float(values.max()))))
+            self.stored_heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
+            self.stored_plot.setRange(xRange=(0, image.shape[1]), yRange=(0, info.block_size), padding=0)
+        self.stored_plot.setVisible(stored is not None)
+        self.readout.setVisible(stored is not None)
+        self.heat_title.setText(title)
         self.heat.setImage(image, autoLevels=False)
         self.colorbar.setLevels((low, high))
         self.heat.setRect(QtCore.QRectF(0, 0, image.shape[1], image.shape[0]))
         self._head_dim = image.shape[1]
         self._retick()
         self.plot.setRange(xRange=(0, image.shape[1]), yRange=(0, info.block_size), padding=0)
+
+    def _stored_image(self, info: BlockInfo, layer: int, head: int) -> np.ndarray | None:
+        """The stored fp8 codes of one layer and head as the values they stand for (before the scale), float64
+        [filled, head_dim]; None for a block without stored codes (a pool of the model's dtype)."""
+        codes = info.stored_keys if self.kind.currentText() == "K" else info.stored_values
+        if codes is None or codes.ndim != 4 or info.kv_cache_dtype not in FP8_VALUES:
+            return None
+        return FP8_VALUES[info.kv_cache_dtype][np.asarray(codes[layer, :, head, :], np.uint8)]
+
+    def stored_cell(self, slot: int, dim: int) -> str:
+        """What the readout says for one cell: the stored byte, its value and the value attention reads ('' where the
+        block has no stored codes there)."""
+        info = self.info
+        if info is None or info.stored_keys is None or info.keys is None:
+            return ""
+        kind = self.kind.currentText()
+        codes, data = (info.stored_keys, info.keys) if kind == "K" else (info.stored_values, info.values)
+        layer = min(self.layer.value(), codes.shape[0] - 1)
+        head = min(self.head.value(), codes.shape[2] - 1)
+        if not (0 <= slot < codes.shape[1] and 0 <= dim < codes.shape[3]):
+            return ""
+        code = int(codes[layer, slot, head, dim])
+        value = FP8_VALUES[info.kv_cache_dtype][code]
+        return (f"slot {slot}, dim {dim}: {kind} stored as byte 0x{code:02x} = {value:g} ({info.kv_cache_dtype}); "
+                f"read as {float(data[layer, slot, head, dim]):g}")
+
+    def _read_at(self, plot, pos) -> None:
+        if not self.readout.isVisible():
+            return
+        point = plot.getViewBox().mapSceneToView(pos)
+        text = self.stored_cell(int(np.floor(point.y())), int(np.floor(point.x())))
+        if text:
+            self.readout.setText(text)
 
     def slot_rows(self) -> list[tuple]:
         return self.slots.rows()

@@ -35,12 +35,14 @@ def report_text(report, mode: str) -> str:
     return text
 
 
-def memory_lines(mem: MemoryStats | None) -> list[tuple[str, str]]:
-    """(label, value) rows of the memory readout."""
+def memory_lines(mem: MemoryStats | None, kv_cache_dtype: str = "") -> list[tuple[str, str]]:
+    """(label, value) rows of the memory readout (``kv_cache_dtype``: what the pool stores, where the source says)."""
     if mem is None:
         return []
     paged = mem.num_allocated_slots * mem.bytes_per_token
+    stored = f"  (stored as {kv_cache_dtype})" if kv_cache_dtype else ""
     return [
+        ("A block (K and V, every layer)", f"{human_bytes(mem.bytes_per_block)}{stored}"),
         ("KV in use (filled slots)", f"{human_bytes(mem.kv_bytes_used)}  ({mem.num_filled_slots} slots)"),
         ("Empty tail slots", f"{human_bytes(mem.tail_waste_bytes)}  ({mem.num_tail_empty_slots} slots)"),
         ("Block tables", f"{human_bytes(mem.block_table_bytes)}"),
@@ -120,11 +122,11 @@ class RelocationPanel(QtWidgets.QWidget):
         self.readout.setText(f"Relocation refused: {message}")
         self.readout.setStyleSheet("color: #e0443e;")
 
-    def update_memory(self, mem: MemoryStats | None) -> None:
-        if mem == self._last_memory:
+    def update_memory(self, mem: MemoryStats | None, kv_cache_dtype: str = "") -> None:
+        if (mem, kv_cache_dtype) == self._last_memory:
             return
-        self._last_memory = mem
-        for label, value in memory_lines(mem):
+        self._last_memory = (mem, kv_cache_dtype)
+        for label, value in memory_lines(mem, kv_cache_dtype):
             if label not in self._memory_labels:
                 widget = QtWidgets.QLabel()
                 widget.setWordWrap(True)  # a value grows as the pool fills ("776.0 KiB  (194 slots)"): wrap, not cut

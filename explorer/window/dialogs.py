@@ -25,7 +25,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import EngineConfig, EngineError
 from kvstream.rules import fit_error
-from kvstream.views import PoolSnapshot
+from kvstream.views import KV_DTYPE_BYTES, PoolSnapshot
 
 from ..model.words import count
 from . import file_dialogs
@@ -440,12 +440,28 @@ class RestartDialog(_FormDialog):
 
     def __init__(self, current: EngineConfig, parent: QtWidgets.QWidget | None = None, *,
                  num_conversations: int = 0, submit: Callable[[EngineConfig], None] | None = None,
-                 engine_running: bool = True):
+                 engine_running: bool = True, snapshot: PoolSnapshot | None = None):
         super().__init__("Restart engine", parent)
         self.block_size = self.add_row("block_size", "Block size (slots):",
                                        QtWidgets.QLineEdit(str(current.block_size)))
         self.num_blocks = self.add_row("num_blocks", "Pool size (blocks):",
                                        QtWidgets.QLineEdit(str(current.num_blocks)))
+        self.kv_cache_dtype = self.add_row("kv_cache_dtype", "KV cache dtype:", QtWidgets.QComboBox())
+        self.kv_cache_dtype.addItems(list(KV_CACHE_DTYPE_CHOICES))
+        self.kv_cache_dtype.setCurrentText(current.kv_cache_dtype)
+        self.kv_cache_dtype.setToolTip("auto: the model's dtype (--dtype); fp8 (e4m3) and fp8_e5m2 store a byte a "
+                                       "value, as vLLM's --kv-cache-dtype")
+        # what a pool of this size takes, and how many blocks the same memory holds in each dtype (the running
+        # model's shape: a value's bytes times the values of a block, from the snapshot)
+        self.memory = QtWidgets.QLabel()
+        self.memory.setWordWrap(True)
+        self.layout().insertWidget(self.layout().count() - 1, self.memory)
+        self._values_per_slot = values_per_slot(snapshot)
+        self._model_dtype = current.dtype
+        for signal in (self.block_size.textChanged, self.num_blocks.textChanged,
+                       self.kv_cache_dtype.currentTextChanged):
+            signal.connect(self._show_memory)
+        self._show_memory()
         model_box = QtWidgets.QWidget()
         grid = QtWidgets.QGridLayout(model_box)
         grid.setContentsMargins(0, 0, 0, 0)
@@ -500,7 +516,7 @@ class RestartDialog(_FormDialog):
             return
         try:
             config = replace(self.current, block_size=block_size, num_blocks=num_blocks, model=model,
-                             device=self.device.currentText())
+                             device=self.device.currentText(), kv_cache_dtype=self.kv_cache_dtype.currentText())
         except (EngineError, ValueError) as exc:  # the config's own checks
             self.errors["model"].show_error(str(exc))
             return
@@ -546,6 +562,10 @@ class RestartDialog(_FormDialog):
         self.set_busy("")
         self.accept()
 
+    def _show_memory(self, *_) -> None:
+        self.memory.setText(pool_memory_text(self._values_per_slot, self.block_size.text(), self.num_blocks.text(),
+                                             self.kv_cache_dtype.currentText(), self._model_dtype))
+
 
 # the engine's parameter names in its refusals -> the field; a refusal naming none (a prompt that does not fit, a
 # token outside the vocabulary) is about the message
@@ -560,6 +580,37 @@ def refusal_field(message: str, fields, default: str) -> str:
         if word in text and field in fields:
             return field
     return default
+
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # EngineConfig.kv_cache_dtype
+
+
+def values_per_slot(snapshot: PoolSnapshot | None) -> int | None:
+    """K and V values of one token slot across the layers of the model a snapshot shows (its bytes per token over
+    the bytes of a value of its pool's dtype); None where the snapshot does not say both."""
+    if snapshot is None or snapshot.memory is None or snapshot.kv_cache_dtype not in KV_DTYPE_BYTES:
+        return None
+    return snapshot.memory.bytes_per_token // KV_DTYPE_BYTES[snapshot.kv_cache_dtype]
+
+
+def pool_memory_text(values: int | None, block_size: str, num_blocks: str, kv_cache_dtype: str,
+                     model_dtype: str) -> str:
+    """'1,024 blocks of 16 slots in fp8_e4m3: 90.0 MiB. The same memory holds 256 blocks in float32, 512 in bfloat16,
+    1,024 in fp8.' ('' without the model's size or with a field that is not a number yet)."""
+    try:
+        slots, blocks = int(block_size), int(num_blocks)
+    except ValueError:
+        return ""
+    if values is None or slots < 1 or blocks < 1:
+        return ""
+    name = model_dtype if kv_cache_dtype == "auto" else ("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype)
+    per_value = KV_DTYPE_BYTES.get(name, 4)
+    total = blocks * slots * values * per_value
+    amount = f"{total / (1 << 30):.2f} GiB" if total >= 1 << 30 else f"{total / (1 << 20):.1f} MiB"
+    others = ", ".join(f"{total // (slots * values * size):,} in {label}"
+                       for label, size in (("float32", 4), ("bfloat16", 2), ("fp8", 1)))
+    return (f"{blocks:,} blocks of {slots} slots in {name}: {amount} of K/V for this model. The same memory holds "
+            f"{others}.")
 
 
 NAMED_MODELS = ("builtin", "smollm2")  # the model names EngineConfig(model=...) knows (README, --model, --fetch-model)
@@ -592,6 +643,8 @@ def check_model_spec(text: str) -> tuple[str, str]:
 def failure_field(message: str) -> str:
     """Which restart field an engine's failure message is about (the model unless it names another)."""
     text = message.lower()
+    if "kv_cache_dtype" in text:
+        return "kv_cache_dtype"
     if "block_size" in text or "block size" in text:
         return "block_size"
     if "num_blocks" in text or "pool" in text or "memory" in text:

@@ -166,13 +166,23 @@ def result_html(view) -> str:
         return f"<span style='color:{MUTED}'>Attention output: no positions yet</span>"
     first = max(1, n - view.sliding_window + 1) if getattr(view, "sliding_window", None) else 1
     count = n - first + 1
-    values = ", ".join(str(v) for v in range(first, n + 1)) if count <= 6 else f"{first}, {first + 1}, \u2026, {n}"
+    stored = _stored_values(view, first, n)  # what the pool holds at those positions (an fp8 pool cuts some)
+    shown = [f"{v:g}" for v in stored]
+    values = ", ".join(shown) if count <= 6 else f"{shown[0]}, {shown[1]}, \u2026, {shown[-1]}"
+    total = sum(stored)
     over = (f"the window of {view.sliding_window} over positions {first}..{n}" if first > 1 else
             f"paged_attention over {n} position{'s' if n > 1 else ''}")
     return (f"Attention output <span style='font-size:20pt; font-weight:bold; "
             f"color:{palette.hex_colour(LESSON_COLOUR)}'>{view.result:g}</span><br>"
             f"<span style='color:{MUTED}'>{over} = "
-            f"mean({values}) = {(first + n) * count // 2}/{count}</span>")
+            f"mean({values}) = {total:g}/{count}</span>")
+
+
+def _stored_values(view, first: int, last: int) -> list[float]:
+    """The values the pool holds at positions first..last (1-based), read through the block table: the positions
+    themselves in float32, what they were cut to in an fp8 pool."""
+    table, size = view.block_table, view.block_size
+    return [float(view.slot_values[table[(p - 1) // size], (p - 1) % size]) for p in range(first, last + 1)]
 
 
 class LayoutPanel(QFrame):
@@ -207,10 +217,11 @@ class LayoutPanel(QFrame):
 class LessonWindow(QMainWindow):
     """Step a toy sequence through a paged pool; see blocks appear, the table grow, and the output stay right."""
 
-    def __init__(self, parent=None, seed: int = 0):
+    def __init__(self, parent=None, seed: int = 0, kv_cache_dtype: str = "auto"):
         super().__init__(parent)
         self.setWindowTitle("Lesson: text order is not a memory address")
-        self.lesson = ToyPagedSequence()
+        self.kv_cache_dtype = kv_cache_dtype  # the engine's pool dtype: the toy stores its values the same way
+        self.lesson = ToyPagedSequence(kv_cache_dtype=kv_cache_dtype)
         self.paging: ToyPagedSequence | None = None  # the window chapter's twin: the same positions, paging alone
         self.layout_seed = seed
         self._before = None  # the layout just before the last "Change layout"
@@ -318,8 +329,8 @@ class LessonWindow(QMainWindow):
         if self.window_button.isChecked() != on:
             self.window_button.setChecked(on)  # toggled() calls back here
             return
-        self.lesson = ToyPagedSequence(sliding_window=WINDOW if on else None)
-        self.paging = ToyPagedSequence() if on else None
+        self.lesson = ToyPagedSequence(sliding_window=WINDOW if on else None, kv_cache_dtype=self.kv_cache_dtype)
+        self.paging = ToyPagedSequence(kv_cache_dtype=self.kv_cache_dtype) if on else None
         self._before = None
         self.setWindowTitle("Lesson: a window releases what paging keeps" if on else
                             "Lesson: text order is not a memory address")

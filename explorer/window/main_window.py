@@ -323,7 +323,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if self._select_when_present is not None and snap.conversation(self._select_when_present) is not None:
             self.conversations.select_conversation(self._select_when_present)
             self._select_when_present = None
-        self.relocation.update_memory(snap.memory)
+        self.relocation.update_memory(snap.memory, snap.kv_cache_dtype)
         self.relocation.update_groups(snap)  # blocks per KV cache group, what a sliding window saved
 
     def _on_source_changed(self, feed: Feed) -> None:
@@ -483,7 +483,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.show_error("Lesson unavailable", f"The lesson could not be loaded: {exc}")
             return None
         if self.lesson_window is None:
-            self.lesson_window = LessonWindow(parent=self)
+            config = self.config or self.engine_config
+            self.lesson_window = LessonWindow(parent=self, kv_cache_dtype=config.kv_cache_dtype)
         self.lesson_window.show()
         self.lesson_window.raise_()
         return self.lesson_window
@@ -497,7 +498,7 @@ class MainWindow(QtWidgets.QMainWindow):
         count = len(view.conversations) if (local and view is not None) else 0
         dialog = RestartDialog(self.config or self.engine_config, self, num_conversations=count,
                                submit=lambda cfg: self.restart_engine(cfg, dialog=dialog),  # bound below, called later
-                               engine_running=local)
+                               engine_running=local, snapshot=view if local else None)
         self.restart_dialog = dialog
         dialog.open()
         return dialog

@@ -171,7 +171,8 @@ class StatusBar(QtWidgets.QStatusBar):
             self.show_pool(snap)
         elif counts is None:
             self._set("pool", "waiting for the first frame…")
-        self._set("model", f"{snap.model_name} on {snap.device}" if snap is not None and snap.model_name else "")
+        self._set("model", f"{snap.model_name} on {snap.device}{kv_text(snap)}"
+                  if snap is not None and snap.model_name else "")
         reason = source.command_blocked_reason
         self.labels["live"].setToolTip(f"read-only: {reason}" if reason else "commands go to this engine")
 
@@ -234,6 +235,19 @@ class StatusBar(QtWidgets.QStatusBar):
 
     def redraws_per_second(self, now: float | None = None) -> float:
         return self.redraws.per_second(now)
+
+
+def kv_text(snapshot) -> str:
+    """' · KV fp8_e4m3, 90 KiB a block': what the pool stores and a block's bytes, where the source says ('' where it
+    says neither)."""
+    memory = snapshot.memory
+    size = "" if memory is None else _bytes(memory.bytes_per_block) + " a block"
+    dtype = snapshot.kv_cache_dtype
+    return f" · KV {dtype}{', ' + size if size else ''}" if dtype else (f" · {size}" if size else "")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
 
 
 def recording_text(feed) -> str:

@@ -20,7 +20,7 @@ from ..views import ConversationInfo, EngineMetrics, MemoryStats, PoolSnapshot
 from .validate import (MAX_TOKEN_ID, TableCounts, check_conversation_values, check_number, check_outcomes,
                        check_size, check_snapshot, check_token_ids)
 from .schema import (GROUP_ARRAY, TIER_ARRAYS, TIER_NAMES, WIRE_ARRAYS, _GROUPS_AT, _OUTCOMES_AT, _SOURCES_AT)
-from ..views import KVCacheGroupInfo, TierView
+from ..views import KV_CACHE_DTYPES, KVCacheGroupInfo, TierView
 from .schema import (_BLANK, _BLANK_CONV, _BODY_DECODER, _COMPUTED_AT, _CONV_NAMES, _CONV_VALUES, _DROP_AT, _DTYPES,
                      _ENVELOPE_DECODER, _ENVELOPE_NO_EVENTS_DECODER, _MAGIC_BYTES, _MEMORY_FIELDS, _METRIC_FIELDS,
                      _OUT_AT, _PLAIN_AT, _SEQ_AT, _TABLE_AT, _TEXT_AT, _TEXT_OUT_AT, _VERSION_DECODER, ARRAYS,
@@ -455,6 +455,8 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
     bad = [d for d in h.dtypes.values() if d not in _DTYPES]
     if missing or unknown or bad:
         raise StreamError(f"malformed pool-stream message: header dtypes {_short(h.dtypes)}")
+    if h.kv_cache_dtype and h.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise StreamError(f"malformed pool-stream message: kv_cache_dtype {_short(h.kv_cache_dtype)}")
     state = _State(h, head.stream_id)
     n = h.num_blocks
     for name, dtype in state.dtypes.items():
@@ -845,4 +847,4 @@ def _build(state: _State) -> PoolSnapshot:
         device=h.device, block_hash=arrays.get("block_hash"), version=state.version, source=h.source,
         kv_cache_groups=tuple(KVCacheGroupInfo(g.kind, g.sliding_window, tuple(g.layers)) for g in h.groups),
         group_block_tables=state.group_view, block_group=arrays.get(GROUP_ARRAY), tiers=state.tier_frozen,
-        tokenizer=h.tokenizer)
+        tokenizer=h.tokenizer, kv_cache_dtype=h.kv_cache_dtype)

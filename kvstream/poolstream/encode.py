@@ -182,7 +182,7 @@ def _header(snapshot: PoolSnapshot) -> Header:
     return Header(str(snapshot.source), int(snapshot.num_blocks), int(snapshot.block_size), str(snapshot.model_name),
                   str(snapshot.device), int(snapshot.max_model_len), dtypes, groups,
                   len(snapshot.group_block_tables) if snapshot.carries_group_tables else 0, tiers,
-                  tokenizer=str(snapshot.tokenizer))
+                  tokenizer=str(snapshot.tokenizer), kv_cache_dtype=str(snapshot.kv_cache_dtype))
 
 
 def _tier_arrays(snapshot: PoolSnapshot) -> dict[str, np.ndarray]:

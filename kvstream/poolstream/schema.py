@@ -87,6 +87,7 @@ class Header(msgspec.Struct, frozen=True):
     tiers: dict[str, TierSpec] = {}  # format 2: the lower tiers that are on, by name
     tokenizer: str = ""  # what turns the stream's token ids into text (PoolSnapshot.tokenizer); "": not said. Added
     # within format 2: a reader without the field skips it (a header is a map), and a header without it reads as ""
+    kv_cache_dtype: str = ""  # what the pool stores K/V as (PoolSnapshot.kv_cache_dtype); added as tokenizer was
 
 
 class TablePatch(msgspec.Struct, array_like=True, frozen=True):
