@@ -279,3 +279,22 @@ def test_the_native_cache_write_is_the_rule(dtype, compute):
         stored_v = value_cache.view(-1, kv_heads, dim)[slots].view(torch.uint8)
         assert torch.equal(stored_k, quantize(k, dtype, scales[0]).view(torch.uint8))
         assert torch.equal(stored_v, quantize(v, dtype, scales[1]).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("query", [torch.float32, torch.bfloat16])
+def test_the_native_walk_reads_every_code_exactly(dtype, query):
+    """csrc/elements.h's fp8 reads (the code's bits moved into a float32 and the exponent made up by an exact
+    multiply): attention over one key returns its V row, so every finite code comes back as torch's cast reads it,
+    subnormals and the largest values included."""
+    from engine import native
+    c = codes(dtype)
+    c = torch.cat([c, c[: (-len(c)) % 16]])  # whole vectors of sixteen
+    values = c.view(dtype).view(1, 1, 1, -1)
+    out = native.decode(torch.zeros(1, 1, values.shape[-1], dtype=query), torch.zeros_like(values), values,
+                        torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
+    assert out is not None
+    expected = values.float().view(-1)
+    if query is torch.bfloat16:  # the output is rounded to bfloat16 once (every fp8 value is a bfloat16 value)
+        expected = expected.bfloat16()
+    assert torch.equal(out.view(-1), expected)

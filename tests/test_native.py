@@ -696,3 +696,34 @@ def test_argmax_rows_at_a_vocabulary_and_where_it_declines():
     assert native.argmax_rows(torch.zeros(0, 5)) == []
     for other in (logits.double(), logits.to(torch.bfloat16), logits[:, ::2], logits[0]):
         assert native.argmax_rows(other) is None  # another dtype, a strided view, one row: torch's argmax answers
+
+
+def test_team_size_takes_the_faster_and_tries_the_other_now_and_then():
+    """engine.native.TeamSize: both sizes are tried first, then the one with the lower running average serves, and
+    every TEAM_PROBE_EVERY-th step tries the other again, so a machine that gets busier (or quieter) is followed."""
+    sizes = native.TeamSize()
+    seconds = {2: 0.010, 1: 0.030}  # two threads faster
+    taken = []
+    for _ in range(3 * native.TEAM_PROBE_EVERY):
+        threads = sizes.choose(16, 2)
+        taken.append(threads)
+        sizes.record(16, 2, threads, seconds[threads])
+    assert taken[:2] == [2, 1] and taken.count(1) == 1 + 3  # the first try, then one probe per 64 steps
+    seconds = {2: 0.090, 1: 0.030}  # the machine got busy: one thread is now faster
+    for _ in range(native.TEAM_PROBE_EVERY):
+        threads = sizes.choose(16, 2)
+        sizes.record(16, 2, threads, seconds[threads])
+    assert sizes.choose(16, 2) == 1 and sizes.averages(16, 2)[2] > sizes.averages(16, 2)[1]
+    assert sizes.choose(4, 1) == 1  # one thread to give: nothing to choose
+
+
+def test_the_one_call_step_gives_the_same_bits_on_one_thread_and_on_two(monkeypatch):
+    """The step's kernels are cut into parts that either thread takes: the tokens and the K/V written do not depend
+    on how many threads there were."""
+    results = []
+    for threads in (1, 2):
+        monkeypatch.setattr(native.team_size, "choose", lambda rows, most, threads=threads: threads)
+        eng = Engine(EngineConfig(model="builtin", block_size=4, num_blocks=512))
+        tokens = eng.generate([[3 + i, 4, 5, 6, 7, 8 + i] for i in range(20)], max_new_tokens=12)
+        results.append((tokens, eng.kv.data.clone()))
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])

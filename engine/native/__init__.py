@@ -492,6 +492,53 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
 
 
 STACK_FIELDS = 8  # addresses per layer in decode_stack's weights table (decode_stack.c's FIELDS)
+TEAM_PROBE_EVERY = 64  # one-call steps between two tries of the team size not in use (TeamSize)
+TEAM_EMA = 0.25  # weight of a step's time in its team size's running average
+
+
+class TeamSize:
+    """How many threads a one-call decode step takes: all of torch's, or one, whichever has been faster lately for
+    steps of that many rows. Each step is timed; the size in use is tried again every TEAM_PROBE_EVERY steps.
+
+    Why: the step's kernels hand their parts from thread to thread hundreds of times a step. On a machine whose cores
+    other processes also want, a thread is often off its core for a whole time slice while the other waits for its
+    part, and two threads then ran a step slower than one (docs/engine.md, "One region per decode step"); on a quiet
+    machine two are faster. The thread count does not change a step's bits (each output is summed in one order by
+    whichever thread takes it: tested), only its time."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seconds: dict[tuple, dict[int, float]] = {}  # (rows, most threads) -> {threads: average seconds}
+        self._calls: dict[tuple, int] = {}
+
+    def choose(self, rows: int, most: int) -> int:
+        if most <= 1:
+            return 1
+        key = (rows, most)
+        with self._lock:
+            seen = self._seconds.setdefault(key, {})
+            calls = self._calls[key] = self._calls.get(key, 0) + 1
+            for threads in (most, 1):
+                if threads not in seen:
+                    return threads
+            best = min((most, 1), key=seen.__getitem__)
+            return (1 if best == most else most) if calls % TEAM_PROBE_EVERY == 0 else best
+
+    def record(self, rows: int, most: int, threads: int, seconds: float) -> None:
+        key = (rows, most)
+        with self._lock:
+            seen = self._seconds.setdefault(key, {})
+            old = seen.get(threads)
+            seen[threads] = seconds if old is None else old + TEAM_EMA * (seconds - old)
+
+    def averages(self, rows: int, most: int) -> dict[int, float]:
+        """The running average seconds of each team size tried for steps of ``rows`` rows (for benches and tests)."""
+        with self._lock:
+            return dict(self._seconds.get((rows, most), {}))
+
+
+team_size = TeamSize()
 
 
 def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -533,11 +580,15 @@ def decode_stack(x: torch.Tensor, weights: torch.Tensor, caches: Sequence[tuple[
                           dtype=x.dtype)
     out = torch.empty_like(x)
     slots = slots.contiguous()
+    most = torch.get_num_threads()
+    threads = team_size.choose(tokens, most)
+    start = team_size.clock()
     status = (lib.decode_stack_bf16 if bf16 else lib.decode_stack_f32)(
         x.data_ptr(), out.data_ptr(), scratch.data_ptr(), weights.data_ptr(), addresses.data_ptr(), weights.shape[0],
         final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
         seq_lens.data_ptr(), tokens, hidden, heads, kv_heads, dim, inter, block_size, eps, layer_scales.data_ptr(),
-        window or 0, kv_kind, torch.get_num_threads())
+        window or 0, kv_kind, threads)
+    team_size.record(tokens, most, threads, team_size.clock() - start)
     if status == 2:
         raise MemoryError("decode step: out of memory for a kernel's scratch")
     return None if status else out

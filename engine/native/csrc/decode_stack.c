@@ -38,8 +38,11 @@
 
 /* One walk for both element types (float32: the _f32 kernels; bfloat16, stored as uint16_t: the _bf16 ones, which
  * round where the layer-by-layer bfloat16 loop rounds, since they are the kernels it calls). The whole step is one
- * OpenMP region: each kernel's part for this thread, then a barrier (team.h) before the next kernel reads what the
- * team wrote; a failure any thread meets (scratch memory) stops all of them at that barrier. */
+ * OpenMP region; each kernel is cut into CHUNKS parts (its `*_part` for part c of CHUNKS: where a kernel splits its
+ * work, its output does not depend on how: tested) that the threads take as they come (team.h's team_step), and the
+ * next kernel starts when every part is done; a failure any part meets (scratch memory) stops all of them. Decode
+ * attention takes its items from its own counter (whole sequences, or KV heads of them: chosen by the team's size,
+ * as the kernel alone chooses them), so its parts are the threads. */
 #define DECODE_STACK(T, SUFFIX, KIND)                                                                                  \
 int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, const int64_t *caches, int layers,         \
                           const T *final_norm, const T *cos, const T *sin, const int64_t *slots,                       \
@@ -55,14 +58,17 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
     T *delta = attn + tokens * attn_n, *gate_up = delta + tokens * hidden, *act = gate_up + tokens * 2 * inter;       \
     int64_t *next = calloc((size_t)(layers > 0 ? layers : 1), sizeof *next); /* each layer's attention items */       \
     if (!next) return 2;                                                                                               \
-    team_barrier barrier = {0};                                                                                        \
-    int status = 0;                                                                                                    \
     if (threads < 1) threads = 1;                                                                                      \
+    const int steps = 9 * layers + 1;                                                                                  \
+    team_step *step = calloc((size_t)steps, sizeof *step); /* each kernel's parts: handed out, done */                 \
+    if (!step) { free(next); return 2; }                                                                               \
+    team_state team = {0};                                                                                             \
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")                                                      \
     {                                                                                                                  \
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                               \
-        int failed = 0;                                                                                                \
-        for (int l = 0; l < layers && !failed; l++) {                                                                  \
+        const int team_size = omp_get_num_threads();                                                                   \
+        const int chunks = team_size > 1 ? CHUNKS_PER_THREAD * team_size : 1; /* parts of each kernel */               \
+        int s = 0, failed = 0;                                                                                         \
+        for (int l = 0; l < layers; l++) {                                                                             \
             const int64_t *w = weights + (int64_t)l * FIELDS;                                                          \
             void *key_cache = (void *)(intptr_t)caches[2 * l];                                                        \
             void *value_cache = (void *)(intptr_t)caches[2 * l + 1];                                                  \
@@ -72,8 +78,8 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
             STEP(rope_store_##SUFFIX##_part(qkv, cos, sin, slots, q, key_cache, value_cache, tokens, heads, kv_heads,  \
                                             dim, kv_kind, ls[1], ls[2], t, nt));                                       \
             STEP(paged_decode_part(q, key_cache, value_cache, tables, table_stride, lens, attn, tokens, heads,         \
-                                   kv_heads, dim, block_size, ls[0], ls[3], window, KIND | kv_kind << 4, next + l, t,  \
-                                   nt));                                                                               \
+                                   kv_heads, dim, block_size, ls[0], ls[3], window, KIND | kv_kind << 4, next + l,     \
+                                   t % team_size, team_size));                                                         \
             STEP(panel_gemm_##SUFFIX##_part(attn, P(T, w[3]), P(T, w[4]), delta, tokens, hidden, attn_n, t, nt));      \
             STEP(add_rms_norm_##SUFFIX##_part(x, delta, P(T, w[5]), h, tokens, hidden, eps, t, nt));                   \
             STEP(panel_gemm_##SUFFIX##_part(h, P(T, w[6]), 0, gate_up, tokens, 2 * inter, hidden, t, nt));             \
@@ -81,12 +87,14 @@ int decode_stack_##SUFFIX(T *x, T *out, T *scratch, const int64_t *weights, cons
             STEP(panel_gemm_##SUFFIX##_part(act, P(T, w[7]), 0, delta, tokens, hidden, inter, t, nt));                 \
         }                                                                                                              \
         if (!failed)                                                                                                   \
-            failed = team_wait(&barrier, nt, add_rms_norm_##SUFFIX##_part(x, layers ? delta : 0, final_norm, out,     \
-                                                                          tokens, hidden, eps, t, nt));                \
-        if (failed && t == 0) status = failed;                                                                         \
+            do {                                                                                                       \
+                STEP(add_rms_norm_##SUFFIX##_part(x, layers ? delta : 0, final_norm, out, tokens, hidden, eps, t,      \
+                                                  nt));                                                                \
+            } while (0);                                                                                               \
     }                                                                                                                  \
+    free(step);                                                                                                        \
     free(next);                                                                                                        \
-    return status;                                                                                                     \
+    return __atomic_load_n(&team.failed, __ATOMIC_ACQUIRE);                                                            \
 }
 
 static int scratch_countdown; /* 0: allocations succeed; n > 0: the n-th from now fails (once) */
@@ -104,8 +112,20 @@ void *team_scratch(size_t bytes) {
 }
 
 #define P(T, address) ((T *)(intptr_t)(address))
-/* this thread's part, then the team's barrier; every thread leaves the layer loop together when one failed */
-#define STEP(call) if ((failed = team_wait(&barrier, nt, (call)))) break
+#define CHUNKS_PER_THREAD 4 /* parts of a kernel per thread of the team: a part late for its thread waits a quarter */
+/* one kernel: the parts this thread takes (`call`: its part t of nt = part t of chunks), then wait for the others'; a
+ * failure anywhere ends the layer loop (`break`) for every thread */
+#define STEP(call)                                                                                                     \
+    {                                                                                                                  \
+        team_step *step_ = step + s++;                                                                                 \
+        for (int t; !__atomic_load_n(&team.failed, __ATOMIC_RELAXED) &&                                               \
+                    (t = __atomic_fetch_add(&step_->next, 1, __ATOMIC_RELAXED)) < chunks;) {                           \
+            const int nt = chunks; (void)nt; /* (attention takes the team's size instead) */                          \
+            team_part_done(&team, step_, (call));                                                                      \
+        }                                                                                                              \
+        failed = chunks > 1 ? team_step_wait(&team, step_, chunks) : __atomic_load_n(&team.failed, __ATOMIC_RELAXED);  \
+    }                                                                                                                  \
+    if (failed) break
 
 DECODE_STACK(float, f32, EL_F32)
 DECODE_STACK(uint16_t, bf16, EL_BF16)

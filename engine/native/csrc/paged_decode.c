@@ -531,7 +531,7 @@ static int decode_items_part(const struct decode_args *a, int64_t seqs, decode_i
     const int group = a->heads / a->kv_heads;
     int per_item;
     const int64_t items = decode_items(seqs, a->kv_heads, nt, &per_item);
-    if (t >= items) return 0;
+    if (t >= items || __atomic_load_n(next, __ATOMIC_RELAXED) >= items) return 0; /* (nothing left to take) */
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) {
         const int64_t n = a->lens[s] - window_begin(a->lens[s], a->window);

@@ -22,7 +22,18 @@
 #define TEAM_PAUSE() ((void)0)
 #endif
 
-#define TEAM_SPINS 20000 /* pauses before a waiting thread yields its core on each further check (~0.1-1 ms) */
+#if defined(__linux__)
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* glibc's, declared by unistd.h only outside ISO C (the build is -std=c11) */
+#define TEAM_FUTEX 1
+#else
+#define TEAM_FUTEX 0
+#endif
+
+#define TEAM_SPINS 20000    /* most pauses a waiting thread spins before it sleeps (~0.1-1 ms) */
+#define TEAM_MIN_SPINS 64   /* fewest: a machine busy with other work still gets a short spin */
 
 /* thread t's share [*lo, *hi) of n items among nt: contiguous blocks, the first n % nt one item longer (what
  * schedule(static) gives) */
@@ -32,34 +43,78 @@ static inline void team_share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi
     *hi = *lo + q + (t < r ? 1 : 0);
 }
 
-/* A barrier that also agrees on failure: every thread of the team arrives with its status (0, or a kernel's
- * nonzero status) and leaves with the first nonzero one any thread brought to this crossing, so that all of them
- * stop together. `result` is written by the last to arrive and read by each after it leaves; the next crossing's
- * last arrival, which overwrites it, needs every thread to have arrived there first, so no one reads it late. */
+/* One kernel of a step shared among a team by chunks (decode_stack.c): the kernel's work is cut into `chunks`
+ * parts (each kernel's `*_part` for part c of `chunks`), which the threads take one at a time from `next`; `done`
+ * counts the parts finished, and the next kernel starts when all are. A thread that is off its core (a machine
+ * whose cores other processes also want) holds no part unless it was preempted inside one, so the others carry on
+ * without it, and when it is back it joins whichever kernel is current; a barrier that every thread must reach made
+ * each of a step's 270 crossings wait a time slice for the thread that was away (the 135M shape's step: about 60 ms
+ * on one thread, 900 ms on two; docs/engine.md, "One region per decode step"). */
 typedef struct {
-    int arrived, generation, failed, result;
-    char own_line[64 - 4 * sizeof(int)]; /* a cache line of its own: the waiting thread polls it while the working
-                                           * one writes the stack around it (false sharing slowed the step 5%) */
-} __attribute__((aligned(64))) team_barrier;
+    int next, done;
+} team_step;
 
-static inline int team_wait(team_barrier *b, int nt, int status) {
+/* The team's shared state for one call: the first failure any part reported, the threads asleep on a `done`. Waiting
+ * is a spin first (between two kernels of a step the parts left are usually microseconds from done), then sleep on
+ * the futex of the `done` awaited until a thread that finishes a part wakes the sleepers. The spin adapts: a wait that
+ * had to sleep halves the next spin, one that ended spinning doubles it (up to TEAM_SPINS). */
+typedef struct {
+    int failed, sleepers, spins;
+    char own_line[64 - 3 * sizeof(int)]; /* a cache line of its own, away from the stack the threads write */
+} __attribute__((aligned(64))) team_state;
+
+static inline void team_sleep(int *word, int value) {
+#if TEAM_FUTEX
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+#else
+    (void)word, (void)value;
+    sched_yield();
+#endif
+}
+
+static inline void team_wake(int *word) {
+#if TEAM_FUTEX
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+/* part c of a step is finished, with `status` (0, or a kernel's nonzero status: the first is kept for everyone) */
+static inline void team_part_done(team_state *team, team_step *step, int status) {
     if (status) {
         int none = 0;
-        __atomic_compare_exchange_n(&b->failed, &none, status, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+        __atomic_compare_exchange_n(&team->failed, &none, status, 0, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED);
     }
-    if (nt <= 1) return __atomic_exchange_n(&b->failed, 0, __ATOMIC_RELAXED);
-    const int generation = __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == nt) {
-        b->result = __atomic_exchange_n(&b->failed, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->generation, generation + 1, __ATOMIC_RELEASE);
-    } else {
-        for (long spins = 0; __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE) == generation; spins++) {
-            if (spins < TEAM_SPINS) TEAM_PAUSE();
-            else sched_yield();
+    __atomic_add_fetch(&step->done, 1, __ATOMIC_SEQ_CST); /* releases what the part wrote */
+    if (__atomic_load_n(&team->sleepers, __ATOMIC_SEQ_CST)) team_wake(&step->done);
+}
+
+/* Wait until all `chunks` parts of a step are done (or a part failed); returns the failure, else 0. */
+static inline int team_step_wait(team_state *team, team_step *step, int chunks) {
+    int limit = __atomic_load_n(&team->spins, __ATOMIC_RELAXED);
+    if (limit < TEAM_MIN_SPINS || limit > TEAM_SPINS) limit = TEAM_SPINS;
+    int slept = 0, spins = 0;
+    for (int done; (done = __atomic_load_n(&step->done, __ATOMIC_ACQUIRE)) < chunks &&
+                   !__atomic_load_n(&team->failed, __ATOMIC_ACQUIRE);) {
+        if (spins++ < limit) {
+            TEAM_PAUSE();
+            continue;
         }
+        /* counted before the futex compares `done` again: a finishing part, which moves `done` first and reads the
+         * count after, either sees this sleeper or moved `done` before the compare (the wait then returns at once) */
+        __atomic_add_fetch(&team->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&step->done, __ATOMIC_SEQ_CST) == done && !__atomic_load_n(&team->failed, __ATOMIC_SEQ_CST))
+            team_sleep(&step->done, done);
+        __atomic_sub_fetch(&team->sleepers, 1, __ATOMIC_SEQ_CST);
+        slept = 1;
     }
-    return b->result;
+    if (spins) {
+        const int next = slept ? limit / 2 : limit * 2;
+        __atomic_store_n(&team->spins, next < TEAM_MIN_SPINS ? TEAM_MIN_SPINS : next > TEAM_SPINS ? TEAM_SPINS : next,
+                         __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&team->failed, __ATOMIC_ACQUIRE);
 }
 
 /* scratch memory for a kernel's thread (decode_stack.c): malloc, or null where kernels_fail_scratch asked the n-th
