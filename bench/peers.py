@@ -36,12 +36,21 @@ Tokens: "agree for" is the fewest first tokens any sequence of any round shares 
 each table gives the same for the peers among themselves (transformers against vLLM), which says how early two
 other implementations part on these weights.
 
+fp8 KV cache: the systems ``engine-fp8`` and ``vllm-fp8`` are the engine and vLLM with ``--kv-cache-dtype`` (fp8,
+e4m3, by default); ``--reference`` names the system the ratio and token columns compare with (an fp8 run compares
+with ``engine-fp8``: the row of ``engine`` then reads the fp8 cache's speed over the model's own, the row of
+``vllm-fp8`` the engine's over vLLM's fp8 path). ``135m-long`` and ``smollm2-long`` decode 64 tokens after
+1,536-token prompts (batch 16), where reading the K/V is most of a step.
+
 Targets (issue 12, float32): engine >= 1.5x transformers generate and >= 1.8x vLLM at batch 16 and 64 on the 3M
 config and at batch 16 on the 135M shape; 60% of the bandwidth bound on the 135M shape. Issue 34 (bfloat16): 1.5x
-vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound.
+vLLM and transformers at the same workloads, 60% of the 135M shape's bfloat16 bandwidth bound. Issue 50: 2.0x vLLM
+on the 135M shape in float32 and in bfloat16. Issue 47 (bfloat16, fp8 cache): 135m-long at least 1.25x the engine
+with its bfloat16 cache and 1.5x vLLM's fp8 cache; 135m-16 at least 0.95x the bfloat16 cache.
 
-    python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16 smollm2-16] [--systems engine hf hf-cb vllm]
-                          [--dtype float32|bfloat16] [--engine-budget 4096]
+    python bench/peers.py [--rounds 3] [--workloads 3m-16 3m-64 135m-16 smollm2-16 135m-long smollm2-long]
+                          [--systems engine hf hf-cb vllm engine-fp8 vllm-fp8] [--dtype float32|bfloat16]
+                          [--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2] [--reference engine-fp8] [--engine-budget 4096]
 """
 from __future__ import annotations
 
@@ -61,9 +70,11 @@ MARK = "@@PEERS "  # prefix of a worker's reply line (everything else on its std
 PROMPT_LEN = 64
 VLLM_CPU_BUDGET = 4096  # vLLM's max_num_batched_tokens for its LLM class on a CPU (engine/arg_utils.py, 0.32)
 ENGINE_MAX_NUM_SEQS = 256  # EngineConfig's default max_num_seqs, which a step budget may not be under
-SYSTEMS = ("engine", "hf", "hf-cb", "vllm", "baseline")
+SYSTEMS = ("engine", "hf", "hf-cb", "vllm", "engine-fp8", "vllm-fp8", "baseline")
 LABELS = {"engine": "engine", "hf": "transformers generate", "hf-cb": "transformers generate_batch",
-          "vllm": "vLLM", "baseline": "engine (--baseline tree)"}
+          "vllm": "vLLM", "engine-fp8": "engine, fp8 cache", "vllm-fp8": "vLLM, fp8 cache",
+          "baseline": "engine (--baseline tree)"}
+FP8_SYSTEMS = ("engine-fp8", "vllm-fp8")  # the engine and vLLM with --kv-cache-dtype (an fp8 K/V cache)
 
 MODELS = {
     "3m": dict(vocab_size=258, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -84,10 +95,13 @@ class Workload:
     model: str  # key of MODELS
     batch: int  # prompts decoded together
     new_tokens: int  # tokens generated per prompt
+    prompt_len: int = PROMPT_LEN  # tokens of each prompt
 
 
 WORKLOADS = {w.name: w for w in (Workload("3m-16", "3m", 16, 128), Workload("3m-64", "3m", 64, 128),
-                                 Workload("135m-16", "135m", 16, 64), Workload("smollm2-16", "smollm2", 16, 64))}
+                                 Workload("135m-16", "135m", 16, 64), Workload("smollm2-16", "smollm2", 16, 64),
+                                 Workload("135m-long", "135m", 16, 64, 1536),
+                                 Workload("smollm2-long", "smollm2", 16, 64, 1536))}
 DEFAULT_WORKLOADS = ("3m-16", "3m-64", "135m-16")  # smollm2-16 when asked for (it needs the fetched model)
 
 
@@ -174,10 +188,12 @@ class Worker:
     """One system in its own process, answering run requests one line at a time."""
 
     def __init__(self, system: str, python: str, checkpoint: Path, workload: Workload, env: dict,
-                 baseline: Path | None = None, dtype: str = "float32"):
+                 baseline: Path | None = None, dtype: str = "float32", kv_cache_dtype: str = "auto"):
         self.system = system
         cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--checkpoint", str(checkpoint),
-               "--batch", str(workload.batch), "--new-tokens", str(workload.new_tokens), "--dtype", dtype]
+               "--batch", str(workload.batch), "--new-tokens", str(workload.new_tokens), "--dtype", dtype,
+               "--prompt-len", str(workload.prompt_len),
+               "--kv-cache-dtype", kv_cache_dtype if system in FP8_SYSTEMS else "auto"]
         if baseline is not None:
             cmd += ["--baseline", str(baseline)]
         self.log = tempfile.TemporaryFile(mode="w+")  # the worker's stderr, for the reason when it fails
@@ -215,13 +231,17 @@ def spread(values: list[float]) -> str:
 
 
 def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: int, vllm_python: str | None,
-            env: dict, bandwidth: float, baseline: Path | None, dtype: str = "float32") -> None:
-    print(f"\n{workload.name}: {workload.model} model, batch {workload.batch}, {PROMPT_LEN}-token prompts, "
-          f"{workload.new_tokens} new tokens, greedy, {dtype}, {rounds} rounds")
+            env: dict, bandwidth: float, baseline: Path | None, dtype: str = "float32", kv_cache_dtype: str = "fp8",
+            reference: str = "engine") -> None:
+    prompt_len = workload.prompt_len
+    print(f"\n{workload.name}: {workload.model} model, batch {workload.batch}, {prompt_len}-token prompts, "
+          f"{workload.new_tokens} new tokens, greedy, {dtype}, {rounds} rounds"
+          + (f"; the fp8 systems' cache {kv_cache_dtype}" if set(systems) & set(FP8_SYSTEMS) else ""))
     workers: dict[str, Worker] = {}
     for system in systems:
-        python = vllm_python if system == "vllm" else sys.executable
-        worker = Worker(system, python, checkpoint, workload, env, baseline if system == "baseline" else None, dtype)
+        python = vllm_python if system.startswith("vllm") else sys.executable
+        worker = Worker(system, python, checkpoint, workload, env, baseline if system == "baseline" else None, dtype,
+                        kv_cache_dtype)
         if worker.ready.get("ok"):
             workers[system] = worker
             print(f"  {LABELS[system]}: {worker.ready.get('version', '')}")
@@ -247,10 +267,10 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
                 decode[system].append(all_["seconds"] - one["seconds"])
                 outputs[system] = all_["tokens"]
             for system in workers:
-                same[system].append(outputs[system] == outputs.get("engine", outputs[system]))
-                agreed[system].append(agreed_prefix(outputs[system], outputs.get("engine", outputs[system])))
-                per_seq[system] += prefix_lengths(outputs[system], outputs.get("engine", outputs[system]))
-            peers = [p for p in ("hf", "vllm", "hf-cb") if p in outputs]
+                same[system].append(outputs[system] == outputs.get(reference, outputs[system]))
+                agreed[system].append(agreed_prefix(outputs[system], outputs.get(reference, outputs[system])))
+                per_seq[system] += prefix_lengths(outputs[system], outputs.get(reference, outputs[system]))
+            peers = [p for p in ("hf", "vllm", "hf-cb", "vllm-fp8") if p in outputs]
             for i, a in enumerate(peers):
                 for b in peers[i + 1:]:
                     among.setdefault((a, b), []).extend(prefix_lengths(outputs[a], outputs[b]))
@@ -259,31 +279,33 @@ def compare(workload: Workload, checkpoint: Path, systems: list[str], rounds: in
             worker.close()
     tokens = workload.batch * workload.new_tokens
     decoded = workload.batch * (workload.new_tokens - 1)
-    weights, kv = step_bytes(workload.model, workload.batch, PROMPT_LEN + workload.new_tokens / 2, dtype)
+    weights, kv = step_bytes(workload.model, workload.batch, prompt_len + workload.new_tokens / 2, dtype)
     bound = workload.batch * bandwidth / (weights + kv)
     m = MODELS[workload.model]
     flops = read_flops(workload.batch, m["hidden_size"], 2 * m["intermediate_size"], dtype)
-    compute = flops / step_flops(workload.model, PROMPT_LEN + workload.new_tokens / 2)
+    compute = flops / step_flops(workload.model, prompt_len + workload.new_tokens / 2)
     roof = min(bound, compute)
     print(f"  a decode step reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of K/V; at "
           f"{bandwidth / 1e9:.1f} GB/s the bound is {bound:.0f} tok/s")
     print(f"  its arithmetic at {flops / 1e9:.0f} GFLOP/s (this machine's best {dtype} matmul rate, measured now) "
           f"bounds it at {compute:.0f} tok/s; the roof, the lower of the two, is {roof:.0f} tok/s")
     print(f"  {'system':<28} {'tok/s':>8} {'decode tok/s':>13} {'of bound':>9} {'of roof':>8} "
-          f"{'engine x (range)':>18} {'engine x decode':>16} {'same tokens':>12} {'agree for':>10} "
-          f"{'median':>7}")
+          f"{'ref x (range)':>18} {'ref x decode':>16} {'same tokens':>12} {'agree for':>10} "
+          f"{'median':>7}   (ref: {LABELS[reference]})")
     for system in workers:
         tps = [tokens / t for t in full[system]]
         dps = [decoded / t for t in decode[system]]
-        ratio = [a / b for a, b in zip(full[system], full["engine"])] if "engine" in workers else [float("nan")]
-        dratio = [a / b for a, b in zip(decode[system], decode["engine"])] if "engine" in workers else [float("nan")]
+        ratio = [a / b for a, b in zip(full[system], full[reference])] if reference in workers else [float("nan")]
+        dratio = [a / b for a, b in zip(decode[system], decode[reference])] if reference in workers \
+            else [float("nan")]
         print(f"  {LABELS[system]:<28} {statistics.median(tps):>8.0f} {statistics.median(dps):>13.0f} "
               f"{statistics.median(dps) / bound:>9.0%} {statistics.median(dps) / roof:>8.0%} "
               f"{statistics.median(ratio):>6.2f} ({spread(ratio)}) "
               f"{statistics.median(dratio):>5.2f} ({spread(dratio)}) {sum(same[system]):>4}/{rounds} rounds "
               f"{min(agreed[system]):>6} tok {statistics.median(per_seq[system]):>5.0f} tok")
-    print("  agree for: the fewest first tokens any sequence of any round shares with the engine's (a bfloat16 run "
-          "may part where two logits are within a rounding; the target is at least 32); median: over the sequences")
+    print(f"  ref x: the reference's speed over each system's (its time / the reference's), per round; agree for: "
+          f"the fewest first tokens any sequence of any round shares with the reference's (a bfloat16 run may part "
+          f"where two logits are within a rounding); median: over the sequences")
     for (a, b), runs in among.items():
         print(f"  the peers among themselves: {LABELS[a]} and {LABELS[b]} agree for {min(runs)} tok "
               f"(median {statistics.median(runs):.0f})")
@@ -308,7 +330,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=list(SYSTEMS[:4]))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=list(SYSTEMS[:-1]))
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="a Python that can import vllm (skipped if it cannot)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the checkpoints here (default: a temp dir)")
@@ -317,6 +339,11 @@ def main() -> None:
                              "runs as one more system, for before/after figures in one run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="every system's weights, activations and KV cache (default float32)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="fp8",
+                        help="the K/V cache of the engine-fp8 and vllm-fp8 systems (default fp8, e4m3)")
+    parser.add_argument("--reference", choices=SYSTEMS[:-1], default="engine",
+                        help="the system the ratio and token columns compare with (default engine)")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=argparse.SUPPRESS)
     parser.add_argument("--engine-budget", type=int, default=VLLM_CPU_BUDGET,
                         help=f"the engine's max_num_batched_tokens (default {VLLM_CPU_BUDGET}: what vLLM's LLM class "
                              "takes on a CPU, so both schedule a step alike; 0: the engine's own default, made for "
@@ -342,11 +369,11 @@ def main() -> None:
         env["PEERS_ENGINE_THREADS"] = str(args.engine_threads)  # read by the engine workers only
     if args.omp_wait_policy != "default":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
-    vllm_python = args.vllm_python if "vllm" in args.systems else None
+    vllm_python = args.vllm_python if {"vllm", "vllm-fp8"} & set(args.systems) else None
     systems = [s for s in args.systems if s != "baseline"] + (["baseline"] if args.baseline else [])
     if vllm_python and not Path(vllm_python).exists():
         print(f"vLLM: skipped ({vllm_python} does not exist; pass --vllm-python)")
-        systems.remove("vllm")
+        systems = [s for s in systems if not s.startswith("vllm")]
     import torch
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
@@ -365,15 +392,16 @@ def main() -> None:
                 print(f"\n{name}: skipped ({exc})")
                 continue
             compare(workload, checkpoint, systems, args.rounds, vllm_python, env, bandwidth, args.baseline,
-                    args.dtype)
+                    args.dtype, args.kv_cache_dtype, args.reference)
     after = read_bandwidth()
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s at the start, {after / 1e9:.1f} GB/s at the end "
           f"(bounds use the first)")
 
 
 # ---- a worker -----------------------------------------------------------------------------------------------------
-def prompts(seed: int, batch: int, vocab: int, checkpoint: Path | None = None) -> list[list[int]]:
-    """``batch`` prompts of PROMPT_LEN tokens for round ``seed``, the same in every worker: random ids for random
+def prompts(seed: int, batch: int, vocab: int, checkpoint: Path | None = None,
+            prompt_len: int = PROMPT_LEN) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` tokens for round ``seed``, the same in every worker: random ids for random
     weights; for a checkpoint with its own tokenizer (the real model), windows of this project's README as that
     tokenizer reads it, at random offsets."""
     import numpy as np
@@ -382,9 +410,9 @@ def prompts(seed: int, batch: int, vocab: int, checkpoint: Path | None = None) -
         from tokenizers import Tokenizer
         ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(
             (ROOT / "README.md").read_text(encoding="utf-8")).ids
-        starts = rng.integers(0, len(ids) - PROMPT_LEN, batch)
-        return [ids[int(s):int(s) + PROMPT_LEN] for s in starts]
-    return rng.integers(3, min(vocab, 256), (batch, PROMPT_LEN)).tolist()
+        starts = rng.integers(0, len(ids) - prompt_len, batch)
+        return [ids[int(s):int(s) + prompt_len] for s in starts]
+    return rng.integers(3, min(vocab, 256), (batch, prompt_len)).tolist()
 
 
 def worker_main(args) -> None:
@@ -392,8 +420,9 @@ def worker_main(args) -> None:
         print(MARK + json.dumps(fields), flush=True)
 
     try:
-        generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline, args.dtype)
-        generate(prompts(0, args.batch, vocab, args.checkpoint), 4)  # warm-up
+        generate, version, vocab = load_system(args.worker, args.checkpoint, args.batch, args.baseline, args.dtype,
+                                               args.prompt_len, args.kv_cache_dtype)
+        generate(prompts(0, args.batch, vocab, args.checkpoint, args.prompt_len), 4)  # warm-up
     except Exception as exc:  # a system that cannot run here is skipped with its reason
         reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         return
@@ -402,7 +431,7 @@ def worker_main(args) -> None:
         if line.strip() == "quit":
             break
         request = json.loads(line)
-        batch = prompts(request["seed"], args.batch, vocab, args.checkpoint)
+        batch = prompts(request["seed"], args.batch, vocab, args.checkpoint, args.prompt_len)
         try:
             start = time.perf_counter()
             tokens = generate(batch, request["new_tokens"])
@@ -411,19 +440,23 @@ def worker_main(args) -> None:
             reply(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None = None, dtype: str = "float32"):
-    """(generate(prompts, new_tokens) -> token lists, version text, vocabulary size) for one system."""
+def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None = None, dtype: str = "float32",
+                prompt_len: int = PROMPT_LEN, kv_cache_dtype: str = "auto"):
+    """(generate(prompts, new_tokens) -> token lists, version text, vocabulary size) for one system (the engine-fp8
+    and vllm-fp8 systems: the engine and vLLM with ``kv_cache_dtype``)."""
     config = json.loads((checkpoint / "config.json").read_text())
     vocab = config["vocab_size"]
-    if system in ("engine", "baseline"):
+    if system in ("engine", "engine-fp8", "baseline"):
         sys.path.insert(0, str(baseline.resolve() if system == "baseline" else ROOT))
         import torch
         from engine import Engine, EngineConfig
         if os.environ.get("PEERS_ENGINE_THREADS"):
             torch.set_num_threads(int(os.environ["PEERS_ENGINE_THREADS"]))
-        num_blocks = batch * (-(-(PROMPT_LEN + 256) // 16)) + 16
+        num_blocks = batch * (-(-(prompt_len + 256) // 16)) + 16
         budget = {"max_num_batched_tokens": int(os.environ["PEERS_ENGINE_BUDGET"])} \
             if os.environ.get("PEERS_ENGINE_BUDGET") else {}
+        if kv_cache_dtype != "auto":
+            budget["kv_cache_dtype"] = kv_cache_dtype
         eng = Engine(EngineConfig(model=str(checkpoint), block_size=16, num_blocks=num_blocks, dtype=dtype, **budget))
         try:  # every system generates n tokens, an end-of-sequence token taken like any other (vLLM's ignore_eos)
             eng.generate([[3]], max_new_tokens=1, ignore_eos=True)
@@ -452,8 +485,8 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
         if not hasattr(model, "generate_batch"):
             raise RuntimeError(f"transformers {transformers.__version__} has no generate_batch")
         from transformers import ContinuousBatchingConfig
-        cb = ContinuousBatchingConfig(num_blocks=batch * (-(-(PROMPT_LEN + 256) // 256)) + 8,
-                                      max_batch_tokens=max(1024, batch * PROMPT_LEN))
+        cb = ContinuousBatchingConfig(num_blocks=batch * (-(-(prompt_len + 256) // 256)) + 8,
+                                      max_batch_tokens=max(1024, batch * prompt_len))
 
         def generate(p, n):
             with torch.inference_mode():
@@ -461,13 +494,13 @@ def load_system(system: str, checkpoint: Path, batch: int, baseline: Path | None
                                            progress_bar=False)
             return [list(out[f"req_{i}"].generated_tokens) for i in range(len(p))]
         return generate, version + ", paged cache", vocab
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if prompt_len <= 256 else "3")  # GiB: a long workload's K/V
     import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     llm = LLM(model=str(checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0, block_size=32,
-              max_model_len=PROMPT_LEN + 256, max_num_seqs=max(batch, 16))
+              max_model_len=prompt_len + 256, max_num_seqs=max(batch, 16), kv_cache_dtype=kv_cache_dtype)
 
     def generate(p, n):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
