@@ -137,12 +137,15 @@ def test_publish_and_attach_between_two_processes(tmp_path):
     def done(lines):
         seen = json_lines("".join(lines))
         return bool(seen) and seen[-1]["step"] and seen[-1]["used"] == 0
-    publisher, out, err = start("--demo", "busy", *SMALL, "--publish", endpoint, "--quit-after", "120")
-    attacher = None
+    # the attacher first, connecting until the publisher binds: the paced demo (10 steps/s) is over in about 3 s,
+    # and a loaded machine can take that long to start a process, so one started after the publisher missed it
+    attacher, seen_out, seen_err = start("--attach", endpoint, "--quit-after", "120")
+    publisher = None
     try:
-        wait_until(lambda: any("publishing" in line for line in err) or publisher.poll() is not None, 120)
-        assert publisher.poll() is None, "".join(err)
-        attacher, seen_out, seen_err = start("--attach", endpoint, "--quit-after", "120")
+        wait_until(lambda: bool(json_lines("".join(seen_out))) or attacher.poll() is not None, 120,
+                   what="the attacher to start connecting")
+        assert attacher.poll() is None, "".join(seen_err)
+        publisher, out, err = start("--demo", "busy", *SMALL, "--publish", endpoint, "--quit-after", "120")
         # the attacher follows the publisher until the demo's work is done (each prints a line about once a second)
         wait_until(lambda: done(seen_out), 120, what="the attacher to see the work done",
                    seen=lambda: ("".join(seen_err), seen_out[-1:]))
