@@ -10,7 +10,7 @@ import torch
 from explorer.window.dialogs import pool_memory_text
 from kvstream.poolstream import StreamDecoder, StreamEncoder
 from kvstream.poolstream.schema import StreamError
-from test_gui_support import make_window, wait_for_snapshot  # noqa: F401  (fixture)
+from test_gui_support import wait_for_snapshot
 
 
 def test_status_bar_and_memory_readout_name_the_pool_dtype_and_a_blocks_bytes(qtbot, make_window):
