@@ -58,26 +58,23 @@ def main(argv: list[str] | None = None) -> int:
             print(model_note, file=sys.stderr)
     elif opts.model is None:
         opts.model = "builtin"  # the window's engine, should the user start one beside what it watches
+    from explorer.cli import source_spec
+    spec = source_spec(opts)  # what to watch and where the engine's frames go, as the rooms below take it
     if opts.headless and watching:  # no local engine: torch need not load
         from explorer.headless import run_headless_cli
-        return run_headless_cli(opts, None)
-    from engine import EngineConfig, EngineError
+        return run_headless_cli(opts, None, spec)
+    from engine import EngineError
+    from explorer.cli import engine_config
     try:
-        cfg = EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
-                           device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
-                           kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
-                           kv_events_topic=opts.kv_events_topic, kv_events_curve=opts.kv_events_curve,
-                           host_tier_blocks=opts.host_tier_blocks, disk_tier_blocks=opts.disk_tier_blocks,
-                           disk_tier_path=opts.disk_tier_path, eviction_policy=opts.eviction_policy,
-                           kv_cache_dtype=opts.kv_cache_dtype)
+        cfg = engine_config(opts)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if opts.headless:
         from explorer.headless import run_headless_cli
-        return run_headless_cli(opts, cfg)
+        return run_headless_cli(opts, cfg, spec)
     from explorer.window.app import run_gui
-    return run_gui(opts, cfg)
+    return run_gui(opts, cfg, spec)
 
 
 def make_keys(directory: str) -> int:

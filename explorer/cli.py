@@ -369,6 +369,29 @@ def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
         raise UsageError(f"--warmup must be at least 0 and below 1, got {opts.warmup}")
 
 
+def source_spec(opts: argparse.Namespace):
+    """The run's sources and sinks as the rooms below take them: the one place the namespace's flags are read for
+    them (explorer/feeds never sees argparse)."""
+    from .feeds.sources import SinkSpec, SourceSpec, WatchSpec
+    watch = WatchSpec(open=opts.open, attach=tuple(opts.attach), attach_kv_events=tuple(opts.attach_kv_events),
+                      tokenizer=opts.tokenizer, attach_metrics=getattr(opts, "attach_metrics", None))
+    sinks = SinkSpec(record=opts.record, publish=opts.publish, kv_events=opts.kv_events,
+                     kv_events_replay=getattr(opts, "kv_events_replay", None))
+    return SourceSpec(watch=watch, sinks=sinks, demo=opts.demo)
+
+
+def engine_config(opts: argparse.Namespace):
+    """The local engine's EngineConfig from the checked flags; raises EngineError for values the engine refuses."""
+    from engine import EngineConfig
+    return EngineConfig(model=opts.model, block_size=opts.block_size, num_blocks=opts.num_blocks,
+                        device=opts.device, dtype=opts.dtype, compile_attention=opts.compile_attention,
+                        kv_events_endpoint=opts.kv_events, kv_events_replay_endpoint=opts.kv_events_replay,
+                        kv_events_topic=opts.kv_events_topic, kv_events_curve=opts.kv_events_curve,
+                        host_tier_blocks=opts.host_tier_blocks, disk_tier_blocks=opts.disk_tier_blocks,
+                        disk_tier_path=opts.disk_tier_path, eviction_policy=opts.eviction_policy,
+                        kv_cache_dtype=opts.kv_cache_dtype)
+
+
 def _builtin_tokenizer(path: str) -> bool:
     """``--tokenizer builtin`` or ``--tokenizer resources/builtin``: the built-in byte tokenizer (no tokenizer.json)."""
     from .feeds.stream_feed import is_builtin_tokenizer

@@ -110,13 +110,14 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
     return printed
 
 
-def run_headless_cli(opts, cfg) -> int:
-    """``main.py --headless``: build the feeds the options ask for and follow them; 2 on a source that fails."""
-    from .feeds.sources import open_sources, watches
+def run_headless_cli(opts, cfg, spec) -> int:
+    """``main.py --headless``: build the feeds ``spec`` (a SourceSpec) asks for and follow them; 2 on
+    a source that fails. ``opts`` still carries the run's own flags (--json, --quit-after, the trace's)."""
+    from .feeds.sources import open_sources
     feeds, engine, traffic, export = [], None, None, None
     try:
-        if watches(opts):
-            feeds = open_sources(opts, window=False).feeds  # the same sources as the window builds
+        if spec.watch:
+            feeds = open_sources(spec, window=False).feeds  # the same sources as the window builds
             for feed in feeds:
                 feed.started()
             done = (lambda: all(f.complete for f in feeds)) if opts.open else None
@@ -140,7 +141,7 @@ def run_headless_cli(opts, cfg) -> int:
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            sources = open_sources(opts, cfg, engine, window=False, driver=driver, export=export)
+            sources = open_sources(spec, cfg, engine, window=False, driver=driver, export=export)
             feeds, outputs = sources.feeds, sources.outputs
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle

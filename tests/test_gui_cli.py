@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -276,11 +275,12 @@ def test_screenshot_of_the_lesson_demo_is_the_lesson_window(tmp_path, qtbot):
 def test_a_bad_tokenizer_directory_is_one_clear_error(tmp_path):
     """--tokenizer DIR whose tokenizer.json is not one: a ValueError naming the file (the CLI prints it as one
     line and exits 2), not the tokenizers library's traceback."""
+    from explorer.feeds.sources import WatchSpec
     from explorer.feeds.stream_feed import open_feeds
     (tmp_path / "tokenizer.json").write_text("{not json")
-    opts = SimpleNamespace(tokenizer=str(tmp_path), open=None, attach=[], attach_kv_events=["tcp://127.0.0.1:1"])
+    watch = WatchSpec(tokenizer=str(tmp_path), attach_kv_events=("tcp://127.0.0.1:1",))
     with pytest.raises(ValueError, match=r"cannot read tokenizer .*tokenizer\.json: not a tokenizer file"):
-        open_feeds(opts)
+        open_feeds(watch)
 
 
 def test_headless_closes_the_engine_when_an_output_cannot_start(tmp_path, monkeypatch, capsys):
@@ -300,7 +300,7 @@ def test_headless_closes_the_engine_when_an_output_cannot_start(tmp_path, monkey
     try:
         opts = cli.parse_args(["--headless", "--num-blocks", "16", "--kv-events", kv, "--publish", taken])
         cfg = EngineConfig(model="builtin", num_blocks=16, block_size=16, kv_events_endpoint=kv)
-        assert headless.run_headless_cli(opts, cfg) == 2
+        assert headless.run_headless_cli(opts, cfg, cli.source_spec(opts)) == 2
     finally:
         blocker.close(0)
     assert "error: cannot publish on" in capsys.readouterr().err

@@ -316,3 +316,26 @@ def test_no_two_modules_of_a_package_import_each_other(top):
         assert graph["explorer.window.actions"] >= {"explorer.window.files"}  # the walk sees relative imports
     cycles = circles(graph)
     assert not cycles, f"{top} modules import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def namespace_readers(folder: Path) -> list[str]:
+    """Every function under ``folder`` that takes the command line's namespace (a parameter named ``opts``) and
+    every module that imports argparse: what cli.py should have turned into typed specs already."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(arg.arg == "opts" for arg in node.args.args + node.args.kwonlyargs):
+                    found.append(f"{path.name}:{node.lineno} {node.name}(opts)")
+            elif isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names):
+                found.append(f"{path.name}:{node.lineno} imports argparse")
+    return found
+
+
+def test_the_namespace_stops_at_the_command_line():
+    """explorer/cli.py turns the flags once into typed specs (SourceSpec, EngineConfig); the feeds and the window's
+    model take those, never the argparse namespace, so they can be driven without a command line."""
+    root = Path(__file__).resolve().parents[1] / "explorer"
+    assert not namespace_readers(root / "feeds") + namespace_readers(root / "model")
+    assert namespace_readers(root / "window")  # the check sees what it looks for (app.py's run_gui(opts, ...))

@@ -261,19 +261,20 @@ def is_builtin_tokenizer(path: str) -> bool:
         return False
 
 
-def open_feeds(opts) -> list[Feed]:
-    """The feeds of ``--open`` / ``--attach`` / ``--attach-kv-events``; ValueError/OSError with a clear message."""
-    tokenizer = load_tokenizer(opts.tokenizer) if getattr(opts, "tokenizer", None) else None
+def open_feeds(watch) -> list[Feed]:
+    """The feeds of a :class:`~explorer.feeds.sources.WatchSpec` (``--open`` / ``--attach`` /
+    ``--attach-kv-events``); ValueError/OSError with a clear message."""
+    tokenizer = load_tokenizer(watch.tokenizer) if watch.tokenizer else None
     feeds: list[Feed] = []
     try:
-        if opts.open:
-            feeds.append(RecordingFeed.open(opts.open, tokenizer))
-        for endpoint in opts.attach:
+        if watch.open:
+            feeds.append(RecordingFeed.open(watch.open, tokenizer))
+        for endpoint in watch.attach:
             feeds.append(AttachFeed.connect(endpoint, tokenizer))
-        if opts.attach_kv_events:
+        if watch.attach_kv_events:
             from .kv_event_feed import KVEventFeed
-            feeds.append(KVEventFeed.connect(opts.attach_kv_events, tokenizer,
-                                             metrics_url=getattr(opts, "attach_metrics", None)))
+            feeds.append(KVEventFeed.connect(watch.attach_kv_events, tokenizer,
+                                             metrics_url=watch.attach_metrics))
     except Exception:
         for feed in feeds:
             feed.close()

@@ -14,7 +14,7 @@ from PySide6 import QtCore, QtWidgets
 from engine import EngineConfig
 
 from ..feeds.demo import DEMOS
-from ..feeds.sources import open_sources, watches
+from ..feeds.sources import SourceSpec, open_sources
 from .layout import LayoutMemory
 from .loader import load_engine_blocking
 from .main_window import MainWindow
@@ -102,13 +102,13 @@ def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> bool
     return False
 
 
-def run_gui(opts, cfg: EngineConfig) -> int:
+def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
     """Run the app until its window closes; returns the process exit code (2 when a source cannot start)."""
     app = application()
     settings = LayoutMemory.user_settings()
     demo = opts.demo
     engine = seeded = export = None
-    if not watches(opts):
+    if not spec.watch:
         if getattr(opts, "metrics_port", None) is not None:  # a port in use is said before the model loads
             from ..model.metrics_export import start_export
             try:
@@ -123,7 +123,7 @@ def run_gui(opts, cfg: EngineConfig) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     try:
-        feeds = open_sources(opts, cfg, engine, window=True, export=export).feeds  # as --headless builds them
+        feeds = open_sources(spec, cfg, engine, window=True, export=export).feeds  # as --headless builds them
     except (ValueError, OSError, ImportError) as exc:
         if engine is not None:
             engine.close()  # its KV-event sockets
