@@ -142,7 +142,8 @@ class Engine:
         planes, layer_slots = kv_cache_layout(self.kv_cache_groups, mc.num_hidden_layers)
         try:
             self.kv = KVCache(planes, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
-                              mc.head_dim, self.kv_dtype, self.device, layer_slots, self.model.kv_scales())
+                              mc.head_dim, self.kv_dtype, self.device, layer_slots,
+                              self.model.kv_scales() if self.model is not None else None)
         except (RuntimeError, MemoryError) as exc:
             raise EngineError(f"cannot allocate the KV cache of {cfg.num_blocks} blocks: {exc}") from None
         self.manager = KVCacheManager(self.pool, self.kv_cache_groups)
