@@ -70,3 +70,27 @@ def test_contiguous_view_side_by_side_toggles(qtbot, make_window):
     assert abs(grid - contiguous) <= 0.1 * (grid + contiguous), (grid, contiguous)
     window.window_actions.contiguous.trigger()
     assert pane.contiguous is None and not window.window_actions.contiguous.isChecked()
+
+
+def test_a_demo_restart_leaves_no_view_with_a_selection_of_the_engine_before(qtbot, make_window):
+    """Issue 49: after a restart from the Demos menu the table kept conversation 1 selected (the new engine has a
+    conversation 1 too) while the grid was undimmed, and the inspector kept the previous block's heatmap axes with
+    no block selected. Every view now agrees that nothing is selected."""
+    def two(engine):
+        engine.add_conversation("Hello there, a prompt long enough to take blocks", max_new_tokens=30)
+        engine.add_conversation("Another prompt, also long enough to take blocks", max_new_tokens=30)
+    window = make_window(setup=two, paused=True)
+    window.runner.step_once()
+    snap = wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 1)
+    window.conversations.select_conversation(1)
+    window.select_block(snap.block_tables[1][0])
+    qtbot.waitUntil(lambda: window.inspector.info is not None and window.inspector.plot.isVisible(), timeout=5000)
+    assert window.grid.selected_conversation == 1
+    old = window.runner
+    files.start_demo(window, "busy", confirm=False)
+    qtbot.waitUntil(lambda: window.runner is not old and window.source.live is not None, timeout=30000)
+    new = wait_for_snapshot(qtbot, window, lambda s: s.conversation(1) is not None)  # the new engine's own 1
+    window._refresh_panels(new)
+    assert window.conversations.selected_conversation() is None and window.grid.selected_conversation is None
+    assert window.inspector.block_id is None and not window.inspector.plot.isVisible()
+    assert window.conversations.detail.title.text().startswith("Select a conversation")

@@ -452,6 +452,13 @@ class ConversationsPanel(QtWidgets.QWidget):
         rows = self.view.selectionModel().selectedRows()
         return self.model.conversation_id(rows[0].row()) if rows else None
 
+    def forget_selection(self) -> None:
+        """Another source took over: its conversation 3 is not the one selected, so nothing is selected (said
+        to everyone, as any change of selection is), and no model reset brings the old id back."""
+        self._selected_before_reset = None
+        if self.selected_conversation() is not None:
+            self.view.selectionModel().clearSelection()  # said through _on_selection
+
     def select_conversation(self, conversation_id: int) -> None:
         row = self.model.row_of(conversation_id)
         if row is not None:

@@ -389,6 +389,8 @@ class Inspector(QtWidgets.QWidget):
             self.note.setText("Click a cell in the grid to inspect its block.")
             for label in self.fields.values():
                 label.setText("-")
+            for widget in (self.plot, self.stored_plot, self.readout, self.kv_note):  # no block: no axes of one
+                widget.hide()
             return
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot, seq=seq)
@@ -586,7 +588,7 @@ class Inspector(QtWidgets.QWidget):
                 text = "No K/V heatmap: the block holds no filled slots."
             self.kv_note.setText(text)
             self.kv_note.setVisible(bool(text))
-            self.plot.setVisible(not text or info is None or keys is not None)
+            self.plot.setVisible(self.block_id is not None and (not text or info is None or keys is not None))
             return
         self.kv_note.hide()
         self.plot.show()

@@ -343,6 +343,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.metrics_backfill.stop()
         self.status.reset_source()
         self.conversations.set_detokenizer(feed.detokenizer)  # the text of earlier turns (None: split as seen)
+        self.conversations.forget_selection()  # ids name another source's conversations now: the grid undims
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self.inspector.set_kv_reason(self._kv_reason())
