@@ -224,6 +224,23 @@ def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, shown, small):
     assert view.hover_label.text().startswith("block 5: free") and "conv 3" not in view.hover_label.text()
 
 
+def test_the_hover_line_clears_when_the_mouse_leaves_the_grid(qtbot, shown, small):
+    """Issue 49: the hover line under the grid kept describing the last cell after the mouse had left."""
+    from PySide6 import QtCore
+    from explorer.widgets.grid_view import HOVER_HINT, GridView
+    snap, _ = small
+    view = shown(GridView(), 500, 400)
+    view.set_snapshot(snap)
+    view.render()
+    view._on_mouse_moved(view.view.mapToScene(view.cell_center(5)))
+    assert view.hover_label.text().startswith("block 5: used")
+    QtCore.QCoreApplication.sendEvent(view.view.viewport(), QtCore.QEvent(QtCore.QEvent.Type.Leave))
+    assert view.hover_label.text() == HOVER_HINT and view.hovered_block is None
+    view.set_snapshot(dataclasses.replace(snap, step_id=snap.step_id + 1))  # a later frame brings nothing back
+    view.render()
+    assert view.hover_label.text() == HOVER_HINT
+
+
 def test_metrics_keep_one_sample_per_step():
     from explorer.model.metrics_history import MetricsHistory
     snap = make_snapshot(step_id=5)

@@ -193,6 +193,38 @@ def test_the_window_shows_tiers_groups_sources_and_the_window_saving(qtbot):
     window.close()
 
 
+class TextViewsFeed(ViewsFeed):
+    """Hand-built views with a tokenizer's text for token ids 1-4."""
+
+    def token_text(self, token_id: int) -> str | None:
+        return {1: "The", 2: " pool", 3: " is", 4: " paged"}.get(token_id)
+
+
+def test_a_clicked_tier_slot_opens_in_the_inspector_with_its_token_text(qtbot):
+    """Issue 49: a tier slot's token ids were shown only in a small box under the tier grid while the Inspector
+    still said 'Click a cell'."""
+    window = MainWindow(feed=TextViewsFeed(tiered_snapshot()), size=(1600, 1000))
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitExposed(window)
+    grids = window.pane.tier_grids
+    qtbot.waitUntil(lambda: grids.isVisible() and "host" in grids.grids, timeout=3000)
+    grids.add_events([(i, e) for i, e in enumerate(tier_events())], tiered_snapshot())
+    host = grids.grids["host"]
+    qtbot.waitUntil(lambda: host.geometry_ is not None, timeout=3000)
+    qtbot.mouseClick(host.view.viewport(), LEFT, pos=host.cell_center(2))
+    inspector = window.inspector
+    assert inspector.fields["block"].text() == "host slot 2" and inspector.fields["state"].text() == "cached"
+    assert inspector.fields["hash"].text() == f"{H0:016x}, group 0"
+    assert inspector.fields["owners"].text() == "conversation 1"
+    assert inspector.note.text().startswith("Host tier slot 2: ") and "Click a cell" not in inspector.note.text()
+    rows = [tuple(inspector.slots.data(inspector.slots.index(r, c)) for c in range(4))
+            for r in range(inspector.slots.rowCount())]
+    assert [(r[2], r[3]) for r in rows] == [("1", "The"), ("2", "␣pool"), ("3", "␣is"), ("4", "␣paged")]
+    assert not inspector.plot.isVisible() and window.grid.selected_block is None
+    window.close()
+
+
 def test_the_device_inspector_says_which_tiers_hold_the_same_content(qtbot):
     from explorer.widgets.inspector import Inspector
     from kvstream.views import BlockInfo, BlockState

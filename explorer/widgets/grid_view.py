@@ -108,6 +108,7 @@ class GridView(QtWidgets.QWidget):
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
         self.hover_label = ElidedLabel(HOVER_HINT)  # never widens the window
+        self.hover_hint = HOVER_HINT  # what the hover line says while the mouse is over no block
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -311,6 +312,9 @@ class GridView(QtWidgets.QWidget):
             else:
                 QtWidgets.QToolTip.hideText()
             return True  # handled: the scene would hide it again
+        if watched is self.view.viewport() and event.type() == QtCore.QEvent.Type.Leave:
+            self.hovered_block = None  # the mouse left the grid: the line no longer describes a block under it
+            self.hover_label.setText(self.hover_hint)
         return super().eventFilter(watched, event)
 
     def _describe_hovered(self) -> None:

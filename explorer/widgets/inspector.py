@@ -395,6 +395,27 @@ class Inspector(QtWidgets.QWidget):
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot, seq=seq)
 
+    def show_tier_slot(self, tier: str, slot: int, facts: list[str], token_ids, token_text) -> None:
+        """A slot of a lower tier (host, disk), clicked in its grid: what the window knows of it (``facts``, from
+        explorer.model.tiers) and its tokens with their text (``token_text(id)``; None: ids only), as a device
+        block's slots are listed. No K/V is read back from a tier: no heatmap."""
+        self.select(None, None)
+        self.block_id = None  # no device block is selected: a frame's view does not redraw the slot over this
+        state = facts[0].rsplit(": ", 1)[-1] if facts else "-"
+        self.fields["block"].setText(f"{tier} slot {slot}")
+        self.fields["state"].setText(state)
+        for fact in facts[1:]:
+            if fact.startswith("hash "):
+                self.fields["hash"].setText(fact[len("hash "):])
+            elif fact.startswith("content of "):
+                self.fields["owners"].setText(fact[len("content of "):])
+        self.fields["filled"].setText(f"{len(token_ids)} tokens" if token_ids is not None else "-")
+        self.note.setText(f"{tier.capitalize()} tier slot {slot}: "
+                          + "; ".join(f for f in facts[1:] if not f.startswith(("hash ", "tokens "))) + ".")
+        texts = [token_text(t) if token_text is not None else None for t in (token_ids or ())]
+        self.slots.set_rows([(i, "?", t, token_label(x) if x else f"<{t}>")
+                             for i, (t, x) in enumerate(zip(token_ids or (), texts))])
+
     # ---- the block's own history, in short ------------------------------------------------------------------
     def follow_history(self, view) -> None:
         """List the newest few lines of ``view`` (the window's :class:`~explorer.model.block_history.BlockHistoryView`,

@@ -29,7 +29,8 @@ class TierGrid(GridView):
         super().__init__(parent)
         self.name = name
         self._owner = owner
-        self.hover_label.setText(f"{name} tier: hover a slot for details; click to inspect it.")
+        self.hover_hint = f"{name} tier: hover a slot for details; click to inspect it."
+        self.hover_label.setText(self.hover_hint)
 
     def facts(self, slot: int) -> list[str]:
         return self._owner.facts(self.name, slot)
@@ -172,6 +173,14 @@ class TierGrids(QtWidgets.QWidget):
         if self.snapshot is None:
             return []
         return tier_block_facts(self.snapshot, name, slot, self.book, self.stories, self.detokenize)
+
+    def tokens(self, name: str, slot: int) -> tuple[int, ...] | None:
+        """The token ids tier ``name``'s ``slot`` holds, where the window saw them stored (None: not known)."""
+        view = self.snapshot.tiers.get(name) if self.snapshot is not None else None
+        if view is None or not 0 <= slot < view.num_blocks:
+            return None
+        tokens = self.book.tokens(int(view.block_hash[slot]))
+        return None if tokens is None else tuple(tokens)
 
     def inspect(self, name: str, slot: int) -> None:
         """Show what tier ``name``'s ``slot`` holds (a click does this)."""

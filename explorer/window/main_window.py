@@ -173,6 +173,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.relocation.relocateRequested.connect(self.relocate)
         for pane in self.panes:
             pane.grid.blockClicked.connect(self.select_block)
+            pane.tier_grids.slotClicked.connect(lambda name, slot, p=pane: self.inspect_tier_slot(p, name, slot))
             pane.color_by.currentIndexChanged.connect(
                 lambda _i, p=pane: p is self.pane and self.legend.set_mode(p.color_by.currentData()))
             pane.source.problem.connect(self._on_problem)
@@ -441,6 +442,14 @@ class MainWindow(QtWidgets.QMainWindow):
         if block_id is not None and moved is not None:
             self.status.showMessage(f"Block {moved} moved to {block_id} (relocation); the inspector followed it.",
                                     5000)
+
+    def inspect_tier_slot(self, pane: PoolPane, tier: str, slot: int) -> None:
+        """A tier slot was clicked: the Inspector shows it (its facts, its tokens with their text) in place of a
+        device block."""
+        self.block_watch.select(None)
+        grids = pane.tier_grids
+        text = getattr(pane.source.feed, "token_text", None)
+        self.inspector.show_tier_slot(tier, slot, grids.facts(tier, slot), grids.tokens(tier, slot), text)
 
     def select_conversation_when_present(self, cid: int) -> None:
         """Select conversation ``cid`` in the table as soon as a view lists it (it may still be queued)."""
