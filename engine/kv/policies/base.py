@@ -13,7 +13,8 @@ step leaves the policy exactly as it was, as it leaves the pool.
 from __future__ import annotations
 
 import abc
-from typing import Collection, Iterable
+import heapq
+from typing import Callable, Collection, Iterable
 
 import numpy as np
 
@@ -102,3 +103,32 @@ class EvictionPolicy(abc.ABC):
     # ---- helpers --------------------------------------------------------------------------------------------
     def cached_blocks(self) -> np.ndarray:
         return np.flatnonzero(self.pool.state == BlockState.CACHED)
+
+
+def heap_victim(heap: list[tuple], valid: Callable[..., bool], protected: Collection[int],
+                fallback: Iterable[int] = ()) -> int:
+    """The block of ``heap``'s first entry that is still valid and not protected (an entry's last item is its block).
+
+    Heap-ordered policies push an entry whenever a block's key changes and never search the heap to remove the old
+    one: such entries go stale (the block was revived, evicted or stored again since) and ``valid(*entry)`` drops
+    them as they reach the top, which keeps every hook O(log n). Protected entries are set aside and pushed back.
+    ``fallback``: blocks to take, in order, when no entry qualifies (the radix cache's cached blocks when every one
+    is extended by a block in use)."""
+    skipped = []
+    try:
+        while heap:
+            entry = heap[0]
+            if not valid(*entry):
+                heapq.heappop(heap)
+                continue
+            if entry[-1] in protected:
+                skipped.append(heapq.heappop(heap))
+                continue
+            return entry[-1]
+    finally:
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    for block in fallback:
+        if block not in protected:
+            return block
+    raise RuntimeError("no evictable cached block (callers check first)")

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstream.views import BlockState
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, heap_victim
 
 NEVER = 1 << 62  # the next use of content no request will look up again
 
@@ -61,21 +61,7 @@ class BeladyPolicy(EvictionPolicy):
                 and stamp == self.pool.queued_at[block])
 
     def victim(self, protected: Collection[int] = ()) -> int:
-        heap, skipped = self._heap, []
-        try:
-            while heap:
-                key, stamp, block = heap[0]
-                if not self._valid(key, stamp, block):
-                    heapq.heappop(heap)
-                    continue
-                if block in protected:
-                    skipped.append(heapq.heappop(heap))
-                    continue
-                return block
-            raise RuntimeError("no evictable cached block (callers check first)")
-        finally:
-            for item in skipped:
-                heapq.heappush(heap, item)
+        return heap_victim(self._heap, self._valid, protected)
 
     def order(self, n: int) -> list[int]:
         blocks = self.cached_blocks()

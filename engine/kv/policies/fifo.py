@@ -13,7 +13,7 @@ import numpy as np
 
 from kvstream.views import BlockState
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, heap_victim
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -37,21 +37,7 @@ class FIFOPolicy(EvictionPolicy):
         return self.pool.state[block] == BlockState.CACHED and self.stored_at[block] == stamp
 
     def victim(self, protected: Collection[int] = ()) -> int:
-        heap, skipped = self._heap, []
-        try:
-            while heap:
-                stamp, block = heap[0]
-                if not self._valid(stamp, block):
-                    heapq.heappop(heap)  # stale: the block was revived, evicted or stored again since
-                    continue
-                if block in protected:
-                    skipped.append(heapq.heappop(heap))
-                    continue
-                return block
-            raise RuntimeError("no evictable cached block (callers check first)")
-        finally:
-            for item in skipped:
-                heapq.heappush(heap, item)
+        return heap_victim(self._heap, self._valid, protected)
 
     def order(self, n: int) -> list[int]:
         blocks = self.cached_blocks()

@@ -16,7 +16,7 @@ from typing import Collection
 from kvstream.rules import group_key
 from kvstream.views import BlockState
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, heap_victim
 
 
 class RadixPolicy(EvictionPolicy):
@@ -57,24 +57,8 @@ class RadixPolicy(EvictionPolicy):
                 and not self._children.get(int(pool.block_hash[block])))
 
     def victim(self, protected: Collection[int] = ()) -> int:
-        heap, skipped = self._heap, []
-        try:
-            while heap:
-                stamp, block = heap[0]
-                if not self._leaf(stamp, block):
-                    heapq.heappop(heap)  # revived, evicted, or extended since it was pushed
-                    continue
-                if block in protected:
-                    skipped.append(heapq.heappop(heap))
-                    continue
-                return block
-        finally:
-            for item in skipped:
-                heapq.heappush(heap, item)
-        for block in self.pool.cached_queue():  # no leaf: every cached block is extended by a block in use
-            if block not in protected:
-                return block
-        raise RuntimeError("no evictable cached block (callers check first)")
+        # no leaf: every cached block is extended by a block in use; the oldest cached then
+        return heap_victim(self._heap, self._leaf, protected, fallback=self.pool.cached_queue())
 
     def order(self, n: int) -> list[int]:
         leaves = sorted((s, b) for s, b in self._heap if self._leaf(s, b))
