@@ -183,7 +183,7 @@ def test_an_old_conversation_leaving_the_window_keeps_selection_and_scroll(panel
     qtbot.waitUntil(lambda: panel.model.rowCount() == 300, timeout=2000)
     panel.select_conversation(250)
     bar = panel.view.verticalScrollBar()
-    panel.view.scrollTo(panel.model.index(panel.model.row_of(250), 0))
+    panel.view.scrollTo(panel.proxy.mapFromSource(panel.model.index(panel.model.row_of(250), 0)))
     scrolled = bar.value()
     assert scrolled > 0 and panel.selected_conversation() == 250
     resets, selected = [], []
@@ -193,7 +193,7 @@ def test_an_old_conversation_leaving_the_window_keeps_selection_and_scroll(panel
     assert panel.model.rowCount() == 300 and panel.model.conversation_id(0) == 1
     assert panel.model.conversation_id(299) == 300
     assert not resets and panel.selected_conversation() == 250 and set(selected) <= {250}  # still 250
-    assert abs(bar.value() - scrolled) <= 1  # one row up at most: the row above it went
+    assert abs(bar.value() - scrolled) <= 1  # one row at most: newest first, 300 came in above it
     panel.refresh(view([c for c in convs[1:] if c.conversation_id != 250] + [conv(300)]))
     assert panel.selected_conversation() is None and selected[-1:] == [None]  # its conversation left: said so
 
@@ -226,3 +226,16 @@ def test_shortcuts_follow_the_buttons_rules(qtbot, make_window):  # noqa: F811
     qtbot.wait(200)
     assert window.errors == []
 
+
+
+def test_the_newest_conversations_come_first(panel):
+    """Issue 49: in id order the live rows of the busy and serve demos scrolled out of sight; the table shows the
+    newest first (ids compared as numbers), and a new conversation arrives at the top, the selection kept."""
+    done = dict(status=Status.FINISHED, reason=FinishReason.LENGTH)
+    panel.refresh(view([conv(i, **done) for i in (2, 9, 10)] + [conv(11)]))
+    shown = panel.view.model()  # what the view lists, in its order
+    assert [shown.index(r, 0).data() for r in range(shown.rowCount())] == ["11", "10", "9", "2"]
+    panel.select_conversation(9)
+    panel.refresh(view([conv(i, **done) for i in (2, 9, 10)] + [conv(11), conv(12)]))
+    assert shown.index(0, 0).data() == "12" and panel.selected_conversation() == 9
+    assert panel.view.selectionModel().selectedRows()[0].row() == 3

@@ -32,6 +32,7 @@ REPLY_MARK = "── reply ──"  # the line between a user message and the mo
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
 TABLE_LINES = 4  # lines of block table shown before it scrolls
+SORT_ROLE = QtCore.Qt.ItemDataRole.UserRole  # what the table sorts by
 MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
 
 
@@ -126,6 +127,8 @@ class ConversationsModel(RowsModel):
         self.served = ()  # the served traffic's conversation ids (ConversationsPanel.set_served)
 
     def cell_data(self, row: tuple, column: int, role):
+        if role == SORT_ROLE:  # the value itself: ids sort as numbers, not as their text
+            return row[column]
         if role == QtCore.Qt.ItemDataRole.DecorationRole and column == 0:
             return QtGui.QColor(*conversation_colour(row[0], self.colours))
         if role == QtCore.Qt.ItemDataRole.TextAlignmentRole and 2 <= column < 7:
@@ -373,8 +376,15 @@ class ConversationsPanel(QtWidgets.QWidget):
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
         self.model = ConversationsModel(self)
+        # newest first by default (the live rows of served traffic scrolled out of sight in id order); a click on
+        # a header sorts by that column. The model keeps id order (its rows only ever get added at the end).
+        self.proxy = QtCore.QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.model)
+        self.proxy.setSortRole(SORT_ROLE)
         self.view = QtWidgets.QTableView()
-        self.view.setModel(self.model)
+        self.view.setModel(self.proxy)
+        self.view.setSortingEnabled(True)
+        self.view.sortByColumn(0, QtCore.Qt.SortOrder.DescendingOrder)
         self.view.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.view.verticalHeader().hide()
@@ -450,7 +460,7 @@ class ConversationsPanel(QtWidgets.QWidget):
 
     def selected_conversation(self) -> int | None:
         rows = self.view.selectionModel().selectedRows()
-        return self.model.conversation_id(rows[0].row()) if rows else None
+        return self.model.conversation_id(self.proxy.mapToSource(rows[0]).row()) if rows else None
 
     def forget_selection(self) -> None:
         """Another source took over: its conversation 3 is not the one selected, so nothing is selected (said
@@ -462,7 +472,7 @@ class ConversationsPanel(QtWidgets.QWidget):
     def select_conversation(self, conversation_id: int) -> None:
         row = self.model.row_of(conversation_id)
         if row is not None:
-            self.view.selectRow(row)
+            self.view.selectRow(self.proxy.mapFromSource(self.model.index(row, 0)).row())
 
     def refresh(self, snapshot: PoolSnapshot) -> None:
         self._snapshot = snapshot
