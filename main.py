@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(opts, name, value)
         from explorer.feeds.demo import pick_model
         opts.model, model_note = pick_model(opts.model, opts.demo)
+        opts.model_note = model_note  # the window says it while the model loads, and after
         if model_note:
             print(model_note, file=sys.stderr)
     elif opts.model is None:

@@ -94,3 +94,25 @@ def test_a_demo_restart_leaves_no_view_with_a_selection_of_the_engine_before(qtb
     assert window.conversations.selected_conversation() is None and window.grid.selected_conversation is None
     assert window.inspector.block_id is None and not window.inspector.plot.isVisible()
     assert window.conversations.detail.title.text().startswith("Select a conversation")
+
+
+def test_an_empty_pool_says_how_to_start_and_a_full_one_does_not(qtbot, make_window):
+    """Issue 49: `--model smollm2` without a demo opened an empty pool with no word on what to do."""
+    from explorer.window.main_window import EMPTY_POOL_HINT
+    empty = make_window(paused=True)
+    assert empty.status.currentMessage() == EMPTY_POOL_HINT and "Add" in EMPTY_POOL_HINT
+    busy = make_window(setup=lambda e: e.add_conversation("Hello", max_new_tokens=4), paused=True)
+    assert busy.status.currentMessage() != EMPTY_POOL_HINT
+
+
+def test_the_loading_dialog_says_which_model_loads_and_why(qtbot):
+    """Issue 49: a demo switched to SmolLM2 once it was fetched, with 29 s of loading and no word in the window on
+    which model or why; the progress dialog keeps that line above each progress message."""
+    from explorer.window.loader import EngineLoader, progress_dialog
+    loader = EngineLoader()
+    why = "busy demo: running SmolLM2-135M-Instruct (fetched; --model builtin runs the built-in model)"
+    dialog = progress_dialog(None, "Loading smollm2 model…", loader, why)
+    qtbot.addWidget(dialog)
+    assert dialog.labelText().startswith(why)
+    loader.progress.emit("reading the weights", 0.5)
+    assert dialog.labelText() == f"{why}\nreading the weights" and dialog.value() == 500

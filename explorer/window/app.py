@@ -116,7 +116,7 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
             except OSError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo))
+        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo), getattr(opts, "model_note", ""))
         if engine is None:
             if export is not None:
                 export.close()
@@ -138,6 +138,8 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
         print(export.said, file=sys.stderr, flush=True)
         window.status.showMessage(export.said, 15000)
     if engine is not None:
+        if getattr(opts, "model_note", ""):  # which model the demo runs and why, said in the window too
+            window.status.showMessage(opts.model_note, 15000)
         window.show_demo_notes(seeded)  # what the demo lowered to fit the pool, if anything
         if demo in DEMOS:
             window.start_traffic(demo)  # the demo keeps living: served traffic (busy, crowd: after the first screen)

@@ -91,25 +91,29 @@ def _serve() -> None:
         work(cfg, setup, after)
 
 
-def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: EngineLoader) -> QtWidgets.QProgressDialog:
-    """A progress dialog that follows ``loader``'s progress."""
-    dialog = QtWidgets.QProgressDialog(title, None, 0, 1000, parent)
+def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: EngineLoader,
+                    why: str = "") -> QtWidgets.QProgressDialog:
+    """A progress dialog that follows ``loader``'s progress. ``why``: a line saying which model loads and why (a
+    demo that runs SmolLM2 once it is fetched), kept above each progress message."""
+    head = f"{why}\n" if why else ""
+    dialog = QtWidgets.QProgressDialog(head + title, None, 0, 1000, parent)
     dialog.setWindowTitle(title)
     dialog.setMinimumDuration(0)
     dialog.setAutoClose(False)
     dialog.setAutoReset(False)
-    loader.progress.connect(lambda message, fraction: (dialog.setLabelText(message),
+    loader.progress.connect(lambda message, fraction: (dialog.setLabelText(head + message),
                                                        dialog.setValue(int(1000 * min(max(fraction, 0), 1)))))
     return dialog
 
 
-def load_engine_blocking(cfg: EngineConfig, setup=None):
-    """Load with a progress dialog and a local event loop (startup, before the window exists).
+def load_engine_blocking(cfg: EngineConfig, setup=None, why: str = ""):
+    """Load with a progress dialog and a local event loop (startup, before the window exists). ``why``: which
+    model loads and why, said in the dialog above its progress.
 
     Returns (engine, None, what setup returned) or (None, message, None).
     """
     loader = EngineLoader()
-    dialog = progress_dialog(None, f"Loading {cfg.model} model…", loader)
+    dialog = progress_dialog(None, f"Loading {cfg.model} model…", loader, why)
     result: dict = {}
     loop = QtCore.QEventLoop()
     loader.loaded.connect(lambda engine: (result.setdefault("engine", engine), loop.quit()))

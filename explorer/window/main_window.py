@@ -47,6 +47,8 @@ FRAME_MS = 30  # the frame timer: 33 ticks a second, so that a late tick on a bu
 #                the rate could not pass 30.3, and any late tick showed below 30: docs/gui.md)
 POOL_DOCKS = ("inspector", "legend", "memory", "conversations", "metrics", "events", "block-history")  # docks that
 # show a physical pool's blocks, conversations or history: empty for a source without one
+EMPTY_POOL_HINT = ("The pool is empty: press Add… (Ctrl+N) to start a conversation, or pick one of the Demos "
+                   "menu's workloads.")
 FRAME_FIT_MS = 300  # after the first show, once the window manager has framed the window
 
 
@@ -343,6 +345,9 @@ class MainWindow(QtWidgets.QMainWindow):
         else:
             self.metrics_backfill.stop()
         self.status.reset_source()
+        latest = feed.latest()
+        if feed.capabilities.can_command and latest is not None and not latest.conversations:
+            self.status.showMessage(EMPTY_POOL_HINT)  # a new user's first question: how does anything start?
         self.conversations.set_detokenizer(feed.detokenizer)  # the text of earlier turns (None: split as seen)
         self.conversations.forget_selection()  # ids name another source's conversations now: the grid undims
         self.conversations.refresh(_empty_view(feed))
