@@ -161,3 +161,18 @@ def test_the_tokenizer_is_called_directly_through_one_object():
         assert sent == []
     finally:
         feed.close()
+
+
+def test_the_title_names_a_checkpoint_by_its_folder_not_its_whole_path():
+    """Issue 49: the window demo's title showed the full cache path of its checkpoint."""
+    from explorer.feeds.engine_feed import model_name
+    assert model_name("/root/.cache/paged-kv-explorer/models/window-mixed") == "window-mixed"
+    assert model_name("/data/ckpt/") == "ckpt" and model_name("/m/llama.gguf") == "llama.gguf"
+    assert model_name("builtin") == "builtin" and model_name("smollm2") == "smollm2"
+    from types import SimpleNamespace
+    from engine import EngineConfig
+    from explorer.feeds.engine_feed import EngineFeed
+    cfg = EngineConfig(model="builtin", num_blocks=8, block_size=4)
+    title = EngineFeed.title.fget(SimpleNamespace(config=SimpleNamespace(
+        model="/root/.cache/x/window-mixed", num_blocks=cfg.num_blocks, block_size=cfg.block_size, device="cpu")))
+    assert title == "local engine: window-mixed, 8 blocks × 4 slots, cpu"

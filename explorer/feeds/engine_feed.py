@@ -12,6 +12,8 @@ subscribers see the source restart and follow), while recordings end with the en
 """
 from __future__ import annotations
 
+import os
+
 import threading
 import time
 from concurrent.futures import Future
@@ -47,6 +49,12 @@ def _endpoint_key(endpoint: str | None):
     if endpoint.startswith("tcp://"):
         return ("tcp", endpoint.rsplit(":", 1)[-1])
     return endpoint
+
+
+def model_name(model: str) -> str:
+    """A model as the window's title names it: a checkpoint's folder or file name, not its whole path (the window
+    demo's title was a cache path as wide as the screen)."""
+    return os.path.basename(model.rstrip("/\\")) or model if ("/" in model or "\\" in model) else model
 
 
 class EngineFeed(Feed):
@@ -96,7 +104,7 @@ class EngineFeed(Feed):
     @property
     def title(self) -> str:
         cfg = self.config
-        return f"local engine: {cfg.model}, {cfg.num_blocks} blocks × {cfg.block_size} slots, {cfg.device}"
+        return f"local engine: {model_name(cfg.model)}, {cfg.num_blocks} blocks × {cfg.block_size} slots, {cfg.device}"
 
     @property
     def history(self):

@@ -28,6 +28,7 @@ class EngineControls(QtWidgets.QToolBar):
         self.pause_action = QtGui.QAction("❚❚ Pause", self)
         self.pause_action.setShortcut(QtGui.QKeySequence("Space"))
         self.pause_action.setToolTip("Pause or run the engine (Space)")
+        self.pause_action.setProperty("help_text", "Pause or run the engine")  # the shortcut help's words
         self.pause_action.triggered.connect(lambda _checked=False: self.set_paused(not self.paused))
         self.paused = False
         self.step_action = QtGui.QAction("Step", self)

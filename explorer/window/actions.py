@@ -105,5 +105,7 @@ class WindowActions:
         for action in dict.fromkeys(self.in_menu_order()):  # the lesson is in two menus: once
             key = action.shortcut().toString(QtGui.QKeySequence.SequenceFormat.NativeText)
             if key:
-                rows.append((key, action.text().replace("&", "").rstrip("…").strip()))
+                # an action whose text changes or carries a glyph ("❚❚ Pause", read as "▌▌ Pause" in the help)
+                # names what it does in its "help_text" property
+                rows.append((key, action.property("help_text") or action.text().replace("&", "").rstrip("…").strip()))
         return rows
