@@ -434,6 +434,13 @@ def test_a_geometry_larger_than_the_screen_is_clamped_and_said(qtbot, capsys):
     assert said in capsys.readouterr().err and window.geometry_note.startswith(said)
     assert f"the window is {window.width()}x{window.height()}" in window.geometry_note
     window.close()
+    small = MainWindow(feed=ViewsFeed(shared_prefix(2)), size=(800, 600), fit_size=True)  # fits: kept as asked
+    qtbot.addWidget(small)
+    small.show()
+    qtbot.waitExposed(small)
+    settle(qtbot, 450)  # the fit runs once, FRAME_FIT_MS after the first show
+    assert (small.width(), small.height()) == (800, 600) and small.geometry_note == ""
+    small.close()
 
 
 def test_on_a_screen_as_small_as_the_smallest_supported_the_frame_still_fits():

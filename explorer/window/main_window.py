@@ -696,6 +696,8 @@ class MainWindow(QtWidgets.QMainWindow):
         extra_w, extra_h = frame.width() - self.width(), frame.height() - self.height()  # the frame's own size
         width = max(min(self.width(), room.width() - extra_w), MIN_WIDTH)  # narrower screens are not supported
         height = framed_length(self.height(), room.height(), extra_h, MIN_HEIGHT, self.minimumSizeHint().height())
+        if self.asked_size is not None:  # --geometry is only ever made smaller, to fit the screen
+            width, height = min(width, self.width()), min(height, self.height())
         if (width, height) == (self.width(), self.height()):
             return False
         self.resize(width, height)
