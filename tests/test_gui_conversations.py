@@ -239,3 +239,22 @@ def test_the_newest_conversations_come_first(panel):
     panel.refresh(view([conv(i, **done) for i in (2, 9, 10)] + [conv(11), conv(12)]))
     assert shown.index(0, 0).data() == "12" and panel.selected_conversation() == 9
     assert panel.view.selectionModel().selectedRows()[0].row() == 3
+
+
+def test_a_long_title_never_runs_under_the_block_table(qtbot):
+    """Issue 49: at 800x600 the detail's title (status, token counts, prompt sources) was squeezed below its wrapped
+    height and its last line ran under the block table; the text below gives up the height instead."""
+    import dataclasses
+    panel = ConversationsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(800, 160)  # the conversations dock of an 800x600 window
+    panel.show()
+    qtbot.waitExposed(panel)
+    info = dataclasses.replace(conv(2, status=Status.FINISHED, reason=FinishReason.LENGTH, output="done " * 40),
+                               prompt_token_sources={"device": 0, "host": 0, "disk": 0, "computed": 39})
+    panel.refresh(view([info]))
+    panel.select_conversation(2)
+    title, table = panel.detail.title, panel.detail.table_area
+    qtbot.waitUntil(lambda: "computed 39" in title.text() and title.width() > 100, timeout=3000)
+    qtbot.waitUntil(lambda: title.height() >= title.heightForWidth(title.width())
+                    and title.geometry().bottom() < table.geometry().top(), timeout=3000)

@@ -231,6 +231,7 @@ class ConversationDetail(QtWidgets.QWidget):
         self.table_area.setMinimumHeight(line + 4)
         self.table_area.setMaximumHeight(TABLE_LINES * line + 6)
         self.text = QtWidgets.QTextBrowser()
+        self.text.setMinimumHeight(2 * line + 8)  # it scrolls: the first to give up height in a short dock
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.title)
@@ -253,10 +254,23 @@ class ConversationDetail(QtWidgets.QWidget):
         self._detokenize = detokenize
         self._key = None
 
+    def _fit_title(self) -> None:
+        """Keep the title as tall as its wrapped text: a layout squeezed a wrapping label below it, and at 800x600
+        its last line ran under the block table; the text below gives up the height instead."""
+        margins = self.layout().contentsMargins()  # the width the title gets (its own is not laid out yet here)
+        needed = self.title.heightForWidth(max(self.width() - margins.left() - margins.right(), 1))
+        if needed > 0 and needed != self.title.minimumHeight():
+            self.title.setMinimumHeight(needed)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_title()
+
     def show_conversation(self, info: ConversationInfo | None, snapshot: PoolSnapshot) -> None:
         if info is None:
             if self._shown_id is not None:  # (not _key: a new detokenizer clears that, and the text must go too)
                 self.title.setText(PLACEHOLDER)
+                self._fit_title()
                 self.table_label.clear()
                 self.text.clear()
                 self._shown = ((), "")
@@ -287,6 +301,7 @@ class ConversationDetail(QtWidgets.QWidget):
             + (f", {count(info.num_cached_tokens, 'prompt token')} from the prefix cache" if info.num_cached_tokens
                else "")
             + (f"; {sources_sentence(info)}" if sources_sentence(info) else ""))
+        self._fit_title()
         if table:
             cells = []
             for i, (block, ref, fill) in enumerate(zip(table, refs, fills)):
