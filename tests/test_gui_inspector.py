@@ -290,3 +290,22 @@ def test_a_cached_block_whose_positions_are_unknown_says_so(inspector):
     inspector.show_block(cached)
     assert [row[1] for row in inspector.slot_rows()] == ["?"] * 4
     assert [row[2] for row in inspector.slot_rows()] == [10, 11, 12, 13]
+
+
+def test_the_whole_heatmap_shows_in_the_inspector_dock_at_1920x1080(qtbot, make_window):
+    """Issue 49: the dock's scroll area made the inspector as tall as its preferred height, and at 1920x1080 the
+    heatmap's lower rows (8-15 of 16) were below the dock's edge. It now takes the dock's height."""
+    def one(engine):
+        engine.add_conversation("Write a poem about memory pages and more words here", max_new_tokens=40)
+    window = make_window(setup=one, paused=True, num_blocks=128, block_size=16, size=(1918, 1055))
+    for _ in range(3):
+        window.runner.step_once()
+    qtbot.waitUntil(lambda: window.snapshot is not None and window.snapshot.step_id >= 3, timeout=5000)
+    window.select_block(0)
+    inspector = window.inspector
+    qtbot.waitUntil(lambda: inspector.info is not None and inspector.info.keys is not None
+                    and inspector.plot.isVisible(), timeout=5000)
+    viewport = inspector.parentWidget()  # the dock's scroll area's viewport
+    qtbot.waitUntil(lambda: inspector.plot.mapTo(viewport, inspector.plot.rect().bottomLeft()).y()
+                    <= viewport.height(), timeout=3000)
+    assert inspector.height() <= viewport.height()

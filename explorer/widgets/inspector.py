@@ -340,6 +340,14 @@ class Inspector(QtWidgets.QWidget):
         layout.addLayout(form)
         layout.addWidget(self.split, 1)
 
+    def heightForWidth(self, width: int) -> int:
+        """The least height the inspector needs at ``width`` (its wrapped note and fields whole), not its preferred
+        one: the dock's scroll area made it as tall as a whole block of slots plus the heatmap's own preference, and
+        the heatmap fell below the dock's edge (rows 0-8 of 16 at 1920x1080). It takes the dock's height, the
+        splitter shares it, and it scrolls only below that least height."""
+        layout = self.layout()
+        return layout.minimumHeightForWidth(width) if layout is not None else super().heightForWidth(width)
+
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._place_splitter()
