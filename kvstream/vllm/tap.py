@@ -832,8 +832,3 @@ class VllmPoolTap:
             group_block_tables=tuple(MappingProxyType(g) for g in group_tables),
             block_group=frozen_array(self._bgroup) if grouped else None)
         return snap, events
-
-    def request_id_of(self, conversation_id: int) -> str | None:
-        """vLLM's request id for a live conversation id (None once it finished)."""
-        conv = self._convs.get(conversation_id)
-        return conv.label if conv is not None else None
