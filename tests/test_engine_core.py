@@ -344,40 +344,33 @@ def test_failed_step_after_eviction_restores_the_cache(ckpt, monkeypatch):
     assert_same(state_of(eng), before)
 
 
-def test_relocation_that_cannot_allocate_changes_nothing(ckpt, monkeypatch):
-    eng = busy_engine(ckpt)
-    eng.step()
-    expected = finish(_stepped(busy_engine(ckpt)))
-    before = state_of(eng)
-
-    def no_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-
-    monkeypatch.setattr(eng.kv, "move_blocks", no_memory)
-    with pytest.raises(EngineError, match="memory"):
-        eng.relocate_blocks(seed=3)
-    monkeypatch.undo()
-    assert_same(state_of(eng), before)
-    assert finish(eng) == expected
-
-
 def _stepped(eng):
     eng.step()
     return eng
 
 
-def test_relocation_failing_after_the_move_puts_kv_back(ckpt, monkeypatch):
+@pytest.mark.parametrize("where, fault, refusal, match", [
+    ("kv.move_blocks", "DefaultCPUAllocator: can't allocate memory", EngineError, "memory"),
+    ("manager.relocate", "injected fault while renaming", RuntimeError, "injected"),
+])
+def test_a_relocation_that_fails_changes_nothing(ckpt, monkeypatch, where, fault, refusal, match):
+    """Relocation fails before the move (no memory for the copy: an EngineError) or after it (a fault while the
+    tables are renamed: the error itself); either way the pool, the tables and the K/V are as they were, and decoding
+    goes on to the tokens of an engine that never tried."""
     eng = _stepped(busy_engine(ckpt))
+    expected = finish(_stepped(busy_engine(ckpt)))
     before = state_of(eng)
+    owner, name = where.split(".")
 
     def broken(*args, **kwargs):
-        raise RuntimeError("injected fault while renaming")
+        raise RuntimeError(fault)
 
-    monkeypatch.setattr(eng.manager, "relocate", broken)
-    with pytest.raises(RuntimeError, match="injected"):
-        eng.relocate_blocks(seed=5)
+    monkeypatch.setattr(getattr(eng, owner), name, broken)
+    with pytest.raises(refusal, match=match):
+        eng.relocate_blocks(seed=3)
     monkeypatch.undo()
     assert_same(state_of(eng), before)
+    assert finish(eng) == expected
 
 
 def test_generate_is_atomic(ckpt, monkeypatch):
