@@ -130,19 +130,25 @@ def test_a_drag_keeps_the_cursor_where_the_mouse_is_while_its_frames_land(qtbot,
     assert any(name.startswith("history-decode") for _, name in decoded)
 
 
-def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub_window, monkeypatch):
-    window, snaps, _ = scrub_window
-    source, history = window.source, window.source.history
+def refuse_frame(monkeypatch, source, seq, error):
+    """Make the source's history raise ``error`` for frame ``seq`` only; the problems the source then says."""
     problems = []
     source.problem.connect(problems.append)
-    inner = history.snapshot_at
+    inner = source.history.snapshot_at
 
-    def broken(seq, stop=None):
-        if seq == INTERVAL + 70:
-            raise ValueError("a broken frame")
-        return inner(seq, stop)
+    def refused(wanted, stop=None):
+        if wanted == seq:
+            raise error
+        return inner(wanted, stop)
 
-    monkeypatch.setattr(history, "snapshot_at", broken)
+    monkeypatch.setattr(source.history, "snapshot_at", refused)
+    return problems
+
+
+def test_a_frame_that_fails_to_decode_is_said_and_the_scrub_goes_on(qtbot, scrub_window, monkeypatch):
+    window, snaps, _ = scrub_window
+    source = window.source
+    problems = refuse_frame(monkeypatch, source, INTERVAL + 70, ValueError("a broken frame"))
     source.seek_soon(INTERVAL + 70)
     assert source.scrubbing
     qtbot.waitUntil(lambda: not source.scrubbing, timeout=5000)
@@ -158,17 +164,8 @@ def test_a_refused_frame_on_a_plain_seek_is_said_and_the_view_stays(qtbot, scrub
     a problem and the window keeps the view it had, instead of an exception escaping into Qt."""
     from kvstream.poolstream import StreamError
     window, snaps, _ = scrub_window
-    source, history = window.source, window.source.history
-    problems = []
-    source.problem.connect(problems.append)
-    inner = history.snapshot_at
-
-    def refused(seq, stop=None):
-        if seq == INTERVAL + 60:
-            raise StreamError("impossible pool (ref counts): injected")
-        return inner(seq, stop)
-
-    monkeypatch.setattr(history, "snapshot_at", refused)
+    source = window.source
+    problems = refuse_frame(monkeypatch, source, INTERVAL + 60, StreamError("impossible pool (ref counts): injected"))
     before = source.view
     source.seek(INTERVAL + 60)
     assert [p.title for p in problems] == ["Frame not shown"] and "injected" in problems[0].text
