@@ -1,11 +1,12 @@
 """Paged KV-cache explorer: watch and steer a paged KV-cache block pool while real decoding runs.
 
     python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
-                   [--demo busy|crowd|serve|tiers|window|lesson|none] [--headless] [--json] [--screenshot PATH --quit-after SECONDS]
+                   [--demo busy|crowd|serve|tiers|window|traffic|lesson|none] [--headless] [--json] [--screenshot PATH --quit-after SECONDS]
                    [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                    [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                    [--make-keys DIR] [--host-tier-blocks N] [--disk-tier-blocks N] [--disk-tier-path FILE]
                    [--dtype float32|bfloat16] [--metrics-port PORT] [--attach-metrics URL]
+                   [--trace FILE [--replay instant|timed] ...] [--export-trace FILE]
     python main.py --fetch-model smollm2      (once: a real chat model into the user's cache)
 
 Bad arguments print one clear line and exit with status 2.

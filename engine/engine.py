@@ -579,7 +579,9 @@ class Engine:
         self.manager.start_step(self.step_id)
         batch = self.scheduler.schedule()
         self._write_loads(self.manager.take_loads())
-        prepared = None if batch.empty or self.model is None else self.runner.prepare(batch)
+        # a prefill-only prompt the pool holds whole computes nothing: a batch of only such runs no forward
+        computes = not batch.empty and any(batch.num_tokens)
+        prepared = self.runner.prepare(batch) if computes and self.model is not None else None
         self._save_kv(batch.copies, prepared)
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
@@ -592,7 +594,8 @@ class Engine:
             tokens = self.runner.sample(logits, prepared.sampled)
             self._postprocess(batch, prepared.sampled, tokens, logits, broken)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
-        elif not batch.empty:  # --model none: the pool moves as for a model; every sampled token is 0
+        elif not batch.empty:  # --model none (the pool moves as for a model; every sampled token is 0), or nothing
+            #                    to compute
             sampled = [s for s, n in zip(batch.seqs, batch.num_tokens)
                        if n and s.num_computed_tokens + n == s.num_tokens and not s.prefill_only]
             self._postprocess(batch, sampled, [0] * len(sampled), None)

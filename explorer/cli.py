@@ -11,18 +11,19 @@ import os
 import re
 import sys
 
-DEMO_NAMES = ("busy", "crowd", "serve", "tiers", "window", "lesson", "none")
+DEMO_NAMES = ("busy", "crowd", "serve", "tiers", "window", "traffic", "lesson", "none")
 
 USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num-blocks N] [--device cpu|cuda|auto]
-               [--demo busy|crowd|serve|tiers|window|lesson|none] [--headless] [--json] [--screenshot PATH] [--quit-after SECONDS]
+               [--demo busy|crowd|serve|tiers|window|traffic|lesson|none] [--headless] [--json]
+               [--screenshot PATH] [--quit-after SECONDS]
                [--geometry WxH] [--record FILE] [--open FILE] [--kv-events ENDPOINT] [--publish ENDPOINT]
                [--attach ENDPOINT]... [--attach-kv-events ENDPOINT]... [--tokenizer DIR] [--compile-attention]
                [--make-keys DIR] [--fetch-model NAME] [--host-tier-blocks N] [--disk-tier-blocks N]
                [--disk-tier-path FILE] [--dtype float32|bfloat16] [--eviction-policy NAME]
-               [--trace FILE [--replay instant|timed] [--trace-speed X] [--trace-scale X] [--export-trace FILE]
+               [--trace FILE [--replay instant|timed] [--trace-speed X] [--trace-scale X]
                 [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
-                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]] [--metrics-port PORT]
-               [--attach-metrics URL]"""
+                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]] [--export-trace FILE]
+               [--metrics-port PORT] [--attach-metrics URL]"""
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.EVICTION_POLICIES (a test checks)
 SWEEP_POLICIES = "lru,fifo,s3lru,belady"  # a sweep's policies unless --policies says
@@ -297,6 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if opts.open and os.path.abspath(opts.open) == os.path.abspath(opts.record):
             raise UsageError("--record would overwrite the file --open reads")
     _check_tiers(opts)
+    _traffic_demo(opts)
     _check_trace(opts, watching)
     if opts.tokenizer is not None and not _builtin_tokenizer(opts.tokenizer):
         if not os.path.isdir(opts.tokenizer):
@@ -304,6 +306,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not os.path.isfile(os.path.join(opts.tokenizer, "tokenizer.json")):
             raise UsageError(f"--tokenizer {opts.tokenizer} has no tokenizer.json")
     return opts
+
+
+def _traffic_demo(opts: argparse.Namespace) -> None:
+    """``--demo traffic`` is a trace replay of the shipped excerpt, paced for a person: it becomes ``--trace`` with
+    the demo's replay settings (those the user gave win), and ``opts.traffic_demo`` says it was the demo."""
+    opts.traffic_demo = opts.demo == "traffic"
+    if not opts.traffic_demo:
+        return
+    if opts.trace is not None:
+        raise UsageError("--demo traffic replays its own trace; drop --trace (or --demo to replay yours)")
+    from .feeds import traffic_demo
+    defaults = build_parser()
+    for name, value in traffic_demo.SETTINGS.items():  # the demo's pool and model, unless the user named theirs
+        if getattr(opts, name) == defaults.get_default(name):
+            setattr(opts, name, value)
+    opts.trace = traffic_demo.excerpt_path()
+    opts.replay = opts.replay or traffic_demo.MODE
+    opts.trace_speed = opts.trace_speed or traffic_demo.SPEED
+    opts.trace_scale = opts.trace_scale or traffic_demo.SCALE
+    opts.demo = "none"
 
 
 def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
@@ -323,6 +345,15 @@ def _check_trace(opts: argparse.Namespace, watching: list[str]) -> None:
                          "(--trace FILE) can run it")
     if opts.export_trace is not None:
         _check_output_file("--export-trace", opts.export_trace)
+        streams = [w for w in watching if w != "--open"]
+        if streams:
+            raise UsageError(f"--export-trace writes the local engine's traffic or a recording's (--open), not a "
+                             f"stream {streams[0]} watches: record it (--record), then --open it with --export-trace")
+        if opts.sweep is not None:
+            raise UsageError("--export-trace writes the traffic of a run; --sweep runs none")
+        for flag, other in (("--open", opts.open), ("--record", opts.record)):
+            if other and os.path.abspath(opts.export_trace) == os.path.abspath(other):
+                raise UsageError(f"--export-trace would overwrite the file {flag} names")
     if opts.trace is None:
         return
     if watching:

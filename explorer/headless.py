@@ -113,8 +113,11 @@ def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
 def run_headless_cli(opts, cfg, spec) -> int:
     """``main.py --headless``: build the feeds ``spec`` (a SourceSpec) asks for and follow them; 2 on
     a source that fails. ``opts`` still carries the run's own flags (--json, --quit-after, the trace's)."""
+    from .feeds import trace_export
     from .feeds.sources import open_sources
     feeds, engine, traffic, export = [], None, None, None
+    # --export-trace: the local engine's traffic, seen step by step (a recording's is read from its file at the end)
+    exported = trace_export.TraceExport() if opts.export_trace else None
     try:
         if spec.watch:
             feeds = open_sources(spec, window=False).feeds  # the same sources as the window builds
@@ -141,7 +144,7 @@ def run_headless_cli(opts, cfg, spec) -> int:
             if opts.demo in DEMOS:
                 for note in DEMOS[opts.demo](engine).notes:  # a request lowered to fit the pool: say so
                     print(f"{opts.demo} demo: {note}", file=sys.stderr if opts.json else sys.stdout)
-            sources = open_sources(spec, cfg, engine, window=False, driver=driver, export=export)
+            sources = open_sources(spec, cfg, engine, window=False, driver=driver, export=export, traffic=exported)
             feeds, outputs = sources.feeds, sources.outputs
             engine = None  # the feed owns it now: closing the feed closes it
             done = feeds[0].idle
@@ -180,6 +183,8 @@ def run_headless_cli(opts, cfg, spec) -> int:
             feed.close()
         if export is not None:
             export.close()
+    if exported is not None and not trace_export.write_for(exported, opts.export_trace, opts.open):
+        status = status or 2
     if not opts.json and feeds and feeds[0].capabilities.can_command:  # the local engine: its decode rate
         snap = feeds[0].final_view()
         elapsed = time.perf_counter() - started

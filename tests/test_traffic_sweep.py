@@ -220,6 +220,41 @@ def test_the_live_engine_replaying_instantly_ends_with_the_sweeps_hits(tmp_path)
     assert lines[-1]["num_blocks"] == 500 and all("trace" in line for line in lines)
 
 
+def test_a_timed_replay_cuts_prompts_to_leave_its_first_output_a_position(tmp_path):
+    """A prompt longer than the model's context is cut to it; a timed request then still needs one position for
+    its first output (cut to the whole context, the built-in model's 1,024 positions, it was refused mid-replay:
+    'would reach 1025 tokens'). An instant one generates nothing and keeps the whole context."""
+    path = tmp_path / "long.jsonl"
+    lines = [{"timestamp": 0, "input_length": 512 * 80, "output_length": 4, "hash_ids": list(range(80))},
+             {"timestamp": 0, "input_length": 512 * 3, "output_length": 4, "hash_ids": [0, 1, 2]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    trace = read_trace(str(path))
+    cfg = EngineConfig(model="builtin", num_blocks=256, block_size=16)  # 1,024 positions: 64 blocks
+    timed = make_replay(cfg, trace, "timed", step_seconds=1.0)
+    timed.run()
+    assert timed.max_blocks == 63 and timed.num_cut == 1
+    assert [timed.engine.conversation(o.conversation_id).finish_reason is not None for o in timed.outcomes] == \
+        [True, True]
+    # the second prompt is held whole, but a generating request recomputes its last token (and so its last block)
+    assert timed.totals()["total_blocks"] == 63 + 3 and timed.totals()["hit_blocks"] == 2
+
+
+def test_an_instant_replay_on_a_real_model_takes_a_prompt_held_whole_without_computing(tmp_path):
+    """A prefill-only request whose prompt the pool holds whole computes no token: a step of only such requests
+    runs no forward (on the built-in model it passed an empty batch to the native decode and failed), and its
+    figures are the sweep's."""
+    path = tmp_path / "again.jsonl"
+    lines = [{"timestamp": 0, "input_length": 512 * 80, "output_length": 4, "hash_ids": list(range(80))},
+             {"timestamp": 1, "input_length": 512 * 3, "output_length": 4, "hash_ids": [0, 1, 2]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    trace = read_trace(str(path))
+    instant = make_replay(EngineConfig(model="builtin", num_blocks=256, block_size=16), trace, "instant")
+    instant.run()
+    assert instant.max_blocks == 64 and instant.num_cut == 1
+    assert (instant.totals()["hit_blocks"], instant.totals()["total_blocks"]) == (3, 64 + 3)
+    assert [o.block_outcomes for o in instant.outcomes][1] == ("device",) * 3
+
+
 @needs_traces
 def test_a_timed_replay_decodes_outputs_and_requests_overlap():
     """Arrivals on the trace's clock (here the engine's steps, 0.5 trace seconds each, at speed 20): requests

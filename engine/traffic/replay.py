@@ -101,7 +101,8 @@ class TraceReplay:
         self.speed, self.scale, self.step_seconds = float(speed), float(scale), step_seconds
         self.future = future
         bs = engine.cfg.block_size
-        self.max_blocks = engine.max_model_len // bs  # a prompt longer than the context is cut to it
+        # a prompt longer than the context is cut to it; a timed request also needs a position for its first output
+        self.max_blocks = (engine.max_model_len - (mode == "timed")) // bs
         ids, offsets = trace.flat
         self._ids, self._offsets = ids, offsets
         self._dense = np.unique(ids, return_inverse=True)[1].astype(np.int64)

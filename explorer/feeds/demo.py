@@ -243,6 +243,9 @@ def demo_settings(demo: str, given: dict) -> dict:
     elif demo == "window" and "model" not in given:
         from engine import window_checkpoint
         out["model"] = str(window_checkpoint())
+    elif demo == "traffic":
+        from .traffic_demo import SETTINGS
+        out = {k: v for k, v in SETTINGS.items() if k not in given}
     return out
 
 
@@ -255,8 +258,10 @@ def menu_demo_config(current, demo: str, before_demo=None):
     import dataclasses
     base = before_demo if before_demo is not None else current
     settings = demo_settings(demo, set())
-    if demo == "window":
+    if demo in ("window", "traffic"):
         settings.update(host_tier_blocks=0, disk_tier_blocks=0)
+    if demo == "traffic":  # its pool is sized for LRU to lose what the trace needs again
+        settings.update(eviction_policy="lru")
     if not settings:
         return base, None
     return dataclasses.replace(base, **settings), base

@@ -63,14 +63,17 @@ class Sources:
     # processes to watch ("the pool stream on tcp://...", "KV events on ..."); a demo is then paced for them
 
 
-def open_sources(spec: SourceSpec, cfg=None, engine=None, *, window: bool, driver=None, export=None) -> Sources:
+def open_sources(spec: SourceSpec, cfg=None, engine=None, *, window: bool, driver=None, export=None,
+                 max_steps_per_second: float | None = None, traffic=None) -> Sources:
     """The sources ``spec`` asks for: the watched feeds, or ``engine`` (built by the caller from ``cfg``; the feed
     owns it from then on) with its sinks. ``window``: for the window (a History for the timeline, frames polled), else
     for the headless run (no History, the newest view read). A headless ``--open`` decodes and checks every frame
     first, so a corrupt file is one line and exit 2. Raises ValueError (EngineError, RecordingError, PublishError),
     OSError or ImportError with a message for the user; nothing is left open then. ``driver``: a trace replay
     feeding ``engine`` from its runner's thread. ``export``: the ``--metrics-port`` exporter
-    (explorer.model.metrics_export), which observes the engine's runner from its first update."""
+    (explorer.model.metrics_export), which observes the engine's runner from its first update.
+    ``max_steps_per_second``: the window's engine pace (a traffic demo's; a seeded demo is paced by itself).
+    ``traffic``: the ``--export-trace`` exporter (explorer.feeds.trace_export), which sees every step of the engine."""
     if spec.watch:
         if spec.watch.open and not window:
             from kvstream.recording import check_recording
@@ -87,12 +90,15 @@ def open_sources(spec: SourceSpec, cfg=None, engine=None, *, window: bool, drive
         replay = spec.sinks.kv_events_replay
         outputs.append(f"KV events on {spec.sinks.kv_events}" + (f" (replay on {replay})" if replay else ""))
     observers = [export.observer(cfg)] if export is not None else []
+    if traffic is not None:
+        observers.append(traffic.observer())
     if export is not None:  # Prometheus scrapes now and then: a headless run stays up for it, as for a watcher
         outputs.append(f"Prometheus metrics on {export.url}")
     demo = spec.demo in DEMOS
     if window:  # a demo unfolds at a pace a person follows
-        return Sources([EngineFeed.start(engine, cfg, max_steps_per_second=DEMO_SPEED if demo else None,
-                                         extra_sinks=sinks, driver=driver, observers=observers)], outputs)
+        pace = max_steps_per_second or (DEMO_SPEED if demo else None)
+        return Sources([EngineFeed.start(engine, cfg, max_steps_per_second=pace, extra_sinks=sinks, driver=driver,
+                                         observers=observers)], outputs)
     # --publish and --kv-events are both for watchers in other processes, so a headless demo is paced for them to see
     # it unfold (and runs until --quit-after or Ctrl+C: the caller's part)
     return Sources([EngineFeed.start(engine, cfg, extra_sinks=sinks, history_bytes=0, polled=False, driver=driver,

@@ -23,11 +23,15 @@ from ..model.event_text import finish_words
 from ..model.palette import conversation_colour
 from ..model.conversation_text import group_tables_html, sources_cell, sources_sentence
 from ..model.groups import conversation_group_tables
+from ..model.trace_rows import outcome_cell
 from .table_model import RowsModel
 
-COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "stopped by", "prompt from")
+COLUMNS = ("id", "status", "prompt", "generated", "blocks", "shared", "tail fill", "prompt blocks", "trace request",
+           "stopped by", "prompt from")
 ID_DIGITS = 5  # the id column fits ids this long beside the colour swatch
-COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 110, 150)  # fixed: resizing to contents re-reads every cell each update
+COLUMN_WIDTHS = (44, 66, 56, 72, 48, 54, 58, 170, 190, 110, 150)  # fixed: resizing to contents re-reads every cell
+#                                                                   each update
+TRACE_COLUMN = COLUMNS.index("trace request")  # shown only while a trace replay feeds the conversations
 REPLY_MARK = "── reply ──"  # the line between a user message and the model's reply in the detail
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
@@ -60,14 +64,18 @@ def held_blocks(snapshot: PoolSnapshot, conversation_id: int) -> tuple[int, ...]
     return tuple(b for tables in snapshot.group_block_tables for b in tables.get(conversation_id, ()) if b >= 0)
 
 
-def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot, served=()) -> tuple:
-    """The table cells of one conversation, derived from the snapshot's block tables (every group's)."""
+def conversation_row(info: ConversationInfo, snapshot: PoolSnapshot, served=(), trace_requests=None) -> tuple:
+    """The table cells of one conversation, derived from the snapshot's block tables (every group's), its prompt
+    blocks' outcomes and, for a trace replay's request, what the trace says of it (``trace_requests``: an
+    explorer.model.trace_rows.TraceRequests)."""
     held = held_blocks(snapshot, info.conversation_id)
     table = snapshot.block_tables.get(info.conversation_id, ())  # group 0's: where the conversation's tail is
     shared = int((np.asarray(snapshot.ref_count)[list(held)] > 1).sum()) if held else 0
     tail = f"{int(snapshot.num_filled[table[-1]])}/{snapshot.block_size}" if table and table[-1] >= 0 else "-"
+    request = trace_requests.cell(info.conversation_id) if trace_requests is not None else ""
     return (info.conversation_id, str(info.status), len(info.prompt_token_ids), len(info.output_token_ids),
-            len(held), shared, tail, stop_reason(info, served), sources_cell(info))
+            len(held), shared, tail, outcome_cell(info.prompt_block_outcomes), request, stop_reason(info, served),
+            sources_cell(info))
 
 
 def ids_text(token_ids) -> str:
@@ -110,7 +118,8 @@ def _same_row_input(a: ConversationInfo, b: ConversationInfo) -> bool:
     return a is b or (a.status == b.status and a.finish_reason == b.finish_reason
                       and len(a.prompt_token_ids) == len(b.prompt_token_ids)
                       and len(a.output_token_ids) == len(b.output_token_ids)
-                      and a.prompt_token_sources == b.prompt_token_sources)
+                      and a.prompt_token_sources == b.prompt_token_sources
+                      and a.prompt_block_outcomes == b.prompt_block_outcomes)
 
 
 class ConversationsModel(RowsModel):
@@ -125,6 +134,15 @@ class ConversationsModel(RowsModel):
         self.rows_made = 0  # rows computed (not reused) so far (tests read it)
         self.colours = palette.ColourBook()  # the colour book of the source shown (ConversationsPanel.set_colour_book)
         self.served = ()  # the served traffic's conversation ids (ConversationsPanel.set_served)
+        self.trace_requests = None  # the trace replay's requests behind the conversations (set_trace_requests)
+
+    def set_trace_requests(self, requests) -> None:
+        """What a trace replay says of each conversation (explorer.model.trace_rows.TraceRequests), or None; the
+        rows are made again."""
+        if requests is not self.trace_requests:
+            self.trace_requests = requests
+            self._row_cache.clear()
+            self._made_from = None
 
     def cell_data(self, row: tuple, column: int, role):
         if role == SORT_ROLE:  # the value itself: ids sort as numbers, not as their text
@@ -187,7 +205,7 @@ class ConversationsModel(RowsModel):
             if kept is not None and _same_row_input(kept[0], info) and kept[1] == table and (pool_same or not table):
                 new_rows.append(kept[2])
                 continue
-            row = conversation_row(info, snapshot, self.served)
+            row = conversation_row(info, snapshot, self.served, self.trace_requests)
             self.rows_made += 1
             cache[cid] = (info, table, row)
             new_rows.append(row)
@@ -410,6 +428,7 @@ class ConversationsPanel(QtWidgets.QWidget):
         header.resizeSection(0, max(COLUMN_WIDTHS[0], self.view.fontMetrics().horizontalAdvance(ID_DIGITS * "0")
                                     + icon + 16))  # the colour swatch and a five-digit id ("1…" at 44 px)
         header.setStretchLastSection(True)
+        self.view.setColumnHidden(TRACE_COLUMN, True)
         self.view.verticalHeader().setDefaultSectionSize(22)
         self.view.setAlternatingRowColors(True)
         self.view.selectionModel().selectionChanged.connect(self._on_selection)
@@ -464,6 +483,11 @@ class ConversationsPanel(QtWidgets.QWidget):
         self.model.served = self.detail.served = served
         self.model._row_cache.clear()  # rows worded before are made again at the next refresh
         self.detail._key = None
+
+    def set_trace_requests(self, requests) -> None:
+        """The trace replay behind the conversations (its requests' arrivals and lengths in the table), or None."""
+        self.model.set_trace_requests(requests)
+        self.view.setColumnHidden(TRACE_COLUMN, requests is None)
 
     def set_colour_book(self, book) -> None:
         """Colour the rows and the detail from ``book``, the colour book of the source shown (conversation ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from PySide6 import QtGui
 
-from . import files
+from . import files, traces
 
 
 def _action(parent, text: str, shortcut: str | None, slot, tip: str = "") -> QtGui.QAction:
@@ -31,7 +31,10 @@ DEMOS = (("busy", "Busy: shared prefixes, a fork, tails", "A few conversations t
          ("tiers", "Tiers: prefixes back from host memory", "A small device pool and a host tier: returning "
           "conversations load their evicted prefix back from host memory instead of recomputing it"),
          ("window", "Window: a sliding-window model", "A checkpoint whose layers alternate sliding-window and full "
-          "attention: the sliding group releases blocks the model will never read again"))
+          "attention: the sliding group releases blocks the model will never read again"),
+         ("traffic", "Traffic: a real trace through the pool", "The first requests of Mooncake's production chat "
+          "trace replayed live, on a pool where LRU keeps losing blocks the trace needs again (the Capacity dock "
+          "shows how far it is from the optimum)"))
 
 
 class WindowActions:
@@ -48,6 +51,9 @@ class WindowActions:
         self.stop_record.setEnabled(False)
         self.open = _action(w, "Open recording…", "Ctrl+O", lambda: files.open_dialog(w),
                             "Replay a recording with the timeline (read-only)")
+        self.open_trace = _action(w, "Open trace…", "Ctrl+Shift+O", lambda: traces.open_trace_dialog(w),
+                                  "Replay a request trace (Mooncake JSONL or kv-cache-tester JSON) live through the "
+                                  "local engine, and sweep its hit rate against pool size (the Capacity dock)")
         self.export_window = _action(w, "Window as PNG…", None, lambda: files.export_dialog(w, "window"))
         self.export_grid = _action(w, "Grid as PNG…", None, lambda: files.export_dialog(w, "grid"))
         self.export_json = _action(w, "Current view as JSON…", None, lambda: files.export_dialog(w, "json"))
@@ -94,8 +100,8 @@ class WindowActions:
                 self.record]
 
     def in_menu_order(self) -> list[QtGui.QAction]:
-        return [self.record, self.stop_record, self.open, self.export_window, self.export_grid, self.export_json,
-                self.quit, self.pause, self.step, self.restart, self.add, self.fork, self.reply, self.end,
+        return [self.record, self.stop_record, self.open, self.open_trace, self.export_window, self.export_grid,
+                self.export_json, self.quit, self.pause, self.step, self.restart, self.add, self.fork, self.reply, self.end,
                 self.scramble, self.compact, self.back_to_live, self.contiguous, self.reset_layout,
                 *self.demos.values(), self.help, self.shortcuts]
 

@@ -4,6 +4,7 @@ Kept apart from main.py so tests and benchmarks can build the same window withou
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import time
@@ -14,10 +15,12 @@ from PySide6 import QtCore, QtWidgets
 from engine import EngineConfig
 
 from ..feeds.demo import DEMOS
+from ..feeds import trace_export
 from ..feeds.sources import SourceSpec, open_sources
 from .layout import LayoutMemory
 from .loader import load_engine_blocking
 from .main_window import MainWindow
+from . import traces
 
 GC_GEN0 = 10_000  # containers allocated between young-generation collections (see application)
 SCREENSHOT_STEPS = 3  # engine steps to wait for before a screenshot, so the first tokens are on screen
@@ -105,9 +108,17 @@ def save_screenshot(window: MainWindow, path: str, lesson: bool = False) -> bool
 def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
     """Run the app until its window closes; returns the process exit code (2 when a source cannot start)."""
     app = application()
-    settings = LayoutMemory.user_settings()
+    layout = LayoutMemory.user_settings()
     demo = opts.demo
     engine = seeded = export = None
+    exported = trace_export.TraceExport() if opts.export_trace else None  # --export-trace: written at the end
+    replay, settings = [], None  # --trace: the replay the loader builds, and how it replays
+    if getattr(opts, "trace", None):
+        settings = traces.settings_from(opts)
+        if getattr(opts, "traffic_demo", False):
+            from ..feeds import traffic_demo
+            settings = dataclasses.replace(settings, steps_per_second=traffic_demo.STEPS_PER_SECOND,
+                                           name="the traffic demo")
     if not spec.watch:
         if getattr(opts, "metrics_port", None) is not None:  # a port in use is said before the model loads
             from ..model.metrics_export import start_export
@@ -116,14 +127,19 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
             except OSError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo), getattr(opts, "model_note", ""))
+        build = traces.replay_builder(opts.trace, settings) if settings is not None else None
+        engine, error, seeded = load_engine_blocking(cfg, DEMOS.get(demo), getattr(opts, "model_note", ""),
+                                                     build=build, driver_out=replay)
         if engine is None:
             if export is not None:
                 export.close()
             print(f"error: {error}", file=sys.stderr)
             return 2
+    driver = replay[0] if replay else None
     try:
-        feeds = open_sources(spec, cfg, engine, window=True, export=export).feeds  # as --headless builds them
+        pace = settings.steps_per_second if settings is not None else None
+        feeds = open_sources(spec, cfg, engine, window=True, export=export, driver=driver,  # as --headless builds them
+                             max_steps_per_second=pace, traffic=exported if engine is not None else None).feeds
     except (ValueError, OSError, ImportError) as exc:
         if engine is not None:
             engine.close()  # its KV-event sockets
@@ -131,12 +147,16 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
             export.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=settings, size=opts.size,
+    window = MainWindow(feed=feeds[0], extra_feeds=feeds[1:], config=cfg, settings=layout, size=opts.size,
                         fit_size=not opts.screenshot)  # a --geometry larger than the screen is clamped, and said
     window.metrics_export = export  # owned by the window from now on: a new engine feeds it too
+    window.trace_export = exported if engine is not None else None
     if export is not None:
         print(export.said, file=sys.stderr, flush=True)
         window.status.showMessage(export.said, 15000)
+    if driver is not None:  # the Capacity dock follows the trace the engine replays
+        window.trace_replay, window.trace_settings = driver, settings
+        traces.follow_source(window, window.source.feed)
     if engine is not None:
         if getattr(opts, "model_note", ""):  # which model the demo runs and why, said in the window too
             window.status.showMessage(opts.model_note, 15000)
@@ -156,7 +176,10 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
                 unsaved.append(opts.screenshot)
             if opts.quit_after is None:
                 window.close()
-        window.screenshot_timer = when_drawn(window, first_shot)
+        if driver is not None:  # a trace: the shot shows its Capacity dock's curves once swept
+            window.screenshot_timer = when_drawn(window, lambda: traces.when_swept(window.capacity, first_shot))
+        else:
+            window.screenshot_timer = when_drawn(window, first_shot)
     if opts.quit_after is not None:
         def last_shot_and_quit() -> None:
             if opts.screenshot and not save_screenshot(window, opts.screenshot, lesson):  # the end, as asked
@@ -166,4 +189,6 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
     app.exec()
     for source in window.sources:  # closing the window closed them already; this covers any other way out
         source.close()
+    if exported is not None and not trace_export.write_for(exported, opts.export_trace, opts.open):
+        return 2
     return 1 if unsaved else 0

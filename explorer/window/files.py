@@ -170,6 +170,23 @@ def open_recording(window, path: str) -> bool:
     return True
 
 
+def open_dropped(window, path: str) -> None:
+    """A file dropped on the window: a recording opens as File > Open does, anything else as a trace (the reader
+    says in one line what is wrong with a file that is neither)."""
+    from kvstream.recording import MAGIC
+    from .traces import open_trace
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(MAGIC))
+    except OSError as exc:
+        window.show_error("Cannot open file", f"{path}: {exc.strerror or exc}")
+        return
+    if head == MAGIC:
+        open_recording(window, path)
+    else:
+        open_trace(window, path)
+
+
 def _outputs_of(feed) -> str:
     """The recordings and publishers of a local engine feed, in words ("" for none or another kind of feed)."""
     sinks = list(getattr(feed, "outputs", ())) + [r for r, _ in getattr(feed, "recorders", ())]
@@ -185,8 +202,10 @@ def start_demo(window, name: str, confirm: bool = True) -> None:
         window.open_lesson()
         return
     from ..feeds.demo import DEMOS
-    if name not in DEMOS:
-        window.show_error("Unknown demo", f"There is no demo {name!r}; the demos are {', '.join(DEMOS)} and lesson.")
+    from ..feeds.traffic_demo import NAME as TRAFFIC
+    if name not in DEMOS and name != TRAFFIC:
+        window.show_error("Unknown demo", f"There is no demo {name!r}; the demos are {', '.join(DEMOS)}, {TRAFFIC} "
+                          "and lesson.")
         return
     view = window.source.live
     live = [c for c in view.conversations if c.is_live] if view is not None else []
@@ -204,6 +223,10 @@ def start_demo(window, name: str, confirm: bool = True) -> None:
         return
     from ..feeds.demo import menu_demo_config
     cfg, before = menu_demo_config(window.config or window.engine_config, name, window.config_before_demo)
+    if name == TRAFFIC:  # a trace replay, not seeded conversations
+        from .traces import start_traffic_demo
+        start_traffic_demo(window, cfg, before)
+        return
     window.restart_engine(cfg, setup=DEMOS[name], demo=name, config_before_demo=before)
 
 

@@ -14,7 +14,7 @@ import struct
 
 from PySide6 import QtCore, QtGui, QtWidgets
 
-LAYOUT_VERSION = 2  # bump when docks are added or renamed: an older saved state is then ignored, not half-applied
+LAYOUT_VERSION = 3  # bump when docks are added or renamed: an older saved state is then ignored, not half-applied
 ORGANISATION = "paged-kv-explorer"
 APPLICATION = "explorer"
 RIGHT = QtCore.Qt.DockWidgetArea.RightDockWidgetArea

@@ -25,6 +25,7 @@ from ..feeds.feed import Feed, Problem
 from ..model.pacer import FramePace, LivePacer, engine_has_slack
 from ..model.pool_source import PoolSource
 from ..widgets.block_watch import BlockWatch
+from ..widgets.capacity import CapacityPanel
 from ..widgets.controls import EngineControls
 from ..widgets.conversations import ConversationsPanel
 from ..widgets.history_panels import HistoryPanels
@@ -40,6 +41,7 @@ from .dialogs import RestartDialog
 from .layout import MIN_HEIGHT, MIN_WIDTH, LayoutMemory, arrange, keep_proportions, make_dock
 from .loader import EngineLoader, progress_dialog
 from .actions import WindowActions
+from . import files, traces
 from .menus import build_menus
 from .status_bar import StatusBar
 
@@ -88,6 +90,9 @@ class MainWindow(QtWidgets.QMainWindow):
         self.demo_notes: tuple[str, ...] = ()  # what the running demo lowered to fit the pool, one note each
         self.outputs_note = ""  # what the last restart did to the outputs (publishing on, a recording ended)
         self.traffic = None  # the served traffic (a TrafficDriver) of the running demo, or None
+        self.trace_replay = None  # the trace replay feeding the local engine (engine.TraceReplay), or None
+        self.trace_settings = None  # how it replays (explorer.window.traces.ReplaySettings), for a restart
+        self.trace_export = None  # --export-trace's exporter (explorer.feeds.trace_export): every local engine's steps
         self._loader: EngineLoader | None = None
         self._select_when_present: int | None = None
         self._stale_view: PoolSnapshot | None = None  # the view the panels have not shown yet (None: up to date)
@@ -115,6 +120,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.geometry_note = ""  # what the fit did to a --geometry that did not fit ("" when it fitted)
         self._place_window(size)
         self._on_source_changed(self.source.feed)
+        self.setAcceptDrops(True)  # a trace or a recording dropped on the window opens it (explorer.window.traces)
         self.timer = QtCore.QTimer(self)
         self.timer.setInterval(FRAME_MS)
         self.timer.timeout.connect(self._tick)
@@ -134,6 +140,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.event_log = self.history_panels.event_log
         self.block_history = self.history_panels.block_history
         self.inspector.follow_history(self.block_history)  # the inspector lists the block's newest events
+        self.capacity = CapacityPanel()  # a trace's hit rate against pool size (explorer.window.traces wires it)
+        self.capacity.restartRequested.connect(lambda policy, blocks: traces.restart_replay(self, policy, blocks))
         self.docks = {
             "inspector": make_dock(self, "inspector", "Inspector", self.inspector, min_width=300,
                                    min_height=420),
@@ -145,9 +153,10 @@ class MainWindow(QtWidgets.QMainWindow):
             "metrics": make_dock(self, "metrics", "Metrics", self.metrics, scroll=False),
             "events": self.event_log,
             "block-history": make_dock(self, "block-history", "Block history", self.block_history, scroll=False),
+            "capacity": make_dock(self, "capacity", "Capacity", self.capacity, min_width=320, min_height=180),
         }
         self.right_docks = ["inspector", "legend", "memory", "block-history"]
-        self.bottom_docks = ["conversations", "metrics", "events"]
+        self.bottom_docks = ["conversations", "metrics", "events", "capacity"]
 
     def _build_centre(self) -> None:
         if len(self.panes) == 1:
@@ -210,6 +219,8 @@ class MainWindow(QtWidgets.QMainWindow):
         """The first-launch arrangement for the current window size."""
         self.layout_kind = arrange(self, [self.docks[k] for k in self.right_docks],
                                    [self.docks[k] for k in self.bottom_docks], self.width(), self.height())
+        if self.capacity.key is not None:  # a trace is replayed: its curves in front of the tab group they share
+            self.docks["capacity"].raise_()
 
     # ---- compatibility names (tests, bench and dialogs use them) -------------------------------------------
     @property
@@ -281,6 +292,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.pace.panels_refreshed(now, time.perf_counter() - started)
         if self.pace.plots_due(now):
             self.metrics.redraw()
+            traces.show_live(self)  # the live replay's marker on the Capacity dock
             for pane in self.panes:
                 pane.refresh_header()
             feed = self.source.feed
@@ -356,6 +368,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.window_actions.stop_record.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
         self._fit_docks_to(feed)
         self.status.fit_to(feed.capabilities)
+        traces.follow_source(self, feed)  # the Capacity dock sweeps the trace this feed replays, if any
         self._enable_commands()
 
     def _fit_docks_to(self, feed: Feed) -> None:
@@ -519,10 +532,13 @@ class MainWindow(QtWidgets.QMainWindow):
         return dialog
 
     def restart_engine(self, cfg: EngineConfig, setup=None, demo: str | None = None,
-                       dialog: RestartDialog | None = None, config_before_demo: EngineConfig | None = None) -> None:
+                       dialog: RestartDialog | None = None, config_before_demo: EngineConfig | None = None,
+                       build=None, trace_settings=None, failed_title: str = "Engine restart failed") -> None:
         """Build the new engine in a worker thread; swap it in only once it loaded, else keep the old feed.
         ``dialog``: the restart dialog that asked, told how it went (else a failure is a message box).
-        ``config_before_demo``: the user's settings, when ``cfg`` is a demo's own (the next demo goes back to them)."""
+        ``config_before_demo``: the user's settings, when ``cfg`` is a demo's own (the next demo goes back to them).
+        ``build``: makes a trace replay instead of a bare engine (explorer.window.traces), replayed as
+        ``trace_settings`` say; ``failed_title``: the message box's title if it fails."""
         if self._loader is not None:
             if dialog is not None:
                 dialog.restart_failed("An engine is already being loaded; try again when it is up")
@@ -538,7 +554,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self._loader = None
             if self._closed:  # a closed window must not start an engine thread that nothing would stop
                 return
-            self.swap_engine(engine, cfg, demo=demo)
+            self.swap_engine(engine, cfg, demo=demo, driver=loader.driver, trace_settings=trace_settings)
             self.config_before_demo = config_before_demo
             self.show_demo_notes(loader.setup_result)
             if dialog is not None:
@@ -553,13 +569,12 @@ class MainWindow(QtWidgets.QMainWindow):
             previous = "engine" if self.source.capabilities.can_command else "source"
             note = (f" It no longer publishes KV events on {released[0]}: they were released for the new engine."
                     if released is not None else "")
-            self.show_error("Engine restart failed", f"{message}\n\nThe previous {previous} keeps running.{note}",
-                            details)
+            self.show_error(failed_title, f"{message}\n\nThe previous {previous} keeps running.{note}", details)
 
         loader.loaded.connect(loaded)
         loader.failed.connect(failed)
         progress.show()
-        loader.start(cfg, setup, after=released[1] if released is not None else None)
+        loader.start(cfg, setup, after=released[1] if released is not None else None, build=build)
 
     def _release_kv_events_for(self, cfg: EngineConfig):
         """When the new engine would bind the KV-event endpoint the running one holds (a restart with the same
@@ -584,8 +599,10 @@ class MainWindow(QtWidgets.QMainWindow):
             self.status.showMessage(f"{summary} {self.outputs_note}".strip(), 20000)
         self.status.setToolTip("\n".join(notes))
 
-    def swap_engine(self, engine, cfg: EngineConfig, demo: str | None = None) -> None:
+    def swap_engine(self, engine, cfg: EngineConfig, demo: str | None = None, driver=None,
+                    trace_settings=None) -> None:
         """Run ``engine`` instead of the active feed, keeping pause and speed; answers in flight are dropped.
+        ``driver``: the trace replay that feeds ``engine`` (replayed as ``trace_settings`` say), or None.
 
         The old engine is stopped first. Its --publish publishers go on with the new engine (subscribers see the
         source restart); its recordings (--record, File > Record) end with it, since a recording holds one
@@ -594,11 +611,17 @@ class MainWindow(QtWidgets.QMainWindow):
         old = self.source.feed
         # a recording or a watched stream has no engine speed: the new engine takes the speed box's, as shown
         speed = DEMO_SPEED if demo else (old.speed if old.capabilities.can_command else self.controls.speed.currentData())
+        if trace_settings is not None and trace_settings.steps_per_second is not None:
+            speed = trace_settings.steps_per_second  # a traffic demo's pace
         paused = old.paused if (old.capabilities.can_command and not demo) else False
         carried, ended = old.hand_over() if isinstance(old, EngineFeed) else ([], [])
         export = self.metrics_export  # --metrics-port follows the new engine
+        observers = [export.observer(cfg)] if export is not None else []
+        if self.trace_export is not None:  # so does --export-trace (each engine's conversations kept apart)
+            observers.append(self.trace_export.observer())
+        self.trace_replay, self.trace_settings = driver, trace_settings if driver is not None else None
         feed = EngineFeed.start(engine, cfg, max_steps_per_second=speed, start_paused=paused, extra_sinks=carried,
-                                observers=[export.observer(cfg)] if export is not None else [])
+                                observers=observers, driver=driver)
         self.engine_config = cfg
         self.source.set_feed(feed)
         if demo:
@@ -711,6 +734,16 @@ class MainWindow(QtWidgets.QMainWindow):
             self.status.showMessage(self.geometry_note, 10000)
         return True
 
+    def dragEnterEvent(self, event: QtGui.QDragEnterEvent) -> None:
+        if traces.dropped_files(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QtGui.QDropEvent) -> None:
+        paths = traces.dropped_files(event.mimeData())
+        if paths:
+            event.acceptProposedAction()
+            files.open_dropped(self, paths[0])
+
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:
         super().resizeEvent(event)
         if self._shown_once and event.oldSize().isValid():
@@ -722,6 +755,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.layout_memory.save(self)
         self._closed = True
         self.timer.stop()
+        self.capacity.shutdown()
         if self.traffic is not None:
             self.traffic.stop()
         self.metrics_backfill.stop()

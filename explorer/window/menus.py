@@ -11,7 +11,7 @@ def build_menus(window, actions) -> None:
     controls = window.controls
 
     file_menu = bar.addMenu("&File")
-    file_menu.addActions([actions.record, actions.stop_record, actions.open])
+    file_menu.addActions([actions.record, actions.stop_record, actions.open, actions.open_trace])
     export = file_menu.addMenu("Export")
     export.addActions([actions.export_window, actions.export_grid, actions.export_json])
     file_menu.addSeparator()
@@ -38,7 +38,7 @@ def build_menus(window, actions) -> None:
     view.addAction(actions.reset_layout)
 
     demos = bar.addMenu("&Demos")
-    demos.addActions([actions.demos[name] for name in ("busy", "crowd", "serve", "tiers", "window")])
+    demos.addActions([actions.demos[name] for name in ("busy", "crowd", "serve", "tiers", "window", "traffic")])
     demos.addSeparator()
     demos.addAction(actions.lesson)
 
