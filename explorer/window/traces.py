@@ -13,12 +13,13 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore
 
 from ..feeds.engine_feed import EngineFeed
 from ..model.capacity import live_marker, policy_name, spec_for
 from ..model.trace_rows import TraceRequests
 from ..model.words import number
+from . import file_dialogs
 
 TRACE_FILTER = "Request traces (*.jsonl *.json);;All files (*)"
 
@@ -58,7 +59,7 @@ def base_config(window):
 
 # ---- opening ----------------------------------------------------------------------------------------------------
 def open_trace_dialog(window) -> None:
-    path, _ = QtWidgets.QFileDialog.getOpenFileName(window, "Open a request trace", "", TRACE_FILTER)
+    path, _ = file_dialogs.open_file_name(window, "Open a request trace", "", TRACE_FILTER)
     if path:
         open_trace(window, path)
 
