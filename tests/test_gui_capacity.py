@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 from PySide6.QtTest import QTest
 
@@ -236,3 +237,33 @@ def test_demo_traffic_on_the_command_line_is_a_timed_replay_of_the_excerpt(tmp_p
     with pytest.raises(UsageError) as refused:
         parse_args(["--demo", "traffic", "--trace", small_trace(tmp_path)])
     assert "--demo traffic replays its own trace" in str(refused.value)
+
+
+def test_a_screenshot_waits_for_the_sweep_and_its_answer(qtbot, tmp_path):
+    """--screenshot of a trace is taken once the dock has its curves and its answer for the target rate (not the
+    half-drawn sweep); with nothing to sweep it is taken at once."""
+    panel = CapacityPanel()
+    qtbot.addWidget(panel)
+    seen = []
+    assert traces.when_swept(panel, lambda: seen.append("at once")) is None and seen == ["at once"]
+    panel.set_trace(read_trace(small_trace(tmp_path)), CapacitySpec(policies=("lru",), max_blocks=64, points=6))
+    traces.when_swept(panel, lambda: seen.append((panel.result.complete, bool(panel.answers), panel.settled)))
+    assert len(seen) == 1  # not yet: the sweep has just started
+    qtbot.waitUntil(lambda: len(seen) == 2, timeout=60_000)
+    assert seen[1] == (True, True, True)
+
+
+def test_with_a_host_tier_the_live_policys_hits_stack_by_medium(qtbot, tmp_path):
+    panel = CapacityPanel()
+    qtbot.addWidget(panel)
+    trace = read_trace(small_trace(tmp_path, count=200))
+    panel.set_trace(trace, CapacitySpec(policies=("lru",), bound=None, max_blocks=64, host_tier_blocks=4000,
+                                        points=4))
+    result = wait_swept(qtbot, panel)
+    fills = [item for item in panel.bands if isinstance(item, pg.FillBetweenItem)]
+    assert [f.toolTip() for f in fills] == [f"LRU: hits from {m}" for m in ("GPU", "CPU", "STORAGE")]
+    xs, stacks = result.stacked("lru")
+    assert all(p.engine == "engine" for p in result.points["lru"])  # tiers: the engine itself replays each point
+    top = [item for item in panel.bands if isinstance(item, pg.PlotDataItem)][-1].getOriginalDataset()[1]
+    assert top == pytest.approx(100 * stacks["STORAGE"])
+    assert (stacks["CPU"] > stacks["GPU"]).any()  # at some size the host tier kept what the device pool lost

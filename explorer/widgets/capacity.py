@@ -179,6 +179,11 @@ class CapacityPanel(QtWidgets.QWidget):
         """A sweep is running."""
         return self._token is not None
 
+    @property
+    def settled(self) -> bool:
+        """Nothing is being worked out: the sweep is done (or stopped) and the answer for the target rate is in."""
+        return self._token is None and self._answer_token is None
+
     def set_trace(self, trace, spec: CapacitySpec) -> None:
         """Sweep ``trace`` as ``spec`` says (the live replay's context, tiers and policy), unless it is what is shown
         or being swept now; a sweep in flight for anything else is cancelled. A trace swept before is drawn at once."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
 from PySide6 import QtCore
@@ -22,6 +23,7 @@ from ..model.words import number
 from . import file_dialogs
 
 TRACE_FILTER = "Request traces (*.jsonl *.json);;All files (*)"
+SWEEP_WAIT_S = 600.0  # the longest --screenshot waits for the Capacity dock's sweep (a stuck one must not hang it)
 
 
 @dataclass(frozen=True)
@@ -144,16 +146,24 @@ def show_live(window) -> None:
                              os.path.basename(str(cfg.model)) or str(cfg.model))
 
 
-def when_swept(panel, callback) -> QtCore.QTimer | None:
-    """Call ``callback()`` once ``panel`` has finished its sweep (for --screenshot and tests that look at it)."""
-    if panel.result is not None and panel.result.complete:
+def when_swept(panel, callback, timeout_s: float = SWEEP_WAIT_S) -> QtCore.QTimer | None:
+    """Call ``callback()`` once ``panel`` has finished its sweep and answered its target rate, or said why it
+    stopped, or after ``timeout_s`` whatever it shows (for --screenshot, which must end)."""
+    deadline = time.monotonic() + timeout_s
+
+    def done() -> bool:
+        if panel.key is None or time.monotonic() > deadline:  # nothing to sweep, or waited long enough
+            return True
+        return panel.settled and (panel.result is not None and panel.result.complete and bool(panel.answers)
+                                  or bool(panel.error))
+    if done():
         callback()
         return None
     timer = QtCore.QTimer(panel)
     timer.setInterval(100)
 
     def check() -> None:
-        if panel.result is not None and panel.result.complete or (not panel.busy and panel.error):
+        if done():
             timer.stop()
             callback()
     timer.timeout.connect(check)
