@@ -5,11 +5,11 @@ import time
 from tests.helpers import make_config  # noqa: F401  (the GUI tests take it from here too)
 
 
-def seeded(prompts, steps=3, max_new_tokens=40):
+def seeded(prompts, steps=3, max_new_tokens=40, ignore_eos=False):
     """A make_window setup: the prompts added one step apart, then ``steps`` more steps."""
     def setup(engine):
         for prompt in prompts:
-            engine.add_conversation(prompt, max_new_tokens=max_new_tokens)
+            engine.add_conversation(prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
             engine.step()
         for _ in range(steps):
             engine.step()

@@ -10,7 +10,9 @@ from test_gui_support import make_config, open_add_dialog, seeded, wait_for_snap
 
 
 def test_local_engine_source_says_what_it_can_do_and_delivers_views(qtbot, make_window):
-    window = make_window(setup=seeded(["Capabilities of the local engine."]), speed=30)
+    # a conversation that outlasts the wait (on a busy machine the first view drawn came after 40 tokens: done)
+    window = make_window(setup=seeded(["Capabilities of the local engine."], max_new_tokens=200, ignore_eos=True),
+                         speed=30)
     source = window.source
     caps = source.capabilities
     assert caps.can_command and caps.has_kv_values and caps.has_physical_pool
