@@ -796,6 +796,14 @@ class Engine:
         """Whether it finished or was ended (cheaper than building its whole ConversationInfo)."""
         return self._seq(conversation_id).is_finished
 
+    def check_prompt(self, prompt: str | None = None, *, prompt_token_ids: Seq[int] | None = None):
+        """Would this prompt hit? Which of its blocks the pool (and its tiers) hold now, where, and why the others
+        would miss (never stored; stored, then evicted at step T by a policy, for a conversation; shorter than a
+        block), counted as its admission would count them: a :class:`kvstream.prompt_check.PromptCheck`, whose
+        ``cached_tokens`` is the ``num_cached_tokens`` the prompt would get if added now. Changes nothing."""
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        return self.manager.check_prompt(Sequence(-1, ids, 1, 0.0, 0, self.step_id), self.step_id)
+
     def prompt_block_outcomes(self, conversation_id: int) -> tuple:
         """How each block of its prompt fared at its last admission (kvstream.views.BlockOutcome: a hit and where
         from, or a miss and why); () before its first admission."""

@@ -135,7 +135,7 @@ class PoolViews:
             num_preemptions=s.num_preemptions, num_cow_copies=m.num_cow_copies, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, last_step_seconds=c.last_step_seconds,
             last_step_tokens=c.last_step_tokens, last_step_prefill_tokens=c.last_step_prefill,
-            num_evictions=m.num_evictions)
+            num_evictions=m.num_evictions, **{f"prompt_blocks_{k}": v for k, v in m.outcome_totals.items()})
 
     def memory_stats(self) -> MemoryStats:
         pool, bs = self.pool, self.cfg.block_size

@@ -61,7 +61,7 @@ _RUNNER_COMMANDS = {"pause", "resume", "step_once", "set_speed", "add_observer",
 _ENGINE_COMMANDS = {
     "add_conversation", "add_samples", "fork_conversation", "end_conversation", "continue_conversation",
     "relocate_blocks", "relocate_and_verify", "reset_prefix_cache", "conversation", "inspect_block",
-    "probe_attention", "memory_stats", "tokenize", "detokenize", "close",
+    "probe_attention", "memory_stats", "tokenize", "detokenize", "check_prompt", "close",
 }
 
 

@@ -23,7 +23,7 @@ USAGE = """python main.py [--model builtin|smollm2|PATH] [--block-size N] [--num
                [--trace FILE [--replay instant|timed] [--trace-speed X] [--trace-scale X]
                 [--sweep CAPACITY[,CAPACITY...] [--policies lru,fifo,...] [--kv-shape CONFIG.json]
                  [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--warmup F]]] [--export-trace FILE]
-               [--metrics-port PORT] [--attach-metrics URL]"""
+               [--check-prompt FILE] [--metrics-port PORT] [--attach-metrics URL]"""
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "s3lru", "radix", "belady")  # engine.EVICTION_POLICIES (a test checks)
 SWEEP_POLICIES = "lru,fifo,s3lru,belady"  # a sweep's policies unless --policies says
@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "bfloat16's); a sweep counts its bytes")
     parser.add_argument("--warmup", type=float, metavar="F", help="with --sweep: count only the last 1 - F of the "
                         "requests, as kvcache-simulator does (default 0: all)")
+    parser.add_argument("--check-prompt", metavar="FILE", help="would this prompt hit? FILE holds a prompt (text, "
+                        "tokenised with the model's tokenizer or --tokenizer, or a JSON list of token ids): which of "
+                        "its blocks the watched or local pool holds now, where, and why the others miss; read again "
+                        "whenever it changes (a file not there yet is waited for); --json lines carry prompt_check")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve the local engine's /metrics in Prometheus' format under vLLM's names on this port "
                              "(all interfaces; 0: a free port, said on stderr)")
@@ -300,6 +304,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_tiers(opts)
     _traffic_demo(opts)
     _check_trace(opts, watching)
+    if opts.check_prompt is not None:
+        if opts.sweep is not None:
+            raise UsageError("--check-prompt checks a prompt against a running pool; a --sweep runs none")
+        if os.path.isdir(opts.check_prompt):
+            raise UsageError(f"--check-prompt {opts.check_prompt} is a folder; give the prompt's file")
     if opts.tokenizer is not None and not _builtin_tokenizer(opts.tokenizer):
         if not os.path.isdir(opts.tokenizer):
             raise UsageError(f"--tokenizer {opts.tokenizer}: no such directory")

@@ -57,8 +57,10 @@ class _Stop:
                 signal.signal(sig, lambda *_: self.event.set())
 
 
-def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=None) -> int:
+def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=None,
+           check_prompt: str | None = None) -> int:
     """Poll ``feeds`` until ``done()`` (all finished), ``quit_after`` seconds, or a signal; print as asked.
+    ``check_prompt``: the --check-prompt file, checked against every feed (explorer.feeds.prompt_watch).
 
     Returns the exit status: 0, or 1 when an output stopped (a full disk under ``--record``). The last line(s)
     describe each feed's final view.
@@ -67,14 +69,20 @@ def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=
     stop.install()
     start = last_print = time.perf_counter()
     printed_any = False
+    watch = None
+    if check_prompt is not None:
+        from .feeds.prompt_watch import PromptWatch
+        watch = PromptWatch(check_prompt, feeds)
     while True:
         now = time.perf_counter()
         finished = done is not None and done()
         timed_out = quit_after is not None and now - start >= quit_after
         if finished or timed_out or stop.event.is_set():
             break
+        if watch is not None and watch.tick() and not json_mode:
+            _print_checks(watch, out)
         if now - last_print >= PRINT_INTERVAL_S or not printed_any:
-            printed_any = _print_views(feeds, json_mode, out) or printed_any
+            printed_any = _print_views(feeds, json_mode, out, watch=watch) or printed_any
             last_print = now
         stop.event.wait(POLL_S)
     failed = False
@@ -82,16 +90,36 @@ def follow(feeds, *, json_mode: bool, quit_after: float | None, out=print, done=
         for problem in feed.take_problems():
             print(f"{problem.title}: {problem.text}", file=sys.stderr)
             failed = failed or problem.title == "Output stopped"  # --record's disk filled, --publish's socket died
-    _print_views(feeds, json_mode, out, final=True)
+    if watch is not None:
+        version = watch.version
+        watch.settle()  # the final line's answer is the final pool's
+        if not json_mode and watch.version != version:
+            _print_checks(watch, out)
+    _print_views(feeds, json_mode, out, final=True, watch=watch)
     return 1 if failed else 0
 
 
-def _print_views(feeds, json_mode: bool, out, final: bool = False) -> bool:
+def _print_checks(watch, out) -> None:
+    """Text mode: each feed's prompt check in words, when it changed."""
+    from .model.outcome_text import check_sentence
+    for feed in watch.feeds:
+        state = watch.state_of(feed)
+        head = f"prompt check ({watch.path})" + (f", {feed.title}" if len(watch.feeds) > 1 else "")
+        if state.status == "checked":
+            for check in state.checks:
+                out(f"{head}{', ' + check.source if len(state.checks) > 1 else ''}: {check_sentence(check)}")
+        elif state.status != "pending":
+            out(f"{head}: {state.status}: {state.error}")
+
+
+def _print_views(feeds, json_mode: bool, out, final: bool = False, watch=None) -> bool:
     """One line per pool (JSON or text); at the end, text mode adds what each conversation generated."""
     printed = False
     for feed in feeds:
         if json_mode:
-            for data in feed.summaries(final):
+            for pool, data in enumerate(feed.summaries(final)):
+                if watch is not None:
+                    data = {**data, "prompt_check": watch.json_for(feed, pool)}
                 out(json.dumps(data))
                 printed = True
             continue
@@ -175,7 +203,8 @@ def run_headless_cli(opts, cfg, spec) -> int:
             engine.close()  # its KV-event sockets
     started = time.perf_counter()
     try:
-        status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done)
+        status = follow(feeds, json_mode=opts.json, quit_after=opts.quit_after, done=done,
+                        check_prompt=getattr(opts, "check_prompt", None))
     finally:
         if traffic is not None:
             traffic.stop()

@@ -4,7 +4,8 @@ Why here: ``--headless --json`` prints it for the local engine, an attached stre
 ``--open FILE --headless --json`` must end on exactly the line the recording run printed, so the object is computed
 from the snapshot alone, in one place. Keys DESIGN.md fixes: source, step, num_blocks, block_size, used, cached,
 free, block_tables, stored_hashes; ``null`` where a source cannot know (a snapshot without hashes has
-stored_hashes null). The rest are extras scripts find useful.
+stored_hashes null). The rest are extras scripts find useful, among them ``misses`` and ``hits_by_medium`` (prompt
+blocks over every admission, by miss cause and by hit medium).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .views import NO_HASH, BlockState, PoolSnapshot
+from .views import HIT_MEDIA, MISS_CAUSES, NO_HASH, BlockState, PoolSnapshot
 
 FIXED_KEYS = ("source", "step", "num_blocks", "block_size", "used", "cached", "free", "block_tables",
               "stored_hashes")  # what DESIGN.md's --json promises, in its order
@@ -54,11 +55,22 @@ def json_summary(snapshot: PoolSnapshot | None, *, source: str | None = None) ->
         "generated_tokens": int(metrics.num_generated_tokens),
         "preemptions": int(metrics.num_preemptions),
         "evictions": int(metrics.num_evictions),
+        **outcome_totals(metrics),
         "stored_hashes_by_medium": stored_by_medium(snapshot, stored),
         "tiers": {name: {"num_blocks": int(view.num_blocks),
                          "used": int(np.count_nonzero(view.state == BlockState.CACHED))}
                   for name, view in getattr(snapshot, "tiers", {}).items()},
     }
+
+
+def outcome_totals(metrics) -> dict[str, Any]:
+    """``misses`` (prompt blocks that missed, by cause) and ``hits_by_medium`` (prompt blocks that hit, by where
+    they came from), over every admission the source saw; both null where the source does not count them."""
+    totals = metrics.prompt_block_totals
+    if totals is None:
+        return {"misses": None, "hits_by_medium": None}
+    return {"misses": {cause: totals[cause] for cause in MISS_CAUSES},
+            "hits_by_medium": {medium: totals[medium] for medium in HIT_MEDIA}}
 
 
 _TIER_MEDIA = {"host": "CPU", "disk": "STORAGE"}  # a pool's lower tiers by vLLM's medium names

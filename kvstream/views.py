@@ -218,10 +218,31 @@ class EngineMetrics:
     last_step_tokens: int = 0  # tokens sampled in the last step
     last_step_prefill_tokens: int = 0  # tokens prefilled in the last step
     num_evictions: int = 0  # cached blocks whose KV was dropped to make room
+    # Prompt blocks over every admission so far by outcome (BlockOutcome.outcome): hits by where they came from,
+    # misses by cause. All 0 with prefix_cache_queries > 0: the source does not count them (an older stream).
+    prompt_blocks_device: int = 0  # hits in the device pool
+    prompt_blocks_host: int = 0  # hits loaded from the host tier
+    prompt_blocks_disk: int = 0  # hits loaded from the disk tier
+    prompt_blocks_cold: int = 0  # misses: never in any pool before
+    prompt_blocks_evicted: int = 0  # misses: evicted before they were asked for again
+    prompt_blocks_after_break: int = 0  # misses: held, but after an earlier miss
+    prompt_blocks_partial: int = 0  # misses: the prompt's last block was not full
+    prompt_blocks_window: int = 0  # misses: a sliding window had let them go
+    prompt_blocks_last_token: int = 0  # misses: held, but holding the prompt's last token (recomputed)
+    prompt_blocks_salted: int = 0  # misses: a cache salt or LoRA made equal tokens differ
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def prompt_block_totals(self) -> dict[str, int] | None:
+        """{outcome: prompt blocks} over every admission (HIT_MEDIA and MISS_CAUSES), or None where the source does
+        not count them."""
+        totals = {name: int(getattr(self, f"prompt_blocks_{name}")) for name in HIT_MEDIA + MISS_CAUSES}
+        if not any(totals.values()) and self.prefix_cache_queries > 0:
+            return None
+        return totals
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from kvstream.events import WINDOW_REASON, BlockEvent, EventKind
+from kvstream.prompt_check import Held, Removal, classify_prompt
 from kvstream.rules import cdiv, fit_error, group_key, raw_hash
 from kvstream.views import NO_HASH, BlockState, KVCacheGroupInfo
 
@@ -88,6 +89,7 @@ class KVCacheManager:
         self._protected: frozenset[int] = frozenset()  # blocks the admission in progress must not evict
         self.outcomes = OutcomeBook()  # what left the pools, to say why a prompt block missed
         self.prompt_outcomes: dict[int, tuple] = {}  # seq id -> its last admission's BlockOutcome per block
+        self.outcome_totals: dict[str, int] = {}  # outcome -> prompt blocks over every admission (the --json totals)
 
     # ---- events ---------------------------------------------------------------------------------------------
     def emit(self, kind: EventKind, conversation_id: int = -1, **fields) -> None:
@@ -249,9 +251,13 @@ class KVCacheManager:
         self._note_outcomes(seq, hits)
         self._protect(seq, hits, num_new_tokens)
         try:
-            return self._admit(seq, hits, num_new_tokens)
+            copies = self._admit(seq, hits, num_new_tokens)
         finally:
             self._protected = frozenset()
+        totals = self.outcome_totals  # counted once the admission stands (a tier's bad block re-notes it)
+        for o in self.prompt_outcomes[seq.seq_id]:
+            totals[o.outcome] = totals.get(o.outcome, 0) + 1
+        return copies
 
     def _admit(self, seq: Sequence, hits: GroupHits, num_new_tokens: int) -> list[tuple[int, int, int]]:
         self._own_tables(seq)
@@ -484,7 +490,7 @@ class KVCacheManager:
         self._tiers_begin()
         groups = self.block_group.copy() if self.num_groups > 1 else None  # one group: always 0
         return (self.pool.checkpoint(), len(self.events), self.num_cow_copies, self.num_evictions, groups,
-                self.num_window_releases)
+                self.num_window_releases, dict(self.outcome_totals))
 
     def end(self) -> None:
         """The transaction is over (committed or rolled back)."""
@@ -493,7 +499,8 @@ class KVCacheManager:
 
     def rollback(self, checkpoint: tuple, seqs: Iterable[Sequence]) -> None:
         """Undo everything since :meth:`begin` (the caller restores the sequences first and passes them all)."""
-        pool_cp, num_events, self.num_cow_copies, self.num_evictions, groups, self.num_window_releases = checkpoint
+        (pool_cp, num_events, self.num_cow_copies, self.num_evictions, groups, self.num_window_releases,
+         self.outcome_totals) = checkpoint
         if groups is not None:
             self.block_group = groups
         self._tiers_rollback()
@@ -668,6 +675,34 @@ class KVCacheManager:
     def _held(self, key: int) -> bool:
         """The device pool or a lower tier holds this cache key now."""
         return self._cached(key) is not None
+
+    def check_prompt(self, seq: Sequence, step: int):
+        """Which blocks of ``seq``'s prompt (a sequence not admitted, never registered) the pools hold now, where,
+        and why the others would miss, counted as its admission would count them (kvstream.prompt_check). Looks
+        things up only: nothing changes, no policy hears of it."""
+        bs = self.block_size
+        hashes = seq.full_block_hashes(bs)
+        caching = self.pool.enable_prefix_caching
+        held = []
+        for h in hashes:
+            where = self._cached(h) if caching else None  # group 0's key is the hash itself
+            if where is None:
+                held.append(None)
+            elif isinstance(where, TierHit):
+                held.append(Held(where.tier, None, h))
+            else:
+                held.append(Held("device", int(where), h))
+
+        def removal(i: int):
+            record = self.outcomes.evictions.get(hashes[i])
+            if record is None:
+                return None
+            at, for_cid, by, idle = record
+            return Removal(at, None, by, for_cid, idle)
+
+        note = "" if caching else "Prefix caching is off: nothing is ever a hit."
+        return classify_prompt(seq.num_tokens, bs, held, removal, hits=len(self.prefix_hits(seq)),
+                               recompute_last=not seq.prefill_only, source="engine", step=step, note=note)
 
     def _note_outcomes(self, seq: Sequence, hits: GroupHits) -> None:
         """How each prompt block fares at this admission (OutcomeBook.classify), kept for the views. With a

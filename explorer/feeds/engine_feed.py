@@ -142,6 +142,23 @@ class EngineFeed(Feed):
     def inspect_live(self, block_id: int) -> Future:
         return self.runner.submit("inspect_block", block_id)
 
+    def check_prompt(self, token_ids) -> Future:
+        """Asked of the engine itself, between two steps (its pool, tiers and eviction book: exact)."""
+        future: Future = Future()
+        asked = self.runner.submit("check_prompt", prompt_token_ids=list(token_ids))
+
+        def answered(done: Future) -> None:
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result([done.result()])
+        asked.add_done_callback(answered)
+        return future
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        return self.text.tokenize(text).result()
+
     # ---- the tokenizer (thread-safe: called directly, see explorer.feeds.engine_text) ------------------------------
     def tokenize(self, text: str, continuation: bool = False) -> Future:
         return self.text.tokenize(text, continuation)

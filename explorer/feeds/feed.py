@@ -132,6 +132,29 @@ class Feed:
     detokenizer = None  # ``token_ids -> text`` with the source's own tokenizer (the text of a conversation's earlier
     # turns), or None when the source has none
 
+    # ---- would this prompt hit? ----------------------------------------------------------------------------------
+    def check_prompt(self, token_ids) -> Future:
+        """Which of a prompt's blocks the pool holds now, where, and why the others would miss: a Future of one
+        :class:`kvstream.prompt_check.PromptCheck` per pool the feed shows (a KV-event feed: one per instance, in
+        :meth:`summaries` order), or of the refusal (a ValueError saying why)."""
+        future: Future = Future()
+        future.set_exception(ValueError(f"a {self.kind} source cannot check prompts"))
+        return future
+
+    def prompt_tokenizer(self):
+        """The tokenizer that turns a checked prompt's text into the token ids this source's server would see (a
+        ``tokenizers.Tokenizer`` or the built-in byte tokenizer), or None: ids only."""
+        return None
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """``text`` as token ids, for a prompt check; ValueError saying what to give instead when the source has
+        no tokenizer."""
+        tokenizer = self.prompt_tokenizer()
+        if tokenizer is None:
+            raise ValueError(f"no tokenizer for this {self.kind} source: give --tokenizer DIR, or the prompt as a "
+                             "JSON list of token ids")
+        return encode_text(tokenizer, text)
+
     def chat_prompt_ids(self, messages) -> Future:
         """Token ids of ``messages`` (system / user turns) in the model's chat template (a finished Future)."""
         return self.tokenize("")
@@ -174,3 +197,26 @@ class Feed:
 
     def close(self) -> None:
         """Stop whatever threads or sockets the feed owns (idempotent)."""
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as a server tokenises a prompt (special tokens added, as vLLM's completions do), with
+    a ``tokenizers.Tokenizer`` or the built-in byte tokenizer; ValueError for an empty result."""
+    try:
+        encoded = tokenizer.encode(text)
+    except Exception as exc:  # tokenizers raises bare Exceptions
+        raise ValueError(f"the tokenizer could not read the prompt: {exc}") from None
+    ids = list(getattr(encoded, "ids", encoded))
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return [int(i) for i in ids]
+
+
+def done_future(value=None, error: BaseException | None = None) -> Future:
+    """A finished Future holding ``value`` (or ``error``)."""
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future

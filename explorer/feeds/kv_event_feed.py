@@ -7,9 +7,10 @@ ContentView from :attr:`KVEventFeed.subscriber`.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Sequence
 
-from .feed import Capabilities, Feed, Problem
+from .feed import Capabilities, Feed, Problem, done_future
 
 KV_EVENTS_READ_ONLY = "a KV-event stream only reports what a server cached; it takes no commands"
 
@@ -92,6 +93,16 @@ class KVEventFeed(Feed):
 
     def summary(self, final: bool = False) -> dict:
         return self.summaries(final)[0]
+
+    def check_prompt(self, token_ids) -> Future:
+        """Per instance: its blocks matched by the tokens the stream's BlockStored events carried."""
+        try:
+            return done_future([index.check_prompt(token_ids) for index in self.subscriber.indexes])
+        except ValueError as exc:
+            return done_future(error=exc)
+
+    def prompt_tokenizer(self):
+        return self.tokenizer
 
     def close(self) -> None:
         if self.server is not None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import gc
 import os
 import time
+from concurrent.futures import Future
 
 from kvstream.tokens import ByteTokens, piece_text
 
-from .feed import Capabilities, Feed, Problem
+from .feed import Capabilities, Feed, Problem, done_future
 
 RECORDING_READ_ONLY = "a recording replays what was recorded; it takes no commands"
 ATTACH_READ_ONLY = "an attached pool belongs to another process; commands are not sent over the wire"
@@ -41,6 +42,7 @@ class NamedTokenText:
         self._given = _tokenizer_text(given)  # token id -> text of a tokenizer given on the command line (--tokenizer),
         # which wins over the one the stream names; None: none given
         self.name = ""  # the tokenizer name of the stream, as last seen
+        self.tokenizer = None  # the tokenizer that name stands for here, or None
         self._text = None  # token id -> text for that name, or None
         self._tried: set[str] = set()  # names already resolved (or found missing): never tried again per frame
 
@@ -56,10 +58,11 @@ class NamedTokenText:
         if name == self.name and (name in self._tried or not name):
             return
         self.name = name
-        self._text = None
+        self._text = self.tokenizer = None
         if name:
             self._tried.add(name)
-            self._text = _tokenizer_text(named_tokenizer(name))
+            self.tokenizer = named_tokenizer(name)
+            self._text = _tokenizer_text(self.tokenizer)
 
     def __call__(self, token_id: int) -> str | None:
         return self._text(token_id) if self._text is not None else None
@@ -83,7 +86,33 @@ def named_tokenizer(name: str):
     return None
 
 
-class RecordingFeed(Feed):
+class _PromptChecks:
+    """Prompt checks of a pool-stream feed: against its newest frame, with the content its History's events
+    stored (explorer.feeds.prompt_book)."""
+
+    _book = None
+    _tokenizer = None  # --tokenizer's, where given
+
+    def check_prompt(self, token_ids) -> Future:
+        from .prompt_book import PromptBook
+        snapshot = self.latest()
+        if snapshot is None:
+            return done_future(error=ValueError("the source has not delivered a pool yet"))
+        if self._book is None:
+            self._book = PromptBook()
+        try:
+            return done_future([self._book.check(token_ids, snapshot, self.history)])
+        except ValueError as exc:
+            return done_future(error=exc)
+
+    def prompt_tokenizer(self):
+        if self._tokenizer is not None:
+            return self._tokenizer
+        self._text.follow(self.latest())
+        return self._text.tokenizer
+
+
+class RecordingFeed(_PromptChecks, Feed):
     """A recording opened from disk: every frame kept (payloads read on demand), the newest frame as "live"."""
 
     kind = "recording"
@@ -93,6 +122,7 @@ class RecordingFeed(Feed):
         self._history = history  # the read-only History open_recording built
         self.path = path  # the file
         self._text = NamedTokenText(tokenizer)  # --tokenizer's, else the one the recording names
+        self._tokenizer = tokenizer  # --tokenizer's, for prompt checks (None: the one the stream names)
         self._latest = history.latest()
         info = getattr(history, "recording", None)
         self._problems = [Problem("Recording cut off", info.note)] if info is not None and info.truncated else []
@@ -147,7 +177,7 @@ class RecordingFeed(Feed):
                 gc.unfreeze()
 
 
-class AttachFeed(Feed):
+class AttachFeed(_PromptChecks, Feed):
     """Another process's pool stream, read by a kvstream PoolStreamSubscriber thread into a History."""
 
     kind = "stream"
@@ -157,6 +187,7 @@ class AttachFeed(Feed):
         self.subscriber = subscriber  # owns the socket and the thread
         self.endpoint = subscriber.endpoint
         self._text = NamedTokenText(tokenizer)  # --tokenizer's, else the one the stream names
+        self._tokenizer = tokenizer  # --tokenizer's, for prompt checks (None: the one the stream names)
         self._latest = None
         self._latest_seq: int | None = None
         self._last_state = ""

@@ -34,6 +34,7 @@ HASH_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # item data: the block's hash t
 TOKENS_ROLE = QtCore.Qt.ItemDataRole.UserRole + 2  # item data: the block's own token ids (its prefix: its ancestors')
 COPY_PREFIX = "Copy the prefix's token ids (first block to this one)"
 ROUTE_PREFIX = "Route this prefix across instances"
+MARK_COLOUR = QtGui.QColor(60, 170, 90, 110)  # a block a checked prompt would hit
 STATUS_COLOURS = {"ok": "#50c878", "warn": "#f0a030", "bad": "#e0443e"}
 
 
@@ -113,6 +114,31 @@ class _InstancePane(QtWidgets.QWidget):
         ids = " ".join(map(str, block.token_ids[:12]))
         return ids + (" …" if len(block.token_ids) > 12 else "")
 
+    marked: frozenset = frozenset()  # hash texts of the blocks a checked prompt would hit (lit up in the tree)
+
+    def mark(self, hashes) -> int:
+        """Light up the rows of ``hashes`` (hash texts) and open the tree down to them; returns the rows lit."""
+        self.marked = frozenset(hashes)
+        return self._paint_marks(self.model.invisibleRootItem())
+
+    def _paint_marks(self, item: QtGui.QStandardItem) -> int:
+        lit = 0
+        for r in range(item.rowCount()):
+            child = item.child(r, 0)
+            if child is None:
+                continue
+            on = child.data(HASH_ROLE) in self.marked
+            brush = QtGui.QBrush(MARK_COLOUR) if on else QtGui.QBrush()
+            for c in range(self.model.columnCount()):
+                cell = item.child(r, c)
+                if cell is not None:
+                    cell.setBackground(brush)
+            below = self._paint_marks(child)
+            if below:
+                self.tree.setExpanded(child.index(), True)
+            lit += below + on
+        return lit
+
     def _rebuild_tree(self, blocks: tuple[StoredBlock, ...]) -> None:
         expanded = set()
         self._collect_expanded(self.model.invisibleRootItem(), expanded)
@@ -135,6 +161,8 @@ class _InstancePane(QtWidgets.QWidget):
             more.setEnabled(False)
             root.appendRow(more)
         self._expand(root, expanded)
+        if self.marked:
+            self._paint_marks(root)
 
     def _row(self, block: StoredBlock, live: set) -> list[QtGui.QStandardItem]:
         text = self.block_text(block) if block.token_ids else f"({block.content})"
@@ -413,6 +441,16 @@ class ContentView(QtWidgets.QWidget):
         if self.subscriber is not None:
             self.set_status(self.subscriber.status())
         self.refresh()
+
+    def mark_prompt(self, checks) -> int:
+        """Light up, in each instance's tree, the blocks a checked prompt would hit there (``checks``: one
+        kvstream.prompt_check.PromptCheck per instance, in order; None clears); returns the rows lit."""
+        lit = 0
+        for i, pane in enumerate(self.panes):
+            check = checks[i] if checks is not None and i < len(checks) else None
+            hashes = () if check is None else (hash_text(b.held.block_hash) for b in check.hit_blocks)
+            lit += pane.mark(hashes)
+        return lit
 
     def route_prefix(self, ids) -> None:
         """Show where a router would send the prompt of token ``ids`` (an instance tree's row menu)."""

@@ -22,6 +22,7 @@ from ..model import palette
 from ..model.event_text import finish_words
 from ..model.palette import conversation_colour
 from ..model.conversation_text import group_tables_html, sources_cell, sources_sentence
+from ..model.outcome_text import outcome_names, outcomes_sentence
 from ..model.groups import conversation_group_tables
 from ..model.trace_rows import outcome_cell
 from .table_model import RowsModel
@@ -229,7 +230,9 @@ class ConversationsModel(RowsModel):
 
 class ConversationDetail(QtWidgets.QWidget):
     """Block table (logical -> physical) and the text of one conversation, turn by turn: user messages dim, the
-    model's replies normal, a separator line between them."""
+    model's replies normal, a separator line between them; and why its prompt hit or missed the prefix cache."""
+
+    missesToggled = QtCore.Signal(bool)  # "mark its misses in the grid" was turned on or off
 
     def __init__(self, parent: QtWidgets.QWidget | None = None):
         super().__init__(parent)
@@ -237,6 +240,16 @@ class ConversationDetail(QtWidgets.QWidget):
         self.served = ()  # the served traffic's conversation ids (ConversationsPanel.set_served)
         self.title = QtWidgets.QLabel(PLACEHOLDER)
         self.title.setWordWrap(True)
+        self.clock = None  # a StepClock: idle times in seconds where the window saw the steps go by
+        self.why = QtWidgets.QLabel()  # "3 of 7 prompt blocks hit on the device; block 4 was evicted ..."
+        self.why.setWordWrap(True)
+        self.why.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.why.hide()
+        self.mark_misses = QtWidgets.QCheckBox("Mark its missed prompt blocks in the grid")
+        self.mark_misses.setToolTip("Outline the blocks it computed because its prompt missed the prefix cache "
+                                    "(while it holds them)")
+        self.mark_misses.toggled.connect(self.missesToggled)
+        self.mark_misses.hide()
         self.table_label = QtWidgets.QLabel()
         self.table_label.setWordWrap(True)
         self.table_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
@@ -253,6 +266,8 @@ class ConversationDetail(QtWidgets.QWidget):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.title)
+        layout.addWidget(self.why)
+        layout.addWidget(self.mark_misses)
         layout.addWidget(self.table_area)
         layout.addWidget(self.text, 1)
         self._key = None  # what was drawn last (None: draw again)
@@ -289,6 +304,8 @@ class ConversationDetail(QtWidgets.QWidget):
             if self._shown_id is not None:  # (not _key: a new detokenizer clears that, and the text must go too)
                 self.title.setText(PLACEHOLDER)
                 self._fit_title()
+                self.why.hide()
+                self.mark_misses.hide()
                 self.table_label.clear()
                 self.text.clear()
                 self._shown = ((), "")
@@ -302,7 +319,8 @@ class ConversationDetail(QtWidgets.QWidget):
         key = (info.conversation_id, str(info.status), info.finish_reason, len(info.prompt_token_ids),
                info.prompt_text, info.output_text, len(info.output_token_ids), info.turns, tuple(table), tuple(refs),
                tuple(fills), info.group_block_tables, tuple(sorted((info.prompt_token_sources or {}).items())),
-               snapshot.carries_group_tables and conversation_group_tables(snapshot, info.conversation_id))
+               snapshot.carries_group_tables and conversation_group_tables(snapshot, info.conversation_id),
+               info.prompt_block_outcomes)
         if key == self._key:
             return
         self._key = key
@@ -320,6 +338,10 @@ class ConversationDetail(QtWidgets.QWidget):
                else "")
             + (f"; {sources_sentence(info)}" if sources_sentence(info) else ""))
         self._fit_title()
+        why = outcomes_sentence(info.prompt_block_outcomes, self.clock, outcome_names(snapshot))
+        self.why.setText(f"Prompt cache: {why[:1].upper()}{why[1:]}." if why else "")
+        self.why.setVisible(bool(why))
+        self.mark_misses.setVisible(bool(why) and any(not o.hit for o in info.prompt_block_outcomes))
         if table:
             cells = []
             for i, (block, ref, fill) in enumerate(zip(table, refs, fills)):

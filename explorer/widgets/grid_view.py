@@ -105,6 +105,12 @@ class GridView(QtWidgets.QWidget):
         self.highlight.setZValue(10)
         self.highlight.hide()
         self.box.addItem(self.highlight)
+        self.marks_item = QtWidgets.QGraphicsPathItem()  # blocks marked for a reason (a conversation's misses, the
+        self.marks_item.setZValue(9)  # blocks a checked prompt would hit): outlined and tinted over their colour
+        self.marks_item.hide()
+        self.box.addItem(self.marks_item)
+        self.marked: tuple[int, ...] = ()  # the blocks marked now
+        self.marks_note = ""  # what the marks mean, said in the hover line's tooltip
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
         self.hover_label = ElidedLabel(HOVER_HINT)  # never widens the window
@@ -174,6 +180,7 @@ class GridView(QtWidgets.QWidget):
         self.item.setRect(QtCore.QRectF(0, 0, geo.cols, geo.rows))  # cell units, whatever the tile (after setImage)
         if new_layout:
             self.fit_whole_pool()
+            self._place_marks()
         self._place_highlight()
         self._update_labels()
         self._describe_hovered()
@@ -350,6 +357,32 @@ class GridView(QtWidgets.QWidget):
             self.blockClicked.emit(block)
 
     # ---- overlays -----------------------------------------------------------------------------------------
+    def set_marks(self, block_ids, colour: tuple[int, int, int] = (255, 80, 60), note: str = "") -> None:
+        """Outline and tint ``block_ids`` (empty: no marks) in ``colour``: the blocks a selected conversation's
+        prompt missed, or those a checked prompt would hit. ``note`` says what they mean (the hover line's tip)."""
+        self.marked = tuple(int(b) for b in block_ids)
+        pen = QtGui.QPen(QtGui.QColor(*colour))
+        pen.setCosmetic(True)
+        pen.setWidth(2)
+        self.marks_item.setPen(pen)
+        self.marks_item.setBrush(QtGui.QColor(*colour, 70))
+        self.marks_note = note
+        self.hover_label.setToolTip(note)
+        self._place_marks()
+
+    def _place_marks(self) -> None:
+        geo = self.geometry_
+        if not self.marked or geo is None:
+            self.marks_item.hide()
+            return
+        path = QtGui.QPainterPath()
+        for b in self.marked:
+            if 0 <= b < geo.num_blocks:
+                x, y = geo.cell_origin(b)
+                path.addRect(QtCore.QRectF(x + 0.08, y + 0.08, 0.84, 0.84))
+        self.marks_item.setPath(path)
+        self.marks_item.setVisible(not path.isEmpty())
+
     def _place_highlight(self) -> None:
         block = self.selected_block
         if block is None or self.geometry_ is None or block >= self.geometry_.num_blocks:

@@ -26,6 +26,7 @@ from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 
 from ..model.block_words import hash_note
 from ..model.groups import block_group_of, hash_words
+from ..model.outcome_text import block_prompt_lines
 from .table_model import RowsModel
 
 # the value each fp8 byte stands for, by the pool dtype's name (what the inspector shows of a stored code)
@@ -244,6 +245,16 @@ class Inspector(QtWidgets.QWidget):
         self.history.installEventFilter(self)
         form.addWidget(self.history_name, 4, 0)
         form.addWidget(self.history, 4, 1, 1, 3)
+        self.prompt_name = QtWidgets.QLabel("prompt:")  # what each owner's admission did with this prompt block
+        self.prompt_name.setAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignTop)
+        self.prompt = QtWidgets.QLabel()
+        self.prompt.setWordWrap(True)
+        self.prompt.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.prompt.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        form.addWidget(self.prompt_name, 5, 0)
+        form.addWidget(self.prompt, 5, 1, 1, 3)
+        self.step_clock = None  # a StepClock (idle seconds where the window saw the steps), set by the window
+        self._show_prompt([])
         self.history_view = None  # the BlockHistoryView whose newest lines the history field shows
         self.history_lines: list = []  # the HistoryLines the history field lists now
         self._history_earlier = 0  # lines of the block's story before those
@@ -399,6 +410,7 @@ class Inspector(QtWidgets.QWidget):
                 label.setText("-")
             for widget in (self.plot, self.stored_plot, self.readout, self.kv_note):  # no block: no axes of one
                 widget.hide()
+            self._show_prompt([])
             return
         if snapshot is not None and block_id < snapshot.num_blocks:
             self.show_summary(snapshot, seq=seq)
@@ -522,7 +534,16 @@ class Inspector(QtWidgets.QWidget):
         facts = summary_info(snapshot, b, owners)
         self._learn_names(snapshot, facts)
         self.fields["owners"].setText(_owners_text(owners, names=self._names))
+        self._show_prompt(block_prompt_lines(snapshot, owners, self.step_clock))
         self._describe(facts, snapshot)
+
+    def _show_prompt(self, lines: list[str]) -> None:
+        """Why this block's prompt content hit or missed, per owner; the row hides when nothing is known."""
+        text = "\n".join(lines)
+        if self.prompt.text() != text:
+            self.prompt.setText(text)
+        self.prompt_name.setVisible(bool(lines))
+        self.prompt.setVisible(bool(lines))
 
     def _learn_names(self, snapshot: PoolSnapshot | None, facts: BlockInfo) -> None:
         """Remember the source's names of the block's owners and last owner (kept for the note's "before")."""

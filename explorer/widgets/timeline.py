@@ -35,6 +35,8 @@ TICK_MS = 33  # play timer period at most (about 30 Hz); faster speeds advance s
 BUDGET_RANGE_MIB = (16, 65536)  # what the budget spin box accepts
 LIVE_COLOUR = QtGui.QColor(70, 200, 110)
 VIEWING_COLOUR = QtGui.QColor(250, 190, 50)
+REGRET_RGB = (255, 60, 40)  # a regretted eviction's tick: an eviction a later prompt wanted back
+REGRET_COLOUR = QtGui.QColor(*REGRET_RGB)
 GROOVE = QtGui.QColor(44, 46, 56)
 GROOVE_PAST = QtGui.QColor(62, 66, 80)
 CONTROL_HEIGHT = 20  # px: buttons and the budget box, so three rows fit in 60 px
@@ -228,6 +230,12 @@ class _Track(QtWidgets.QWidget):
         painter.fillRect(QtCore.QRect(r.left(), r.top(), x - r.left(), r.height()), GROOVE_PAST)
         mark_height = max(6, int(r.height() * 0.7))
         painter.drawImage(QtCore.QRect(r.left(), r.top(), r.width(), mark_height), self._marker_image())
+        if t.regrets:  # regretted evictions: a red tick over the marks, above the strip
+            painter.setPen(QtGui.QPen(REGRET_COLOUR, 2))
+            for seq, _note in t.regrets:
+                if t.first_seq <= seq <= t.last_seq:
+                    rx = self.x_of(seq)
+                    painter.drawLine(QtCore.QPointF(rx, r.top() - 2), QtCore.QPointF(rx, r.top() + mark_height // 2))
         colour = LIVE_COLOUR if t.is_live else VIEWING_COLOUR
         painter.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing)
         painter.setPen(QtGui.QPen(colour, 2))
@@ -289,6 +297,7 @@ class Timeline(QtWidgets.QWidget):
         self.cursor.subscribe(self._cursor_moved)
         self.live_source = True  # False for a recording: the end is fixed, "live" reads "the end"
         self.markers = Markers()
+        self.regrets: list[tuple[int, str]] = []  # (frame, what it cost): evictions a later prompt wanted back
         self.enabled_mask = np.zeros(len(ALL_KINDS), bool)  # kind code -> marked on the strip
         for kind in NOTABLE_KINDS:
             self.enabled_mask[KIND_CODE[kind]] = True
@@ -446,6 +455,7 @@ class Timeline(QtWidgets.QWidget):
         """No history (a new source): empty strip, no marks, live."""
         self._stop()
         self.markers.clear()
+        self.regrets = []
         self.first_seq = self.last_seq = 0
         self.empty, self._step_of = True, None
         self.cursor.move(None)  # nothing kept to view: the present
@@ -480,6 +490,18 @@ class Timeline(QtWidgets.QWidget):
             return self.add_markers((seq, event.kind) for seq, event in pairs)
         self.markers.extend(seqs, codes)
         self.track.update()
+
+    def add_regrets(self, marks: Iterable[tuple[int, str]]) -> None:
+        """Mark regretted evictions: (frame of the eviction, what it later cost, in words), drawn as red ticks
+        above the strip's marks and listed in its tooltip."""
+        new = [(_check_seq(seq, "a regret's frame"), str(note)) for seq, note in marks]
+        if new:
+            self.regrets = sorted(self.regrets + new, key=itemgetter(0))
+            self.track.update()
+
+    def regrets_near(self, lo: int, hi: int) -> list[str]:
+        """What the regretted evictions of frames ``lo..hi`` cost."""
+        return [note for seq, note in self.regrets if lo <= seq <= hi]
 
     @staticmethod
     def _parse_marks(marks) -> tuple[np.ndarray, np.ndarray]:
@@ -754,13 +776,17 @@ class Timeline(QtWidgets.QWidget):
         a, b = np.searchsorted(seqs, lo, "left"), np.searchsorted(seqs, hi, "right")
         near = codes[a:b][self.enabled_mask[codes[a:b]]]
         head = f"step {self.step_of(seq):,} (frame {seq:,})"
+        regrets = self.regrets_near(lo, hi)
+        regret_html = "".join(f"<br>{_html_swatch(REGRET_RGB)} regretted eviction: {note}" for note in regrets[:6])
+        if len(regrets) > 6:
+            regret_html += f"<br>and {len(regrets) - 6:,} more regretted evictions"
         if not len(near):
-            return head + "<br>" + self.legend_html()
+            return head + regret_html + "<br>" + self.legend_html()
         counts = np.bincount(near, minlength=len(ALL_KINDS))
         parts = [f"{_html_swatch(KIND_COLOURS[k])} {KIND_NAMES[k]}" + (f" ×{counts[KIND_CODE[k]]}"
                  if counts[KIND_CODE[k]] > 1 else "") for k in KIND_PRIORITY if counts[KIND_CODE[k]]]
         span = f"steps {self.step_of(lo):,}-{self.step_of(hi):,}" if hi > lo else head
-        return f"{span}<br>" + "<br>".join(parts)
+        return f"{span}<br>" + "<br>".join(parts) + regret_html
 
     def legend_html(self) -> str:
         kinds = [k for k in KIND_PRIORITY if self.enabled_mask[KIND_CODE[k]]]

@@ -73,6 +73,9 @@ class WindowActions:
                                 "Move every block to a random other physical id while decoding")
         self.compact = _action(w, "Compact to low ids", "Ctrl+Shift+C", lambda: w.relocate(True),
                                "Move blocks towards the lowest physical ids")
+        self.check_prompt = _action(w, "Check a prompt…", "Ctrl+Shift+P", w.open_check_prompt,
+                                    "Would this prompt hit? Which of its blocks the pool holds now, where, and why "
+                                    "the others would miss")
         # View
         self.back_to_live = _action(w, "Back to live", "End", lambda: w.source.go_live(),
                                     "Leave the history frame and show the newest one")
@@ -101,9 +104,9 @@ class WindowActions:
 
     def in_menu_order(self) -> list[QtGui.QAction]:
         return [self.record, self.stop_record, self.open, self.open_trace, self.export_window, self.export_grid,
-                self.export_json, self.quit, self.pause, self.step, self.restart, self.add, self.fork, self.reply, self.end,
-                self.scramble, self.compact, self.back_to_live, self.contiguous, self.reset_layout,
-                *self.demos.values(), self.help, self.shortcuts]
+                self.export_json, self.quit, self.pause, self.step, self.restart, self.add, self.fork, self.reply,
+                self.end, self.scramble, self.compact, self.check_prompt, self.back_to_live, self.contiguous,
+                self.reset_layout, *self.demos.values(), self.help, self.shortcuts]
 
     def shortcut_rows(self) -> list[tuple[str, str]]:
         """(shortcut, what it does) for every action that has one, in menu order."""

@@ -164,6 +164,8 @@ def run_gui(opts, cfg: EngineConfig, spec: SourceSpec) -> int:
         if demo in DEMOS:
             window.start_traffic(demo)  # the demo keeps living: served traffic (busy, crowd: after the first screen)
     window.show()
+    if getattr(opts, "check_prompt", None):
+        window.why.watch_file(opts.check_prompt)  # would this prompt hit? answered as the file changes
     if demo == "lesson":
         window.open_lesson()
     elif demo in DEMOS:

@@ -44,6 +44,7 @@ from .actions import WindowActions
 from . import files, traces
 from .menus import build_menus
 from .status_bar import StatusBar
+from .why import WhyViews
 
 FRAME_MS = 30  # the frame timer: 33 ticks a second, so that a late tick on a busy machine still leaves 30 (at 33 ms
 #                the rate could not pass 30.3, and any late tick showed below 30: docs/gui.md)
@@ -104,6 +105,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.commands = Commands(self)
         self._build_panels()
         self._build_centre()
+        self.why = WhyViews(self)  # why prompts missed: detail, inspector, grid marks, regrets, prompt checks
         self.controls = EngineControls(self)
         self.addToolBar(self.controls)
         self.status = StatusBar(self)
@@ -198,9 +200,11 @@ class MainWindow(QtWidgets.QMainWindow):
     def _connect_source(self, source: PoolSource) -> None:
         self.conversations.set_colour_book(source.colours)  # its conversations in its grid's colours
         source.connect(**self._source_slots())
+        self.why.follow(source)
 
     def _disconnect_source(self, source: PoolSource) -> None:
         source.disconnect(**self._source_slots())
+        self.why.unfollow(source)
 
     def _place_window(self, size: tuple[int, int] | None) -> None:
         """Arrange the docks for the size the window gets, restore a saved layout over it, apply --geometry."""
@@ -365,6 +369,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.conversations.refresh(_empty_view(feed))
         self.setWindowTitle(f"Paged KV-cache explorer — {feed.title}")
         self.inspector.set_kv_reason(self._kv_reason())
+        self.why.source_changed(feed)
         self.window_actions.stop_record.setEnabled(bool(getattr(feed, "recorders", None)))  # a new feed records nothing
         self._fit_docks_to(feed)
         self.status.fit_to(feed.capabilities)
@@ -476,6 +481,7 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_conversation_selected(self, cid: int | None) -> None:
         self.grid.set_selected_conversation(cid)
         self.pane.tier_grids.set_selected_conversation(cid)  # its content in the host and disk tiers too
+        self.why.conversation_selected(cid)  # its missed blocks marked, where asked
         self._enable_commands()
 
     def selected_conversation(self) -> int | None:
@@ -503,6 +509,10 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def relocate(self, compact: bool) -> None:
         self.commands.relocate(compact)
+
+    def open_check_prompt(self):
+        """Pool > Check a prompt...: would this prompt hit the active source's pool now?"""
+        return self.why.open_dialog()
 
     def open_lesson(self):
         try:

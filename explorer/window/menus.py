@@ -28,6 +28,7 @@ def build_menus(window, actions) -> None:
     pool = bar.addMenu("&Pool")
     relocate = pool.addMenu("Relocate blocks")
     relocate.addActions([actions.scramble, actions.compact])
+    pool.addAction(actions.check_prompt)
 
     view = window.view_menu = bar.addMenu("&View")
     view.addActions([actions.back_to_live, actions.contiguous])

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvstream.kv_events.codec import (TIERS, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch,
                                       medium_tier)
+from kvstream.prompt_check import TIER_OF_MEDIUM, Held, PromptCheck, Removal, classify_prompt
 
 
 class Residency(NamedTuple):
@@ -167,6 +168,10 @@ class KVCacheIndex:
         # Content of blocks that left every tier, newest last: a placeholder arriving after its block's GPU copy
         # went (vLLM offloads on eviction) still gets its tokens back.
         self._departed: OrderedDict[BlockHash, StoredBlock] = OrderedDict()
+        self._departed_when: dict[BlockHash, tuple[float, int | None, str]] = {}  # -> (batch ts, seq, "removed" or
+        #                                                                          "cleared"), for a prompt check
+        self._departed_kids: dict[BlockHash | None, set[BlockHash]] = {}  # parent -> departed children's hashes
+        self._seen_block_size: int | None = None  # the block size of the last block stored with its tokens
 
     DEPARTED_LIMIT = 65_536  # departed blocks remembered for placeholders (bounded: a few MB)
 
@@ -179,9 +184,12 @@ class KVCacheIndex:
                 if isinstance(event, BlockStored):
                     stored += self._store(event, batch.ts, seq)
                 elif isinstance(event, BlockRemoved):
-                    removed += self._remove(event)
+                    removed += self._remove(event, batch.ts, seq)
                 elif isinstance(event, AllBlocksCleared):
                     removed += len(self._blocks)
+                    for block in list(self._blocks.values()):
+                        if block.content_from is not None:
+                            self._depart(block, batch.ts, seq, "cleared")
                     self._drop_all()
                     self.num_cleared += 1
             self.num_stored_total += stored
@@ -196,6 +204,8 @@ class KVCacheIndex:
         with self._lock:
             self._drop_all()
             self._departed.clear()
+            self._departed_when.clear()
+            self._departed_kids.clear()
             self.group_specs.clear()
             self._timeline.clear()
             self.last_seq = self.last_ts = None
@@ -219,7 +229,7 @@ class KVCacheIndex:
             parent = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
             old = self._blocks.get(block_hash)
             if old is None and placeholder:
-                old = self._departed.pop(block_hash, None)
+                old = self._undepart(block_hash)
                 if old is not None:  # back from the departed: a new live block with the tokens we remembered
                     old = dataclasses.replace(old, media=frozenset(), residencies=frozenset(), hash_only=frozenset(),
                                               stored_ts=ts, stored_seq=seq)
@@ -242,6 +252,8 @@ class KVCacheIndex:
                     self._link(updated)
                 self._set_residencies(updated, old.residencies | {where})
                 continue
+            if self._departed:
+                self._undepart(block_hash)  # stored again: live, no longer a departed block
             extra = event.extra_keys[i] if event.extra_keys is not None and i < len(event.extra_keys) else None
             ahead = (event.lookahead_token_ids[i] if event.lookahead_token_ids is not None
                      and i < len(event.lookahead_token_ids) else None)
@@ -254,6 +266,8 @@ class KVCacheIndex:
             self._link(block)
             self._set_residencies(block, block.residencies)
             new += 1
+        if not placeholder and size:
+            self._seen_block_size = size
         return new
 
     def _link(self, block: StoredBlock) -> None:
@@ -291,7 +305,7 @@ class KVCacheIndex:
                                         hash_only=block.hash_only & set(tiers))
         self._blocks[block.block_hash] = block
 
-    def _remove(self, event: BlockRemoved) -> int:
+    def _remove(self, event: BlockRemoved, ts: float = 0.0, seq: int | None = None) -> int:
         removed = 0
         where = Residency(event.medium, event.group_idx, event.locality, event.ownership)
         for block_hash in event.block_hashes:
@@ -309,11 +323,32 @@ class KVCacheIndex:
                 continue
             self._unlink(old)
             if old.content_from is not None:
-                self._departed[block_hash] = old
-                if len(self._departed) > self.DEPARTED_LIMIT:
-                    self._departed.popitem(last=False)
+                self._depart(old, ts, seq, "removed")
             removed += 1
         return removed
+
+    def _depart(self, block: StoredBlock, ts: float, seq: int | None, how: str) -> None:
+        """Remember a block that left every tier: its tokens (a placeholder arriving later gets them back) and when
+        it went (a prompt check says so)."""
+        h = block.block_hash
+        self._undepart(h)
+        self._departed[h] = block
+        self._departed_when[h] = (ts, seq, how)
+        self._departed_kids.setdefault(block.parent_hash, set()).add(h)
+        while len(self._departed) > self.DEPARTED_LIMIT:
+            self._undepart(next(iter(self._departed)))
+
+    def _undepart(self, block_hash: BlockHash) -> StoredBlock | None:
+        """Forget a departed block (it is live again, or the oldest past the limit); returns it, or None."""
+        block = self._departed.pop(block_hash, None)
+        if block is not None:
+            self._departed_when.pop(block_hash, None)
+            kids = self._departed_kids.get(block.parent_hash)
+            if kids is not None:
+                kids.discard(block_hash)
+                if not kids:
+                    del self._departed_kids[block.parent_hash]
+        return block
 
     def _drop_all(self) -> None:
         self._blocks.clear()
@@ -391,6 +426,54 @@ class KVCacheIndex:
                     return matched
                 parent, pos, matched = nxt.block_hash, pos + nxt.block_size, matched + 1
 
+    def check_prompt(self, token_ids: Sequence[int], lora_name: str | None = None,
+                     block_size: int | None = None) -> PromptCheck:
+        """Would this prompt hit on this instance? Its blocks matched by the tokens each ``BlockStored`` carried,
+        chained by parent hash from a sequence's start (no hash function or seed needed): held now (in which tier),
+        stored then removed (when: the removing batch's time), or never stored as far as the stream tells; counted
+        as the server counts a hit (:func:`kvstream.prompt_check.classify_prompt`). ``block_size``: where the
+        stream has not said its own yet. Raises ValueError when no block size is known."""
+        ids = tuple(int(t) for t in token_ids)
+        with self._lock:
+            size = self.block_size or self._seen_block_size or block_size
+            if not size:
+                raise ValueError(f"{self.name or 'this instance'} has not stored any block yet, so its block size is "
+                                 "unknown")
+            held: list[Held | None] = []
+            gone: dict[int, Removal] = {}
+            parent, known = None, True
+            for i in range(len(ids) // size):
+                tokens = ids[i * size:(i + 1) * size]
+                live = self._child_with(self._children.get(parent, ()), self._blocks, tokens, lora_name) \
+                    if known else None
+                if live is not None:
+                    held.append(Held(_held_tier(live), None, live.block_hash))
+                    parent = live.block_hash
+                    continue
+                held.append(None)
+                left = self._child_with(self._departed_kids.get(parent, ()), self._departed, tokens, lora_name) \
+                    if known else None
+                if left is None:
+                    known = False  # its hash is unknown, so nothing after it can be found
+                    continue
+                ts, seq, how = self._departed_when[left.block_hash]
+                gone[i] = Removal(None, ts, how, None, None)
+                parent = left.block_hash
+            note = ""
+            if self.num_unknown_removed or self.num_resets:
+                note = ("The stream began before this viewer joined it, or restarted: blocks stored before then "
+                        "are known only if the server still holds them and they were replayed.")
+            return classify_prompt(len(ids), size, held, gone.get, source=self.name or "kv-events",
+                                   step=self.last_seq, note=note)
+
+    @staticmethod
+    def _child_with(hashes, blocks: dict, tokens: tuple, lora_name: str | None) -> StoredBlock | None:
+        for h in hashes:
+            b = blocks.get(h)
+            if b is not None and b.token_ids == tokens and b.lora_name == lora_name:
+                return b
+        return None
+
     def match_prefix_by_tier(self, token_ids: Sequence[int], lora_name: str | None = None) -> dict[str, int]:
         """The longest match per tier ({"GPU": n, "CPU": n, "STORAGE": n}, plus any other tier the instance has):
         what Dynamo's KV router reports per tier. A tier's match is the leading blocks held in that tier."""
@@ -423,6 +506,17 @@ class KVCacheIndex:
             rows = np.array(self._timeline, dtype=np.float64).reshape(-1, 5)  # [batches, (seq ts stored removed live)]
         return Timeline(seq=rows[:, 0].astype(np.int64), ts=rows[:, 1].copy(), stored=rows[:, 2].astype(np.int64),
                         removed=rows[:, 3].astype(np.int64), live=rows[:, 4].astype(np.int64))
+
+
+def _held_tier(block: StoredBlock) -> str:
+    """The highest tier a live block is in, named as the pool's tiers are ("device", "host", "disk"; another tier's
+    own name; a block whose publisher named no medium is vLLM's GPU pool)."""
+    tiers = block.tiers
+    for medium, tier in TIER_OF_MEDIUM.items():
+        if medium in tiers:
+            return tier
+    named = sorted(t for t in tiers if t is not None)
+    return named[0] if named else "device"
 
 
 def _age(block: StoredBlock) -> tuple:

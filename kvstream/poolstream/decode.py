@@ -23,9 +23,9 @@ from .schema import (GROUP_ARRAY, TIER_ARRAYS, TIER_NAMES, WIRE_ARRAYS, _GROUPS_
 from ..views import KV_CACHE_DTYPES, KVCacheGroupInfo, TierView
 from .schema import (_BLANK, _BLANK_CONV, _BODY_DECODER, _COMPUTED_AT, _CONV_NAMES, _CONV_VALUES, _DROP_AT, _DTYPES,
                      _ENVELOPE_DECODER, _ENVELOPE_NO_EVENTS_DECODER, _MAGIC_BYTES, _MEMORY_FIELDS, _METRIC_FIELDS,
-                     _OUT_AT, _PLAIN_AT, _SEQ_AT, _TABLE_AT, _TEXT_AT, _TEXT_OUT_AT, _VERSION_DECODER, ARRAYS,
-                     FORMAT_VERSION, MAGIC, ArrayPatch, ConvPatch, Delta, Frame, FrameHead, Grown, Header, Keyframe,
-                     Numbers, Packed, StreamError, _short, _why)
+                     _METRICS_ADDED, _OUT_AT, _PLAIN_AT, _SEQ_AT, _TABLE_AT, _TEXT_AT, _TEXT_OUT_AT, _VERSION_DECODER,
+                     ARRAYS, FORMAT_VERSION, MAGIC, ArrayPatch, ConvPatch, Delta, Frame, FrameHead, Grown, Header,
+                     Keyframe, Numbers, Packed, StreamError, _short, _why)
 
 
 def _gc_untrack():
@@ -114,7 +114,8 @@ def frame_of(head: FrameHead, payload: bytes) -> Frame:
     return Frame(head.seq, head.step_id, head.keyframe, payload, head.events, head.stream_id, bool(head.bridge))
 
 
-def _check_numbers(values: Numbers, fields: dict[str, type], what: str, complete: bool) -> None:
+def _check_numbers(values: Numbers, fields: dict[str, type], what: str, complete: bool,
+                   optional: frozenset = frozenset()) -> None:
     for name, value in values.items():
         kind = fields.get(name)
         if kind is None:
@@ -123,7 +124,9 @@ def _check_numbers(values: Numbers, fields: dict[str, type], what: str, complete
             raise StreamError(f"malformed pool-stream message: {what}.{name} must be an integer, got {value!r}")
         check_number(what, name, value)
     if complete and len(values) != len(fields):
-        missing = sorted(set(fields) - set(values))
+        missing = sorted(set(fields) - set(values) - optional)
+        if not missing:
+            return
         raise StreamError(f"malformed pool-stream message: {what} lacks {', '.join(missing)}")
 
 
@@ -515,7 +518,7 @@ def _keyframe_state(head: FrameHead, body: Keyframe) -> _State:
             _check_table(t.conversation_id, None, 0, t.tail, n)
             tables[t.conversation_id] = _ints(t.tail)
         state.group_tables.append(tables)
-    _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", True)
+    _check_numbers(body.metrics, _METRIC_FIELDS, "metrics", True, _METRICS_ADDED)
     state.metrics = _make_numbers(EngineMetrics, _METRIC_FIELDS, body.metrics)
     if body.memory is not None:
         _check_numbers(body.memory, _MEMORY_FIELDS, "memory", True)

@@ -329,6 +329,9 @@ def _number_fields(cls) -> dict[str, type]:
 
 
 _METRIC_FIELDS = _number_fields(EngineMetrics)
+# metrics added after format 2 first shipped: a keyframe written before them lacks them (read as 0, which
+# EngineMetrics.prompt_block_totals reads as "not counted")
+_METRICS_ADDED = frozenset(name for name in _METRIC_FIELDS if name.startswith("prompt_blocks_"))
 _MEMORY_FIELDS = _number_fields(MemoryStats)
 
 

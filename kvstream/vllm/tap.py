@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Generator
@@ -32,12 +33,14 @@ from typing import Any, Callable, Generator
 import numpy as np
 
 from kvstream.events import BlockEvent, EventKind
-from kvstream.views import (BlockState, ConversationInfo, EngineMetrics, FinishReason, KVCacheGroupInfo, MemoryStats,
-                            PoolSnapshot, Status, frozen_array)
+from kvstream.prompt_check import Held, Removal, classify_prompt
+from kvstream.views import (BlockOutcome, BlockState, ConversationInfo, EngineMetrics, FinishReason, KVCacheGroupInfo,
+                            MemoryStats, PoolSnapshot, Status, frozen_array)
 from kvstream.vllm.hash import hash64, key_hash64
 
 SUPPORTED_VERSIONS = ("0.32.",)  # vLLM releases whose v1 internals this tap was tested against (prefixes)
 
+MAX_EVICTED = 1 << 17  # evicted hashes remembered to explain later misses (the oldest are forgotten first)
 _SAMPLE_ID = re.compile(r"^(\d+)_(.+)$")  # vLLM names the n samples of one request "<index>_<parent request id>"
 
 # Attributes the tap relies on, checked before it touches anything (name on the object, what it is for).
@@ -156,6 +159,7 @@ class _Conv:
     max_new_tokens: int  # SamplingParams.max_tokens
     temperature: float  # SamplingParams.temperature
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    outcomes: tuple = ()  # BlockOutcome per prompt block at its last admission (what its lookup found)
     counted_outputs: int = 0  # output tokens already added to the generated-token counter
     key: tuple = ()  # what the last info was built from
     info: ConversationInfo | None = None  # the last info built
@@ -172,6 +176,7 @@ class _Counters:
     queries: int = 0  # prompt tokens looked up in the prefix cache
     hits: int = 0  # of those, tokens found cached
     evictions: int = 0  # cached blocks evicted
+    outcomes: dict = field(default_factory=dict)  # BlockOutcome.outcome -> prompt blocks over every admission
     step_started: float = 0.0  # clock at the start of the step in progress
     last_step_seconds: float = 0.0  # wall time of the last step
     last_step_tokens: int = 0  # tokens sampled since the last frame (one step unless frames were rate-limited)
@@ -244,6 +249,9 @@ class VllmPoolTap:
         self._tracked = self._tracked_groups[0]  # requests holding blocks at the last frame (group 0)
         self._finished: deque[ConversationInfo] = deque(maxlen=finished_window)  # most recent finished / ended
         self._hit_tokens: dict[str, int] = {}  # request id -> prefix-hit tokens of its current admission
+        self._lookups: dict[str, tuple] = {}  # request id -> outcomes its newest prefix lookup found (admission)
+        self._evicted: OrderedDict[int, tuple] = OrderedDict()  # hash64 -> (step, for conversation, idle steps)
+        self._unsalted = None  # (hash function, hash_block_tokens) for salted requests' "salted" misses, once read
         self._c = _Counters()
         self.step_id = 0  # schedule() calls so far: events are stamped with it
         self.version = 0  # bumped by every frame that carries a change
@@ -352,6 +360,10 @@ class VllmPoolTap:
                 (scheduler, "add_request", self._add_request), (scheduler, "_preempt_request", self._preempt),
                 (scheduler, "_free_request", self._free_request), (scheduler, "finish_requests", self._aborted)):
             self._wrap(obj, name, advice)
+        kvm = scheduler.kv_cache_manager  # the prefix lookup and the admission: why each prompt block missed
+        if callable(getattr(kvm, "get_computed_blocks", None)) and callable(getattr(kvm, "allocate_slots", None)):
+            self._wrap(kvm, "get_computed_blocks", self._lookup)
+            self._wrap(kvm, "allocate_slots", self._slots)
 
     # ---- advice: what the tap does around each wrapped call (see _wrap) ------------------------------------------
     def _for_request(self, group: int, reason: str, request_id, *args, **kwargs) -> Generator:
@@ -393,6 +405,16 @@ class VllmPoolTap:
     def _reset(self, *args, **kwargs) -> Generator:
         if (yield None):
             self._on_reset()
+
+    def _lookup(self, request, *args, **kwargs) -> Generator:
+        """The scheduler's prefix lookup: the pool as the request found it."""
+        self._on_lookup(request, (yield None))
+
+    def _slots(self, request, *args, **kwargs) -> Generator:
+        """A waiting request's first slots: its admission."""
+        blocks = yield None
+        if self._lookups:
+            self._on_slots(request, blocks)
 
     def _schedule(self, *args, **kwargs) -> Generator:
         self.step_id += 1
@@ -446,6 +468,11 @@ class VllmPoolTap:
         self._c.evictions += 1
         self._dirty.add(block.block_id)
         h = key_hash64(key) if key is not None else 0
+        if h:  # remembered to say why a later prompt missed it (bounded: the oldest are forgotten)
+            self._evicted.pop(h, None)
+            self._evicted[h] = (self.step_id, self._cid(), max(0, self.step_id - int(self._last[block.block_id])))
+            if len(self._evicted) > MAX_EVICTED:
+                self._evicted.popitem(last=False)
         last = self._events[-1] if self._events else None
         if last is not None and last.kind == EventKind.EVICTED and last.step_id == self.step_id \
                 and last.conversation_id == self._cid():  # one event for the evictions of one allocation
@@ -552,6 +579,7 @@ class VllmPoolTap:
         rid = request.request_id
         cid = self._cids.pop(rid, None)
         self._hit_tokens.pop(rid, None)
+        self._lookups.pop(rid, None)
         conv = self._convs.pop(cid, None) if cid is not None else None
         if conv is not None:
             sample = _SAMPLE_ID.match(rid)
@@ -708,6 +736,65 @@ class VllmPoolTap:
         if conv is not None:
             conv.num_cached_tokens = min(hits, prompt)
 
+    def _on_slots(self, request, blocks) -> None:
+        """A waiting request got its slots: admitted (again, after a preemption) with what its lookup found (a
+        request may be admitted, computed and finished between two frames: this is the one sure moment)."""
+        outcomes = self._lookups.pop(request.request_id, None) if blocks is not None else None
+        if not outcomes:
+            return
+        totals = self._c.outcomes
+        for o in outcomes:
+            totals[o.outcome] = totals.get(o.outcome, 0) + 1
+        conv = self._convs.get(self._cids.get(request.request_id, -1))
+        if conv is not None:
+            conv.outcomes = outcomes
+        self._changed = True
+
+    def _on_lookup(self, request, result) -> None:
+        """What the scheduler's prefix lookup found for ``request``, block by block, while the pool is still as
+        the lookup saw it (the admission that follows evicts, allocates and stores): hits up to the lookup's
+        answer; past it, each full block the pool holds (recomputed after the first miss, or holding the last
+        token), evicted (when, for whom, after how long unused: the tap saw it go) or never seen (cold). Kept
+        until the request is admitted (a request that waits is looked up again each step: the newest wins)."""
+        bs = self.block_size
+        n = int(request.num_tokens)
+        hashes = list(request.block_hashes)[:n // bs]
+        if len(hashes) < n // bs or not self.pool.enable_caching:
+            return
+        get = self.pool.get_cached_block
+        held = []
+        for h in hashes:
+            blocks = get(h, [0])
+            held.append(Held("device", blocks[0].block_id, hash64(h)) if blocks else None)
+
+        def removal(i: int):
+            record = self._evicted.get(hash64(hashes[i]))
+            return None if record is None else Removal(record[0], None, "lru", record[1], record[2])
+
+        check = classify_prompt(n, bs, held, removal, hits=int(result[1]) // bs)
+        outcomes = [BlockOutcome(b.index, b.outcome) if b.removal is None else
+                    BlockOutcome(b.index, b.outcome, b.removal.step, b.removal.for_conversation, b.removal.by,
+                                 b.removal.idle_steps) for b in check.blocks]
+        if getattr(request, "cache_salt", None) or getattr(request, "lora_request", None) is not None:
+            self._mark_salted(request, outcomes, hashes)
+        self._lookups[request.request_id] = tuple(outcomes)
+
+    def _mark_salted(self, request, outcomes: list, hashes: list) -> None:
+        """A salted (cache salt, LoRA) request's cold blocks whose plain tokens the pool holds under the unsalted
+        hash missed because of the salt: "salted". The unsalted chain is hashed as vLLM hashes it (its own
+        functions, the server's hash algorithm)."""
+        if self._unsalted is None:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import hash_block_tokens
+            algo = self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo
+            self._unsalted = (get_hash_fn_by_name(algo), hash_block_tokens)
+        fn, hash_tokens = self._unsalted
+        bs, tokens, parent = self.block_size, request.all_token_ids, None
+        for i in range(len(hashes)):
+            parent = hash_tokens(fn, parent, tokens[i * bs:(i + 1) * bs], None)
+            if outcomes[i].outcome == "cold" and self.pool.get_cached_block(parent, [0]):
+                outcomes[i] = BlockOutcome(i, "salted")
+
     def _refill(self, refill: list[_Tracked]) -> None:
         """Slots filled in the blocks of requests whose computed tokens or tables changed; prompt tokens computed."""
         bs, state, filled, null = self.block_size, self._state, self._filled, self.pool.null_block.block_id
@@ -737,7 +824,7 @@ class VllmPoolTap:
         status, reason = _status(request.status)
         outputs = request.num_output_tokens
         key = (status, int(request.num_computed_tokens), outputs, table, int(getattr(request, "num_preemptions", 0)),
-               group_tables)
+               group_tables, conv.outcomes)
         if conv.info is not None and conv.key == key:
             return conv.info
         self._c.generated += max(0, outputs - conv.counted_outputs)
@@ -749,7 +836,7 @@ class VllmPoolTap:
             num_computed_tokens=key[1], num_cached_tokens=conv.num_cached_tokens, max_new_tokens=conv.max_new_tokens,
             temperature=conv.temperature, parent_id=conv.parent_id, num_preemptions=key[4],
             arrival_step=conv.arrival_step, finish_reason=reason, turns=((0, len(conv.prompt)),), label=conv.label,
-            group_block_tables=group_tables)
+            group_block_tables=group_tables, prompt_block_outcomes=conv.outcomes)
         return conv.info
 
     # ---- frames -----------------------------------------------------------------------------------------------
@@ -821,7 +908,8 @@ class VllmPoolTap:
             num_steps=c.steps, num_generated_tokens=c.generated, num_prefill_tokens=c.prefill,
             num_preemptions=c.preemptions, prefix_cache_queries=c.queries, prefix_cache_hits=c.hits,
             last_step_seconds=c.last_step_seconds, last_step_tokens=c.last_step_tokens,
-            last_step_prefill_tokens=c.last_step_prefill, num_evictions=c.evictions)
+            last_step_prefill_tokens=c.last_step_prefill, num_evictions=c.evictions,
+            **{f"prompt_blocks_{k}": v for k, v in c.outcomes.items()})
         snap = PoolSnapshot(
             step_id=self.step_id, block_size=bs, num_blocks=self.num_blocks,
             ref_count=frozen_array(self._ref), num_filled=frozen_array(self._filled),
