@@ -33,16 +33,16 @@ def test_the_detail_says_why_and_marks_the_missed_blocks(qtbot, make_window):
     assert detail.why.text() == ("Prompt cache: 2 of 4 prompt blocks hit on the device; block 2 was never in the "
                                  "pool before (cold); block 3 was not full (only full blocks are cached).")
     table = window.snapshot.block_tables[1]
-    assert window.grid.marked == ()
+    assert window.grid.marks() == ()
     detail.mark_misses.setChecked(True)
-    assert window.grid.marked == (table[2], table[3]) and window.grid.marks_item.isVisible()
+    assert window.grid.marks() == (table[2], table[3]) and window.grid.mark_layers['misses'][0].isVisible()
     window.conversations.select_conversation(0)  # finished: holds nothing to mark, and hit nothing to tell
-    qtbot.waitUntil(lambda: window.grid.marked == (), timeout=3000)
+    qtbot.waitUntil(lambda: window.grid.marks() == (), timeout=3000)
     assert "None of 4 prompt blocks hit" in detail.why.text()
     window.conversations.select_conversation(1)
-    qtbot.waitUntil(lambda: window.grid.marked == (table[2], table[3]), timeout=3000)
+    qtbot.waitUntil(lambda: window.grid.marks() == (table[2], table[3]), timeout=3000)
     detail.mark_misses.setChecked(False)
-    assert window.grid.marked == () and not window.grid.marks_item.isVisible()
+    assert window.grid.marks() == () and not window.grid.mark_layers['misses'][0].isVisible()
 
 
 def test_the_inspector_says_what_each_owner_did_with_the_block(qtbot, make_window):
@@ -90,19 +90,42 @@ def test_check_a_prompt_lights_up_what_it_would_hit(qtbot, make_window):
     assert check.cached_tokens == 12 and [b.outcome for b in check.blocks] == ["device"] * 3 + ["partial"]
     assert "12 of 13 prompt tokens would come from the cache" in dialog.answer.text()
     assert dialog.table.rowCount() == 4 and dialog.table.item(0, 1).text() == "device"
-    assert window.grid.marked == tuple(b.held.block_id for b in check.blocks[:3])
+    assert window.grid.marks('check') == tuple(b.held.block_id for b in check.blocks[:3])
     dialog.light.setChecked(False)
-    assert window.grid.marked == ()
+    assert window.grid.marks('check') == ()
     dialog.light.setChecked(True)
     dialog.prompt.setPlainText("Pages")  # text: tokenised with the model's (byte) tokenizer
     qtbot.mouseClick(dialog.check_button, QtCore.Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: dialog.checks is not None and dialog.checks[0].num_tokens == 6, timeout=5000)
-    assert window.grid.marked == ()
+    assert window.grid.marks('check') == ()
     dialog.prompt.setPlainText("[1, 2,")
     qtbot.mouseClick(dialog.check_button, QtCore.Qt.MouseButton.LeftButton)
     assert "does not parse" in dialog.answer.text() and dialog.checks is None
     dialog.close()
     assert window.errors == []
+
+
+def test_a_conversations_misses_and_a_checked_prompts_hits_show_together(qtbot, make_window):
+    """Two layers: checking a prompt does not hide the selected conversation's missed blocks, and clearing one
+    leaves the other as it was (a screenshot or a user can compare what missed with what would hit now)."""
+    window = make_window(setup=cached_then_running, paused=True)
+    window.conversations.select_conversation(1)
+    window.conversations.detail.mark_misses.setChecked(True)
+    table = window.snapshot.block_tables[1]
+    qtbot.waitUntil(lambda: window.grid.marks() == (table[2], table[3]), timeout=3000)
+    dialog = window.open_check_prompt()
+    dialog.prompt.setPlainText(json.dumps(PREFIX + [7]))
+    qtbot.mouseClick(dialog.check_button, QtCore.Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.checks is not None, timeout=5000)
+    hits = tuple(b.held.block_id for b in dialog.checks[0].blocks[:3])
+    layers = window.grid.mark_layers
+    assert window.grid.marks("check") == hits and window.grid.marks() == (table[2], table[3])
+    assert layers["check"][0].isVisible() and layers["misses"][0].isVisible()
+    assert "computed because its prompt missed" in window.grid.hover_label.toolTip()
+    assert "would hit" in window.grid.hover_label.toolTip()
+    dialog.close()
+    assert window.grid.marks("check") == () and not layers["check"][0].isVisible()
+    assert window.grid.marks() == (table[2], table[3]) and layers["misses"][0].isVisible()
 
 
 def test_the_check_prompt_file_in_the_window(qtbot, make_window, tmp_path):
@@ -115,7 +138,7 @@ def test_the_check_prompt_file_in_the_window(qtbot, make_window, tmp_path):
     path.write_text(json.dumps(PREFIX[:8] + [5]))
     qtbot.waitUntil(lambda: dialog.checks is not None, timeout=5000)
     assert dialog.checks[0].cached_tokens == 8 and "8 of 9 prompt tokens" in dialog.answer.text()
-    assert len(window.grid.marked) == 2
+    assert len(window.grid.marks('check')) == 2
 
 
 def test_the_content_view_lights_up_a_kv_event_prompts_hits(qtbot):

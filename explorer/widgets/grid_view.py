@@ -105,12 +105,9 @@ class GridView(QtWidgets.QWidget):
         self.highlight.setZValue(10)
         self.highlight.hide()
         self.box.addItem(self.highlight)
-        self.marks_item = QtWidgets.QGraphicsPathItem()  # blocks marked for a reason (a conversation's misses, the
-        self.marks_item.setZValue(9)  # blocks a checked prompt would hit): outlined and tinted over their colour
-        self.marks_item.hide()
-        self.box.addItem(self.marks_item)
-        self.marked: tuple[int, ...] = ()  # the blocks marked now
-        self.marks_note = ""  # what the marks mean, said in the hover line's tooltip
+        # blocks marked for a reason, one layer each ("misses": a conversation's missed prompt blocks; "check": the
+        # blocks a checked prompt would hit): outlined and hatched over their colour, so both show at once
+        self.mark_layers: dict[str, tuple[QtWidgets.QGraphicsPathItem, tuple[int, ...], str]] = {}
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
         self.hover_label = ElidedLabel(HOVER_HINT)  # never widens the window
@@ -357,31 +354,40 @@ class GridView(QtWidgets.QWidget):
             self.blockClicked.emit(block)
 
     # ---- overlays -----------------------------------------------------------------------------------------
-    def set_marks(self, block_ids, colour: tuple[int, int, int] = (255, 80, 60), note: str = "") -> None:
-        """Outline and tint ``block_ids`` (empty: no marks) in ``colour``: the blocks a selected conversation's
-        prompt missed, or those a checked prompt would hit. ``note`` says what they mean (the hover line's tip)."""
-        self.marked = tuple(int(b) for b in block_ids)
+    def set_marks(self, block_ids, colour: tuple[int, int, int] = (255, 80, 60), note: str = "",
+                  layer: str = "misses") -> None:
+        """Outline and hatch ``block_ids`` (empty: none) in ``colour`` on mark ``layer``: the blocks a selected
+        conversation's prompt missed ("misses"), those a checked prompt would hit ("check"). ``note`` says what
+        they mean (the hover line's tooltip)."""
+        item = self.mark_layers[layer][0] if layer in self.mark_layers else None
+        if item is None:
+            item = QtWidgets.QGraphicsPathItem()
+            item.setZValue(9 + len(self.mark_layers) * 0.1)
+            self.box.addItem(item)
         pen = QtGui.QPen(QtGui.QColor(*colour))
         pen.setCosmetic(True)
-        pen.setWidth(2)
-        self.marks_item.setPen(pen)
-        self.marks_item.setBrush(QtGui.QColor(*colour, 70))
-        self.marks_note = note
-        self.hover_label.setToolTip(note)
+        pen.setWidth(3)
+        item.setPen(pen)
+        item.setBrush(QtGui.QBrush(QtGui.QColor(*colour), QtCore.Qt.BrushStyle.BDiagPattern))
+        self.mark_layers[layer] = (item, tuple(int(b) for b in block_ids), note)
+        self.hover_label.setToolTip("\n".join(n for _, ids, n in self.mark_layers.values() if ids and n))
         self._place_marks()
+
+    def marks(self, layer: str = "misses") -> tuple[int, ...]:
+        """The blocks marked on ``layer`` now."""
+        return self.mark_layers[layer][1] if layer in self.mark_layers else ()
 
     def _place_marks(self) -> None:
         geo = self.geometry_
-        if not self.marked or geo is None:
-            self.marks_item.hide()
-            return
-        path = QtGui.QPainterPath()
-        for b in self.marked:
-            if 0 <= b < geo.num_blocks:
-                x, y = geo.cell_origin(b)
-                path.addRect(QtCore.QRectF(x + 0.08, y + 0.08, 0.84, 0.84))
-        self.marks_item.setPath(path)
-        self.marks_item.setVisible(not path.isEmpty())
+        for item, ids, _note in self.mark_layers.values():
+            path = QtGui.QPainterPath()
+            if geo is not None:
+                for b in ids:
+                    if 0 <= b < geo.num_blocks:
+                        x, y = geo.cell_origin(b)
+                        path.addRect(QtCore.QRectF(x + 0.06, y + 0.06, 0.88, 0.88))
+            item.setPath(path)
+            item.setVisible(not path.isEmpty())
 
     def _place_highlight(self) -> None:
         block = self.selected_block

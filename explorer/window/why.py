@@ -20,8 +20,9 @@ from ..model.outcome_text import check_block_words, check_sentence, missed_indic
 from ..model.regrets import RegretBook
 from ..model.step_clock import StepClock
 
-MISS_COLOUR = (255, 80, 60)  # the blocks a selected conversation's prompt missed (it computed them)
-HIT_COLOUR = (70, 220, 120)  # the blocks a checked prompt would hit
+MISS_COLOUR = (255, 70, 50)  # the blocks a selected conversation's prompt missed (it computed them)
+HIT_COLOUR = (255, 230, 60)  # the blocks a checked prompt would hit
+TABLE_HIT = (30, 140, 60)  # a hit in the check's table (the grid's yellow does not read on a white table)
 WATCH_MS = 250  # how often a --check-prompt file is looked at
 
 
@@ -40,7 +41,8 @@ class CheckPromptDialog(QtWidgets.QDialog):
         self.intro.setWordWrap(True)
         self.prompt = QtWidgets.QPlainTextEdit()
         self.prompt.setPlaceholderText("Paste a prompt's text, or a JSON list of token ids such as [1, 2, 3]")
-        self.prompt.setMinimumHeight(70)
+        self.prompt.setMinimumHeight(60)
+        self.prompt.setMaximumHeight(120)  # the answer and its table get the height
         self.light = QtWidgets.QCheckBox("Light up the blocks it would hit")
         self.light.setChecked(True)
         self.light.toggled.connect(lambda _on: self.why.light_up(self.checks if self.light.isChecked() else None))
@@ -138,7 +140,7 @@ class CheckPromptDialog(QtWidgets.QDialog):
             for col, value in enumerate(cells):
                 item = QtWidgets.QTableWidgetItem(value)
                 if col == 1:
-                    item.setForeground(QtGui.QColor(*(HIT_COLOUR if b.hit else MISS_COLOUR)))
+                    item.setForeground(QtGui.QColor(*(TABLE_HIT if b.hit else MISS_COLOUR)))
                 self.table.setItem(r, col, item)
         self.table.resizeColumnToContents(0)
         self.table.resizeColumnToContents(1)
@@ -162,7 +164,6 @@ class WhyViews(QtCore.QObject):
         self.watch = None  # the --check-prompt file's PromptWatch, or None
         self._watch_version = -1
         self.show_misses = False
-        self.lit = False  # the grid shows a checked prompt's hits (they win over the misses' marks)
         detail = window.conversations.detail
         detail.clock = self.clock
         detail.missesToggled.connect(self._misses_toggled)
@@ -185,7 +186,7 @@ class WhyViews(QtCore.QObject):
         self.clock.clear()
         self.regrets.clear()
         self.marked_regrets.clear()
-        self.lit = False
+        self.window.grid.set_marks((), layer="check")
         self._mark_grid()
         if self.dialog is not None:
             self.dialog.source_changed()
@@ -211,7 +212,7 @@ class WhyViews(QtCore.QObject):
             self.window.pane.timeline.add_regrets(marks)
 
     def _on_view(self, snapshot) -> None:
-        if self.show_misses and not self.lit:
+        if self.show_misses:
             self._mark_grid()
 
     # ---- the selected conversation's misses --------------------------------------------------------------------
@@ -223,8 +224,6 @@ class WhyViews(QtCore.QObject):
         self._mark_grid()
 
     def _mark_grid(self) -> None:
-        if self.lit:
-            return
         grid, view = self.window.grid, self.window.source.view
         cid = self.window.conversations.selected_conversation()
         if not self.show_misses or view is None or cid is None:
@@ -252,11 +251,7 @@ class WhyViews(QtCore.QObject):
             pane.content_view.mark_prompt(checks)
         hits = [b.held.block_id for c in (checks or ()) for b in c.hit_blocks
                 if b.held is not None and b.held.block_id is not None]
-        self.lit = bool(checks)
-        if self.lit:
-            self.window.grid.set_marks(hits, HIT_COLOUR, "Lit up: the blocks the checked prompt would hit")
-        else:
-            self._mark_grid()
+        self.window.grid.set_marks(hits, HIT_COLOUR, "Yellow: the blocks the checked prompt would hit", layer="check")
 
     def watch_file(self, path: str) -> None:
         """``--check-prompt FILE`` in the window: the dialog shows the file's answers as they come."""
