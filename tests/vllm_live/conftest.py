@@ -29,6 +29,14 @@ if not HAVE_VLLM:
 
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests on the session's engine (the ``llm`` fixture) run first. A test that builds and drops its own
+    in-process LLM (test_tap_groups, test_window_parity) tears down vLLM's process-wide parallel state with it, and
+    the session engine cannot step after that ("pipeline model parallel group is not initialized"); alphabetical
+    order would put test_why_live after test_tap_groups. The sort is stable: the order within each part stays."""
+    items.sort(key=lambda item: "llm" not in getattr(item, "fixturenames", ()))
+
+
 def pytest_report_header(config):
     if not HAVE_VLLM:
         return "tests/vllm_live: not collected (no vLLM in this venv; build one with tools/make_vllm_venv.sh DIR)"
