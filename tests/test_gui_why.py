@@ -123,6 +123,14 @@ def test_a_conversations_misses_and_a_checked_prompts_hits_show_together(qtbot, 
     assert layers["check"][0].isVisible() and layers["misses"][0].isVisible()
     assert "computed because its prompt missed" in window.grid.hover_label.toolTip()
     assert "would hit" in window.grid.hover_label.toolTip()
+    both = table[2]  # a block on both layers (a prompt would now hit what the conversation computed): both show
+    window.grid.set_marks((both,), (255, 230, 60), "", layer="check")
+    x, y = window.grid.geometry_.cell_origin(both)
+    centre = QtCore.QPointF(x + 0.5, y + 0.5)
+    rects = [next(p.boundingRect() for p in layers[k][0].path().toSubpathPolygons() if p.boundingRect().contains(centre))
+             for k in ("misses", "check")]
+    outer, inner = sorted(rects, key=lambda r: -r.width())
+    assert outer.contains(inner) and inner.width() < outer.width()
     dialog.close()
     assert window.grid.marks("check") == () and not layers["check"][0].isVisible()
     assert window.grid.marks() == (table[2], table[3]) and layers["misses"][0].isVisible()

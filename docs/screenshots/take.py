@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as main.py: the engine and GUI threads share the cores
 
-from PySide6 import QtCore, QtWidgets  # noqa: E402
+from PySide6 import QtCore, QtGui, QtWidgets  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
 from explorer.window.app import application, show_example_selection  # noqa: E402
@@ -30,7 +30,7 @@ from explorer.feeds.engine_feed import EngineFeed  # noqa: E402
 from explorer.window.main_window import MainWindow  # noqa: E402
 from kvstream.events import EventKind  # noqa: E402
 
-SHOTS = ("main", "scrubbed", "contiguous")
+SHOTS = ("main", "scrubbed", "contiguous", "why")
 
 
 def spin(seconds: float) -> None:
@@ -109,6 +109,52 @@ def shot_contiguous(out: Path, size) -> None:
     window.set_contiguous(True)
     run_to_step(window, 40)
     save(window, out / "contiguous.png")
+    window.close()
+
+
+def shot_why(out: Path, size) -> None:
+    """Why did my prompt miss: the serve demo in a pool of 40 blocks, run until a running conversation's prompt
+    found some of its blocks evicted (and the timeline has regretted evictions); that conversation selected with its
+    missed blocks marked, and Pool > Check a prompt... asked about a new question on a shared system prompt. The
+    dialog is its own window: it is drawn into the picture's upper right corner (over the inspector, empty with no
+    block selected), as a window manager would show it over the main window."""
+    from explorer.feeds.traffic import SYSTEM_PROMPTS
+    window = demo_window("serve", 40, size)
+    window.start_traffic("serve")
+    window.traffic.set_rate(3.0)
+
+    def evicted_running():
+        snap = window.snapshot
+        for c in snap.conversations:
+            if c.status == "running" and any(o.outcome == "evicted" for o in c.prompt_block_outcomes) \
+                    and any(o.hit for o in c.prompt_block_outcomes):
+                return c.conversation_id
+        return None
+
+    spin_until(lambda: window.pane.timeline.regrets and evicted_running() is not None, timeout=600)
+    cid = evicted_running()
+    window.source.submit("pause")
+    window.stop_traffic()
+    spin(0.5)
+    window.conversations.select_conversation(cid)
+    window.conversations.detail.mark_misses.setChecked(True)
+    dialog = window.open_check_prompt()
+    dialog.prompt.setPlainText(SYSTEM_PROMPTS[0] + " How does a prefix cache decide what to keep?")
+    dialog.check()
+    spin_until(lambda: dialog.checks is not None)
+    dialog.resize(760, 460)
+    spin(0.8)
+    picture = window.grab()
+    painter = QtGui.QPainter(picture)
+    where = QtCore.QPoint(picture.width() - dialog.width() - 16, 56)
+    painter.fillRect(QtCore.QRect(where, dialog.size()).adjusted(-2, -2, 2, 2), QtGui.QColor(40, 40, 40))
+    painter.drawPixmap(where, dialog.grab())
+    painter.end()
+    path = out / "why.png"
+    if not picture.save(str(path)):
+        raise OSError(f"could not save {path}")
+    print(f"saved {path} ({path.stat().st_size // 1024} KiB)")
+    dialog.close()
     window.close()
 
 

@@ -106,7 +106,9 @@ class GridView(QtWidgets.QWidget):
         self.highlight.hide()
         self.box.addItem(self.highlight)
         # blocks marked for a reason, one layer each ("misses": a conversation's missed prompt blocks; "check": the
-        # blocks a checked prompt would hit): outlined and hatched over their colour, so both show at once
+        # blocks a checked prompt would hit): outlined and hatched over their colour. A block on two layers (one a
+        # conversation computed, which a new prompt would now hit) shows both: each later layer's outline sits
+        # further inside the cell and hatches the other way.
         self.mark_layers: dict[str, tuple[QtWidgets.QGraphicsPathItem, tuple[int, ...], str]] = {}
         self._labels: list[pg.TextItem] = []
         self._label_texts: list[str] = []  # the text each label was last given
@@ -364,11 +366,13 @@ class GridView(QtWidgets.QWidget):
             item = QtWidgets.QGraphicsPathItem()
             item.setZValue(9 + len(self.mark_layers) * 0.1)
             self.box.addItem(item)
+        order = list(self.mark_layers).index(layer) if layer in self.mark_layers else len(self.mark_layers)
         pen = QtGui.QPen(QtGui.QColor(*colour))
         pen.setCosmetic(True)
         pen.setWidth(3)
         item.setPen(pen)
-        item.setBrush(QtGui.QBrush(QtGui.QColor(*colour), QtCore.Qt.BrushStyle.BDiagPattern))
+        hatch = QtCore.Qt.BrushStyle.BDiagPattern if order % 2 == 0 else QtCore.Qt.BrushStyle.FDiagPattern
+        item.setBrush(QtGui.QBrush(QtGui.QColor(*colour), hatch))
         self.mark_layers[layer] = (item, tuple(int(b) for b in block_ids), note)
         self.hover_label.setToolTip("\n".join(n for _, ids, n in self.mark_layers.values() if ids and n))
         self._place_marks()
@@ -379,13 +383,14 @@ class GridView(QtWidgets.QWidget):
 
     def _place_marks(self) -> None:
         geo = self.geometry_
-        for item, ids, _note in self.mark_layers.values():
+        for order, (item, ids, _note) in enumerate(self.mark_layers.values()):
+            inset = 0.06 + 0.1 * order
             path = QtGui.QPainterPath()
             if geo is not None:
                 for b in ids:
                     if 0 <= b < geo.num_blocks:
                         x, y = geo.cell_origin(b)
-                        path.addRect(QtCore.QRectF(x + 0.06, y + 0.06, 0.88, 0.88))
+                        path.addRect(QtCore.QRectF(x + inset, y + inset, 1 - 2 * inset, 1 - 2 * inset))
             item.setPath(path)
             item.setVisible(not path.isEmpty())
 
