@@ -11,7 +11,6 @@ from PySide6 import QtCore
 from kvstream.kv_events import BlockStored, KVCacheIndex, make_batch
 from explorer.widgets.content_view import ContentView
 from explorer.widgets.timeline import Timeline
-from test_gui_support import make_window  # noqa: F401  (fixture)
 
 PREFIX = list(range(1, 13))  # three blocks of 4 with the built-in byte model
 

@@ -189,6 +189,20 @@ def test_last_token_of_a_prompt_held_whole(ckpt):
     assert eng.conversation(again).num_cached_tokens == 9
 
 
+def test_a_whole_prompt_after_a_miss_is_after_break_not_last_token(ckpt):
+    """The last-token block of a prompt held whole is "last_token" only where every block before it was held: after
+    an evicted first block it is recomputed because of that miss ("after_break"), as the prompt check
+    (kvstream.prompt_check) and the vLLM tap say it."""
+    eng = _engine(ckpt, "fifo", num_blocks=8)
+    first = list(range(1, 13))  # exactly 4 full blocks
+    _run(eng, first, new=2)
+    _run(eng, list(range(200, 213)))  # FIFO takes the oldest stored block: the first one's block 0
+    check = eng.check_prompt(prompt_token_ids=first)
+    again = _run(eng, first)
+    assert _outcomes(eng, again) == ["evicted", "after_break", "after_break", "after_break"]
+    assert [b.outcome for b in check.blocks] == _outcomes(eng, again)
+
+
 def test_hits_from_the_host_and_disk_tiers(ckpt, tmp_path):
     eng = _engine(ckpt, "lru", num_blocks=10, host_tier_blocks=2, disk_tier_blocks=8,
                   disk_tier_path=str(tmp_path / "disk.bin"))

@@ -80,10 +80,11 @@ class OutcomeBook:
         for i, hit in enumerate(hits):
             out.append(BlockOutcome(i, getattr(hit, "tier", "device")))
         full = num_tokens // block_size
+        unbroken = True  # every block before this one is held: only then is the last token the reason
         for i in range(len(hits), full):
             h = hashes[i]
             if held(h):
-                if i >= limit:
+                if i >= limit and unbroken:
                     cause = "last_token"
                 elif held_full is not None and held_full(i):
                     cause = "window"
@@ -91,6 +92,7 @@ class OutcomeBook:
                     cause = "after_break"
                 out.append(BlockOutcome(i, cause))
                 continue
+            unbroken = False  # what follows is recomputed because of this miss ("after_break")
             record = self.evictions.get(h)
             if record is None:
                 out.append(BlockOutcome(i, "cold"))
