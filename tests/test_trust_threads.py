@@ -75,6 +75,7 @@ def _calls(eng: Engine, cid: int, done: int, snap) -> dict:
         "check_invariants": ((), {}), "take_background_errors": ((), {}), "close": ((), {}),
         "prompt_token_sources": ((cid,), {}), "add_prefill": ((), {"prompt_token_ids": [1, 2, 3]}),
         "is_finished": ((cid,), {}), "prompt_block_outcomes": ((cid,), {}),
+        "check_prompt": ((), {"prompt_token_ids": [3, 5, 7, 11]}),
     }
 
 
