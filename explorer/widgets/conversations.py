@@ -37,6 +37,7 @@ REPLY_MARK = "── reply ──"  # the line between a user message and the mo
 USER_MARK = "── user ──"  # the line before a follow-up message
 PLACEHOLDER = "Select a conversation to see its block table and text."
 TABLE_LINES = 4  # lines of block table shown before it scrolls
+WHY_LINES = 8  # and lines of why its prompt hit or missed, with its checkbox, above it
 SORT_ROLE = QtCore.Qt.ItemDataRole.UserRole  # what the table sorts by
 MAX_REMEMBERED = 512  # conversations whose turns the detail keeps as it saw them
 
@@ -228,6 +229,28 @@ class ConversationsModel(RowsModel):
             self.endInsertRows()
 
 
+class FittedScrollArea(QtWidgets.QScrollArea):
+    """A scroll area that asks for its content's height at its width (up to its maximum height), so a layout gives
+    it what it holds and the rest to its stretching neighbours; where the room is short it shrinks and scrolls.
+    QScrollArea's own size hint ignores how tall the content is."""
+
+    def sizeHint(self) -> QtCore.QSize:
+        hint = super().sizeHint()
+        content = self.widget()
+        if content is not None:
+            width = self.viewport().width() if self.viewport().width() > 0 else hint.width()
+            height = content.heightForWidth(width) if content.hasHeightForWidth() else -1
+            if height < 0:
+                height = content.sizeHint().height()
+            hint.setHeight(min(height + 2 * self.frameWidth(), self.maximumHeight()))
+        return hint
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().width() != event.size().width():
+            self.updateGeometry()  # another width wraps the content to another height
+
+
 class ConversationDetail(QtWidgets.QWidget):
     """Block table (logical -> physical) and the text of one conversation, turn by turn: user messages dim, the
     model's replies normal, a separator line between them; and why its prompt hit or missed the prefix cache."""
@@ -253,21 +276,27 @@ class ConversationDetail(QtWidgets.QWidget):
         self.table_label = QtWidgets.QLabel()
         self.table_label.setWordWrap(True)
         self.table_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
-        self.table_area = QtWidgets.QScrollArea()  # a long block table scrolls instead of hiding under the text
+        # The why sentence, its checkbox and a long block table scroll together instead of hiding under the text
+        # (or squeezing the title) where the dock is short
+        facts = QtWidgets.QWidget()
+        facts_layout = QtWidgets.QVBoxLayout(facts)
+        facts_layout.setContentsMargins(0, 0, 0, 0)
+        facts_layout.addWidget(self.why)
+        facts_layout.addWidget(self.mark_misses)
+        facts_layout.addWidget(self.table_label)
+        self.table_area = FittedScrollArea()
         self.table_area.setWidgetResizable(True)
         self.table_area.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
         self.table_area.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.table_area.setWidget(self.table_label)
+        self.table_area.setWidget(facts)
         line = self.fontMetrics().lineSpacing()
         self.table_area.setMinimumHeight(line + 4)
-        self.table_area.setMaximumHeight(TABLE_LINES * line + 6)
+        self.table_area.setMaximumHeight((TABLE_LINES + WHY_LINES) * line + 6)
         self.text = QtWidgets.QTextBrowser()
         self.text.setMinimumHeight(2 * line + 8)  # it scrolls: the first to give up height in a short dock
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.title)
-        layout.addWidget(self.why)
-        layout.addWidget(self.mark_misses)
         layout.addWidget(self.table_area)
         layout.addWidget(self.text, 1)
         self._key = None  # what was drawn last (None: draw again)
@@ -354,6 +383,7 @@ class ConversationDetail(QtWidgets.QWidget):
         groups = group_tables_html(snapshot, info)  # per KV cache group, the window's released entries as holes
         if groups:
             self.table_label.setText(self.table_label.text() + "<br>Per KV cache group:<br>" + groups)
+        self.table_area.updateGeometry()  # its content's height changed: ask the layout again
         self._show_text(info)
 
     def _remember_turn(self, info: ConversationInfo) -> None:
