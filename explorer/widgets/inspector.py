@@ -27,6 +27,7 @@ from kvstream.views import BlockInfo, BlockState, PoolSnapshot
 from ..model.block_words import hash_note
 from ..model.groups import block_group_of, hash_words
 from ..model.outcome_text import block_prompt_lines
+from .elided_label import ElidedLabel
 from .table_model import RowsModel
 
 # the value each fp8 byte stands for, by the pool dtype's name (what the inspector shows of a stored code)
@@ -247,10 +248,11 @@ class Inspector(QtWidgets.QWidget):
         form.addWidget(self.history, 4, 1, 1, 3)
         self.prompt_name = QtWidgets.QLabel("prompt:")  # what each owner's admission did with this prompt block
         self.prompt_name.setAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignTop)
-        self.prompt = QtWidgets.QLabel()
-        self.prompt.setWordWrap(True)
-        self.prompt.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.prompt.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        # one line (each owner's part after a ';', the whole in the tooltip): a wrapped label's height follows its
+        # width, and in the dock's scroll area a line more or less as its scroll bar came and went resized the
+        # inspector again and again until the stack ran out (a segfault in the GUI tests)
+        self.prompt = ElidedLabel(min_width=0)
+        self.prompt.setContentsMargins(0, 0, 0, 0)
         form.addWidget(self.prompt_name, 5, 0)
         form.addWidget(self.prompt, 5, 1, 1, 3)
         self.step_clock = None  # a StepClock (idle seconds where the window saw the steps), set by the window
@@ -539,9 +541,10 @@ class Inspector(QtWidgets.QWidget):
 
     def _show_prompt(self, lines: list[str]) -> None:
         """Why this block's prompt content hit or missed, per owner; the row hides when nothing is known."""
-        text = "\n".join(lines)
+        text = "; ".join(lines)
         if self.prompt.text() != text:
             self.prompt.setText(text)
+            self.prompt.setToolTip("\n".join(lines))
         self.prompt_name.setVisible(bool(lines))
         self.prompt.setVisible(bool(lines))
 
