@@ -1,6 +1,7 @@
 """Capacity sweeps of the shipped Mooncake trace: the reference figures of ../shared/traces/README.md exactly, the
 fast path held to the engine's own pool eviction by eviction, and the command line's output."""
 import json
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -253,6 +254,23 @@ def test_an_instant_replay_on_a_real_model_takes_a_prompt_held_whole_without_com
     assert instant.max_blocks == 64 and instant.num_cut == 1
     assert (instant.totals()["hit_blocks"], instant.totals()["total_blocks"]) == (3, 64 + 3)
     assert [o.block_outcomes for o in instant.outcomes][1] == ("device",) * 3
+
+
+def test_an_instant_replay_runs_to_its_end_beside_other_work(tmp_path):
+    """run() on an engine that already has a conversation of its own: the replay lets it finish, then sends its
+    requests one by one as always (it sent nothing while the engine was busy and spun forever)."""
+    path = tmp_path / "two.jsonl"
+    lines = [{"timestamp": 0, "input_length": 512 * 2, "output_length": 4, "hash_ids": [0, 1]},
+             {"timestamp": 1, "input_length": 512 * 2, "output_length": 4, "hash_ids": [0, 1]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    replay = make_replay(EngineConfig(model="none", num_blocks=256, block_size=16), read_trace(str(path)), "instant")
+    other = replay.engine.add_prefill(list(range(100, 180)))
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (replay.run(), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(60), "the replay never ended"
+    assert replay.engine.is_finished(other) and len(replay.outcomes) == 2
+    assert (replay.totals()["hit_blocks"], replay.totals()["total_blocks"]) == (2, 4)  # the second prompt held
 
 
 @needs_traces

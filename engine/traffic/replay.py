@@ -177,6 +177,8 @@ class TraceReplay:
         before = len(self.outcomes) - len(self._live)
         if self.mode == "instant":
             for _ in range(max_requests):
+                if self.engine.has_work():  # another caller's conversations: instant replay waits for an idle pool
+                    self.engine.run_until_idle()
                 if not self.feed():
                     break
                 self.engine.run_until_idle()
