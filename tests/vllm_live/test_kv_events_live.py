@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 from kvstream.kv_events import KVEventEndpoint, KVEventSubscriber, json_summary
 from tests.helpers import holds_for, wait_until
+from tests.vllm_live.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,25 +50,11 @@ def test_watcher_started_before_vllm_catches_up(checkpoint, tmp_path):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
-    log_path = tmp_path / "server.log"
-    read_fd, write_fd = os.pipe()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), str(checkpoint), kv, replay, str(write_fd)], env=env,
-                                cwd=tmp_path, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                pass_fds=(write_fd,), start_new_session=True)
-
-    def kill():
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os.close(write_fd)
-    said = os.fdopen(read_fd)
-    watchdog = threading.Timer(300, kill)
-    watchdog.start()
+    server = ServerProcess([sys.executable, str(script), str(checkpoint), kv, replay], env, tmp_path,
+                           tmp_path / "server.log", deadline=300)
     try:
-        line = said.readline().split(maxsplit=1)
-        assert line[:1] == ["done"], log_path.read_text()[-3000:]
+        line = server.said.readline().split(maxsplit=1)
+        assert line[:1] == ["done"], server.tail()
         vllm_hashes = set(json.loads(line[1]))
         index = sub.indexes[0]
         wait_until(lambda: index.live_hashes() == vllm_hashes, 30, what="vLLM's hashes",
@@ -85,13 +69,4 @@ def test_watcher_started_before_vllm_catches_up(checkpoint, tmp_path):
         assert summary["stored_hashes_by_group"] == {"0": len(vllm_hashes)}  # vLLM 0.32 sends group_idx
     finally:
         sub.stop()
-        if proc.poll() is None:
-            proc.stdin.write("quit\n")
-            proc.stdin.flush()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill()
-            proc.wait()
-        watchdog.cancel()
-        said.close()
+        server.stop("quit")

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from explorer.feeds.kv_event_feed import KVEventFeed
 from kvstream.kv_events import KVEventEndpoint
 from kvstream.metrics import PoolFigures, VllmMetrics, names
 from tests.helpers import wait_until
+from tests.vllm_live.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "The block table maps each logical block of a sequence to a physical block. "  # 76 tokens: 2 full blocks
@@ -69,22 +67,11 @@ def test_attach_metrics_reads_a_real_vllm_serve(checkpoint, tmp_path):
                "--kv-events-config", json.dumps(events)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as deployed: the engine core in its own process
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its engine core joins its group
-
-    def kill():
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    watchdog = threading.Timer(900, kill)  # a hung server fails the test instead of hanging CI
-    watchdog.start()
+    server = ServerProcess(command, env, tmp_path, tmp_path / "server.log", deadline=900, pipe=False)
     feeds = []
     try:
         def up():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert server.proc.poll() is None, server.tail()
             try:
                 return _get(f"{base}/metrics")
             except OSError:
@@ -148,11 +135,4 @@ def test_attach_metrics_reads_a_real_vllm_serve(checkpoint, tmp_path):
     finally:
         for feed in feeds:
             feed.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill()
-            proc.wait()
-        watchdog.cancel()
+        server.stop()  # SIGINT: vllm serve's own shutdown

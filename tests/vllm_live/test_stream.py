@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from kvstream.views import BlockState, Status
 from kvstream.vllm.hash import hash64
 from tests.helpers import wait_until
 from tests.vllm_live.reference import BLOCK_SIZE, compare, read_state, scheduler_of
+from tests.vllm_live.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "The block table maps each logical block of a sequence to a physical block. "
@@ -137,25 +136,12 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     log_path = tmp_path / "server.log"
-    read_fd, write_fd = os.pipe()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), str(checkpoint), kv, str(write_fd)], env=env,
-                                cwd=tmp_path, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                pass_fds=(write_fd,), start_new_session=True)  # its engine core joins its group
-
-    def kill():  # the server and its engine-core process, which would outlive a killed parent
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os.close(write_fd)
-    said = os.fdopen(read_fd)
-    watchdog = threading.Timer(300, kill)  # a hung server fails the test instead of hanging CI
-    watchdog.start()
+    server = ServerProcess([sys.executable, str(script), str(checkpoint), kv], env, tmp_path, log_path,
+                           deadline=300)  # its engine core joins its process group
     subscriber = kv_subscriber = None
     try:
-        line = said.readline().split()
-        assert line[:1] == ["ready"], log_path.read_text()[-3000:]
+        line = server.said.readline().split()
+        assert line[:1] == ["ready"], server.tail()
         front_pid = int(line[1])
         subscriber = PoolStreamSubscriber(pool)
         kv_subscriber = KVEventSubscriber(kv).start()
@@ -163,10 +149,9 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
         # the KV-event SUB socket is connected (its subscription goes out on that connection at once; vLLM's first
         # batch comes after a forward pass)
         wait_until(lambda: kv_subscriber.status()[0].connected, 30, what="the KV-event socket to connect")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        line = said.readline().split()
-        assert line[:1] == ["done"], log_path.read_text()[-3000:]
+        server.send("go")
+        line = server.said.readline().split()
+        assert line[:1] == ["done"], server.tail()
         generated = json.loads(line[1])
 
         def settled():
@@ -189,16 +174,7 @@ def test_server_process_publishes_from_its_engine_core(checkpoint, tmp_path):
         for s in (subscriber, kv_subscriber):
             if s is not None:
                 (s.close if hasattr(s, "close") else s.stop)()
-        if proc.poll() is None:
-            proc.stdin.write("quit\n")
-            proc.stdin.flush()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill()
-            proc.wait()
-        watchdog.cancel()
-        said.close()
+        server.stop("quit")
     err = log_path.read_text()
     lines = [ln for ln in err.splitlines() if "paged-kv-explorer: publishing" in ln]
     assert len(lines) == 1, err[-3000:]

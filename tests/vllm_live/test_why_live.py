@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from kvstream.kv_events import KVEventEndpoint, KVEventSubscriber
 from kvstream.vllm.tap import VllmPoolTap
 from tests.helpers import wait_until
 from tests.vllm_live.reference import BLOCK_SIZE, scheduler_of
+from tests.vllm_live.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = BLOCK_SIZE
@@ -130,36 +128,21 @@ def test_kv_event_prompt_check_equals_vllms_cached_tokens(checkpoint, tmp_path):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
-    log_path = tmp_path / "server.log"
-    read_fd, write_fd = os.pipe()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), str(checkpoint), kv, replay, str(write_fd)], env=env,
-                                cwd=tmp_path, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                pass_fds=(write_fd,), start_new_session=True)
-
-    def kill():
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os.close(write_fd)
-    said = os.fdopen(read_fd)
-    watchdog = threading.Timer(600, kill)
-    watchdog.start()
+    server = ServerProcess([sys.executable, str(script), str(checkpoint), kv, replay], env, tmp_path,
+                           tmp_path / "server.log", deadline=600)
     index = sub.indexes[0]
 
     def send(ids):
         """Send a prompt, wait for vLLM's answer and for the watcher to hold what vLLM's pool holds then."""
-        proc.stdin.write(json.dumps(ids) + "\n")
-        proc.stdin.flush()
-        line = said.readline().split(maxsplit=2)
-        assert line[:1] == ["done"], log_path.read_text()[-3000:]
+        server.send(json.dumps(ids))
+        line = server.said.readline().split(maxsplit=2)
+        assert line[:1] == ["done"], server.tail()
         held = set(json.loads(line[2]))
         wait_until(lambda: index.live_hashes() == held, 30, what="vLLM's hashes", seen=lambda: len(index.live_hashes()))
         return int(line[1])
 
     try:
-        assert said.readline().strip() == "ready", log_path.read_text()[-3000:]
+        assert server.said.readline().strip() == "ready", server.tail()
         held = _ids(1, 5 * BS + 7)
         assert send(held) == 0
         probes = {"held prompt plus a few tokens": held + _ids(200, 5),
@@ -180,13 +163,4 @@ def test_kv_event_prompt_check_equals_vllms_cached_tokens(checkpoint, tmp_path):
         assert [b.outcome for b in last] == ["device"] * 4 + ["last_token"]
     finally:
         sub.stop()
-        if proc.poll() is None:
-            proc.stdin.write("null\n")
-            proc.stdin.flush()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill()
-            proc.wait()
-        watchdog.cancel()
-        said.close()
+        server.stop("null")
