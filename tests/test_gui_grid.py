@@ -224,15 +224,22 @@ def test_hover_line_follows_the_pool_under_a_resting_mouse(qtbot, shown, small):
     assert view.hover_label.text().startswith("block 5: free") and "conv 3" not in view.hover_label.text()
 
 
-def test_the_hover_line_clears_when_the_mouse_leaves_the_grid(qtbot, shown, small):
-    """Issue 49: the hover line under the grid kept describing the last cell after the mouse had left."""
-    from PySide6 import QtCore
-    from explorer.widgets.grid_view import HOVER_HINT, GridView
-    snap, _ = small
+def hovered_grid(shown, snap, block):
+    """A shown GridView drawing ``snap`` with the mouse over ``block``'s cell."""
+    from explorer.widgets.grid_view import GridView
     view = shown(GridView(), 500, 400)
     view.set_snapshot(snap)
     view.render()
-    view._on_mouse_moved(view.view.mapToScene(view.cell_center(5)))
+    view._on_mouse_moved(view.view.mapToScene(view.cell_center(block)))
+    return view
+
+
+def test_the_hover_line_clears_when_the_mouse_leaves_the_grid(qtbot, shown, small):
+    """Issue 49: the hover line under the grid kept describing the last cell after the mouse had left."""
+    from PySide6 import QtCore
+    from explorer.widgets.grid_view import HOVER_HINT
+    snap, _ = small
+    view = hovered_grid(shown, snap, 5)
     assert view.hover_label.text().startswith("block 5: used")
     QtCore.QCoreApplication.sendEvent(view.view.viewport(), QtCore.QEvent(QtCore.QEvent.Type.Leave))
     assert view.hover_label.text() == HOVER_HINT and view.hovered_block is None
@@ -532,12 +539,9 @@ def test_the_grid_widget_draws_the_changed_blocks_and_shows_what_a_whole_redraw_
 
 def test_hover_line_forgets_a_block_a_smaller_pool_lacks(qtbot, shown, small):
     """Found in the X window: after a restart to a smaller pool the hover line kept describing block 7."""
-    from explorer.widgets.grid_view import HOVER_HINT, GridView
+    from explorer.widgets.grid_view import HOVER_HINT
     snap, _ = small
-    view = shown(GridView(), 500, 400)
-    view.set_snapshot(snap)
-    view.render()
-    view._on_mouse_moved(view.view.mapToScene(view.cell_center(7)))
+    view = hovered_grid(shown, snap, 7)
     assert view.hover_label.text().startswith("block 7")
     view.set_snapshot(make_snapshot(num_blocks=4))
     view.render()

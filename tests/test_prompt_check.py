@@ -286,17 +286,22 @@ def _recorded(tmp_path, steps):
     return eng, RecordingFeed.open(str(path))
 
 
-def test_a_pool_stream_answers_as_the_engine_that_wrote_it(tmp_path):
-    prompts = [list(range(1, 14)), list(range(100, 121)), list(range(1, 9)) + [70, 71, 72, 73, 74],
-               list(range(200, 221))]
-
+def each_to_its_end(prompts):
+    """A _recorded workload: each prompt added (two new tokens) and stepped to its end, every step published."""
     def steps(eng, publish):
         for ids in prompts:
             eng.add_conversation(prompt_token_ids=ids, max_new_tokens=2)
             while eng.has_work():
                 eng.step()
                 publish()
-    eng, feed = _recorded(tmp_path, steps)
+    return steps
+
+
+def test_a_pool_stream_answers_as_the_engine_that_wrote_it(tmp_path):
+    prompts = [list(range(1, 14)), list(range(100, 121)), list(range(1, 9)) + [70, 71, 72, 73, 74],
+               list(range(200, 221))]
+
+    eng, feed = _recorded(tmp_path, each_to_its_end(prompts))
     try:
         asked = [list(range(1, 14)) + [5], list(range(100, 121)), [9] * 9, list(range(200, 221)) + [1, 2]]
         for ids in asked:
@@ -411,13 +416,7 @@ def test_headless_json_lines_carry_the_prompt_check(tmp_path):
     totals by cause and medium."""
     prompts = [list(range(1, 14)), list(range(1, 9)) + [60, 61]]
 
-    def steps(eng, publish):
-        for ids in prompts:
-            eng.add_conversation(prompt_token_ids=ids, max_new_tokens=2)
-            while eng.has_work():
-                eng.step()
-                publish()
-    eng, feed = _recorded(tmp_path, steps)
+    eng, feed = _recorded(tmp_path, each_to_its_end(prompts))
     feed.close()
     ask = list(range(1, 13)) + [3]
     expected = eng.check_prompt(prompt_token_ids=ask)

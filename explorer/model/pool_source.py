@@ -27,7 +27,7 @@ from kvstream.history import Cancelled
 from kvstream.poolstream import StreamError
 from kvstream.views import NO_CHANGE_RECORD, ChangeRecord, PoolSnapshot
 
-from ..feeds.feed import Capabilities, Feed, Problem
+from ..feeds.feed import Capabilities, Feed, Problem, done_future
 from ..feeds.futures import FutureWatcher
 from ..feeds.snapshot_block import block_info_from_snapshot
 from .cursor import StepCursor
@@ -38,15 +38,6 @@ __all__ = ["Capabilities", "Feed", "PoolSignals", "PoolSource", "Problem"]
 
 SIGNALS = ("sourceChanged", "frameArrived", "viewChanged", "viewingChanged", "eventsArrived", "eventsDropped",
            "historyChanged", "problem")
-
-
-def _done(value=None, error: BaseException | None = None) -> Future:
-    future: Future = Future()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-    return future
 
 
 def _timed(fn, *args):
@@ -428,7 +419,7 @@ class PoolSource:
         try:
             future = self.feed.submit(name, *args, **kwargs)
         except (PermissionError, ValueError) as exc:
-            future = _done(error=exc)
+            future = done_future(error=exc)
         return self.futures.watch(future, on_result, on_error)
 
     def inspect_block(self, block_id: int) -> Future:
@@ -437,12 +428,12 @@ class PoolSource:
         if self.viewing is None:
             return self.feed.inspect_live(block_id)
         if self.view is None:
-            return _done(error=LookupError("nothing to inspect yet"))
+            return done_future(error=LookupError("nothing to inspect yet"))
         try:
-            return _done(block_info_from_snapshot(self.view, block_id, self.history, self.viewing,
+            return done_future(block_info_from_snapshot(self.view, block_id, self.history, self.viewing,
                                                   self.feed.token_text))
         except (IndexError, ValueError) as exc:
-            return _done(error=exc)
+            return done_future(error=exc)
 
     def _command_refused(self, exc: BaseException) -> None:
         self.problem.emit(Problem("Command refused", str(exc)))
