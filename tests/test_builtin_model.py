@@ -51,10 +51,47 @@ def test_loader_reads_every_shipped_tensor():
     assert loaded.name == "builtin"
     assert isinstance(loaded.tokenizer, ByteTokenizer)
     assert 257 in loaded.eos_token_ids
-    params = dict(loaded.model.named_parameters())
+    held = held_weights(loaded.model)
     with safe_open(str(BUILTIN / "model.safetensors"), framework="pt") as f:
         for name in f.keys():
-            assert torch.equal(params[name], f.get_tensor(name).float()), name
+            assert torch.equal(held[name], f.get_tensor(name).float()), name
+
+
+def held_weights(model) -> dict:
+    """Every weight of a prepared model under its checkpoint name, read from where the model holds it now: the
+    norms as parameters, the linears (and a tied embedding) from the InferenceLinears, fused ones split."""
+    held = dict(model.named_parameters())
+    if model.model.embed_tokens is None:
+        held["model.embed_tokens.weight"] = model.embed(torch.arange(model.config.vocab_size))
+    else:
+        held["lm_head.weight"] = model.head.weight
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp, at = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        q = attn.num_heads * attn.head_dim
+        kv = attn.num_kv_heads * attn.head_dim
+        for part, weight in zip("qkv", attn.qkv.weight.split((q, kv, kv))):
+            held[f"{at}self_attn.{part}_proj.weight"] = weight
+        held[f"{at}self_attn.o_proj.weight"] = attn.out.weight
+        gate, up = mlp.gate_up.weight.chunk(2)
+        held.update({f"{at}mlp.gate_proj.weight": gate, f"{at}mlp.up_proj.weight": up,
+                     f"{at}mlp.down_proj.weight": mlp.down.weight})
+    return held
+
+
+def test_each_weight_is_held_once_in_the_layout_its_kernels_read():
+    """Issue 49: SmolLM2's weights were held four times (the nn.Linear parameters, the fused copies, oneDNN's
+    packed copies, the panels). A prepared model's tensors are the norms and the panels (and, untied, the
+    embedding): their bytes add up to the checkpoint's once, give or take the panels' padding to 48 outputs."""
+    model = _loaded().model
+    linears = [model.head] + [m for layer in model.model.layers for m in
+                              (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *(m.panels for m in linears)]}
+    with safe_open(str(BUILTIN / "model.safetensors"), framework="pt") as f:
+        weights = sum(f.get_tensor(name).numel() * 4 for name in f.keys())
+    padding = sum(m.panels.numel() * 4 - m.weight.numel() * 4 for m in linears)
+    assert sum(storages.values()) == weights + padding
+    assert all(m.panels is not None and m._plain is None for m in linears)
 
 
 def test_engine_loads_the_builtin_model_by_default():

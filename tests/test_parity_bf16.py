@@ -88,7 +88,7 @@ def test_bfloat16_linears_are_packed_and_give_f_linear_bits(checkpoint):
     _, path, _ = checkpoint
     eng = Engine(EngineConfig(model=str(path), num_blocks=16, dtype="bfloat16"))
     linear = eng.model.model.layers[0].mlp.gate_up
-    assert linear.packed is not None and linear.panels is not None and linear.panel_rows in (16, 64)
+    assert linear.onednn and linear.panels is not None and linear.panel_rows in (16, 64)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(linear.panel_rows + 1, linear.weight.shape[1], generator=gen).bfloat16()
     assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight))

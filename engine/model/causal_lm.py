@@ -226,13 +226,13 @@ PANEL_ROWS_CACHED = 64  # and where they do
 
 
 class InferenceLinear:
-    """``y = x W^T + b`` for inference, with ``W`` pre-packed once for the CPU's matmul kernels.
+    """``y = x W^T + b`` for inference, with ``W`` held once, in the layout the CPU's kernels read.
 
-    Decode on CPU is matmul-bound. oneDNN's packed-weight GEMM ran faster than ``F.linear`` here for decode's and
-    prefill's row counts (docs/engine.md, "Figures behind the engine's choices"); packing is checked against
-    ``F.linear`` once and skipped wherever it is unavailable (no oneDNN, CUDA, float16).
+    Decode on CPU is matmul-bound. oneDNN's GEMM ran faster than ``F.linear`` here for decode's and prefill's row
+    counts (docs/engine.md, "Figures behind the engine's choices"); it is checked against ``F.linear`` once and
+    skipped wherever it is unavailable (no oneDNN, CUDA, float16).
 
-    With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), a second copy laid out for the native panel kernel
+    With ``panel_rows`` (see :meth:`CausalLM.prepare_inference`), the weight is laid out for the native panel kernel
     (:func:`engine.native.panel_linear`: csrc/small_gemm.c in float32, csrc/small_gemm_bf16.c's ``vdpbf16ps`` walk in
     bfloat16, where oneDNN's packed bfloat16 GEMM lost to it the same way: docs/engine.md) serves 1 to ``panel_rows``
     rows: a decode batch, or any step as small (a
@@ -243,34 +243,60 @@ class InferenceLinear:
     step it allows saves more than its own speed. More rows keep oneDNN. The measurements: docs/engine.md, "Figures
     behind the engine's choices"."""
 
-    MIN_ROWS = 4  # fewest rows for oneDNN's packed GEMM (fewer, without panels: F.linear)
-    # most rows for oneDNN's packed bfloat16 GEMM: it gives F.linear's bits at a decode batch's rows but not always
+    MIN_ROWS = 4  # fewest rows for oneDNN's GEMM (fewer, without panels: F.linear)
+    # most rows for oneDNN's bfloat16 GEMM: it gives F.linear's bits at a decode batch's rows but not always
     # at a prefill's (the 135M shape's output projection at 1,024 rows: 32 of 589,824 outputs a unit off), where
     # F.linear, which transformers' bfloat16 run takes, costs the same (docs/engine.md, "bfloat16")
     PACKED_ROWS_BF16 = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  panel_rows: int = 0, parts: tuple[int, ...] = ()):
-        self.weight = weight.detach()
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
         # a fused projection's parts (q, k, v; gate, up): a bfloat16 prefill computes each with F.linear as
         # transformers does, since oneDNN sums a fused one differently at some row counts (q|k|v of the 135M shape
         # at 256 and 384 rows, gate|up at 2,048: a few outputs a unit apart)
         self.parts = parts if weight.dtype == torch.bfloat16 and len(parts) > 1 else ()
-        self.packed = _pack_weight(self.weight) if pack else None
-        self.panels = native.pack_panels(self.weight) if pack and panel_rows else None
+        # oneDNN's GEMM reads the weight as it is: given the plain [out, in] tensor it gave the bits (and the speed)
+        # of its own pre-packed copy at every row count tried, so no packed copy is kept (docs/engine.md, "Memory")
+        self.onednn = pack and _takes_onednn(weight)
+        self.panels = native.pack_panels(weight) if pack and panel_rows else None
         self.panel_rows = panel_rows if self.panels is not None else 0  # most rows the panel kernel serves
+        # the weight is held once: as panels where there are panels (the rows past panel_rows unpack them for the
+        # call: a prefill's rows or a crowd's, where the GEMM's own work dwarfs the copy), else as it came
+        self._plain = weight if self.panels is None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in]: the tensor held, or a fresh copy unpacked from the panels (the same values)."""
+        if self._plain is not None:
+            return self._plain
+        return _unpack_panels(self.panels, self.out_features, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``weight[ids]`` (the embedding of a model whose output head shares it), read from what is held."""
+        if self._plain is not None:
+            return F.embedding(ids, self._plain)
+        flat = ids.reshape(-1)
+        panel, lane = flat // native.PANEL, flat % native.PANEL
+        if self.panels.dim() == 3:  # float32 [panels, in, 48]
+            out = self.panels[panel, :, lane]
+        else:  # bfloat16 [panels, ceil(in / 2), 48, 2]
+            out = self.panels[panel, :, lane, :].reshape(flat.shape[0], -1)[:, :self.in_features]
+        return out.reshape(*ids.shape, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
             if 0 < rows <= self.panel_rows:  # (none: a prefill chunk that ends no prompt samples no logits)
-                out = native.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
+                out = native.panel_linear(x, self.panels, self.out_features, self.bias)
                 if out is not None:
                     return out
-            if self.packed is not None and rows >= self.MIN_ROWS and \
-                    (rows <= self.PACKED_ROWS_BF16 or self.weight.dtype is not torch.bfloat16):
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self.onednn and rows >= self.MIN_ROWS and \
+                    (rows <= self.PACKED_ROWS_BF16 or self.dtype is not torch.bfloat16):
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             if self.parts and rows > self.PACKED_ROWS_BF16:
                 weights = self.weight.split(self.parts)
                 biases = self.bias.split(self.parts) if self.bias is not None else (None,) * len(self.parts)
@@ -278,20 +304,30 @@ class InferenceLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def _unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The weight [out, in] that :func:`engine.native.pack_panels` laid out as ``panels`` (float32 [P, in, 48] or
+    bfloat16 [P, ceil(in / 2), 48, 2]): the same values, contiguous."""
+    if panels.dim() == 3:
+        return panels.transpose(1, 2).reshape(-1, in_features)[:out_features]
+    plain = panels.transpose(1, 2).reshape(-1, 2 * panels.shape[1])[:out_features]
+    return plain if plain.shape[1] == in_features else plain[:, :in_features].contiguous()
+
+
+def _takes_onednn(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``) may serve this weight: a CPU float32 weight
+    where it agrees with F.linear, a bfloat16 one where it gives F.linear's very bits."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or \
             not torch.backends.mkldnn.is_available():
-        return None
+        return False
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        got = torch.ops.mkldnn._linear_pointwise(probe, weight, None, "none", [], "")
         if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 GEMM (AVX-512 BF16 / AMX where the CPU has them) is
             # what F.linear reaches too: taken only where it gives F.linear's bits (tests/test_parity_bf16.py)
-            return packed if torch.equal(got, F.linear(probe, weight)) else None
-        return packed if torch.allclose(got, F.linear(probe, weight), atol=1e-4, rtol=1e-4) else None
+            return torch.equal(got, F.linear(probe, weight))
+        return torch.allclose(got, F.linear(probe, weight), atol=1e-4, rtol=1e-4)
     except (RuntimeError, AttributeError):
-        return None
+        return False
 
 
 class RMSNorm(nn.Module):
@@ -368,12 +404,15 @@ class Attention(nn.Module):
         self.out: InferenceLinear | None = None
 
     def prepare_inference(self, pack: bool, panel_rows: int = 0) -> None:
-        """One matmul for q, k and v (the separate projections stay for training and loading)."""
+        """One matmul for q, k and v. The projections they are made from are let go (set to None): every forward
+        reads ``qkv`` and ``out`` from then on, so each weight is held once (CausalLM.prepare_inference)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
         self.qkv = InferenceLinear(weight, bias, pack, panel_rows, parts=tuple(p.weight.shape[0] for p in projs))
+        del weight, bias, projs
         self.out = InferenceLinear(self.o_proj.weight, self.o_proj.bias, pack, panel_rows)
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projected: torch.Tensor | None = None):
         """q, k (rotated) and v of ``x``; ``projected``: the fused projection of ``x`` when already computed."""
@@ -428,7 +467,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)  # [b, heads, t, dim]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.out(out) if self.out is not None else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -441,10 +481,12 @@ class MLP(nn.Module):
         self.down: InferenceLinear | None = None
 
     def prepare_inference(self, pack: bool, panel_rows: int = 0) -> None:
+        """gate|up in one matmul; the projections are let go as Attention.prepare_inference lets its go."""
         self.gate_up = InferenceLinear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]),
                                        pack=pack, panel_rows=panel_rows,
                                        parts=(self.gate_proj.weight.shape[0], self.up_proj.weight.shape[0]))
         self.down = InferenceLinear(self.down_proj.weight, pack=pack, panel_rows=panel_rows)
+        self.gate_proj = self.up_proj = self.down_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -469,7 +511,10 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if weight.device.type != "meta":  # nn.Embedding's own init; on the meta device (the loader's empty model)
+            nn.init.normal_(weight)  # none, since meta's normal_ imports hundreds of modules (sympy) to run
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         kinds = cfg.layer_types or (FULL_ATTENTION,) * cfg.num_hidden_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, kinds[i] == SLIDING_ATTENTION)
                                     for i in range(cfg.num_hidden_layers))
@@ -487,7 +532,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        with torch.device("cpu"):  # computed tables, also in a model built on the meta device (the loader's)
+            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.head: InferenceLinear | None = None
         self.stack: torch.Tensor | None = None  # the layers' addresses for native.decode_stack (prepare_inference)
         self._scales_table: dict[bool, torch.Tensor] = {}  # _layer_scales' tables (fp8 pool or not), made on use
@@ -535,10 +581,17 @@ class CausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
     def prepare_inference(self, pack: bool = True) -> None:
-        """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, pre-pack every
-        weight for oneDNN, and for the native panel kernel that serves decode batches (:class:`InferenceLinear`): up
-        to 16 rows where the weights do not fit in the last-level cache (a decode step streams them from memory), up
-        to 64 where they do. Call after the weights are loaded and the model is on its device and dtype."""
+        """Concatenate q/k/v and gate/up weights (4 matmuls per layer instead of 7) and, on CPU, lay every weight
+        out for the native panel kernel that serves decode batches (:class:`InferenceLinear`): up to 16 rows where
+        the weights do not fit in the last-level cache (a decode step streams them from memory), up to 64 where they
+        do. Call once, after the weights are loaded and the model is on its device and dtype.
+
+        Each weight is then held once, in the layout its kernels read: the linears' ``nn.Linear`` modules (and the
+        embedding of a model whose head shares it, read through the head from then on) are set to None as their
+        weights move into the InferenceLinears, layer by layer, so that loading never holds two whole copies
+        (docs/engine.md, "Memory"). :meth:`forward_dense` reads the InferenceLinears too."""
+        if self.head is not None:
+            raise RuntimeError("prepare_inference runs once: the weights it was made from are let go")
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         panel_rows = (PANEL_ROWS_STREAMED if weight_bytes > native.last_level_cache_bytes() else PANEL_ROWS_CACHED) \
             if pack else 0
@@ -546,6 +599,9 @@ class CausalLM(nn.Module):
             layer.self_attn.prepare_inference(pack, panel_rows)
             layer.mlp.prepare_inference(pack, panel_rows)
         self.head = InferenceLinear(self.lm_head.weight, pack=pack, panel_rows=panel_rows)
+        self.lm_head = None
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens = None
         self.stack = self._stack_addresses()  # only where every layer's linear has panels, all for ``panel_rows``
         self.panel_rows = panel_rows if self.stack is not None else 0
 
@@ -553,9 +609,8 @@ class CausalLM(nn.Module):
         """int64 [layers, 8]: each layer's weights for :func:`engine.native.decode_stack` (decode_stack.c's order),
         where every linear has panels and every norm is rows of one dtype (float32, or bfloat16: decode_stack.c runs
         either) with one epsilon; else None. The addresses stay
-        valid: the InferenceLinears hold their panels, and ``_stack_norms`` the norms' weights as they are now (like
-        the packed copies, a snapshot of the storage: weights changed in place are seen, weights given new storage
-        need prepare_inference again)."""
+        valid: the InferenceLinears hold their panels, and ``_stack_norms`` the norms' weights as they are now (a
+        snapshot of the storage: norm weights changed in place are seen, ones given new storage are not)."""
         layers = self.model.layers
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(self.model.norm)
@@ -585,7 +640,7 @@ class CausalLM(nn.Module):
 
         ``layer_hook(layer, attention_output)`` sees each layer's attention output [tokens, heads, dim] (used to prove
         that relocating blocks leaves attention unchanged)."""
-        x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        x = self.embed(input_ids)  # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.stack is not None and layer_hook is None and meta.slot_mapping is not None and not meta.prefills \
                 and not meta.groups and meta.num_decode == x.shape[0] <= self.panel_rows and decodes_natively(attend):
@@ -596,7 +651,7 @@ class CausalLM(nn.Module):
             out = native.decode_stack(x, self.stack, kv_caches, self._stack_norms[-1], cos, sin, meta.slot_mapping,
                                       plan.tables, plan.seq_lens,
                                       (attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                       mlp.down.weight.shape[1], kv_caches[0][0].shape[1]),
+                                       mlp.down.in_features, kv_caches[0][0].shape[1]),
                                       self.model.norm.eps, self._layer_scales(kv_caches[0][0].dtype in FP8_DTYPES),
                                       meta.sliding_window)
             if out is not None:
@@ -612,18 +667,26 @@ class CausalLM(nn.Module):
             delta = layer.mlp(_add_norm(x, delta, layer.post_attention_layernorm))
         return _add_norm(x, delta, self.model.norm)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``input_ids`` (any shape) -> [..., hidden]: the embedding table's rows, or where the
+        output head shares that table (and holds it since prepare_inference), the head's."""
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens(input_ids)
+        return self.head.rows(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.head(hidden) if self.head is not None else self.lm_head(hidden)).float()  # [tokens, vocab]
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [batch, time] -> logits [batch, time, vocab], plain causal attention from position 0."""
-        x = self.model.embed_tokens(input_ids)  # [b, t, hidden]
+        x = self.embed(input_ids)  # [b, t, hidden]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        return self.head(x) if self.head is not None else self.lm_head(x)
 
 
 def _address(t: torch.Tensor | None) -> int:

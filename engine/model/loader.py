@@ -4,6 +4,7 @@ Weights are read with ``safetensors`` only; pickle-based ``*.bin`` checkpoints a
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -268,7 +269,14 @@ def check_pool_fits_memory(config: ModelConfig, num_blocks: int, block_size: int
             f"blocks")
 
 
+READ_SPAN = 64 << 20  # bytes of tensors read through one mapping of a weights file before it is let go
+
+
 def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, float], None]) -> None:
+    """Read every tensor of ``files`` into the model's parameters, converted to their dtype one tensor at a time.
+    safetensors maps the file and each page read stays resident until the mapping closes, so the file is opened
+    again after every READ_SPAN bytes: loading holds the model and at most that much of the file, never both
+    whole."""
     from safetensors import safe_open
 
     wanted = dict(model.named_parameters())
@@ -278,29 +286,38 @@ def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, f
         try:
             with safe_open(str(path), framework="pt") as f:
                 names = list(f.keys())
-                for j, name in enumerate(names):
-                    if name not in wanted:
-                        if (target := scale_name(name)) is not None:
-                            scales[target] = f.get_tensor(name)
-                            continue
-                        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                            continue
-                        if name.endswith("rotary_emb.inv_freq"):
-                            continue
-                        raise EngineError(f"unexpected tensor {name!r} in {path.name}: not a supported "
-                                          f"{model.config.architecture} checkpoint")
-                    tensor = f.get_tensor(name)
-                    param = wanted[name]
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise EngineError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
-                                          f"{tuple(param.shape)}")
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        raise EngineError(f"tensor {name!r} in {path.name} holds NaN or infinite values: the model "
-                                          "cannot be run")
-                    with torch.no_grad():
-                        param.copy_(tensor.to(param.dtype))
-                    seen.add(name)
-                    progress(f"loading {path.name}", (i + (j + 1) / max(len(names), 1)) / len(files))
+            f, read = None, 0
+            for j, name in enumerate(names):
+                if f is None or read > READ_SPAN:
+                    f = None  # the mapping goes with its last reference
+                    f, read = safe_open(str(path), framework="pt"), 0
+                if name not in wanted:
+                    if (target := scale_name(name)) is not None:
+                        scales[target] = f.get_tensor(name).clone()  # (a view would keep the mapping)
+                        continue
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise EngineError(f"unexpected tensor {name!r} in {path.name}: not a supported "
+                                      f"{model.config.architecture} checkpoint")
+                tensor = f.get_tensor(name)
+                param = wanted[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise EngineError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                                      f"{tuple(param.shape)}")
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise EngineError(f"tensor {name!r} in {path.name} holds NaN or infinite values: the model "
+                                      "cannot be run")
+                if tensor.dtype not in (param.dtype, torch.float32):  # through float32, as a float32 model was
+                    tensor = tensor.float()
+                with torch.no_grad():
+                    param.copy_(tensor)
+                read += tensor.numel() * tensor.element_size()
+                del tensor
+                seen.add(name)
+                progress(f"loading {path.name}", (i + (j + 1) / max(len(names), 1)) / len(files))
+            f = None
         except EngineError:
             raise
         except Exception as exc:  # truncated or corrupt file
@@ -309,6 +326,30 @@ def _load_weights(model: CausalLM, files: list[Path], progress: Callable[[str, f
     if missing:
         raise EngineError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]!r}")
     model.set_kv_scales(read_scales(scales, model.config.num_hidden_layers, files[0].parent.name))
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """The model with its parameters allocated in ``dtype`` and not written (no page of them is resident until the
+    weights are copied in): built on the meta device, each parameter then made once (a tied one stays tied)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
+                module._parameters[name] = made[id(param)]
+    return model
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc keeps what a load freed for later allocations, where
+    the loader's temporaries, tensors of a few hundred KiB each, were)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
@@ -324,8 +365,7 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     files = [_regular(p) for p in sorted(directory.glob("*.safetensors"))] if directory.is_dir() else []
     check_model_fits(config, files, device)
     progress("building model", 0.0)
-    with torch.device("cpu"):
-        model = CausalLM(config)
+    model = _empty_model(config, dtype)
     if files:
         _load_weights(model, files, progress)
     elif builtin:
@@ -338,6 +378,7 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     if dtype != torch.float32:  # (float32: each tensor was checked as it was read)
         check_finite(model, f"in {dtype}".replace("torch.", ""))  # a float32 weight may overflow in float16
     model.prepare_inference()
+    release_freed_memory()
     if builtin:
         tokenizer: Any = ByteTokenizer()
     elif (directory / "tokenizer.json").is_file():
