@@ -159,9 +159,10 @@ def test_restart_with_checkpoint_directory_shows_progress(qtbot, make_window, tm
     dialog.path.setText(str(checkpoint))
     dialog.try_accept()
     assert dialog.config.model == str(checkpoint)
-    assert window.restart_progress.isVisible()  # progress while the worker thread loads
+    progress = window.restart_progress
+    assert progress.isVisible()  # progress while the worker thread loads
     qtbot.waitUntil(lambda: window.runner is not old, timeout=15000)
-    assert not window.restart_progress.isVisible() and not old.alive
+    assert not progress.isVisible() and window.restart_progress is None and not old.alive
     snap = wait_for_snapshot(qtbot, window, lambda s: s.model_name == str(checkpoint))
     assert snap.num_blocks == window.config.num_blocks and window.errors == []
 
@@ -230,7 +231,7 @@ def test_closing_while_a_restart_loads_starts_no_engine(qtbot, make_window):
     window.close()
     assert not old.alive
     qtbot.waitUntil(lambda: window._loader is None, timeout=10000)  # the load finished (or failed) after closing
-    assert window.runner is old and not window.restart_progress.isVisible()
+    assert window.runner is old and window.restart_progress is None
 
 
 # ---- issue 13 -------------------------------------------------------------------------------------------------

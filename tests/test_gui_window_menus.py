@@ -116,3 +116,31 @@ def test_the_loading_dialog_says_which_model_loads_and_why(qtbot):
     assert dialog.labelText().startswith(why)
     loader.progress.emit("reading the weights", 0.5)
     assert dialog.labelText() == f"{why}\nreading the weights" and dialog.value() == 500
+
+
+def test_a_demo_switch_leaves_nothing_behind(qtbot, make_window):
+    """Issue 49: ten Demos-menu switches grew the window's memory. Each switch made a loader and a progress dialog
+    as children of the window that stayed until it closed, the loader holding what it last carried (the traffic
+    demo's replay, and with it the whole engine it fed). After a switch and a collection, no earlier engine is
+    alive, no loader or progress dialog is left, and the window's children stay as many."""
+    import gc
+    import weakref
+
+    from PySide6 import QtCore
+
+    from explorer.window.loader import EngineLoader
+    window = make_window(paused=True, num_blocks=256, block_size=16)
+    engines, counts = [], []
+    for demo in ("traffic", "busy", "traffic", "busy"):
+        old = weakref.ref(window.runner)
+        engines.append(weakref.ref(window.runner.engine))
+        files.start_demo(window, demo, confirm=False)
+        qtbot.waitUntil(lambda: window.runner is not old() and window.source.live is not None, timeout=60000)
+        wait_for_snapshot(qtbot, window, lambda s: s.step_id >= 1)
+        qtbot.waitUntil(lambda: window._loader is None, timeout=5000)
+        QtCore.QCoreApplication.sendPostedEvents(None, QtCore.QEvent.Type.DeferredDelete)  # what deleteLater let go
+        gc.collect()
+        assert [ref() for ref in engines] == [None] * len(engines)  # every engine before this one is gone
+        assert window.findChildren(EngineLoader) == [] and window.findChildren(QtWidgets.QProgressDialog) == []
+        counts.append(len(window.findChildren(QtCore.QObject)))
+    assert counts[3] == counts[1] and counts[2] <= counts[0]  # the same demo again: no more children than before

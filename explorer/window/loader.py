@@ -102,8 +102,9 @@ def _ensure_worker() -> None:
 
 def _serve() -> None:
     while True:
-        work, cfg, setup, after, build = _jobs.get()
-        work(cfg, setup, after, build)
+        job = _jobs.get()
+        job[0](*job[1:])
+        del job  # the finished job's loader, setup and build must not wait here for the next one
 
 
 def progress_dialog(parent: QtWidgets.QWidget | None, title: str, loader: EngineLoader,

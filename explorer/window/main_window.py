@@ -559,9 +559,16 @@ class MainWindow(QtWidgets.QMainWindow):
         progress = self.restart_progress = progress_dialog(self, f"Loading {cfg.model}…", loader)
         released = self._release_kv_events_for(cfg)
 
-        def loaded(engine) -> None:
+        def done() -> None:
+            """The load is over: its dialog and loader go with it (children of the window, each restart's would
+            stay until the window closed, with what the loader last carried), and nothing keeps them."""
             progress.close()
-            self._loader = None
+            progress.deleteLater()
+            loader.deleteLater()
+            self._loader = self.restart_progress = None
+
+        def loaded(engine) -> None:
+            done()
             if self._closed:  # a closed window must not start an engine thread that nothing would stop
                 return
             self.swap_engine(engine, cfg, demo=demo, driver=loader.driver, trace_settings=trace_settings)
@@ -571,8 +578,7 @@ class MainWindow(QtWidgets.QMainWindow):
                 dialog.restart_succeeded()
 
         def failed(message: str, details: str) -> None:
-            progress.close()
-            self._loader = None
+            done()
             if dialog is not None and not self._closed:
                 dialog.restart_failed(message)
                 return
