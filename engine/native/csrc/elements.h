@@ -10,6 +10,10 @@
 #include "bf16.h"
 #include "simd.h"
 
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 /* engine/native/__init__.py's ELEMENT kinds */
 enum { EL_F32 = 0, EL_BF16 = 1, EL_E4M3 = 2, EL_E5M2 = 3 };
 
@@ -18,29 +22,60 @@ static inline int64_t el_bytes(int kind) { return kind == EL_F32 ? 4 : kind == E
 static inline int el_fp8(int kind) { return kind == EL_E4M3 || kind == EL_E5M2; }
 
 typedef int8_t v16sb __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t v16ub __attribute__((vector_size(16), aligned(1)));
+typedef int16_t v16hs __attribute__((vector_size(32)));
 
-/* fp8 codes read as float32, exactly: the code's sign, exponent and mantissa bits are put where float32's are, which
- * leaves the exponent 2^120 (e4m3; e5m2: 2^112) short, made up by one multiply that is exact (a subnormal code
- * becomes a float32 subnormal first, exact too). The code is widened with its sign extended, so one shift puts the
- * sign in bit 31 and the other seven bits under it, and one mask clears the copies of the sign between them (four
- * instructions for sixteen values, as many as a bfloat16 row's widening and its dot product's multiply-add). The
- * codes the cache write never makes (e4m3's NaN 0x7f, e5m2's infinities and NaNs) read as finite values: the pool
- * only holds what the engine wrote. */
+/* What a read of kind `kind` is short of: the decode walk reads an e4m3 code as its value times 2^-8 (exactly: the
+ * scaling of a product or a sum by a power of two rounds as the unscaled one does), and multiplies a score or an
+ * output by 256 once instead of every element by it. */
+static inline float el_unit(int kind) { return kind == EL_E4M3 ? 256.0f : 1.0f; }
+
+/* Sixteen fp8 codes as float32 through half precision, which both kinds fit into with a shift: e5m2 is the high byte
+ * of a float16 (exactly its value), e4m3's seven bits under float16's sign have float16's bias of 15 where e4m3's is
+ * 7 (its value times 2^-8, subnormal codes included, since float16 has subnormals where e4m3 does). The hardware's
+ * float16 widening takes subnormals at full speed; the first version built float32 bits and multiplied by 2^120,
+ * which went through the processor's slow path for every subnormal code (docs/engine.md, "fp8 reads"). */
+static inline v16 half16(v16h h) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+    const __m128i lo = (__m128i)__builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m128i hi = (__m128i)__builtin_shufflevector(h, h, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 a = (v8)_mm256_cvtph_ps(lo), b = (v8)_mm256_cvtph_ps(hi);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else /* float16's bits moved into float32's, and float32's bias made up by a multiply (exact) */
+    const v16u u = __builtin_convertvector(h, v16u);
+    return (v16)(((u & 0x8000u) << 16) | ((u & 0x7fffu) << 13)) * 0x1p112f;
+#endif
+}
+
+/* sixteen e4m3 codes, their values times 2^-8 (el_unit): sign-extended to sixteen bits, the sign lands in bit 15
+ * after the shift, and the mask clears its copy in bit 14 */
 static inline v16 e4m3_16(const uint8_t *p) {
-    const v16u b = (v16u)__builtin_convertvector(*(const v16sb *)p, v16i);
-    return (v16)((b << 20) & 0x87f00000u) * 0x1p120f;
+#if defined(__AVX2__)
+    /* (GCC splits the generic widening below into two halves and an insert, three times the instructions) */
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return half16((v16h)_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xbf80)));
+#else
+    const v16h w = (v16h)__builtin_convertvector(*(const v16sb *)p, v16hs);
+    return half16((w << 7) & 0xbf80);
+#endif
 }
 static inline v16 e5m2_16(const uint8_t *p) {
-    const v16u b = (v16u)__builtin_convertvector(*(const v16sb *)p, v16i);
-    return (v16)((b << 21) & 0x8fe00000u) * 0x1p112f;
+#if defined(__AVX2__)
+    return half16((v16h)_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+#else
+    return half16(__builtin_convertvector(*(const v16ub *)p, v16h) << 8);
+#endif
 }
+/* one code, as e4m3_16 and e5m2_16 read it (e4m3: its value times 2^-8) */
 static inline float fp8_1(uint8_t b, int kind) {
     union { uint32_t u; float f; } c = {.u = ((uint32_t)(b & 0x80) << 24) |
                                               ((uint32_t)(b & 0x7f) << (kind == EL_E4M3 ? 20 : 21))};
-    return c.f * (kind == EL_E4M3 ? 0x1p120f : 0x1p112f);
+    return c.f * 0x1p112f;
 }
 
-/* sixteen elements of kind `kind` from element i of a row, as float32 (exact for every kind) */
+/* sixteen elements of kind `kind` from element i of a row, as float32: exactly their values over el_unit(kind) */
 static inline __attribute__((always_inline)) v16 load16(const void *row, int64_t i, int kind) {
     switch (kind) {
     case EL_F32: return *(const v16 *)((const float *)row + i);
@@ -62,7 +97,7 @@ static inline __attribute__((always_inline)) float load1(const void *row, int64_
  * fp8 value is a bfloat16 value: its float32 bits end in sixteen zeros) */
 static inline __attribute__((always_inline)) v16h load16_bf16(const void *row, int64_t i, int kind) {
     if (kind == EL_BF16) return *(const v16h *)((const uint16_t *)row + i);
-    return __builtin_convertvector((v16u)load16(row, i, kind) >> 16, v16h);
+    return __builtin_convertvector((v16u)(load16(row, i, kind) * el_unit(kind)) >> 16, v16h);
 }
 
 /* vLLM's CPU cache write of one value (engine/kv/fp8.py, which the tests hold this to): x times the float32

@@ -64,6 +64,28 @@ static inline __attribute__((always_inline)) float dot(const float *restrict q, 
     return acc;
 }
 
+/* Rows [t0, slots) of one KV head's slice of a block, for all the query heads that read it: a float32 or bfloat16
+ * pool's own rows (*row_bytes: a slot; *kind: the pool's, whose reading is one instruction or two), an fp8 pool's
+ * converted once into conv as float32 over el_unit (*row_bytes: dim floats; *kind: float32), where converting in every
+ * head's dot product cost a group's worth of conversions per row. */
+static inline __attribute__((always_inline)) const char *head_rows(const char *slice, int64_t slot_bytes, int t0,
+                                                                   int slots, int dim, float *restrict conv,
+                                                                   int64_t *row_bytes, int *kind, const int kv_kind) {
+    if (!el_fp8(kv_kind)) {
+        *row_bytes = slot_bytes;
+        *kind = kv_kind;
+        return slice;
+    }
+    for (int t = t0; t < slots; t++) {
+        int d = 0;
+        for (; d + 16 <= dim; d += 16) *(v16 *)(conv + (int64_t)t * dim + d) = load16(slice + t * slot_bytes, d, kv_kind);
+        for (; d < dim; d++) conv[(int64_t)t * dim + d] = load1(slice + t * slot_bytes, d, kv_kind);
+    }
+    *row_bytes = (int64_t)dim * sizeof(float);
+    *kind = EL_F32;
+    return (const char *)conv;
+}
+
 /* Asks for the cache lines of one slot's `bytes` ahead of their use (into L2 only with `l2`: V rows wanted in the
  * second pass, a while later). */
 static inline void prefetch_bytes(const void *slot, int64_t bytes, int l2) {
@@ -100,10 +122,11 @@ static inline __attribute__((always_inline)) void store_out(void *out, int64_t f
 }
 
 /* One item in the walk's own order: KV heads [first, first + count) of sequence s. Scratch: scores of at least
- * (len rounded up to 16) * count * group floats, q and acc of count * group * dim floats each. A block's slots are
- * read in memory order, all the item's KV heads of a slot together, so a whole block of a sequence is one
- * sequential read when the item covers every KV head (reading one head's slice of each slot instead, four items over
- * the same blocks, ran 3x slower: every scattered block cost a TLB and cache miss per head). */
+ * (len rounded up to 16) * count * group floats, q and acc of count * group * dim floats each, then block_size * dim
+ * floats for a block's rows of one KV head converted to float32. A whole block of the item is fetched ahead as one
+ * sequential read, all its KV heads together, then its heads' slices are used one after another from the cache
+ * (items of one KV head each over the same blocks ran 3x slower: every scattered block cost a TLB and cache miss
+ * per head). */
 static inline __attribute__((always_inline)) void attend_item(const struct decode_args *a, int64_t s, int first,
                                                               int count, float *restrict scores, float *restrict q,
                                                               float *restrict acc, const int q_kind,
@@ -120,6 +143,7 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
     const int64_t n = len - begin;
     const int64_t stride = (n + 15) / 16 * 16; /* scores of one head: n, then padding up to whole vectors */
     const int64_t query_item = (s * a->heads + (int64_t)first * group) * dim;
+    float *restrict conv = acc + (int64_t)heads * dim;
     float top[MAX_HEADS], total[MAX_HEADS];
     for (int h = 0; h < heads; h++) {
         for (int d = 0; d < dim; d++) {
@@ -146,6 +170,28 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
                                                : value_cache + table[first_block] * block_bytes) + head_off;
         const char *k = key_cache + table[b] * block_bytes + head_off;
         const char *v = value_cache + table[b] * block_bytes + head_off;
+        if (el_fp8(kv_kind)) {
+            /* one KV head's slice of the block at a time, converted once for its group's heads (converting a slot's
+             * heads together, then scoring, ran 1.3x slower on one core at 1,600 positions: docs/engine.md) */
+            for (int64_t t = 0; t < block_size; t++) prefetch_bytes(next + t * slot_bytes, item_bytes, 0);
+            if (early_v)
+                for (int64_t t = t0; t < slots; t++) prefetch_bytes(v + t * slot_bytes, item_bytes, 1);
+            for (int c = 0; c < count; c++) {
+                int64_t rs;
+                int rk;
+                const char *rows = head_rows(k + c * dim * el, slot_bytes, (int)t0, (int)slots, dim, conv, &rs, &rk,
+                                             kv_kind);
+                for (int g = 0; g < group; g++) {
+                    const int h = c * group + g;
+                    for (int64_t t = t0; t < slots; t++) {
+                        const float x = dot(q + h * dim, rows + t * rs, dim, rk) * el_unit(kv_kind) * a->scale;
+                        scores[h * stride + start + t - begin] = x;
+                        if (x > top[h]) top[h] = x;
+                    }
+                }
+            }
+            continue;
+        }
         for (int64_t t = t0; t < slots; t++) {
             prefetch_bytes(next + t * slot_bytes, item_bytes, 0);
             if (early_v) prefetch_bytes(v + t * slot_bytes, item_bytes, 1);
@@ -172,7 +218,7 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
         for (int l = 0; l < 16; l++) total[h] += sum[l];
     }
     /* pass 2: the weighted sum of V, in the same order; each head's sum stays in a register across a block's slots
-     * (the block's V slice is read once from memory, then from L1 by the group's other heads) */
+     * (the block's V slice is read once from memory, converted once, then read from L1 by the group's heads) */
     memset(acc, 0, sizeof(float) * heads * dim);
     for (int64_t b = first_block; b < num_blocks; b++) {
         const int64_t start = b * block_size;
@@ -185,7 +231,9 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
         }
         const float *sc = scores + start - begin;
         for (int c = 0; c < count; c++) {
-            const char *vc = v + c * dim * el;
+            int64_t rs;
+            int rk;
+            const char *vr = head_rows(v + c * dim * el, slot_bytes, t0, slots, dim, conv, &rs, &rk, kv_kind);
             for (int g = 0; g < group; g++) {
                 const int h = c * group + g;
                 float *o = acc + h * dim;
@@ -195,22 +243,24 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
                     v16 sum0 = *(v16 *)(o + d), sum1 = {0}, sum2 = {0}, sum3 = {0};
                     int t = t0;
                     for (; t + 4 <= slots; t += 4) {
-                        sum0 += sc[h * stride + t] * load16(vc + t * slot_bytes, d, kv_kind);
-                        sum1 += sc[h * stride + t + 1] * load16(vc + (t + 1) * slot_bytes, d, kv_kind);
-                        sum2 += sc[h * stride + t + 2] * load16(vc + (t + 2) * slot_bytes, d, kv_kind);
-                        sum3 += sc[h * stride + t + 3] * load16(vc + (t + 3) * slot_bytes, d, kv_kind);
+                        sum0 += sc[h * stride + t] * load16(vr + t * rs, d, rk);
+                        sum1 += sc[h * stride + t + 1] * load16(vr + (t + 1) * rs, d, rk);
+                        sum2 += sc[h * stride + t + 2] * load16(vr + (t + 2) * rs, d, rk);
+                        sum3 += sc[h * stride + t + 3] * load16(vr + (t + 3) * rs, d, rk);
                     }
-                    for (; t < slots; t++) sum0 += sc[h * stride + t] * load16(vc + t * slot_bytes, d, kv_kind);
+                    for (; t < slots; t++) sum0 += sc[h * stride + t] * load16(vr + t * rs, d, rk);
                     *(v16 *)(o + d) = (sum0 + sum1) + (sum2 + sum3);
                 }
                 for (; d < dim; d++) {
                     float sum = o[d];
-                    for (int t = t0; t < slots; t++) sum += sc[h * stride + t] * load1(vc + t * slot_bytes, d, kv_kind);
+                    for (int t = t0; t < slots; t++) sum += sc[h * stride + t] * load1(vr + t * rs, d, rk);
                     o[d] = sum;
                 }
             }
         }
     }
+    if (el_unit(kv_kind) != 1.0f)
+        for (int i = 0; i < heads * dim; i++) acc[i] *= el_unit(kv_kind);
     store_out(a->out, query_item, heads, dim, acc, total, a->out_scale, q_kind);
 }
 
@@ -539,7 +589,8 @@ static int decode_items_part(const struct decode_args *a, int64_t seqs, decode_i
     }
     const size_t score_floats = (size_t)((longest + 15) / 16 * 16 + 16) * per_item * group;
     const size_t head_floats = (size_t)per_item * group * a->dim;
-    float *scores = team_scratch(sizeof(float) * (score_floats + 2 * head_floats));
+    const size_t conv_floats = (size_t)a->block_size * a->dim; /* attend_item's converted rows */
+    float *scores = team_scratch(sizeof(float) * (score_floats + 2 * head_floats + conv_floats));
     if (!scores) return 2;
     for (int64_t i; (i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < items;)
         item(a, i / (a->kv_heads / per_item), (int)(i % (a->kv_heads / per_item)) * per_item, per_item, scores,
