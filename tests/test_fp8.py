@@ -284,9 +284,9 @@ def test_the_native_cache_write_is_the_rule(dtype, compute):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("query", [torch.float32, torch.bfloat16])
 def test_the_native_walk_reads_every_code_exactly(dtype, query):
-    """csrc/elements.h's fp8 reads (the code's bits moved into a float32 and the exponent made up by an exact
-    multiply): attention over one key returns its V row, so every finite code comes back as torch's cast reads it,
-    subnormals and the largest values included."""
+    """csrc/elements.h's fp8 reads (through float16: e5m2 exactly, e4m3 short of 2^8, made up once per output):
+    attention over one key returns its V row, so every finite code comes back as torch's cast reads it, subnormals
+    and the largest values included."""
     from engine import native
     c = codes(dtype)
     c = torch.cat([c, c[: (-len(c)) % 16]])  # whole vectors of sixteen
