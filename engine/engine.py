@@ -89,13 +89,6 @@ def _prepare_heap() -> None:
     gc.collect()
 
 
-def _non_finite_rows(logits: torch.Tensor) -> frozenset:
-    """Rows of ``logits`` holding NaN or an infinity (one check of the whole tensor when none does)."""
-    if bool(torch.isfinite(logits).all()):
-        return frozenset()
-    return frozenset(torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist())
-
-
 _engines_made = 0  # engines made in this process so far
 _heap_lock = threading.Lock()
 
@@ -588,10 +581,10 @@ class Engine:
         num_sampled = num_prefill = 0
         if prepared is not None:
             logits = self.runner.forward(prepared)
-            broken = _non_finite_rows(logits)
+            broken, greedy = self.runner.check(logits)
             if broken:  # sampled from zeros instead (never kept): the rows are ended in _postprocess
                 logits = logits.masked_fill(~torch.isfinite(logits).all(-1, keepdim=True), 0.0)
-            tokens = self.runner.sample(logits, prepared.sampled)
+            tokens = self.runner.sample(logits, prepared.sampled, greedy)
             self._postprocess(batch, prepared.sampled, tokens, logits, broken)
             num_sampled, num_prefill = len(tokens), prepared.num_prefill_tokens
         elif not batch.empty:  # --model none (the pool moves as for a model; every sampled token is 0), or nothing

@@ -680,6 +680,21 @@ def test_argmax_rows_answers_as_torch_argmax_with_ties_and_nans(rows, n, seed, s
         if r < rows and c < n:
             logits[r, c] = value
     assert native.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    tokens, broken = native.argmax_checked(logits)  # the engine's check before sampling, from the same pass
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert broken == frozenset(torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist())
+
+
+def test_argmax_checked_finds_every_non_finite_value_wherever_it_lies():
+    """An infinity or a NaN at any place of a row (the first vector, later ones, the tail past the last whole
+    vector) marks that row only."""
+    for n in (1, 15, 16, 17, 33, 49152):
+        for place in sorted({0, n // 2, n - 1, min(15, n - 1), min(16, n - 1)}):
+            for value in (float("inf"), -float("inf"), float("nan")):
+                rows = torch.randn(3, n)
+                rows[1, place] = value
+                assert native.argmax_checked(rows)[1] == {1}, (n, place, value)
+        assert native.argmax_checked(torch.randn(3, n))[1] == frozenset()
 
 
 def test_argmax_rows_at_a_vocabulary_and_where_it_declines():

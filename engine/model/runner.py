@@ -135,10 +135,23 @@ class ModelRunner:
             return self.model.compute_logits(hidden[prepared.sample_index])
 
     @staticmethod
-    def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def check(logits: torch.Tensor) -> tuple[frozenset[int], list[int] | None]:
+        """The rows of ``logits`` holding a NaN or an infinity, and where there is none every row's argmax, from one
+        pass of the native walk (torch's isfinite where the kernel does not serve, and no argmax)."""
+        checked = native.argmax_checked(logits)
+        if checked is not None:
+            tokens, broken = checked
+            return broken, None if broken else tokens
+        if bool(torch.isfinite(logits).all()):
+            return frozenset(), None
+        return frozenset(torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist()), None
+
+    @staticmethod
+    def sample(logits: torch.Tensor, seqs: list[Sequence], greedy: list[int] | None = None) -> list[int]:
         """Greedy where temperature is 0, else a draw from softmax(logits / temperature) with the conversation's
-        own random stream (engine.model.sampling: its seed and the position of the token drawn), all rows at once."""
-        tokens = native.argmax_rows(logits)
+        own random stream (engine.model.sampling: its seed and the position of the token drawn), all rows at once.
+        ``greedy``: every row's argmax, where :meth:`check` already has it."""
+        tokens = greedy if greedy is not None else native.argmax_rows(logits)
         if tokens is None:
             tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, seq in enumerate(seqs) if seq.temperature > 0]

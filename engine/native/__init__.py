@@ -151,7 +151,7 @@ def _build():
         "bf16_decode_torch_order": [i32],  # csrc/paged_decode.c
         "bf16_softmax_row": [ptr, i64, ptr, ptr, ptr],  # csrc/paged_decode.c (tests)
         "kernels_fail_scratch": [i32],  # csrc/decode_stack.c (tests)
-        "argmax_rows_f32": [ptr, ptr, i64, i64, i32],  # csrc/argmax.c
+        "argmax_rows_f32": [ptr, ptr, ptr, i64, i64, i32],  # csrc/argmax.c
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -349,15 +349,25 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     """``logits.argmax(dim=-1).tolist()`` for float32 logits [rows, vocab] on the CPU (csrc/argmax.c: the same
     answer, NaN rows included, in a vectorised walk). None where the kernel is unavailable or does not take the
     tensor."""
+    checked = argmax_checked(logits)
+    return None if checked is None else checked[0]
+
+
+def argmax_checked(logits: torch.Tensor) -> tuple[list[int], frozenset[int]] | None:
+    """:func:`argmax_rows` and, from the same pass over the logits, the rows holding a NaN or an infinity (what the
+    engine must not sample from). None where the kernel is unavailable or does not take the tensor."""
     lib = kernel()
     if lib is None or logits.dim() != 2 or not _fits(logits) or logits.requires_grad or not logits.shape[1]:
         return None
     if not logits.shape[0]:
-        return []
+        return [], frozenset()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    status = lib.argmax_rows_f32(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
-                                 torch.get_num_threads())
-    return None if status else out.tolist()
+    bad = torch.empty(logits.shape[0], dtype=torch.uint8)
+    status = lib.argmax_rows_f32(logits.data_ptr(), out.data_ptr(), bad.data_ptr(), logits.shape[0],
+                                 logits.shape[1], torch.get_num_threads())
+    if status:
+        return None
+    return out.tolist(), frozenset(torch.nonzero(bad).flatten().tolist()) if bool(bad.any()) else frozenset()
 
 
 PANEL = 48  # outputs per panel of a packed weight (small_gemm.c's WIDTH)

@@ -41,7 +41,7 @@ int add_rms_norm_f32(float *x, const float *delta, const float *weight, float *o
 int silu_mul_f32(const float *gate_up, float *out, int64_t rows, int n, int threads);
 int panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m_len, int64_t n_len,
                    int64_t k_len, int threads);
-int argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t n, int threads);
+int argmax_rows_f32(const float *x, int64_t *out, uint8_t *bad, int64_t rows, int64_t n, int threads);
 int panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m_len,
                     int64_t n_len, int64_t k_len, int threads);
 int bf16_amx(int mode);
