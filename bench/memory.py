@@ -86,6 +86,7 @@ def status_mib() -> dict:
 
 
 TARGET_MARGIN_MB = 600  # the window may hold at most the weights plus this much
+POOL_BLOCKS = 128  # main.py's --num-blocks default: the pool of the window as a user opens it (and as issue 49 measured)
 
 
 def model_memory(dtype: str, window: bool) -> dict:
@@ -94,7 +95,7 @@ def model_memory(dtype: str, window: bool) -> dict:
     from engine.model.loader import parameter_count, read_model_config
     weights = parameter_count(read_model_config("smollm2")) * (4 if dtype == "float32" else 2) / 2**20
     if not window:
-        eng = Engine(EngineConfig(model="smollm2", dtype=dtype, num_blocks=256))
+        eng = Engine(EngineConfig(model="smollm2", dtype=dtype, num_blocks=POOL_BLOCKS))
         eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, max_new_tokens=8)
     else:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -103,7 +104,7 @@ def model_memory(dtype: str, window: bool) -> dict:
         from engine import EngineRunner
         from explorer.feeds.demo import DEMOS
         from explorer.window.main_window import MainWindow
-        cfg = EngineConfig(model="smollm2", dtype=dtype, num_blocks=256)
+        cfg = EngineConfig(model="smollm2", dtype=dtype, num_blocks=POOL_BLOCKS)
         eng = Engine(cfg)
         DEMOS["busy"](eng)
         win = MainWindow(EngineRunner(eng).start(), cfg)
@@ -112,7 +113,8 @@ def model_memory(dtype: str, window: bool) -> dict:
         while time.monotonic() < end or win.snapshot is None:
             app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 50)
         win.close()
-    return {**status_mib(), "weights": weights}
+    pool = eng.kv.data.numel() * eng.kv.data.element_size() / 2**20
+    return {**status_mib(), "weights": weights, "pool": pool}
 
 
 def switches(count: int) -> list[float]:
@@ -173,7 +175,8 @@ def main() -> None:
                 m = in_fresh_process("--model-memory", dtype, where)
                 target = m["weights"] + TARGET_MARGIN_MB / 1.048576
                 print(f"SmolLM2 {dtype}, {where}: RSS {m['VmRSS']:.0f} MiB, peak {m['VmHWM']:.0f} MiB; weights "
-                      f"{m['weights']:.0f} MiB, target <= {target:.0f} MiB (weights + 600 MB): "
+                      f"{m['weights']:.0f} MiB, the pool ({POOL_BLOCKS} blocks) {m['pool']:.0f} MiB, "
+                      f"target <= {target:.0f} MiB (weights + 600 MB): "
                       f"{'within' if max(m['VmRSS'], m['VmHWM']) <= target else 'OVER'}")
     else:
         print("SmolLM2 figures skipped: fetch it first (python main.py --fetch-model smollm2)")
