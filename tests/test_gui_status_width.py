@@ -29,3 +29,18 @@ def test_no_status_field_is_cut_at_1600_pixels(qtbot, make_window):
     QtWidgets.QApplication.processEvents()
     assert window.status.width() <= 1024
     assert all(label.geometry().right() <= window.status.width() for label in shown_fields(window).values())
+
+
+def test_a_checkpoints_status_field_shows_its_folder_whole(qtbot, make_window, tmp_path, monkeypatch):
+    """Issue 49, seen in the window demo's screenshot at 1024x640: the model field read
+    '/root/.cache/paged-kv-explorer/models/window-d…', its cache path elided before the checkpoint's own name. It
+    names the checkpoint by its folder, as the title does, and keeps the whole path in its tooltip."""
+    monkeypatch.setenv("PAGED_KV_EXPLORER_CACHE", str(tmp_path))
+    from explorer.feeds.demo import demo_settings
+    model = demo_settings("window", set())["model"]
+    folder = model.rstrip("/").rsplit("/", 1)[-1]
+    window = make_window(paused=True, model=model, num_blocks=32, block_size=16, size=(1024, 640))
+    label = window.status.labels["model"]
+    qtbot.waitUntil(lambda: label.text().startswith(f"{folder} on cpu"), timeout=5000)
+    qtbot.waitUntil(lambda: label.elided_text().startswith(f"{folder} on cpu"), timeout=5000)  # the name shows
+    assert label.toolTip().startswith(f"{model} on cpu") and "KiB a block" in label.toolTip()

@@ -380,6 +380,8 @@ def test_a_kv_event_source_gets_the_room_and_a_status_line(qtbot, watch_window, 
     settle(qtbot, 600)  # the status line is refreshed twice a second
     hidden = [key for key in POOL_DOCKS if window.docks[key].isVisible()]
     assert hidden == []  # none shows an empty panel
+    assert not window.docks["capacity"].isVisible()  # no trace: its empty plot took a third of the window's height
+    assert window.centralWidget().height() >= 0.85 * window.height()  # the tree and its plot get the height
     labels = {k: v.text() for k, v in window.status.labels.items() if v.isVisible()}
     assert labels["live"].startswith(connected)
     assert "waiting" not in " ".join(labels.values()) and "steps/s" not in " ".join(labels.values())

@@ -378,13 +378,16 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def _fit_docks_to(self, feed: Feed) -> None:
         """Docks that have nothing to show for the source are hidden, so its view gets the room: every pool panel
-        (inspector, legend, memory, conversations, metrics, event log, block history) for a source without a
-        physical pool (KV events). They come back, as they were, for a source with one; View shows them at any
-        time, and they are saved as shown (:meth:`closeEvent`), so the next launch has them."""
+        (inspector, legend, memory, conversations, metrics, event log, block history), and Capacity with no trace
+        swept, for a source without a physical pool (KV events). They come back, as they were, for a source with
+        one; View shows them at any time, and they are saved as shown (:meth:`closeEvent`), so the next launch has
+        them."""
         if not feed.capabilities.has_physical_pool:
-            for key in POOL_DOCKS:
+            for key in (*POOL_DOCKS, "capacity"):
                 if key == "metrics" and getattr(feed, "server", None) is not None:
                     continue  # the server's own figures (--attach-metrics) are shown there
+                if key == "capacity" and self.capacity.key is not None:
+                    continue  # a trace's curves (an empty Capacity dock took a third of a KV-event window)
                 dock = self.docks.get(key)
                 if dock is not None and not dock.isHidden() and key not in self.docks_hidden_for_source:
                     self.docks_hidden_for_source.append(key)

@@ -15,6 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from kvstream.rules import Rate
 
+from ..feeds.engine_feed import model_name
 from ..model.pacer import MACHINE_SHARE
 from ..model.pool_counts import pool_counts
 from ..widgets.elided_label import ElidedLabel
@@ -171,8 +172,9 @@ class StatusBar(QtWidgets.QStatusBar):
             self.show_pool(snap)
         elif counts is None:
             self._set("pool", "waiting for the first frame…")
-        self._set("model", f"{snap.model_name} on {snap.device}{kv_text(snap)}"
-                  if snap is not None and snap.model_name else "")
+        where = f" on {snap.device}{kv_text(snap)}" if snap is not None and snap.model_name else ""
+        self._set("model", f"{model_name(snap.model_name)}{where}" if where else "",  # a checkpoint by its folder:
+                  tip=f"{snap.model_name}{where}" if where else "")  # its whole path (elided, only the cache's showed)
         reason = source.command_blocked_reason
         self.labels["live"].setToolTip(f"read-only: {reason}" if reason else "commands go to this engine")
 
@@ -192,12 +194,12 @@ class StatusBar(QtWidgets.QStatusBar):
                           f" · {batches} batch{'es' if batches != 1 else ''} · {counts['stored']} stored, "
                           f"{counts['removed']} removed")
 
-    def _set(self, key: str, text: str) -> None:
+    def _set(self, key: str, text: str, tip: str | None = None) -> None:
         label = self.labels[key]
         if label.text() != text:
             label.setText(text)
             if key != "live":  # the live label's tooltip says whether commands reach the source
-                label.setToolTip(text)
+                label.setToolTip(text if tip is None else tip)
             self._fit_widths()
 
     def minimumSizeHint(self) -> QtCore.QSize:
