@@ -4,7 +4,7 @@
     DISPLAY=:98 python docs/screenshots/take.py [OUT_DIR] [--only main,tiers,...] [--traces DIR]
 
 Every README picture but the two of a vLLM server (docs/screenshots/vllm_shots.sh) comes from here: main,
-window_1024x640, scrubbed, contiguous, why, tiers, window_demo, capacity, lesson_before, lesson_after (about 12
+window_1024x640, scrubbed, contiguous, why, tiers, window_demo, capacity, lesson_before, lesson_after (about 6
 minutes on 2 cores; main and window_1024x640 need SmolLM2, ``python main.py --fetch-model smollm2``, and
 capacity Mooncake's trace in ``--traces``, ../shared/traces by default).
 
@@ -313,8 +313,10 @@ def main(argv=None) -> int:
     failed = []
     for name in names:
         print(f"{name}: python {' '.join(command(name, args.traces))}", flush=True)
+        started = time.time()
         done = subprocess.run([sys.executable, __file__, str(out), "--shot", name, "--traces", args.traces])
-        if done.returncode:
+        written = all((out / f).exists() and (out / f).stat().st_mtime >= started for f in SHOTS[name].files)
+        if done.returncode or not written:
             failed.append(name)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
