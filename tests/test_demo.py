@@ -190,6 +190,31 @@ def test_tiers_demo_brings_prefixes_back_from_the_host_tier():
     assert eng.snapshot().tiers["host"].state.any()
 
 
+def test_tiers_demo_sizes_its_prompts_in_tokens_for_any_tokenizer(tmp_path):
+    """On SmolLM2 (about four characters a token) --demo tiers never reached the host tier: its prompts were sized in
+    characters. Here a word-level tokenizer (one token a word) stands in for it."""
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine import Engine, EngineConfig
+    from explorer.feeds.demo import _TOPICS, TIERS_SETTINGS, _long_prompt, seed_tiers
+    from tests.helpers import write_tiny_checkpoint
+    words = sorted({w for t in _TOPICS for w in re.findall(r"\w+|[^\w\s]+", _long_prompt(t, 4000) +
+                                                            " So what happens next?")})
+    path = write_tiny_checkpoint(tmp_path / "m", vocab_size=len(words) + 1)
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    eng = Engine(EngineConfig(model=str(path), block_size=16, **TIERS_SETTINGS))
+    assert len(eng.tokenize("keeps the pool honest;")) <= 6  # words, not characters
+    seeded = seed_tiers(eng)
+    slots = TIERS_SETTINGS["num_blocks"] * 16
+    assert len(eng.conversation(seeded.ids[0]).prompt_token_ids) >= slots // 6
+    eng.run_until_idle()
+    assert sum(eng.conversation(cid).prompt_token_sources["host"] for cid in seeded.ids[-3:]) > 0
+
+
 def test_window_demo_keeps_the_sliding_group_bounded(tmp_path, monkeypatch):
     """--demo window: the mixed checkpoint's sliding group holds at most ceil(window / block size) + 1 blocks per
     conversation while its full-attention group keeps every block."""

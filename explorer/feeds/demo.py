@@ -98,6 +98,10 @@ class _Adder:
             self.notes.append(f"conversation {cid}: max new tokens lowered from {wanted} to {granted} to fit {reason}")
         return cid
 
+    def prompt_tokens(self, prompt: str) -> int:
+        """How many tokens ``prompt`` takes as :meth:`add` sends it (no system prompt)."""
+        return len(self._prompt_ids(prompt, "", getattr(self.engine, "chat_template", None) is not None))
+
     def _prompt_ids(self, prompt: str, system: str, chat: bool) -> list[int]:
         if chat:  # a real chat model answers a user turn; bare text would only be continued
             return self.engine.chat_prompt_ids(([{"role": "system", "content": system.strip()}] if system else [])
@@ -210,17 +214,32 @@ def _long_prompt(topic: str, n: int) -> str:
     return text[:n]
 
 
+def _prompt_of_tokens(adder: _Adder, topic: str, n: int) -> str:
+    """A :func:`_long_prompt` about ``topic`` of at least ``n`` tokens in the engine's tokenizer (a byte model takes
+    about one a character, SmolLM2's about one in four: sized in characters, its prompts were too short to ever
+    leave the device pool for the host tier)."""
+    chars = n
+    for _ in range(6):
+        text = _long_prompt(topic, chars)
+        have = adder.prompt_tokens(text)
+        if have >= n:
+            return text
+        chars = chars * n // max(have, 1) + 16
+    return text
+
+
 def seed_tiers(engine) -> Seeded:
     """Returning conversations whose prefix comes back from the host tier (see the module's docstring)."""
     adder = _Adder(engine)
     slots = adder.num_blocks * adder.block_size
-    prompt_len = max(adder.block_size * 4, slots // 6)  # each conversation's prefix: a sixth of the device pool
+    prompt_len = max(adder.block_size * 4, slots // 6)  # each conversation's prefix, in tokens: a sixth of the pool
     budget = prompt_len + 48
-    first = [adder.add(_long_prompt(t, prompt_len), 24, budget, temperature=0.0) for t in _TOPICS[:3]]
+    prompts = {t: _prompt_of_tokens(adder, t, prompt_len) for t in _TOPICS}
+    first = [adder.add(prompts[t], 24, budget, temperature=0.0) for t in _TOPICS[:3]]
     for t in _TOPICS[3:]:  # the queue that pushes the first three's cached blocks down to the host tier
-        adder.add(_long_prompt(t, prompt_len), 24, budget, temperature=0.0)
+        adder.add(prompts[t], 24, budget, temperature=0.0)
     for t in _TOPICS[:3]:  # they come back: the same prefix, a new question after it
-        adder.add(_long_prompt(t, prompt_len) + " So what happens next?", 32, budget + 32, temperature=0.0)
+        adder.add(prompts[t] + " So what happens next?", 32, budget + 32, temperature=0.0)
     del first
     return adder.result()
 
