@@ -98,7 +98,8 @@ def test_each_weight_is_held_once_in_the_layout_its_kernels_read():
 def test_a_decode_batch_past_the_one_call_step_reads_the_panels_not_an_unpacked_copy(monkeypatch, dtype):
     """With the panels the weights' only copy, a decode of more conversations than a streamed model's one-call step
     takes (16) was served by unpacking every weight for oneDNN at every step (24 conversations of the 135M shape:
-    4.7x the time a step). The panel kernel serves up to 64 rows; only a prefill's rows past that unpack."""
+    4.7x the time a step). The panel kernel serves a decode step up to 64 rows; a prefill's rows past 16 keep
+    oneDNN's sums (unpacked), and a decode's past 64."""
     from engine import native
     from engine.model import causal_lm
     monkeypatch.setattr(native, "last_level_cache_bytes", lambda *a: 1)  # the built-in model as a streamed one
@@ -109,12 +110,16 @@ def test_a_decode_batch_past_the_one_call_step_reads_the_panels_not_an_unpacked_
     real = causal_lm._unpack_panels
     monkeypatch.setattr(causal_lm, "_unpack_panels", lambda *a: unpacked.append(a) or real(*a))
     gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(causal_lm._step, "decode", True, raising=False)  # as CausalLM.forward sets it for decode rows
     for rows in (17, 24, 64):
         x = torch.randn(rows, linear.in_features, generator=gen).to(dtype)
         assert torch.equal(linear(x), native.panel_linear(x, linear.panels, linear.out_features, linear.bias))
     assert unpacked == []
-    linear(torch.randn(65, linear.in_features, generator=gen).to(dtype))  # a prefill's rows: F.linear's own bits
+    linear(torch.randn(65, linear.in_features, generator=gen).to(dtype))
     assert len(unpacked) == 1
+    causal_lm._step.decode = False  # a prefill's 17 rows: oneDNN's (or F.linear's) sums, as before the panels
+    linear(torch.randn(17, linear.in_features, generator=gen).to(dtype))
+    assert len(unpacked) == 2
 
 
 def test_engine_loads_the_builtin_model_by_default():

@@ -10,6 +10,8 @@ Two forwards share the weights:
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -264,9 +266,12 @@ class InferenceLinear:
         self.onednn = pack and _takes_onednn(weight)
         self.panels = native.pack_panels(weight) if pack and panel_rows else None
         self.panel_rows = panel_rows if self.panels is not None else 0  # rows the panel kernel serves first
-        # and the rows it serves since the panels are the only copy: up to what it takes (PANEL_ROWS_CACHED), where
-        # oneDNN, once a little faster past panel_rows on weights streamed from memory, would need them unpacked
-        # first (a decode of 24 conversations on the 135M shape took 4.7x as long: docs/engine.md, "Memory")
+        # and the rows it serves in a decode step since the panels are the only copy: up to what it takes
+        # (PANEL_ROWS_CACHED), where oneDNN, once a little faster past panel_rows on weights streamed from memory,
+        # would need them unpacked first at every step (a decode of 24 conversations on the 135M shape took 4.7x as
+        # long: docs/engine.md, "Memory"). A prefill's rows keep oneDNN's sums, which the tokens measured against
+        # vLLM's fp8 cache were taken with (tests/vllm_live/test_fp8_live.py: the panels' sums at a 55-row prefill
+        # turned one prompt's agreement from 48 tokens to 1)
         self.panel_rows_most = max(self.panel_rows, PANEL_ROWS_CACHED) if self.panels is not None else 0
         # the weight is held once: as panels where there are panels (the rows past panel_rows unpack them for the
         # call: a prefill's rows or a crowd's, where the GEMM's own work dwarfs the copy), else as it came
@@ -294,7 +299,8 @@ class InferenceLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
-            if 0 < rows <= self.panel_rows_most:  # (none: a prefill chunk that ends no prompt samples no logits)
+            most = self.panel_rows_most if getattr(_step, "decode", False) else self.panel_rows
+            if 0 < rows <= most:  # (none: a prefill chunk that ends no prompt samples no logits)
                 out = native.panel_linear(x, self.panels, self.out_features, self.bias)
                 if out is not None:
                     return out
@@ -306,6 +312,22 @@ class InferenceLinear:
                 biases = self.bias.split(self.parts) if self.bias is not None else (None,) * len(self.parts)
                 return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
         return F.linear(x, self.weight, self.bias)
+
+
+_step = threading.local()  # .decode: inside decode_rows(True) on this thread
+
+
+@contextmanager
+def decode_rows(on: bool):
+    """Inside, on this thread, the linears take the rows of a decode step (``on``: no prefill among them) past
+    ``panel_rows`` from the panels, up to 64; outside, or for a prefill, oneDNN's sums as before the panels were the
+    only copy (ModelRunner wraps each step's forward and logits in it)."""
+    before = getattr(_step, "decode", False)
+    _step.decode = on
+    try:
+        yield
+    finally:
+        _step.decode = before
 
 
 def _unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

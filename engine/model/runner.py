@@ -17,7 +17,7 @@ from .. import native
 from . import sampling
 from ..attention import Attention, DecodePlan, bytes_per_token, group_bytes_for, plan_lists
 from ..kv.cache import KVCache
-from .causal_lm import BatchMetadata, CausalLM
+from .causal_lm import BatchMetadata, CausalLM, decode_rows
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 
@@ -130,7 +130,7 @@ class ModelRunner:
 
     def forward(self, prepared: PreparedBatch) -> torch.Tensor:
         """K/V of every scheduled token written to the pool; logits [sampled, vocab] float32."""
-        with torch.inference_mode():
+        with torch.inference_mode(), decode_rows(not prepared.meta.prefills):
             hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta, self.kv.layers, self.attend)
             return self.model.compute_logits(hidden[prepared.sample_index])
 
@@ -174,6 +174,6 @@ class ModelRunner:
         ids = torch.as_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs], device=self.device)
         pos = torch.as_tensor([s.num_computed_tokens - 1 for s in seqs], device=self.device)
         outs: list[torch.Tensor] = []
-        with torch.inference_mode():
+        with torch.inference_mode(), decode_rows(True):
             self.model(ids, pos, meta, self.kv.layers, self.attend, layer_hook=lambda i, out: outs.append(out.float()))
         return torch.stack(outs).cpu().numpy()
