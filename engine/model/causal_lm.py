@@ -265,14 +265,11 @@ class InferenceLinear:
         # of its own pre-packed copy at every row count tried, so no packed copy is kept (docs/engine.md, "Memory")
         self.onednn = pack and _takes_onednn(weight)
         self.panels = native.pack_panels(weight) if pack and panel_rows else None
-        self.panel_rows = panel_rows if self.panels is not None else 0  # rows the panel kernel serves first
-        # and the rows it serves in a decode step since the panels are the only copy: up to what it takes
-        # (PANEL_ROWS_CACHED), where oneDNN, once a little faster past panel_rows on weights streamed from memory,
-        # would need them unpacked first at every step (a decode of 24 conversations on the 135M shape took 4.7x as
-        # long: docs/engine.md, "Memory"). A prefill's rows keep oneDNN's sums, which the tokens measured against
-        # vLLM's fp8 cache were taken with (tests/vllm_live/test_fp8_live.py: the panels' sums at a 55-row prefill
-        # turned one prompt's agreement from 48 tokens to 1)
-        self.panel_rows_most = max(self.panel_rows, PANEL_ROWS_CACHED) if self.panels is not None else 0
+        # most rows the panel kernel serves; in a decode step (decode_rows) up to PANEL_ROWS_CACHED, what it takes:
+        # the panels are the only copy, and oneDNN past panel_rows would need them unpacked at every step, where a
+        # prefill's rows keep oneDNN's sums, which the tokens checked against vLLM's fp8 cache were taken with
+        # (docs/engine.md, "Memory")
+        self.panel_rows = panel_rows if self.panels is not None else 0
         # the weight is held once: as panels where there are panels (the rows past panel_rows unpack them for the
         # call: a prefill's rows or a crowd's, where the GEMM's own work dwarfs the copy), else as it came
         self._plain = weight if self.panels is None else None
@@ -299,7 +296,7 @@ class InferenceLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
-            most = self.panel_rows_most if getattr(_step, "decode", False) else self.panel_rows
+            most = PANEL_ROWS_CACHED if self.panel_rows and getattr(_step, "decode", False) else self.panel_rows
             if 0 < rows <= most:  # (none: a prefill chunk that ends no prompt samples no logits)
                 out = native.panel_linear(x, self.panels, self.out_features, self.bias)
                 if out is not None:

@@ -59,6 +59,7 @@ class _Adder:
         self.engine = engine
         snap = engine.snapshot()
         self.num_blocks, self.block_size, self.max_model_len = snap.num_blocks, snap.block_size, snap.max_model_len
+        self.chat = getattr(engine, "chat_template", None) is not None  # prompts go as chat turns
         self.ids: list[int] = []
         self.notes: list[str] = []
 
@@ -67,8 +68,7 @@ class _Adder:
         in all (prompt + new) and within the model's positions. A chat model gets them as system and user turns.
         A prompt that cannot fit the whole pool (or the model) at all loses its system prompt first, then its tail:
         the demo runs on any pool, saying what it cut."""
-        chat = getattr(self.engine, "chat_template", None) is not None
-        ids = self._prompt_ids(prompt, system, chat)
+        ids = self._prompt_ids(prompt, system)
         limit = self.num_blocks * self.block_size
         if self.max_model_len:
             limit = min(limit, self.max_model_len)
@@ -77,7 +77,7 @@ class _Adder:
                  f"the pool ({limit} slots)")
         cut = ""
         if len(ids) + least > limit and system:  # the shared system prompt goes first: the question is the request
-            ids, system, cut = self._prompt_ids(prompt, "", chat), "", "its system prompt left out"
+            ids, system, cut = self._prompt_ids(prompt, ""), "", "its system prompt left out"
         if len(ids) + least > limit:
             before, ids = len(ids), ids[:limit - least]
             cut = f"{cut + ' and ' if cut else ''}its prompt cut from {before} to {len(ids)} tokens"
@@ -85,7 +85,7 @@ class _Adder:
         pool_room = budget - prompt_len
         model_room = self.max_model_len - prompt_len if self.max_model_len else pool_room
         granted = min(max(least, min(wanted, pool_room, model_room)), limit - prompt_len)
-        if chat or cut:
+        if self.chat or cut:
             cid = self.engine.add_conversation(prompt_token_ids=ids, max_new_tokens=granted, **kwargs)
         else:
             cid = self.engine.add_conversation(system + prompt, max_new_tokens=granted, **kwargs)
@@ -100,10 +100,10 @@ class _Adder:
 
     def prompt_tokens(self, prompt: str) -> int:
         """How many tokens ``prompt`` takes as :meth:`add` sends it (no system prompt)."""
-        return len(self._prompt_ids(prompt, "", getattr(self.engine, "chat_template", None) is not None))
+        return len(self._prompt_ids(prompt, ""))
 
-    def _prompt_ids(self, prompt: str, system: str, chat: bool) -> list[int]:
-        if chat:  # a real chat model answers a user turn; bare text would only be continued
+    def _prompt_ids(self, prompt: str, system: str) -> list[int]:
+        if self.chat:  # a real chat model answers a user turn; bare text would only be continued
             return self.engine.chat_prompt_ids(([{"role": "system", "content": system.strip()}] if system else [])
                                                + [{"role": "user", "content": prompt}])
         return self.engine.tokenize(system + prompt)

@@ -18,7 +18,7 @@
 
 static int64_t row_argmax(const float *x, int64_t n, uint8_t *bad) {
     int64_t i = 0, at = 0;
-    int nan = 0, wild = 0;
+    int nan = 0, wild = 0; /* wild: a NaN or an infinity (x - x is NaN for both) */
     float best = x[0];
     if (n >= 16) {  /* per lane: its largest value and that value's first index (strict >: ties keep the earlier) */
         v16 top = *(const v16 *)x;
@@ -53,7 +53,7 @@ static int64_t row_argmax(const float *x, int64_t n, uint8_t *bad) {
             at = i;
         }
     }
-    if (bad) *bad = (uint8_t)(wild | nan);
+    if (bad) *bad = (uint8_t)wild;
     if (nan)  /* a NaN wins, the first one */
         for (i = 0; i < n; i++)
             if (x[i] != x[i]) return i;

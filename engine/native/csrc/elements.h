@@ -127,8 +127,6 @@ static inline uint8_t to_e5m2(float x, float inverse) {
     return (uint8_t)(sign | ((exponent + 15) << 2) | ((c.u >> 21) & 3));
 }
 
-typedef uint8_t v16b __attribute__((vector_size(16), aligned(1)));
-
 /* sixteen lanes of a where m is set, of b elsewhere (m: a comparison's all-ones or zero lanes) */
 static inline v16 pick16(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
 
@@ -167,11 +165,11 @@ static inline v16i to_e5m2_16(v16 x, float inverse) {
 /* n float32 values into a row of kind `kind` (fp8: quantised with `inverse`; bfloat16: rounded to nearest even) */
 static inline __attribute__((always_inline)) void store_row(void *row, const float *x, int n, int kind, float inverse) {
     int i = 0;
-    if (el_fp8(kind)) /* sixteen at a time: the writes of a long prompt's K/V cost 3x bfloat16's one value at a time */
+    if (el_fp8(kind)) /* sixteen at a time: one value at a time, a long prompt's K/V writes cost more than its dots */
         for (; i + 16 <= n; i += 16) {
             const v16 v = *(const v16 *)(x + i);
             const v16i code = kind == EL_E4M3 ? to_e4m3_16(v, inverse) : to_e5m2_16(v, inverse);
-            *(v16b *)((uint8_t *)row + i) = __builtin_convertvector(code, v16b);
+            *(v16ub *)((uint8_t *)row + i) = __builtin_convertvector(code, v16ub);
         }
     for (; i < n; i++) {
         switch (kind) {

@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) void attend_item(const struct decod
         const char *v = value_cache + table[b] * block_bytes + head_off;
         if (el_fp8(kv_kind)) {
             /* one KV head's slice of the block at a time, converted once for its group's heads (converting a slot's
-             * heads together, then scoring, ran 1.3x slower on one core at 1,600 positions: docs/engine.md) */
+             * heads together, then scoring, was slower: docs/engine.md, "fp8 reads") */
             for (int64_t t = 0; t < block_size; t++) prefetch_bytes(next + t * slot_bytes, item_bytes, 0);
             if (early_v)
                 for (int64_t t = t0; t < slots; t++) prefetch_bytes(v + t * slot_bytes, item_bytes, 1);
